@@ -1,0 +1,108 @@
+"""mla: interchangeable attention strategies for Multi-head Latent Attention.
+
+``import mla`` never imports a kernel library; providers import theirs on first use.
+"""
+
+from mla.api import mla_decode, mla_prefill
+from mla.backend import AttentionImpl, MetadataBuilder, MLABackend, MLAMetadata, StepInputs
+from mla.capabilities import (
+    REFERENCE_CAPABILITIES,
+    Contract,
+    ProviderCapabilities,
+    aiter_capabilities,
+)
+from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
+from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.decode.asm_non_persistent import AsmNonPersistent
+from mla.decode.asm_padded_persistent import PaddedAsmPersistent
+from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
+from mla.decode.gluon import GluonDecode
+from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
+from mla.errors import (
+    InvalidInputError,
+    MLAError,
+    PlanMismatchError,
+    ProviderUnavailableError,
+    UnsupportedError,
+)
+from mla.explain import Candidate, Explanation
+from mla.platform import Knobs, Platform, detect_platform, simulated_platform
+from mla.prefill.base import PrefillBatch, PrefillPlan, PrefillStrategy
+from mla.prefill.flash_varlen import FlashVarlen
+from mla.prefill.fp8_persistent import Fp8PersistentPrefill
+from mla.providers import KernelProvider, TorchProvider, get_provider, provider_names
+from mla.registry import DEFAULT_REGISTRY, Registry, override, register
+from mla.resolver import Decision, Resolver
+from mla.strategy import GraphSupport, Phase, StrategyKind, StrategySetup
+from mla.support import Reason, Support
+
+__version__ = "0.1.0"
+
+DECODE_STRATEGIES = (GluonDecode, GluonVerifyFlatten, PaddedAsmPersistent, AsmNonPersistent)
+"""The built-in decode strategies in their default priority order."""
+PREFILL_STRATEGIES = (Fp8PersistentPrefill, FlashVarlen)
+"""The built-in prefill strategies in their default priority order."""
+
+__all__ = [
+    "DECODE_STRATEGIES",
+    "DEFAULT_REGISTRY",
+    "PREFILL_STRATEGIES",
+    "REFERENCE_CAPABILITIES",
+    "AsmNonPersistent",
+    "AttentionImpl",
+    "Candidate",
+    "Contract",
+    "Decision",
+    "DecodeBatch",
+    "DecodeContext",
+    "DecodePlan",
+    "DecodeStrategy",
+    "EngineLimits",
+    "Explanation",
+    "FlashVarlen",
+    "Fp8PersistentPrefill",
+    "GluonDecode",
+    "GluonVerifyFlatten",
+    "GraphMode",
+    "GraphSupport",
+    "InvalidInputError",
+    "KVCacheSpec",
+    "KernelProvider",
+    "Knobs",
+    "MLABackend",
+    "MLADims",
+    "MLAError",
+    "MLAMetadata",
+    "MetadataBuilder",
+    "PaddedAsmPersistent",
+    "Phase",
+    "PlanMismatchError",
+    "Platform",
+    "PrefillBatch",
+    "PrefillContext",
+    "PrefillPlan",
+    "PrefillStrategy",
+    "ProviderCapabilities",
+    "ProviderUnavailableError",
+    "Reason",
+    "Registry",
+    "Resolver",
+    "StepInputs",
+    "StrategyKind",
+    "StrategySetup",
+    "Support",
+    "TorchProvider",
+    "UnsupportedError",
+    "__version__",
+    "aiter_capabilities",
+    "decode_context",
+    "detect_platform",
+    "get_provider",
+    "mla_decode",
+    "mla_prefill",
+    "override",
+    "prefill_context",
+    "provider_names",
+    "register",
+    "simulated_platform",
+]

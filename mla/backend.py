@@ -1,0 +1,411 @@
+"""The engine-facing backend: a metadata builder and an attention impl over one resolver.
+
+Shaped like vLLM's builder/impl pair. The builder turns a step's inputs into
+:class:`MLAMetadata`, resolving each phase exactly once; the impl runs the strategy recorded in
+the metadata and never decides anything itself.
+
+Usage::
+
+    backend = MLABackend(dims, cache, limits, model_dtype=torch.bfloat16)
+    meta = backend.builder.build(StepInputs(...))
+    backend.impl.forward_decode(meta, q_decode, kv_cache, out=out_decode)
+    backend.impl.forward_prefill(meta, q, k, v, out=out_prefill, kv_cache=kv_cache,
+                                 expand_context=up_project)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import attrs
+import torch
+
+from mla.capabilities import ProviderCapabilities
+from mla.config import EngineLimits, KVCacheSpec, MLADims
+from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.errors import InvalidInputError, UnsupportedError
+from mla.platform import Platform, detect_platform, simulated_platform
+from mla.prefill.base import ContextChunk, ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
+from mla.providers import resolve_provider
+from mla.providers.base import KernelProvider
+from mla.registry import AnyStrategy
+from mla.resolver import Decision, Resolver
+from mla.strategy import StrategySetup
+from mla.validate import check_indptr, check_paged_requests, require_index
+
+
+@attrs.frozen(eq=False)
+class StepInputs:
+    """One engine step, decode requests first (vLLM's reordered batch).
+
+    ``num_decode_tokens`` may exceed ``query_start_loc[num_decodes]`` in a decode-only step: the
+    extra rows are CUDA-graph padding. Requests with ``seq_len == 0`` are graph-padding requests.
+    """
+
+    query_start_loc_cpu: torch.Tensor
+    """int ``[B+1]`` on the host."""
+    query_start_loc: torch.Tensor
+    """int32 ``[B+1]`` on the device."""
+    seq_lens: torch.Tensor
+    """int32 ``[B]`` on the device (KV length including the new tokens)."""
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks]`` on the device."""
+    num_decodes: int
+    num_decode_tokens: int
+    seq_lens_cpu: torch.Tensor | None = None
+    """Host copy of ``seq_lens`` (copied from the device when omitted)."""
+
+
+@attrs.frozen(eq=False)
+class MLAMetadata:
+    """Everything the impl needs for one step: each phase's decision and plan."""
+
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    decode: DecodePlan | None
+    prefill: PrefillPlan | None
+    decode_decision: Decision | None
+    prefill_decision: Decision | None
+
+
+def default_context_chunk_tokens(limits: EngineLimits, block_size: int) -> int:
+    """vLLM's chunked-context workspace: ``min(max(8*max_model_len, 4*max_num_seqs*block), 64K)``
+    tokens, at least ``max_num_seqs * block_size``."""
+    size = min(max(8 * limits.max_model_len, 4 * limits.max_num_seqs * block_size), 64 * 1024)
+    return max(size, limits.max_num_seqs * block_size)
+
+
+class MLABackend:
+    """Owns the provider, the resolver, the strategies and their persistent buffers.
+
+    Decode strategies for every step the limits allow are resolved and allocated at init (an
+    unsupported qlen within the limits raises :class:`UnsupportedError` here, not mid-run).
+    ``decode_strategy``/``prefill_strategy`` force a strategy through the same checks.
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        cache: KVCacheSpec,
+        limits: EngineLimits,
+        *,
+        model_dtype: torch.dtype = torch.bfloat16,
+        provider: str | KernelProvider = "auto",
+        platform: Platform | str | None = None,
+        device: torch.device | str | None = None,
+        resolver: Resolver | None = None,
+        decode_strategy: str | AnyStrategy | None = None,
+        prefill_strategy: str | AnyStrategy | None = None,
+        preallocate: bool = True,
+        context_chunk_tokens: int | None = None,
+    ) -> None:
+        if isinstance(platform, str):
+            platform = simulated_platform(platform)
+        self.platform = platform or detect_platform(device)
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda" if self.platform.is_gpu else "cpu"
+        )
+        self.dims, self.cache, self.limits, self.model_dtype = dims, cache, limits, model_dtype
+        self.provider = resolve_provider(provider, self.platform)
+        self.capabilities: ProviderCapabilities = self.provider.capabilities(self.platform)
+        self.resolver = resolver or Resolver()
+        self.force_decode, self.force_prefill = decode_strategy, prefill_strategy
+        self.context_chunk_tokens = context_chunk_tokens or default_context_chunk_tokens(
+            limits, cache.block_size
+        )
+        self.setup = StrategySetup(
+            dims=dims, cache=cache, limits=limits, q_dtype=model_dtype, platform=self.platform,
+            provider=self.provider, capabilities=self.capabilities, device=self.device,
+        )
+        self.index_buffers = DecodeIndexBuffers.allocate(self.setup)
+        self.decode_strategies: dict[str, DecodeStrategy] = {}
+        self.prefill_strategies: dict[str, PrefillStrategy] = {}
+        self.late_allocations: list[str] = []
+        """Strategies first allocated after init (a step the init-time enumeration missed)."""
+        self.decode_lse = torch.empty(
+            limits.max_decode_tokens, dims.num_heads, dtype=torch.float32, device=self.device
+        )
+        if preallocate:
+            self._preallocate()
+        self.builder = MetadataBuilder(self)
+        self.impl = AttentionImpl(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"MLABackend(provider={self.provider.name!r}, arch={self.platform.arch!r}, "
+            f"heads={self.dims.num_heads}, decode={sorted(self.decode_strategies)}, "
+            f"prefill={sorted(self.prefill_strategies)})"
+        )
+
+    # -- contexts and decisions --------------------------------------------------------------
+
+    def decode_context(self, *, max_qlen: int, uniform_qlen: bool, batch_size: int) -> DecodeContext:
+        return decode_context(
+            dims=self.dims, cache=self.cache, q_dtype=self.model_dtype, platform=self.platform,
+            capabilities=self.capabilities, availability=self.provider.availability(),
+            limits=self.limits, max_qlen=max_qlen, uniform_qlen=uniform_qlen, batch_size=batch_size,
+        )
+
+    def prefill_context(self, *, has_chunked_context: bool) -> PrefillContext:
+        return prefill_context(
+            dims=self.dims, cache=self.cache, q_dtype=self.model_dtype, platform=self.platform,
+            capabilities=self.capabilities, availability=self.provider.availability(),
+            has_chunked_context=has_chunked_context,
+        )
+
+    def _preallocate(self) -> None:
+        """Resolve every decode shape the limits allow and the prefill cases; allocate."""
+        for qlen, uniform in itertools.product(range(1, self.limits.max_decode_qlen + 1), (True, False)):
+            ctx = self.decode_context(max_qlen=qlen, uniform_qlen=uniform, batch_size=self.limits.max_num_seqs)
+            try:
+                decision = self.resolver.resolve(ctx, force=self.force_decode)
+            except UnsupportedError as exc:
+                raise UnsupportedError(
+                    f"the engine limits allow decode qlen {qlen} (max_decode_qlen "
+                    f"{self.limits.max_decode_qlen}), which no decode strategy supports; lower "
+                    "the speculative token count or pick another provider",
+                    exc.explanation,
+                ) from exc
+            self.decode_strategy(decision)
+        for chunked in (False, True):
+            decision = self.resolver.resolve(
+                self.prefill_context(has_chunked_context=chunked), force=self.force_prefill
+            )
+            self.prefill_strategy(decision)
+
+    def decode_strategy(self, decision: Decision | str) -> DecodeStrategy:
+        """The backend's instance of a decode strategy (allocated on first use)."""
+        name = decision if isinstance(decision, str) else decision.name
+        if name not in self.decode_strategies:
+            cls = self.resolver.registry.get(name)
+            assert issubclass(cls, DecodeStrategy)
+            if self.builder_ready:
+                self.late_allocations.append(name)
+            self.decode_strategies[name] = cls(self.setup, self.index_buffers)
+        return self.decode_strategies[name]
+
+    def prefill_strategy(self, decision: Decision | str) -> PrefillStrategy:
+        name = decision if isinstance(decision, str) else decision.name
+        if name not in self.prefill_strategies:
+            cls = self.resolver.registry.get(name)
+            assert issubclass(cls, PrefillStrategy)
+            if self.builder_ready:
+                self.late_allocations.append(name)
+            self.prefill_strategies[name] = cls(self.setup)
+        return self.prefill_strategies[name]
+
+    @property
+    def builder_ready(self) -> bool:
+        return hasattr(self, "builder")
+
+
+class MetadataBuilder:
+    """Turns step inputs into metadata; the only place a step's strategies are decided."""
+
+    def __init__(self, backend: MLABackend) -> None:
+        self.backend = backend
+
+    def build(self, step: StepInputs) -> MLAMetadata:
+        be = self.backend
+        qsl_cpu = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
+        require_index("query_start_loc", step.query_start_loc, ndim=1)
+        require_index("seq_lens", step.seq_lens, ndim=1)
+        require_index("block_table", step.block_table, ndim=2)
+        seq_cpu = (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
+        num_requests = qsl_cpu.numel() - 1
+        check_indptr("query_start_loc", qsl_cpu)
+        if not 0 <= step.num_decodes <= num_requests:
+            raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {step.num_decodes}")
+        if num_requests > be.limits.max_num_seqs:
+            raise InvalidInputError(
+                "query_start_loc", f"{num_requests} requests exceed max_num_seqs {be.limits.max_num_seqs}"
+            )
+        check_paged_requests(
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_table_cpu=step.block_table.cpu(),
+            block_size=be.cache.block_size, num_blocks=be.cache.num_blocks or (1 << 62),
+            max_model_len=be.limits.max_model_len,
+        )
+        owned_decode_tokens = int(qsl_cpu[step.num_decodes])
+        num_prefills = num_requests - step.num_decodes
+        if step.num_decode_tokens < owned_decode_tokens or (
+            num_prefills and step.num_decode_tokens != owned_decode_tokens
+        ):
+            raise InvalidInputError(
+                "num_decode_tokens",
+                f"got {step.num_decode_tokens}; the decode requests own {owned_decode_tokens} "
+                "tokens (extra graph-padding rows are allowed only in decode-only steps)",
+            )
+        if step.num_decode_tokens > be.limits.max_decode_tokens:
+            raise InvalidInputError(
+                "num_decode_tokens",
+                f"{step.num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {be.limits.max_decode_tokens}",
+            )
+        decode_plan = prefill_plan = None
+        decode_decision = prefill_decision = None
+        if step.num_decodes:
+            decode_decision, decode_plan = self._build_decode(step, qsl_cpu, seq_cpu)
+        if num_prefills:
+            prefill_decision, prefill_plan = self._build_prefill(step, qsl_cpu, seq_cpu)
+        return MLAMetadata(
+            num_decodes=step.num_decodes,
+            num_decode_tokens=step.num_decode_tokens,
+            num_prefills=num_prefills,
+            num_prefill_tokens=int(qsl_cpu[-1]) - owned_decode_tokens,
+            decode=decode_plan,
+            prefill=prefill_plan,
+            decode_decision=decode_decision,
+            prefill_decision=prefill_decision,
+        )
+
+    def _build_decode(
+        self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor
+    ) -> tuple[Decision, DecodePlan]:
+        be = self.backend
+        nd = step.num_decodes
+        qsl = qsl_cpu[: nd + 1]
+        lens = seq_cpu[:nd]
+        qlens = qsl[1:] - qsl[:-1]
+        real = lens > 0
+        max_qlen = max(1, int(qlens.max()))
+        real_qlens = qlens[real]
+        padded_qlens = qlens[~real]
+        uniform = bool((real_qlens == max_qlen).all()) and bool(
+            ((padded_qlens == 0) | (padded_qlens == max_qlen)).all()
+        )
+        ctx = be.decode_context(max_qlen=max_qlen, uniform_qlen=uniform, batch_size=nd)
+        decision = be.resolver.resolve(ctx, force=be.force_decode)
+        strategy = be.decode_strategy(decision)
+        batch = DecodeBatch(
+            context=ctx,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+            query_start_loc=step.query_start_loc[: nd + 1],
+            seq_lens=step.seq_lens[:nd],
+            block_table=step.block_table[:nd],
+            num_tokens=step.num_decode_tokens,
+        )
+        return decision, strategy.build_metadata(batch)
+
+    def _build_prefill(
+        self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor
+    ) -> tuple[Decision, PrefillPlan]:
+        be = self.backend
+        nd = step.num_decodes
+        cu_q_cpu = (qsl_cpu[nd:] - qsl_cpu[nd]).to(torch.int32)
+        qlens = (cu_q_cpu[1:] - cu_q_cpu[:-1]).to(torch.int64)
+        lens = seq_cpu[nd:]
+        context_lens = lens - qlens
+        if bool((context_lens < 0).any()):
+            b = int(torch.nonzero(context_lens < 0)[0, 0])
+            raise InvalidInputError(
+                "seq_lens", f"prefill request {nd + b} has seq_len {int(lens[b])} < query length {int(qlens[b])}"
+            )
+        has_context = bool((context_lens > 0).any())
+        ctx = be.prefill_context(has_chunked_context=has_context)
+        decision = be.resolver.resolve(ctx, force=be.force_prefill)
+        strategy = be.prefill_strategy(decision)
+        cu_q = cu_q_cpu.to(be.device)
+        chunks = (
+            self._context_chunks(context_lens, step.block_table[nd:]) if has_context else ()
+        )
+        max_q = int(qlens.max()) if qlens.numel() else 0
+        batch = PrefillBatch(
+            context=ctx,
+            cu_seqlens_q_cpu=cu_q_cpu,
+            cu_seqlens_k_cpu=cu_q_cpu,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_q,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_q,
+            num_tokens=int(cu_q_cpu[-1]),
+            num_kv_tokens=int(cu_q_cpu[-1]),
+            causal=True,
+            context_chunks=chunks,
+        )
+        return decision, strategy.build_metadata(batch)
+
+    def _context_chunks(self, context_lens: torch.Tensor, block_table: torch.Tensor) -> tuple[ContextChunk, ...]:
+        """Split each prefill request's cached context into chunks that fit the workspace."""
+        be = self.backend
+        bs = be.cache.block_size
+        workspace = be.context_chunk_tokens
+        with_context = int((context_lens > 0).sum())
+        per_request = max(bs, (workspace // with_context) // bs * bs)
+        num_chunks = -(-int(context_lens.max()) // per_request)
+        chunks = []
+        for c in range(num_chunks):
+            starts = torch.clamp(torch.full_like(context_lens, c * per_request), max=context_lens)
+            ends = torch.minimum(starts + per_request, context_lens)
+            counts = ends - starts
+            cu = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+            cu[1:] = torch.cumsum(counts, 0)
+            total = int(cu[-1])
+            indices = torch.zeros(workspace, dtype=torch.int32, device=be.device)
+            if total:
+                pos = torch.arange(total)
+                req = torch.searchsorted(cu[1:], pos, right=True)
+                position = (starts[req] + pos - cu[req]).to(be.device)
+                req_d = req.to(be.device)
+                blocks = block_table[req_d, position // bs].to(torch.int64)
+                indices[:total] = (blocks * bs + position % bs).to(torch.int32)
+            chunks.append(
+                ContextChunk(
+                    token_indices=indices,
+                    cu_seqlens_k=cu.to(torch.int32).to(be.device),
+                    max_seqlen_k=int(counts.max()),
+                    num_tokens=total,
+                )
+            )
+        return tuple(chunks)
+
+
+class AttentionImpl:
+    """Runs decode and prefill from metadata only, writing into caller outputs."""
+
+    def __init__(self, backend: MLABackend) -> None:
+        self.backend = backend
+
+    def forward_decode(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_scale: float | None = None,
+    ) -> None:
+        """q ``[num_decode_tokens, H, L+R]``; writes out ``[.., H, L]`` and (optionally) lse."""
+        plan = metadata.decode
+        if plan is None:
+            raise InvalidInputError("metadata", "this step has no decode requests")
+        strategy = self.backend.decode_strategy(plan.strategy)
+        if lse is None:
+            lse = self.backend.decode_lse[: plan.geometry.num_tokens]
+        strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
+
+    def forward_prefill(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_cache: torch.Tensor | None = None,
+        kv_scale: float | None = None,
+        expand_context: ContextExpander | None = None,
+    ) -> None:
+        """q/k ``[num_prefill_tokens, H, Dqk]``, v ``[.., H, Dv]``; writes out ``[.., H, Dv]``."""
+        plan = metadata.prefill
+        if plan is None:
+            raise InvalidInputError("metadata", "this step has no prefill requests")
+        strategy = self.backend.prefill_strategy(plan.strategy)
+        if lse is None:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        strategy.run(plan, q, k, v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale,
+                     expand_context=expand_context)

@@ -1,0 +1,179 @@
+"""What a kernel provider can compute, as data.
+
+A :class:`ProviderCapabilities` record lists the kernel contracts (DESIGN §4) a provider
+implements and the limits its kernels have (head granularity, qlen limits, dtypes, kernel-table
+gaps). Strategies read only this record in ``supports``; the record is separate from availability
+("is the library importable here"). Any record can be imposed on the torch reference provider, so
+the transforms that real hardware limits trigger run on a CPU (see :func:`aiter_capabilities`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+
+from mla.config import FP8_DTYPES
+
+
+class Contract(enum.Enum):
+    """The kernel contracts of DESIGN §4."""
+
+    PAGED_DECODE = "paged-decode"
+    """Asm-style paged MQA decode over a flat latent cache (optionally scheduled)."""
+    DECODE_SCHEDULE = "decode-schedule"
+    """Device-side split-KV work schedule plus reduce for the paged decode."""
+    SMALL_HEAD_DECODE = "small-head-decode"
+    """Gluon-style decode: q_nope/q_pe, flat page table and indptr per row."""
+    VARLEN_PREFILL = "varlen-prefill"
+    """Flash-style varlen attention (q/k 192, v 128), causal bottom-right, LSE."""
+    FP8_PREFILL = "fp8-prefill"
+    """FP8 persistent prefill: fp8 q/k/v, tiled schedule, fp32 partials and a reduce."""
+    MERGE_STATES = "merge-states"
+    """Combine (o, lse) pairs."""
+    EXPAND_PAGES = "expand-pages"
+    """Block table to flat per-token indices for any block size."""
+    KV_WRITE = "kv-write"
+    """Write latent + rope rows of new tokens into the paged cache."""
+
+
+ALL_CONTRACTS: frozenset[Contract] = frozenset(Contract)
+_FLOATS = frozenset({torch.bfloat16, torch.float16, torch.float32})
+_BF16 = frozenset({torch.bfloat16})
+
+
+@attrs.frozen
+class ProviderCapabilities:
+    """Limits of one provider's kernels on one arch. ``None`` means "no limit".
+
+    Head-count rules: a paged decode runs ``H`` heads as ``padded_heads(H)`` kernel heads; a head
+    count is valid when ``H <= max_unpadded_heads`` or ``H % head_granularity == 0``.
+    """
+
+    provider: str
+    contracts: frozenset[Contract] = ALL_CONTRACTS
+    archs: frozenset[str] | None = None
+    """Archs the kernels are built for; ``None`` = any."""
+    q_dtypes: frozenset[torch.dtype] = _FLOATS
+    kv_dtypes: frozenset[torch.dtype] = _FLOATS | FP8_DTYPES
+
+    head_granularity: int = 1
+    """Paged-decode kernels need a multiple of this many heads (16 for aiter's asm kernels)."""
+    max_unpadded_heads: int | None = None
+    """Head counts above this must already be a multiple of ``head_granularity`` (aiter: 128)."""
+    native_head_counts: frozenset[int] = frozenset()
+    """Head counts the paged decode runs natively although not a multiple of the granularity."""
+
+    small_head_max_heads: int | None = None
+    """Largest head count the small-head (Gluon-style) decode accepts."""
+    small_head_q_dtypes: frozenset[torch.dtype] = _FLOATS
+    small_head_kv_dtypes: frozenset[torch.dtype] = _FLOATS | FP8_DTYPES
+
+    uniform_qlen_padding: tuple[tuple[int, int], ...] = ()
+    """``(qlen, kernel_qlen)`` pairs: uniform batches of that qlen are padded (prepended zero
+    rows) to the kernel qlen. aiter: 2 and 3 run as 4."""
+    persistent_small_head_max_qlen: int | None = None
+    """Padded (H < granularity) bf16/fp16 persistent decode exists only up to this kernel qlen."""
+    persistent_fp8_max_qlen: int | None = None
+    """fp8-KV persistent decode exists only up to this kernel qlen."""
+    nonpersistent_fp8_max_qlen: int | None = None
+    """fp8-KV non-persistent decode exists only up to this kernel qlen."""
+    nonpersistent_fp8_head_qlen_products: frozenset[int] | None = None
+    """fp8-KV non-persistent decode looks its kernel up by ``kernel_heads * kernel_qlen``; only
+    these products exist (aiter's ``get_block_n_fp8`` keys)."""
+
+    fp8_prefill_head_multiple: int = 1
+    """The fp8 prefill kernel needs a head count that is a multiple of this."""
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    """The fp8 format the provider's fp8 kernels take (gfx942: ``float8_e4m3fnuz``)."""
+
+    def has(self, contract: Contract) -> bool:
+        return contract in self.contracts
+
+    def padded_heads(self, num_heads: int) -> int:
+        """Kernel head count for ``num_heads`` query heads in the paged decode."""
+        g = self.head_granularity
+        if num_heads in self.native_head_counts or num_heads % g == 0:
+            return num_heads
+        return -(-num_heads // g) * g
+
+    def heads_valid(self, num_heads: int) -> bool:
+        """The seed's validity rule: ``H > 0 and (H <= max_unpadded or H % granularity == 0)``."""
+        if num_heads <= 0:
+            return False
+        if num_heads % self.head_granularity == 0 or num_heads in self.native_head_counts:
+            return True
+        return self.max_unpadded_heads is None or num_heads <= self.max_unpadded_heads
+
+    def kernel_qlen(self, qlen: int, *, uniform: bool) -> int:
+        """The qlen the paged decode runs a batch of max qlen ``qlen`` at."""
+        if uniform:
+            for logical, kernel in self.uniform_qlen_padding:
+                if logical == qlen:
+                    return kernel
+        return qlen
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-friendly view for ``mla info``."""
+        out: dict[str, object] = {}
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if isinstance(value, frozenset):
+                value = sorted(v.value if isinstance(v, Contract) else str(v) for v in value)
+            elif isinstance(value, tuple):
+                value = [list(v) for v in value]
+            out[field.name] = value
+        return out
+
+
+REFERENCE_CAPABILITIES = ProviderCapabilities(provider="torch")
+"""The torch provider's own record: every contract, no head or qlen limit, any float/fp8 dtype."""
+
+AITER_GET_BLOCK_N_FP8_KEYS: frozenset[int] = frozenset({8, 16, 24, 32, 48, 64, 128, 256, 384, 512})
+"""Head x qlen products aiter's non-persistent fp8 decode has a kernel block for
+(``aiter/mla.py::get_block_n_fp8``); any other product raises KeyError inside aiter."""
+
+
+def aiter_capabilities(
+    arch: str,
+    *,
+    gluon: bool | None = None,
+    fp8_prefill: bool | None = None,
+    native_h24: bool = False,
+    provider: str = "aiter",
+) -> ProviderCapabilities:
+    """The capability record of AMD aiter's MLA kernels on ``arch`` (aiter-contract.md §2).
+
+    ``gluon`` / ``fp8_prefill`` default to "shipped on gfx950 only"; ``native_h24`` is the
+    reducer-and-planner probe (off unless both ship). Kernel-table gaps become limits:
+    no padded bf16 persistent kernel past qlen 4 (persistent gate), fp8 persistent past qlen 4
+    only on gfx950 (gqa32 remap), fp8 non-persistent only to qlen 4 and only at
+    ``get_block_n_fp8`` products.
+    """
+    gfx950 = arch == "gfx950"
+    contracts = set(ALL_CONTRACTS)
+    if not (gfx950 if gluon is None else gluon):
+        contracts.discard(Contract.SMALL_HEAD_DECODE)
+    if not (gfx950 if fp8_prefill is None else fp8_prefill):
+        contracts.discard(Contract.FP8_PREFILL)
+    return ProviderCapabilities(
+        provider=provider,
+        contracts=frozenset(contracts),
+        archs=frozenset({"gfx942", "gfx950"}),
+        q_dtypes=_BF16,
+        kv_dtypes=_BF16 | frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz}),
+        head_granularity=16,
+        max_unpadded_heads=128,
+        native_head_counts=frozenset({24}) if native_h24 else frozenset(),
+        small_head_max_heads=15,
+        small_head_q_dtypes=_BF16,
+        small_head_kv_dtypes=_BF16,
+        uniform_qlen_padding=((2, 4), (3, 4)),
+        persistent_small_head_max_qlen=4,
+        persistent_fp8_max_qlen=None if gfx950 else 4,
+        nonpersistent_fp8_max_qlen=4,
+        nonpersistent_fp8_head_qlen_products=AITER_GET_BLOCK_N_FP8_KEYS,
+        fp8_prefill_head_multiple=16,
+        fp8_dtype=torch.float8_e4m3fn if gfx950 else torch.float8_e4m3fnuz,
+    )

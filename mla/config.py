@@ -1,0 +1,149 @@
+"""Static configuration records: model dims, KV-cache spec, engine limits.
+
+All are frozen attrs records, validated on construction and hashable, so they can live inside a
+:class:`~mla.context.DecodeContext` and key caches.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import attrs
+import torch
+
+from mla.errors import InvalidInputError
+
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
+)
+"""Every fp8 storage dtype a KV cache may use (per-tensor scale)."""
+
+FLOAT_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "fp8_e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def normalize_dtype(value: torch.dtype | str, *, argument: str = "dtype") -> torch.dtype:
+    """Map engine spellings (``"bf16"``, ``"fp8_e4m3"``, ``torch.bfloat16`` ...) to a torch dtype.
+
+    Raises :class:`InvalidInputError` naming ``argument`` for an unknown spelling.
+    """
+    if isinstance(value, torch.dtype):
+        if value in FP8_DTYPES or value in FLOAT_DTYPES:
+            return value
+        raise InvalidInputError(argument, f"dtype {value} is not a supported float or fp8 dtype")
+    key = value.lower()
+    if key in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[key]
+    known = ", ".join(sorted(_DTYPE_ALIASES))
+    raise InvalidInputError(argument, f"unknown dtype {value!r}; expected one of: {known}")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short readable name used in reasons and tables (``bfloat16``, ``float8_e4m3fn``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise InvalidInputError(attribute.name, f"must be > 0, got {value}")
+
+
+@attrs.frozen
+class MLADims:
+    """Head geometry of one MLA layer on one rank.
+
+    Decode runs in the absorbed form: q and cache rows are ``kv_lora_rank + qk_rope_head_dim``
+    wide, the output ``kv_lora_rank`` wide. Prefill runs in MHA form: q/k are
+    ``qk_nope_head_dim + qk_rope_head_dim`` wide, v is ``v_head_dim`` wide.
+    """
+
+    num_heads: int = attrs.field(validator=_positive)
+    """Query heads on this rank (128 / TP for DeepSeek-V3)."""
+    kv_lora_rank: int = attrs.field(default=512, validator=_positive)
+    qk_rope_head_dim: int = attrs.field(default=64, validator=_positive)
+    qk_nope_head_dim: int = attrs.field(default=128, validator=_positive)
+    v_head_dim: int = attrs.field(default=128, validator=_positive)
+    softmax_scale: float | None = None
+    """The model's softmax scale; ``None`` means ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``,
+    DeepSeek's convention (never the kernel default ``1/sqrt(576)``)."""
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of a cache row and of the decode query (576 for DeepSeek)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Prefill q/k head dim (192 for DeepSeek)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.qk_head_dim)
+
+
+@attrs.frozen
+class KVCacheSpec:
+    """Paged latent cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of ``dtype``.
+
+    ``dtype`` accepts engine spellings (``"auto"`` is not one: pass the model dtype).
+    """
+
+    block_size: int = attrs.field(validator=_positive)
+    dtype: torch.dtype = attrs.field(
+        default=torch.bfloat16,
+        converter=lambda d: normalize_dtype(d, argument="kv_cache_dtype"),
+    )
+    num_blocks: int | None = None
+    """Blocks in the cache, when known: block ids are then range-checked at build time."""
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+
+class GraphMode(enum.Enum):
+    """How the engine captures decode steps in CUDA graphs."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+
+
+@attrs.frozen
+class EngineLimits:
+    """Engine-wide maxima that size every persistent buffer at init."""
+
+    max_num_seqs: int = attrs.field(validator=_positive)
+    max_model_len: int = attrs.field(validator=_positive)
+    max_num_batched_tokens: int = attrs.field(validator=_positive)
+    max_decode_qlen: int = attrs.field(default=1, validator=_positive)
+    """Largest decode query length the engine sends: speculative tokens + 1."""
+    graph_mode: GraphMode = GraphMode.NONE
+
+    @property
+    def max_decode_tokens(self) -> int:
+        return self.max_num_seqs * self.max_decode_qlen

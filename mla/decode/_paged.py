@@ -1,0 +1,238 @@
+"""Shared machinery of the asm-style strategies: head padding, qlen padding, paged decode."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+from mla.capabilities import Contract, ProviderCapabilities
+from mla.config import dtype_name
+from mla.context import DecodeContext
+from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.strategy import StrategyKind, StrategySetup
+from mla.support import ReasonCollector
+from mla.transforms import HeadPadding, qlen_padding_maps
+
+
+@attrs.frozen(eq=False)
+class PagedPlan(DecodePlan):
+    """Plan of a paged (asm-style) decode."""
+
+    qo_indptr: torch.Tensor
+    """int32 ``[B+1]``: kernel rows per request (uniform step ``kernel_qlen`` when qlen-padded)."""
+    qlen_padded: bool
+    """Kernel rows differ from caller rows: ``source_token``/``kernel_row`` remap them."""
+    source_token: torch.Tensor
+    """int64 ``[Tk]`` (view): caller row per kernel row, ``-1`` = prepended zero row."""
+    kernel_row: torch.Tensor
+    """int64 ``[T]`` (view): kernel row per caller row, ``Tk`` = the zero sink row."""
+    schedule: object | None
+    """The provider's persistent schedule buffers, planned for this step (``None``: not persistent)."""
+
+
+@attrs.define
+class PagedWorkspace:
+    """Buffers sized at init for the largest (kernel heads, kernel qlen) this strategy runs."""
+
+    padding: HeadPadding
+    max_kernel_qlen: int
+    qo_indptr: torch.Tensor
+    source_token: torch.Tensor
+    kernel_row: torch.Tensor
+    q_kernel: torch.Tensor
+    """``[max_kernel_rows, Hk, L+R]`` in the model dtype."""
+    o_kernel: torch.Tensor
+    """``[max_kernel_rows + 1, Hk, L]``; the last row is the zero sink."""
+    lse_kernel: torch.Tensor
+    """``[max_kernel_rows + 1, Hk]`` float32; the last row is the ``-inf`` sink."""
+    schedule: object | None
+
+
+def max_kernel_qlen(caps: ProviderCapabilities, max_decode_qlen: int) -> int:
+    """The largest kernel qlen any step within the engine limits can run at (PR #45227:
+    buffers must be sized for the kernel qlen, never the logical one)."""
+    return max(
+        max(caps.kernel_qlen(q, uniform=True), caps.kernel_qlen(q, uniform=False))
+        for q in range(1, max_decode_qlen + 1)
+    )
+
+
+class PagedDecode(DecodeStrategy):
+    """Base of the asm-style strategies over the provider's paged MQA decode."""
+
+    KIND: ClassVar[StrategyKind] = StrategyKind.PAGED
+    PERSISTENT: ClassVar[bool] = False
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset(
+        {Contract.PAGED_DECODE, Contract.EXPAND_PAGES}
+    )
+
+    def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
+        super().__init__(setup, index_buffers)
+        caps, limits, dims, dev = setup.capabilities, setup.limits, setup.dims, setup.device
+        padding = HeadPadding(dims.num_heads, caps.padded_heads(dims.num_heads))
+        kq = max_kernel_qlen(caps, limits.max_decode_qlen)
+        rows = limits.max_num_seqs * kq
+        heads = padding.kernel_heads
+        schedule = None
+        if self.PERSISTENT:
+            schedule = setup.provider.decode_schedule_buffers(
+                max_batch=limits.max_num_seqs,
+                max_kernel_qlen=kq,
+                kernel_heads=heads,
+                kv_lora_rank=dims.kv_lora_rank,
+                q_dtype=setup.q_dtype,
+                kv_dtype=setup.cache.dtype,
+                platform=setup.platform,
+                device=dev,
+            )
+        self.workspace = PagedWorkspace(
+            padding=padding,
+            max_kernel_qlen=kq,
+            qo_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
+            source_token=torch.zeros(rows, dtype=torch.int64, device=dev),
+            kernel_row=torch.zeros(limits.max_decode_tokens, dtype=torch.int64, device=dev),
+            q_kernel=torch.zeros(rows, heads, dims.latent_dim, dtype=setup.q_dtype, device=dev),
+            o_kernel=torch.zeros(rows + 1, heads, dims.kv_lora_rank, dtype=setup.q_dtype, device=dev),
+            lse_kernel=torch.zeros(rows + 1, heads, dtype=torch.float32, device=dev),
+            schedule=schedule,
+        )
+
+    @classmethod
+    def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
+        caps = ctx.capabilities
+        heads = ctx.num_heads
+        g, cap = caps.head_granularity, caps.max_unpadded_heads
+        reasons.require(
+            caps.heads_valid(heads),
+            "heads",
+            f"{heads} heads: the paged decode needs H > 0 and (H <= {cap} or H % {g} == 0)",
+        )
+        reasons.require(
+            ctx.q_dtype in caps.q_dtypes,
+            "q-dtype",
+            f"query {dtype_name(ctx.q_dtype)}: the paged decode takes "
+            f"{sorted(dtype_name(d) for d in caps.q_dtypes)}",
+        )
+        reasons.require(
+            ctx.kv_dtype in caps.kv_dtypes,
+            "kv-dtype",
+            f"kv cache {dtype_name(ctx.kv_dtype)}: the paged decode takes "
+            f"{sorted(dtype_name(d) for d in caps.kv_dtypes)}",
+        )
+
+    def build_metadata(self, batch: DecodeBatch) -> PagedPlan:
+        setup, ws = self.setup, self.workspace
+        ctx = batch.context
+        kv_indptr, _ = self.index_buffers.fill(setup, batch)
+        num_requests, num_tokens = batch.num_requests, batch.num_tokens
+        kernel_qlen = ctx.kernel_qlen
+        qlen_padded = kernel_qlen != ctx.max_qlen
+        qo_indptr = ws.qo_indptr[: num_requests + 1]
+        if qlen_padded:
+            maps = qlen_padding_maps(batch.query_start_loc_cpu, num_tokens, kernel_qlen)
+            rows = maps.num_kernel_rows
+            qo_indptr.copy_(maps.qo_indptr, non_blocking=True)
+            ws.source_token[:rows].copy_(maps.source_token, non_blocking=True)
+            ws.kernel_row[:num_tokens].copy_(maps.kernel_row, non_blocking=True)
+        else:
+            rows = num_tokens
+            qo_indptr.copy_(batch.query_start_loc.to(torch.int32))
+        geometry = self.base_geometry(
+            batch, kernel_heads=ws.padding.kernel_heads, kernel_qlen=kernel_qlen, num_kernel_rows=rows
+        )
+        if ws.schedule is not None:
+            setup.provider.plan_decode_schedule(
+                ws.schedule,
+                qo_indptr=qo_indptr,
+                kv_indptr=kv_indptr,
+                batch_size=num_requests,
+                kernel_qlen=kernel_qlen,
+                uniform_qlen=ctx.uniform_qlen,
+            )
+        return PagedPlan(
+            self.NAME, geometry, kv_indptr, self.index_buffers.kv_indices,
+            qo_indptr=qo_indptr,
+            qlen_padded=qlen_padded,
+            source_token=ws.source_token[:rows],
+            kernel_row=ws.kernel_row[:num_tokens],
+            schedule=ws.schedule,
+        )
+
+    def launch(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        kv_flat: torch.Tensor,
+        *,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        assert isinstance(plan, PagedPlan)
+        ws, geo = self.workspace, plan.geometry
+        rows = geo.num_kernel_rows
+        padding = ws.padding
+        direct = (
+            not plan.qlen_padded
+            and padding.kernel_heads == padding.num_heads
+            and q.is_contiguous()
+            and out.is_contiguous()
+            and (geo.kernel_qlen == 1 or self.PERSISTENT)
+        )
+        if direct:
+            self._decode(plan, q, kv_flat, kv_scale=kv_scale, out=out, lse=lse)
+            owned = geo.num_owned_tokens
+            out[owned:].zero_()
+            lse[owned:].fill_(float("-inf"))
+            return
+        q_kernel = ws.q_kernel[:rows]
+        if plan.qlen_padded:
+            source = plan.source_token
+            keep = (source >= 0).to(q.dtype)[:, None, None]
+            padding.pad(q[torch.clamp(source, min=0)] * keep, q_kernel)
+        else:
+            padding.pad(q, q_kernel)
+        o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
+        if geo.kernel_qlen > 1 and not self.PERSISTENT:
+            o_kernel.zero_()  # the seed's guard: unwritten lanes of a multi-row tile cannot leak
+        self._decode(plan, q_kernel, kv_flat, kv_scale=kv_scale, out=o_kernel[:rows], lse=lse_kernel[:rows])
+        # The sink row: caller rows no request owns read zeros and -inf.
+        o_kernel[rows].zero_()
+        lse_kernel[rows].fill_(float("-inf"))
+        if plan.qlen_padded:
+            out.copy_(padding.unpad(o_kernel)[plan.kernel_row])
+            lse.copy_(padding.unpad(lse_kernel)[plan.kernel_row])
+            return
+        owned = geo.num_owned_tokens
+        out[:owned].copy_(padding.unpad(o_kernel[:owned]))
+        lse[:owned].copy_(padding.unpad(lse_kernel[:owned]))
+        out[owned:].zero_()
+        lse[owned:].fill_(float("-inf"))
+
+    def _decode(
+        self,
+        plan: PagedPlan,
+        q: torch.Tensor,
+        kv_flat: torch.Tensor,
+        *,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        geo = plan.geometry
+        self.setup.provider.paged_mqa_decode(
+            q,
+            kv_flat,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.qo_indptr,
+            max_qlen=geo.kernel_qlen,
+            max_seqlen_k=geo.max_seqlen_k,
+            softmax_scale=self.setup.dims.scale,
+            kv_scale=kv_scale,
+            out=out,
+            lse=lse,
+            schedule=plan.schedule,
+        )

@@ -1,0 +1,131 @@
+"""Shared machinery of the Gluon-style strategies: per-row page tables over the small-head kernel."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+from mla.capabilities import Contract
+from mla.config import dtype_name
+from mla.context import DecodeContext
+from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.strategy import StrategyKind, StrategySetup
+from mla.support import ReasonCollector
+from mla.transforms import gather_row_page_table, verify_row_lengths
+
+
+@attrs.frozen(eq=False)
+class SmallHeadPlan(DecodePlan):
+    """Rows for the small-head kernel: row ``t`` reads ``page_table[row_indptr[t]:row_indptr[t+1]]``."""
+
+    row_indptr: torch.Tensor
+    """int32 ``[T+1]`` view of a persistent buffer."""
+    page_table: torch.Tensor
+    """int32 flat token ids (a persistent buffer; ``kv_indices`` itself when rows = requests)."""
+
+
+@attrs.define
+class SmallHeadWorkspace:
+    row_indptr: torch.Tensor
+    row_request: torch.Tensor
+    row_page_table: torch.Tensor
+
+
+class SmallHeadDecode(DecodeStrategy):
+    """Base of GluonDecode and GluonVerifyFlatten: every token row is a qlen-1 decode over its
+    own causal window, built in ``build_metadata``."""
+
+    KIND: ClassVar[StrategyKind] = StrategyKind.SMALL_HEAD
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset(
+        {Contract.SMALL_HEAD_DECODE, Contract.EXPAND_PAGES}
+    )
+
+    def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
+        super().__init__(setup, index_buffers)
+        rows = self.max_rows(setup)
+        dev = setup.device
+        self.workspace = SmallHeadWorkspace(
+            row_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=dev),
+            row_request=torch.zeros(rows, dtype=torch.int32, device=dev),
+            row_page_table=torch.zeros(rows * setup.limits.max_model_len, dtype=torch.int32, device=dev),
+        )
+
+    @classmethod
+    def max_rows(cls, setup: StrategySetup) -> int:
+        return setup.limits.max_decode_tokens
+
+    @classmethod
+    def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
+        caps = ctx.capabilities
+        limit = caps.small_head_max_heads
+        reasons.require(
+            limit is None or ctx.num_heads <= limit,
+            "heads",
+            f"{ctx.num_heads} heads: the small-head kernel takes at most {limit}",
+        )
+        reasons.require(
+            ctx.kv_dtype in caps.small_head_kv_dtypes,
+            "kv-dtype",
+            f"kv cache {dtype_name(ctx.kv_dtype)}: the small-head kernel takes "
+            f"{sorted(dtype_name(d) for d in caps.small_head_kv_dtypes)}",
+        )
+        reasons.require(
+            ctx.q_dtype in caps.small_head_q_dtypes,
+            "q-dtype",
+            f"query {dtype_name(ctx.q_dtype)}: the small-head kernel takes "
+            f"{sorted(dtype_name(d) for d in caps.small_head_q_dtypes)}",
+        )
+
+    def build_metadata(self, batch: DecodeBatch) -> SmallHeadPlan:
+        setup = self.setup
+        kv_indptr, _ = self.index_buffers.fill(setup, batch)
+        num_tokens = batch.num_tokens
+        geometry = self.base_geometry(
+            batch, kernel_heads=batch.context.num_heads, kernel_qlen=1, num_kernel_rows=num_tokens
+        )
+        qlens = batch.query_start_loc_cpu[1:] - batch.query_start_loc_cpu[:-1]
+        if num_tokens == batch.num_requests and bool((qlens == 1).all()):
+            # One token per request: each row's window is its whole request, kv_indices as is.
+            return SmallHeadPlan(self.NAME, geometry, kv_indptr, self.index_buffers.kv_indices,
+                                 row_indptr=kv_indptr, page_table=self.index_buffers.kv_indices)
+        request, window = verify_row_lengths(batch.query_start_loc_cpu, batch.seq_lens_cpu, num_tokens)
+        indptr_cpu = torch.zeros(num_tokens + 1, dtype=torch.int32)
+        indptr_cpu[1:] = torch.cumsum(window, 0)
+        total = int(indptr_cpu[-1])
+        ws = self.workspace
+        row_indptr = ws.row_indptr[: num_tokens + 1]
+        row_indptr.copy_(indptr_cpu, non_blocking=True)
+        ws.row_request[:num_tokens].copy_(request.to(torch.int32), non_blocking=True)
+        gather_row_page_table(
+            self.index_buffers.kv_indices, kv_indptr, ws.row_request[:num_tokens].to(torch.int64),
+            row_indptr.to(torch.int64), total=total, out=ws.row_page_table,
+        )
+        return SmallHeadPlan(self.NAME, geometry, kv_indptr, self.index_buffers.kv_indices,
+                             row_indptr=row_indptr, page_table=ws.row_page_table)
+
+    def launch(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        kv_flat: torch.Tensor,
+        *,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        assert isinstance(plan, SmallHeadPlan)
+        rank = self.setup.dims.kv_lora_rank
+        self.setup.provider.small_head_decode(
+            q[..., :rank],
+            q[..., rank:],
+            kv_flat,
+            plan.page_table,
+            plan.row_indptr,
+            max_seqlen_k=plan.geometry.max_seqlen_k,
+            softmax_scale=self.setup.dims.scale,
+            kv_scale=kv_scale,
+            out=out,
+            lse=lse,
+        )

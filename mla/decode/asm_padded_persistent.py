@@ -1,0 +1,54 @@
+"""PaddedAsmPersistent: paged decode with head/qlen padding on the persistent split-KV schedule."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from mla.capabilities import Contract
+from mla.context import DecodeContext
+from mla.decode._paged import PagedDecode
+from mla.support import ReasonCollector
+
+
+class PaddedAsmPersistent(PagedDecode):
+    """Persistent paged decode (aiter ``mla_decode_fwd`` with ``get_mla_metadata_v1`` buffers;
+    the Triton/torch split-KV schedule elsewhere).
+
+    Heads pad to the provider's granularity (repeat-interleave for divisors, tile-and-slice
+    otherwise); uniform batches whose qlen the kernel lacks pad to the kernel qlen by prepended
+    zero rows. The work schedule is planned on the device in ``build_metadata`` into buffers
+    sized at init for (padded heads, largest kernel qlen, q/kv dtypes). Graph contract: uniform
+    batch.
+    """
+
+    NAME: ClassVar[str] = "asm-padded-persistent"
+    PERSISTENT: ClassVar[bool] = True
+    REQUIRES: ClassVar[frozenset[Contract]] = PagedDecode.REQUIRES | {Contract.DECODE_SCHEDULE}
+
+    @classmethod
+    def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
+        super().check(ctx, reasons)
+        caps = ctx.capabilities
+        kernel_qlen = ctx.kernel_qlen
+        reasons.require(
+            ctx.max_qlen <= ctx.max_decode_qlen,
+            "qlen-over-engine-max",
+            f"max qlen {ctx.max_qlen} exceeds the engine's max decode qlen "
+            f"{ctx.max_decode_qlen} that the persistent buffers are sized for",
+        )
+        small_limit = caps.persistent_small_head_max_qlen
+        padded = ctx.num_heads < caps.head_granularity
+        reasons.require(
+            not padded or ctx.kv_is_fp8 or small_limit is None or kernel_qlen <= small_limit,
+            "persistent-qlen",
+            f"{ctx.num_heads} heads padded to {caps.padded_heads(ctx.num_heads)} at kernel qlen "
+            f"{kernel_qlen}: {caps.provider} has no padded non-fp8 persistent kernel past "
+            f"qlen {small_limit}",
+        )
+        fp8_limit = caps.persistent_fp8_max_qlen
+        reasons.require(
+            not ctx.kv_is_fp8 or fp8_limit is None or kernel_qlen <= fp8_limit,
+            "persistent-fp8-qlen",
+            f"fp8 KV at kernel qlen {kernel_qlen}: {caps.provider} on {ctx.platform.arch} has "
+            f"no fp8 persistent kernel past qlen {fp8_limit}",
+        )

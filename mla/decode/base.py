@@ -1,0 +1,186 @@
+"""Decode strategy base: the step inputs, the plan geometry and the shared page-index buffers."""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import attrs
+import torch
+
+from mla.context import DecodeContext
+from mla.strategy import (
+    GraphSupport,
+    Phase,
+    PlanBase,
+    Strategy,
+    StrategySetup,
+    check_tensor,
+)
+
+
+@attrs.frozen(eq=False)
+class DecodeBatch:
+    """The decode part of one step, as the builder hands it to ``build_metadata``.
+
+    Requests are ordered as in the engine's batch; rows of q past ``query_start_loc[-1]`` and
+    requests with ``seq_len == 0`` are graph padding (their output rows are zero, LSE ``-inf``).
+    """
+
+    context: DecodeContext
+    query_start_loc_cpu: torch.Tensor
+    """int ``[B+1]`` on the host."""
+    seq_lens_cpu: torch.Tensor
+    """int ``[B]`` on the host: KV length including the new tokens."""
+    query_start_loc: torch.Tensor
+    """int32 ``[B+1]`` on the device."""
+    seq_lens: torch.Tensor
+    """int32 ``[B]`` on the device."""
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks]`` on the device."""
+    num_tokens: int
+    """Rows of the decode query (``>= query_start_loc[-1]``)."""
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens_cpu.numel())
+
+    @property
+    def num_owned_tokens(self) -> int:
+        return int(self.query_start_loc_cpu[-1])
+
+
+@attrs.frozen
+class DecodeGeometry:
+    """What a decode plan was built for; ``run`` checks its inputs against it."""
+
+    num_heads: int
+    kernel_heads: int
+    num_requests: int
+    num_tokens: int
+    num_owned_tokens: int
+    max_qlen: int
+    kernel_qlen: int
+    num_kernel_rows: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    max_seqlen_k: int
+    """Static bound on any request's KV length (the engine's ``max_model_len``)."""
+
+
+@attrs.frozen(eq=False)
+class DecodePlan(PlanBase):
+    """Base decode plan: geometry plus the flat page indices every decode kernel reads."""
+
+    geometry: DecodeGeometry
+    kv_indptr: torch.Tensor
+    """int32 ``[B+1]`` view of the persistent buffer."""
+    kv_indices: torch.Tensor
+    """int32 flat token ids: the whole persistent buffer (static size)."""
+
+
+@attrs.define
+class DecodeIndexBuffers:
+    """Persistent page-index buffers shared by every decode strategy of a backend."""
+
+    kv_indptr: torch.Tensor
+    """int32 ``[max_num_seqs + 1]``."""
+    kv_indices: torch.Tensor
+    """int32 ``[max_num_seqs * max_model_len]``."""
+
+    @classmethod
+    def allocate(cls, setup: StrategySetup) -> DecodeIndexBuffers:
+        limits, dev = setup.limits, setup.device
+        return cls(
+            kv_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
+            kv_indices=torch.zeros(
+                limits.max_num_seqs * limits.max_model_len, dtype=torch.int32, device=dev
+            ),
+        )
+
+    def fill(self, setup: StrategySetup, batch: DecodeBatch) -> tuple[torch.Tensor, int]:
+        """Write this step's kv_indptr and flat indices; return the indptr view and total."""
+        lens = batch.seq_lens_cpu.to(torch.int64)
+        indptr_cpu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+        indptr_cpu[1:] = torch.cumsum(lens, 0)
+        total = int(indptr_cpu[-1])
+        indptr = self.kv_indptr[: lens.numel() + 1]
+        indptr.copy_(indptr_cpu, non_blocking=True)
+        setup.provider.expand_page_indices(
+            batch.block_table,
+            indptr,
+            block_size=setup.cache.block_size,
+            num_tokens=total,
+            out=self.kv_indices,
+        )
+        return indptr, total
+
+
+class DecodeStrategy(Strategy[DecodeContext]):
+    """Runs the decode phase in the absorbed MQA form.
+
+    ``build_metadata(batch) -> DecodePlan`` writes into buffers allocated at init;
+    ``run(plan, q, kv_cache, kv_scale=, out=, lse=)`` reads only the plan.
+    q ``[T, H, L+R]`` in the model dtype, kv_cache ``[blocks, block_size, L+R]``,
+    out ``[T, H, L]`` (q's dtype), lse ``[T, H]`` float32 (natural log).
+    """
+
+    PHASE: ClassVar[Phase] = Phase.DECODE
+    GRAPH_SUPPORT: ClassVar[GraphSupport] = GraphSupport.UNIFORM_BATCH
+
+    def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
+        super().__init__(setup)
+        self.index_buffers = index_buffers or DecodeIndexBuffers.allocate(setup)
+
+    @abc.abstractmethod
+    def build_metadata(self, batch: DecodeBatch) -> DecodePlan:
+        """Host side, once per step: fill persistent buffers, return the plan."""
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        kv_flat: torch.Tensor,
+        *,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Device side: the kernels for one validated call (no host sync)."""
+
+    def run(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Execute ``plan``: check inputs against its geometry, then launch."""
+        self.check_plan(plan)
+        geo = plan.geometry
+        dims = self.setup.dims
+        check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, dims.latent_dim), dtype=geo.q_dtype)
+        check_tensor("kv_cache", kv_cache, shape=(*kv_cache.shape[:2], dims.latent_dim), dtype=geo.kv_dtype, device=q.device)
+        check_tensor("out", out, shape=(geo.num_tokens, geo.num_heads, dims.kv_lora_rank), dtype=geo.q_dtype, device=q.device)
+        check_tensor("lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device)
+        self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=kv_scale, out=out, lse=lse)
+
+    def base_geometry(self, batch: DecodeBatch, *, kernel_heads: int, kernel_qlen: int, num_kernel_rows: int) -> DecodeGeometry:
+        ctx = batch.context
+        return DecodeGeometry(
+            num_heads=ctx.num_heads,
+            kernel_heads=kernel_heads,
+            num_requests=batch.num_requests,
+            num_tokens=batch.num_tokens,
+            num_owned_tokens=batch.num_owned_tokens,
+            max_qlen=ctx.max_qlen,
+            kernel_qlen=kernel_qlen,
+            num_kernel_rows=num_kernel_rows,
+            q_dtype=self.setup.q_dtype,
+            kv_dtype=self.setup.cache.dtype,
+            max_seqlen_k=self.setup.limits.max_model_len,
+        )

@@ -1,0 +1,31 @@
+"""GluonVerifyFlatten: speculative verify (qlen > 1) flattened to qlen-1 rows on the small-head kernel."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from mla.context import DecodeContext
+from mla.decode._small_head import SmallHeadDecode
+from mla.support import ReasonCollector
+
+
+class GluonVerifyFlatten(SmallHeadDecode):
+    """Multi-token verify as independent qlen-1 rows.
+
+    Row ``t`` of a request with ``q`` tokens and ``s`` keys attends the first
+    ``clamp(s - (q - 1) + t, 0)`` keys: the right-aligned causal window (vLLM #50476 gave every
+    row the whole range and let drafts see later drafts). The per-row page table is gathered on
+    the device in ``build_metadata``. Graph contract: uniform batch.
+    """
+
+    NAME: ClassVar[str] = "gluon-verify-flatten"
+
+    @classmethod
+    def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
+        super().check(ctx, reasons)
+        reasons.require(
+            ctx.max_qlen > 1,
+            "qlen",
+            f"max qlen {ctx.max_qlen}: verify flattening is for multi-token verify (qlen > 1); "
+            "single-token decode is GluonDecode's case",
+        )

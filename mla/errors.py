@@ -1,0 +1,49 @@
+"""Typed errors raised by mla.
+
+Every error names the argument or decision that failed and, where a resolver was involved,
+carries its :class:`~mla.explain.Explanation` so the caller sees every candidate's reasons.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mla.explain import Explanation
+
+
+class MLAError(Exception):
+    """Base class of every error mla raises on purpose."""
+
+
+class UnsupportedError(MLAError, NotImplementedError):
+    """No strategy fits the case, or a forced strategy does not support it.
+
+    ``explanation`` holds every candidate with its reasons (``None`` only when the error did not
+    come from a resolver, e.g. an unknown strategy name).
+    """
+
+    def __init__(self, message: str, explanation: Explanation | None = None) -> None:
+        if explanation is not None:
+            message = f"{message}\n{explanation}"
+        super().__init__(message)
+        self.explanation = explanation
+
+
+class InvalidInputError(MLAError, ValueError):
+    """An argument has the wrong shape, dtype, device or values.
+
+    ``argument`` names the offending argument; the message says what was expected.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class PlanMismatchError(MLAError, RuntimeError):
+    """``run`` was handed a plan built for another strategy or geometry than its inputs."""
+
+
+class ProviderUnavailableError(MLAError, RuntimeError):
+    """A kernel provider was requested by name but cannot run here (library or device missing)."""

@@ -1,0 +1,109 @@
+"""The device a backend runs on: vendor, arch, compute units and selection knobs.
+
+Detected once with :func:`detect_platform`, or built by hand (:func:`simulated_platform`) so any
+platform's decisions can be reproduced and tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import attrs
+import torch
+
+SmallHeadMode = Literal["auto", "gluon", "asm"]
+Fp8PrefillMode = Literal["auto", "on", "off"]
+
+SMALL_HEAD_MODES: tuple[SmallHeadMode, ...] = ("auto", "gluon", "asm")
+FP8_PREFILL_MODES: tuple[Fp8PrefillMode, ...] = ("auto", "on", "off")
+
+SMALL_HEAD_MODE_ENV = ("MLA_SMALL_HEAD_MODE", "VLLM_ROCM_AITER_MLA_ASM_PADDING")
+"""Environment variables read (first set wins) for the small-head mode; the second is the name
+vLLM users know from the ROCm AITER MLA backend."""
+FP8_PREFILL_ENV = "MLA_FP8_PREFILL"
+
+# Compute-unit counts used when an arch is simulated without a device.
+_SIMULATED_UNITS: dict[str, int] = {
+    "gfx942": 304,
+    "gfx950": 256,
+    "sm90": 132,
+    "sm100": 148,
+    "sm80": 108,
+    "cpu": 8,
+}
+
+
+@attrs.frozen
+class Knobs:
+    """User preferences that steer selection (never correctness).
+
+    ``small_head_mode``: ``auto`` (Gluon-style kernels for head counts that divide the provider's
+    head granularity), ``gluon`` (always prefer them), ``asm`` (never prefer them).
+    ``fp8_prefill``: ``auto`` (fp8 prefill when the KV cache is fp8), ``on``, ``off``.
+    """
+
+    small_head_mode: SmallHeadMode = attrs.field(
+        default="auto", validator=attrs.validators.in_(SMALL_HEAD_MODES)
+    )
+    fp8_prefill: Fp8PrefillMode = attrs.field(
+        default="auto", validator=attrs.validators.in_(FP8_PREFILL_MODES)
+    )
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Knobs:
+        """Read the knobs from the environment (case-insensitive values; unset means auto)."""
+        env = dict(os.environ) if environ is None else environ
+        mode = "auto"
+        for name in SMALL_HEAD_MODE_ENV:
+            if env.get(name):
+                mode = env[name].strip().lower()
+                break
+        fp8 = env.get(FP8_PREFILL_ENV, "auto").strip().lower() or "auto"
+        return cls(small_head_mode=mode, fp8_prefill=fp8)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class Platform:
+    """Where kernels run. ``arch`` is ``gfx942``/``gfx950`` (AMD), ``sm90`` (NVIDIA), ``cpu``..."""
+
+    vendor: Literal["amd", "nvidia", "cpu"]
+    arch: str
+    num_compute_units: int = attrs.field(validator=attrs.validators.gt(0))
+    knobs: Knobs = Knobs()
+    device_type: str = "cpu"
+    """The torch device type tensors live on (``cuda`` for both NVIDIA and ROCm)."""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device_type == "cuda"
+
+    def with_knobs(self, **changes: str) -> Platform:
+        return attrs.evolve(self, knobs=attrs.evolve(self.knobs, **changes))
+
+
+def simulated_platform(arch: str, *, knobs: Knobs | None = None) -> Platform:
+    """A platform for ``arch`` without its device (for explain, tests and emulation on a CPU)."""
+    if arch.startswith("gfx"):
+        vendor: Literal["amd", "nvidia", "cpu"] = "amd"
+    elif arch.startswith("sm"):
+        vendor = "nvidia"
+    else:
+        vendor = "cpu"
+    units = _SIMULATED_UNITS.get(arch, 8)
+    return Platform(vendor=vendor, arch=arch, num_compute_units=units, knobs=knobs or Knobs())
+
+
+def detect_platform(device: torch.device | str | None = None, *, knobs: Knobs | None = None) -> Platform:
+    """The platform of ``device`` (default: the current CUDA/ROCm device, else the CPU)."""
+    knobs = knobs if knobs is not None else Knobs.from_env()
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        index = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        if torch.version.hip is not None:
+            arch = str(getattr(props, "gcnArchName", "gfx")).split(":")[0]
+            return Platform("amd", arch, props.multi_processor_count, knobs, "cuda")
+        arch = f"sm{props.major}{props.minor}"
+        return Platform("nvidia", arch, props.multi_processor_count, knobs, "cuda")
+    return Platform("cpu", "cpu", max(1, os.cpu_count() or 1), knobs, "cpu")

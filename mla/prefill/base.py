@@ -1,0 +1,145 @@
+"""Prefill strategy base: step inputs, plan geometry, cached-context chunks."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import ClassVar
+
+import attrs
+import torch
+
+from mla.context import PrefillContext
+from mla.errors import InvalidInputError
+from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_tensor
+
+ContextExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Engine callback turning cached latent rows ``[n, L+R]`` (model dtype) into MHA-form
+``k [n, H, Dqk]`` and ``v [n, H, Dv]`` (kv_b_proj up-projection plus the rope part)."""
+
+
+@attrs.frozen(eq=False)
+class ContextChunk:
+    """One chunk of cached context: per prefill request a slice of its context tokens."""
+
+    token_indices: torch.Tensor
+    """int32 ``[workspace_tokens]`` flat cache token ids (entries past ``num_tokens`` unused)."""
+    cu_seqlens_k: torch.Tensor
+    """int32 ``[P+1]`` on the device: the chunk's tokens per request."""
+    max_seqlen_k: int
+    num_tokens: int
+
+
+@attrs.frozen(eq=False)
+class PrefillBatch:
+    """The prefill part of one step (new tokens; optional cached context)."""
+
+    context: PrefillContext
+    cu_seqlens_q_cpu: torch.Tensor
+    cu_seqlens_k_cpu: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_tokens: int
+    num_kv_tokens: int
+    causal: bool = True
+    context_chunks: tuple[ContextChunk, ...] = ()
+
+
+@attrs.frozen
+class PrefillGeometry:
+    num_heads: int
+    num_tokens: int
+    num_kv_tokens: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+
+@attrs.frozen(eq=False)
+class PrefillPlan(PlanBase):
+    geometry: PrefillGeometry
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    context_chunks: tuple[ContextChunk, ...]
+    schedule: object | None = None
+
+
+class PrefillStrategy(Strategy[PrefillContext]):
+    """Runs the prefill phase in MHA form.
+
+    q ``[T, H, Dqk]``, k ``[Tk, H, Dqk]``, v ``[Tk, H, Dv]``, out ``[T, H, Dv]`` (q's dtype),
+    lse ``[T, H]`` float32. Causal masks are bottom-right aligned. Cached context (when the plan
+    has chunks) is gathered from ``kv_cache``, expanded by the engine's ``expand_context`` and
+    merged by LSE.
+    """
+
+    PHASE: ClassVar[Phase] = Phase.PREFILL
+    GRAPH_SUPPORT: ClassVar[GraphSupport] = GraphSupport.NEVER
+
+    def build_metadata(self, batch: PrefillBatch) -> PrefillPlan:
+        return PrefillPlan(
+            self.NAME,
+            PrefillGeometry(
+                num_heads=batch.context.num_heads,
+                num_tokens=batch.num_tokens,
+                num_kv_tokens=batch.num_kv_tokens,
+                max_seqlen_q=batch.max_seqlen_q,
+                max_seqlen_k=batch.max_seqlen_k,
+                causal=batch.causal,
+            ),
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_k,
+            batch.context_chunks,
+            self.plan_schedule(batch),
+        )
+
+    def plan_schedule(self, batch: PrefillBatch) -> object | None:
+        """Strategy-specific host planning (default: none)."""
+        return None
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        plan: PrefillPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        kv_scale: float | None,
+        expand_context: ContextExpander | None,
+    ) -> None:
+        """Device side: the kernels for one validated call."""
+
+    def run(
+        self,
+        plan: PrefillPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None = None,
+        kv_scale: float | None = None,
+        expand_context: ContextExpander | None = None,
+    ) -> None:
+        self.check_plan(plan)
+        geo = plan.geometry
+        check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, q.shape[-1]))
+        check_tensor("k", k, shape=(geo.num_kv_tokens, geo.num_heads, q.shape[-1]), dtype=q.dtype, device=q.device)
+        check_tensor("v", v, shape=(geo.num_kv_tokens, geo.num_heads, v.shape[-1]), dtype=q.dtype, device=q.device)
+        check_tensor("out", out, shape=(geo.num_tokens, geo.num_heads, v.shape[-1]), dtype=q.dtype, device=q.device)
+        check_tensor("lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device)
+        if plan.context_chunks and (kv_cache is None or expand_context is None):
+            raise InvalidInputError(
+                "expand_context",
+                "this step has cached context: pass kv_cache and an expand_context callback "
+                "that up-projects latent rows to (k, v)",
+            )
+        self.launch(plan, q, k, v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale,
+                    expand_context=expand_context)

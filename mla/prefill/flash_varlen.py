@@ -1,0 +1,92 @@
+"""FlashVarlen: varlen flash attention for new tokens, chunked cached context merged by LSE."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from mla.capabilities import Contract
+from mla.config import dtype_name, is_fp8
+from mla.context import PrefillContext
+from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
+from mla.strategy import StrategyKind
+from mla.support import ReasonCollector
+
+
+class FlashVarlen(PrefillStrategy):
+    """Causal varlen attention (q/k ``qk_head_dim``, v ``v_head_dim``) with LSE.
+
+    With cached context, each chunk is gathered from the cache, expanded to k/v by the engine's
+    callback, attended non-causally, and merged with the new tokens' result by LSE
+    (vLLM's chunked-context prefill). The fallback prefill: any head count and KV dtype.
+    """
+
+    NAME: ClassVar[str] = "flash-varlen"
+    KIND: ClassVar[StrategyKind] = StrategyKind.FLASH
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.VARLEN_PREFILL})
+
+    @classmethod
+    def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
+        caps = ctx.capabilities
+        reasons.require(
+            ctx.q_dtype in caps.q_dtypes,
+            "q-dtype",
+            f"query {dtype_name(ctx.q_dtype)}: the varlen kernel takes "
+            f"{sorted(dtype_name(d) for d in caps.q_dtypes)}",
+        )
+        if ctx.has_chunked_context:
+            reasons.require(
+                caps.has(Contract.MERGE_STATES),
+                "missing-kernel",
+                f"chunked context needs the {Contract.MERGE_STATES.value} kernel, which "
+                f"{caps.provider!r} does not ship",
+            )
+
+    def launch(
+        self,
+        plan: PrefillPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        kv_scale: float | None,
+        expand_context: ContextExpander | None,
+    ) -> None:
+        provider, scale = self.setup.provider, self.setup.dims.scale
+        geo = plan.geometry
+        if not plan.context_chunks:
+            provider.varlen_attention(
+                q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,
+                max_seqlen_q=geo.max_seqlen_q, max_seqlen_k=geo.max_seqlen_k,
+                softmax_scale=scale, causal=geo.causal, out=out, lse=lse,
+            )
+            return
+        assert kv_cache is not None and expand_context is not None
+        acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        acc_lse = torch.empty_like(lse)
+        part = torch.empty_like(out)
+        part_lse = torch.empty_like(lse)
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        for index, chunk in enumerate(plan.context_chunks):
+            latent = flat[chunk.token_indices].to(torch.float32)
+            if is_fp8(kv_cache.dtype) and kv_scale is not None:
+                latent = latent * kv_scale
+            k_ctx, v_ctx = expand_context(latent.to(q.dtype))
+            target = (acc, acc_lse) if index == 0 else (part, part_lse)
+            provider.varlen_attention(
+                q, k_ctx, v_ctx, plan.cu_seqlens_q, chunk.cu_seqlens_k,
+                max_seqlen_q=geo.max_seqlen_q, max_seqlen_k=chunk.max_seqlen_k,
+                softmax_scale=scale, causal=False, out=target[0], lse=target[1],
+            )
+            if index:
+                provider.merge_states(acc, acc_lse, part, part_lse, out=acc, lse_out=acc_lse)
+        provider.varlen_attention(
+            q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,
+            max_seqlen_q=geo.max_seqlen_q, max_seqlen_k=geo.max_seqlen_k,
+            softmax_scale=scale, causal=geo.causal, out=part, lse=part_lse,
+        )
+        provider.merge_states(acc, acc_lse, part, part_lse, out=out, lse_out=lse)

@@ -1,0 +1,82 @@
+"""Fp8PersistentPrefill: fp8 q/k/v prefill on a tiled persistent schedule with a reduce."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from mla.capabilities import Contract
+from mla.context import PrefillContext
+from mla.prefill.base import ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
+from mla.quant import quantize_per_tensor
+from mla.strategy import StrategyKind
+from mla.support import ReasonCollector
+
+
+class Fp8PersistentPrefill(PrefillStrategy):
+    """The varlen prefill math with q, k and v rounded to fp8 (dynamic per-tensor scales).
+
+    aiter ``mla_prefill_ps_asm_fwd`` + ``mla_reduce_v1`` on gfx950 (256-row q tiles, fp32
+    partials); the Triton/torch providers run the same tiling. The tile schedule is planned on
+    the host in ``build_metadata``. No chunked-context path (aiter's non-causal LSE was wrong
+    before ROCm/aiter#3606), so steps with cached context go to FlashVarlen.
+    """
+
+    NAME: ClassVar[str] = "fp8-persistent-prefill"
+    KIND: ClassVar[StrategyKind] = StrategyKind.FP8_PREFILL
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.FP8_PREFILL})
+
+    @classmethod
+    def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
+        multiple = ctx.capabilities.fp8_prefill_head_multiple
+        reasons.require(
+            ctx.num_heads % multiple == 0,
+            "heads",
+            f"{ctx.num_heads} heads: the fp8 prefill kernel needs a multiple of {multiple}",
+        )
+        reasons.require(
+            not ctx.has_chunked_context,
+            "chunked-context",
+            "this step has chunked cached context; the fp8 prefill has no context-merge path",
+        )
+
+    def plan_schedule(self, batch: PrefillBatch) -> object:
+        return self.setup.provider.plan_fp8_prefill(
+            batch.cu_seqlens_q_cpu,
+            batch.cu_seqlens_k_cpu,
+            num_heads=batch.context.num_heads,
+            causal=batch.causal,
+            platform=self.setup.platform,
+            device=self.setup.device,
+        )
+
+    def quantize(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The fp8 inputs the kernel sees: ``((q8, q_scale), (k8, k_scale), (v8, v_scale))``."""
+        dtype = self.setup.capabilities.fp8_dtype
+        return tuple(quantize_per_tensor(x, dtype) for x in (q, k, v))
+
+    def launch(
+        self,
+        plan: PrefillPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        kv_scale: float | None,
+        expand_context: ContextExpander | None,
+    ) -> None:
+        (q8, q_scale), (k8, k_scale), (v8, v_scale) = self.quantize(q, k, v)
+        self.setup.provider.fp8_prefill(
+            q8, k8, v8, plan.cu_seqlens_q, plan.cu_seqlens_k,
+            schedule=plan.schedule,
+            softmax_scale=self.setup.dims.scale,
+            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+            causal=plan.geometry.causal,
+            out=out, lse=lse,
+        )

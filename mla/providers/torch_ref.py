@@ -1,0 +1,504 @@
+"""The torch reference provider: every kernel contract in plain PyTorch.
+
+Exact (float32 accumulation), any device, slow. Written like a kernel: fixed shapes derived from
+the static bounds it is given, no host syncs, no boolean-mask indexing, so it also runs inside a
+captured CUDA graph. Its capability record can be replaced (``TorchProvider(capabilities=...)``)
+to emulate another provider's limits on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+from mla.capabilities import REFERENCE_CAPABILITIES, ProviderCapabilities
+from mla.platform import Platform
+from mla.providers.base import KernelProvider
+from mla.schedule import SplitKVSchedule
+from mla.support import Support
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Upper bound on gathered elements per vectorized chunk (bounds host/device memory)."""
+
+FP8_PREFILL_TILE_Q = 256
+"""Query rows per fp8 prefill tile (aiter's ``_FP8_PREFILL_TILE_Q``)."""
+FP8_PREFILL_KV_SPLIT = 1024
+"""KV tokens per fp8 prefill work item; longer ranges become several partials."""
+
+
+def _dequant(x: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+    out = x.to(torch.float32)
+    return out if scale is None else out * scale
+
+
+def _softmax_stats(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax over the last dim: returns unnormalised probabilities and the LSE.
+
+    Rows without a valid key give zero probabilities and ``lse = -inf``.
+    """
+    scores = scores.masked_fill(~valid, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - safe_max)
+    denom = probs.sum(dim=-1)
+    lse = torch.where(
+        denom > 0, torch.log(denom) + safe_max.squeeze(-1), torch.full_like(denom, float("-inf"))
+    )
+    probs = probs / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return probs, lse
+
+
+def _row_chunks(rows: int, per_row: int) -> range:
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
+    return range(0, rows, step)
+
+
+def _latent_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    max_len: int,
+    value_dim: int,
+    scale: float,
+    kv_scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row ``n`` of q ``[N, H, D]`` attends cache rows ``kv_indices[starts[n] + j]`` for
+    ``j < lengths[n]``; values are the first ``value_dim`` lanes. Returns float32 o, lse."""
+    n_rows, heads, dim = q.shape
+    out = torch.zeros(n_rows, heads, value_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((n_rows, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if n_rows == 0 or max_len == 0:
+        return out, lse
+    offsets = torch.arange(max_len, device=q.device)
+    last_index = max(kv_indices.numel() - 1, 0)
+    last_row = kv_cache.shape[0] - 1
+    step = _row_chunks(n_rows, max_len * dim).step
+    for lo in range(0, n_rows, step):
+        hi = min(lo + step, n_rows)
+        valid = offsets[None, :] < lengths[lo:hi, None]
+        pos = torch.clamp(starts[lo:hi, None].to(torch.int64) + offsets[None, :], 0, last_index)
+        tok = torch.where(valid, kv_indices[pos].to(torch.int64), torch.zeros_like(pos))
+        rows = _dequant(kv_cache[torch.clamp(tok, 0, last_row)], kv_scale)
+        scores = torch.einsum("nhd,nkd->nhk", q[lo:hi].to(torch.float32), rows) * scale
+        probs, row_lse = _softmax_stats(scores, valid[:, None, :])
+        out[lo:hi] = torch.einsum("nhk,nkv->nhv", probs, rows[..., :value_dim])
+        lse[lo:hi] = row_lse
+    return out, lse
+
+
+def _token_requests(indptr: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tokens ``0..num_tokens-1``: their request (clamped) and whether one owns them."""
+    num_requests = indptr.numel() - 1
+    tokens = torch.arange(num_tokens, device=indptr.device)
+    req = torch.searchsorted(indptr[1:].contiguous(), tokens.to(indptr.dtype), right=True)
+    owned = req < num_requests
+    return torch.clamp(req, max=max(num_requests - 1, 0)).to(torch.int64), owned
+
+
+def _merge_into(
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    target: torch.Tensor,
+    num_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE-merge partial rows ``[P, H, D]``/``[P, H]`` into ``num_rows`` rows by ``target``
+    (``target == num_rows`` discards). Returns float32 o ``[num_rows, H, D]``, lse."""
+    heads, dim = o_parts.shape[1], o_parts.shape[2]
+    dev = o_parts.device
+    row_max = torch.full((num_rows + 1, heads), float("-inf"), device=dev)
+    idx = target[:, None].expand(-1, heads)
+    row_max = row_max.scatter_reduce(0, idx, lse_parts, reduce="amax", include_self=True)
+    safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weight = torch.exp(lse_parts - safe_max[target])
+    weight = torch.where(torch.isfinite(lse_parts), weight, torch.zeros_like(weight))
+    wsum = torch.zeros(num_rows + 1, heads, device=dev).index_add_(0, target, weight)
+    acc = torch.zeros(num_rows + 1, heads, dim, device=dev).index_add_(
+        0, target, o_parts * weight[..., None]
+    )
+    o = acc / wsum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    lse = torch.where(wsum > 0, torch.log(wsum) + safe_max, torch.full_like(wsum, float("-inf")))
+    return o[:num_rows], lse[:num_rows]
+
+
+@attrs.frozen(eq=False)
+class Fp8PrefillTiles:
+    """Host-planned work items of the torch fp8 prefill: one per (q tile, kv split)."""
+
+    items: tuple[tuple[int, int, int, int, int], ...]
+    """``(q_start, q_end, kv_start, kv_end, causal_offset)``: rows ``q_start..q_end`` attend keys
+    ``kv_start..kv_end``; row ``t`` may see key ``k`` when ``k - kv_base <= t - q_base +
+    causal_offset`` (``causal_offset`` folds the request bases and ``Sk - Sq``)."""
+    num_tokens: int
+
+
+class TorchProvider(KernelProvider):
+    """Reference kernels in PyTorch. ``capabilities`` imposes another provider's limits."""
+
+    name: ClassVar[str] = "torch"
+
+    def __init__(self, capabilities: ProviderCapabilities | None = None) -> None:
+        self._imposed = capabilities
+
+    def __repr__(self) -> str:
+        imposed = f", emulating={self._imposed.provider!r}" if self._imposed else ""
+        return f"TorchProvider({imposed.lstrip(', ')})"
+
+    def availability(self) -> Support:
+        return Support.yes()
+
+    def capabilities(self, platform: Platform) -> ProviderCapabilities:
+        return self._imposed if self._imposed is not None else REFERENCE_CAPABILITIES
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def paged_mqa_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        qo_indptr: torch.Tensor,
+        *,
+        max_qlen: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        schedule: object | None = None,
+    ) -> None:
+        if schedule is not None:
+            if not isinstance(schedule, SplitKVSchedule):
+                raise TypeError(f"torch provider expects a SplitKVSchedule, got {type(schedule)}")
+            self._scheduled_decode(
+                q, kv_cache, kv_indptr, kv_indices, qo_indptr, schedule,
+                max_qlen=max_qlen, max_seqlen_k=max_seqlen_k, scale=softmax_scale,
+                kv_scale=kv_scale, out=out, lse=lse,
+            )
+            return
+        num_tokens = q.shape[0]
+        req, owned = _token_requests(qo_indptr, num_tokens)
+        row = torch.arange(num_tokens, device=q.device) - qo_indptr[req]
+        qlen = qo_indptr[req + 1] - qo_indptr[req]
+        kv_len = kv_indptr[req + 1] - kv_indptr[req]
+        visible = torch.clamp(kv_len - qlen + row + 1, min=0)
+        visible = torch.where(owned, torch.minimum(visible, kv_len), torch.zeros_like(visible))
+        o, row_lse = _latent_attention(
+            q, kv_cache, kv_indices, kv_indptr[req], visible,
+            max_len=max_seqlen_k, value_dim=out.shape[-1], scale=softmax_scale, kv_scale=kv_scale,
+        )
+        out.copy_(o)
+        lse.copy_(row_lse)
+
+    def _scheduled_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        qo_indptr: torch.Tensor,
+        schedule: SplitKVSchedule,
+        *,
+        max_qlen: int,
+        max_seqlen_k: int,
+        scale: float,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        num_tokens, heads, _ = q.shape
+        info = schedule.work_info.to(torch.int64)
+        items = info.shape[0]
+        req = torch.clamp(info[:, 0], min=0)
+        live = info[:, 0] >= 0
+        qlen = qo_indptr[req + 1] - qo_indptr[req]
+        kv_len = kv_indptr[req + 1] - kv_indptr[req]
+        rows = torch.arange(max_qlen, device=q.device)
+        row_live = live[:, None] & (rows[None, :] < qlen[:, None])
+        token = torch.clamp(qo_indptr[req][:, None] + rows[None, :], 0, max(num_tokens - 1, 0))
+        visible_end = kv_indptr[req][:, None] + torch.clamp(
+            kv_len[:, None] - qlen[:, None] + rows[None, :] + 1, min=0
+        )
+        end = torch.minimum(info[:, 2][:, None], visible_end)
+        length = torch.where(row_live, torch.clamp(end - info[:, 1][:, None], min=0), 0)
+        start = info[:, 1][:, None].expand(-1, max_qlen)
+        o_part, lse_part = _latent_attention(
+            q[token.reshape(-1)], kv_cache, kv_indices,
+            start.reshape(-1), length.reshape(-1),
+            max_len=max_seqlen_k, value_dim=out.shape[-1], scale=scale, kv_scale=kv_scale,
+        )
+        # Partials go through the schedule's own buffers, as a kernel's would.
+        schedule.partial_o[:, :max_qlen].copy_(o_part.view(items, max_qlen, heads, -1))
+        schedule.partial_lse[:, :max_qlen].copy_(lse_part.view(items, max_qlen, heads))
+        target = torch.where(row_live, token, torch.full_like(token, num_tokens))
+        o, row_lse = _merge_into(
+            schedule.partial_o[:, :max_qlen].reshape(items * max_qlen, heads, -1),
+            torch.where(
+                row_live[..., None],
+                schedule.partial_lse[:, :max_qlen],
+                torch.full_like(schedule.partial_lse[:, :max_qlen], float("-inf")),
+            ).reshape(items * max_qlen, heads),
+            target.reshape(-1),
+            num_tokens,
+        )
+        out.copy_(o)
+        lse.copy_(row_lse)
+
+    def decode_schedule_buffers(
+        self,
+        *,
+        max_batch: int,
+        max_kernel_qlen: int,
+        kernel_heads: int,
+        kv_lora_rank: int,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        platform: Platform,
+        device: torch.device,
+    ) -> SplitKVSchedule:
+        return SplitKVSchedule.allocate(
+            max_batch=max_batch,
+            max_kernel_qlen=max_kernel_qlen,
+            kernel_heads=kernel_heads,
+            kv_lora_rank=kv_lora_rank,
+            num_units=platform.num_compute_units,
+            device=device,
+            min_chunk=16,
+        )
+
+    def plan_decode_schedule(
+        self,
+        schedule: object,
+        *,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        batch_size: int,
+        kernel_qlen: int,
+        uniform_qlen: bool,
+    ) -> None:
+        if not isinstance(schedule, SplitKVSchedule):
+            raise TypeError(f"torch provider expects a SplitKVSchedule, got {type(schedule)}")
+        schedule.plan(kv_indptr, batch_size)
+
+    def small_head_decode(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_info: torch.Tensor,
+        *,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        rows = q.shape[0]
+        starts = seq_info[:rows]
+        lengths = seq_info[1 : rows + 1] - starts
+        o, row_lse = _latent_attention(
+            q, kv_cache, page_table, starts, lengths,
+            max_len=max_seqlen_k, value_dim=out.shape[-1], scale=softmax_scale, kv_scale=kv_scale,
+        )
+        out.copy_(o)
+        lse.copy_(row_lse)
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        *,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        causal: bool,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        o, row_lse = _mha_varlen(
+            q.to(torch.float32), k.to(torch.float32), v.to(torch.float32),
+            cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_k=max_seqlen_k, scale=softmax_scale, causal=causal,
+        )
+        out.copy_(o)
+        lse.copy_(row_lse)
+
+    def plan_fp8_prefill(
+        self,
+        cu_seqlens_q_cpu: torch.Tensor,
+        cu_seqlens_k_cpu: torch.Tensor,
+        *,
+        num_heads: int,
+        causal: bool,
+        platform: Platform,
+        device: torch.device,
+    ) -> Fp8PrefillTiles:
+        cu_q = [int(x) for x in cu_seqlens_q_cpu.tolist()]
+        cu_k = [int(x) for x in cu_seqlens_k_cpu.tolist()]
+        items: list[tuple[int, int, int, int, int]] = []
+        for b in range(len(cu_q) - 1):
+            sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+            # key k (absolute) is visible to row t (absolute) when k - cu_k[b] <= t - cu_q[b] + sk - sq
+            offset = cu_k[b] - cu_q[b] + sk - sq
+            for q0 in range(cu_q[b], cu_q[b + 1], FP8_PREFILL_TILE_Q):
+                q1 = min(q0 + FP8_PREFILL_TILE_Q, cu_q[b + 1])
+                kv_end = min(cu_k[b + 1], q1 - 1 + offset + 1) if causal else cu_k[b + 1]
+                for k0 in range(cu_k[b], max(kv_end, cu_k[b]), FP8_PREFILL_KV_SPLIT):
+                    k1 = min(k0 + FP8_PREFILL_KV_SPLIT, kv_end)
+                    items.append((q0, q1, k0, k1, offset if causal else 1 << 30))
+        return Fp8PrefillTiles(items=tuple(items), num_tokens=cu_q[-1])
+
+    def fp8_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        *,
+        schedule: object,
+        softmax_scale: float,
+        q_scale: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+        causal: bool,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        if not isinstance(schedule, Fp8PrefillTiles):
+            raise TypeError(f"torch provider expects Fp8PrefillTiles, got {type(schedule)}")
+        qf, kf, vf = _dequant(q, q_scale), _dequant(k, k_scale), _dequant(v, v_scale)
+        num_tokens = q.shape[0]
+        parts_o: list[torch.Tensor] = []
+        parts_lse: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        for q0, q1, k0, k1, offset in schedule.items:
+            scores = torch.einsum("qhd,khd->hqk", qf[q0:q1], kf[k0:k1]) * softmax_scale
+            rows = torch.arange(q0, q1, device=q.device)[:, None]
+            keys = torch.arange(k0, k1, device=q.device)[None, :]
+            valid = (keys <= rows + offset)[None]
+            probs, part_lse = _softmax_stats(scores, valid)
+            parts_o.append(torch.einsum("hqk,khv->qhv", probs, vf[k0:k1]))
+            parts_lse.append(part_lse.transpose(0, 1))
+            targets.append(torch.arange(q0, q1, device=q.device))
+        if not parts_o:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return
+        o, row_lse = _merge_into(
+            torch.cat(parts_o), torch.cat(parts_lse), torch.cat(targets), num_tokens
+        )
+        out.copy_(o)
+        lse.copy_(row_lse)
+
+    # -- utilities --------------------------------------------------------------------------
+
+    def merge_states(
+        self,
+        o_a: torch.Tensor,
+        lse_a: torch.Tensor,
+        o_b: torch.Tensor,
+        lse_b: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None = None,
+    ) -> None:
+        merged_lse = torch.logaddexp(lse_a, lse_b)
+        finite = torch.isfinite(merged_lse)
+        safe = torch.where(finite, merged_lse, torch.zeros_like(merged_lse))
+        w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(safe))
+        w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(safe))
+        merged = o_a.to(torch.float32) * w_a[..., None] + o_b.to(torch.float32) * w_b[..., None]
+        out.copy_(merged)
+        if lse_out is not None:
+            lse_out.copy_(merged_lse)
+
+    def expand_page_indices(
+        self,
+        block_table: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        *,
+        block_size: int,
+        num_tokens: int,
+        out: torch.Tensor,
+    ) -> None:
+        if num_tokens == 0:
+            return
+        req, _ = _token_requests(kv_indptr, num_tokens)
+        offset = torch.arange(num_tokens, device=out.device) - kv_indptr[req]
+        block = block_table[req, offset // block_size].to(torch.int64)
+        out[:num_tokens].copy_(block * block_size + offset % block_size)
+
+    def write_kv(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        kv_scale: float | None,
+    ) -> None:
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        rows = torch.cat([kv_c, k_pe], dim=-1).to(torch.float32)
+        if kv_scale is not None:
+            finfo = torch.finfo(kv_cache.dtype)
+            rows = torch.clamp(rows / kv_scale, finfo.min, finfo.max)
+        rows = rows.to(kv_cache.dtype)
+        slots = slot_mapping.to(torch.int64)
+        valid = slots >= 0
+        # Skipped rows re-write the first valid row's value at its slot: identical writes,
+        # so the scatter stays deterministic without boolean-mask indexing.
+        first = torch.argmax(valid.to(torch.int8))
+        src = torch.where(valid, torch.arange(slots.numel(), device=slots.device), first)
+        index = torch.clamp(slots[src], min=0)
+        values = torch.where(valid[src][:, None], rows[src], flat[index])
+        flat.index_copy_(0, index, values)
+
+
+def _mha_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    *,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen MHA in float32 with fixed shapes (bottom-right causal)."""
+    num_tokens, heads, dim = q.shape
+    out = torch.zeros(num_tokens, heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((num_tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or max_seqlen_k == 0 or k.shape[0] == 0:
+        return out, lse
+    req, owned = _token_requests(cu_q, num_tokens)
+    row = torch.arange(num_tokens, device=q.device) - cu_q[req]
+    sq = cu_q[req + 1] - cu_q[req]
+    sk = cu_k[req + 1] - cu_k[req]
+    limit = torch.clamp(row + sk - sq + 1, min=0) if causal else sk
+    limit = torch.where(owned, torch.minimum(limit, sk), torch.zeros_like(limit))
+    offsets = torch.arange(max_seqlen_k, device=q.device)
+    step = _row_chunks(num_tokens, max_seqlen_k * heads * dim).step
+    for lo in range(0, num_tokens, step):
+        hi = min(lo + step, num_tokens)
+        valid = offsets[None, :] < limit[lo:hi, None]
+        pos = torch.clamp(cu_k[req[lo:hi]][:, None] + offsets[None, :], 0, k.shape[0] - 1)
+        keys, values = k[pos], v[pos]
+        scores = torch.einsum("nhd,nkhd->nhk", q[lo:hi], keys) * scale
+        probs, row_lse = _softmax_stats(scores, valid[:, None, :])
+        out[lo:hi] = torch.einsum("nhk,nkhv->nhv", probs, values)
+        lse[lo:hi] = row_lse
+    return out, lse

@@ -1,0 +1,113 @@
+"""The reference math of DESIGN §5, written for clarity: per-request loops in float64.
+
+Used by the conformance kit (:mod:`mla.testing`), the tests and ``mla demo`` to check every
+strategy. Slow; never used to serve.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla.config import is_fp8
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[M, H, D]``, k ``[N, H|1, D]``, v ``[N, H|1, Dv]``, visible ``[M, N]`` bool (float64)."""
+    scores = torch.einsum("mhd,nhd->hmn", q, k.expand(-1, q.shape[1], -1)) * scale
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, M]
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    probs = torch.where(torch.isfinite(lse)[..., None], probs, 0.0)
+    out = torch.einsum("hmn,nhv->mhv", probs, v.expand(-1, q.shape[1], -1))
+    return out, lse.transpose(0, 1)
+
+
+def causal_visible(num_q: int, num_k: int, *, causal: bool = True) -> torch.Tensor:
+    """Right-aligned causal mask ``[num_q, num_k]``: row ``i`` sees keys ``<= num_k - num_q + i``."""
+    rows = torch.arange(num_q)[:, None]
+    keys = torch.arange(num_k)[None, :]
+    if not causal:
+        return torch.ones(num_q, num_k, dtype=torch.bool)
+    return keys <= rows + (num_k - num_q)
+
+
+def reference_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode. Returns float64 ``out [T, H, L]`` and ``lse [T, H]``.
+
+    Rows not owned by a request, and rows with no visible key, give ``o = 0``, ``lse = -inf``.
+    """
+    num_tokens, heads, _ = q.shape
+    block_size = kv_cache.shape[1]
+    cache = kv_cache.to(torch.float64)
+    if is_fp8(kv_cache.dtype):
+        cache = cache * (1.0 if kv_scale is None else kv_scale)
+    qsl = (
+        torch.arange(seq_lens.numel() + 1)
+        if query_start_loc is None
+        else query_start_loc.cpu().to(torch.int64)
+    )
+    lens = seq_lens.cpu().to(torch.int64)
+    table = block_table.cpu().to(torch.int64)
+    out = torch.zeros(num_tokens, heads, kv_lora_rank, dtype=torch.float64)
+    lse = torch.full((num_tokens, heads), float("-inf"), dtype=torch.float64)
+    qd = q.cpu().to(torch.float64)
+    for b in range(lens.numel()):
+        q0, q1, s = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        if q1 == q0 or s == 0:
+            continue
+        pos = torch.arange(s)
+        rows = cache.cpu()[table[b, pos // block_size], pos % block_size]  # [s, L+R]
+        visible = causal_visible(q1 - q0, s)
+        o, row_lse = _attend(
+            qd[q0:q1], rows[:, None, :], rows[:, None, :kv_lora_rank], visible, softmax_scale
+        )
+        out[q0:q1], lse[q0:q1] = o, row_lse
+    return out, lse
+
+
+def reference_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen MHA prefill, bottom-right causal. Returns float64 ``out [T, H, Dv]``, ``lse``."""
+    cu_q = cu_seqlens_q.cpu().to(torch.int64)
+    cu_k = cu_seqlens_k.cpu().to(torch.int64)
+    qd, kd, vd = (x.cpu().to(torch.float64) for x in (q, k, v))
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64)
+    for b in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        visible = causal_visible(q1 - q0, k1 - k0, causal=causal)
+        out[q0:q1], lse[q0:q1] = _attend(qd[q0:q1], kd[k0:k1], vd[k0:k1], visible, softmax_scale)
+    return out, lse
+
+
+def merge_reference(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DESIGN §5 state merge in float64."""
+    lse = torch.logaddexp(lse_a.double(), lse_b.double())
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    w_a = torch.where(torch.isfinite(lse), torch.exp(lse_a.double() - safe), 0.0)
+    w_b = torch.where(torch.isfinite(lse), torch.exp(lse_b.double() - safe), 0.0)
+    return o_a.double() * w_a[..., None] + o_b.double() * w_b[..., None], lse

@@ -1,0 +1,142 @@
+"""The resolver: one decision per phase per step, explainable, with forced selection."""
+
+from __future__ import annotations
+
+import attrs
+
+from mla.config import dtype_name
+from mla.context import DecodeContext, PrefillContext
+from mla.errors import UnsupportedError
+from mla.explain import Candidate, Explanation
+from mla.preference import decode_order, prefill_order
+from mla.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.strategy import Phase
+from mla.support import Support
+
+Context = DecodeContext | PrefillContext
+
+
+@attrs.frozen
+class Decision:
+    """The strategy chosen for one context, with the explanation that chose it."""
+
+    phase: Phase
+    strategy: AnyStrategy
+    explanation: Explanation
+    forced: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.strategy.NAME
+
+
+def describe_context(ctx: Context) -> tuple[tuple[str, str], ...]:
+    """Readable ``(field, value)`` pairs for explanations and errors."""
+    pairs = [
+        ("provider", ctx.capabilities.provider),
+        ("arch", ctx.platform.arch),
+        ("heads", str(ctx.num_heads)),
+        ("q_dtype", dtype_name(ctx.q_dtype)),
+        ("kv_dtype", dtype_name(ctx.kv_dtype)),
+    ]
+    if isinstance(ctx, DecodeContext):
+        pairs += [
+            ("max_qlen", str(ctx.max_qlen)),
+            ("uniform_qlen", str(ctx.uniform_qlen)),
+            ("max_decode_qlen", str(ctx.max_decode_qlen)),
+            ("batch_size", str(ctx.batch_size)),
+            ("small_head_mode", ctx.platform.knobs.small_head_mode),
+        ]
+    else:
+        pairs += [
+            ("chunked_context", str(ctx.has_chunked_context)),
+            ("fp8_prefill", ctx.platform.knobs.fp8_prefill),
+        ]
+    return tuple(pairs)
+
+
+class Resolver:
+    """Walks a registry's priority order for a context. Results are cached per context."""
+
+    def __init__(self, registry: Registry = DEFAULT_REGISTRY) -> None:
+        self.registry = registry
+        self._cache: dict[tuple[object, ...], Decision | UnsupportedError] = {}
+
+    @staticmethod
+    def phase_of(ctx: Context) -> Phase:
+        return Phase.DECODE if isinstance(ctx, DecodeContext) else Phase.PREFILL
+
+    def _ordered(self, ctx: Context) -> list[tuple[AnyStrategy, str | None]]:
+        phase = self.phase_of(ctx)
+        regs = self.registry.entries(phase)
+        triples = [(r.name, r.priority, r.strategy.KIND) for r in regs]
+        by_name = {r.name: r.strategy for r in regs}
+        if isinstance(ctx, DecodeContext):
+            order = decode_order(ctx, triples)
+        else:
+            order = prefill_order(ctx, triples)
+        return [(by_name[name], note) for name, note in order]
+
+    def explain(self, ctx: Context, *, force: str | AnyStrategy | None = None) -> Explanation:
+        """Every candidate with its reasons, in preference order, and the winner."""
+        forced = self._forced_class(ctx, force)
+        candidates: list[Candidate] = []
+        chosen: str | None = None
+        ordered = self._ordered(ctx)
+        if forced is not None and forced.NAME not in {s.NAME for s, _ in ordered}:
+            ordered.append((forced, None))
+        for strategy, note in ordered:
+            support: Support = strategy.supports(ctx)  # type: ignore[arg-type]
+            candidates.append(Candidate(strategy.NAME, support.reasons, note is None, note))
+            if chosen is None and support:
+                if forced is not None:
+                    if strategy is forced:
+                        chosen = strategy.NAME
+                elif note is None:
+                    chosen = strategy.NAME
+        if_available = None
+        if chosen is None and ctx.provider_availability.reasons:
+            hypothetical = attrs.evolve(ctx, provider_availability=Support.yes())  # type: ignore[misc]
+            if_available = self.explain(hypothetical, force=force).chosen
+        return Explanation(
+            phase=self.phase_of(ctx).value,
+            context=describe_context(ctx),
+            candidates=tuple(candidates),
+            chosen=chosen,
+            forced=forced.NAME if forced is not None else None,
+            if_available=if_available,
+        )
+
+    def _forced_class(self, ctx: Context, force: str | AnyStrategy | None) -> AnyStrategy | None:
+        if force is None:
+            return None
+        cls = self.registry.get(force) if isinstance(force, str) else force
+        if cls.PHASE is not self.phase_of(ctx):
+            raise UnsupportedError(
+                f"strategy: {cls.NAME!r} is a {cls.PHASE.value} strategy, "
+                f"not a {self.phase_of(ctx).value} one"
+            )
+        return cls
+
+    def resolve(self, ctx: Context, *, force: str | AnyStrategy | None = None) -> Decision:
+        """The one decision for ``ctx``; raises :class:`UnsupportedError` with the explanation."""
+        key = (ctx, force if isinstance(force, str | None) else force.NAME, self.registry.version)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._resolve(ctx, force)
+            self._cache[key] = hit
+        if isinstance(hit, UnsupportedError):
+            raise hit
+        return hit
+
+    def _resolve(self, ctx: Context, force: str | AnyStrategy | None) -> Decision | UnsupportedError:
+        explanation = self.explain(ctx, force=force)
+        phase = self.phase_of(ctx)
+        if explanation.chosen is None:
+            if explanation.forced:
+                message = f"forced {phase.value} strategy {explanation.forced!r} does not support this case"
+            else:
+                message = f"no {phase.value} strategy supports this case"
+            return UnsupportedError(message, explanation)
+        strategy = self.registry.get(explanation.chosen)
+        return Decision(phase, strategy, explanation, forced=explanation.forced is not None)

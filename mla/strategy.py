@@ -1,0 +1,146 @@
+"""Strategy base classes: one way to run one phase.
+
+A strategy is mostly data: capability-style constraints as ClassVars, a ``supports(ctx)`` that
+returns every reason, ``build_metadata`` (host side, once per step, may sync, writes into the
+buffers the strategy allocated at init) and ``run`` (device side: no host sync, no
+data-dependent shapes, graph-capturable for decode). New kernels are added by subclassing and
+registering (:func:`mla.registry.register`), with no edit to the resolver.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import ClassVar, Generic, TypeVar
+
+import attrs
+import torch
+
+from mla.capabilities import Contract, ProviderCapabilities
+from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
+from mla.context import DecodeContext, PrefillContext
+from mla.errors import InvalidInputError, PlanMismatchError
+from mla.platform import Platform
+from mla.providers.base import KernelProvider
+from mla.support import ReasonCollector, Support
+
+
+class Phase(enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+class GraphSupport(enum.Enum):
+    """What a strategy's ``run`` promises about CUDA-graph capture."""
+
+    UNIFORM_BATCH = "uniform-batch"
+    """Capturable for a fixed (batch size, qlen) shape; re-plan in place, then replay."""
+    NEVER = "never"
+    """Not captured (prefill: host-planned tiles or chunks)."""
+
+
+class StrategyKind(enum.Enum):
+    """Families the preference rules order (DESIGN §2, support vs preference)."""
+
+    SMALL_HEAD = "small-head"
+    PAGED = "paged"
+    FP8_PREFILL = "fp8-prefill"
+    FLASH = "flash"
+    CUSTOM = "custom"
+
+
+@attrs.frozen(eq=False)
+class StrategySetup:
+    """What a strategy instance is built with: the backend's static configuration."""
+
+    dims: MLADims
+    cache: KVCacheSpec
+    limits: EngineLimits
+    q_dtype: torch.dtype
+    platform: Platform
+    provider: KernelProvider
+    capabilities: ProviderCapabilities
+    device: torch.device
+
+
+CtxT = TypeVar("CtxT", DecodeContext, PrefillContext)
+
+
+class Strategy(abc.ABC, Generic[CtxT]):
+    """Shared shape of decode and prefill strategies."""
+
+    NAME: ClassVar[str]
+    """Short stable kebab-case id used in logs, plans, test ids and ``force=``."""
+    PHASE: ClassVar[Phase]
+    KIND: ClassVar[StrategyKind] = StrategyKind.CUSTOM
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset()
+    """Kernel contracts the provider must implement."""
+    GRAPH_SUPPORT: ClassVar[GraphSupport] = GraphSupport.NEVER
+
+    def __init__(self, setup: StrategySetup) -> None:
+        self.setup = setup
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(provider={self.setup.provider.name!r})"
+
+    @classmethod
+    def supports(cls, ctx: CtxT) -> Support:
+        """Every reason this strategy cannot compute ``ctx`` with the provider at hand."""
+        reasons = ReasonCollector()
+        reasons.extend(ctx.provider_availability.reasons)
+        caps = ctx.capabilities
+        for contract in sorted(cls.REQUIRES, key=lambda c: c.value):
+            reasons.require(
+                caps.has(contract),
+                "missing-kernel",
+                f"provider {caps.provider!r} does not ship the {contract.value} kernel "
+                f"on {ctx.platform.arch}",
+            )
+        if caps.archs is not None:
+            reasons.require(
+                ctx.platform.arch in caps.archs,
+                "arch",
+                f"arch {ctx.platform.arch} is not one of {sorted(caps.archs)} that "
+                f"{caps.provider!r} builds for",
+            )
+        cls.check(ctx, reasons)
+        return reasons.support()
+
+    @classmethod
+    @abc.abstractmethod
+    def check(cls, ctx: CtxT, reasons: ReasonCollector) -> None:
+        """Strategy-specific support rules; append a reason per violated rule."""
+
+    def check_plan(self, plan: PlanBase) -> None:
+        if plan.strategy != self.NAME:
+            raise PlanMismatchError(
+                f"{self.NAME}.run was handed a plan built by {plan.strategy!r}; the impl must "
+                "run the strategy recorded in the metadata"
+            )
+
+
+@attrs.frozen(eq=False)
+class PlanBase:
+    """What ``build_metadata`` returns: the decision and the geometry it was built for."""
+
+    strategy: str
+    """``NAME`` of the strategy that built the plan (and must run it)."""
+
+
+def check_tensor(
+    argument: str,
+    tensor: torch.Tensor,
+    *,
+    shape: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Cheap run-time agreement check between an input and the plan's geometry."""
+    if tuple(tensor.shape) != shape:
+        raise InvalidInputError(argument, f"expected shape {shape}, got {tuple(tensor.shape)}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise InvalidInputError(
+            argument, f"expected dtype {dtype_name(dtype)}, got {dtype_name(tensor.dtype)}"
+        )
+    if device is not None and tensor.device.type != device.type:
+        raise InvalidInputError(argument, f"expected device {device}, got {tensor.device}")
