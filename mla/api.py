@@ -91,9 +91,7 @@ def mla_decode(
             "q", f"last dim {width} must be kv_lora_rank ({kv_lora_rank}) + rope dim (> 0)"
         )
     if kv_cache.shape[-1] != width:
-        raise InvalidInputError(
-            "kv_cache", f"last dim {kv_cache.shape[-1]} must equal q's last dim {width}"
-        )
+        raise InvalidInputError("kv_cache", f"last dim {kv_cache.shape[-1]} must equal q's last dim {width}")
     if is_fp8(kv_cache.dtype) and kv_scale is None:
         raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({kv_cache.dtype}) needs kv_scale")
     scale = float(kv_scale.item()) if isinstance(kv_scale, torch.Tensor) else kv_scale
@@ -105,19 +103,25 @@ def mla_decode(
     )
     if qsl_cpu.numel() != num_requests + 1:
         raise InvalidInputError(
-            "query_start_loc", f"expected {num_requests + 1} entries for {num_requests} requests, got {qsl_cpu.numel()}"
+            "query_start_loc",
+            f"expected {num_requests + 1} entries for {num_requests} requests, got {qsl_cpu.numel()}",
         )
     check_indptr("query_start_loc", qsl_cpu, total=num_tokens)
     seq_cpu = seq_lens.cpu().to(torch.int64)
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
     check_paged_requests(
-        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_table_cpu=block_table.cpu(),
-        block_size=block_size, num_blocks=num_blocks,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=seq_cpu,
+        block_table_cpu=block_table.cpu(),
+        block_size=block_size,
+        num_blocks=num_blocks,
     )
     qlens = qsl_cpu[1:] - qsl_cpu[:-1]
     max_qlen = max(1, int(qlens.max()) if qlens.numel() else 1)
     dims = MLADims(
-        num_heads=num_heads, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=width - kv_lora_rank,
+        num_heads=num_heads,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=width - kv_lora_rank,
         softmax_scale=softmax_scale,
     )
     limits = EngineLimits(
@@ -127,9 +131,15 @@ def mla_decode(
         max_decode_qlen=max(max_qlen, -(-num_tokens // max(1, num_requests))),
     )
     backend = MLABackend(
-        dims, KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks), limits,
-        model_dtype=q.dtype, provider=provider, platform=_platform(platform, q.device),
-        device=q.device, decode_strategy=strategy, preallocate=False,
+        dims,
+        KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks),
+        limits,
+        model_dtype=q.dtype,
+        provider=provider,
+        platform=_platform(platform, q.device),
+        device=q.device,
+        decode_strategy=strategy,
+        preallocate=False,
     )
     step = StepInputs(
         query_start_loc_cpu=qsl_cpu,
@@ -177,12 +187,16 @@ def mla_prefill(
         require_float(name, tensor)
     require_index("cu_seqlens_q", cu_seqlens_q, ndim=1)
     require_index("cu_seqlens_k", cu_seqlens_k, ndim=1)
-    require_same_device(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    require_same_device(
+        ("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)
+    )
     num_tokens, num_heads, qk_dim = q.shape
     if k.shape[1:] != (num_heads, qk_dim):
         raise InvalidInputError("k", f"expected [Tk, {num_heads}, {qk_dim}] to match q, got {tuple(k.shape)}")
     if v.shape[0] != k.shape[0] or v.shape[1] != num_heads:
-        raise InvalidInputError("v", f"expected [{k.shape[0]}, {num_heads}, Dv] to match k, got {tuple(v.shape)}")
+        raise InvalidInputError(
+            "v", f"expected [{k.shape[0]}, {num_heads}, Dv] to match k, got {tuple(v.shape)}"
+        )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidInputError("k", f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
@@ -190,7 +204,9 @@ def mla_prefill(
     check_indptr("cu_seqlens_q", cu_q_cpu, total=num_tokens)
     check_indptr("cu_seqlens_k", cu_k_cpu, total=k.shape[0])
     if cu_q_cpu.numel() != cu_k_cpu.numel():
-        raise InvalidInputError("cu_seqlens_k", f"has {cu_k_cpu.numel()} entries, cu_seqlens_q {cu_q_cpu.numel()}")
+        raise InvalidInputError(
+            "cu_seqlens_k", f"has {cu_k_cpu.numel()} entries, cu_seqlens_q {cu_q_cpu.numel()}"
+        )
     lens_q, lens_k = cu_q_cpu[1:] - cu_q_cpu[:-1], cu_k_cpu[1:] - cu_k_cpu[:-1]
     if lens_q.numel() and int(lens_q.max()) > max_seqlen_q:
         raise InvalidInputError("max_seqlen_q", f"{max_seqlen_q} < longest query {int(lens_q.max())}")
@@ -201,27 +217,46 @@ def mla_prefill(
     caps = prov.capabilities(plat)
     rope = min(64, qk_dim - 1) if qk_dim > 1 else 0
     dims = MLADims(
-        num_heads=num_heads, qk_nope_head_dim=max(1, qk_dim - rope), qk_rope_head_dim=max(1, rope),
-        v_head_dim=v.shape[-1], softmax_scale=softmax_scale,
+        num_heads=num_heads,
+        qk_nope_head_dim=max(1, qk_dim - rope),
+        qk_rope_head_dim=max(1, rope),
+        v_head_dim=v.shape[-1],
+        softmax_scale=softmax_scale,
     )
     ctx = prefill_context(
-        dims=dims, cache=KVCacheSpec(1, q.dtype), q_dtype=q.dtype, platform=plat,
-        capabilities=caps, availability=prov.availability(), has_chunked_context=False,
+        dims=dims,
+        cache=KVCacheSpec(1, q.dtype),
+        q_dtype=q.dtype,
+        platform=plat,
+        capabilities=caps,
+        availability=prov.availability(),
+        has_chunked_context=False,
     )
     decision = Resolver().resolve(ctx, force=strategy)
     cls = decision.strategy
     assert issubclass(cls, PrefillStrategy)
     setup = StrategySetup(
-        dims=dims, cache=KVCacheSpec(1, q.dtype),
+        dims=dims,
+        cache=KVCacheSpec(1, q.dtype),
         limits=EngineLimits(max(1, lens_q.numel()), max(1, max_seqlen_k), max(1, num_tokens)),
-        q_dtype=q.dtype, platform=plat, provider=prov, capabilities=caps, device=q.device,
+        q_dtype=q.dtype,
+        platform=plat,
+        provider=prov,
+        capabilities=caps,
+        device=q.device,
     )
     runner = cls(setup)
     batch = PrefillBatch(
-        context=ctx, cu_seqlens_q_cpu=cu_q_cpu.to(torch.int32), cu_seqlens_k_cpu=cu_k_cpu.to(torch.int32),
-        cu_seqlens_q=cu_seqlens_q.to(torch.int32), cu_seqlens_k=cu_seqlens_k.to(torch.int32),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_tokens=num_tokens,
-        num_kv_tokens=k.shape[0], causal=causal,
+        context=ctx,
+        cu_seqlens_q_cpu=cu_q_cpu.to(torch.int32),
+        cu_seqlens_k_cpu=cu_k_cpu.to(torch.int32),
+        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k=cu_seqlens_k.to(torch.int32),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        num_tokens=num_tokens,
+        num_kv_tokens=k.shape[0],
+        causal=causal,
     )
     plan = runner.build_metadata(batch)
     out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)

@@ -105,8 +105,10 @@ class MLABackend:
         if isinstance(platform, str):
             platform = simulated_platform(platform)
         self.platform = platform or detect_platform(device)
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if self.platform.is_gpu else "cpu"
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else torch.device("cuda" if self.platform.is_gpu else "cpu")
         )
         self.dims, self.cache, self.limits, self.model_dtype = dims, cache, limits, model_dtype
         self.provider = resolve_provider(provider, self.platform)
@@ -117,8 +119,14 @@ class MLABackend:
             limits, cache.block_size
         )
         self.setup = StrategySetup(
-            dims=dims, cache=cache, limits=limits, q_dtype=model_dtype, platform=self.platform,
-            provider=self.provider, capabilities=self.capabilities, device=self.device,
+            dims=dims,
+            cache=cache,
+            limits=limits,
+            q_dtype=model_dtype,
+            platform=self.platform,
+            provider=self.provider,
+            capabilities=self.capabilities,
+            device=self.device,
         )
         self.index_buffers = DecodeIndexBuffers.allocate(self.setup)
         self.decode_strategies: dict[str, DecodeStrategy] = {}
@@ -144,22 +152,35 @@ class MLABackend:
 
     def decode_context(self, *, max_qlen: int, uniform_qlen: bool, batch_size: int) -> DecodeContext:
         return decode_context(
-            dims=self.dims, cache=self.cache, q_dtype=self.model_dtype, platform=self.platform,
-            capabilities=self.capabilities, availability=self.provider.availability(),
-            limits=self.limits, max_qlen=max_qlen, uniform_qlen=uniform_qlen, batch_size=batch_size,
+            dims=self.dims,
+            cache=self.cache,
+            q_dtype=self.model_dtype,
+            platform=self.platform,
+            capabilities=self.capabilities,
+            availability=self.provider.availability(),
+            limits=self.limits,
+            max_qlen=max_qlen,
+            uniform_qlen=uniform_qlen,
+            batch_size=batch_size,
         )
 
     def prefill_context(self, *, has_chunked_context: bool) -> PrefillContext:
         return prefill_context(
-            dims=self.dims, cache=self.cache, q_dtype=self.model_dtype, platform=self.platform,
-            capabilities=self.capabilities, availability=self.provider.availability(),
+            dims=self.dims,
+            cache=self.cache,
+            q_dtype=self.model_dtype,
+            platform=self.platform,
+            capabilities=self.capabilities,
+            availability=self.provider.availability(),
             has_chunked_context=has_chunked_context,
         )
 
     def _preallocate(self) -> None:
         """Resolve every decode shape the limits allow and the prefill cases; allocate."""
         for qlen, uniform in itertools.product(range(1, self.limits.max_decode_qlen + 1), (True, False)):
-            ctx = self.decode_context(max_qlen=qlen, uniform_qlen=uniform, batch_size=self.limits.max_num_seqs)
+            ctx = self.decode_context(
+                max_qlen=qlen, uniform_qlen=uniform, batch_size=self.limits.max_num_seqs
+            )
             try:
                 decision = self.resolver.resolve(ctx, force=self.force_decode)
             except UnsupportedError as exc:
@@ -214,7 +235,9 @@ class MetadataBuilder:
         require_index("query_start_loc", step.query_start_loc, ndim=1)
         require_index("seq_lens", step.seq_lens, ndim=1)
         require_index("block_table", step.block_table, ndim=2)
-        seq_cpu = (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
+        seq_cpu = (
+            (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
+        )
         num_requests = qsl_cpu.numel() - 1
         check_indptr("query_start_loc", qsl_cpu)
         if not 0 <= step.num_decodes <= num_requests:
@@ -224,8 +247,11 @@ class MetadataBuilder:
                 "query_start_loc", f"{num_requests} requests exceed max_num_seqs {be.limits.max_num_seqs}"
             )
         check_paged_requests(
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu, block_table_cpu=step.block_table.cpu(),
-            block_size=be.cache.block_size, num_blocks=be.cache.num_blocks or (1 << 62),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+            block_table_cpu=step.block_table.cpu(),
+            block_size=be.cache.block_size,
+            num_blocks=be.cache.num_blocks or (1 << 62),
             max_model_len=be.limits.max_model_len,
         )
         owned_decode_tokens = int(qsl_cpu[step.num_decodes])
@@ -241,7 +267,8 @@ class MetadataBuilder:
         if step.num_decode_tokens > be.limits.max_decode_tokens:
             raise InvalidInputError(
                 "num_decode_tokens",
-                f"{step.num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {be.limits.max_decode_tokens}",
+                f"{step.num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = "
+                f"{be.limits.max_decode_tokens}",
             )
         decode_plan = prefill_plan = None
         decode_decision = prefill_decision = None
@@ -301,16 +328,15 @@ class MetadataBuilder:
         if bool((context_lens < 0).any()):
             b = int(torch.nonzero(context_lens < 0)[0, 0])
             raise InvalidInputError(
-                "seq_lens", f"prefill request {nd + b} has seq_len {int(lens[b])} < query length {int(qlens[b])}"
+                "seq_lens",
+                f"prefill request {nd + b} has seq_len {int(lens[b])} < query length {int(qlens[b])}",
             )
         has_context = bool((context_lens > 0).any())
         ctx = be.prefill_context(has_chunked_context=has_context)
         decision = be.resolver.resolve(ctx, force=be.force_prefill)
         strategy = be.prefill_strategy(decision)
         cu_q = cu_q_cpu.to(be.device)
-        chunks = (
-            self._context_chunks(context_lens, step.block_table[nd:]) if has_context else ()
-        )
+        chunks = self._context_chunks(context_lens, step.block_table[nd:]) if has_context else ()
         max_q = int(qlens.max()) if qlens.numel() else 0
         batch = PrefillBatch(
             context=ctx,
@@ -327,7 +353,9 @@ class MetadataBuilder:
         )
         return decision, strategy.build_metadata(batch)
 
-    def _context_chunks(self, context_lens: torch.Tensor, block_table: torch.Tensor) -> tuple[ContextChunk, ...]:
+    def _context_chunks(
+        self, context_lens: torch.Tensor, block_table: torch.Tensor
+    ) -> tuple[ContextChunk, ...]:
         """Split each prefill request's cached context into chunks that fit the workspace."""
         be = self.backend
         bs = be.cache.block_size
@@ -407,5 +435,14 @@ class AttentionImpl:
         strategy = self.backend.prefill_strategy(plan.strategy)
         if lse is None:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        strategy.run(plan, q, k, v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale,
-                     expand_context=expand_context)
+        strategy.run(
+            plan,
+            q,
+            k,
+            v,
+            out=out,
+            lse=lse,
+            kv_cache=kv_cache,
+            kv_scale=kv_scale,
+            expand_context=expand_context,
+        )

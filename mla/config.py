@@ -105,6 +105,10 @@ class MLADims:
         return 1.0 / math.sqrt(self.qk_head_dim)
 
 
+def _kv_cache_dtype(value: torch.dtype | str) -> torch.dtype:
+    return normalize_dtype(value, argument="kv_cache_dtype")
+
+
 @attrs.frozen
 class KVCacheSpec:
     """Paged latent cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of ``dtype``.
@@ -115,7 +119,7 @@ class KVCacheSpec:
     block_size: int = attrs.field(validator=_positive)
     dtype: torch.dtype = attrs.field(
         default=torch.bfloat16,
-        converter=lambda d: normalize_dtype(d, argument="kv_cache_dtype"),
+        converter=_kv_cache_dtype,
     )
     num_blocks: int | None = None
     """Blocks in the cache, when known: block ids are then range-checked at build time."""

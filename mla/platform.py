@@ -78,8 +78,18 @@ class Platform:
     def is_gpu(self) -> bool:
         return self.device_type == "cuda"
 
-    def with_knobs(self, **changes: str) -> Platform:
-        return attrs.evolve(self, knobs=attrs.evolve(self.knobs, **changes))
+    def with_knobs(
+        self,
+        *,
+        small_head_mode: SmallHeadMode | None = None,
+        fp8_prefill: Fp8PrefillMode | None = None,
+    ) -> Platform:
+        """A copy with the given knobs changed (``None`` keeps the current value)."""
+        knobs = Knobs(
+            small_head_mode=small_head_mode or self.knobs.small_head_mode,
+            fp8_prefill=fp8_prefill or self.knobs.fp8_prefill,
+        )
+        return attrs.evolve(self, knobs=knobs)
 
 
 def simulated_platform(arch: str, *, knobs: Knobs | None = None) -> Platform:

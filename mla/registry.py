@@ -40,7 +40,7 @@ class Registry:
 
     def __init__(self) -> None:
         self._entries: dict[Phase, dict[str, Registration]] = {p: {} for p in Phase}
-        self._only: dict[Phase, tuple[str, ...] | None] = {p: None for p in Phase}
+        self._only: dict[Phase, tuple[str, ...] | None] = dict.fromkeys(Phase)
         self.version = 0
 
     def register(self, strategy: AnyStrategy, *, priority: int) -> None:

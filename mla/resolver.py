@@ -71,10 +71,9 @@ class Resolver:
         regs = self.registry.entries(phase)
         triples = [(r.name, r.priority, r.strategy.KIND) for r in regs]
         by_name = {r.name: r.strategy for r in regs}
-        if isinstance(ctx, DecodeContext):
-            order = decode_order(ctx, triples)
-        else:
-            order = prefill_order(ctx, triples)
+        order = (
+            decode_order(ctx, triples) if isinstance(ctx, DecodeContext) else prefill_order(ctx, triples)
+        )
         return [(by_name[name], note) for name, note in order]
 
     def explain(self, ctx: Context, *, force: str | AnyStrategy | None = None) -> Explanation:
@@ -96,7 +95,7 @@ class Resolver:
                     chosen = strategy.NAME
         if_available = None
         if chosen is None and ctx.provider_availability.reasons:
-            hypothetical = attrs.evolve(ctx, provider_availability=Support.yes())  # type: ignore[misc]
+            hypothetical = attrs.evolve(ctx, provider_availability=Support.yes())
             if_available = self.explain(hypothetical, force=force).chosen
         return Explanation(
             phase=self.phase_of(ctx).value,

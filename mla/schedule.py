@@ -65,8 +65,12 @@ class SplitKVSchedule:
             split_indptr=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
             chunk=torch.ones(1, dtype=torch.int32, device=device),
             partial_o=torch.empty(
-                max_work, max_kernel_qlen, kernel_heads, kv_lora_rank,
-                dtype=torch.float32, device=device,
+                max_work,
+                max_kernel_qlen,
+                kernel_heads,
+                kv_lora_rank,
+                dtype=torch.float32,
+                device=device,
             ),
             partial_lse=torch.empty(
                 max_work, max_kernel_qlen, kernel_heads, dtype=torch.float32, device=device

@@ -88,9 +88,7 @@ class KernelRowMaps:
     num_kernel_rows: int
 
 
-def qlen_padding_maps(
-    query_start_loc_cpu: torch.Tensor, num_tokens: int, kernel_qlen: int
-) -> KernelRowMaps:
+def qlen_padding_maps(query_start_loc_cpu: torch.Tensor, num_tokens: int, kernel_qlen: int) -> KernelRowMaps:
     """Maps for running every request at ``kernel_qlen`` rows (zero rows prepended).
 
     ``query_start_loc_cpu`` is the host ``[B+1]`` indptr; every request's qlen must be

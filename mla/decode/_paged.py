@@ -64,9 +64,7 @@ class PagedDecode(DecodeStrategy):
 
     KIND: ClassVar[StrategyKind] = StrategyKind.PAGED
     PERSISTENT: ClassVar[bool] = False
-    REQUIRES: ClassVar[frozenset[Contract]] = frozenset(
-        {Contract.PAGED_DECODE, Contract.EXPAND_PAGES}
-    )
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.PAGED_DECODE, Contract.EXPAND_PAGES})
 
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
         super().__init__(setup, index_buffers)
@@ -152,7 +150,10 @@ class PagedDecode(DecodeStrategy):
                 uniform_qlen=ctx.uniform_qlen,
             )
         return PagedPlan(
-            self.NAME, geometry, kv_indptr, self.index_buffers.kv_indices,
+            self.NAME,
+            geometry,
+            kv_indptr,
+            self.index_buffers.kv_indices,
             qo_indptr=qo_indptr,
             qlen_padded=qlen_padded,
             source_token=ws.source_token[:rows],

@@ -38,9 +38,7 @@ class SmallHeadDecode(DecodeStrategy):
     own causal window, built in ``build_metadata``."""
 
     KIND: ClassVar[StrategyKind] = StrategyKind.SMALL_HEAD
-    REQUIRES: ClassVar[frozenset[Contract]] = frozenset(
-        {Contract.SMALL_HEAD_DECODE, Contract.EXPAND_PAGES}
-    )
+    REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.SMALL_HEAD_DECODE, Contract.EXPAND_PAGES})
 
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
         super().__init__(setup, index_buffers)
@@ -88,8 +86,14 @@ class SmallHeadDecode(DecodeStrategy):
         qlens = batch.query_start_loc_cpu[1:] - batch.query_start_loc_cpu[:-1]
         if num_tokens == batch.num_requests and bool((qlens == 1).all()):
             # One token per request: each row's window is its whole request, kv_indices as is.
-            return SmallHeadPlan(self.NAME, geometry, kv_indptr, self.index_buffers.kv_indices,
-                                 row_indptr=kv_indptr, page_table=self.index_buffers.kv_indices)
+            return SmallHeadPlan(
+                self.NAME,
+                geometry,
+                kv_indptr,
+                self.index_buffers.kv_indices,
+                row_indptr=kv_indptr,
+                page_table=self.index_buffers.kv_indices,
+            )
         request, window = verify_row_lengths(batch.query_start_loc_cpu, batch.seq_lens_cpu, num_tokens)
         indptr_cpu = torch.zeros(num_tokens + 1, dtype=torch.int32)
         indptr_cpu[1:] = torch.cumsum(window, 0)
@@ -99,11 +103,21 @@ class SmallHeadDecode(DecodeStrategy):
         row_indptr.copy_(indptr_cpu, non_blocking=True)
         ws.row_request[:num_tokens].copy_(request.to(torch.int32), non_blocking=True)
         gather_row_page_table(
-            self.index_buffers.kv_indices, kv_indptr, ws.row_request[:num_tokens].to(torch.int64),
-            row_indptr.to(torch.int64), total=total, out=ws.row_page_table,
+            self.index_buffers.kv_indices,
+            kv_indptr,
+            ws.row_request[:num_tokens].to(torch.int64),
+            row_indptr.to(torch.int64),
+            total=total,
+            out=ws.row_page_table,
         )
-        return SmallHeadPlan(self.NAME, geometry, kv_indptr, self.index_buffers.kv_indices,
-                             row_indptr=row_indptr, page_table=ws.row_page_table)
+        return SmallHeadPlan(
+            self.NAME,
+            geometry,
+            kv_indptr,
+            self.index_buffers.kv_indices,
+            row_indptr=row_indptr,
+            page_table=ws.row_page_table,
+        )
 
     def launch(
         self,

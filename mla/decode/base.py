@@ -93,9 +93,7 @@ class DecodeIndexBuffers:
         limits, dev = setup.limits, setup.device
         return cls(
             kv_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
-            kv_indices=torch.zeros(
-                limits.max_num_seqs * limits.max_model_len, dtype=torch.int32, device=dev
-            ),
+            kv_indices=torch.zeros(limits.max_num_seqs * limits.max_model_len, dtype=torch.int32, device=dev),
         )
 
     def fill(self, setup: StrategySetup, batch: DecodeBatch) -> tuple[torch.Tensor, int]:
@@ -164,12 +162,26 @@ class DecodeStrategy(Strategy[DecodeContext]):
         geo = plan.geometry
         dims = self.setup.dims
         check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, dims.latent_dim), dtype=geo.q_dtype)
-        check_tensor("kv_cache", kv_cache, shape=(*kv_cache.shape[:2], dims.latent_dim), dtype=geo.kv_dtype, device=q.device)
-        check_tensor("out", out, shape=(geo.num_tokens, geo.num_heads, dims.kv_lora_rank), dtype=geo.q_dtype, device=q.device)
+        check_tensor(
+            "kv_cache",
+            kv_cache,
+            shape=(*kv_cache.shape[:2], dims.latent_dim),
+            dtype=geo.kv_dtype,
+            device=q.device,
+        )
+        check_tensor(
+            "out",
+            out,
+            shape=(geo.num_tokens, geo.num_heads, dims.kv_lora_rank),
+            dtype=geo.q_dtype,
+            device=q.device,
+        )
         check_tensor("lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device)
         self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=kv_scale, out=out, lse=lse)
 
-    def base_geometry(self, batch: DecodeBatch, *, kernel_heads: int, kernel_qlen: int, num_kernel_rows: int) -> DecodeGeometry:
+    def base_geometry(
+        self, batch: DecodeBatch, *, kernel_heads: int, kernel_qlen: int, num_kernel_rows: int
+    ) -> DecodeGeometry:
         ctx = batch.context
         return DecodeGeometry(
             num_heads=ctx.num_heads,

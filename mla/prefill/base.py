@@ -131,9 +131,15 @@ class PrefillStrategy(Strategy[PrefillContext]):
         self.check_plan(plan)
         geo = plan.geometry
         check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, q.shape[-1]))
-        check_tensor("k", k, shape=(geo.num_kv_tokens, geo.num_heads, q.shape[-1]), dtype=q.dtype, device=q.device)
-        check_tensor("v", v, shape=(geo.num_kv_tokens, geo.num_heads, v.shape[-1]), dtype=q.dtype, device=q.device)
-        check_tensor("out", out, shape=(geo.num_tokens, geo.num_heads, v.shape[-1]), dtype=q.dtype, device=q.device)
+        check_tensor(
+            "k", k, shape=(geo.num_kv_tokens, geo.num_heads, q.shape[-1]), dtype=q.dtype, device=q.device
+        )
+        check_tensor(
+            "v", v, shape=(geo.num_kv_tokens, geo.num_heads, v.shape[-1]), dtype=q.dtype, device=q.device
+        )
+        check_tensor(
+            "out", out, shape=(geo.num_tokens, geo.num_heads, v.shape[-1]), dtype=q.dtype, device=q.device
+        )
         check_tensor("lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device)
         if plan.context_chunks and (kv_cache is None or expand_context is None):
             raise InvalidInputError(
@@ -141,5 +147,14 @@ class PrefillStrategy(Strategy[PrefillContext]):
                 "this step has cached context: pass kv_cache and an expand_context callback "
                 "that up-projects latent rows to (k, v)",
             )
-        self.launch(plan, q, k, v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale,
-                    expand_context=expand_context)
+        self.launch(
+            plan,
+            q,
+            k,
+            v,
+            out=out,
+            lse=lse,
+            kv_cache=kv_cache,
+            kv_scale=kv_scale,
+            expand_context=expand_context,
+        )

@@ -60,12 +60,21 @@ class FlashVarlen(PrefillStrategy):
         geo = plan.geometry
         if not plan.context_chunks:
             provider.varlen_attention(
-                q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,
-                max_seqlen_q=geo.max_seqlen_q, max_seqlen_k=geo.max_seqlen_k,
-                softmax_scale=scale, causal=geo.causal, out=out, lse=lse,
+                q,
+                k,
+                v,
+                plan.cu_seqlens_q,
+                plan.cu_seqlens_k,
+                max_seqlen_q=geo.max_seqlen_q,
+                max_seqlen_k=geo.max_seqlen_k,
+                softmax_scale=scale,
+                causal=geo.causal,
+                out=out,
+                lse=lse,
             )
             return
-        assert kv_cache is not None and expand_context is not None
+        assert kv_cache is not None
+        assert expand_context is not None
         acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         acc_lse = torch.empty_like(lse)
         part = torch.empty_like(out)
@@ -78,15 +87,31 @@ class FlashVarlen(PrefillStrategy):
             k_ctx, v_ctx = expand_context(latent.to(q.dtype))
             target = (acc, acc_lse) if index == 0 else (part, part_lse)
             provider.varlen_attention(
-                q, k_ctx, v_ctx, plan.cu_seqlens_q, chunk.cu_seqlens_k,
-                max_seqlen_q=geo.max_seqlen_q, max_seqlen_k=chunk.max_seqlen_k,
-                softmax_scale=scale, causal=False, out=target[0], lse=target[1],
+                q,
+                k_ctx,
+                v_ctx,
+                plan.cu_seqlens_q,
+                chunk.cu_seqlens_k,
+                max_seqlen_q=geo.max_seqlen_q,
+                max_seqlen_k=chunk.max_seqlen_k,
+                softmax_scale=scale,
+                causal=False,
+                out=target[0],
+                lse=target[1],
             )
             if index:
                 provider.merge_states(acc, acc_lse, part, part_lse, out=acc, lse_out=acc_lse)
         provider.varlen_attention(
-            q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,
-            max_seqlen_q=geo.max_seqlen_q, max_seqlen_k=geo.max_seqlen_k,
-            softmax_scale=scale, causal=geo.causal, out=part, lse=part_lse,
+            q,
+            k,
+            v,
+            plan.cu_seqlens_q,
+            plan.cu_seqlens_k,
+            max_seqlen_q=geo.max_seqlen_q,
+            max_seqlen_k=geo.max_seqlen_k,
+            softmax_scale=scale,
+            causal=geo.causal,
+            out=part,
+            lse=part_lse,
         )
         provider.merge_states(acc, acc_lse, part, part_lse, out=out, lse_out=lse)

@@ -73,10 +73,17 @@ class Fp8PersistentPrefill(PrefillStrategy):
     ) -> None:
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = self.quantize(q, k, v)
         self.setup.provider.fp8_prefill(
-            q8, k8, v8, plan.cu_seqlens_q, plan.cu_seqlens_k,
+            q8,
+            k8,
+            v8,
+            plan.cu_seqlens_q,
+            plan.cu_seqlens_k,
             schedule=plan.schedule,
             softmax_scale=self.setup.dims.scale,
-            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+            q_scale=q_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
             causal=plan.geometry.causal,
-            out=out, lse=lse,
+            out=out,
+            lse=lse,
         )

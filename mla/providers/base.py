@@ -74,8 +74,9 @@ class KernelProvider(abc.ABC):
         q ``[Tk, Hk, L+R]`` (contiguous), kv_cache flat ``[N_tok, L+R]``, kv_indptr ``[B+1]``,
         kv_indices flat token ids, qo_indptr ``[B+1]`` with ``max_qlen`` the largest
         ``qo_indptr`` step and ``max_seqlen_k`` a static bound on any request's KV length (the
-        engine's ``max_model_len``, so a captured graph stays valid as sequences grow); out ``[Tk, Hk, L]`` (q's dtype), lse ``[Tk, Hk]``. Query row ``i`` of
-        request ``b`` attends keys ``0 .. s_b - q_b + i``. With ``schedule`` (from
+        engine's ``max_model_len``, so a captured graph stays valid as sequences grow);
+        out ``[Tk, Hk, L]`` (q's dtype), lse ``[Tk, Hk]``. Query row ``i`` of request ``b``
+        attends keys ``0 .. s_b - q_b + i``. With ``schedule`` (from
         :meth:`decode_schedule_buffers`, planned by :meth:`plan_decode_schedule`) the provider
         runs its persistent split-KV path.
         """
@@ -130,7 +131,8 @@ class KernelProvider(abc.ABC):
         """Gluon-style decode: each of the ``T`` rows is an independent qlen-1 decode.
 
         q_nope ``[T, H, L]``, q_pe ``[T, H, R]``, kv_cache flat ``[N_tok, L+R]``, page_table flat
-        token ids, seq_info ``[T+1]`` indptr into page_table (rows at most ``max_seqlen_k`` long); out ``[T, H, L]``, lse ``[T, H]``.
+        token ids, seq_info ``[T+1]`` indptr into page_table (rows at most ``max_seqlen_k``
+        long); out ``[T, H, L]``, lse ``[T, H]``.
         """
 
     # -- prefill ----------------------------------------------------------------------------

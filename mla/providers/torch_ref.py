@@ -117,9 +117,7 @@ def _merge_into(
     weight = torch.exp(lse_parts - safe_max[target])
     weight = torch.where(torch.isfinite(lse_parts), weight, torch.zeros_like(weight))
     wsum = torch.zeros(num_rows + 1, heads, device=dev).index_add_(0, target, weight)
-    acc = torch.zeros(num_rows + 1, heads, dim, device=dev).index_add_(
-        0, target, o_parts * weight[..., None]
-    )
+    acc = torch.zeros(num_rows + 1, heads, dim, device=dev).index_add_(0, target, o_parts * weight[..., None])
     o = acc / wsum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     lse = torch.where(wsum > 0, torch.log(wsum) + safe_max, torch.full_like(wsum, float("-inf")))
     return o[:num_rows], lse[:num_rows]
@@ -176,9 +174,18 @@ class TorchProvider(KernelProvider):
             if not isinstance(schedule, SplitKVSchedule):
                 raise TypeError(f"torch provider expects a SplitKVSchedule, got {type(schedule)}")
             self._scheduled_decode(
-                q, kv_cache, kv_indptr, kv_indices, qo_indptr, schedule,
-                max_qlen=max_qlen, max_seqlen_k=max_seqlen_k, scale=softmax_scale,
-                kv_scale=kv_scale, out=out, lse=lse,
+                q,
+                kv_cache,
+                kv_indptr,
+                kv_indices,
+                qo_indptr,
+                schedule,
+                max_qlen=max_qlen,
+                max_seqlen_k=max_seqlen_k,
+                scale=softmax_scale,
+                kv_scale=kv_scale,
+                out=out,
+                lse=lse,
             )
             return
         num_tokens = q.shape[0]
@@ -189,8 +196,15 @@ class TorchProvider(KernelProvider):
         visible = torch.clamp(kv_len - qlen + row + 1, min=0)
         visible = torch.where(owned, torch.minimum(visible, kv_len), torch.zeros_like(visible))
         o, row_lse = _latent_attention(
-            q, kv_cache, kv_indices, kv_indptr[req], visible,
-            max_len=max_seqlen_k, value_dim=out.shape[-1], scale=softmax_scale, kv_scale=kv_scale,
+            q,
+            kv_cache,
+            kv_indices,
+            kv_indptr[req],
+            visible,
+            max_len=max_seqlen_k,
+            value_dim=out.shape[-1],
+            scale=softmax_scale,
+            kv_scale=kv_scale,
         )
         out.copy_(o)
         lse.copy_(row_lse)
@@ -228,9 +242,15 @@ class TorchProvider(KernelProvider):
         length = torch.where(row_live, torch.clamp(end - info[:, 1][:, None], min=0), 0)
         start = info[:, 1][:, None].expand(-1, max_qlen)
         o_part, lse_part = _latent_attention(
-            q[token.reshape(-1)], kv_cache, kv_indices,
-            start.reshape(-1), length.reshape(-1),
-            max_len=max_seqlen_k, value_dim=out.shape[-1], scale=scale, kv_scale=kv_scale,
+            q[token.reshape(-1)],
+            kv_cache,
+            kv_indices,
+            start.reshape(-1),
+            length.reshape(-1),
+            max_len=max_seqlen_k,
+            value_dim=out.shape[-1],
+            scale=scale,
+            kv_scale=kv_scale,
         )
         # Partials go through the schedule's own buffers, as a kernel's would.
         schedule.partial_o[:, :max_qlen].copy_(o_part.view(items, max_qlen, heads, -1))
@@ -304,8 +324,15 @@ class TorchProvider(KernelProvider):
         starts = seq_info[:rows]
         lengths = seq_info[1 : rows + 1] - starts
         o, row_lse = _latent_attention(
-            q, kv_cache, page_table, starts, lengths,
-            max_len=max_seqlen_k, value_dim=out.shape[-1], scale=softmax_scale, kv_scale=kv_scale,
+            q,
+            kv_cache,
+            page_table,
+            starts,
+            lengths,
+            max_len=max_seqlen_k,
+            value_dim=out.shape[-1],
+            scale=softmax_scale,
+            kv_scale=kv_scale,
         )
         out.copy_(o)
         lse.copy_(row_lse)
@@ -328,9 +355,14 @@ class TorchProvider(KernelProvider):
         lse: torch.Tensor,
     ) -> None:
         o, row_lse = _mha_varlen(
-            q.to(torch.float32), k.to(torch.float32), v.to(torch.float32),
-            cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_k=max_seqlen_k, scale=softmax_scale, causal=causal,
+            q.to(torch.float32),
+            k.to(torch.float32),
+            v.to(torch.float32),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_k=max_seqlen_k,
+            scale=softmax_scale,
+            causal=causal,
         )
         out.copy_(o)
         lse.copy_(row_lse)
@@ -397,9 +429,7 @@ class TorchProvider(KernelProvider):
             out.zero_()
             lse.fill_(float("-inf"))
             return
-        o, row_lse = _merge_into(
-            torch.cat(parts_o), torch.cat(parts_lse), torch.cat(targets), num_tokens
-        )
+        o, row_lse = _merge_into(torch.cat(parts_o), torch.cat(parts_lse), torch.cat(targets), num_tokens)
         out.copy_(o)
         lse.copy_(row_lse)
 
