@@ -1,0 +1,269 @@
+"""Prefill benchmark (issue 3): Triton varlen (bf16) and fp8 persistent prefill vs ``varlen_attn``.
+
+One command on the GPU::
+
+    python benchmarks/prefill.py --check            # the issue's shape matrix
+    python benchmarks/prefill.py --check --sweep    # also time alternative launch configs
+    python benchmarks/prefill.py --quick            # smoke run on one small shape
+
+Shapes: H in {16, 128}, q/k head dim 192, v head dim 128, causal, batches of 4 x 4096 and
+16 x 1024 tokens (every request has Sq = Sk). Per shape and implementation it prints the
+median time (``triton.testing.do_bench``), TFLOP/s and the ratio to
+``torch.nn.attention.varlen.varlen_attn`` (and that ratio over the issue's 1.3x target).
+
+FLOPs (useful work, the same count for every implementation)::
+
+    FLOPs = 2 · H · (Dqk + Dv) · pairs,   pairs = Σ_requests Σ_i (keys row i sees) = S(S+1)/2 causal
+
+``varlen_attn`` needs equal q/k and v head dims, so it runs with v zero-padded to 192 (padding
+done once, outside the timing); its extra PV work is not counted. The fp8 row times the kernel
+on pre-quantized inputs (per-tensor scales); its check compares with the reference on the
+dequantized inputs.
+
+``--check`` compares every implementation first, on two heads (0 and H-1) of every request,
+against fp32 torch math on the GPU; outputs are poisoned with NaN before the checked call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import attention_flops, bench_us, gpu_name, print_table, tflops
+
+from mla.providers.triton.fp8_prefill import choose_fp8_config, fp8_prefill_fwd, plan_fp8_prefill
+from mla.providers.triton.prefill import AttentionLaunchConfig, choose_varlen_config, varlen_attention_fwd
+from mla.quant import quantize_per_tensor
+
+QK_DIM, V_DIM = 192, 128
+TARGET_VS_VARLEN = 1.3
+SHAPES = [(h, b, s) for h in (16, 128) for b, s in ((4, 4096), (16, 1024))]
+QUICK_SHAPES = [(16, 2, 1024)]
+VARLEN_SWEEP = [
+    AttentionLaunchConfig(128, 64, 8, 2),
+    AttentionLaunchConfig(128, 64, 8, 3),
+    AttentionLaunchConfig(128, 128, 8, 2),
+]
+FP8_SWEEP = [
+    AttentionLaunchConfig(128, 64, 8, 2),
+    AttentionLaunchConfig(128, 64, 8, 3),
+    AttentionLaunchConfig(128, 128, 8, 2),
+    AttentionLaunchConfig(128, 128, 8, 3),
+]
+OUT_TOL = {"triton-bf16": 1e-2, "triton-fp8": 2e-2, "varlen_attn": 1e-2}
+LSE_TOL = 1e-2
+
+
+class Case:
+    """Inputs of one shape: bf16 q/k/v, their fp8 copies and a padded v for varlen_attn."""
+
+    def __init__(self, heads: int, batch: int, seqlen: int, *, seed: int = 0, device: str = "cuda") -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        tokens = batch * seqlen
+        self.heads, self.batch, self.seqlen = heads, batch, seqlen
+        self.scale = QK_DIM**-0.5
+        self.q = torch.randn(tokens, heads, QK_DIM, device=device, generator=gen).to(torch.bfloat16)
+        self.k = torch.randn(tokens, heads, QK_DIM, device=device, generator=gen).to(torch.bfloat16)
+        self.v = torch.randn(tokens, heads, V_DIM, device=device, generator=gen).to(torch.bfloat16)
+        self.cu = torch.arange(0, tokens + 1, seqlen, dtype=torch.int32, device=device)
+        self.out = torch.empty(tokens, heads, V_DIM, dtype=torch.bfloat16, device=device)
+        self.lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
+        fp8 = torch.float8_e4m3fn
+        (self.q8, self.q_scale), (self.k8, self.k_scale), (self.v8, self.v_scale) = (
+            quantize_per_tensor(x, fp8) for x in (self.q, self.k, self.v)
+        )
+        self.plan = plan_fp8_prefill(
+            self.cu.cpu(), self.cu.cpu(), num_heads=heads, causal=True, device=self.q.device
+        )
+        self.flops = attention_flops(
+            [seqlen] * batch, [seqlen] * batch, h=heads, d_qk=QK_DIM, d_v=V_DIM, causal=True
+        )
+
+    @property
+    def name(self) -> str:
+        return f"H={self.heads} {self.batch}x{self.seqlen}"
+
+    def run_triton(self, config: AttentionLaunchConfig | None = None) -> None:
+        varlen_attention_fwd(
+            self.q, self.k, self.v, self.cu, self.cu, max_seqlen_q=self.seqlen, max_seqlen_k=self.seqlen,
+            softmax_scale=self.scale, causal=True, out=self.out, lse=self.lse, config=config,
+        )  # fmt: skip
+
+    def run_fp8(self, config: AttentionLaunchConfig | None = None) -> None:
+        fp8_prefill_fwd(
+            self.q8, self.k8, self.v8, self.cu, self.cu, plan=self.plan, softmax_scale=self.scale,
+            q_scale=self.q_scale, k_scale=self.k_scale, v_scale=self.v_scale, causal=True,
+            out=self.out, lse=self.lse, config=config,
+        )  # fmt: skip
+
+
+def torch_varlen(case: Case) -> tuple[str, Callable[[], Any]]:
+    """``varlen_attn`` with v padded to 192 (or per-request SDPA where torch lacks it)."""
+    v_pad = torch.nn.functional.pad(case.v, (0, QK_DIM - V_DIM))
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def per_request() -> torch.Tensor:
+            outs = []
+            for b in range(case.batch):
+                rows = slice(b * case.seqlen, (b + 1) * case.seqlen)
+                q, k, v = (x[rows].transpose(0, 1) for x in (case.q, case.k, case.v))
+                outs.append(sdpa(q, k, v, is_causal=True, scale=case.scale).transpose(0, 1))
+            return torch.cat(outs)
+
+        return "sdpa-per-request", per_request
+    params = inspect.signature(varlen_attn).parameters
+    causal_kw: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+    def call() -> torch.Tensor:
+        out = varlen_attn(
+            case.q, case.k, v_pad, case.cu, case.cu, case.seqlen, case.seqlen, scale=case.scale, **causal_kw
+        )
+        return (out[0] if isinstance(out, tuple) else out)[..., :V_DIM]
+
+    return "varlen_attn", call
+
+
+def reference_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case, heads: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 causal attention on the GPU for ``heads`` of every request: out ``[T, len, Dv]``, lse."""
+    outs, lses = [], []
+    causal = torch.ones(case.seqlen, case.seqlen, dtype=torch.bool, device=q.device).tril()
+    for b in range(case.batch):
+        rows = slice(b * case.seqlen, (b + 1) * case.seqlen)
+        qh, kh, vh = (x[rows][:, heads].float().transpose(0, 1) for x in (q, k, v))
+        scores = (qh @ kh.transpose(1, 2)) * case.scale
+        scores = scores.masked_fill(~causal, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append((torch.exp(scores - lse[..., None]) @ vh).transpose(0, 1))
+        lses.append(lse.transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def check(case: Case) -> dict[str, float]:
+    """Relative output error of every implementation (and LSE max abs error) on heads 0, H-1."""
+    heads = sorted({0, case.heads - 1})
+    errors: dict[str, float] = {}
+    ref_bf16 = reference_heads(case.q, case.k, case.v, case, heads)
+    deq = [
+        x.float() * s for x, s in ((case.q8, case.q_scale), (case.k8, case.k_scale), (case.v8, case.v_scale))
+    ]
+    ref_fp8 = reference_heads(deq[0], deq[1], deq[2], case, heads)
+    del deq
+    for name, runner, (ref_out, ref_lse) in (
+        ("triton-bf16", case.run_triton, ref_bf16),
+        ("triton-fp8", case.run_fp8, ref_fp8),
+    ):
+        case.out.fill_(float("nan"))
+        case.lse.fill_(float("nan"))
+        runner()
+        if case.q.is_cuda:
+            torch.cuda.synchronize()
+        written = bool(torch.isfinite(case.out).all()) and bool(torch.isfinite(case.lse).all())
+        errors[name] = rel(case.out[:, heads], ref_out) if written else math.inf
+        errors[name + " lse"] = float((case.lse[:, heads] - ref_lse).abs().max())
+    _, baseline = torch_varlen(case)
+    errors["varlen_attn"] = rel(baseline()[:, heads], ref_bf16[0])
+    return errors
+
+
+def config_text(config: AttentionLaunchConfig) -> str:
+    return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="check every implementation before timing")
+    parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    parser.add_argument("--out", help="write the rows as JSON to this path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("prefill benchmark: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    rows: list[dict[str, Any]] = []
+    sweep_rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for heads, batch, seqlen in shapes:
+        case = Case(heads, batch, seqlen)
+        errors = check(case) if args.check else {}
+        if args.check:
+            print(f"{case.name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()), flush=True)
+            for name, tol in OUT_TOL.items():
+                if not errors[name] <= tol:
+                    failures.append(f"{case.name} {name}: rel err {errors[name]:.3g} > {tol}")
+            for name in ("triton-bf16", "triton-fp8"):
+                if not errors[name + " lse"] <= LSE_TOL:
+                    failures.append(f"{case.name} {name}: lse err {errors[name + ' lse']:.3g} > {LSE_TOL}")
+        baseline_name, baseline = torch_varlen(case)
+        base_us = bench_us(baseline)
+        timed = [
+            (baseline_name, base_us, ""),
+            ("triton-bf16", bench_us(case.run_triton),
+             config_text(choose_varlen_config(case.q.device, torch.bfloat16, QK_DIM, V_DIM, seqlen))),
+            ("triton-fp8", bench_us(case.run_fp8),
+             config_text(choose_fp8_config(case.q.device, QK_DIM, V_DIM, case.plan.tile_q))),
+        ]  # fmt: skip
+        for name, us, config in timed:
+            ratio = base_us / us
+            rows.append({
+                "shape": case.name, "impl": name, "time_us": us, "TFLOP/s": tflops(case.flops, us),
+                "x varlen_attn": ratio, "x target": ratio / TARGET_VS_VARLEN,
+                "rel_err": errors.get(name, math.nan), "config": config,
+            })  # fmt: skip
+        if args.sweep:
+            for kind, configs, runner in (
+                ("bf16", VARLEN_SWEEP, case.run_triton),
+                ("fp8", FP8_SWEEP, case.run_fp8),
+            ):
+                for cfg in configs:
+                    try:
+                        us = bench_us(lambda cfg=cfg, runner=runner: runner(cfg))
+                    except Exception as exc:  # a config can exceed shared memory on this GPU
+                        us, note = math.nan, type(exc).__name__
+                    else:
+                        note = ""
+                    sweep_rows.append({
+                        "shape": case.name, "kind": kind, "config": config_text(cfg), "time_us": us,
+                        "TFLOP/s": tflops(case.flops, us), "note": note,
+                    })  # fmt: skip
+        del case
+        torch.cuda.empty_cache()
+    if sweep_rows:
+        print_table(sweep_rows, title="launch-config sweep")
+    stamp = datetime.date.today().isoformat()
+    print_table(
+        rows,
+        title=f"prefill, {gpu_name()}, {stamp}, torch {torch.__version__}, 192/128 causal bf16 "
+        f"(fp8: e4m3 per-tensor); FLOPs = 2·H·(Dqk+Dv)·causal pairs",
+    )
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"rows": rows, "sweep": sweep_rows, "failures": failures}, handle, indent=1)
+    for failure in failures:
+        print("CHECK FAILED:", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The Triton prefill kernels in the CPU interpreter (``TRITON_INTERPRET=1``, set by conftest).
+
+Tiny shapes, fp16/fp32 inputs (the interpreter computes bf16 dots wrongly), compared with
+:func:`mla.reference.reference_prefill` in float64. The fp8 kernel runs here too: the
+interpreter's ``tl.dot`` on fp8 operands is exact (checked for e4m3fn and e5m2), so the fp8
+tests compare with the reference on the dequantized inputs. Outputs start as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from mla.errors import InvalidInputError, PlanMismatchError
+from mla.quant import quantize_per_tensor
+from mla.reference import causal_visible, reference_prefill
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from mla.providers.triton.fp8_prefill import (
+    KV_SPLIT_ALIGN,
+    build_fp8_prefill_plan,
+    choose_kv_split,
+    fp8_prefill_fwd,
+    plan_fp8_prefill,
+)
+from mla.providers.triton.prefill import HeadDimBlocks, varlen_attention_fwd
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (q lengths, k lengths): Sk > Sq, Sk < Sq (rows with no key), empty requests, odd lengths
+LENGTHS = ([37, 1, 70, 0, 9], [37, 50, 100, 6, 0])
+SHORT_KEYS = ([40, 33], [12, 33])
+
+
+def _indptr(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+
+def _random(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE)
+
+
+def _check(out: torch.Tensor, lse: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor], tol: float) -> None:
+    ref_out, ref_lse = ref
+    out64, lse64 = out.cpu().double(), lse.cpu().double()
+    assert not torch.isnan(out64).any(), "unwritten output rows"
+    assert not torch.isnan(lse64).any(), "unwritten lse rows"
+    err = float((out64 - ref_out).norm() / ref_out.norm())
+    assert err < tol, f"relative output error {err:.3g} >= {tol}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse64), finite), "rows without keys must have lse = -inf"
+    assert bool((lse64[~finite] == float("-inf")).all())
+    assert bool((out64[~finite] == 0).all()), "rows without keys must be 0"
+    assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("dtype", "qk_dim", "v_dim", "causal", "lengths"),
+    [
+        (torch.float16, 192, 128, True, LENGTHS),
+        (torch.float32, 192, 128, False, LENGTHS),
+        (torch.float16, 192, 128, True, SHORT_KEYS),
+        (torch.float32, 40, 24, True, SHORT_KEYS),  # masked head-dim columns in every block
+        (torch.float16, 64, 32, False, SHORT_KEYS),  # power-of-two q/k dim: one dot chunk
+    ],
+    ids=["fp16-192-causal", "fp32-192-full", "fp16-sk-lt-sq", "fp32-40-24", "fp16-64-32"],
+)
+def test_varlen_matches_reference(
+    dtype: torch.dtype, qk_dim: int, v_dim: int, causal: bool, lengths: tuple[list[int], list[int]]
+) -> None:
+    lengths_q, lengths_k = lengths
+    gen = torch.Generator().manual_seed(qk_dim + v_dim)
+    heads, scale = 2, qk_dim**-0.5
+    q = _random((sum(lengths_q), heads, qk_dim), gen).to(dtype)
+    k = _random((sum(lengths_k), heads, qk_dim), gen).to(dtype)
+    v = _random((sum(lengths_k), heads, v_dim), gen).to(dtype)
+    cu_q, cu_k = _indptr(lengths_q), _indptr(lengths_k)
+    out = torch.full((q.shape[0], heads, v_dim), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((q.shape[0], heads), float("nan"), device=DEVICE)
+    varlen_attention_fwd(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k),
+        softmax_scale=scale, causal=causal, out=out, lse=lse,
+    )  # fmt: skip
+    ref = reference_prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal)
+    _check(out, lse, ref, 2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_head_dim_blocks_cover_192_128_without_padding() -> None:
+    assert HeadDimBlocks.for_dims(192, 128) == HeadDimBlocks(128, 64, 128)
+    assert HeadDimBlocks.for_dims(128, 128) == HeadDimBlocks(128, 0, 128)
+    assert HeadDimBlocks.for_dims(40, 24) == HeadDimBlocks(32, 16, 32)
+
+
+@pytest.mark.parametrize(
+    ("fp8", "causal", "kv_split", "num_programs"),
+    [
+        (torch.float8_e4m3fn, True, None, None),  # the planner's own choice
+        (torch.float8_e4m3fn, True, 16, 3),  # splits + reduce, persistent round-robin
+        (torch.float8_e5m2, False, 32, 2),
+    ],
+    ids=["e4m3-causal-planned", "e4m3-causal-split16", "e5m2-full-split32"],
+)
+def test_fp8_prefill_matches_reference(
+    fp8: torch.dtype, causal: bool, kv_split: int | None, num_programs: int | None
+) -> None:
+    lengths_q, lengths_k = LENGTHS
+    gen = torch.Generator().manual_seed(5)
+    heads, qk_dim, v_dim = 2, 192, 128
+    scale = qk_dim**-0.5
+    raw = [
+        _random((sum(lengths_q), heads, qk_dim), gen),
+        _random((sum(lengths_k), heads, qk_dim), gen),
+        _random((sum(lengths_k), heads, v_dim), gen),
+    ]
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_per_tensor(x, fp8) for x in raw)
+    cu_q, cu_k = _indptr(lengths_q), _indptr(lengths_k)
+    if kv_split is None:
+        plan = plan_fp8_prefill(cu_q.cpu(), cu_k.cpu(), num_heads=heads, causal=causal, device=DEVICE)
+    else:
+        assert num_programs is not None
+        plan = build_fp8_prefill_plan(
+            cu_q.cpu(), cu_k.cpu(), num_heads=heads, causal=causal, device=DEVICE, tile_q=32,
+            kv_split=kv_split, num_programs=num_programs,
+        )  # fmt: skip
+        assert plan.num_groups > 0, "the forced split must exercise the partial + reduce path"
+    out = torch.full((q8.shape[0], heads, v_dim), float("nan"), dtype=torch.float16, device=DEVICE)
+    lse = torch.full((q8.shape[0], heads), float("nan"), device=DEVICE)
+    fp8_prefill_fwd(
+        q8, k8, v8, cu_q, cu_k, plan=plan, softmax_scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
+        causal=causal, out=out, lse=lse,
+    )  # fmt: skip
+    deq = [x.double() * s.double() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    _check(out, lse, reference_prefill(*deq, cu_q, cu_k, softmax_scale=scale, causal=causal), 2e-3)
+
+
+def _covered_pairs(plan_units: torch.Tensor) -> list[tuple[int, int, int]]:
+    pairs = []
+    for q_begin, q_rows, k_begin, num_keys, shift, _slot, head, _ in plan_units.tolist():
+        for r in range(q_rows):
+            pairs.extend((q_begin + r, k_begin + n, head) for n in range(num_keys) if n <= r + shift)
+    return pairs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_plan_covers_every_visible_pair_once(causal: bool) -> None:
+    rng = random.Random(7 + causal)
+    lengths_q = [rng.choice([0, 1, 5, 31, 32, 70]) for _ in range(6)]
+    lengths_k = [q + rng.choice([0, 0, 3, 40]) - (rng.random() < 0.3) * min(q, 4) for q in lengths_q]
+    cu_q, cu_k = _indptr(lengths_q).cpu(), _indptr(lengths_k).cpu()
+    heads = 2
+    plan = build_fp8_prefill_plan(
+        cu_q, cu_k, num_heads=heads, causal=causal, device=torch.device("cpu"), tile_q=16, kv_split=24,
+        num_programs=5,
+    )  # fmt: skip
+    expected = []
+    for b in range(len(lengths_q)):
+        visible = causal_visible(lengths_q[b], lengths_k[b], causal=causal)
+        for i, j in visible.nonzero().tolist():
+            expected.extend((int(cu_q[b]) + i, int(cu_k[b]) + j, h) for h in range(heads))
+    covered = _covered_pairs(plan.units[: plan.num_units])
+    assert len(covered) == len(set(covered)), "a (row, key, head) is attended twice"
+    assert sorted(covered) == sorted(expected)
+    # every query row of every head is written exactly once: by a single-split unit or a group
+    groups = plan.groups[: plan.num_groups].tolist()
+    slots = sorted(int(s) for s in plan.units[: plan.num_units, 5].tolist() if s >= 0)
+    assert slots == sorted(s for g in groups for s in range(g[2], g[2] + g[3]) for _ in range(heads))
+    assert plan.num_slots == sum(g[3] for g in groups)
+
+
+def test_kv_split_grows_with_the_batch() -> None:
+    one_long = choose_kv_split([0, 128], [0, 65536], num_heads=16, causal=True, tile_q=128, num_programs=132)
+    assert one_long % KV_SPLIT_ALIGN == 0
+    assert 1024 <= one_long < 65536, "a lone long tile is split so every program gets work"
+    cu = [0, 4096, 8192, 12288, 16384]
+    big = choose_kv_split(cu, cu, num_heads=128, causal=True, tile_q=128, num_programs=132)
+    assert big >= 4096, "a batch with enough tiles runs one pass per tile"
+
+
+def _small_fp8_case() -> dict[str, object]:
+    cu = _indptr([20])
+    q8, qs = quantize_per_tensor(torch.randn(20, 2, 192, device=DEVICE), torch.float8_e4m3fn)
+    v8, vs = quantize_per_tensor(torch.randn(20, 2, 128, device=DEVICE), torch.float8_e4m3fn)
+    return {
+        "q": q8, "k": q8, "v": v8, "cu_seqlens_q": cu, "cu_seqlens_k": cu, "softmax_scale": 0.1,
+        "q_scale": qs, "k_scale": qs, "v_scale": vs, "causal": True,
+        "out": torch.empty(20, 2, 128, device=DEVICE), "lse": torch.empty(20, 2, device=DEVICE),
+    }  # fmt: skip
+
+
+def _one_request_plan(*, causal: bool) -> object:
+    cu = torch.tensor([0, 20])
+    return plan_fp8_prefill(cu, cu, num_heads=2, causal=causal, device=DEVICE)
+
+
+def test_fp8_prefill_rejects_a_plan_for_another_batch() -> None:
+    case = _small_fp8_case()
+    other = _one_request_plan(causal=False)
+    with pytest.raises(PlanMismatchError, match="causal"):
+        fp8_prefill_fwd(plan=other, **case)  # type: ignore[arg-type]
+    with pytest.raises(PlanMismatchError, match="Fp8PrefillPlan"):
+        fp8_prefill_fwd(plan=object(), **case)  # type: ignore[arg-type]
+
+
+def test_launchers_reject_bad_inputs() -> None:
+    case = _small_fp8_case()
+    plan = _one_request_plan(causal=True)
+    with pytest.raises(InvalidInputError, match="v_scale"):
+        fp8_prefill_fwd(plan=plan, **{**case, "v_scale": torch.ones(2, device=DEVICE)})  # type: ignore[arg-type]
+    q = torch.randn(20, 2, 192, device=DEVICE)
+    v = torch.randn(20, 2, 128, device=DEVICE)
+    out, lse = torch.empty(20, 2, 128, device=DEVICE), torch.empty(20, 2, device=DEVICE)
+    cu = _indptr([20])
+    kwargs = {"max_seqlen_q": 20, "max_seqlen_k": 20, "causal": True, "out": out, "lse": lse}
+    with pytest.raises(InvalidInputError, match="softmax_scale"):
+        varlen_attention_fwd(q, q, v, cu, cu, softmax_scale=0.0, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="cu_seqlens_q"):
+        varlen_attention_fwd(q, q, v, cu.long(), cu, softmax_scale=0.1, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="fp8"):
+        fp8_prefill_fwd(plan=plan, **{**case, "q": q, "k": q, "v": v})  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        varlen_attention_fwd(q.transpose(0, 2).contiguous().transpose(0, 2), q, v, cu, cu, softmax_scale=0.1,
+                             **kwargs)  # type: ignore[arg-type]  # fmt: skip
