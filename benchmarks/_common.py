@@ -159,9 +159,7 @@ def print_table(rows: Sequence[dict[str, Any]], *, title: str | None = None) -> 
         lines.append(f"### {title}")
     lines.append("| " + " | ".join(col.ljust(w) for col, w in zip(columns, widths, strict=True)) + " |")
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    lines.extend(
-        "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells
-    )
+    lines.extend("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells)
     text = "\n".join(lines)
     print(text, flush=True)
     return text

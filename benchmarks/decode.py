@@ -1,0 +1,390 @@
+"""Triton MLA decode benchmark: the issue-3 shape matrix, reference-checked, on one GPU.
+
+    python benchmarks/decode.py            # full matrix (checks every shape first), table last
+    python benchmarks/decode.py --quick    # a smoke run: two small shapes
+    python benchmarks/decode.py --sweep    # also time alternative launch configs on key rows
+
+Every shape is first checked against the torch reference provider on a slice of its requests
+(relative Frobenius error of o, max |Δlse|), then timed as CUDA-graph replays of one decode call
+(median of rounds; the persistent schedule is planned once outside the graph, as an engine plans
+once per step for all layers). ``do_bench`` (median, L2 flushed) is printed beside it.
+Metrics follow FlashMLA (anchors.md §1.2): bytes = KV read once + q read + o written; FLOPs =
+2·s_q·Σs_k·h·(576+512). ``copy%`` is the bandwidth over the measured 4.25 TB/s device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (
+    H200_COPY_TBPS,
+    bench_graph_us,
+    bench_us,
+    decode_bytes,
+    decode_flops,
+    gpu_name,
+    print_table,
+    rel_error,
+    tbps,
+    tflops,
+)
+
+from mla.providers.torch_ref import TorchProvider
+from mla.providers.triton import TritonProvider
+from mla.providers.triton.decode import num_sms, paged_decode
+from mla.providers.triton.schedule import DecodeLaunchConfig, allocate_schedule, plan_split_kv
+from mla.providers.triton.small_head import small_head_decode
+from mla.schedule import SplitKVSchedule
+
+RANK, ROPE = 512, 64
+SCALE = 1.0 / math.sqrt(192)
+FP8_SCALE = 0.05
+
+
+@attrs.frozen
+class Shape:
+    name: str
+    heads: int
+    qlen: int
+    batch: int
+    seq: int
+    block: int = 64
+    kv: str = "bf16"
+    target: str = ""
+
+
+MATRIX = [
+    Shape("mem", 16, 1, 64, 4096, target="tbps>=3.4"),
+    Shape("mem", 16, 1, 64, 8192, target="tbps>=3.4"),
+    Shape("mem", 16, 1, 128, 4096, target="tbps>=3.4"),
+    Shape("mem", 16, 1, 128, 8192, target="tbps>=3.4"),
+    Shape("long", 16, 1, 1, 65536, target="tbps>=3.0"),
+    Shape("page1", 16, 1, 16, 4096, block=1, target="tbps>=2.5"),
+    Shape("fp8", 16, 1, 128, 8192, kv="fp8", target="speedup>=1.7 vs mem B128 S8192"),
+    Shape("verify", 16, 2, 64, 4096, target="time<=1.3x q1 B64 S4096"),
+    Shape("verify", 16, 4, 64, 4096, target="time<=1.3x q1 B64 S4096"),
+    Shape("compute", 128, 1, 64, 4096, target="tflops>=300"),
+    Shape("heads", 8, 1, 128, 4096, target="time<=1.1x H16 B128 S4096"),
+    Shape("heads", 12, 1, 128, 4096, target="time<=1.1x H16 B128 S4096"),
+]
+QUICK = [Shape("mem", 16, 1, 32, 2048), Shape("verify", 16, 2, 8, 1024, block=1)]
+
+
+class Problem:
+    """Random inputs of one shape on the GPU (cache blocks randomly permuted)."""
+
+    def __init__(self, shape: Shape, device: torch.device) -> None:
+        self.shape = shape
+        gen = torch.Generator(device=device).manual_seed(shape.heads * 1000 + shape.qlen)
+        blocks_per_req = -(-shape.seq // shape.block)
+        num_blocks = shape.batch * blocks_per_req + 1
+        cache = torch.randn(num_blocks, shape.block, RANK + ROPE, device=device, generator=gen)
+        if shape.kv == "fp8":
+            self.kv_scale: float | None = FP8_SCALE
+            self.cache = (cache / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
+        else:
+            self.kv_scale = None
+            self.cache = cache.to(torch.bfloat16)
+        del cache
+        perm = torch.randperm(num_blocks, device=device, generator=gen)[: shape.batch * blocks_per_req]
+        self.block_table = perm.view(shape.batch, blocks_per_req).to(torch.int32)
+        self.kv_indptr = (torch.arange(shape.batch + 1, device=device) * shape.seq).to(torch.int32)
+        self.qo_indptr = (torch.arange(shape.batch + 1, device=device) * shape.qlen).to(torch.int32)
+        total = shape.batch * shape.seq
+        self.kv_indices = torch.empty(total, dtype=torch.int32, device=device)
+        TritonProvider().expand_page_indices(
+            self.block_table, self.kv_indptr, block_size=shape.block, num_tokens=total, out=self.kv_indices
+        )
+        tokens = shape.batch * shape.qlen
+        self.q = torch.randn(tokens, shape.heads, RANK + ROPE, device=device, generator=gen).to(
+            torch.bfloat16
+        )
+        self.out = torch.empty(tokens, shape.heads, RANK, dtype=torch.bfloat16, device=device)
+        self.lse = torch.empty(tokens, shape.heads, dtype=torch.float32, device=device)
+        self.flat = self.cache.view(-1, RANK + ROPE)
+
+    def schedule(self, *, units: int | None = None, min_chunk: int | None = None) -> SplitKVSchedule:
+        s = self.shape
+        sched = allocate_schedule(
+            max_batch=s.batch,
+            max_kernel_qlen=s.qlen,
+            kernel_heads=s.heads,
+            kv_lora_rank=RANK,
+            num_sms=num_sms(self.q.device),
+            device=self.q.device,
+        )
+        if units is not None:
+            sched = SplitKVSchedule.allocate(
+                max_batch=s.batch,
+                max_kernel_qlen=s.qlen,
+                kernel_heads=s.heads,
+                kv_lora_rank=RANK,
+                num_units=units,
+                device=self.q.device,
+                min_chunk=min_chunk or sched.min_chunk,
+            )
+        plan_split_kv(sched, self.kv_indptr, s.batch)
+        return sched
+
+    def decode_fn(
+        self,
+        *,
+        schedule: SplitKVSchedule | None,
+        config: DecodeLaunchConfig | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> Callable[[], None]:
+        s = self.shape
+
+        def run() -> None:
+            paged_decode(
+                self.q,
+                self.flat,
+                self.kv_indptr,
+                self.kv_indices,
+                self.qo_indptr,
+                max_qlen=s.qlen,
+                max_seqlen_k=s.seq,
+                softmax_scale=SCALE,
+                kv_scale=self.kv_scale,
+                out=self.out if out is None else out,
+                lse=self.lse if lse is None else lse,
+                schedule=schedule,
+                config=config,
+            )
+
+        return run
+
+    def small_head_fn(self) -> Callable[[], None]:
+        s = self.shape
+
+        def run() -> None:
+            small_head_decode(
+                self.q[..., :RANK],
+                self.q[..., RANK:],
+                self.flat,
+                self.kv_indices,
+                self.kv_indptr,
+                max_seqlen_k=s.seq,
+                softmax_scale=SCALE,
+                kv_scale=self.kv_scale,
+                out=self.out,
+                lse=self.lse,
+            )
+
+        return run
+
+    def check(self, run: Callable[[], None], *, requests: int = 4) -> tuple[float, float]:
+        """(o relative error, max |Δlse|) of the first ``requests`` requests against torch."""
+        self.out.fill_(math.nan)
+        self.lse.fill_(math.nan)
+        run()
+        s = self.shape
+        k = min(requests, s.batch)
+        rows = k * s.qlen
+        ref_o = torch.empty(rows, s.heads, RANK, dtype=torch.float32, device=self.q.device)
+        ref_l = torch.empty(rows, s.heads, dtype=torch.float32, device=self.q.device)
+        TorchProvider().paged_mqa_decode(
+            self.q[:rows],
+            self.flat,
+            self.kv_indptr[: k + 1],
+            self.kv_indices,
+            self.qo_indptr[: k + 1],
+            max_qlen=s.qlen,
+            max_seqlen_k=s.seq,
+            softmax_scale=SCALE,
+            kv_scale=self.kv_scale,
+            out=ref_o,
+            lse=ref_l,
+        )
+        if torch.isnan(self.out).any() or torch.isnan(self.lse).any():
+            return math.inf, math.inf
+        return rel_error(self.out[:rows], ref_o), float((self.lse[:rows] - ref_l).abs().max())
+
+    def metrics(self, us: float) -> tuple[float, float]:
+        s = self.shape
+        total = s.batch * s.seq
+        nbytes = decode_bytes(
+            total_seqlens=total, b=s.batch, s_q=s.qlen, h_q=s.heads, kv_elem=self.cache.element_size()
+        )
+        return tbps(nbytes, us), tflops(decode_flops(total_seqlens=total, s_q=s.qlen, h_q=s.heads), us)
+
+
+def time_fn(fn: Callable[[], None]) -> tuple[float, float]:
+    """(graph-replay median µs, do_bench median µs)."""
+    return bench_graph_us(fn), bench_us(fn, warmup_ms=10, rep_ms=50)
+
+
+def label(s: Shape) -> str:
+    return f"{s.name} H{s.heads} q{s.qlen} B{s.batch} S{s.seq} bs{s.block} {s.kv}"
+
+
+def run_matrix(shapes: list[Shape], *, with_torch: bool) -> list[dict[str, Any]]:
+    device = torch.device("cuda")
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        prob = Problem(shape, device)
+        sched = prob.schedule()
+        variants = [("pers", prob.decode_fn(schedule=sched)), ("np", prob.decode_fn(schedule=None))]
+        if shape.name == "heads":
+            variants.append(("small", prob.small_head_fn()))
+        torch_us = math.nan
+        if with_torch:
+            ref_out = torch.empty_like(prob.out)
+            ref_lse = torch.empty_like(prob.lse)
+
+            def torch_run(p: Problem = prob, o: torch.Tensor = ref_out, lse: torch.Tensor = ref_lse) -> None:
+                TorchProvider().paged_mqa_decode(
+                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr,
+                    max_qlen=p.shape.qlen, max_seqlen_k=p.shape.seq, softmax_scale=SCALE,
+                    kv_scale=p.kv_scale, out=o, lse=lse,
+                )  # fmt: skip
+
+            torch_us = bench_us(torch_run, warmup_ms=1, rep_ms=20)
+        for mode, fn in variants:
+            err_o, err_l = prob.check(fn)
+            ok = err_o <= 1e-2 and err_l <= 1e-2
+            graph_us, bench = time_fn(fn) if ok else (math.nan, math.nan)
+            bw, fl = prob.metrics(graph_us)
+            rows.append(
+                {
+                    "shape": label(shape),
+                    "mode": mode,
+                    "check": "ok" if ok else f"FAIL o={err_o:.2g} lse={err_l:.2g}",
+                    "us": graph_us,
+                    "us_dobench": bench,
+                    "TB/s": bw,
+                    "copy%": 100 * bw / H200_COPY_TBPS,
+                    "TFLOP/s": fl,
+                    "x_torch": torch_us / graph_us,
+                    "target": shape.target,
+                }
+            )
+            print(rows[-1], flush=True)
+        del prob, sched
+        torch.cuda.empty_cache()
+    annotate_targets(rows)
+    return rows
+
+
+def annotate_targets(rows: list[dict[str, Any]]) -> None:
+    """Ratio to target per row (>= 1 meets it), using the best mode of the reference rows."""
+
+    def best(prefix: str) -> float:
+        times = [r["us"] for r in rows if r["shape"].startswith(prefix) and r["mode"] in ("pers", "np")]
+        return min(times) if times else math.nan
+
+    for r in rows:
+        target = r["target"]
+        if target.startswith("tbps>="):
+            r["vs_target"] = r["TB/s"] / float(target.split(">=")[1])
+        elif target.startswith("tflops>="):
+            r["vs_target"] = r["TFLOP/s"] / float(target.split(">=")[1])
+        elif target.startswith("speedup"):
+            r["vs_target"] = best("mem H16 q1 B128 S8192") / r["us"] / 1.7
+        elif target.startswith("time<=1.3x"):
+            r["vs_target"] = 1.3 * best("mem H16 q1 B64 S4096") / r["us"]
+        elif target.startswith("time<=1.1x"):
+            r["vs_target"] = 1.1 * best("mem H16 q1 B128 S4096") / r["us"]
+        else:
+            r["vs_target"] = math.nan
+
+
+def sweep_configs() -> list[tuple[Shape, str, DecodeLaunchConfig | None, int | None, int | None]]:
+    """(shape, mode, tile config, schedule units, min chunk) alternatives for the key rows."""
+    mem = Shape("mem", 16, 1, 128, 4096)
+    long = Shape("long", 16, 1, 1, 65536)
+    fp8 = Shape("fp8", 16, 1, 128, 8192, kv="fp8")
+    v4 = Shape("verify", 16, 4, 64, 4096)
+    big = Shape("compute", 128, 1, 64, 4096)
+
+    def cfg(m: int, n: int, w: int, st: int, rp: bool = False) -> DecodeLaunchConfig:
+        return DecodeLaunchConfig(block_m=m, block_n=n, num_warps=w, num_stages=st, reg_pipeline=rp)
+
+    out: list[tuple[Shape, str, DecodeLaunchConfig | None, int | None, int | None]] = []
+    for units, chunk in [(528, 256), (264, 512)]:
+        out.append((mem, "pers", None, units, chunk))
+        out.append((long, "pers", None, units, chunk))
+    for c in [cfg(16, 32, 4, 2), cfg(16, 64, 8, 1, True)]:
+        out.append((fp8, "pers", c, None, None))
+    out.append((mem, "pers", cfg(16, 32, 4, 3), None, None))
+    out.append((v4, "pers", cfg(16, 64, 4, 2), None, None))
+    out.append((big, "pers", cfg(64, 64, 8, 2), None, None))
+    return out
+
+
+def run_sweep() -> list[dict[str, Any]]:
+    device = torch.device("cuda")
+    rows: list[dict[str, Any]] = []
+    cache: dict[Shape, Problem] = {}
+    for shape, _mode, config, units, chunk in sweep_configs():
+        if shape not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            cache[shape] = Problem(shape, device)
+        prob = cache[shape]
+        fn = prob.decode_fn(schedule=prob.schedule(units=units, min_chunk=chunk), config=config)
+        desc = (
+            "default"
+            if config is None
+            else f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"
+        )
+        if units is not None:
+            desc += f" units{units} chunk{chunk}"
+        try:
+            err_o, err_l = prob.check(fn)
+        except Exception as exc:  # a config that fails to compile (shared memory) is reported
+            rows.append({"shape": label(shape), "config": desc, "check": f"ERROR {type(exc).__name__}"})
+            print(rows[-1], str(exc)[:300], flush=True)
+            continue
+        ok = err_o <= 1e-2 and err_l <= 1e-2
+        us = bench_graph_us(fn) if ok else math.nan
+        bw, fl = prob.metrics(us)
+        rows.append({"shape": label(shape), "config": desc, "check": "ok" if ok else f"FAIL {err_o:.2g}",
+                     "us": us, "TB/s": bw, "TFLOP/s": fl})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="two small shapes only")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    parser.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--json", help="write all rows to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/decode.py needs a CUDA/ROCm GPU")
+    print(f"# GPU: {gpu_name()}, SMs: {num_sms(torch.device('cuda'))}, torch {torch.__version__}", flush=True)
+    rows = run_matrix(QUICK if args.quick else MATRIX, with_torch=not args.no_torch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu_name(), "matrix": rows}, f, indent=1, default=str)
+    sweep = run_sweep() if args.sweep else []
+    if args.json and sweep:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu_name(), "matrix": rows, "sweep": sweep}, f, indent=1, default=str)
+    if sweep:
+        print_table(sweep, title="launch-config sweep (graph-replay µs)")
+    print_table(
+        [{k: r[k] for k in ("shape", "mode", "check", "us", "us_dobench", "TB/s", "copy%", "TFLOP/s",
+                            "x_torch", "vs_target")} for r in rows],
+        title=f"Triton MLA decode on {gpu_name()} (µs = CUDA-graph replay median)",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,533 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Triton paged MQA decode over the flat MLA latent cache, and its split-KV reduce.
+
+One kernel serves every decode contract of the provider:
+
+* ``paged_decode``: asm-style paged decode (``q [T, H, L+R]``, ``qo_indptr`` with qlen >= 1,
+  right-aligned causal rows), either *non-persistent* (the kernel splits each request's KV into
+  ``num_splits`` equal ranges by the heuristic in :mod:`.schedule`) or *persistent* (work items
+  from a planned :class:`~mla.schedule.SplitKVSchedule`);
+* the small-head (Gluon-style) decode in :mod:`.small_head`, where every row of q is its own
+  qlen-1 request (``UNIT_QLEN``).
+
+A program owns one (request, KV range) work item and ``BLOCK_M`` packed query rows
+(``row = qi·H + h``), so verify rows and small head counts share the MMA M dimension instead of
+padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows by flat token id, computes
+``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` (two dots), an online softmax in the exp2 domain, and
+``O += P·K_lat`` (V is the latent part of the same tile, loaded once). fp8 caches are loaded as
+fp8 and widened to the dot dtype in registers; the per-tensor scale is folded into the score
+scale and the output. Work items covering a whole request write ``out``/``lse`` directly; split
+items write fp32 partials (normalised o, natural-log lse) that :func:`_merge_splits_kernel`
+combines.
+
+Rows with no visible key produce ``o = 0``, ``lse = -inf``. Everything here is graph-capturable:
+grids come from shapes and Python ints, never from tensor values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.errors import InvalidInputError
+from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
+from mla.schedule import SplitKVSchedule
+
+LOG2E = 1.4426950408889634
+
+_MODE_SPLIT = 0
+"""Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
+_MODE_SCHEDULED = 1
+"""Persistent: program ``work`` reads item ``work`` of the schedule's ``work_info``."""
+
+
+@triton.jit
+def _load_tile_ids(index_base, n0, hi, offs_n):
+    """Flat token ids of KV positions ``n0 + offs_n`` (int64; 0 past ``hi``)."""
+    n = n0 + offs_n
+    return tl.load(index_base + n, mask=n < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_tile(
+    kv_ptr, tok, n0, hi, stride_kv, offs_n, offs_l, offs_r,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """The latent ``[BLOCK_N, BLOCK_L]`` and rope ``[BLOCK_N, BLOCK_R]`` parts of the cache rows
+    ``tok`` (rows past ``hi`` and padded columns read as 0, never as memory)."""
+    n_ok = n0 + offs_n < hi
+    row_ptr = kv_ptr + tok[:, None] * stride_kv
+    if BLOCK_L == L:
+        k_lat = tl.load(row_ptr + offs_l[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_lat = tl.load(row_ptr + offs_l[None, :], mask=n_ok[:, None] & (offs_l[None, :] < L), other=0.0)
+    if BLOCK_R == R:
+        k_rope = tl.load(row_ptr + L + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_rope = tl.load(row_ptr + L + offs_r[None, :], mask=n_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    return k_lat, k_rope
+
+
+@triton.jit
+def _attend_tile(
+    q_nope, q_pe, k_lat, k_rope, n, hi, row_limit, m_i, l_i, acc, qk_scale,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step (exp2 domain) over KV positions ``n``: returns ``m, l, acc``."""
+    k_lat = k_lat.to(DOT_DTYPE)
+    scores = tl.dot(q_nope, tl.trans(k_lat), input_precision=INPUT_PRECISION)
+    scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)), scores, input_precision=INPUT_PRECISION)
+    visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(scores - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    qo_indptr_ptr,
+    work_info_ptr,
+    split_indptr_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    qk_scale,
+    v_scale,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    MODE: tl.constexpr,
+    UNIT_QLEN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    REG_PIPELINE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    work = pid // ROW_BLOCKS
+
+    # -- the work item: request, KV range [lo, hi) relative to the request, direct or partial --
+    if MODE == 0:
+        req = work // num_splits
+        split = work % num_splits
+        kv_start = tl.load(kv_indptr_ptr + req)
+        kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+        direct = num_splits == 1
+    else:
+        req = tl.load(work_info_ptr + work * 4)
+        if req < 0:
+            return
+        kv_start = tl.load(kv_indptr_ptr + req)
+        kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+        lo = tl.load(work_info_ptr + work * 4 + 1) - kv_start
+        hi = tl.load(work_info_ptr + work * 4 + 2) - kv_start
+        direct = (tl.load(split_indptr_ptr + req + 1) - tl.load(split_indptr_ptr + req)) == 1
+
+    if UNIT_QLEN:
+        q_start = req
+        qlen = 1
+    else:
+        q_start = tl.load(qo_indptr_ptr + req)
+        qlen = tl.load(qo_indptr_ptr + req + 1) - q_start
+
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // H
+    head = rows % H
+    row_ok = qi < qlen
+    # Right-aligned causal window: row qi sees relative keys < kv_len - qlen + qi + 1.
+    row_limit = kv_len - qlen + qi + 1
+    token = (q_start + qi).to(tl.int64)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    qn_ptrs = q_nope_ptr + token[:, None] * stride_qn_t + head[:, None] * stride_qn_h + offs_l[None, :]
+    qp_ptrs = q_pe_ptr + token[:, None] * stride_qp_t + head[:, None] * stride_qp_h + offs_r[None, :]
+    if BLOCK_L == L:
+        q_nope = tl.load(qn_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q_nope = tl.load(qn_ptrs, mask=row_ok[:, None] & (offs_l[None, :] < L), other=0.0)
+    if BLOCK_R == R:
+        q_pe = tl.load(qp_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q_pe = tl.load(qp_ptrs, mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    q_nope = q_nope.to(DOT_DTYPE)
+    q_pe = q_pe.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    index_base = kv_indices_ptr + kv_start
+    if REG_PIPELINE:
+        # Hand-pipelined: the next tile's rows are loaded into registers before this tile is
+        # computed (Triton's cp.async pipeliner does not take fp8 tiles that are widened
+        # before the dots), and token ids run one tile further ahead.
+        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n)
+        k_lat, k_rope = _load_kv_tile(
+            kv_ptr, _load_tile_ids(index_base, lo, hi, offs_n), lo, hi, stride_kv, offs_n, offs_l, offs_r,
+            L, R, BLOCK_L, BLOCK_R,
+        )  # fmt: skip
+        for n0 in range(lo, hi, BLOCK_N):
+            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n)
+            k_lat_next, k_rope_next = _load_kv_tile(
+                kv_ptr, tok_next, n0 + BLOCK_N, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R
+            )
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, m_i, l_i, acc, qk_scale,
+                DOT_DTYPE, INPUT_PRECISION,
+            )  # fmt: skip
+            k_lat, k_rope, tok_next = k_lat_next, k_rope_next, tok_after
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            k_lat, k_rope = _load_kv_tile(
+                kv_ptr, _load_tile_ids(index_base, n0, hi, offs_n), n0, hi, stride_kv, offs_n, offs_l, offs_r,
+                L, R, BLOCK_L, BLOCK_R,
+            )  # fmt: skip
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, m_i, l_i, acc, qk_scale,
+                DOT_DTYPE, INPUT_PRECISION,
+            )  # fmt: skip
+
+    has_keys = l_i > 0.0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    # Natural-log LSE: (max + log2(sum)) in the exp2 domain, times ln 2.
+    lse = tl.where(has_keys, (m_i + tl.math.log2(safe_l)) * 0.6931471805599453, float("-inf"))
+    o = acc * (v_scale / safe_l)[:, None]
+    o_mask = row_ok[:, None] & (offs_l[None, :] < L)
+    if direct:
+        o_ptrs = out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_l[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
+    else:
+        wk = work.to(tl.int64)
+        po_ptrs = part_o_ptr + wk * stride_po_w + qi[:, None] * stride_po_q + head[:, None] * stride_po_h
+        tl.store(po_ptrs + offs_l[None, :], o, mask=o_mask)
+        tl.store(part_lse_ptr + wk * stride_pl_w + qi * stride_pl_q + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    qo_indptr_ptr,
+    split_indptr_ptr,
+    num_splits,
+    max_qlen,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    L: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MODE: tl.constexpr,
+    UNIT_QLEN: tl.constexpr,
+):
+    """Program (request·qlen + query row, head, value chunk): LSE-merge the request's split
+    partials, ``BLOCK_S`` splits per step (max pass, then weighted-sum pass)."""
+    req = tl.program_id(0) // max_qlen
+    qi = tl.program_id(0) % max_qlen
+    head = tl.program_id(1)
+    if UNIT_QLEN:
+        q_start = req
+        qlen = 1
+    else:
+        q_start = tl.load(qo_indptr_ptr + req)
+        qlen = tl.load(qo_indptr_ptr + req + 1) - q_start
+    if qi >= qlen:
+        return
+    if MODE == 0:
+        s0 = req * num_splits
+        s1 = s0 + num_splits
+    else:
+        s0 = tl.load(split_indptr_ptr + req)
+        s1 = tl.load(split_indptr_ptr + req + 1)
+        if s1 - s0 == 1:
+            return  # the decode kernel wrote this request directly
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    lse_base = part_lse_ptr + qi * stride_pl_q + head
+    top = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for c in range(s0, s1, BLOCK_S):
+        split = c + offs_s
+        top = tl.maximum(
+            top, tl.max(tl.load(lse_base + split * stride_pl_w, mask=split < s1, other=float("-inf")), 0)
+        )
+    top_use = tl.where(top == float("-inf"), 0.0, top)
+    denom = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    o_base = part_o_ptr + qi * stride_po_q + head * stride_po_h
+    for c in range(s0, s1, BLOCK_S):
+        split = c + offs_s
+        lse_s = tl.load(lse_base + split * stride_pl_w, mask=split < s1, other=float("-inf"))
+        weight = tl.math.exp(lse_s - top_use)
+        live = weight > 0.0
+        o_s = tl.load(
+            o_base + split[:, None] * stride_po_w + offs_d[None, :],
+            mask=live[:, None] & (offs_d[None, :] < L),
+            other=0.0,
+        )
+        acc += tl.sum(o_s * weight[:, None], 0)
+        denom += tl.sum(weight, 0)
+    has_keys = denom > 0.0
+    safe = tl.where(has_keys, denom, 1.0)
+    token = (q_start + qi).to(tl.int64)
+    o_ptrs = out_ptr + token * stride_o_t + head * stride_o_h + offs_d
+    tl.store(o_ptrs, (acc / safe).to(out_ptr.dtype.element_ty), mask=offs_d < L)
+    if tl.program_id(2) == 0:
+        tl.store(
+            lse_ptr + token * stride_lse_t + head * stride_lse_h,
+            tl.where(has_keys, top + tl.log(safe), float("-inf")),
+        )
+
+
+def _dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """Operand dtype of the tensor-core dots and its precision mode.
+
+    16-bit queries set the dot dtype (a cache of the other 16-bit type is converted to it in
+    registers); an fp8 cache with a 16-bit query runs fp16 dots, since fp8 → fp16 is one
+    instruction per two values (fp8 → bf16 is several) and fp16 holds every fp8 value exactly
+    (the query is rounded to fp16: finer than bf16, range ±65504). fp32 queries run fp32 dots
+    in IEEE precision (a correctness path, slow).
+    """
+    if kv_dtype.itemsize == 1 and q_dtype in (torch.bfloat16, torch.float16):
+        return tl.float16, "tf32"
+    if q_dtype == torch.bfloat16:
+        return tl.bfloat16, "tf32"
+    if q_dtype == torch.float16:
+        return tl.float16, "tf32"
+    return tl.float32, "ieee"
+
+
+def launch_decode(
+    *,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor | None,
+    num_requests: int,
+    max_qlen: int,
+    softmax_scale: float,
+    kv_scale: float | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config: DecodeLaunchConfig,
+    schedule: SplitKVSchedule | None,
+) -> None:
+    """Launch the decode (and the reduce when any request is split).
+
+    ``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` may be strided views (last dim contiguous);
+    ``qo_indptr is None`` means row ``b`` of q is request ``b`` with qlen 1 (small-head mode).
+    Non-persistent when ``schedule is None`` (``config.num_splits`` splits per request).
+    """
+    heads, rank = q_nope.shape[1], q_nope.shape[2]
+    rope = q_pe.shape[2]
+    rows = heads * max_qlen
+    row_blocks = config.row_blocks(rows)
+    if num_requests == 0 or rows == 0:
+        return
+    dot_dtype, precision = _dot_dtype(q_nope.dtype, kv_cache.dtype)
+    qk_scale = softmax_scale * (1.0 if kv_scale is None else kv_scale) * LOG2E
+    v_scale = 1.0 if kv_scale is None else kv_scale
+    unit_qlen = qo_indptr is None
+    qo = kv_indptr if qo_indptr is None else qo_indptr
+    if schedule is None:
+        mode, num_splits = _MODE_SPLIT, config.num_splits
+        num_work = num_requests * num_splits
+        if num_splits > 1:
+            part_o = torch.empty(num_work, max_qlen, heads, rank, dtype=torch.float32, device=out.device)
+            part_lse = torch.empty(num_work, max_qlen, heads, dtype=torch.float32, device=out.device)
+        else:
+            part_o, part_lse = out.new_empty(1, 1, 1, 1, dtype=torch.float32), lse.new_empty(1, 1, 1)
+        work_info, split_indptr = kv_indptr, kv_indptr
+    else:
+        mode, num_splits = _MODE_SCHEDULED, 1
+        num_work = schedule.max_work
+        part_o, part_lse = schedule.partial_o, schedule.partial_lse
+        if part_o.shape[1] < max_qlen or part_o.shape[2] != heads or part_o.shape[3] != rank:
+            raise InvalidInputError(
+                "schedule",
+                f"partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
+                f"qlen {max_qlen} x {heads} heads x rank {rank}; allocate them with "
+                "decode_schedule_buffers for this kernel's heads and max qlen",
+            )
+        work_info, split_indptr = schedule.work_info, schedule.split_indptr
+    _mla_decode_kernel[(num_work * row_blocks,)](
+        q_nope,
+        q_pe,
+        kv_cache,
+        kv_indptr,
+        kv_indices,
+        qo,
+        work_info,
+        split_indptr,
+        out,
+        lse,
+        part_o,
+        part_lse,
+        num_splits,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        qk_scale,
+        v_scale,
+        H=heads,
+        L=rank,
+        R=rope,
+        BLOCK_L=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        ROW_BLOCKS=row_blocks,
+        MODE=mode,
+        UNIT_QLEN=unit_qlen,
+        DOT_DTYPE=dot_dtype,
+        INPUT_PRECISION=precision,
+        REG_PIPELINE=config.reg_pipeline,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if mode == _MODE_SPLIT and num_splits == 1:
+        return
+    block_d = min(128, max(16, triton.next_power_of_2(rank)))
+    _merge_splits_kernel[(num_requests * max_qlen, heads, triton.cdiv(rank, block_d))](
+        part_o,
+        part_lse,
+        out,
+        lse,
+        qo,
+        split_indptr,
+        num_splits,
+        max_qlen,
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        L=rank,
+        BLOCK_S=16,
+        BLOCK_D=block_d,
+        MODE=mode,
+        UNIT_QLEN=unit_qlen,
+        num_warps=4,
+    )
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units) of ``device``; 8 in the CPU interpreter."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 8
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    *,
+    max_qlen: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    kv_scale: float | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    schedule: SplitKVSchedule | None = None,
+    config: DecodeLaunchConfig | None = None,
+) -> None:
+    """Paged MQA decode (contract of ``KernelProvider.paged_mqa_decode``).
+
+    q ``[T, H, L+R]``, kv_cache ``[N_tok, L+R]``, out ``[T, H, L]``, lse ``[T, H]`` fp32.
+    ``config`` overrides the heuristic (benchmarks); ``schedule`` selects the persistent path.
+    """
+    num_requests = qo_indptr.numel() - 1
+    kv_lora_rank = out.shape[-1]
+    if config is None:
+        config = decode_launch_config(
+            batch=num_requests,
+            rows=q.shape[1] * max_qlen,
+            max_seqlen_k=max_seqlen_k,
+            num_sms=num_sms(q.device),
+            kv_elem_size=kv_cache.element_size(),
+            persistent=schedule is not None,
+        )
+    launch_decode(
+        q_nope=q[..., :kv_lora_rank],
+        q_pe=q[..., kv_lora_rank:],
+        kv_cache=kv_cache,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        qo_indptr=qo_indptr,
+        num_requests=num_requests,
+        max_qlen=max_qlen,
+        softmax_scale=softmax_scale,
+        kv_scale=kv_scale,
+        out=out,
+        lse=lse,
+        config=config,
+        schedule=schedule,
+    )
+
+
+__all__ = ["launch_decode", "num_sms", "paged_decode"]

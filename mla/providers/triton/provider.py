@@ -1,0 +1,350 @@
+"""The ``triton`` kernel provider: every kernel contract of DESIGN §4 as Triton kernels.
+
+Runs on NVIDIA and AMD GPUs, and in Triton's CPU interpreter (``TRITON_INTERPRET=1``, used by
+the tests). Decode kernels live in :mod:`.decode` / :mod:`.small_head` with the launch heuristic
+and the device-side planner in :mod:`.schedule`; prefill in :mod:`.prefill` / :mod:`.fp8_prefill`;
+merge, page expansion and KV write in :mod:`.utils`.
+
+Capabilities: no head granularity (any head count runs natively, heads × qlen packed into the
+MMA rows), any qlen, bf16/fp16/fp32 queries, bf16/fp16/fp32 caches and fp8 caches (widened to
+the dot dtype in registers, so they work on any arch whose Triton converts that fp8 format;
+e4m3 needs sm89+ on NVIDIA). The fp8 prefill needs fp8 tensor-core dots: NVIDIA sm89+, AMD
+gfx942/gfx950 (and the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+import triton
+
+from mla.capabilities import ALL_CONTRACTS, Contract, ProviderCapabilities
+from mla.errors import InvalidInputError
+from mla.platform import Platform
+from mla.providers.base import KernelProvider
+from mla.providers.triton.decode import paged_decode
+from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
+from mla.providers.triton.prefill import varlen_attention_fwd
+from mla.providers.triton.schedule import allocate_schedule, plan_split_kv
+from mla.providers.triton.small_head import small_head_decode
+from mla.providers.triton.utils import expand_page_indices, merge_states, write_kv
+from mla.schedule import SplitKVSchedule
+from mla.support import Support
+
+_FLOATS = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _nvidia_sm(arch: str) -> int | None:
+    """``sm90`` → 90; ``None`` for non-NVIDIA arch names."""
+    if arch.startswith("sm") and arch[2:].isdigit():
+        return int(arch[2:])
+    return None
+
+
+def fp8_kv_dtypes(platform: Platform) -> frozenset[torch.dtype]:
+    """fp8 cache formats the decode kernels can widen on ``platform``."""
+    sm = _nvidia_sm(platform.arch)
+    if sm is not None:
+        e4m3 = {torch.float8_e4m3fn} if sm >= 89 else set()
+        return frozenset({torch.float8_e5m2, *e4m3})
+    if platform.arch == "gfx942":
+        return frozenset({torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+    if platform.arch.startswith("gfx"):
+        return frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+    return frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def has_fp8_dots(platform: Platform) -> bool:
+    """Whether fp8 × fp8 tensor-core dots exist (NVIDIA sm89+, AMD gfx942/gfx950, interpreter)."""
+    sm = _nvidia_sm(platform.arch)
+    if sm is not None:
+        return sm >= 89
+    return platform.arch in ("gfx942", "gfx950", "cpu")
+
+
+class TritonProvider(KernelProvider):
+    """Portable Triton kernels for every contract (decode, schedule, prefill, utilities)."""
+
+    name: ClassVar[str] = "triton"
+
+    def __init__(self) -> None:
+        self._availability: Support | None = None
+
+    def __repr__(self) -> str:
+        return "TritonProvider()"
+
+    def availability(self) -> Support:
+        if self._availability is None:
+            self._availability = self._probe_availability()
+        return self._availability
+
+    @staticmethod
+    def _probe_availability() -> Support:
+        # Importing this module imported triton; what remains is a device to run on.
+        if torch.cuda.is_available() or _interpreting():
+            return Support.yes()
+        return Support.no(
+            "no-device",
+            "no CUDA/ROCm device is visible and TRITON_INTERPRET is not set (set TRITON_INTERPRET=1 "
+            "to run the kernels in Triton's CPU interpreter)",
+        )
+
+    def capabilities(self, platform: Platform) -> ProviderCapabilities:
+        fp8 = fp8_kv_dtypes(platform)
+        contracts = set(ALL_CONTRACTS)
+        if not has_fp8_dots(platform):
+            contracts.discard(Contract.FP8_PREFILL)
+        return ProviderCapabilities(
+            provider=self.name,
+            contracts=frozenset(contracts),
+            archs=None,
+            q_dtypes=_FLOATS,
+            kv_dtypes=_FLOATS | fp8,
+            head_granularity=1,
+            small_head_max_heads=None,
+            small_head_q_dtypes=_FLOATS,
+            small_head_kv_dtypes=_FLOATS | fp8,
+            fp8_dtype=torch.float8_e4m3fnuz if platform.arch == "gfx942" else torch.float8_e4m3fn,
+        )
+
+    def describe_probes(self) -> dict[str, object]:
+        probes: dict[str, object] = {"interpreter": _interpreting(), "triton": triton.__version__}
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            probes["device"] = props.name
+            probes["sm_count"] = props.multi_processor_count
+            probes["compute_capability"] = f"{props.major}.{props.minor}"
+        else:
+            probes["device"] = "cpu (interpreter)" if _interpreting() else "none"
+        return probes
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def paged_mqa_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        qo_indptr: torch.Tensor,
+        *,
+        max_qlen: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        schedule: object | None = None,
+    ) -> None:
+
+        if schedule is not None and not isinstance(schedule, SplitKVSchedule):
+            raise InvalidInputError(
+                "schedule", f"the triton provider takes a SplitKVSchedule, got {type(schedule).__name__}"
+            )
+        paged_decode(
+            q,
+            kv_cache,
+            kv_indptr,
+            kv_indices,
+            qo_indptr,
+            max_qlen=max_qlen,
+            max_seqlen_k=max_seqlen_k,
+            softmax_scale=softmax_scale,
+            kv_scale=kv_scale,
+            out=out,
+            lse=lse,
+            schedule=schedule,
+        )
+
+    def decode_schedule_buffers(
+        self,
+        *,
+        max_batch: int,
+        max_kernel_qlen: int,
+        kernel_heads: int,
+        kv_lora_rank: int,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        platform: Platform,
+        device: torch.device,
+    ) -> SplitKVSchedule:
+
+        return allocate_schedule(
+            max_batch=max_batch,
+            max_kernel_qlen=max_kernel_qlen,
+            kernel_heads=kernel_heads,
+            kv_lora_rank=kv_lora_rank,
+            num_sms=platform.num_compute_units,
+            device=device,
+        )
+
+    def plan_decode_schedule(
+        self,
+        schedule: object,
+        *,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        batch_size: int,
+        kernel_qlen: int,
+        uniform_qlen: bool,
+    ) -> None:
+
+        if not isinstance(schedule, SplitKVSchedule):
+            raise InvalidInputError(
+                "schedule", f"the triton provider takes a SplitKVSchedule, got {type(schedule).__name__}"
+            )
+        plan_split_kv(schedule, kv_indptr, batch_size)
+
+    def small_head_decode(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_info: torch.Tensor,
+        *,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        kv_scale: float | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+
+        small_head_decode(
+            q_nope,
+            q_pe,
+            kv_cache,
+            page_table,
+            seq_info,
+            max_seqlen_k=max_seqlen_k,
+            softmax_scale=softmax_scale,
+            kv_scale=kv_scale,
+            out=out,
+            lse=lse,
+        )
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        *,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        causal: bool,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+
+        varlen_attention_fwd(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            out=out,
+            lse=lse,
+        )
+
+    def plan_fp8_prefill(
+        self,
+        cu_seqlens_q_cpu: torch.Tensor,
+        cu_seqlens_k_cpu: torch.Tensor,
+        *,
+        num_heads: int,
+        causal: bool,
+        platform: Platform,
+        device: torch.device,
+    ) -> object:
+
+        return plan_fp8_prefill(
+            cu_seqlens_q_cpu, cu_seqlens_k_cpu, num_heads=num_heads, causal=causal, device=device
+        )
+
+    def fp8_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        *,
+        schedule: object,
+        softmax_scale: float,
+        q_scale: torch.Tensor,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+        causal: bool,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+
+        fp8_prefill_fwd(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            plan=schedule,
+            softmax_scale=softmax_scale,
+            q_scale=q_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            causal=causal,
+            out=out,
+            lse=lse,
+        )
+
+    # -- utilities --------------------------------------------------------------------------
+
+    def merge_states(
+        self,
+        o_a: torch.Tensor,
+        lse_a: torch.Tensor,
+        o_b: torch.Tensor,
+        lse_b: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None = None,
+    ) -> None:
+
+        merge_states(o_a, lse_a, o_b, lse_b, out=out, lse_out=lse_out)
+
+    def expand_page_indices(
+        self,
+        block_table: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        *,
+        block_size: int,
+        num_tokens: int,
+        out: torch.Tensor,
+    ) -> None:
+
+        expand_page_indices(block_table, kv_indptr, block_size=block_size, num_tokens=num_tokens, out=out)
+
+    def write_kv(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        kv_scale: float | None,
+    ) -> None:
+
+        write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=kv_scale)

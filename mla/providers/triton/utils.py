@@ -1,0 +1,252 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Triton utility kernels: LSE state merge, page-index expansion, KV-cache write.
+
+Each launcher is graph-capturable: grids come from tensor shapes and host ints
+(``num_tokens``), never from tensor values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.errors import InvalidInputError
+
+
+@triton.jit
+def _merge_states_kernel(
+    o_a_ptr,
+    lse_a_ptr,
+    o_b_ptr,
+    lse_b_ptr,
+    out_ptr,
+    lse_out_ptr,
+    stride_a_t,
+    stride_a_h,
+    stride_b_t,
+    stride_b_h,
+    stride_o_t,
+    stride_o_h,
+    stride_la_t,
+    stride_la_h,
+    stride_lb_t,
+    stride_lb_h,
+    stride_lo_t,
+    stride_lo_h,
+    H,
+    D,
+    BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Program (token, head): ``lse* = logaddexp(a, b)``; ``o = e^(a-lse*) o_a + e^(b-lse*) o_b``."""
+    pid = tl.program_id(0)
+    t = (pid // H).to(tl.int64)
+    h = pid % H
+    lse_a = tl.load(lse_a_ptr + t * stride_la_t + h * stride_la_h)
+    lse_b = tl.load(lse_b_ptr + t * stride_lb_t + h * stride_lb_h)
+    top = tl.maximum(lse_a, lse_b)
+    finite = top > float("-inf")
+    top_safe = tl.where(finite, top, 0.0)
+    w_a = tl.where(finite, tl.exp(lse_a - top_safe), 0.0)
+    w_b = tl.where(finite, tl.exp(lse_b - top_safe), 0.0)
+    total = w_a + w_b
+    inv = tl.where(finite, 1.0 / tl.where(finite, total, 1.0), 0.0)
+    w_a = w_a * inv
+    w_b = w_b * inv
+    if WRITE_LSE:
+        merged = tl.where(finite, top_safe + tl.log(tl.where(finite, total, 1.0)), float("-inf"))
+        tl.store(lse_out_ptr + t * stride_lo_t + h * stride_lo_h, merged)
+    a_row = o_a_ptr + t * stride_a_t + h * stride_a_h
+    b_row = o_b_ptr + t * stride_b_t + h * stride_b_h
+    o_row = out_ptr + t * stride_o_t + h * stride_o_h
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        ok = d < D
+        x_a = tl.load(a_row + d, mask=ok, other=0.0).to(tl.float32)
+        x_b = tl.load(b_row + d, mask=ok, other=0.0).to(tl.float32)
+        # A side with zero weight (an empty -inf state) is dropped, not multiplied, so garbage
+        # (NaN) in its output rows cannot leak.
+        mixed = tl.where(w_a > 0.0, x_a * w_a, 0.0) + tl.where(w_b > 0.0, x_b * w_b, 0.0)
+        tl.store(o_row + d, mixed.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def merge_states(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+) -> None:
+    """Merge two attention states (contract of ``KernelProvider.merge_states``).
+
+    o ``[T, H, D]`` (any strides with a contiguous last dim), lse ``[T, H]`` fp32. Each program
+    reads its row of both inputs before writing, so ``out`` may alias ``o_a`` or ``o_b``.
+    """
+    for name, tensor in (("o_a", o_a), ("o_b", o_b), ("out", out)):
+        if tensor.stride(-1) != 1:
+            raise InvalidInputError(
+                name, f"last dim must be contiguous (stride 1); strides {tensor.stride()}"
+            )
+    num_tokens, heads, dim = out.shape
+    if num_tokens * heads == 0:
+        return
+    lse_o = lse_a if lse_out is None else lse_out
+    _merge_states_kernel[(num_tokens * heads,)](
+        o_a,
+        lse_a,
+        o_b,
+        lse_b,
+        out,
+        lse_o,
+        o_a.stride(0),
+        o_a.stride(1),
+        o_b.stride(0),
+        o_b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse_a.stride(0),
+        lse_a.stride(1),
+        lse_b.stride(0),
+        lse_b.stride(1),
+        lse_o.stride(0),
+        lse_o.stride(1),
+        heads,
+        dim,
+        BLOCK_D=min(1024, max(16, triton.next_power_of_2(dim))),
+        WRITE_LSE=lse_out is not None,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _expand_page_indices_kernel(
+    block_table_ptr,
+    kv_indptr_ptr,
+    out_ptr,
+    num_requests,
+    num_tokens,
+    stride_bt,
+    search_steps,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program over ``BLOCK`` flat tokens: binary-search each token's request in ``kv_indptr``,
+    then ``out[i] = block_table[r, t // bs] * bs + t % bs`` with ``t = i - kv_indptr[r]``."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num_tokens
+    # Largest r in [0, num_requests) with kv_indptr[r] <= i (requests own [indptr[r], indptr[r+1])).
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + num_requests - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        start = tl.load(kv_indptr_ptr + mid, mask=ok, other=0)
+        go_right = start <= i
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    t = i - tl.load(kv_indptr_ptr + lo, mask=ok, other=0)
+    block = tl.load(block_table_ptr + lo.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=ok, other=0)
+    value = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
+    tl.store(out_ptr + i, value.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def expand_page_indices(
+    block_table: torch.Tensor, kv_indptr: torch.Tensor, *, block_size: int, num_tokens: int, out: torch.Tensor
+) -> None:
+    """Block table ``[B, max_blocks]`` → flat token ids ``out[:num_tokens]`` (contract of
+    ``KernelProvider.expand_page_indices``). Requests with equal indptr entries (empty) own no
+    token; the search picks the last request starting at or before each token, which is the
+    owner because empty requests start where the owner ends."""
+    num_requests = kv_indptr.numel() - 1
+    if num_tokens == 0 or num_requests <= 0:
+        return
+    if block_table.stride(-1) != 1:
+        raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
+    block = 256
+    _expand_page_indices_kernel[(triton.cdiv(num_tokens, block),)](
+        block_table,
+        kv_indptr,
+        out,
+        num_requests,
+        num_tokens,
+        block_table.stride(0),
+        max(1, num_requests.bit_length()),
+        BLOCK_SIZE=block_size,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _write_kv_kernel(
+    kv_c_ptr,
+    k_pe_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_c,
+    stride_pe,
+    stride_slot_row,
+    scale,
+    fp8_max,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+):
+    """Program per new token: copy ``[kv_c | k_pe]`` to cache row ``slot`` (skip negative
+    slots); fp8 caches store ``clamp(value / scale, ±max)`` rounded to nearest-even."""
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot < 0:
+        return
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    lat = tl.load(kv_c_ptr + n * stride_c + offs_l, mask=offs_l < L, other=0.0).to(tl.float32)
+    rope = tl.load(k_pe_ptr + n * stride_pe + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
+    if QUANTIZE:
+        lat = tl.minimum(tl.maximum(lat / scale, -fp8_max), fp8_max)
+        rope = tl.minimum(tl.maximum(rope / scale, -fp8_max), fp8_max)
+    row = cache_ptr + slot * stride_slot_row
+    tl.store(row + offs_l, lat.to(cache_ptr.dtype.element_ty), mask=offs_l < L)
+    tl.store(row + L + offs_r, rope.to(cache_ptr.dtype.element_ty), mask=offs_r < R)
+
+
+def write_kv(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_scale: float | None,
+) -> None:
+    """Write new latent + rope rows into ``kv_cache [blocks, block_size, L+R]`` at flat
+    ``slot_mapping`` slots (contract of ``KernelProvider.write_kv``)."""
+    num_new, rank = kv_c.shape
+    rope = k_pe.shape[1]
+    if num_new == 0:
+        return
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    if flat.stride(-1) != 1 or kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        raise InvalidInputError("kv_cache", "kv_cache, kv_c and k_pe need a contiguous last dim")
+    quantize = kv_scale is not None
+    fp8_max = float(torch.finfo(kv_cache.dtype).max) if quantize else 0.0
+    _write_kv_kernel[(num_new,)](
+        kv_c,
+        k_pe,
+        flat,
+        slot_mapping,
+        kv_c.stride(0),
+        k_pe.stride(0),
+        flat.stride(0),
+        1.0 if kv_scale is None else kv_scale,
+        fp8_max,
+        L=rank,
+        R=rope,
+        BLOCK_L=triton.next_power_of_2(rank),
+        BLOCK_R=triton.next_power_of_2(rope),
+        QUANTIZE=quantize,
+        num_warps=4 if rank >= 256 else 1,
+    )

@@ -1,0 +1,305 @@
+"""Triton decode-side kernels in the CPU interpreter against the torch reference provider.
+
+Runs with ``TRITON_INTERPRET=1`` (set by tests/conftest.py when no GPU is present); on a GPU the
+same tests run compiled. The interpreter computes ``tl.dot`` on bf16 wrongly, so inputs are
+fp16/fp32, and dims are tiny (kv_lora_rank 32 or 48, rope 16 or 8) to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mla.capabilities import Contract
+from mla.decode.asm_non_persistent import AsmNonPersistent
+from mla.decode.asm_padded_persistent import PaddedAsmPersistent
+from mla.decode.gluon import GluonDecode
+from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
+from mla.platform import simulated_platform
+from mla.providers import get_provider
+from mla.providers.torch_ref import TorchProvider
+from mla.providers.triton import TritonProvider
+from mla.providers.triton.decode import paged_decode
+from mla.providers.triton.schedule import DecodeLaunchConfig, allocate_schedule, decode_launch_config
+from mla.schedule import SplitKVSchedule
+from mla.testing import DecodeCase, check_decode_strategy
+
+pytestmark = pytest.mark.interpret
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REF = TorchProvider()
+TRITON = TritonProvider()
+
+
+def _indptr(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return out.to(DEVICE)
+
+
+def _poisoned(rows: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full((rows, heads, dim), math.nan, dtype=dtype, device=DEVICE)
+    return out, torch.full((rows, heads), math.nan, dtype=torch.float32, device=DEVICE)
+
+
+def _assert_close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (o, lse), (o_ref, lse_ref) = got, want
+    assert not torch.isnan(o).any(), "unwritten output rows"
+    assert not torch.isnan(lse).any(), "unwritten lse rows"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    tol = 2e-3 if o.dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=tol)
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=1e-4, rtol=1e-4)
+
+
+class _PagedBatch:
+    """Mixed-qlen batch with an empty request and a request whose early rows see no key."""
+
+    def __init__(
+        self, *, heads: int, rank: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype
+    ) -> None:
+        gen = torch.Generator().manual_seed(heads * 7 + rank)
+        self.qlens = [1, 3, 2, 0, 4]
+        self.seq_lens = [37, 5, 70, 0, 2]  # the last request: rows 0 and 1 see no key
+        self.heads, self.rank = heads, rank
+        total = sum(self.seq_lens)
+        num_tok = total + 20
+        cache = torch.randn(num_tok, rank + rope, generator=gen) * (2.0 if kv_dtype.itemsize == 1 else 1.0)
+        self.kv_scale = 0.5 if kv_dtype.itemsize == 1 else None
+        self.cache = cache.to(kv_dtype).to(DEVICE)
+        self.kv_indices = torch.randperm(num_tok, generator=gen)[:total].to(torch.int32).to(DEVICE)
+        self.kv_indptr = _indptr(self.seq_lens)
+        self.qo_indptr = _indptr(self.qlens)
+        self.q = torch.randn(sum(self.qlens), heads, rank + rope, generator=gen).to(dtype).to(DEVICE)
+        self.dtype = dtype
+
+    def run(self, decode: Callable[..., None], **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``decode`` (a ``paged_mqa_decode``-shaped callable) into poisoned outputs."""
+        out, lse = _poisoned(self.q.shape[0], self.heads, self.rank, self.dtype)
+        decode(
+            self.q,
+            self.cache,
+            self.kv_indptr,
+            self.kv_indices,
+            self.qo_indptr,
+            max_qlen=4,
+            max_seqlen_k=80,
+            softmax_scale=0.3,
+            kv_scale=self.kv_scale,
+            out=out,
+            lse=lse,
+            **kwargs,
+        )
+        return out, lse
+
+
+@pytest.mark.parametrize(
+    ("heads", "rank", "rope", "dtype", "kv_dtype", "splits", "reg_pipeline"),
+    [
+        (4, 32, 16, torch.float16, torch.float16, 1, False),
+        (4, 32, 16, torch.float16, torch.float16, 3, True),
+        (3, 48, 8, torch.float32, torch.float32, 2, False),
+        (5, 32, 16, torch.float16, torch.float8_e4m3fn, 2, True),
+        (2, 32, 16, torch.float32, torch.float8_e5m2, 1, False),
+    ],
+)
+def test_paged_decode_non_persistent(
+    heads: int,
+    rank: int,
+    rope: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    splits: int,
+    reg_pipeline: bool,
+) -> None:
+    batch = _PagedBatch(heads=heads, rank=rank, rope=rope, dtype=dtype, kv_dtype=kv_dtype)
+    config = DecodeLaunchConfig(
+        block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits, reg_pipeline=reg_pipeline
+    )
+    _assert_close(batch.run(paged_decode, config=config), batch.run(REF.paged_mqa_decode))
+
+
+def test_paged_decode_heuristic_and_multiple_row_blocks() -> None:
+    # 12 heads x qlen 4 = 48 rows: with 16-row tiles that is three row blocks per work item.
+    batch = _PagedBatch(heads=12, rank=32, rope=16, dtype=torch.float16, kv_dtype=torch.float16)
+    config = DecodeLaunchConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, num_splits=2)
+    want = batch.run(REF.paged_mqa_decode)
+    _assert_close(batch.run(paged_decode, config=config), want)
+    _assert_close(batch.run(TRITON.paged_mqa_decode), want)
+
+
+def test_plan_matches_torch_schedule_and_scheduled_decode() -> None:
+    batch = _PagedBatch(heads=4, rank=32, rope=16, dtype=torch.float16, kv_dtype=torch.float16)
+    num_requests = len(batch.qlens)
+    schedule = allocate_schedule(
+        max_batch=num_requests + 2,
+        max_kernel_qlen=4,
+        kernel_heads=4,
+        kv_lora_rank=32,
+        num_sms=3,
+        device=DEVICE,
+    )
+    schedule.min_chunk = 16  # several splits per request at these tiny lengths
+    reference = SplitKVSchedule.allocate(
+        max_batch=num_requests + 2,
+        max_kernel_qlen=4,
+        kernel_heads=4,
+        kv_lora_rank=32,
+        num_units=schedule.num_units,
+        device=DEVICE,
+        min_chunk=16,
+    )
+    schedule.work_info.fill_(7)
+    TRITON.plan_decode_schedule(
+        schedule,
+        qo_indptr=batch.qo_indptr,
+        kv_indptr=batch.kv_indptr,
+        batch_size=num_requests,
+        kernel_qlen=4,
+        uniform_qlen=False,
+    )
+    reference.plan(batch.kv_indptr, num_requests)
+    assert torch.equal(schedule.work_info, reference.work_info)
+    assert torch.equal(schedule.split_indptr[: num_requests + 1], reference.split_indptr[: num_requests + 1])
+    assert torch.equal(schedule.chunk, reference.chunk)
+    assert int((schedule.split_indptr[1:] - schedule.split_indptr[:-1])[:num_requests].max()) > 1
+    _assert_close(batch.run(TRITON.paged_mqa_decode, schedule=schedule), batch.run(REF.paged_mqa_decode))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_small_head_decode_strided_views(kv_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    heads, rank, rope = 3, 32, 16
+    lengths = [9, 0, 40]
+    num_tok = 64
+    cache = (torch.randn(num_tok, rank + rope, generator=gen) * 2).to(kv_dtype).to(DEVICE)
+    kv_scale = 0.5 if kv_dtype.itemsize == 1 else None
+    table = torch.randperm(num_tok, generator=gen)[: sum(lengths)].to(torch.int32).to(DEVICE)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=gen).to(torch.float16).to(DEVICE)
+    results = []
+    for provider in (TRITON, REF):
+        out, lse = _poisoned(len(lengths), heads, rank, torch.float16)
+        provider.small_head_decode(
+            q[..., :rank],
+            q[..., rank:],
+            cache,
+            table,
+            _indptr(lengths),
+            max_seqlen_k=40,
+            softmax_scale=0.25,
+            kv_scale=kv_scale,
+            out=out,
+            lse=lse,
+        )
+        results.append((out, lse))
+    _assert_close(results[0], results[1])
+    assert bool(torch.isneginf(results[0][1][1]).all())
+    assert bool((results[0][0][1] == 0).all())
+
+
+def test_merge_states_with_empty_rows_and_alias() -> None:
+    gen = torch.Generator().manual_seed(5)
+    o_a = torch.randn(6, 3, 40, generator=gen).to(DEVICE)
+    o_b = torch.randn(6, 3, 40, generator=gen).to(DEVICE)
+    lse_a = torch.randn(6, 3, generator=gen).to(DEVICE)
+    lse_b = torch.randn(6, 3, generator=gen).to(DEVICE)
+    lse_a[0, 0] = lse_b[0, 0] = -math.inf  # both empty
+    lse_a[1, 1] = -math.inf
+    o_a[1, 1] = math.nan  # an empty state's output is never read
+    want_o, want_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
+    REF.merge_states(o_a.nan_to_num(), lse_a, o_b, lse_b, out=want_o, lse_out=want_lse)
+    got_lse = torch.full_like(lse_a, math.nan)
+    TRITON.merge_states(o_a, lse_a, o_b, lse_b, out=o_a, lse_out=got_lse)  # out aliases o_a
+    torch.testing.assert_close(o_a, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_expand_page_indices(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    lengths = [5, 0, 33, 0, 17]
+    table = torch.randint(0, 50, (len(lengths), 40), generator=gen, dtype=torch.int32).to(DEVICE)
+    indptr = _indptr(lengths)
+    total = sum(lengths)
+    got = torch.full((total + 3,), -7, dtype=torch.int32, device=DEVICE)
+    want = got.clone()
+    TRITON.expand_page_indices(table, indptr, block_size=block_size, num_tokens=total, out=got)
+    REF.expand_page_indices(table, indptr, block_size=block_size, num_tokens=total, out=want)
+    assert torch.equal(got, want)
+
+
+def test_write_kv_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(4, 8, 48, generator=gen).to(torch.float16).to(DEVICE)
+    want = cache.clone()
+    kv_c = torch.randn(5, 32, generator=gen).to(torch.float16).to(DEVICE)
+    k_pe = torch.randn(5, 16, generator=gen).to(torch.float16).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 31, 0], device=DEVICE)
+    TRITON.write_kv(kv_c, k_pe, cache, slots, kv_scale=None)
+    REF.write_kv(kv_c, k_pe, want, slots, kv_scale=None)
+    assert torch.equal(cache, want)
+
+
+def test_capabilities_availability_and_heuristic() -> None:
+    assert get_provider("triton").availability()
+    caps = TRITON.capabilities(simulated_platform("sm90"))
+    assert caps.head_granularity == 1
+    assert torch.float8_e4m3fn in caps.kv_dtypes
+    assert caps.has(Contract.FP8_PREFILL)
+    assert caps.has(Contract.DECODE_SCHEDULE)
+    old = TRITON.capabilities(simulated_platform("sm80"))  # no e4m3 conversion, no fp8 dots
+    assert torch.float8_e4m3fn not in old.kv_dtypes
+    assert torch.float8_e5m2 in old.kv_dtypes
+    assert not old.has(Contract.FP8_PREFILL)
+    assert "triton" in TRITON.describe_probes()
+    # 16 heads, qlen 1, B=1 on 132 SMs: many splits; B=128: few; persistent: none.
+    one = decode_launch_config(
+        batch=1, rows=16, max_seqlen_k=65536, num_sms=132, kv_elem_size=2, persistent=False
+    )
+    many = decode_launch_config(
+        batch=128, rows=16, max_seqlen_k=8192, num_sms=132, kv_elem_size=2, persistent=False
+    )
+    assert one.num_splits > many.num_splits >= 1
+    assert (
+        decode_launch_config(
+            batch=1, rows=128, max_seqlen_k=4096, num_sms=132, kv_elem_size=2, persistent=True
+        ).num_splits
+        == 1
+    )
+
+
+STRATEGY_CASES = [
+    (GluonDecode, DecodeCase(heads=3, qlens=(1, 1, 1), seq_lens=(20, 1, 45), block_size=16, extra_rows=2)),
+    (GluonVerifyFlatten, DecodeCase(heads=4, qlens=(3, 2), seq_lens=(30, 2), block_size=1)),
+    (PaddedAsmPersistent, DecodeCase(heads=8, qlens=(2, 2, 2), seq_lens=(33, 0, 12), block_size=16)),
+    (PaddedAsmPersistent, DecodeCase(heads=16, qlens=(1, 4), seq_lens=(60, 9), block_size=64, extra_rows=1)),
+    (AsmNonPersistent, DecodeCase(heads=12, qlens=(1, 1), seq_lens=(50, 7), block_size=1)),
+    (
+        AsmNonPersistent,
+        DecodeCase(heads=2, qlens=(4, 1), seq_lens=(26, 3), block_size=16, kv_dtype=torch.float8_e4m3fn),
+    ),
+]
+
+
+@pytest.mark.parametrize(("strategy", "case"), STRATEGY_CASES, ids=lambda x: getattr(x, "NAME", None) or x.id)
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
+def test_strategy_conformance(strategy: type, case: DecodeCase, q_dtype: torch.dtype) -> None:
+    case = attrs.evolve(
+        case,
+        q_dtype=q_dtype,
+        kv_dtype=case.kv_dtype if case.kv_is_fp8 else q_dtype,
+        kv_lora_rank=32,
+        rope_dim=16,
+    )
+    platform = "cpu" if DEVICE.type == "cpu" else None
+    result = check_decode_strategy(
+        strategy, case, provider="triton", platform=platform or "sm90", device=DEVICE
+    )
+    result.assert_passed()
