@@ -44,6 +44,35 @@ _BF16 = frozenset({torch.bfloat16})
 
 
 @attrs.frozen
+class PagedKernel:
+    """One family of a provider's paged-decode kernels: the (kernel heads, kernel qlen) range it
+    runs in persistent or non-persistent mode, for an fp8 or a float KV cache."""
+
+    persistent: bool
+    fp8: bool
+    """fp8 KV cache (and fp8 query: providers quantize q for fp8 caches)."""
+    heads: frozenset[int]
+    """Kernel head counts (after head padding)."""
+    min_qlen: int = 1
+    max_qlen: int | None = None
+    """Largest kernel qlen (``None``: any)."""
+
+    def runs(self, *, persistent: bool, fp8: bool, heads: int, qlen: int) -> bool:
+        return (
+            self.persistent == persistent
+            and self.fp8 == fp8
+            and heads in self.heads
+            and qlen >= self.min_qlen
+            and (self.max_qlen is None or qlen <= self.max_qlen)
+        )
+
+    def __str__(self) -> str:
+        mode = "persistent" if self.persistent else "non-persistent"
+        qlens = f"qlen {self.min_qlen}..{self.max_qlen if self.max_qlen is not None else 'any'}"
+        return f"{mode} {'fp8' if self.fp8 else 'float'} KV, heads {sorted(self.heads)}, {qlens}"
+
+
+@attrs.frozen
 class ProviderCapabilities:
     """Limits of one provider's kernels on one arch. ``None`` means "no limit".
 
@@ -83,8 +112,19 @@ class ProviderCapabilities:
     """fp8-KV non-persistent decode looks its kernel up by ``kernel_heads * kernel_qlen``; only
     these products exist (aiter's ``get_block_n_fp8`` keys)."""
 
+    paged_kernels: frozenset[PagedKernel] | None = None
+    """The paged-decode kernel table: the combinations that exist (``None``: every one). The
+    limits above read as rules; this is the table they summarize (aiter-contract.md §2.2)."""
+    latent_dims: frozenset[tuple[int, int]] | None = None
+    """``(kv_lora_rank, rope)`` pairs the decode kernels (paged and small-head) are built for
+    (``None``: any; aiter's asm and Gluon kernels: 512/64)."""
+
     fp8_prefill_head_multiple: int = 1
     """The fp8 prefill kernel needs a head count that is a multiple of this."""
+    fp8_prefill_heads: frozenset[int] | None = None
+    """Head counts the fp8 prefill (and its reduce) runs (``None``: any multiple above)."""
+    fp8_prefill_dims: frozenset[tuple[int, int]] | None = None
+    """``(qk_head_dim, v_head_dim)`` pairs the fp8 prefill kernel is built for (``None``: any)."""
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     """The fp8 format the provider's fp8 kernels take (gfx942: ``float8_e4m3fnuz``)."""
 
@@ -105,6 +145,12 @@ class ProviderCapabilities:
         if num_heads % self.head_granularity == 0 or num_heads in self.native_head_counts:
             return True
         return self.max_unpadded_heads is None or num_heads <= self.max_unpadded_heads
+
+    def has_paged_kernel(self, *, persistent: bool, fp8: bool, heads: int, qlen: int) -> bool:
+        """Whether the kernel table has a paged decode for this combination."""
+        if self.paged_kernels is None:
+            return True
+        return any(k.runs(persistent=persistent, fp8=fp8, heads=heads, qlen=qlen) for k in self.paged_kernels)
 
     def kernel_qlen(self, qlen: int, *, uniform: bool) -> int:
         """The qlen the paged decode runs a batch of max qlen ``qlen`` at."""
@@ -135,6 +181,48 @@ AITER_GET_BLOCK_N_FP8_KEYS: frozenset[int] = frozenset({8, 16, 24, 32, 48, 64, 1
 (``aiter/mla.py::get_block_n_fp8``); any other product raises KeyError inside aiter."""
 
 
+_FOLDED_HEADS = frozenset(range(16, 129, 16))
+"""Head counts aiter's persistent decode runs, natively or folded onto its 16-head kernel."""
+
+
+def aiter_paged_kernels(arch: str) -> frozenset[PagedKernel]:
+    """aiter's paged-decode kernel table on ``arch`` as the strategies can reach it (kernel heads
+    a multiple of 16, or a native 24; fp8 KV always with an fp8 query).
+
+    Derived from aiter-contract.md §2.1-§2.3 (ROCm/aiter e4048607): ``mla_decode_fwd``'s
+    native/fold rule, ``asm_mla.cu``'s qlen/gqa remap and the ``mla_asm.csv`` rows, and
+    ``mla_reduce_v1``'s head list (at most 128). A combination outside the table is a
+    ``cannot get heuristic kernel`` abort, an ``AITER_CHECK`` or a ``get_block_n_fp8`` KeyError.
+    """
+    if arch == "gfx950":
+        return frozenset(
+            {
+                # bf16 persistent remaps to the gqa32/qlen4 or gqa64/qlen1 kernel at any qlen;
+                # 24 heads need the native-H24 reducer and planner (see native_head_counts).
+                PagedKernel(True, False, _FOLDED_HEADS | {24}),
+                # fp8 persistent: gqa16 qlen 1/2/4 and the gqa32 remap past qlen 4; 24 heads
+                # run as 32 inside the aiter provider (mla_decode_fwd has no fp8 24-head path).
+                PagedKernel(True, True, _FOLDED_HEADS | {24}),
+                PagedKernel(False, False, frozenset({16, 32, 64, 128})),
+                PagedKernel(False, True, frozenset({16, 128}), 1, 4),
+            }
+        )
+    if arch == "gfx942":
+        return frozenset(
+            {
+                # Every head count folds onto the gqa16 kernel, which exists up to qlen 4.
+                PagedKernel(True, False, _FOLDED_HEADS, 1, 4),
+                PagedKernel(True, True, _FOLDED_HEADS, 1, 4),
+                # 128 fp8 heads are native (qSeqLen 0: any qlen).
+                PagedKernel(True, True, frozenset({128})),
+                PagedKernel(False, False, frozenset({16, 32, 128})),
+                PagedKernel(False, False, frozenset({64}), 2),
+                PagedKernel(False, True, frozenset({16, 128}), 1, 4),
+            }
+        )
+    return frozenset()
+
+
 def aiter_capabilities(
     arch: str,
     *,
@@ -146,10 +234,12 @@ def aiter_capabilities(
     """The capability record of AMD aiter's MLA kernels on ``arch`` (aiter-contract.md §2).
 
     ``gluon`` / ``fp8_prefill`` default to "shipped on gfx950 only"; ``native_h24`` is the
-    reducer-and-planner probe (off unless both ship). Kernel-table gaps become limits:
+    reducer-and-planner probe (off unless both ship; honoured on gfx950 only, where
+    ``mla_decode_fwd`` runs 24 bf16 heads natively). Kernel-table gaps become limits:
     no padded bf16 persistent kernel past qlen 4 (persistent gate), fp8 persistent past qlen 4
     only on gfx950 (gqa32 remap), fp8 non-persistent only to qlen 4 and only at
-    ``get_block_n_fp8`` products.
+    ``get_block_n_fp8`` products; :func:`aiter_paged_kernels` is the full table (e.g. gfx942
+    has no persistent kernel past qlen 4 at any head count).
     """
     gfx950 = arch == "gfx950"
     contracts = set(ALL_CONTRACTS)
@@ -165,7 +255,7 @@ def aiter_capabilities(
         kv_dtypes=_BF16 | frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz}),
         head_granularity=16,
         max_unpadded_heads=128,
-        native_head_counts=frozenset({24}) if native_h24 else frozenset(),
+        native_head_counts=frozenset({24}) if native_h24 and gfx950 else frozenset(),
         small_head_max_heads=15,
         small_head_q_dtypes=_BF16,
         small_head_kv_dtypes=_BF16,
@@ -174,6 +264,7 @@ def aiter_capabilities(
         persistent_fp8_max_qlen=None if gfx950 else 4,
         nonpersistent_fp8_max_qlen=4,
         nonpersistent_fp8_head_qlen_products=AITER_GET_BLOCK_N_FP8_KEYS,
+        paged_kernels=aiter_paged_kernels(arch),
         fp8_prefill_head_multiple=16,
         fp8_dtype=torch.float8_e4m3fn if gfx950 else torch.float8_e4m3fnuz,
     )

@@ -12,6 +12,8 @@ from typing import Literal
 import attrs
 import torch
 
+from mla.errors import InvalidInputError
+
 SmallHeadMode = Literal["auto", "gluon", "asm"]
 Fp8PrefillMode = Literal["auto", "on", "off"]
 
@@ -54,12 +56,17 @@ class Knobs:
     def from_env(cls, environ: dict[str, str] | None = None) -> Knobs:
         """Read the knobs from the environment (case-insensitive values; unset means auto)."""
         env = dict(os.environ) if environ is None else environ
-        mode = "auto"
+        mode, mode_source = "auto", SMALL_HEAD_MODE_ENV[0]
         for name in SMALL_HEAD_MODE_ENV:
             if env.get(name):
-                mode = env[name].strip().lower()
+                mode, mode_source = env[name].strip().lower(), name
                 break
         fp8 = env.get(FP8_PREFILL_ENV, "auto").strip().lower() or "auto"
+        checks = ((mode_source, mode, SMALL_HEAD_MODES), (FP8_PREFILL_ENV, fp8, FP8_PREFILL_MODES))
+        for source, value, allowed in checks:
+            if value not in allowed:
+                choices = "/".join(allowed)
+                raise InvalidInputError(source, f"environment value {value!r} is not one of {choices}")
         return cls(small_head_mode=mode, fp8_prefill=fp8)  # type: ignore[arg-type]
 
 

@@ -119,6 +119,25 @@ class PagedDecode(DecodeStrategy):
             f"kv cache {dtype_name(ctx.kv_dtype)}: the paged decode takes "
             f"{sorted(dtype_name(d) for d in caps.kv_dtypes)}",
         )
+        latent = (ctx.dims.kv_lora_rank, ctx.dims.qk_rope_head_dim)
+        reasons.require(
+            caps.latent_dims is None or latent in caps.latent_dims,
+            "dims",
+            f"kv_lora_rank/rope {latent[0]}/{latent[1]}: the paged decode is built for "
+            f"{sorted(caps.latent_dims or ())}",
+        )
+        kernel_heads, kernel_qlen = caps.padded_heads(heads), ctx.kernel_qlen
+        mode = "persistent" if cls.PERSISTENT else "non-persistent"
+        reasons.require(
+            not caps.heads_valid(heads)
+            or caps.has_paged_kernel(
+                persistent=cls.PERSISTENT, fp8=ctx.kv_is_fp8, heads=kernel_heads, qlen=kernel_qlen
+            ),
+            "kernel-table",
+            f"{caps.provider} on {ctx.platform.arch} has no {mode} "
+            f"{'fp8' if ctx.kv_is_fp8 else dtype_name(ctx.kv_dtype)}-KV decode kernel for "
+            f"{kernel_heads} kernel heads at kernel qlen {kernel_qlen}",
+        )
 
     def build_metadata(self, batch: DecodeBatch) -> PagedPlan:
         setup, ws = self.setup, self.workspace
@@ -137,6 +156,8 @@ class PagedDecode(DecodeStrategy):
         else:
             rows = num_tokens
             qo_indptr.copy_(batch.query_start_loc.to(torch.int32))
+        qo_steps = batch.query_start_loc_cpu[1:] - batch.query_start_loc_cpu[:-1]
+        uniform_rows = qlen_padded or bool((qo_steps == kernel_qlen).all())
         geometry = self.base_geometry(
             batch, kernel_heads=ws.padding.kernel_heads, kernel_qlen=kernel_qlen, num_kernel_rows=rows
         )
@@ -147,7 +168,7 @@ class PagedDecode(DecodeStrategy):
                 kv_indptr=kv_indptr,
                 batch_size=num_requests,
                 kernel_qlen=kernel_qlen,
-                uniform_qlen=ctx.uniform_qlen,
+                uniform_qlen=uniform_rows,
             )
         return PagedPlan(
             self.NAME,

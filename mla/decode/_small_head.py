@@ -43,15 +43,19 @@ class SmallHeadDecode(DecodeStrategy):
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
         super().__init__(setup, index_buffers)
         rows = self.max_rows(setup)
+        # Any decode step may carry up to max_decode_tokens rows (graph padding included);
+        # only rows with a non-empty window take page-table space.
+        tokens = setup.limits.max_decode_tokens
         dev = setup.device
         self.workspace = SmallHeadWorkspace(
-            row_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=dev),
-            row_request=torch.zeros(rows, dtype=torch.int32, device=dev),
+            row_indptr=torch.zeros(tokens + 1, dtype=torch.int32, device=dev),
+            row_request=torch.zeros(tokens, dtype=torch.int32, device=dev),
             row_page_table=torch.zeros(rows * setup.limits.max_model_len, dtype=torch.int32, device=dev),
         )
 
     @classmethod
     def max_rows(cls, setup: StrategySetup) -> int:
+        """Most rows with a non-empty causal window in one step."""
         return setup.limits.max_decode_tokens
 
     @classmethod
@@ -74,6 +78,13 @@ class SmallHeadDecode(DecodeStrategy):
             "q-dtype",
             f"query {dtype_name(ctx.q_dtype)}: the small-head kernel takes "
             f"{sorted(dtype_name(d) for d in caps.small_head_q_dtypes)}",
+        )
+        latent = (ctx.dims.kv_lora_rank, ctx.dims.qk_rope_head_dim)
+        reasons.require(
+            caps.latent_dims is None or latent in caps.latent_dims,
+            "dims",
+            f"kv_lora_rank/rope {latent[0]}/{latent[1]}: the small-head kernel is built for "
+            f"{sorted(caps.latent_dims or ())}",
         )
 
     def build_metadata(self, batch: DecodeBatch) -> SmallHeadPlan:

@@ -29,11 +29,20 @@ class Fp8PersistentPrefill(PrefillStrategy):
 
     @classmethod
     def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
-        multiple = ctx.capabilities.fp8_prefill_head_multiple
+        caps = ctx.capabilities
+        multiple, counts = caps.fp8_prefill_head_multiple, caps.fp8_prefill_heads
         reasons.require(
-            ctx.num_heads % multiple == 0,
+            ctx.num_heads % multiple == 0 and (counts is None or ctx.num_heads in counts),
             "heads",
-            f"{ctx.num_heads} heads: the fp8 prefill kernel needs a multiple of {multiple}",
+            f"{ctx.num_heads} heads: the fp8 prefill kernel needs a multiple of {multiple}"
+            + (f" in {sorted(counts)}" if counts is not None else ""),
+        )
+        head_dims = (ctx.dims.qk_head_dim, ctx.dims.v_head_dim)
+        reasons.require(
+            caps.fp8_prefill_dims is None or head_dims in caps.fp8_prefill_dims,
+            "dims",
+            f"qk/v head dims {head_dims[0]}/{head_dims[1]}: the fp8 prefill kernel is built for "
+            f"{sorted(caps.fp8_prefill_dims or ())}",
         )
         reasons.require(
             not ctx.has_chunked_context,

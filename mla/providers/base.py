@@ -111,7 +111,11 @@ class KernelProvider(abc.ABC):
         kernel_qlen: int,
         uniform_qlen: bool,
     ) -> None:
-        """Fill ``schedule`` on the device for this step's indptrs (no host sync)."""
+        """Fill ``schedule`` on the device for this step's indptrs (no host sync).
+
+        ``uniform_qlen``: every request of ``qo_indptr`` (graph padding included) has exactly
+        ``kernel_qlen`` rows, so a planner may take the row count as a constant.
+        """
 
     @abc.abstractmethod
     def small_head_decode(

@@ -1,0 +1,1 @@
+"""Fake aiter subpackage."""
