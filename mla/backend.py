@@ -118,6 +118,13 @@ class MLABackend:
         self.context_chunk_tokens = context_chunk_tokens or default_context_chunk_tokens(
             limits, cache.block_size
         )
+        if self.context_chunk_tokens < limits.max_num_seqs * cache.block_size:
+            # Each request's chunk is at least one block, so a smaller workspace overflows.
+            raise InvalidInputError(
+                "context_chunk_tokens",
+                f"{self.context_chunk_tokens} < max_num_seqs * block_size = "
+                f"{limits.max_num_seqs * cache.block_size}; every request needs one block per chunk",
+            )
         self.setup = StrategySetup(
             dims=dims,
             cache=cache,
@@ -201,7 +208,7 @@ class MLABackend:
         """The backend's instance of a decode strategy (allocated on first use)."""
         name = decision if isinstance(decision, str) else decision.name
         if name not in self.decode_strategies:
-            cls = self.resolver.registry.get(name)
+            cls = decision.strategy if isinstance(decision, Decision) else self.resolver.registry.get(name)
             assert issubclass(cls, DecodeStrategy)
             if self.builder_ready:
                 self.late_allocations.append(name)
@@ -211,7 +218,7 @@ class MLABackend:
     def prefill_strategy(self, decision: Decision | str) -> PrefillStrategy:
         name = decision if isinstance(decision, str) else decision.name
         if name not in self.prefill_strategies:
-            cls = self.resolver.registry.get(name)
+            cls = decision.strategy if isinstance(decision, Decision) else self.resolver.registry.get(name)
             assert issubclass(cls, PrefillStrategy)
             if self.builder_ready:
                 self.late_allocations.append(name)

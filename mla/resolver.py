@@ -69,7 +69,8 @@ class Resolver:
     def _ordered(self, ctx: Context) -> list[tuple[AnyStrategy, str | None]]:
         phase = self.phase_of(ctx)
         regs = self.registry.entries(phase)
-        triples = [(r.name, r.priority, r.strategy.KIND) for r in regs]
+        # Rank by position: ``entries`` is in priority order, or in an override's given order.
+        triples = [(r.name, rank, r.strategy.KIND) for rank, r in enumerate(regs)]
         by_name = {r.name: r.strategy for r in regs}
         order = (
             decode_order(ctx, triples) if isinstance(ctx, DecodeContext) else prefill_order(ctx, triples)
@@ -137,5 +138,7 @@ class Resolver:
             else:
                 message = f"no {phase.value} strategy supports this case"
             return UnsupportedError(message, explanation)
-        strategy = self.registry.get(explanation.chosen)
+        # A forced class need not be registered: it passed the same checks in explain().
+        forced = self._forced_class(ctx, force)
+        strategy = forced if forced is not None else self.registry.get(explanation.chosen)
         return Decision(phase, strategy, explanation, forced=explanation.forced is not None)

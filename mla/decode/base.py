@@ -8,7 +8,9 @@ from typing import ClassVar
 import attrs
 import torch
 
+from mla.config import is_fp8
 from mla.context import DecodeContext
+from mla.errors import InvalidInputError
 from mla.strategy import (
     GraphSupport,
     Phase,
@@ -177,6 +179,8 @@ class DecodeStrategy(Strategy[DecodeContext]):
             device=q.device,
         )
         check_tensor("lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device)
+        if is_fp8(geo.kv_dtype) and kv_scale is None:
+            raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({geo.kv_dtype}) needs kv_scale")
         self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=kv_scale, out=out, lse=lse)
 
     def base_geometry(

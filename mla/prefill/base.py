@@ -9,6 +9,7 @@ from typing import ClassVar
 import attrs
 import torch
 
+from mla.config import is_fp8
 from mla.context import PrefillContext
 from mla.errors import InvalidInputError
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_tensor
@@ -147,6 +148,8 @@ class PrefillStrategy(Strategy[PrefillContext]):
                 "this step has cached context: pass kv_cache and an expand_context callback "
                 "that up-projects latent rows to (k, v)",
             )
+        if plan.context_chunks and kv_cache is not None and is_fp8(kv_cache.dtype) and kv_scale is None:
+            raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({kv_cache.dtype}) needs kv_scale")
         self.launch(
             plan,
             q,

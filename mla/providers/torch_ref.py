@@ -486,6 +486,9 @@ class TorchProvider(KernelProvider):
             finfo = torch.finfo(kv_cache.dtype)
             rows = torch.clamp(rows / kv_scale, finfo.min, finfo.max)
         rows = rows.to(kv_cache.dtype)
+        if rows.element_size() == 1:
+            # fp8 has no where/index_copy_ kernels on every device: move the bytes instead.
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
         slots = slot_mapping.to(torch.int64)
         valid = slots >= 0
         # Skipped rows re-write the first valid row's value at its slot: identical writes,

@@ -1,0 +1,510 @@
+"""Every bad-input rule of issue 2 gets a typed error naming the argument, before any kernel runs.
+
+``InvalidInputError`` (also a ``ValueError``) for wrong shapes, dtypes, devices and index
+values; ``UnsupportedError`` for a head count no strategy accepts or a forced strategy that does
+not fit. On the backend path, nothing is written to caller outputs when a call is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import mla
+from mla import InvalidInputError, UnsupportedError
+from mla.testing import DecodeCase, PrefillCase, emulated_provider, make_decode_inputs, make_prefill_inputs
+
+RANK, ROPE = 64, 16
+META = torch.device("meta")
+
+
+def expect_invalid(argument: str, call: Callable[[], object], match: str | None = None) -> InvalidInputError:
+    with pytest.raises(InvalidInputError, match=match) as info:
+        call()
+    error = info.value
+    assert isinstance(error, ValueError)
+    assert isinstance(error, mla.MLAError)
+    assert error.argument == argument
+    assert str(error).startswith(f"{argument}: ")
+    return error
+
+
+# -- mla_decode -------------------------------------------------------------------------------
+
+DECODE_CASE = DecodeCase(heads=4, qlens=(2, 1), seq_lens=(20, 37), kv_lora_rank=RANK, rope_dim=ROPE)
+
+
+def decode_args(**changes: Any) -> dict[str, Any]:
+    inputs = make_decode_inputs(DECODE_CASE)
+    args: dict[str, Any] = {
+        "q": inputs.q,
+        "kv_cache": inputs.kv_cache,
+        "block_table": inputs.block_table,
+        "seq_lens": inputs.seq_lens,
+        "query_start_loc": inputs.query_start_loc,
+        "softmax_scale": DECODE_CASE.scale,
+        "kv_lora_rank": RANK,
+        "provider": "torch",
+        "platform": "cpu",
+    }
+    args.update(changes)
+    return args
+
+
+def decode(**changes: Any) -> Callable[[], object]:
+    args = decode_args(**changes)
+    return lambda: mla.mla_decode(**args)
+
+
+def test_valid_decode_input_passes() -> None:
+    out, lse = decode()()  # type: ignore[misc]
+    assert out.shape == (3, 4, RANK)
+    assert lse.shape == (3, 4)
+
+
+def test_decode_wrong_rank() -> None:
+    q = decode_args()["q"]
+    cache = decode_args()["kv_cache"]
+    expect_invalid("q", decode(q=q[0]), "expected 3 dims")
+    expect_invalid("kv_cache", decode(kv_cache=cache.flatten(0, 1)), "expected 3 dims")
+    expect_invalid("block_table", decode(block_table=decode_args()["block_table"][0]), "expected 2 dims")
+    expect_invalid("seq_lens", decode(seq_lens=decode_args()["seq_lens"][None]), "expected 1 dims")
+
+
+def test_decode_wrong_last_dim() -> None:
+    q, cache = decode_args()["q"], decode_args()["kv_cache"]
+    expect_invalid("q", decode(q=q[..., :RANK]), "kv_lora_rank")
+    expect_invalid("kv_cache", decode(kv_cache=cache[..., :-1]), "last dim")
+
+
+def test_decode_mismatched_devices() -> None:
+    for name in ("kv_cache", "block_table", "seq_lens", "query_start_loc"):
+        moved = decode_args()[name].to(META)
+        error = expect_invalid(name, decode(**{name: moved}), "is on meta")
+        assert "move it to cpu" in str(error)
+
+
+def test_decode_integer_tensors_must_be_int32_or_int64() -> None:
+    args = decode_args()
+    expect_invalid("block_table", decode(block_table=args["block_table"].to(torch.int16)), "int32 or int64")
+    expect_invalid("seq_lens", decode(seq_lens=args["seq_lens"].float()), "int32 or int64")
+    expect_invalid(
+        "query_start_loc", decode(query_start_loc=args["query_start_loc"].to(torch.uint8)), "int32"
+    )
+
+
+def test_decode_float_tensors_must_be_float() -> None:
+    args = decode_args()
+    expect_invalid("q", decode(q=args["q"].to(torch.int32)), "expected one of")
+    expect_invalid("kv_cache", decode(kv_cache=args["kv_cache"].to(torch.int8)), "expected one of")
+
+
+def test_decode_non_monotonic_query_start_loc() -> None:
+    expect_invalid(
+        "query_start_loc", decode(query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), "monotonic"
+    )
+    expect_invalid(
+        "query_start_loc", decode(query_start_loc=torch.tensor([1, 2, 3], dtype=torch.int32)), "start at 0"
+    )
+    expect_invalid(
+        "query_start_loc", decode(query_start_loc=torch.tensor([0, 2, 9], dtype=torch.int32)), "only 3 rows"
+    )
+    expect_invalid(
+        "query_start_loc", decode(query_start_loc=torch.tensor([0, 3], dtype=torch.int32)), "entries"
+    )
+
+
+def test_decode_seq_len_shorter_than_query() -> None:
+    error = expect_invalid("seq_lens", decode(seq_lens=torch.tensor([1, 37], dtype=torch.int32)))
+    assert "request 0 has seq_len 1 < its query length 2" in str(error)
+    expect_invalid("seq_lens", decode(seq_lens=torch.tensor([-1, 37], dtype=torch.int32)), ">= 0")
+
+
+def test_decode_block_ids_outside_the_cache() -> None:
+    args = decode_args()
+    num_blocks = args["kv_cache"].shape[0]
+    for bad in (num_blocks, -1):
+        table = args["block_table"].clone()
+        table[1, 0] = bad
+        error = expect_invalid("block_table", decode(block_table=table), "outside the cache")
+        assert f"block id {bad} (request 1, column 0)" in str(error)
+
+
+def test_decode_block_table_too_short() -> None:
+    table = decode_args()["block_table"]
+    error = expect_invalid("block_table", decode(block_table=table[:, :1]), "columns")
+    assert "needs 3 blocks of 16 for seq_len 37" in str(error)
+    expect_invalid("block_table", decode(block_table=table[:1]), "1 rows for 2 requests")
+
+
+def test_decode_fp8_cache_needs_kv_scale() -> None:
+    cache = decode_args()["kv_cache"].to(torch.float8_e4m3fn)
+    expect_invalid("kv_scale", decode(kv_cache=cache), "needs kv_scale")
+    out, _ = decode(kv_cache=cache, kv_scale=1.0)()  # type: ignore[misc]
+    assert not torch.isnan(out).any()
+
+
+def test_decode_head_count_no_strategy_accepts() -> None:
+    case = DecodeCase(heads=130, qlens=(1,), seq_lens=(9,), kv_lora_rank=RANK, rope_dim=ROPE)
+    inputs = make_decode_inputs(case)
+    with pytest.raises(UnsupportedError) as info:
+        mla.mla_decode(
+            inputs.q.to(torch.bfloat16),
+            inputs.kv_cache,
+            inputs.block_table,
+            inputs.seq_lens,
+            softmax_scale=case.scale,
+            kv_lora_rank=RANK,
+            provider=emulated_provider("aiter", "gfx942"),
+            platform="gfx942",
+        )
+    assert "130 heads" in str(info.value)
+    assert "H % 16 == 0" in str(info.value)
+    assert info.value.explanation is not None
+
+
+def test_decode_forced_strategy_that_does_not_fit() -> None:
+    with pytest.raises(UnsupportedError, match="forced decode strategy 'gluon-decode'") as info:
+        decode(strategy="gluon-decode")()  # qlen 2: GluonDecode is single-token only
+    assert info.value.explanation is not None
+    assert info.value.explanation.candidate("gluon-decode").reasons[0].code == "qlen"
+
+
+# -- mla_prefill ------------------------------------------------------------------------------
+
+PREFILL_CASE = PrefillCase(heads=4, q_lens=(3, 5), kv_lens=(3, 9), qk_nope_dim=32, rope_dim=16, v_dim=24)
+
+
+def prefill_args(**changes: Any) -> dict[str, Any]:
+    inputs = make_prefill_inputs(PREFILL_CASE)
+    args: dict[str, Any] = {
+        "q": inputs.q,
+        "k": inputs.k,
+        "v": inputs.v,
+        "cu_seqlens_q": inputs.cu_seqlens_q,
+        "cu_seqlens_k": inputs.cu_seqlens_k,
+        "max_seqlen_q": inputs.max_seqlen_q,
+        "max_seqlen_k": inputs.max_seqlen_k,
+        "softmax_scale": PREFILL_CASE.scale,
+        "provider": "torch",
+        "platform": "cpu",
+    }
+    args.update(changes)
+    return args
+
+
+def prefill(**changes: Any) -> Callable[[], object]:
+    args = prefill_args(**changes)
+    return lambda: mla.mla_prefill(**args)
+
+
+def test_valid_prefill_input_passes() -> None:
+    out, lse = prefill()()  # type: ignore[misc]
+    assert out.shape == (8, 4, 24)
+    assert lse.shape == (8, 4)
+
+
+def test_prefill_wrong_rank() -> None:
+    args = prefill_args()
+    for name in ("q", "k", "v"):
+        expect_invalid(name, prefill(**{name: args[name][0]}), "expected 3 dims")
+    expect_invalid("cu_seqlens_q", prefill(cu_seqlens_q=args["cu_seqlens_q"][None]), "expected 1 dims")
+
+
+def test_prefill_wrong_last_dim_and_heads() -> None:
+    args = prefill_args()
+    expect_invalid("k", prefill(k=args["k"][..., :-1]), "to match q")
+    expect_invalid("k", prefill(k=args["k"][:, :2]), "to match q")
+    expect_invalid("v", prefill(v=args["v"][:-1]), "to match k")
+    expect_invalid("v", prefill(v=args["v"][:, :2]), "to match k")
+    expect_invalid("k", prefill(k=args["k"].float()), "share a dtype")
+
+
+def test_prefill_mismatched_devices() -> None:
+    args = prefill_args()
+    for name in ("k", "v", "cu_seqlens_q", "cu_seqlens_k"):
+        expect_invalid(name, prefill(**{name: args[name].to(META)}), "is on meta")
+
+
+def test_prefill_integer_tensors_must_be_int32_or_int64() -> None:
+    args = prefill_args()
+    expect_invalid("cu_seqlens_q", prefill(cu_seqlens_q=args["cu_seqlens_q"].float()), "int32 or int64")
+    expect_invalid(
+        "cu_seqlens_k", prefill(cu_seqlens_k=args["cu_seqlens_k"].to(torch.int16)), "int32 or int64"
+    )
+
+
+def test_prefill_non_monotonic_cu_seqlens() -> None:
+    expect_invalid(
+        "cu_seqlens_q", prefill(cu_seqlens_q=torch.tensor([0, 6, 3], dtype=torch.int32)), "monotonic"
+    )
+    expect_invalid(
+        "cu_seqlens_k", prefill(cu_seqlens_k=torch.tensor([0, 9, 3], dtype=torch.int32)), "monotonic"
+    )
+    expect_invalid("cu_seqlens_k", prefill(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), "entries")
+
+
+def test_prefill_max_seqlen_too_small() -> None:
+    expect_invalid("max_seqlen_q", prefill(max_seqlen_q=4), "longest query 5")
+    expect_invalid("max_seqlen_k", prefill(max_seqlen_k=8), "longest key range 9")
+
+
+def test_prefill_forced_strategy_that_does_not_fit() -> None:
+    # 4 heads: aiter's fp8 prefill needs a multiple of 16.
+    args = prefill_args(
+        provider=emulated_provider("aiter", "gfx950"), platform="gfx950", strategy=mla.Fp8PersistentPrefill
+    )
+    with pytest.raises(UnsupportedError, match="forced prefill strategy") as info:
+        mla.mla_prefill(**args)
+    assert info.value.explanation is not None
+    assert info.value.explanation.candidate("fp8-persistent-prefill").reasons[0].code == "heads"
+
+
+# -- the backend: builder and impl --------------------------------------------------------------
+
+
+def make_backend(**changes: Any) -> mla.MLABackend:
+    options: dict[str, Any] = {
+        "model_dtype": torch.float32,
+        "provider": "torch",
+        "platform": "cpu",
+    }
+    options.update(changes)
+    cache = options.pop("cache", mla.KVCacheSpec(16, torch.float32, num_blocks=8))
+    return mla.MLABackend(
+        mla.MLADims(4, RANK, ROPE, 32, 24, softmax_scale=DECODE_CASE.scale),
+        cache,
+        mla.EngineLimits(4, 64, 64, max_decode_qlen=2),
+        **options,
+    )
+
+
+def step(**changes: Any) -> mla.StepInputs:
+    qsl = changes.pop("qsl", torch.tensor([0, 2, 3], dtype=torch.int32))
+    values: dict[str, Any] = {
+        "query_start_loc_cpu": qsl,
+        "query_start_loc": qsl,
+        "seq_lens": torch.tensor([20, 37], dtype=torch.int32),
+        "block_table": torch.tensor([[3, 1, 0], [5, 2, 7]], dtype=torch.int32),
+        "num_decodes": 2,
+        "num_decode_tokens": 3,
+    }
+    values.update(changes)
+    return mla.StepInputs(**values)
+
+
+def test_valid_step_builds() -> None:
+    metadata = make_backend().builder.build(step())
+    assert metadata.decode is not None
+
+
+def test_builder_non_monotonic_query_start_loc() -> None:
+    builder = make_backend().builder
+    expect_invalid("query_start_loc", lambda: builder.build(step(qsl=torch.tensor([0, 3, 2]))), "monotonic")
+
+
+def test_builder_integer_dtypes() -> None:
+    builder = make_backend().builder
+    expect_invalid(
+        "seq_lens", lambda: builder.build(step(seq_lens=torch.tensor([20.0, 37.0]))), "int32 or int64"
+    )
+    table = torch.tensor([[3, 1, 0], [5, 2, 7]], dtype=torch.int16)
+    expect_invalid("block_table", lambda: builder.build(step(block_table=table)), "int32 or int64")
+
+
+def test_builder_seq_len_shorter_than_query() -> None:
+    builder = make_backend().builder
+    expect_invalid("seq_lens", lambda: builder.build(step(seq_lens=torch.tensor([1, 37]))), "query length 2")
+    # A prefill request (no graph padding there) with seq_len 0.
+    prefill_step = step(seq_lens=torch.tensor([20, 0]), num_decodes=1, num_decode_tokens=2)
+    expect_invalid("seq_lens", lambda: builder.build(prefill_step), "prefill request 1 has seq_len 0")
+
+
+def test_builder_seq_len_over_max_model_len() -> None:
+    builder = make_backend().builder
+    table = torch.tensor([[3, 1, 0, 4, 6], [5, 2, 7, 4, 6]], dtype=torch.int32)
+    bad = step(seq_lens=torch.tensor([65, 37]), block_table=table)
+    expect_invalid("seq_lens", lambda: builder.build(bad), "max_model_len 64")
+
+
+def test_builder_block_ids_outside_the_cache() -> None:
+    builder = make_backend().builder
+    table = torch.tensor([[3, 1, 0], [5, 8, 7]], dtype=torch.int32)
+    expect_invalid(
+        "block_table", lambda: builder.build(step(block_table=table)), "outside the cache's 8 blocks"
+    )
+
+
+def test_builder_block_table_too_short() -> None:
+    builder = make_backend().builder
+    table = torch.tensor([[3, 1], [5, 2]], dtype=torch.int32)
+    expect_invalid("block_table", lambda: builder.build(step(block_table=table)), "2 columns")
+
+
+def test_builder_step_shape_rules() -> None:
+    builder = make_backend().builder
+    expect_invalid("num_decodes", lambda: builder.build(step(num_decodes=3)), "must be in")
+    expect_invalid("num_decode_tokens", lambda: builder.build(step(num_decode_tokens=2)), "own 3 tokens")
+    expect_invalid("num_decode_tokens", lambda: builder.build(step(num_decode_tokens=9)), "exceeds")
+
+
+def test_backend_context_workspace_smaller_than_a_block_per_request() -> None:
+    expect_invalid(
+        "context_chunk_tokens", lambda: make_backend(context_chunk_tokens=16), "one block per chunk"
+    )
+
+
+def test_backend_head_count_no_strategy_accepts() -> None:
+    with pytest.raises(UnsupportedError, match="130 heads"):
+        mla.MLABackend(
+            mla.MLADims(130, RANK, ROPE),
+            mla.KVCacheSpec(16, torch.bfloat16),
+            mla.EngineLimits(4, 64, 64),
+            provider=emulated_provider("aiter", "gfx942"),
+            platform="gfx942",
+        )
+
+
+def test_backend_forced_strategy_that_does_not_fit() -> None:
+    # max_decode_qlen 2: the engine may send verify steps, which GluonDecode cannot run.
+    with pytest.raises(UnsupportedError, match="decode qlen 2") as info:
+        make_backend(decode_strategy=mla.GluonDecode)
+    assert info.value.explanation is not None
+    assert info.value.explanation.forced == "gluon-decode"
+
+
+def _poisoned(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.full(shape, math.nan, dtype=dtype)
+
+
+def _cache(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(8, 16, RANK + ROPE).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("argument", "change"),
+    [
+        ("q", {"q": torch.randn(4, 4, RANK + ROPE)}),
+        ("q", {"q": torch.randn(3, 4, RANK + ROPE).to(torch.bfloat16)}),
+        ("kv_cache", {"kv_cache": _cache(torch.bfloat16)}),
+        ("kv_cache", {"kv_cache": _cache()[..., :-1]}),
+        ("kv_cache", {"kv_cache": _cache().to(META)}),
+        ("out", {"out": _poisoned(3, 4, RANK - 1)}),
+        ("out", {"out": _poisoned(3, 4, RANK, dtype=torch.bfloat16)}),
+        ("lse", {"lse": _poisoned(3, 3)}),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}" for k in x),
+)
+def test_impl_decode_rejects_and_writes_nothing(argument: str, change: dict[str, torch.Tensor]) -> None:
+    backend = make_backend()
+    metadata = backend.builder.build(step())
+    args: dict[str, Any] = {
+        "q": torch.randn(3, 4, RANK + ROPE),
+        "kv_cache": _cache(),
+        "out": _poisoned(3, 4, RANK),
+        "lse": _poisoned(3, 4),
+    }
+    args.update(change)
+    expect_invalid(argument, lambda: backend.impl.forward_decode(metadata, **args))
+    for name in ("out", "lse"):
+        if args[name].device.type != "meta":
+            assert torch.isnan(args[name]).all(), f"{name} was written by a rejected call"
+
+
+def test_impl_decode_fp8_cache_needs_kv_scale_and_writes_nothing() -> None:
+    backend = make_backend(cache=mla.KVCacheSpec(16, torch.float8_e4m3fn, num_blocks=8))
+    metadata = backend.builder.build(step())
+    out, lse = _poisoned(3, 4, RANK), _poisoned(3, 4)
+    cache = _cache(torch.float8_e4m3fn)
+    q = torch.randn(3, 4, RANK + ROPE)
+    expect_invalid("kv_scale", lambda: backend.impl.forward_decode(metadata, q, cache, out=out, lse=lse))
+    assert torch.isnan(out).all()
+    assert torch.isnan(lse).all()
+    backend.impl.forward_decode(metadata, q, cache, out=out, lse=lse, kv_scale=0.5)
+    assert not torch.isnan(out).any()
+
+
+def test_impl_without_a_decode_phase() -> None:
+    backend = make_backend()
+    prefill_only = backend.builder.build(step(num_decodes=0, num_decode_tokens=0))
+    expect_invalid(
+        "metadata",
+        lambda: backend.impl.forward_decode(
+            prefill_only, torch.randn(3, 4, RANK + ROPE), _cache(), out=_poisoned(3, 4, RANK)
+        ),
+        "no decode requests",
+    )
+    decode_only = backend.builder.build(step())
+    q = torch.randn(3, 4, 48)
+    expect_invalid(
+        "metadata",
+        lambda: backend.impl.forward_prefill(decode_only, q, q, q[..., :24], out=_poisoned(3, 4, 24)),
+        "no prefill requests",
+    )
+
+
+CONTEXT_CASE = PrefillCase(
+    heads=4, q_lens=(2, 1), context_lens=(18, 36), qk_nope_dim=32, rope_dim=16, v_dim=24, kv_lora_rank=RANK
+)
+"""The step of ``_prefill_step`` (its up-projection is the ``expand_context`` callback)."""
+
+
+def _prefill_step(cache_dtype: torch.dtype) -> tuple[mla.MLABackend, mla.MLAMetadata]:
+    backend = make_backend(cache=mla.KVCacheSpec(16, cache_dtype, num_blocks=8))
+    # Two prefill requests with cached context (seq_len > query length).
+    metadata = backend.builder.build(step(num_decodes=0, num_decode_tokens=0))
+    assert metadata.prefill is not None
+    assert metadata.prefill.context_chunks
+    return backend, metadata
+
+
+@pytest.mark.parametrize(
+    ("argument", "change"),
+    [
+        ("q", {"q": torch.randn(4, 4, 48)}),
+        ("k", {"k": torch.randn(3, 4, 47)}),
+        ("v", {"v": torch.randn(2, 4, 24)}),
+        ("out", {"out": _poisoned(3, 4, 23)}),
+        ("lse", {"lse": _poisoned(3, 5)}),
+        ("expand_context", {"expand_context": None}),
+        ("expand_context", {"kv_cache": None}),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}" for k in x),
+)
+def test_impl_prefill_rejects_and_writes_nothing(argument: str, change: dict[str, Any]) -> None:
+    backend, metadata = _prefill_step(torch.float32)
+    expand = make_prefill_inputs(CONTEXT_CASE).context.expand
+    args: dict[str, Any] = {
+        "q": torch.randn(3, 4, 48),
+        "k": torch.randn(3, 4, 48),
+        "v": torch.randn(3, 4, 24),
+        "out": _poisoned(3, 4, 24),
+        "lse": _poisoned(3, 4),
+        "kv_cache": _cache(),
+        "expand_context": expand,
+    }
+    args.update(change)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    expect_invalid(argument, lambda: backend.impl.forward_prefill(metadata, q, k, v, **args))
+    assert torch.isnan(args["out"]).all()
+    assert torch.isnan(args["lse"]).all()
+
+
+def test_impl_prefill_fp8_context_needs_kv_scale_and_writes_nothing() -> None:
+    backend, metadata = _prefill_step(torch.float8_e4m3fn)
+    expand = make_prefill_inputs(CONTEXT_CASE).context.expand
+    q, k, v = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(3, 4, 24)
+    out, lse = _poisoned(3, 4, 24), _poisoned(3, 4)
+    cache = _cache(torch.float8_e4m3fn)
+    expect_invalid(
+        "kv_scale",
+        lambda: backend.impl.forward_prefill(
+            metadata, q, k, v, out=out, lse=lse, kv_cache=cache, expand_context=expand
+        ),
+    )
+    assert torch.isnan(out).all()
+    assert torch.isnan(lse).all()
