@@ -268,3 +268,12 @@ def aiter_capabilities(
         fp8_prefill_head_multiple=16,
         fp8_dtype=torch.float8_e4m3fn if gfx950 else torch.float8_e4m3fnuz,
     )
+
+
+def with_native_h24(caps: ProviderCapabilities, arch: str) -> ProviderCapabilities:
+    """``caps`` with aiter's native-H24 reducer and planner assumed present: 24 heads run
+    unpadded where aiter's record allows it on ``arch`` (gfx950); no change elsewhere."""
+    extra = aiter_capabilities(arch, native_h24=True).native_head_counts
+    if extra <= caps.native_head_counts:
+        return caps
+    return attrs.evolve(caps, native_head_counts=caps.native_head_counts | extra)

@@ -26,10 +26,10 @@ import attrs
 import torch
 
 import mla
-from mla.capabilities import ProviderCapabilities, aiter_capabilities
+from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_native_h24
 from mla.config import EngineLimits, KVCacheSpec, MLADims, is_fp8, normalize_dtype
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
-from mla.demo import DemoConfig, StepRecord, emulation_capabilities, run_demo, with_native_h24
+from mla.demo import DemoConfig, StepRecord, run_demo
 from mla.errors import MLAError, ProviderUnavailableError
 from mla.explain import Explanation
 from mla.platform import (
@@ -40,7 +40,7 @@ from mla.platform import (
     detect_platform,
     simulated_platform,
 )
-from mla.providers import auto_provider, get_provider, provider_names
+from mla.providers import auto_provider, emulation_capabilities, get_provider, provider_names
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
 from mla.registry import DEFAULT_REGISTRY, Registry
@@ -101,7 +101,7 @@ def provider_view(
     When the aiter provider cannot give its record and ``static_fallback`` is set, its
     capabilities fall back to the static :func:`~mla.capabilities.aiter_capabilities` record for
     ``platform.arch``. ``native_h24`` assumes aiter's native-H24 reducer and planner
-    (:func:`mla.demo.with_native_h24`).
+    (:func:`mla.capabilities.with_native_h24`).
     """
     provider: KernelProvider | None = None
     caps: ProviderCapabilities | None = None
@@ -125,7 +125,7 @@ def provider_view(
 
 def emulated_view(name: str, platform: Platform, *, native_h24: bool = False) -> ProviderView:
     """The torch reference provider under ``name``'s capability record (always available; see
-    :func:`mla.demo.emulation_capabilities`)."""
+    :func:`mla.providers.emulation_capabilities`)."""
     try:
         caps = emulation_capabilities(name, platform, native_h24=native_h24)
     except Exception as exc:

@@ -24,12 +24,11 @@ import attrs
 import torch
 
 from mla.backend import MLABackend, MLAMetadata, StepInputs
-from mla.capabilities import ProviderCapabilities, aiter_capabilities
 from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name, is_fp8, normalize_dtype
 from mla.errors import InvalidInputError
 from mla.platform import Platform, detect_platform, simulated_platform
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
-from mla.providers import get_provider, resolve_provider
+from mla.providers import emulation_capabilities, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
 from mla.quant import dequantize, quantize_per_tensor
@@ -326,31 +325,6 @@ def _errors(
         return rel, math.inf
     lse_err = float((got_lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
     return rel, lse_err
-
-
-def with_native_h24(caps: ProviderCapabilities, arch: str) -> ProviderCapabilities:
-    """``caps`` with aiter's native-H24 reducer and planner assumed present: 24 heads run
-    unpadded where aiter's record allows it on ``arch`` (gfx950); no change elsewhere."""
-    extra = aiter_capabilities(arch, native_h24=True).native_head_counts
-    if extra <= caps.native_head_counts:
-        return caps
-    return attrs.evolve(caps, native_head_counts=caps.native_head_counts | extra)
-
-
-def emulation_capabilities(
-    name: str, platform: Platform, *, native_h24: bool = False
-) -> ProviderCapabilities:
-    """The capability record that ``--emulate name`` imposes on the torch reference provider.
-
-    ``aiter`` is always the static :func:`~mla.capabilities.aiter_capabilities` record for
-    ``platform.arch`` (aiter's kernels as shipped, no ROCm needed, the same on every machine);
-    any other provider reports its own record for ``platform``. ``native_h24``: see
-    :func:`with_native_h24`.
-    """
-    if name == "aiter":
-        return aiter_capabilities(platform.arch, native_h24=native_h24)
-    caps = get_provider(name).capabilities(platform)
-    return with_native_h24(caps, platform.arch) if native_h24 else caps
 
 
 def _select_provider(config: DemoConfig, platform: Platform) -> tuple[KernelProvider, str]:

@@ -42,14 +42,13 @@ import torch.utils.deterministic as det
 
 from mla.api import mla_prefill
 from mla.backend import MLABackend, StepInputs
-from mla.capabilities import aiter_capabilities
 from mla.config import FLOAT_DTYPES, EngineLimits, KVCacheSpec, MLADims, dtype_name, is_fp8
 from mla.decode.base import DecodeStrategy
 from mla.errors import UnsupportedError
 from mla.explain import Explanation
 from mla.platform import Platform, simulated_platform
 from mla.prefill.base import PrefillStrategy
-from mla.providers import TorchProvider, get_provider, resolve_provider
+from mla.providers import emulated_provider, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.quant import dequantize
 from mla.reference import reference_decode, reference_prefill
@@ -216,21 +215,6 @@ def poisoned_empty() -> Iterator[None]:
 
 
 # -- providers and registries ----------------------------------------------------------------
-
-
-def emulated_provider(name: str, arch: str, *, native_h24: bool = False) -> TorchProvider:
-    """The torch reference kernels under provider ``name``'s capability record on ``arch``.
-
-    ``"aiter"`` imposes :func:`~mla.capabilities.aiter_capabilities` (no ROCm needed), so
-    aiter's head granularity, qlen limits and kernel-table gaps trigger the padding, verify
-    flattening and persistent-schedule paths on a CPU. ``"torch"`` is the plain reference
-    provider; any other name imposes that provider's own record for a simulated ``arch``.
-    """
-    if name == "torch":
-        return TorchProvider()
-    if name == "aiter":
-        return TorchProvider(aiter_capabilities(arch, native_h24=native_h24))
-    return TorchProvider(get_provider(name).capabilities(simulated_platform(arch)))
 
 
 def scratch_registry(

@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_native_h24
 from mla.errors import ProviderUnavailableError
-from mla.platform import Platform
+from mla.platform import Platform, simulated_platform
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
 
@@ -78,11 +79,42 @@ def resolve_provider(spec: str | KernelProvider, platform: Platform) -> KernelPr
     return get_provider(spec)
 
 
+def emulation_capabilities(
+    name: str, platform: Platform, *, native_h24: bool = False
+) -> ProviderCapabilities:
+    """The capability record that emulating provider ``name`` imposes on the torch provider.
+
+    ``aiter`` is always the static :func:`~mla.capabilities.aiter_capabilities` record for
+    ``platform.arch`` (aiter's kernels as shipped; no ROCm needed, the same on every machine);
+    any other provider reports its own record for ``platform``. ``native_h24`` assumes aiter's
+    native-H24 reducer and planner (:func:`~mla.capabilities.with_native_h24`).
+    """
+    if name == "aiter":
+        return aiter_capabilities(platform.arch, native_h24=native_h24)
+    caps = get_provider(name).capabilities(platform)
+    return with_native_h24(caps, platform.arch) if native_h24 else caps
+
+
+def emulated_provider(name: str, platform: Platform | str, *, native_h24: bool = False) -> TorchProvider:
+    """The torch reference kernels under provider ``name``'s capability record.
+
+    With ``"aiter"`` its head granularity, qlen limits and kernel-table gaps trigger the
+    padding, verify-flattening and persistent-schedule paths on a CPU. ``"torch"`` is the plain
+    reference provider. ``platform`` may be an arch name (simulated).
+    """
+    if name == "torch" and not native_h24:
+        return TorchProvider()
+    plat = simulated_platform(platform) if isinstance(platform, str) else platform
+    return TorchProvider(emulation_capabilities(name, plat, native_h24=native_h24))
+
+
 __all__ = [
     "PROVIDER_MODULES",
     "KernelProvider",
     "TorchProvider",
     "auto_provider",
+    "emulated_provider",
+    "emulation_capabilities",
     "get_provider",
     "provider_names",
     "resolve_provider",
