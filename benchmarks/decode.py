@@ -313,7 +313,7 @@ def sweep_configs() -> list[tuple[Shape, str, DecodeLaunchConfig | None, int | N
         return DecodeLaunchConfig(block_m=m, block_n=n, num_warps=w, num_stages=st, reg_pipeline=rp)
 
     out: list[tuple[Shape, str, DecodeLaunchConfig | None, int | None, int | None]] = []
-    for units, chunk in [(528, 256), (264, 512)]:
+    for units, chunk in [(128, 256), (264, 256)]:
         out.append((mem, "pers", None, units, chunk))
         out.append((long, "pers", None, units, chunk))
     for c in [cfg(16, 32, 4, 2), cfg(16, 64, 8, 1, True)]:

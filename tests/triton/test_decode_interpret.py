@@ -101,16 +101,13 @@ class _PagedBatch:
 
 
 @pytest.mark.parametrize(
-    ("heads", "rank", "rope", "dtype", "kv_dtype", "splits", "reg_pipeline", "kv_major"),
+    ("heads", "rank", "rope", "dtype", "kv_dtype", "splits", "reg_pipeline"),
     [
-        (4, 32, 16, torch.float16, torch.float16, 1, False, False),
-        (4, 32, 16, torch.float16, torch.float16, 3, True, False),
-        (3, 48, 8, torch.float32, torch.float32, 2, False, False),
-        (5, 32, 16, torch.float16, torch.float8_e4m3fn, 2, True, False),
-        (2, 32, 16, torch.float32, torch.float8_e5m2, 1, False, False),
-        (4, 32, 16, torch.float16, torch.float16, 3, False, True),
-        (3, 48, 8, torch.float32, torch.float32, 1, False, True),
-        (5, 32, 16, torch.float16, torch.float8_e4m3fn, 2, False, True),
+        (4, 32, 16, torch.float16, torch.float16, 1, False),
+        (4, 32, 16, torch.float16, torch.float16, 3, True),
+        (3, 48, 8, torch.float32, torch.float32, 2, False),
+        (5, 32, 16, torch.float16, torch.float8_e4m3fn, 2, True),
+        (2, 32, 16, torch.float32, torch.float8_e5m2, 1, False),
     ],
 )
 def test_paged_decode_non_persistent(
@@ -121,17 +118,10 @@ def test_paged_decode_non_persistent(
     kv_dtype: torch.dtype,
     splits: int,
     reg_pipeline: bool,
-    kv_major: bool,
 ) -> None:
     batch = _PagedBatch(heads=heads, rank=rank, rope=rope, dtype=dtype, kv_dtype=kv_dtype)
     config = DecodeLaunchConfig(
-        block_m=16,
-        block_n=16,
-        num_warps=4,
-        num_stages=1,
-        num_splits=splits,
-        reg_pipeline=reg_pipeline,
-        kv_major=kv_major,
+        block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=splits, reg_pipeline=reg_pipeline
     )
     _assert_close(batch.run(paged_decode, config=config), batch.run(REF.paged_mqa_decode))
 
