@@ -128,6 +128,10 @@ class ProviderCapabilities:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     """The fp8 format the provider's fp8 kernels take (gfx942: ``float8_e4m3fnuz``)."""
 
+    persistent_decode_preferred: bool = True
+    """A preference hint, never a limit: whether the provider's persistent paged decode is the
+    faster of its two paged modes (the resolver orders them by it)."""
+
     def has(self, contract: Contract) -> bool:
         return contract in self.contracts
 

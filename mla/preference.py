@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from mla.context import DecodeContext, PrefillContext
 from mla.strategy import StrategyKind
 
-Ordered = list[tuple[str, int, StrategyKind]]
-"""``(name, priority, kind)`` of each registration, already sorted by priority."""
+Registration = tuple[str, int, StrategyKind, bool]
+"""``(name, priority, kind, persistent)`` of one registered strategy."""
 
 
 def small_head_preferred(ctx: DecodeContext) -> bool:
@@ -33,9 +33,14 @@ def small_head_preferred(ctx: DecodeContext) -> bool:
 
 
 def decode_order(
-    ctx: DecodeContext, registrations: Sequence[tuple[str, int, StrategyKind]]
+    ctx: DecodeContext, registrations: Sequence[Registration], *, explicit_order: bool = False
 ) -> list[tuple[str, str | None]]:
-    """Candidates in preference order, each with the rule that excludes it (or ``None``)."""
+    """Candidates in preference order, each with the rule that excludes it (or ``None``).
+
+    Within the paged family, persistent goes first unless the provider's record says its
+    non-persistent kernel is the faster one (``persistent_decode_preferred``); an
+    ``explicit_order`` (a user's override) keeps its own order there.
+    """
     mode = ctx.platform.knobs.small_head_mode
     if mode == "gluon":
         small_first = True
@@ -51,9 +56,16 @@ def decode_order(
             return 1 if small_first else 0
         return 0
 
-    ordered = sorted(registrations, key=lambda r: (rank(r[2]), r[1], r[0]))
+    persistent_first = ctx.capabilities.persistent_decode_preferred
+
+    def persistence(kind: StrategyKind, persistent: bool) -> int:
+        if explicit_order:
+            return 0
+        return int(kind is StrategyKind.PAGED and persistent != persistent_first)
+
+    ordered = sorted(registrations, key=lambda r: (rank(r[2]), persistence(r[2], r[3]), r[1], r[0]))
     out: list[tuple[str, str | None]] = []
-    for name, _priority, kind in ordered:
+    for name, _priority, kind, _persistent in ordered:
         excluded = None
         if mode == "asm" and kind is StrategyKind.SMALL_HEAD:
             excluded = "small-head mode 'asm' never selects small-head kernels automatically"
@@ -62,7 +74,7 @@ def decode_order(
 
 
 def prefill_order(
-    ctx: PrefillContext, registrations: Sequence[tuple[str, int, StrategyKind]]
+    ctx: PrefillContext, registrations: Sequence[Registration]
 ) -> list[tuple[str, str | None]]:
     """fp8 prefill first when the knob is ``on``, or ``auto`` with an fp8 KV cache (vLLM PR
     #51040 gated it on fp8 KV); excluded when ``off``."""
@@ -78,7 +90,7 @@ def prefill_order(
 
     ordered = sorted(registrations, key=lambda r: (rank(r[2]), r[1], r[0]))
     out: list[tuple[str, str | None]] = []
-    for name, _priority, kind in ordered:
+    for name, _priority, kind, _persistent in ordered:
         excluded = None
         if knob == "off" and kind is StrategyKind.FP8_PREFILL:
             excluded = "fp8-prefill knob is 'off'"

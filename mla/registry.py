@@ -64,6 +64,10 @@ class Registry:
             regs = [by_name[name] for name in only if name in by_name]
         return tuple(regs)
 
+    def overridden(self, phase: Phase) -> bool:
+        """Whether an :meth:`override` fixes the order of ``phase``'s candidates right now."""
+        return self._only[phase] is not None
+
     def get(self, name: str) -> AnyStrategy:
         for entries in self._entries.values():
             if name in entries:

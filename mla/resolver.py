@@ -70,11 +70,12 @@ class Resolver:
         phase = self.phase_of(ctx)
         regs = self.registry.entries(phase)
         # Rank by position: ``entries`` is in priority order, or in an override's given order.
-        triples = [(r.name, rank, r.strategy.KIND) for rank, r in enumerate(regs)]
+        entries = [(r.name, rank, r.strategy.KIND, r.strategy.PERSISTENT) for rank, r in enumerate(regs)]
         by_name = {r.name: r.strategy for r in regs}
-        order = (
-            decode_order(ctx, triples) if isinstance(ctx, DecodeContext) else prefill_order(ctx, triples)
-        )
+        if isinstance(ctx, DecodeContext):
+            order = decode_order(ctx, entries, explicit_order=self.registry.overridden(phase))
+        else:
+            order = prefill_order(ctx, entries)
         return [(by_name[name], note) for name, note in order]
 
     def explain(self, ctx: Context, *, force: str | AnyStrategy | None = None) -> Explanation:

@@ -76,6 +76,8 @@ class Strategy(abc.ABC, Generic[CtxT]):
     REQUIRES: ClassVar[frozenset[Contract]] = frozenset()
     """Kernel contracts the provider must implement."""
     GRAPH_SUPPORT: ClassVar[GraphSupport] = GraphSupport.NEVER
+    PERSISTENT: ClassVar[bool] = False
+    """Runs on a device-planned persistent work schedule (a preference input)."""
 
     def __init__(self, setup: StrategySetup) -> None:
         self.setup = setup

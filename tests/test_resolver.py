@@ -563,3 +563,17 @@ def test_rule_kernel_table() -> None:
     assert _codes(mla.PaddedAsmPersistent, decode_ctx("cpu", 8, 5, 5, caps=caps)) == ("kernel-table",)
     assert _codes(mla.AsmNonPersistent, decode_ctx("cpu", 8, caps=caps)) == ("kernel-table",)
     assert mla.AsmNonPersistent.supports(decode_ctx("cpu", 32, caps=caps))
+
+
+def test_persistent_preference_hint_orders_the_paged_modes() -> None:
+    """A record whose non-persistent paged decode is faster puts it first; support is unchanged."""
+    preferred = decode_ctx("sm90", heads=16, caps=REFERENCE_CAPABILITIES)
+    hinted = decode_ctx(
+        "sm90", heads=16, caps=attrs.evolve(REFERENCE_CAPABILITIES, persistent_decode_preferred=False)
+    )
+    resolver = mla.Resolver()
+    assert resolver.resolve(preferred).name == PERSISTENT
+    assert resolver.resolve(hinted).name == NONPERSISTENT
+    assert resolver.explain(hinted).candidate(PERSISTENT).supported
+    with mla.override(decode=[PERSISTENT, NONPERSISTENT]):
+        assert resolver.resolve(hinted).name == PERSISTENT

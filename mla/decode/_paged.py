@@ -63,7 +63,6 @@ class PagedDecode(DecodeStrategy):
     """Base of the asm-style strategies over the provider's paged MQA decode."""
 
     KIND: ClassVar[StrategyKind] = StrategyKind.PAGED
-    PERSISTENT: ClassVar[bool] = False
     REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.PAGED_DECODE, Contract.EXPAND_PAGES})
 
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
