@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from mla import PREFILL_STRATEGIES, PrefillStrategy
 from mla.errors import InvalidInputError, PlanMismatchError
 from mla.quant import quantize_per_tensor
 from mla.reference import causal_visible, reference_prefill
@@ -30,6 +31,7 @@ from mla.providers.triton.fp8_prefill import (
     plan_fp8_prefill,
 )
 from mla.providers.triton.prefill import HeadDimBlocks, varlen_attention_fwd
+from mla.testing import PrefillCase, check_prefill_strategy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (q lengths, k lengths): Sk > Sq, Sk < Sq (rows with no key), empty requests, odd lengths
@@ -225,3 +227,51 @@ def test_launchers_reject_bad_inputs() -> None:
     with pytest.raises(InvalidInputError, match="contiguous"):
         varlen_attention_fwd(q.transpose(0, 2).contiguous().transpose(0, 2), q, v, cu, cu, softmax_scale=0.1,
                              **kwargs)  # type: ignore[arg-type]  # fmt: skip
+
+
+KIT_CASES = [
+    PrefillCase(
+        heads=2,
+        q_lens=(9, 1, 17),
+        kv_lens=(12, 5, 17),
+        dtype=torch.float16,
+        qk_nope_dim=24,
+        rope_dim=8,
+        v_dim=16,
+        kv_lora_rank=32,
+    ),
+    PrefillCase(
+        heads=2,
+        q_lens=(6, 11),
+        dtype=torch.float32,
+        causal=False,
+        qk_nope_dim=24,
+        rope_dim=8,
+        v_dim=16,
+        kv_lora_rank=32,
+    ),
+    PrefillCase(
+        heads=2,
+        q_lens=(5, 7),
+        context_lens=(9, 0),
+        dtype=torch.float16,
+        qk_nope_dim=24,
+        rope_dim=8,
+        v_dim=16,
+        kv_lora_rank=32,
+        block_size=4,
+    ),
+]
+
+
+@pytest.mark.parametrize("strategy", PREFILL_STRATEGIES, ids=lambda s: s.NAME)
+@pytest.mark.parametrize("case", KIT_CASES, ids=lambda c: c.id)
+def test_prefill_strategy_conformance(strategy: type[PrefillStrategy], case: PrefillCase) -> None:
+    """Both prefill strategies pass the conformance kit on the Triton provider (interpreter)."""
+    platform = "sm90" if DEVICE.type == "cpu" else None
+    result = check_prefill_strategy(
+        strategy, case, provider="triton", platform=platform or "sm90", device=DEVICE
+    )
+    if not result.supported:
+        pytest.skip(f"{strategy.NAME}: {result.reasons}")
+    result.assert_passed()
