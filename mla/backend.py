@@ -140,9 +140,6 @@ class MLABackend:
         self.prefill_strategies: dict[str, PrefillStrategy] = {}
         self.late_allocations: list[str] = []
         """Strategies first allocated after init (a step the init-time enumeration missed)."""
-        self.decode_lse = torch.empty(
-            limits.max_decode_tokens, dims.num_heads, dtype=torch.float32, device=self.device
-        )
         if preallocate:
             self._preallocate()
         self.builder = MetadataBuilder(self)
@@ -413,13 +410,13 @@ class AttentionImpl:
         lse: torch.Tensor | None = None,
         kv_scale: float | None = None,
     ) -> None:
-        """q ``[num_decode_tokens, H, L+R]``; writes out ``[.., H, L]`` and (optionally) lse."""
+        """q ``[num_decode_tokens, H, L+R]``; writes out ``[.., H, L]`` and, when given, lse
+        ``[.., H]`` float32. ``lse=None`` (plain decode; the LSE is only needed to merge states,
+        e.g. under decode context parallelism) lets the provider skip computing it."""
         plan = metadata.decode
         if plan is None:
             raise InvalidInputError("metadata", "this step has no decode requests")
         strategy = self.backend.decode_strategy(plan.strategy)
-        if lse is None:
-            lse = self.backend.decode_lse[: plan.geometry.num_tokens]
         strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
 
     def forward_prefill(

@@ -73,9 +73,7 @@ def decode_order(
     return [item for item in out if item[1] is None] + [item for item in out if item[1]]
 
 
-def prefill_order(
-    ctx: PrefillContext, registrations: Sequence[Registration]
-) -> list[tuple[str, str | None]]:
+def prefill_order(ctx: PrefillContext, registrations: Sequence[Registration]) -> list[tuple[str, str | None]]:
     """fp8 prefill first when the knob is ``on``, or ``auto`` with an fp8 KV cache (vLLM PR
     #51040 gated it on fp8 KV); excluded when ``off``."""
     knob = ctx.platform.knobs.fp8_prefill

@@ -189,7 +189,7 @@ class PagedDecode(DecodeStrategy):
         *,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         assert isinstance(plan, PagedPlan)
         ws, geo = self.workspace, plan.geometry
@@ -206,7 +206,8 @@ class PagedDecode(DecodeStrategy):
             self._decode(plan, q, kv_flat, kv_scale=kv_scale, out=out, lse=lse)
             owned = geo.num_owned_tokens
             out[owned:].zero_()
-            lse[owned:].fill_(float("-inf"))
+            if lse is not None:
+                lse[owned:].fill_(float("-inf"))
             return
         q_kernel = ws.q_kernel[:rows]
         if plan.qlen_padded:
@@ -218,19 +219,22 @@ class PagedDecode(DecodeStrategy):
         o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
         if geo.kernel_qlen > 1 and not self.PERSISTENT:
             o_kernel.zero_()  # the seed's guard: unwritten lanes of a multi-row tile cannot leak
-        self._decode(plan, q_kernel, kv_flat, kv_scale=kv_scale, out=o_kernel[:rows], lse=lse_kernel[:rows])
+        kernel_lse = None if lse is None else lse_kernel[:rows]
+        self._decode(plan, q_kernel, kv_flat, kv_scale=kv_scale, out=o_kernel[:rows], lse=kernel_lse)
         # The sink row: caller rows no request owns read zeros and -inf.
         o_kernel[rows].zero_()
-        lse_kernel[rows].fill_(float("-inf"))
         if plan.qlen_padded:
             out.copy_(padding.unpad(o_kernel)[plan.kernel_row])
-            lse.copy_(padding.unpad(lse_kernel)[plan.kernel_row])
+            if lse is not None:
+                lse_kernel[rows].fill_(float("-inf"))
+                lse.copy_(padding.unpad(lse_kernel)[plan.kernel_row])
             return
         owned = geo.num_owned_tokens
         out[:owned].copy_(padding.unpad(o_kernel[:owned]))
-        lse[:owned].copy_(padding.unpad(lse_kernel[:owned]))
         out[owned:].zero_()
-        lse[owned:].fill_(float("-inf"))
+        if lse is not None:
+            lse[:owned].copy_(padding.unpad(lse_kernel[:owned]))
+            lse[owned:].fill_(float("-inf"))
 
     def _decode(
         self,
@@ -240,7 +244,7 @@ class PagedDecode(DecodeStrategy):
         *,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         geo = plan.geometry
         self.setup.provider.paged_mqa_decode(

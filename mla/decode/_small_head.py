@@ -138,7 +138,7 @@ class SmallHeadDecode(DecodeStrategy):
         *,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         assert isinstance(plan, SmallHeadPlan)
         rank = self.setup.dims.kv_lora_rank

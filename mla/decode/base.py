@@ -122,7 +122,8 @@ class DecodeStrategy(Strategy[DecodeContext]):
     ``build_metadata(batch) -> DecodePlan`` writes into buffers allocated at init;
     ``run(plan, q, kv_cache, kv_scale=, out=, lse=)`` reads only the plan.
     q ``[T, H, L+R]`` in the model dtype, kv_cache ``[blocks, block_size, L+R]``,
-    out ``[T, H, L]`` (q's dtype), lse ``[T, H]`` float32 (natural log).
+    out ``[T, H, L]`` (q's dtype), lse ``[T, H]`` float32 (natural log) or ``None`` when the
+    caller needs no LSE (the provider then skips computing it).
     """
 
     PHASE: ClassVar[Phase] = Phase.DECODE
@@ -145,9 +146,10 @@ class DecodeStrategy(Strategy[DecodeContext]):
         *,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
-        """Device side: the kernels for one validated call (no host sync)."""
+        """Device side: the kernels for one validated call (no host sync); ``lse=None``: the
+        caller wants no LSE, so none is written."""
 
     def run(
         self,
@@ -157,9 +159,12 @@ class DecodeStrategy(Strategy[DecodeContext]):
         *,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
-        """Execute ``plan``: check inputs against its geometry, then launch."""
+        """Execute ``plan``: check inputs against its geometry, then launch.
+
+        ``lse`` (checked only when given) receives the LSE; ``None`` skips computing it.
+        """
         self.check_plan(plan)
         geo = plan.geometry
         dims = self.setup.dims
@@ -178,7 +183,10 @@ class DecodeStrategy(Strategy[DecodeContext]):
             dtype=geo.q_dtype,
             device=q.device,
         )
-        check_tensor("lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device)
+        if lse is not None:
+            check_tensor(
+                "lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device
+            )
         if is_fp8(geo.kv_dtype) and kv_scale is None:
             raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({geo.kv_dtype}) needs kv_scale")
         self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=kv_scale, out=out, lse=lse)

@@ -6,6 +6,10 @@ Conventions shared by every method:
 * ``T`` query tokens, ``B`` requests, ``H`` heads, ``L`` = kv_lora_rank, ``R`` = rope dim.
 * LSE tensors are float32 ``[T, H]`` in natural log. A row with no keys gets ``o = 0`` and
   ``lse = -inf``.
+* The decode methods (``paged_mqa_decode``, ``small_head_decode``) take ``lse=None`` when the
+  caller needs no LSE (plain decode; engines need it only to merge states, e.g. decode context
+  parallelism): the provider writes ``out`` only and may skip every LSE-only computation.
+  Split-KV partial LSEs that the provider needs internally to reduce ``out`` are unaffected.
 * Indptr/index tensors are int32 on the device of the data.
 * Device-side methods (``paged_mqa_decode``, ``small_head_decode``, ``plan_decode_schedule``,
   ``varlen_attention``, ``fp8_prefill``, ``merge_states``, ``expand_page_indices``, ``write_kv``)
@@ -66,7 +70,7 @@ class KernelProvider(abc.ABC):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
         schedule: object | None = None,
     ) -> None:
         """Asm-style paged MQA decode.
@@ -75,7 +79,8 @@ class KernelProvider(abc.ABC):
         kv_indices flat token ids, qo_indptr ``[B+1]`` with ``max_qlen`` the largest
         ``qo_indptr`` step and ``max_seqlen_k`` a static bound on any request's KV length (the
         engine's ``max_model_len``, so a captured graph stays valid as sequences grow);
-        out ``[Tk, Hk, L]`` (q's dtype), lse ``[Tk, Hk]``. Query row ``i`` of request ``b``
+        out ``[Tk, Hk, L]`` (q's dtype), lse ``[Tk, Hk]`` float32 or ``None`` (no LSE wanted: the
+        provider may skip computing it). Query row ``i`` of request ``b``
         attends keys ``0 .. s_b - q_b + i``. With ``schedule`` (from
         :meth:`decode_schedule_buffers`, planned by :meth:`plan_decode_schedule`) the provider
         runs its persistent split-KV path.
@@ -130,13 +135,14 @@ class KernelProvider(abc.ABC):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         """Gluon-style decode: each of the ``T`` rows is an independent qlen-1 decode.
 
         q_nope ``[T, H, L]``, q_pe ``[T, H, R]``, kv_cache flat ``[N_tok, L+R]``, page_table flat
         token ids, seq_info ``[T+1]`` indptr into page_table (rows at most ``max_seqlen_k``
-        long); out ``[T, H, L]``, lse ``[T, H]``.
+        long); out ``[T, H, L]``, lse ``[T, H]`` float32 or ``None`` (no LSE wanted: the
+        provider may skip computing it).
         """
 
     # -- prefill ----------------------------------------------------------------------------

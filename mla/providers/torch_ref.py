@@ -167,7 +167,7 @@ class TorchProvider(KernelProvider):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
         schedule: object | None = None,
     ) -> None:
         if schedule is not None:
@@ -207,7 +207,8 @@ class TorchProvider(KernelProvider):
             kv_scale=kv_scale,
         )
         out.copy_(o)
-        lse.copy_(row_lse)
+        if lse is not None:
+            lse.copy_(row_lse)
 
     def _scheduled_decode(
         self,
@@ -223,7 +224,7 @@ class TorchProvider(KernelProvider):
         scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         num_tokens, heads, _ = q.shape
         info = schedule.work_info.to(torch.int64)
@@ -267,7 +268,8 @@ class TorchProvider(KernelProvider):
             num_tokens,
         )
         out.copy_(o)
-        lse.copy_(row_lse)
+        if lse is not None:
+            lse.copy_(row_lse)
 
     def decode_schedule_buffers(
         self,
@@ -317,7 +319,7 @@ class TorchProvider(KernelProvider):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         q = torch.cat([q_nope, q_pe], dim=-1)
         rows = q.shape[0]
@@ -335,7 +337,8 @@ class TorchProvider(KernelProvider):
             kv_scale=kv_scale,
         )
         out.copy_(o)
-        lse.copy_(row_lse)
+        if lse is not None:
+            lse.copy_(row_lse)
 
     # -- prefill ----------------------------------------------------------------------------
 

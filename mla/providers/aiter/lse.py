@@ -9,7 +9,9 @@ The provider contract asks every attention kernel for ``lse [T, H]`` (natural lo
   one, for fp8 gqa64 qlen 1; gfx950 has them except for fp8 gqa16 qlen 2). Asking for it
   elsewhere aborts with "cannot get heuristic kernel". :func:`kernel_returns_decode_lse` is
   that rule; where it says no (and for aiter builds without ``return_lse``), the LSE is computed
-  by a reference pass on the device (exact, graph-safe, one more read of the KV rows).
+  by a reference pass on the device (:func:`reference_decode_lse`,
+  :func:`reference_small_head_lse`: exact, graph-safe, one more read of the KV rows). A decode
+  called with ``lse=None`` needs no LSE: it neither asks aiter for one nor runs that pass.
 * The fp8 persistent prefill writes unsplit tiles straight to the output and keeps no LSE for
   them, so its LSE always comes from :func:`prefill_lse` (scores only, no softmax-V product).
 * Rows with no visible key (graph-padding requests, fully masked causal rows) get +inf from
@@ -20,6 +22,11 @@ The provider contract asks every attention kernel for ``lse [T, H]`` (natural lo
 from __future__ import annotations
 
 import torch
+
+from mla.providers.torch_ref import TorchProvider
+
+_REFERENCE = TorchProvider()
+"""The torch reference kernels the LSE passes run on (stateless)."""
 
 FOLDED_FP8_HEADS = frozenset({32, 64, 128})
 """fp8 head counts ``mla_decode_fwd`` runs natively on gfx950; other multiples of 16 fold to 16."""
@@ -83,10 +90,75 @@ def empty_varlen_rows(
     return ~owned | (visible <= 0)
 
 
-def clear_empty_rows(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor) -> None:
-    """``out[r] = 0`` and ``lse[r] = -inf`` where ``empty[r]`` (masked writes, no sync)."""
+def clear_empty_rows(out: torch.Tensor, lse: torch.Tensor | None, empty: torch.Tensor) -> None:
+    """``out[r] = 0`` and ``lse[r] = -inf`` (when an lse is given) where ``empty[r]`` (masked
+    writes, no sync)."""
     out.masked_fill_(empty[:, None, None], 0.0)
-    lse.masked_fill_(empty[:, None], float("-inf"))
+    if lse is not None:
+        lse.masked_fill_(empty[:, None], float("-inf"))
+
+
+def reference_decode_lse(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    max_qlen: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    kv_scale: float | None,
+    out: torch.Tensor,
+) -> None:
+    """The paged decode's LSE ``out [T, H]`` (float32) by a reference pass over the KV rows.
+
+    Arguments as ``KernelProvider.paged_mqa_decode`` (q ``[T, H, L+R]`` in a float dtype: an
+    fp8-rounded query comes dequantized); the attention output it also computes is discarded.
+    """
+    rows, heads = q.shape[0], q.shape[1]
+    _REFERENCE.paged_mqa_decode(
+        q,
+        kv_cache,
+        kv_indptr,
+        kv_indices,
+        qo_indptr,
+        max_qlen=max_qlen,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale,
+        kv_scale=kv_scale,
+        out=torch.empty(rows, heads, kv_lora_rank, dtype=torch.float32, device=q.device),
+        lse=out,
+    )
+
+
+def reference_small_head_lse(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_info: torch.Tensor,
+    *,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    kv_scale: float | None,
+    out: torch.Tensor,
+) -> None:
+    """The small-head decode's LSE ``out [T, H]`` (float32) by a reference pass over the KV rows;
+    arguments as ``KernelProvider.small_head_decode``."""
+    _REFERENCE.small_head_decode(
+        q_nope,
+        q_pe,
+        kv_cache,
+        page_table,
+        seq_info,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale,
+        kv_scale=kv_scale,
+        out=torch.empty(q_nope.shape, dtype=torch.float32, device=q_nope.device),
+        lse=out,
+    )
 
 
 _LSE_CHUNK_ELEMENTS = 1 << 24

@@ -19,10 +19,10 @@ aiter-contract.md documents (§1.6, §1.7, §2):
   and the fp8 persistent prefill ``get_ps_metadata_info_v1``/``get_ps_metadata_v1`` (host
   indptrs) + ``mla_prefill_ps_asm_fwd`` + ``mla_reduce_v1`` (fp32 partials sized from the plan).
 
-Where the LSE comes from when aiter cannot return it, and which rows are cleared, is
-:mod:`mla.providers.aiter.lse`. aiter has no stable public API for state merging, page-index
-expansion or KV writes (vLLM uses its own ops), so those contracts are the torch reference
-provider's device-side implementations, by composition.
+Where the LSE comes from when aiter cannot return it (and that a decode with ``lse=None`` skips
+it), and which rows are cleared, is :mod:`mla.providers.aiter.lse`. aiter has no stable public
+API for state merging, page-index expansion or KV writes (vLLM uses its own ops), so those
+contracts are the torch reference provider's device-side implementations, by composition.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from mla.providers.aiter.lse import (
     empty_varlen_rows,
     kernel_returns_decode_lse,
     prefill_lse,
+    reference_decode_lse,
+    reference_small_head_lse,
 )
 from mla.providers.aiter.probes import AiterProbes, probe_library
 from mla.providers.aiter.schedule import (
@@ -279,7 +281,7 @@ class AiterProvider(KernelProvider):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
         schedule: object | None = None,
     ) -> None:
         aiter, probes = self._loaded()
@@ -317,8 +319,12 @@ class AiterProvider(KernelProvider):
             page_lens = plan.kv_last_page_lens[:batch]
         else:
             page_lens = self._ones(batch, q.device)
-        kernel_lse = probes.decode_returns_lse and kernel_returns_decode_lse(
-            probes.arch, persistent=persistent, fp8=fp8, heads=kernel_heads, qlen=max_qlen
+        kernel_lse = (
+            lse is not None
+            and probes.decode_returns_lse
+            and kernel_returns_decode_lse(
+                probes.arch, persistent=persistent, fp8=fp8, heads=kernel_heads, qlen=max_qlen
+            )
         )
         if kernel_lse:
             kwargs["return_lse"] = True
@@ -343,22 +349,21 @@ class AiterProvider(KernelProvider):
             target.copy_(o_arg)
         if target is not out:
             out.copy_(target[:, :heads])
-        if kernel_lse:
+        if lse is not None and kernel_lse:
             lse.copy_(result[1].reshape(rows, kernel_heads)[:, :heads])
-        else:
-            q_math = q if q_scale is None else dequantize(q_kernel[:, :heads], q_scale)
-            self._reference.paged_mqa_decode(
-                q_math,
+        elif lse is not None:
+            reference_decode_lse(
+                q if q_scale is None else dequantize(q_kernel[:, :heads], q_scale),
                 kv_cache,
                 kv_indptr,
                 kv_indices,
                 qo_indptr,
+                kv_lora_rank=out.shape[-1],
                 max_qlen=max_qlen,
                 max_seqlen_k=max_seqlen_k,
                 softmax_scale=softmax_scale,
                 kv_scale=kv_scale,
-                out=torch.empty(rows, heads, out.shape[-1], dtype=torch.float32, device=q.device),
-                lse=lse,
+                out=lse,
             )
         clear_empty_rows(out, lse, empty_decode_rows(qo_indptr, kv_indptr, rows))
 
@@ -443,7 +448,7 @@ class AiterProvider(KernelProvider):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         _, probes = self._loaded()
         gluon = probes.gluon_fn
@@ -451,7 +456,7 @@ class AiterProvider(KernelProvider):
             raise ProviderUnavailableError(f"provider 'aiter' has no Gluon small-head kernel: {probes.gluon}")
         rows, heads, rank = q_nope.shape
         target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        kernel_lse = "return_lse" in probes.gluon_params
+        kernel_lse = lse is not None and "return_lse" in probes.gluon_params
         extra: dict[str, Any] = {"return_lse": True} if kernel_lse else {}
         result = gluon(
             q_nope=q_nope,
@@ -470,10 +475,10 @@ class AiterProvider(KernelProvider):
         )
         if target is not out:
             out.copy_(target)
-        if kernel_lse:
+        if lse is not None and kernel_lse:
             lse.copy_(result[1].reshape(rows, heads))
-        else:
-            self._reference.small_head_decode(
+        elif lse is not None:
+            reference_small_head_lse(
                 q_nope,
                 q_pe,
                 kv_cache,
@@ -482,8 +487,7 @@ class AiterProvider(KernelProvider):
                 max_seqlen_k=max_seqlen_k,
                 softmax_scale=softmax_scale,
                 kv_scale=kv_scale,
-                out=torch.empty(out.shape, dtype=torch.float32, device=out.device),
-                lse=lse,
+                out=lse,
             )
         clear_empty_rows(out, lse, empty_indptr_rows(seq_info, rows))
 

@@ -18,7 +18,8 @@ padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows by flat token id, c
 fp8 and widened to the dot dtype in registers; the per-tensor scale is folded into the score
 scale and the output. Work items covering a whole request write ``out``/``lse`` directly; split
 items write fp32 partials (normalised o, natural-log lse) that :func:`_merge_splits_kernel`
-combines.
+combines. With ``lse=None`` (``WRITE_LSE`` off) neither kernel stores the final LSE; the split
+partials keep theirs, which the reduce needs for ``out``.
 
 Rows with no visible key produce ``o = 0``, ``lse = -inf``. Everything here is graph-capturable:
 grids come from shapes and Python ints, never from tensor values.
@@ -137,6 +138,7 @@ def _mla_decode_kernel(
     ROW_BLOCKS: tl.constexpr,
     MODE: tl.constexpr,
     UNIT_QLEN: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     REG_PIPELINE: tl.constexpr,
@@ -239,7 +241,8 @@ def _mla_decode_kernel(
     if direct:
         o_ptrs = out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_l[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
+        if WRITE_LSE:
+            tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
     else:
         wk = work.to(tl.int64)
         po_ptrs = part_o_ptr + wk * stride_po_w + qi[:, None] * stride_po_q + head[:, None] * stride_po_h
@@ -271,9 +274,11 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     MODE: tl.constexpr,
     UNIT_QLEN: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Program (request·qlen + query row, head, value chunk): LSE-merge the request's split
-    partials, ``BLOCK_S`` splits per step (max pass, then weighted-sum pass)."""
+    partials, ``BLOCK_S`` splits per step (max pass, then weighted-sum pass); the merged LSE is
+    stored only with ``WRITE_LSE``."""
     req = tl.program_id(0) // max_qlen
     qi = tl.program_id(0) % max_qlen
     head = tl.program_id(1)
@@ -323,7 +328,7 @@ def _merge_splits_kernel(
     token = (q_start + qi).to(tl.int64)
     o_ptrs = out_ptr + token * stride_o_t + head * stride_o_h + offs_d
     tl.store(o_ptrs, (acc / safe).to(out_ptr.dtype.element_ty), mask=offs_d < L)
-    if tl.program_id(2) == 0:
+    if WRITE_LSE and tl.program_id(2) == 0:
         tl.store(
             lse_ptr + token * stride_lse_t + head * stride_lse_h,
             tl.where(has_keys, top + tl.log(safe), float("-inf")),
@@ -361,7 +366,7 @@ def launch_decode(
     softmax_scale: float,
     kv_scale: float | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor | None,
     config: DecodeLaunchConfig,
     schedule: SplitKVSchedule | None,
 ) -> None:
@@ -370,6 +375,7 @@ def launch_decode(
     ``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` may be strided views (last dim contiguous);
     ``qo_indptr is None`` means row ``b`` of q is request ``b`` with qlen 1 (small-head mode).
     Non-persistent when ``schedule is None`` (``config.num_splits`` splits per request).
+    ``lse is None``: the final LSE is not stored (the kernels get a one-element stand-in pointer).
     """
     heads, rank = q_nope.shape[1], q_nope.shape[2]
     rope = q_pe.shape[2]
@@ -382,6 +388,8 @@ def launch_decode(
     v_scale = 1.0 if kv_scale is None else kv_scale
     unit_qlen = qo_indptr is None
     qo = kv_indptr if qo_indptr is None else qo_indptr
+    write_lse = lse is not None
+    lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
     if schedule is None:
         mode, num_splits = _MODE_SPLIT, config.num_splits
         num_work = num_requests * num_splits
@@ -389,7 +397,8 @@ def launch_decode(
             part_o = torch.empty(num_work, max_qlen, heads, rank, dtype=torch.float32, device=out.device)
             part_lse = torch.empty(num_work, max_qlen, heads, dtype=torch.float32, device=out.device)
         else:
-            part_o, part_lse = out.new_empty(1, 1, 1, 1, dtype=torch.float32), lse.new_empty(1, 1, 1)
+            part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+            part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
         work_info, split_indptr = kv_indptr, kv_indptr
     else:
         mode, num_splits = _MODE_SCHEDULED, 1
@@ -413,7 +422,7 @@ def launch_decode(
         work_info,
         split_indptr,
         out,
-        lse,
+        lse_arg,
         part_o,
         part_lse,
         num_splits,
@@ -424,8 +433,8 @@ def launch_decode(
         kv_cache.stride(0),
         out.stride(0),
         out.stride(1),
-        lse.stride(0),
-        lse.stride(1),
+        lse_arg.stride(0),
+        lse_arg.stride(1),
         part_o.stride(0),
         part_o.stride(1),
         part_o.stride(2),
@@ -443,6 +452,7 @@ def launch_decode(
         ROW_BLOCKS=row_blocks,
         MODE=mode,
         UNIT_QLEN=unit_qlen,
+        WRITE_LSE=write_lse,
         DOT_DTYPE=dot_dtype,
         INPUT_PRECISION=precision,
         REG_PIPELINE=config.reg_pipeline,
@@ -456,7 +466,7 @@ def launch_decode(
         part_o,
         part_lse,
         out,
-        lse,
+        lse_arg,
         qo,
         split_indptr,
         num_splits,
@@ -468,13 +478,14 @@ def launch_decode(
         part_lse.stride(1),
         out.stride(0),
         out.stride(1),
-        lse.stride(0),
-        lse.stride(1),
+        lse_arg.stride(0),
+        lse_arg.stride(1),
         L=rank,
         BLOCK_S=MERGE_BLOCK_S,
         BLOCK_D=block_d,
         MODE=mode,
         UNIT_QLEN=unit_qlen,
+        WRITE_LSE=write_lse,
         num_warps=4,
     )
 
@@ -498,13 +509,14 @@ def paged_decode(
     softmax_scale: float,
     kv_scale: float | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor | None,
     schedule: SplitKVSchedule | None = None,
     config: DecodeLaunchConfig | None = None,
 ) -> None:
     """Paged MQA decode (contract of ``KernelProvider.paged_mqa_decode``).
 
-    q ``[T, H, L+R]``, kv_cache ``[N_tok, L+R]``, out ``[T, H, L]``, lse ``[T, H]`` fp32.
+    q ``[T, H, L+R]``, kv_cache ``[N_tok, L+R]``, out ``[T, H, L]``, lse ``[T, H]`` fp32 or
+    ``None`` (not written).
     ``config`` overrides the heuristic (benchmarks); ``schedule`` selects the persistent path.
     """
     num_requests = qo_indptr.numel() - 1

@@ -143,7 +143,7 @@ class TritonProvider(KernelProvider):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
         schedule: object | None = None,
     ) -> None:
 
@@ -217,7 +217,7 @@ class TritonProvider(KernelProvider):
         softmax_scale: float,
         kv_scale: float | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
 
         small_head_decode(

@@ -3,7 +3,7 @@
 Contract (``KernelProvider.small_head_decode``): q_nope ``[T, H, L]`` and q_pe ``[T, H, R]``
 (strided views of one ``[T, H, L+R]`` query are fine: only the last dim must be contiguous),
 flat cache ``[N_tok, L+R]``, ``page_table`` flat token ids and ``seq_info [T+1]`` indptr into it
-per row; out ``[T, H, L]``, lse ``[T, H]`` fp32.
+per row; out ``[T, H, L]``, lse ``[T, H]`` fp32 or ``None`` (not written).
 
 It runs the shared decode kernel of :mod:`.decode` with one request per row (``UNIT_QLEN``):
 the H heads of a row fill a 16-row MMA tile, so 8 or 12 heads move the same KV bytes as 16 and
@@ -34,7 +34,7 @@ def small_head_decode(
     softmax_scale: float,
     kv_scale: float | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor | None,
     config: DecodeLaunchConfig | None = None,
 ) -> None:
     """Small-head decode; ``config`` overrides the launch heuristic (benchmarks)."""
