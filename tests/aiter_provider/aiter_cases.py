@@ -22,6 +22,7 @@ from mla.testing import (
     compare_to_reference,
     make_decode_inputs,
     make_prefill_inputs,
+    rounded_inputs,
 )
 
 LATENT = {"kv_lora_rank": 512, "rope_dim": 64}
@@ -191,10 +192,6 @@ def run_prefill(
         expand_context=inputs.context.expand,
     )
     strategy = backend.prefill_strategy(metadata.prefill.strategy)
-    quantize = getattr(strategy, "quantize", None)
-    if quantize is not None:
-        (q8, qs), (k8, ks), (v8, vs) = quantize(inputs.q, inputs.k, inputs.v)
-        ref_out, ref_lse = inputs.reference(dequantize(q8, qs), dequantize(k8, ks), dequantize(v8, vs))
-    else:
-        ref_out, ref_lse = inputs.reference()
+    rounded = rounded_inputs(strategy, inputs.q, inputs.k, inputs.v)
+    ref_out, ref_lse = inputs.reference(*rounded) if rounded is not None else inputs.reference()
     return metadata.prefill.strategy, compare_to_reference(out, lse, ref_out, ref_lse)
