@@ -23,9 +23,12 @@ class PagedPlan(DecodePlan):
     qo_indptr: torch.Tensor
     """int32 ``[B+1]``: kernel rows per request (uniform step ``kernel_qlen`` when qlen-padded)."""
     qlen_padded: bool
-    """Kernel rows differ from caller rows: ``source_token``/``kernel_row`` remap them."""
-    source_token: torch.Tensor
-    """int64 ``[Tk]`` (view): caller row per kernel row, ``-1`` = prepended zero row."""
+    """Kernel rows differ from caller rows: ``source_index``/``kernel_row`` remap them."""
+    source_index: torch.Tensor
+    """int64 ``[Tk]`` (view): caller row each kernel row reads (0 for a prepended zero row)."""
+    source_keep: torch.Tensor
+    """``[Tk]`` in the model dtype (view): 1 for a kernel row holding a caller row, 0 for a
+    prepended zero row."""
     kernel_row: torch.Tensor
     """int64 ``[T]`` (view): kernel row per caller row, ``Tk`` = the zero sink row."""
     schedule: object | None
@@ -39,7 +42,8 @@ class PagedWorkspace:
     padding: HeadPadding
     max_kernel_qlen: int
     qo_indptr: torch.Tensor
-    source_token: torch.Tensor
+    source_index: torch.Tensor
+    source_keep: torch.Tensor
     kernel_row: torch.Tensor
     q_kernel: torch.Tensor
     """``[max_kernel_rows, Hk, L+R]`` in the model dtype."""
@@ -88,7 +92,8 @@ class PagedDecode(DecodeStrategy):
             padding=padding,
             max_kernel_qlen=kq,
             qo_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
-            source_token=torch.zeros(rows, dtype=torch.int64, device=dev),
+            source_index=torch.zeros(rows, dtype=torch.int64, device=dev),
+            source_keep=torch.zeros(rows, dtype=setup.q_dtype, device=dev),
             kernel_row=torch.zeros(limits.max_decode_tokens, dtype=torch.int64, device=dev),
             q_kernel=torch.zeros(rows, heads, dims.latent_dim, dtype=setup.q_dtype, device=dev),
             o_kernel=torch.zeros(rows + 1, heads, dims.kv_lora_rank, dtype=setup.q_dtype, device=dev),
@@ -150,7 +155,9 @@ class PagedDecode(DecodeStrategy):
             maps = qlen_padding_maps(batch.query_start_loc_cpu, num_tokens, kernel_qlen)
             rows = maps.num_kernel_rows
             qo_indptr.copy_(maps.qo_indptr, non_blocking=True)
-            ws.source_token[:rows].copy_(maps.source_token, non_blocking=True)
+            source = maps.source_token
+            ws.source_index[:rows].copy_(torch.clamp(source, min=0), non_blocking=True)
+            ws.source_keep[:rows].copy_((source >= 0).to(setup.q_dtype), non_blocking=True)
             ws.kernel_row[:num_tokens].copy_(maps.kernel_row, non_blocking=True)
         else:
             rows = num_tokens
@@ -176,7 +183,8 @@ class PagedDecode(DecodeStrategy):
             self.index_buffers.kv_indices,
             qo_indptr=qo_indptr,
             qlen_padded=qlen_padded,
-            source_token=ws.source_token[:rows],
+            source_index=ws.source_index[:rows],
+            source_keep=ws.source_keep[:rows],
             kernel_row=ws.kernel_row[:num_tokens],
             schedule=ws.schedule,
         )
@@ -210,10 +218,11 @@ class PagedDecode(DecodeStrategy):
                 lse[owned:].fill_(float("-inf"))
             return
         q_kernel = ws.q_kernel[:rows]
-        if plan.qlen_padded:
-            source = plan.source_token
-            keep = (source >= 0).to(q.dtype)[:, None, None]
-            padding.pad(q[torch.clamp(source, min=0)] * keep, q_kernel)
+        if plan.qlen_padded and padding.kernel_heads == padding.num_heads:
+            torch.index_select(q, 0, plan.source_index, out=q_kernel)
+            q_kernel.mul_(plan.source_keep[:, None, None])
+        elif plan.qlen_padded:
+            padding.pad(q.index_select(0, plan.source_index) * plan.source_keep[:, None, None], q_kernel)
         else:
             padding.pad(q, q_kernel)
         o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
