@@ -121,6 +121,33 @@ class Strategy(abc.ABC, Generic[CtxT]):
             )
 
 
+def require_dtype(
+    reasons: ReasonCollector,
+    code: str,
+    what: str,
+    dtype: torch.dtype,
+    allowed: frozenset[torch.dtype],
+    kernel: str,
+) -> None:
+    """Rule shared by strategies: ``dtype`` (the ``what``, e.g. "query") is one ``kernel`` takes."""
+    reasons.require(
+        dtype in allowed,
+        code,
+        f"{what} {dtype_name(dtype)}: the {kernel} takes {sorted(dtype_name(d) for d in allowed)}",
+    )
+
+
+def require_latent_dims(ctx: DecodeContext, reasons: ReasonCollector, kernel: str) -> None:
+    """Rule shared by decode strategies: the provider's kernels are built for these latent dims."""
+    built = ctx.capabilities.latent_dims
+    latent = (ctx.dims.kv_lora_rank, ctx.dims.qk_rope_head_dim)
+    reasons.require(
+        built is None or latent in built,
+        "dims",
+        f"kv_lora_rank/rope {latent[0]}/{latent[1]}: the {kernel} is built for {sorted(built or ())}",
+    )
+
+
 @attrs.frozen(eq=False)
 class PlanBase:
     """What ``build_metadata`` returns: the decision and the geometry it was built for."""

@@ -11,7 +11,7 @@ from mla.capabilities import Contract, ProviderCapabilities
 from mla.config import dtype_name
 from mla.context import DecodeContext
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
-from mla.strategy import StrategyKind, StrategySetup
+from mla.strategy import StrategyKind, StrategySetup, require_dtype, require_latent_dims
 from mla.support import ReasonCollector
 from mla.transforms import HeadPadding, qlen_padding_maps
 
@@ -111,25 +111,9 @@ class PagedDecode(DecodeStrategy):
             "heads",
             f"{heads} heads: the paged decode needs H > 0 and (H <= {cap} or H % {g} == 0)",
         )
-        reasons.require(
-            ctx.q_dtype in caps.q_dtypes,
-            "q-dtype",
-            f"query {dtype_name(ctx.q_dtype)}: the paged decode takes "
-            f"{sorted(dtype_name(d) for d in caps.q_dtypes)}",
-        )
-        reasons.require(
-            ctx.kv_dtype in caps.kv_dtypes,
-            "kv-dtype",
-            f"kv cache {dtype_name(ctx.kv_dtype)}: the paged decode takes "
-            f"{sorted(dtype_name(d) for d in caps.kv_dtypes)}",
-        )
-        latent = (ctx.dims.kv_lora_rank, ctx.dims.qk_rope_head_dim)
-        reasons.require(
-            caps.latent_dims is None or latent in caps.latent_dims,
-            "dims",
-            f"kv_lora_rank/rope {latent[0]}/{latent[1]}: the paged decode is built for "
-            f"{sorted(caps.latent_dims or ())}",
-        )
+        require_dtype(reasons, "q-dtype", "query", ctx.q_dtype, caps.q_dtypes, "paged decode")
+        require_dtype(reasons, "kv-dtype", "kv cache", ctx.kv_dtype, caps.kv_dtypes, "paged decode")
+        require_latent_dims(ctx, reasons, "paged decode")
         kernel_heads, kernel_qlen = caps.padded_heads(heads), ctx.kernel_qlen
         mode = "persistent" if cls.PERSISTENT else "non-persistent"
         reasons.require(

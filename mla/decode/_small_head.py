@@ -8,10 +8,9 @@ import attrs
 import torch
 
 from mla.capabilities import Contract
-from mla.config import dtype_name
 from mla.context import DecodeContext
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
-from mla.strategy import StrategyKind, StrategySetup
+from mla.strategy import StrategyKind, StrategySetup, require_dtype, require_latent_dims
 from mla.support import ReasonCollector
 from mla.transforms import gather_row_page_table, verify_row_lengths
 
@@ -67,25 +66,10 @@ class SmallHeadDecode(DecodeStrategy):
             "heads",
             f"{ctx.num_heads} heads: the small-head kernel takes at most {limit}",
         )
-        reasons.require(
-            ctx.kv_dtype in caps.small_head_kv_dtypes,
-            "kv-dtype",
-            f"kv cache {dtype_name(ctx.kv_dtype)}: the small-head kernel takes "
-            f"{sorted(dtype_name(d) for d in caps.small_head_kv_dtypes)}",
-        )
-        reasons.require(
-            ctx.q_dtype in caps.small_head_q_dtypes,
-            "q-dtype",
-            f"query {dtype_name(ctx.q_dtype)}: the small-head kernel takes "
-            f"{sorted(dtype_name(d) for d in caps.small_head_q_dtypes)}",
-        )
-        latent = (ctx.dims.kv_lora_rank, ctx.dims.qk_rope_head_dim)
-        reasons.require(
-            caps.latent_dims is None or latent in caps.latent_dims,
-            "dims",
-            f"kv_lora_rank/rope {latent[0]}/{latent[1]}: the small-head kernel is built for "
-            f"{sorted(caps.latent_dims or ())}",
-        )
+        kernel = "small-head kernel"
+        require_dtype(reasons, "kv-dtype", "kv cache", ctx.kv_dtype, caps.small_head_kv_dtypes, kernel)
+        require_dtype(reasons, "q-dtype", "query", ctx.q_dtype, caps.small_head_q_dtypes, kernel)
+        require_latent_dims(ctx, reasons, kernel)
 
     def build_metadata(self, batch: DecodeBatch) -> SmallHeadPlan:
         setup = self.setup

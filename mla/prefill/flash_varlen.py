@@ -7,10 +7,10 @@ from typing import ClassVar
 import torch
 
 from mla.capabilities import Contract
-from mla.config import dtype_name, is_fp8
+from mla.config import is_fp8
 from mla.context import PrefillContext
 from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
-from mla.strategy import StrategyKind
+from mla.strategy import StrategyKind, require_dtype
 from mla.support import ReasonCollector
 
 
@@ -29,12 +29,7 @@ class FlashVarlen(PrefillStrategy):
     @classmethod
     def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
         caps = ctx.capabilities
-        reasons.require(
-            ctx.q_dtype in caps.q_dtypes,
-            "q-dtype",
-            f"query {dtype_name(ctx.q_dtype)}: the varlen kernel takes "
-            f"{sorted(dtype_name(d) for d in caps.q_dtypes)}",
-        )
+        require_dtype(reasons, "q-dtype", "query", ctx.q_dtype, caps.q_dtypes, "varlen kernel")
         if ctx.has_chunked_context:
             reasons.require(
                 caps.has(Contract.MERGE_STATES),
