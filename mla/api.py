@@ -94,7 +94,6 @@ def mla_decode(
         raise InvalidInputError("kv_cache", f"last dim {kv_cache.shape[-1]} must equal q's last dim {width}")
     if is_fp8(kv_cache.dtype) and kv_scale is None:
         raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({kv_cache.dtype}) needs kv_scale")
-    scale = float(kv_scale.item()) if isinstance(kv_scale, torch.Tensor) else kv_scale
     num_requests = seq_lens.numel()
     qsl_cpu = (
         torch.arange(num_requests + 1, dtype=torch.int64)
@@ -157,7 +156,7 @@ def mla_decode(
         lse.fill_(float("-inf"))
         return out, lse
     metadata = backend.builder.build(step)
-    backend.impl.forward_decode(metadata, q, kv_cache, out=out, lse=lse, kv_scale=scale)
+    backend.impl.forward_decode(metadata, q, kv_cache, out=out, lse=lse, kv_scale=kv_scale)
     return out, lse
 
 

@@ -408,11 +408,13 @@ class AttentionImpl:
         *,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
     ) -> None:
         """q ``[num_decode_tokens, H, L+R]``; writes out ``[.., H, L]`` and, when given, lse
         ``[.., H]`` float32. ``lse=None`` (plain decode; the LSE is only needed to merge states,
-        e.g. under decode context parallelism) lets the provider skip computing it."""
+        e.g. under decode context parallelism) lets the provider skip computing it.
+        ``kv_scale`` (fp8 cache) is a float or a one-element device tensor; kernels read it on
+        the device, so a captured graph replays with the tensor's current value."""
         plan = metadata.decode
         if plan is None:
             raise InvalidInputError("metadata", "this step has no decode requests")
@@ -429,7 +431,7 @@ class AttentionImpl:
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
         kv_cache: torch.Tensor | None = None,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
         expand_context: ContextExpander | None = None,
     ) -> None:
         """q/k ``[num_prefill_tokens, H, Dqk]``, v ``[.., H, Dv]``; writes out ``[.., H, Dv]``."""

@@ -30,6 +30,7 @@ from mla.platform import Platform, detect_platform, simulated_platform
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 from mla.providers import emulation_capabilities, resolve_provider
 from mla.providers.base import KernelProvider
+from mla.providers.calls import WriteKVCall
 from mla.providers.torch_ref import TorchProvider
 from mla.quant import dequantize, quantize_per_tensor
 from mla.reference import reference_decode, reference_prefill
@@ -416,8 +417,15 @@ class ServingLoop:
             return
         rank = self.config.kv_lora_rank
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        scale = None if self.kv_scale is None else torch.tensor([self.kv_scale], device=self.device)
         self.backend.provider.write_kv(
-            rows[:, :rank], rows[:, rank:], self.kv_cache, slot_mapping, kv_scale=self.kv_scale
+            WriteKVCall(
+                kv_c=rows[:, :rank],
+                k_pe=rows[:, rank:],
+                kv_cache=self.kv_cache,
+                slot_mapping=slot_mapping,
+                kv_scale=scale,
+            )
         )
 
     def _admit(self) -> None:

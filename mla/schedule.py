@@ -16,6 +16,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from mla.errors import PlanMismatchError
+
 WORK_FIELDS = 4
 """Columns of ``work_info``: request (``-1`` = idle item), kv_start, kv_end, split ordinal."""
 
@@ -82,7 +84,7 @@ class SplitKVSchedule:
     def plan(self, kv_indptr: torch.Tensor, batch_size: int) -> None:
         """Fill the buffers for requests ``0 .. batch_size-1`` of ``kv_indptr`` (device ops)."""
         if batch_size > self.max_batch:
-            raise ValueError(f"batch_size {batch_size} exceeds the schedule's {self.max_batch}")
+            raise PlanMismatchError(f"batch_size {batch_size} exceeds the schedule's {self.max_batch}")
         indptr = kv_indptr[: batch_size + 1].to(torch.int64)
         kv_len = indptr[1:] - indptr[:-1]
         total = kv_len.sum()

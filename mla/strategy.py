@@ -22,6 +22,7 @@ from mla.context import DecodeContext, PrefillContext
 from mla.errors import InvalidInputError, PlanMismatchError
 from mla.platform import Platform
 from mla.providers.base import KernelProvider
+from mla.quant import ScaleBuffer
 from mla.support import ReasonCollector, Support
 
 
@@ -81,6 +82,8 @@ class Strategy(abc.ABC, Generic[CtxT]):
 
     def __init__(self, setup: StrategySetup) -> None:
         self.setup = setup
+        self.kv_scale_buffer = ScaleBuffer.allocate(setup.device)
+        """Device copy of a float ``kv_scale`` passed to ``run`` (kernels read scales on the device)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(provider={self.setup.provider.name!r})"

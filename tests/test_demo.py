@@ -12,6 +12,7 @@ import torch
 from mla import cli
 from mla.demo import DemoConfig, DemoReport, StepRecord, run_demo
 from mla.errors import InvalidInputError, UnsupportedError
+from mla.providers.calls import PagedDecodeCall, VarlenPrefillCall
 from mla.providers.torch_ref import TorchProvider
 
 # Small latent dims keep each run to a fraction of a second on a CPU; the loop is the same.
@@ -104,19 +105,18 @@ def test_fp32_is_held_to_the_fp32_tolerance() -> None:
 class WrongScaleDecode(TorchProvider):
     """The classic bug: the kernel's default scale 1/sqrt(576) instead of the model's."""
 
-    def paged_mqa_decode(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        kwargs["softmax_scale"] = q.shape[-1] ** -0.5
-        super().paged_mqa_decode(q, *args, **kwargs)
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        super().paged_mqa_decode(attrs.evolve(call, softmax_scale=call.q.shape[-1] ** -0.5))
 
 
 class DropsLastPrefillRow(TorchProvider):
     """Leaves the last output row of every varlen call unwritten."""
 
-    def varlen_attention(self, *args: Any, out: torch.Tensor, lse: torch.Tensor, **kwargs: Any) -> None:
-        full, full_lse = torch.empty_like(out), torch.empty_like(lse)
-        super().varlen_attention(*args, out=full, lse=full_lse, **kwargs)
-        out[:-1].copy_(full[:-1])
-        lse[:-1].copy_(full_lse[:-1])
+    def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        full, full_lse = torch.empty_like(call.out), torch.empty_like(call.lse)
+        super().varlen_attention(attrs.evolve(call, out=full, lse=full_lse))
+        call.out[:-1].copy_(full[:-1])
+        call.lse[:-1].copy_(full_lse[:-1])
 
 
 def test_a_wrong_decode_is_reported() -> None:

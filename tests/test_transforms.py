@@ -16,7 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla.errors import PlanMismatchError
 from mla.providers import TorchProvider
+from mla.providers.calls import ExpandPagesCall, MergeStatesCall, WriteKVCall
 from mla.reference import causal_visible, merge_reference
 from mla.schedule import SplitKVSchedule
 from mla.transforms import (
@@ -202,7 +204,7 @@ def test_split_kv_schedule_rejects_a_batch_over_its_size() -> None:
         num_units=4,
         device=torch.device("cpu"),
     )
-    with pytest.raises(ValueError, match="batch_size 3 exceeds"):
+    with pytest.raises(PlanMismatchError, match="batch_size 3 exceeds"):
         schedule.plan(torch.zeros(4, dtype=torch.int32), 3)
 
 
@@ -257,7 +259,9 @@ def test_expand_page_indices(block_size: int, seq_lens: list[int], seed: int) ->
     indptr = _indptr(seq_lens).to(torch.int32)
     total = int(indptr[-1])
     out = torch.full((total + 4,), -9, dtype=torch.int32)
-    TorchProvider().expand_page_indices(table, indptr, block_size=block_size, num_tokens=total, out=out)
+    TorchProvider().expand_page_indices(
+        ExpandPagesCall(block_table=table, kv_indptr=indptr, out=out, block_size=block_size, num_tokens=total)
+    )
     expected = [
         int(table[r, t // block_size]) * block_size + t % block_size
         for r, s in enumerate(seq_lens)
@@ -269,11 +273,13 @@ def test_expand_page_indices(block_size: int, seq_lens: list[int], seed: int) ->
 
 def test_expand_page_indices_without_host_reads() -> None:
     TorchProvider().expand_page_indices(
-        torch.empty(4, 3, dtype=torch.int32, device=META),
-        torch.empty(5, dtype=torch.int32, device=META),
-        block_size=16,
-        num_tokens=40,
-        out=torch.empty(64, dtype=torch.int32, device=META),
+        ExpandPagesCall(
+            block_table=torch.empty(4, 3, dtype=torch.int32, device=META),
+            kv_indptr=torch.empty(5, dtype=torch.int32, device=META),
+            out=torch.empty(64, dtype=torch.int32, device=META),
+            block_size=16,
+            num_tokens=40,
+        )
     )
 
 
@@ -289,17 +295,19 @@ def test_write_kv(dtype: torch.dtype, rows: int, skip: list[bool], seed: int) ->
     gen = torch.Generator().manual_seed(seed)
     blocks, block_size, rank, rope = 4, 4, 8, 4
     fp8 = dtype == torch.float8_e4m3fn
-    kv_scale = 0.1 if fp8 else None
-    cache = (torch.randn(blocks, block_size, rank + rope, generator=gen) / (kv_scale or 1.0)).to(dtype)
+    kv_scale = torch.tensor([0.1]) if fp8 else None
+    cache = (torch.randn(blocks, block_size, rank + rope, generator=gen) / (0.1 if fp8 else 1.0)).to(dtype)
     before = cache.clone()
     slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
     slots = torch.where(torch.tensor(skip[:rows]), torch.full_like(slots, -1), slots)
     kv_c = torch.randn(rows, rank, generator=gen)
     k_pe = torch.randn(rows, rope, generator=gen)
-    TorchProvider().write_kv(kv_c, k_pe, cache, slots, kv_scale=kv_scale)
+    TorchProvider().write_kv(
+        WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots, kv_scale=kv_scale)
+    )
     flat, flat_before = cache.view(-1, rank + rope).float(), before.view(-1, rank + rope).float()
     values = torch.cat([kv_c, k_pe], dim=-1)
-    expected_rows = (values / kv_scale if fp8 else values).to(dtype).float()  # type: ignore[operator]
+    expected_rows = (values if kv_scale is None else values / kv_scale).to(dtype).float()
     written = set()
     for i, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -341,7 +349,11 @@ def test_merge_states_matches_reference(
     ref_o, ref_lse = merge_reference(o_a, lse_a, o_b, lse_b)
     out = o_a.clone() if alias else torch.full_like(o_a, math.nan)
     lse_out = torch.full_like(lse_a, math.nan)
-    TorchProvider().merge_states(out if alias else o_a, lse_a, o_b, lse_b, out=out, lse_out=lse_out)
+    TorchProvider().merge_states(
+        MergeStatesCall(
+            o_a=out if alias else o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=out, lse_out=lse_out
+        )
+    )
     assert torch.equal(torch.isneginf(lse_out), torch.isneginf(ref_lse))
     assert torch.equal(torch.isneginf(lse_out), mask_a & mask_b)
     finite = torch.isfinite(ref_lse)

@@ -11,6 +11,12 @@ from mla.capabilities import Contract, ProviderCapabilities
 from mla.config import dtype_name
 from mla.context import DecodeContext
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.providers.calls import (
+    DecodeSchedule,
+    DecodeScheduleBuffersCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+)
 from mla.strategy import StrategyKind, StrategySetup, require_dtype, require_latent_dims
 from mla.support import ReasonCollector
 from mla.transforms import HeadPadding, qlen_padding_maps
@@ -31,7 +37,7 @@ class PagedPlan(DecodePlan):
     prepended zero row."""
     kernel_row: torch.Tensor
     """int64 ``[T]`` (view): kernel row per caller row, ``Tk`` = the zero sink row."""
-    schedule: object | None
+    schedule: DecodeSchedule | None
     """The provider's persistent schedule buffers, planned for this step (``None``: not persistent)."""
 
 
@@ -51,7 +57,7 @@ class PagedWorkspace:
     """``[max_kernel_rows + 1, Hk, L]``; the last row is the zero sink."""
     lse_kernel: torch.Tensor
     """``[max_kernel_rows + 1, Hk]`` float32; the last row is the ``-inf`` sink."""
-    schedule: object | None
+    schedule: DecodeSchedule | None
 
 
 def max_kernel_qlen(caps: ProviderCapabilities, max_decode_qlen: int) -> int:
@@ -79,14 +85,16 @@ class PagedDecode(DecodeStrategy):
         schedule = None
         if self.PERSISTENT:
             schedule = setup.provider.decode_schedule_buffers(
-                max_batch=limits.max_num_seqs,
-                max_kernel_qlen=kq,
-                kernel_heads=heads,
-                kv_lora_rank=dims.kv_lora_rank,
-                q_dtype=setup.q_dtype,
-                kv_dtype=setup.cache.dtype,
-                platform=setup.platform,
-                device=dev,
+                DecodeScheduleBuffersCall(
+                    max_batch=limits.max_num_seqs,
+                    max_kernel_qlen=kq,
+                    kernel_heads=heads,
+                    kv_lora_rank=dims.kv_lora_rank,
+                    q_dtype=setup.q_dtype,
+                    kv_dtype=setup.cache.dtype,
+                    platform=setup.platform,
+                    device=dev,
+                )
             )
         self.workspace = PagedWorkspace(
             padding=padding,
@@ -153,12 +161,14 @@ class PagedDecode(DecodeStrategy):
         )
         if ws.schedule is not None:
             setup.provider.plan_decode_schedule(
-                ws.schedule,
-                qo_indptr=qo_indptr,
-                kv_indptr=kv_indptr,
-                batch_size=num_requests,
-                kernel_qlen=kernel_qlen,
-                uniform_qlen=uniform_rows,
+                PlanDecodeScheduleCall(
+                    schedule=ws.schedule,
+                    qo_indptr=qo_indptr,
+                    kv_indptr=kv_indptr,
+                    batch_size=num_requests,
+                    kernel_qlen=kernel_qlen,
+                    uniform_qlen=uniform_rows,
+                )
             )
         return PagedPlan(
             self.NAME,
@@ -179,12 +189,12 @@ class PagedDecode(DecodeStrategy):
         q: torch.Tensor,
         kv_flat: torch.Tensor,
         *,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
         assert isinstance(plan, PagedPlan)
-        ws, geo = self.workspace, plan.geometry
+        setup, ws, geo = self.setup, self.workspace, plan.geometry
         rows = geo.num_kernel_rows
         padding = ws.padding
         direct = (
@@ -194,26 +204,44 @@ class PagedDecode(DecodeStrategy):
             and out.is_contiguous()
             and (geo.kernel_qlen == 1 or self.PERSISTENT)
         )
+        o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
         if direct:
-            self._decode(plan, q, kv_flat, kv_scale=kv_scale, out=out, lse=lse)
-            owned = geo.num_owned_tokens
+            q_kernel, o_target, lse_target = q, out, lse
+        else:
+            q_kernel = ws.q_kernel[:rows]
+            if plan.qlen_padded and padding.kernel_heads == padding.num_heads:
+                torch.index_select(q, 0, plan.source_index, out=q_kernel)
+                q_kernel.mul_(plan.source_keep[:, None, None])
+            elif plan.qlen_padded:
+                padding.pad(q.index_select(0, plan.source_index) * plan.source_keep[:, None, None], q_kernel)
+            else:
+                padding.pad(q, q_kernel)
+            if geo.kernel_qlen > 1 and not self.PERSISTENT:
+                o_kernel.zero_()  # the seed's guard: unwritten lanes of a multi-row tile cannot leak
+            o_target, lse_target = o_kernel[:rows], None if lse is None else lse_kernel[:rows]
+        setup.provider.paged_mqa_decode(
+            PagedDecodeCall(
+                q=q_kernel,
+                kv_cache=kv_flat,
+                kv_indptr=plan.kv_indptr,
+                kv_indices=plan.kv_indices,
+                qo_indptr=plan.qo_indptr,
+                out=o_target,
+                lse=lse_target,
+                max_qlen=geo.kernel_qlen,
+                max_seqlen_k=geo.max_seqlen_k,
+                page_size=setup.cache.block_size,
+                softmax_scale=setup.dims.scale,
+                kv_scale=kv_scale,
+                schedule=plan.schedule,
+            )
+        )
+        owned = geo.num_owned_tokens
+        if direct:
             out[owned:].zero_()
             if lse is not None:
                 lse[owned:].fill_(float("-inf"))
             return
-        q_kernel = ws.q_kernel[:rows]
-        if plan.qlen_padded and padding.kernel_heads == padding.num_heads:
-            torch.index_select(q, 0, plan.source_index, out=q_kernel)
-            q_kernel.mul_(plan.source_keep[:, None, None])
-        elif plan.qlen_padded:
-            padding.pad(q.index_select(0, plan.source_index) * plan.source_keep[:, None, None], q_kernel)
-        else:
-            padding.pad(q, q_kernel)
-        o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
-        if geo.kernel_qlen > 1 and not self.PERSISTENT:
-            o_kernel.zero_()  # the seed's guard: unwritten lanes of a multi-row tile cannot leak
-        kernel_lse = None if lse is None else lse_kernel[:rows]
-        self._decode(plan, q_kernel, kv_flat, kv_scale=kv_scale, out=o_kernel[:rows], lse=kernel_lse)
         # The sink row: caller rows no request owns read zeros and -inf.
         o_kernel[rows].zero_()
         if plan.qlen_padded:
@@ -222,35 +250,8 @@ class PagedDecode(DecodeStrategy):
                 lse_kernel[rows].fill_(float("-inf"))
                 lse.copy_(padding.unpad(lse_kernel)[plan.kernel_row])
             return
-        owned = geo.num_owned_tokens
         out[:owned].copy_(padding.unpad(o_kernel[:owned]))
         out[owned:].zero_()
         if lse is not None:
             lse[:owned].copy_(padding.unpad(lse_kernel[:owned]))
             lse[owned:].fill_(float("-inf"))
-
-    def _decode(
-        self,
-        plan: PagedPlan,
-        q: torch.Tensor,
-        kv_flat: torch.Tensor,
-        *,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None:
-        geo = plan.geometry
-        self.setup.provider.paged_mqa_decode(
-            q,
-            kv_flat,
-            plan.kv_indptr,
-            plan.kv_indices,
-            plan.qo_indptr,
-            max_qlen=geo.kernel_qlen,
-            max_seqlen_k=geo.max_seqlen_k,
-            softmax_scale=self.setup.dims.scale,
-            kv_scale=kv_scale,
-            out=out,
-            lse=lse,
-            schedule=plan.schedule,
-        )

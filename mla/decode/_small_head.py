@@ -10,6 +10,7 @@ import torch
 from mla.capabilities import Contract
 from mla.context import DecodeContext
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.providers.calls import SmallHeadDecodeCall
 from mla.strategy import StrategyKind, StrategySetup, require_dtype, require_latent_dims
 from mla.support import ReasonCollector
 from mla.transforms import gather_row_page_table, verify_row_lengths
@@ -120,21 +121,25 @@ class SmallHeadDecode(DecodeStrategy):
         q: torch.Tensor,
         kv_flat: torch.Tensor,
         *,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
         assert isinstance(plan, SmallHeadPlan)
-        rank = self.setup.dims.kv_lora_rank
-        self.setup.provider.small_head_decode(
-            q[..., :rank],
-            q[..., rank:],
-            kv_flat,
-            plan.page_table,
-            plan.row_indptr,
-            max_seqlen_k=plan.geometry.max_seqlen_k,
-            softmax_scale=self.setup.dims.scale,
-            kv_scale=kv_scale,
-            out=out,
-            lse=lse,
+        setup = self.setup
+        rank = setup.dims.kv_lora_rank
+        setup.provider.small_head_decode(
+            SmallHeadDecodeCall(
+                q_nope=q[..., :rank],
+                q_pe=q[..., rank:],
+                kv_cache=kv_flat,
+                page_table=plan.page_table,
+                seq_info=plan.row_indptr,
+                out=out,
+                lse=lse,
+                max_seqlen_k=plan.geometry.max_seqlen_k,
+                page_size=setup.cache.block_size,
+                softmax_scale=setup.dims.scale,
+                kv_scale=kv_scale,
+            )
         )

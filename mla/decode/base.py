@@ -11,6 +11,7 @@ import torch
 from mla.config import is_fp8
 from mla.context import DecodeContext
 from mla.errors import InvalidInputError
+from mla.providers.calls import ExpandPagesCall
 from mla.strategy import (
     GraphSupport,
     Phase,
@@ -107,11 +108,13 @@ class DecodeIndexBuffers:
         indptr = self.kv_indptr[: lens.numel() + 1]
         indptr.copy_(indptr_cpu, non_blocking=True)
         setup.provider.expand_page_indices(
-            batch.block_table,
-            indptr,
-            block_size=setup.cache.block_size,
-            num_tokens=total,
-            out=self.kv_indices,
+            ExpandPagesCall(
+                block_table=batch.block_table,
+                kv_indptr=indptr,
+                out=self.kv_indices,
+                block_size=setup.cache.block_size,
+                num_tokens=total,
+            )
         )
         return indptr, total
 
@@ -123,7 +126,8 @@ class DecodeStrategy(Strategy[DecodeContext]):
     ``run(plan, q, kv_cache, kv_scale=, out=, lse=)`` reads only the plan.
     q ``[T, H, L+R]`` in the model dtype, kv_cache ``[blocks, block_size, L+R]``,
     out ``[T, H, L]`` (q's dtype), lse ``[T, H]`` float32 (natural log) or ``None`` when the
-    caller needs no LSE (the provider then skips computing it).
+    caller needs no LSE (the provider then skips computing it). ``run`` takes ``kv_scale`` as a
+    float or a one-element tensor; ``launch`` gets it as a float32 ``[1]`` device tensor.
     """
 
     PHASE: ClassVar[Phase] = Phase.DECODE
@@ -144,7 +148,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
         q: torch.Tensor,
         kv_flat: torch.Tensor,
         *,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         out: torch.Tensor,
         lse: torch.Tensor | None,
     ) -> None:
@@ -157,7 +161,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         *,
-        kv_scale: float | None,
+        kv_scale: float | torch.Tensor | None,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
     ) -> None:
@@ -189,7 +193,8 @@ class DecodeStrategy(Strategy[DecodeContext]):
             )
         if is_fp8(geo.kv_dtype) and kv_scale is None:
             raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({geo.kv_dtype}) needs kv_scale")
-        self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=kv_scale, out=out, lse=lse)
+        scale = self.kv_scale_buffer.tensor(kv_scale)
+        self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=scale, out=out, lse=lse)
 
     def base_geometry(
         self, batch: DecodeBatch, *, kernel_heads: int, kernel_qlen: int, num_kernel_rows: int

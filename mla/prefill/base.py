@@ -111,10 +111,11 @@ class PrefillStrategy(Strategy[PrefillContext]):
         out: torch.Tensor,
         lse: torch.Tensor,
         kv_cache: torch.Tensor | None,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         expand_context: ContextExpander | None,
     ) -> None:
-        """Device side: the kernels for one validated call."""
+        """Device side: the kernels for one validated call (``kv_scale`` as a float32 ``[1]``
+        device tensor)."""
 
     def run(
         self,
@@ -126,9 +127,11 @@ class PrefillStrategy(Strategy[PrefillContext]):
         out: torch.Tensor,
         lse: torch.Tensor,
         kv_cache: torch.Tensor | None = None,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
         expand_context: ContextExpander | None = None,
     ) -> None:
+        """Execute ``plan``: check inputs against its geometry, then launch. ``kv_scale`` (a float
+        or a one-element tensor) dequantizes an fp8 ``kv_cache``'s context rows."""
         self.check_plan(plan)
         geo = plan.geometry
         check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, q.shape[-1]))
@@ -158,6 +161,6 @@ class PrefillStrategy(Strategy[PrefillContext]):
             out=out,
             lse=lse,
             kv_cache=kv_cache,
-            kv_scale=kv_scale,
+            kv_scale=self.kv_scale_buffer.tensor(kv_scale),
             expand_context=expand_context,
         )

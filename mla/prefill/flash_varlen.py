@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import attrs
 import torch
 
 from mla.capabilities import Contract
 from mla.config import is_fp8
 from mla.context import PrefillContext
 from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
+from mla.providers.calls import MergeStatesCall, VarlenPrefillCall
 from mla.strategy import StrategyKind, require_dtype
 from mla.support import ReasonCollector
 
@@ -48,25 +50,25 @@ class FlashVarlen(PrefillStrategy):
         out: torch.Tensor,
         lse: torch.Tensor,
         kv_cache: torch.Tensor | None,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         expand_context: ContextExpander | None,
     ) -> None:
-        provider, scale = self.setup.provider, self.setup.dims.scale
-        geo = plan.geometry
+        provider, geo = self.setup.provider, plan.geometry
+        new_tokens = VarlenPrefillCall(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            out=out,
+            lse=lse,
+            max_seqlen_q=geo.max_seqlen_q,
+            max_seqlen_k=geo.max_seqlen_k,
+            softmax_scale=self.setup.dims.scale,
+            causal=geo.causal,
+        )
         if not plan.context_chunks:
-            provider.varlen_attention(
-                q,
-                k,
-                v,
-                plan.cu_seqlens_q,
-                plan.cu_seqlens_k,
-                max_seqlen_q=geo.max_seqlen_q,
-                max_seqlen_k=geo.max_seqlen_k,
-                softmax_scale=scale,
-                causal=geo.causal,
-                out=out,
-                lse=lse,
-            )
+            provider.varlen_attention(new_tokens)
             return
         assert kv_cache is not None
         assert expand_context is not None
@@ -82,31 +84,23 @@ class FlashVarlen(PrefillStrategy):
             k_ctx, v_ctx = expand_context(latent.to(q.dtype))
             target = (acc, acc_lse) if index == 0 else (part, part_lse)
             provider.varlen_attention(
-                q,
-                k_ctx,
-                v_ctx,
-                plan.cu_seqlens_q,
-                chunk.cu_seqlens_k,
-                max_seqlen_q=geo.max_seqlen_q,
-                max_seqlen_k=chunk.max_seqlen_k,
-                softmax_scale=scale,
-                causal=False,
-                out=target[0],
-                lse=target[1],
+                attrs.evolve(
+                    new_tokens,
+                    k=k_ctx,
+                    v=v_ctx,
+                    cu_seqlens_k=chunk.cu_seqlens_k,
+                    max_seqlen_k=chunk.max_seqlen_k,
+                    causal=False,
+                    out=target[0],
+                    lse=target[1],
+                )
             )
             if index:
-                provider.merge_states(acc, acc_lse, part, part_lse, out=acc, lse_out=acc_lse)
-        provider.varlen_attention(
-            q,
-            k,
-            v,
-            plan.cu_seqlens_q,
-            plan.cu_seqlens_k,
-            max_seqlen_q=geo.max_seqlen_q,
-            max_seqlen_k=geo.max_seqlen_k,
-            softmax_scale=scale,
-            causal=geo.causal,
-            out=part,
-            lse=part_lse,
+                merge = MergeStatesCall(
+                    o_a=acc, lse_a=acc_lse, o_b=part, lse_b=part_lse, out=acc, lse_out=acc_lse
+                )
+                provider.merge_states(merge)
+        provider.varlen_attention(attrs.evolve(new_tokens, out=part, lse=part_lse))
+        provider.merge_states(
+            MergeStatesCall(o_a=acc, lse_a=acc_lse, o_b=part, lse_b=part_lse, out=out, lse_out=lse)
         )
-        provider.merge_states(acc, acc_lse, part, part_lse, out=out, lse_out=lse)

@@ -9,6 +9,7 @@ import torch
 from mla.capabilities import Contract
 from mla.context import PrefillContext
 from mla.prefill.base import ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
+from mla.providers.calls import Fp8PrefillCall, Fp8PrefillPlanCall
 from mla.quant import quantize_per_tensor
 from mla.strategy import StrategyKind
 from mla.support import ReasonCollector
@@ -52,12 +53,14 @@ class Fp8PersistentPrefill(PrefillStrategy):
 
     def plan_schedule(self, batch: PrefillBatch) -> object:
         return self.setup.provider.plan_fp8_prefill(
-            batch.cu_seqlens_q_cpu,
-            batch.cu_seqlens_k_cpu,
-            num_heads=batch.context.num_heads,
-            causal=batch.causal,
-            platform=self.setup.platform,
-            device=self.setup.device,
+            Fp8PrefillPlanCall(
+                cu_seqlens_q_cpu=batch.cu_seqlens_q_cpu,
+                cu_seqlens_k_cpu=batch.cu_seqlens_k_cpu,
+                num_heads=batch.context.num_heads,
+                causal=batch.causal,
+                platform=self.setup.platform,
+                device=self.setup.device,
+            )
         )
 
     def quantize(
@@ -77,22 +80,24 @@ class Fp8PersistentPrefill(PrefillStrategy):
         out: torch.Tensor,
         lse: torch.Tensor,
         kv_cache: torch.Tensor | None,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         expand_context: ContextExpander | None,
     ) -> None:
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = self.quantize(q, k, v)
         self.setup.provider.fp8_prefill(
-            q8,
-            k8,
-            v8,
-            plan.cu_seqlens_q,
-            plan.cu_seqlens_k,
-            schedule=plan.schedule,
-            softmax_scale=self.setup.dims.scale,
-            q_scale=q_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            causal=plan.geometry.causal,
-            out=out,
-            lse=lse,
+            Fp8PrefillCall(
+                q=q8,
+                k=k8,
+                v=v8,
+                cu_seqlens_q=plan.cu_seqlens_q,
+                cu_seqlens_k=plan.cu_seqlens_k,
+                out=out,
+                lse=lse,
+                schedule=plan.schedule,
+                softmax_scale=self.setup.dims.scale,
+                q_scale=q_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                causal=plan.geometry.causal,
+            )
         )

@@ -1,34 +1,34 @@
-"""The kernel-provider contract (DESIGN §4).
+"""The kernel-provider contract.
 
-A provider implements the kernel contracts as methods that write into caller-provided outputs.
-Conventions shared by every method:
-
-* ``T`` query tokens, ``B`` requests, ``H`` heads, ``L`` = kv_lora_rank, ``R`` = rope dim.
-* LSE tensors are float32 ``[T, H]`` in natural log. A row with no keys gets ``o = 0`` and
-  ``lse = -inf``.
-* The decode methods (``paged_mqa_decode``, ``small_head_decode``) take ``lse=None`` when the
-  caller needs no LSE (plain decode; engines need it only to merge states, e.g. decode context
-  parallelism): the provider writes ``out`` only and may skip every LSE-only computation.
-  Split-KV partial LSEs that the provider needs internally to reduce ``out`` are unaffected.
-* Indptr/index tensors are int32 on the device of the data.
-* Device-side methods (``paged_mqa_decode``, ``small_head_decode``, ``plan_decode_schedule``,
-  ``varlen_attention``, ``fp8_prefill``, ``merge_states``, ``expand_page_indices``, ``write_kv``)
-  perform no host-device synchronisation and no allocation whose size depends on tensor
-  values; the sizes they need arrive as Python ints from the plan. ``plan_fp8_prefill`` runs on
-  the host at build time.
-* ``kv_scale`` is the per-tensor dequant scale of an fp8 cache as a Python float (``None`` for a
-  float cache): the cache value is ``stored * kv_scale``.
+A provider implements kernel contracts as methods that take the contract's call record
+(:mod:`mla.providers.calls`, where shapes, dtypes and shared conventions are documented) and
+write into the caller's outputs. Every contract method has a default that raises
+:class:`~mla.errors.UnsupportedError`, so ``ProviderCapabilities.contracts`` is the one
+declaration of what a provider implements: a provider overrides exactly the methods of the
+contracts it lists.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
-import torch
-
-from mla.capabilities import ProviderCapabilities
+from mla.capabilities import Contract, ProviderCapabilities
+from mla.errors import UnsupportedError
 from mla.platform import Platform
+from mla.providers.calls import (
+    DecodeSchedule,
+    DecodeScheduleBuffersCall,
+    ExpandPagesCall,
+    Fp8PrefillCall,
+    Fp8PrefillPlanCall,
+    MergeStatesCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
+    VarlenPrefillCall,
+    WriteKVCall,
+)
 from mla.support import Support
 
 
@@ -36,8 +36,8 @@ class KernelProvider(abc.ABC):
     """One implementation of the kernel contracts.
 
     Subclasses set ``name``, implement :meth:`availability` (cached; "can it run here") and
-    :meth:`capabilities` (what it computes, as data), and the contract methods they list in
-    their capability record.
+    :meth:`capabilities` (what it computes, as data), and override the contract methods of the
+    contracts their capability record lists.
     """
 
     name: ClassVar[str]
@@ -54,196 +54,55 @@ class KernelProvider(abc.ABC):
         """Feature probes shown by ``mla info`` (library versions, optional kernels)."""
         return {}
 
+    def _unsupported(self, contract: Contract, method: str) -> NoReturn:
+        raise UnsupportedError(
+            f"provider {self.name!r} does not implement the {contract.value} contract "
+            f"({type(self).__name__}.{method}); a strategy that needs it must list it in REQUIRES "
+            "so the resolver checks the provider's capability record first"
+        )
+
     # -- decode -----------------------------------------------------------------------------
 
-    @abc.abstractmethod
-    def paged_mqa_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        *,
-        max_qlen: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        schedule: object | None = None,
-    ) -> None:
-        """Asm-style paged MQA decode.
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        """Asm-style paged MQA decode; with ``call.schedule`` the persistent split-KV path."""
+        self._unsupported(Contract.PAGED_DECODE, "paged_mqa_decode")
 
-        q ``[Tk, Hk, L+R]`` (contiguous), kv_cache flat ``[N_tok, L+R]``, kv_indptr ``[B+1]``,
-        kv_indices flat token ids, qo_indptr ``[B+1]`` with ``max_qlen`` the largest
-        ``qo_indptr`` step and ``max_seqlen_k`` a static bound on any request's KV length (the
-        engine's ``max_model_len``, so a captured graph stays valid as sequences grow);
-        out ``[Tk, Hk, L]`` (q's dtype), lse ``[Tk, Hk]`` float32 or ``None`` (no LSE wanted: the
-        provider may skip computing it). Query row ``i`` of request ``b``
-        attends keys ``0 .. s_b - q_b + i``. With ``schedule`` (from
-        :meth:`decode_schedule_buffers`, planned by :meth:`plan_decode_schedule`) the provider
-        runs its persistent split-KV path.
-        """
+    def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> DecodeSchedule:
+        """Allocate the fixed buffers of a persistent decode schedule (once, at init)."""
+        self._unsupported(Contract.DECODE_SCHEDULE, "decode_schedule_buffers")
 
-    @abc.abstractmethod
-    def decode_schedule_buffers(
-        self,
-        *,
-        max_batch: int,
-        max_kernel_qlen: int,
-        kernel_heads: int,
-        kv_lora_rank: int,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype,
-        platform: Platform,
-        device: torch.device,
-    ) -> object:
-        """Allocate the fixed buffers of a persistent decode schedule (once, at init).
+    def plan_decode_schedule(self, call: PlanDecodeScheduleCall) -> None:
+        """Fill ``call.schedule`` on the device for this step (no host sync)."""
+        self._unsupported(Contract.DECODE_SCHEDULE, "plan_decode_schedule")
 
-        The same ``kernel_heads``, ``max_kernel_qlen`` and dtypes must reach
-        :meth:`plan_decode_schedule` and :meth:`paged_mqa_decode`.
-        """
-
-    @abc.abstractmethod
-    def plan_decode_schedule(
-        self,
-        schedule: object,
-        *,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        batch_size: int,
-        kernel_qlen: int,
-        uniform_qlen: bool,
-    ) -> None:
-        """Fill ``schedule`` on the device for this step's indptrs (no host sync).
-
-        ``uniform_qlen``: every request of ``qo_indptr`` (graph padding included) has exactly
-        ``kernel_qlen`` rows, so a planner may take the row count as a constant.
-        """
-
-    @abc.abstractmethod
-    def small_head_decode(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        page_table: torch.Tensor,
-        seq_info: torch.Tensor,
-        *,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None:
-        """Gluon-style decode: each of the ``T`` rows is an independent qlen-1 decode.
-
-        q_nope ``[T, H, L]``, q_pe ``[T, H, R]``, kv_cache flat ``[N_tok, L+R]``, page_table flat
-        token ids, seq_info ``[T+1]`` indptr into page_table (rows at most ``max_seqlen_k``
-        long); out ``[T, H, L]``, lse ``[T, H]`` float32 or ``None`` (no LSE wanted: the
-        provider may skip computing it).
-        """
+    def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
+        """Gluon-style decode: every row an independent qlen-1 decode."""
+        self._unsupported(Contract.SMALL_HEAD_DECODE, "small_head_decode")
 
     # -- prefill ----------------------------------------------------------------------------
 
-    @abc.abstractmethod
-    def varlen_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
-        """Flash-style varlen attention. q ``[T, H, Dqk]``, k ``[Tk, H, Dqk]``, v ``[Tk, H, Dv]``;
-        causal is bottom-right aligned (row ``i`` of a request sees keys ``<= i + Sk - Sq``);
-        out ``[T, H, Dv]``, lse ``[T, H]``."""
+    def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        """Flash-style varlen attention with LSE."""
+        self._unsupported(Contract.VARLEN_PREFILL, "varlen_attention")
 
-    @abc.abstractmethod
-    def plan_fp8_prefill(
-        self,
-        cu_seqlens_q_cpu: torch.Tensor,
-        cu_seqlens_k_cpu: torch.Tensor,
-        *,
-        num_heads: int,
-        causal: bool,
-        platform: Platform,
-        device: torch.device,
-    ) -> object:
+    def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> object:
         """Host-side tile schedule for :meth:`fp8_prefill` (build time; may read host tensors)."""
+        self._unsupported(Contract.FP8_PREFILL, "plan_fp8_prefill")
 
-    @abc.abstractmethod
-    def fp8_prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        schedule: object,
-        softmax_scale: float,
-        q_scale: torch.Tensor,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
-        """FP8 persistent prefill: q/k/v fp8 (values ``stored * scale``; scales fp32 0-dim
-        tensors), otherwise the :meth:`varlen_attention` math; out in ``out.dtype``."""
+    def fp8_prefill(self, call: Fp8PrefillCall) -> None:
+        """FP8 persistent prefill on the schedule from :meth:`plan_fp8_prefill`."""
+        self._unsupported(Contract.FP8_PREFILL, "fp8_prefill")
 
     # -- utilities --------------------------------------------------------------------------
 
-    @abc.abstractmethod
-    def merge_states(
-        self,
-        o_a: torch.Tensor,
-        lse_a: torch.Tensor,
-        o_b: torch.Tensor,
-        lse_b: torch.Tensor,
-        *,
-        out: torch.Tensor,
-        lse_out: torch.Tensor | None = None,
-    ) -> None:
-        """``lse* = logaddexp(lse_a, lse_b)``, ``o = e^(lse_a-lse*) o_a + e^(lse_b-lse*) o_b``.
+    def merge_states(self, call: MergeStatesCall) -> None:
+        """LSE-merge two attention states."""
+        self._unsupported(Contract.MERGE_STATES, "merge_states")
 
-        o ``[T, H, D]``, lse ``[T, H]``; rows where both are ``-inf`` give ``o = 0``,
-        ``lse = -inf``. ``out`` may alias ``o_a`` or ``o_b``.
-        """
+    def expand_page_indices(self, call: ExpandPagesCall) -> None:
+        """Block table to flat per-token cache row ids."""
+        self._unsupported(Contract.EXPAND_PAGES, "expand_page_indices")
 
-    @abc.abstractmethod
-    def expand_page_indices(
-        self,
-        block_table: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        *,
-        block_size: int,
-        num_tokens: int,
-        out: torch.Tensor,
-    ) -> None:
-        """Write ``out[kv_indptr[r] + t] = block_table[r, t // bs] * bs + t % bs`` for every
-        request ``r`` and ``t < kv_indptr[r+1] - kv_indptr[r]``; ``num_tokens`` =
-        ``kv_indptr[-1]`` (a host int known at build time)."""
-
-    @abc.abstractmethod
-    def write_kv(
-        self,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        kv_scale: float | None,
-    ) -> None:
-        """Write ``[kv_c | k_pe]`` rows (``[N, L]``, ``[N, R]``) into the paged cache
-        ``[blocks, block_size, L+R]`` at flat slots ``slot_mapping`` ``[N]`` (negative = skip);
-        fp8 caches store ``value / kv_scale``."""
+    def write_kv(self, call: WriteKVCall) -> None:
+        """Write new tokens' latent + rope rows into the paged cache."""
+        self._unsupported(Contract.KV_WRITE, "write_kv")

@@ -14,8 +14,21 @@ import attrs
 import torch
 
 from mla.capabilities import REFERENCE_CAPABILITIES, ProviderCapabilities
+from mla.errors import PlanMismatchError
 from mla.platform import Platform
 from mla.providers.base import KernelProvider
+from mla.providers.calls import (
+    DecodeScheduleBuffersCall,
+    ExpandPagesCall,
+    Fp8PrefillCall,
+    Fp8PrefillPlanCall,
+    MergeStatesCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
+    VarlenPrefillCall,
+    WriteKVCall,
+)
 from mla.schedule import SplitKVSchedule
 from mla.support import Support
 
@@ -28,7 +41,7 @@ FP8_PREFILL_KV_SPLIT = 1024
 """KV tokens per fp8 prefill work item; longer ranges become several partials."""
 
 
-def _dequant(x: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+def _dequant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     out = x.to(torch.float32)
     return out if scale is None else out * scale
 
@@ -65,7 +78,7 @@ def _latent_attention(
     max_len: int,
     value_dim: int,
     scale: float,
-    kv_scale: float | None,
+    kv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row ``n`` of q ``[N, H, D]`` attends cache rows ``kv_indices[starts[n] + j]`` for
     ``j < lengths[n]``; values are the first ``value_dim`` lanes. Returns float32 o, lse."""
@@ -154,40 +167,15 @@ class TorchProvider(KernelProvider):
 
     # -- decode -----------------------------------------------------------------------------
 
-    def paged_mqa_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        *,
-        max_qlen: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        schedule: object | None = None,
-    ) -> None:
-        if schedule is not None:
-            if not isinstance(schedule, SplitKVSchedule):
-                raise TypeError(f"torch provider expects a SplitKVSchedule, got {type(schedule)}")
-            self._scheduled_decode(
-                q,
-                kv_cache,
-                kv_indptr,
-                kv_indices,
-                qo_indptr,
-                schedule,
-                max_qlen=max_qlen,
-                max_seqlen_k=max_seqlen_k,
-                scale=softmax_scale,
-                kv_scale=kv_scale,
-                out=out,
-                lse=lse,
-            )
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        if call.schedule is not None:
+            if not isinstance(call.schedule, SplitKVSchedule):
+                raise PlanMismatchError(
+                    f"the torch provider takes a SplitKVSchedule, got {type(call.schedule).__name__}"
+                )
+            self._scheduled_decode(call, call.schedule)
             return
+        q, qo_indptr, kv_indptr = call.q, call.qo_indptr, call.kv_indptr
         num_tokens = q.shape[0]
         req, owned = _token_requests(qo_indptr, num_tokens)
         row = torch.arange(num_tokens, device=q.device) - qo_indptr[req]
@@ -197,35 +185,21 @@ class TorchProvider(KernelProvider):
         visible = torch.where(owned, torch.minimum(visible, kv_len), torch.zeros_like(visible))
         o, row_lse = _latent_attention(
             q,
-            kv_cache,
-            kv_indices,
+            call.kv_cache,
+            call.kv_indices,
             kv_indptr[req],
             visible,
-            max_len=max_seqlen_k,
-            value_dim=out.shape[-1],
-            scale=softmax_scale,
-            kv_scale=kv_scale,
+            max_len=call.max_seqlen_k,
+            value_dim=call.out.shape[-1],
+            scale=call.softmax_scale,
+            kv_scale=call.kv_scale,
         )
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(row_lse)
+        call.out.copy_(o)
+        if call.lse is not None:
+            call.lse.copy_(row_lse)
 
-    def _scheduled_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        schedule: SplitKVSchedule,
-        *,
-        max_qlen: int,
-        max_seqlen_k: int,
-        scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None:
+    def _scheduled_decode(self, call: PagedDecodeCall, schedule: SplitKVSchedule) -> None:
+        q, qo_indptr, kv_indptr, max_qlen = call.q, call.qo_indptr, call.kv_indptr, call.max_qlen
         num_tokens, heads, _ = q.shape
         info = schedule.work_info.to(torch.int64)
         items = info.shape[0]
@@ -244,14 +218,14 @@ class TorchProvider(KernelProvider):
         start = info[:, 1][:, None].expand(-1, max_qlen)
         o_part, lse_part = _latent_attention(
             q[token.reshape(-1)],
-            kv_cache,
-            kv_indices,
+            call.kv_cache,
+            call.kv_indices,
             start.reshape(-1),
             length.reshape(-1),
-            max_len=max_seqlen_k,
-            value_dim=out.shape[-1],
-            scale=scale,
-            kv_scale=kv_scale,
+            max_len=call.max_seqlen_k,
+            value_dim=call.out.shape[-1],
+            scale=call.softmax_scale,
+            kv_scale=call.kv_scale,
         )
         # Partials go through the schedule's own buffers, as a kernel's would.
         schedule.partial_o[:, :max_qlen].copy_(o_part.view(items, max_qlen, heads, -1))
@@ -267,121 +241,68 @@ class TorchProvider(KernelProvider):
             target.reshape(-1),
             num_tokens,
         )
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(row_lse)
+        call.out.copy_(o)
+        if call.lse is not None:
+            call.lse.copy_(row_lse)
 
-    def decode_schedule_buffers(
-        self,
-        *,
-        max_batch: int,
-        max_kernel_qlen: int,
-        kernel_heads: int,
-        kv_lora_rank: int,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype,
-        platform: Platform,
-        device: torch.device,
-    ) -> SplitKVSchedule:
+    def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> SplitKVSchedule:
         return SplitKVSchedule.allocate(
-            max_batch=max_batch,
-            max_kernel_qlen=max_kernel_qlen,
-            kernel_heads=kernel_heads,
-            kv_lora_rank=kv_lora_rank,
-            num_units=platform.num_compute_units,
-            device=device,
+            max_batch=call.max_batch,
+            max_kernel_qlen=call.max_kernel_qlen,
+            kernel_heads=call.kernel_heads,
+            kv_lora_rank=call.kv_lora_rank,
+            num_units=call.platform.num_compute_units,
+            device=call.device,
             min_chunk=16,
         )
 
-    def plan_decode_schedule(
-        self,
-        schedule: object,
-        *,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        batch_size: int,
-        kernel_qlen: int,
-        uniform_qlen: bool,
-    ) -> None:
-        if not isinstance(schedule, SplitKVSchedule):
-            raise TypeError(f"torch provider expects a SplitKVSchedule, got {type(schedule)}")
-        schedule.plan(kv_indptr, batch_size)
+    def plan_decode_schedule(self, call: PlanDecodeScheduleCall) -> None:
+        if not isinstance(call.schedule, SplitKVSchedule):
+            raise PlanMismatchError(
+                f"the torch provider takes a SplitKVSchedule, got {type(call.schedule).__name__}"
+            )
+        call.schedule.plan(call.kv_indptr, call.batch_size)
 
-    def small_head_decode(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        page_table: torch.Tensor,
-        seq_info: torch.Tensor,
-        *,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None:
-        q = torch.cat([q_nope, q_pe], dim=-1)
+    def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
+        q = torch.cat([call.q_nope, call.q_pe], dim=-1)
         rows = q.shape[0]
-        starts = seq_info[:rows]
-        lengths = seq_info[1 : rows + 1] - starts
+        starts = call.seq_info[:rows]
+        lengths = call.seq_info[1 : rows + 1] - starts
         o, row_lse = _latent_attention(
             q,
-            kv_cache,
-            page_table,
+            call.kv_cache,
+            call.page_table,
             starts,
             lengths,
-            max_len=max_seqlen_k,
-            value_dim=out.shape[-1],
-            scale=softmax_scale,
-            kv_scale=kv_scale,
+            max_len=call.max_seqlen_k,
+            value_dim=call.out.shape[-1],
+            scale=call.softmax_scale,
+            kv_scale=call.kv_scale,
         )
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(row_lse)
+        call.out.copy_(o)
+        if call.lse is not None:
+            call.lse.copy_(row_lse)
 
     # -- prefill ----------------------------------------------------------------------------
 
-    def varlen_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
+    def varlen_attention(self, call: VarlenPrefillCall) -> None:
         o, row_lse = _mha_varlen(
-            q.to(torch.float32),
-            k.to(torch.float32),
-            v.to(torch.float32),
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_k=max_seqlen_k,
-            scale=softmax_scale,
-            causal=causal,
+            call.q.to(torch.float32),
+            call.k.to(torch.float32),
+            call.v.to(torch.float32),
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            max_seqlen_k=call.max_seqlen_k,
+            scale=call.softmax_scale,
+            causal=call.causal,
         )
-        out.copy_(o)
-        lse.copy_(row_lse)
+        call.out.copy_(o)
+        call.lse.copy_(row_lse)
 
-    def plan_fp8_prefill(
-        self,
-        cu_seqlens_q_cpu: torch.Tensor,
-        cu_seqlens_k_cpu: torch.Tensor,
-        *,
-        num_heads: int,
-        causal: bool,
-        platform: Platform,
-        device: torch.device,
-    ) -> Fp8PrefillTiles:
-        cu_q = [int(x) for x in cu_seqlens_q_cpu.tolist()]
-        cu_k = [int(x) for x in cu_seqlens_k_cpu.tolist()]
+    def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> Fp8PrefillTiles:
+        causal = call.causal
+        cu_q = [int(x) for x in call.cu_seqlens_q_cpu.tolist()]
+        cu_k = [int(x) for x in call.cu_seqlens_k_cpu.tolist()]
         items: list[tuple[int, int, int, int, int]] = []
         for b in range(len(cu_q) - 1):
             sq, sk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
@@ -395,32 +316,20 @@ class TorchProvider(KernelProvider):
                     items.append((q0, q1, k0, k1, offset if causal else 1 << 30))
         return Fp8PrefillTiles(items=tuple(items), num_tokens=cu_q[-1])
 
-    def fp8_prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        schedule: object,
-        softmax_scale: float,
-        q_scale: torch.Tensor,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
+    def fp8_prefill(self, call: Fp8PrefillCall) -> None:
+        schedule, q, out, lse = call.schedule, call.q, call.out, call.lse
         if not isinstance(schedule, Fp8PrefillTiles):
-            raise TypeError(f"torch provider expects Fp8PrefillTiles, got {type(schedule)}")
-        qf, kf, vf = _dequant(q, q_scale), _dequant(k, k_scale), _dequant(v, v_scale)
+            raise PlanMismatchError(
+                f"the torch provider takes Fp8PrefillTiles, got {type(schedule).__name__}"
+            )
+        qf = _dequant(q, call.q_scale)
+        kf, vf = _dequant(call.k, call.k_scale), _dequant(call.v, call.v_scale)
         num_tokens = q.shape[0]
         parts_o: list[torch.Tensor] = []
         parts_lse: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
         for q0, q1, k0, k1, offset in schedule.items:
-            scores = torch.einsum("qhd,khd->hqk", qf[q0:q1], kf[k0:k1]) * softmax_scale
+            scores = torch.einsum("qhd,khd->hqk", qf[q0:q1], kf[k0:k1]) * call.softmax_scale
             rows = torch.arange(q0, q1, device=q.device)[:, None]
             keys = torch.arange(k0, k1, device=q.device)[None, :]
             valid = (keys <= rows + offset)[None]
@@ -438,61 +347,39 @@ class TorchProvider(KernelProvider):
 
     # -- utilities --------------------------------------------------------------------------
 
-    def merge_states(
-        self,
-        o_a: torch.Tensor,
-        lse_a: torch.Tensor,
-        o_b: torch.Tensor,
-        lse_b: torch.Tensor,
-        *,
-        out: torch.Tensor,
-        lse_out: torch.Tensor | None = None,
-    ) -> None:
+    def merge_states(self, call: MergeStatesCall) -> None:
+        lse_a, lse_b = call.lse_a, call.lse_b
         merged_lse = torch.logaddexp(lse_a, lse_b)
         finite = torch.isfinite(merged_lse)
         safe = torch.where(finite, merged_lse, torch.zeros_like(merged_lse))
         w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(safe))
         w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(safe))
-        merged = o_a.to(torch.float32) * w_a[..., None] + o_b.to(torch.float32) * w_b[..., None]
-        out.copy_(merged)
-        if lse_out is not None:
-            lse_out.copy_(merged_lse)
+        merged = call.o_a.to(torch.float32) * w_a[..., None] + call.o_b.to(torch.float32) * w_b[..., None]
+        call.out.copy_(merged)
+        if call.lse_out is not None:
+            call.lse_out.copy_(merged_lse)
 
-    def expand_page_indices(
-        self,
-        block_table: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        *,
-        block_size: int,
-        num_tokens: int,
-        out: torch.Tensor,
-    ) -> None:
+    def expand_page_indices(self, call: ExpandPagesCall) -> None:
+        num_tokens, block_size, out = call.num_tokens, call.block_size, call.out
         if num_tokens == 0:
             return
-        req, _ = _token_requests(kv_indptr, num_tokens)
-        offset = torch.arange(num_tokens, device=out.device) - kv_indptr[req]
-        block = block_table[req, offset // block_size].to(torch.int64)
+        req, _ = _token_requests(call.kv_indptr, num_tokens)
+        offset = torch.arange(num_tokens, device=out.device) - call.kv_indptr[req]
+        block = call.block_table[req, offset // block_size].to(torch.int64)
         out[:num_tokens].copy_(block * block_size + offset % block_size)
 
-    def write_kv(
-        self,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        kv_scale: float | None,
-    ) -> None:
+    def write_kv(self, call: WriteKVCall) -> None:
+        kv_cache = call.kv_cache
         flat = kv_cache.view(-1, kv_cache.shape[-1])
-        rows = torch.cat([kv_c, k_pe], dim=-1).to(torch.float32)
-        if kv_scale is not None:
+        rows = torch.cat([call.kv_c, call.k_pe], dim=-1).to(torch.float32)
+        if call.kv_scale is not None:
             finfo = torch.finfo(kv_cache.dtype)
-            rows = torch.clamp(rows / kv_scale, finfo.min, finfo.max)
+            rows = torch.clamp(rows / call.kv_scale, finfo.min, finfo.max)
         rows = rows.to(kv_cache.dtype)
         if rows.element_size() == 1:
             # fp8 has no where/index_copy_ kernels on every device: move the bytes instead.
             flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-        slots = slot_mapping.to(torch.int64)
+        slots = call.slot_mapping.to(torch.int64)
         valid = slots >= 0
         # Skipped rows re-write the first valid row's value at its slot: identical writes,
         # so the scatter stays deterministic without boolean-mask indexing.

@@ -21,8 +21,10 @@ The provider contract asks every attention kernel for ``lse [T, H]`` (natural lo
 
 from __future__ import annotations
 
+import attrs
 import torch
 
+from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.torch_ref import TorchProvider
 
 _REFERENCE = TorchProvider()
@@ -98,67 +100,20 @@ def clear_empty_rows(out: torch.Tensor, lse: torch.Tensor | None, empty: torch.T
         lse.masked_fill_(empty[:, None], float("-inf"))
 
 
-def reference_decode_lse(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    max_qlen: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    kv_scale: float | None,
-    out: torch.Tensor,
-) -> None:
-    """The paged decode's LSE ``out [T, H]`` (float32) by a reference pass over the KV rows.
-
-    Arguments as ``KernelProvider.paged_mqa_decode`` (q ``[T, H, L+R]`` in a float dtype: an
-    fp8-rounded query comes dequantized); the attention output it also computes is discarded.
-    """
+def reference_decode_lse(call: PagedDecodeCall, q: torch.Tensor, out: torch.Tensor) -> None:
+    """The paged decode's LSE ``out [T, H]`` (float32) by a reference pass over ``call``'s KV
+    rows, with query ``q [T, H, L+R]`` in a float dtype (an fp8-rounded query comes
+    dequantized); the attention output it also computes is discarded."""
     rows, heads = q.shape[0], q.shape[1]
-    _REFERENCE.paged_mqa_decode(
-        q,
-        kv_cache,
-        kv_indptr,
-        kv_indices,
-        qo_indptr,
-        max_qlen=max_qlen,
-        max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale,
-        kv_scale=kv_scale,
-        out=torch.empty(rows, heads, kv_lora_rank, dtype=torch.float32, device=q.device),
-        lse=out,
-    )
+    scratch = torch.empty(rows, heads, call.out.shape[-1], dtype=torch.float32, device=q.device)
+    _REFERENCE.paged_mqa_decode(attrs.evolve(call, q=q, out=scratch, lse=out, schedule=None))
 
 
-def reference_small_head_lse(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_info: torch.Tensor,
-    *,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    kv_scale: float | None,
-    out: torch.Tensor,
-) -> None:
-    """The small-head decode's LSE ``out [T, H]`` (float32) by a reference pass over the KV rows;
-    arguments as ``KernelProvider.small_head_decode``."""
-    _REFERENCE.small_head_decode(
-        q_nope,
-        q_pe,
-        kv_cache,
-        page_table,
-        seq_info,
-        max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale,
-        kv_scale=kv_scale,
-        out=torch.empty(q_nope.shape, dtype=torch.float32, device=q_nope.device),
-        lse=out,
-    )
+def reference_small_head_lse(call: SmallHeadDecodeCall, out: torch.Tensor) -> None:
+    """The small-head decode's LSE ``out [T, H]`` (float32) by a reference pass over ``call``'s
+    KV rows."""
+    scratch = torch.empty(call.q_nope.shape, dtype=torch.float32, device=call.q_nope.device)
+    _REFERENCE.small_head_decode(attrs.evolve(call, out=scratch, lse=out))
 
 
 _LSE_CHUNK_ELEMENTS = 1 << 24

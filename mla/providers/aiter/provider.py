@@ -14,7 +14,8 @@ aiter-contract.md documents (§1.6, §1.7, §2):
   per step, with the same kernel heads, kernel qlen and q/kv dtypes (``work_info_set`` before
   ``work_indptr`` in the positional order);
 * small-head decode: the Gluon ``mla_gluon`` (or legacy ``mla_decode_gluon``) with the flat page
-  table, ``use_2d_view=False`` and a scalar ``kv_scale``;
+  table, ``use_2d_view=False`` and ``kv_scale=1.0`` (it takes a Python float; a device scale is
+  folded into the query and the output instead, so no host sync);
 * prefill: ``flash_attn_varlen_func`` (192/128 natively, LSE ``[H, T]`` transposed to ``[T, H]``)
   and the fp8 persistent prefill ``get_ps_metadata_info_v1``/``get_ps_metadata_v1`` (host
   indptrs) + ``mla_prefill_ps_asm_fwd`` + ``mla_reduce_v1`` (fp32 partials sized from the plan).
@@ -58,6 +59,18 @@ from mla.providers.aiter.schedule import (
     allocate,
 )
 from mla.providers.base import KernelProvider
+from mla.providers.calls import (
+    DecodeScheduleBuffersCall,
+    ExpandPagesCall,
+    Fp8PrefillCall,
+    Fp8PrefillPlanCall,
+    MergeStatesCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
+    VarlenPrefillCall,
+    WriteKVCall,
+)
 from mla.providers.torch_ref import TorchProvider
 from mla.quant import dequantize, quantize_per_tensor
 from mla.support import Support
@@ -242,7 +255,7 @@ class AiterProvider(KernelProvider):
     # -- decode ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_fp8_cache(kv_cache: torch.Tensor, kv_scale: float | None, probes: AiterProbes) -> None:
+    def _check_fp8_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, probes: AiterProbes) -> None:
         if kv_scale is None:
             raise InvalidInputError(
                 "kv_scale", f"an fp8 kv_cache ({dtype_name(kv_cache.dtype)}) needs kv_scale"
@@ -268,22 +281,9 @@ class AiterProvider(KernelProvider):
         q8, scale = quantize_per_tensor(q, fp8_dtype)
         return q8.contiguous(), scale.reshape(1)
 
-    def paged_mqa_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        *,
-        max_qlen: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        schedule: object | None = None,
-    ) -> None:
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        q, kv_cache, out, lse, kv_scale = call.q, call.kv_cache, call.out, call.lse, call.kv_scale
+        qo_indptr, kv_indptr, max_qlen = call.qo_indptr, call.kv_indptr, call.max_qlen
         aiter, probes = self._loaded()
         rows, heads, width = q.shape
         fp8 = is_fp8(kv_cache.dtype)
@@ -294,8 +294,8 @@ class AiterProvider(KernelProvider):
         if fp8 != is_fp8(q_kernel.dtype):
             raise PlanMismatchError("aiter decode: an fp8 cache needs an fp8 query (no a16w8 kernel)")
         batch = qo_indptr.numel() - 1
-        persistent = schedule is not None
-        kwargs: dict[str, Any] = {"sm_scale": float(softmax_scale)}
+        persistent = call.schedule is not None
+        kwargs: dict[str, Any] = {"sm_scale": float(call.softmax_scale)}
         if "page_size" in probes.decode_params:
             kwargs["page_size"] = 1
         if "nhead_kv" in probes.decode_params:
@@ -304,9 +304,9 @@ class AiterProvider(KernelProvider):
             assert kv_scale is not None
             assert q_scale is not None
             kwargs["q_scale"] = q_scale
-            kwargs["kv_scale"] = torch.full((1,), float(kv_scale), dtype=torch.float32, device=q.device)
+            kwargs["kv_scale"] = kv_scale.reshape(1)
         if persistent:
-            plan = _decode_schedule(schedule)
+            plan = _decode_schedule(call.schedule)
             plan.check(
                 batch=batch,
                 qlen=max_qlen,
@@ -340,7 +340,7 @@ class AiterProvider(KernelProvider):
             o_arg,
             qo_indptr,
             kv_indptr,
-            kv_indices,
+            call.kv_indices,
             page_lens,
             max_qlen,
             **kwargs,
@@ -353,36 +353,16 @@ class AiterProvider(KernelProvider):
             lse.copy_(result[1].reshape(rows, kernel_heads)[:, :heads])
         elif lse is not None:
             reference_decode_lse(
-                q if q_scale is None else dequantize(q_kernel[:, :heads], q_scale),
-                kv_cache,
-                kv_indptr,
-                kv_indices,
-                qo_indptr,
-                kv_lora_rank=out.shape[-1],
-                max_qlen=max_qlen,
-                max_seqlen_k=max_seqlen_k,
-                softmax_scale=softmax_scale,
-                kv_scale=kv_scale,
-                out=lse,
+                call, q if q_scale is None else dequantize(q_kernel[:, :heads], q_scale), lse
             )
         clear_empty_rows(out, lse, empty_decode_rows(qo_indptr, kv_indptr, rows))
 
-    def decode_schedule_buffers(
-        self,
-        *,
-        max_batch: int,
-        max_kernel_qlen: int,
-        kernel_heads: int,
-        kv_lora_rank: int,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype,
-        platform: Platform,
-        device: torch.device,
-    ) -> AiterDecodeSchedule:
+    def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> AiterDecodeSchedule:
+        max_batch, kv_dtype = call.max_batch, call.kv_dtype
         aiter, probes = self._loaded()
         fp8 = is_fp8(kv_dtype)
-        heads = _fp8_kernel_heads(kernel_heads) if fp8 else kernel_heads
-        kernel_q = probes.fp8_dtype if fp8 else q_dtype
+        heads = _fp8_kernel_heads(call.kernel_heads) if fp8 else call.kernel_heads
+        kernel_q = probes.fp8_dtype if fp8 else call.q_dtype
 
         def info(qlen: int) -> Any:
             return aiter.get_mla_metadata_info_v1(
@@ -392,25 +372,17 @@ class AiterProvider(KernelProvider):
         return AiterDecodeSchedule.allocate(
             info,
             max_batch=max_batch,
-            max_kernel_qlen=max_kernel_qlen,
+            max_kernel_qlen=call.max_kernel_qlen,
             kernel_heads=heads,
             q_dtype=kernel_q,
             kv_dtype=kv_dtype,
-            device=device,
+            device=call.device,
         )
 
-    def plan_decode_schedule(
-        self,
-        schedule: object,
-        *,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        batch_size: int,
-        kernel_qlen: int,
-        uniform_qlen: bool,
-    ) -> None:
+    def plan_decode_schedule(self, call: PlanDecodeScheduleCall) -> None:
+        batch_size, kernel_qlen = call.batch_size, call.kernel_qlen
         aiter, _ = self._loaded()
-        plan = _decode_schedule(schedule)
+        plan = _decode_schedule(call.schedule)
         plan.check(
             batch=batch_size,
             qlen=kernel_qlen,
@@ -419,8 +391,8 @@ class AiterProvider(KernelProvider):
             kv_dtype=plan.kv_dtype,
         )
         aiter.get_mla_metadata_v1(
-            qo_indptr[: batch_size + 1],
-            kv_indptr[: batch_size + 1],
+            call.qo_indptr[: batch_size + 1],
+            call.kv_indptr[: batch_size + 1],
             plan.kv_last_page_lens[:batch_size],
             plan.kernel_heads,
             1,
@@ -429,90 +401,62 @@ class AiterProvider(KernelProvider):
             page_size=1,
             kv_granularity=DECODE_KV_GRANULARITY,
             max_seqlen_qo=kernel_qlen,
-            uni_seqlen_qo=kernel_qlen if uniform_qlen else -1,
+            uni_seqlen_qo=kernel_qlen if call.uniform_qlen else -1,
             fast_mode=True,
             dtype_q=plan.q_dtype,
             dtype_kv=plan.kv_dtype,
         )
         plan.planned_qlen, plan.planned_batch = kernel_qlen, batch_size
 
-    def small_head_decode(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        page_table: torch.Tensor,
-        seq_info: torch.Tensor,
-        *,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None:
+    def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
+        q_nope, q_pe, out, lse, kv_scale = call.q_nope, call.q_pe, call.out, call.lse, call.kv_scale
         _, probes = self._loaded()
         gluon = probes.gluon_fn
         if gluon is None:
             raise ProviderUnavailableError(f"provider 'aiter' has no Gluon small-head kernel: {probes.gluon}")
         rows, heads, rank = q_nope.shape
+        if kv_scale is not None:
+            # mla_gluon takes kv_scale as a Python float (a tensor would be read as a pointer):
+            # scale the query and the output by the device tensor instead (no host sync).
+            q_nope, q_pe = q_nope * kv_scale.to(q_nope.dtype), q_pe * kv_scale.to(q_pe.dtype)
         target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         kernel_lse = lse is not None and "return_lse" in probes.gluon_params
         extra: dict[str, Any] = {"return_lse": True} if kernel_lse else {}
         result = gluon(
             q_nope=q_nope,
             q_pe=q_pe,
-            kv_c=kv_cache,
+            kv_c=call.kv_cache,
             o=target,
-            page_table=page_table,
-            seq_info=seq_info,
-            sm_scale=float(softmax_scale),
+            page_table=call.page_table,
+            seq_info=call.seq_info,
+            sm_scale=float(call.softmax_scale),
             k_pe=None,
             kv_pe_offset=rank,
             use_2d_view=False,
-            kv_scale=1.0 if kv_scale is None else float(kv_scale),
+            kv_scale=1.0,
             min_kv_seq_len=1,
             **extra,
         )
+        if kv_scale is not None:
+            target.mul_(kv_scale.to(target.dtype))
         if target is not out:
             out.copy_(target)
         if lse is not None and kernel_lse:
             lse.copy_(result[1].reshape(rows, heads))
         elif lse is not None:
-            reference_small_head_lse(
-                q_nope,
-                q_pe,
-                kv_cache,
-                page_table,
-                seq_info,
-                max_seqlen_k=max_seqlen_k,
-                softmax_scale=softmax_scale,
-                kv_scale=kv_scale,
-                out=lse,
-            )
-        clear_empty_rows(out, lse, empty_indptr_rows(seq_info, rows))
+            reference_small_head_lse(call, lse)
+        clear_empty_rows(out, lse, empty_indptr_rows(call.seq_info, rows))
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def varlen_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
+    def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        q, k, v, out, lse, causal = call.q, call.k, call.v, call.out, call.lse, call.causal
+        cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
         aiter, _ = self._loaded()
         rows = q.shape[0]
         if rows == 0:
             return
-        if k.shape[0] == 0 or max_seqlen_k == 0:
+        if k.shape[0] == 0 or call.max_seqlen_k == 0:
             out.zero_()
             lse.fill_(float("-inf"))
             return
@@ -522,9 +466,9 @@ class AiterProvider(KernelProvider):
             v,
             cu_seqlens_q,
             cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            softmax_scale=float(softmax_scale),
+            call.max_seqlen_q,
+            call.max_seqlen_k,
+            softmax_scale=float(call.softmax_scale),
             causal=causal,
             return_lse=True,
         )
@@ -532,19 +476,11 @@ class AiterProvider(KernelProvider):
         lse.copy_(result[1].transpose(0, 1))  # aiter's softmax_lse is [H, T]
         clear_empty_rows(out, lse, empty_varlen_rows(cu_seqlens_q, cu_seqlens_k, rows, causal=causal))
 
-    def plan_fp8_prefill(
-        self,
-        cu_seqlens_q_cpu: torch.Tensor,
-        cu_seqlens_k_cpu: torch.Tensor,
-        *,
-        num_heads: int,
-        causal: bool,
-        platform: Platform,
-        device: torch.device,
-    ) -> AiterPrefillSchedule:
+    def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> AiterPrefillSchedule:
+        num_heads, causal, device = call.num_heads, call.causal, call.device
         aiter, _ = self._loaded()
-        cu_q = cu_seqlens_q_cpu.to(device="cpu", dtype=torch.int32)
-        cu_k = cu_seqlens_k_cpu.to(device="cpu", dtype=torch.int32)
+        cu_q = call.cu_seqlens_q_cpu.to(device="cpu", dtype=torch.int32)
+        cu_k = call.cu_seqlens_k_cpu.to(device="cpu", dtype=torch.int32)
         batch = cu_q.numel() - 1
         max_q = int((cu_q[1:] - cu_q[:-1]).max()) if batch else 0
         specs = aiter.get_ps_metadata_info_v1(
@@ -585,23 +521,10 @@ class AiterProvider(KernelProvider):
             causal=causal,
         )
 
-    def fp8_prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        schedule: object,
-        softmax_scale: float,
-        q_scale: torch.Tensor,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
+    def fp8_prefill(self, call: Fp8PrefillCall) -> None:
+        q, k, v, out, lse, causal = call.q, call.k, call.v, call.out, call.lse, call.causal
+        cu_seqlens_q, cu_seqlens_k, schedule = call.cu_seqlens_q, call.cu_seqlens_k, call.schedule
+        q_scale, k_scale, softmax_scale = call.q_scale, call.k_scale, call.softmax_scale
         aiter, probes = self._loaded()
         if not isinstance(schedule, AiterPrefillSchedule):
             raise PlanMismatchError(
@@ -638,7 +561,7 @@ class AiterProvider(KernelProvider):
             target,
             q_scale,
             k_scale,
-            v_scale,
+            call.v_scale,
         )
         splits: tuple[int, ...] = (0,) if probes.reduce_takes_num_kv_splits else ()
         aiter.mla_reduce_v1(
@@ -667,41 +590,14 @@ class AiterProvider(KernelProvider):
 
     # -- utilities: the torch reference provider's device-side implementations -----------------
 
-    def merge_states(
-        self,
-        o_a: torch.Tensor,
-        lse_a: torch.Tensor,
-        o_b: torch.Tensor,
-        lse_b: torch.Tensor,
-        *,
-        out: torch.Tensor,
-        lse_out: torch.Tensor | None = None,
-    ) -> None:
-        self._reference.merge_states(o_a, lse_a, o_b, lse_b, out=out, lse_out=lse_out)
+    def merge_states(self, call: MergeStatesCall) -> None:
+        self._reference.merge_states(call)
 
-    def expand_page_indices(
-        self,
-        block_table: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        *,
-        block_size: int,
-        num_tokens: int,
-        out: torch.Tensor,
-    ) -> None:
-        self._reference.expand_page_indices(
-            block_table, kv_indptr, block_size=block_size, num_tokens=num_tokens, out=out
-        )
+    def expand_page_indices(self, call: ExpandPagesCall) -> None:
+        self._reference.expand_page_indices(call)
 
-    def write_kv(
-        self,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        kv_scale: float | None,
-    ) -> None:
-        self._reference.write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=kv_scale)
+    def write_kv(self, call: WriteKVCall) -> None:
+        self._reference.write_kv(call)
 
 
 __all__ = [

@@ -15,11 +15,11 @@ A program owns one (request, KV range) work item and ``BLOCK_M`` packed query ro
 padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows by flat token id, computes
 ``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` (two dots), an online softmax in the exp2 domain, and
 ``O += P·K_lat`` (V is the latent part of the same tile, loaded once). fp8 caches are loaded as
-fp8 and widened to the dot dtype in registers; the per-tensor scale is folded into the score
-scale and the output. Work items covering a whole request write ``out``/``lse`` directly; split
-items write fp32 partials (normalised o, natural-log lse) that :func:`_merge_splits_kernel`
-combines. With ``lse=None`` (``WRITE_LSE`` off) neither kernel stores the final LSE; the split
-partials keep theirs, which the reduce needs for ``out``.
+fp8 and widened to the dot dtype in registers; the per-tensor scale (read from its device tensor)
+is folded into the score scale and the output. Work items covering a whole request write
+``out``/``lse`` directly; split items write fp32 partials (normalised o, natural-log lse) that
+:func:`_merge_splits_kernel` combines. With ``lse=None`` (``WRITE_LSE`` off) neither kernel
+stores the final LSE; the split partials keep theirs, which the reduce needs for ``out``.
 
 Rows with no visible key produce ``o = 0``, ``lse = -inf``. Everything here is graph-capturable:
 grids come from shapes and Python ints, never from tensor values.
@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.errors import InvalidInputError
+from mla.errors import PlanMismatchError
+from mla.providers.calls import PagedDecodeCall
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
 from mla.schedule import SplitKVSchedule
 
@@ -127,7 +128,7 @@ def _mla_decode_kernel(
     stride_pl_w,
     stride_pl_q,
     qk_scale,
-    v_scale,
+    kv_scale_ptr,
     H: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -139,6 +140,7 @@ def _mla_decode_kernel(
     MODE: tl.constexpr,
     UNIT_QLEN: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     REG_PIPELINE: tl.constexpr,
@@ -146,6 +148,12 @@ def _mla_decode_kernel(
     pid = tl.program_id(0)
     rb = pid % ROW_BLOCKS
     work = pid // ROW_BLOCKS
+    # The fp8 dequant scale is read on the device, so a captured graph sees its current value.
+    if HAS_KV_SCALE:
+        v_scale = tl.load(kv_scale_ptr)
+        qk_scale = qk_scale * v_scale
+    else:
+        v_scale = 1.0
 
     # -- the work item: request, KV range [lo, hi) relative to the request, direct or partial --
     if MODE == 0:
@@ -364,7 +372,7 @@ def launch_decode(
     num_requests: int,
     max_qlen: int,
     softmax_scale: float,
-    kv_scale: float | None,
+    kv_scale: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor | None,
     config: DecodeLaunchConfig,
@@ -375,7 +383,8 @@ def launch_decode(
     ``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` may be strided views (last dim contiguous);
     ``qo_indptr is None`` means row ``b`` of q is request ``b`` with qlen 1 (small-head mode).
     Non-persistent when ``schedule is None`` (``config.num_splits`` splits per request).
-    ``lse is None``: the final LSE is not stored (the kernels get a one-element stand-in pointer).
+    ``lse is None``: the final LSE is not stored (the kernels get a one-element stand-in pointer);
+    ``kv_scale`` is a float32 one-element device tensor or ``None``.
     """
     heads, rank = q_nope.shape[1], q_nope.shape[2]
     rope = q_pe.shape[2]
@@ -384,12 +393,12 @@ def launch_decode(
     if num_requests == 0 or rows == 0:
         return
     dot_dtype, precision = _dot_dtype(q_nope.dtype, kv_cache.dtype)
-    qk_scale = softmax_scale * (1.0 if kv_scale is None else kv_scale) * LOG2E
-    v_scale = 1.0 if kv_scale is None else kv_scale
+    qk_scale = softmax_scale * LOG2E
     unit_qlen = qo_indptr is None
     qo = kv_indptr if qo_indptr is None else qo_indptr
     write_lse = lse is not None
     lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
+    scale_arg = kv_scale if kv_scale is not None else lse_arg
     if schedule is None:
         mode, num_splits = _MODE_SPLIT, config.num_splits
         num_work = num_requests * num_splits
@@ -405,9 +414,8 @@ def launch_decode(
         num_work = schedule.max_work
         part_o, part_lse = schedule.partial_o, schedule.partial_lse
         if part_o.shape[1] < max_qlen or part_o.shape[2] != heads or part_o.shape[3] != rank:
-            raise InvalidInputError(
-                "schedule",
-                f"partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
+            raise PlanMismatchError(
+                f"schedule: partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
                 f"qlen {max_qlen} x {heads} heads x rank {rank}; allocate them with "
                 "decode_schedule_buffers for this kernel's heads and max qlen",
             )
@@ -441,7 +449,7 @@ def launch_decode(
         part_lse.stride(0),
         part_lse.stride(1),
         qk_scale,
-        v_scale,
+        scale_arg,
         H=heads,
         L=rank,
         R=rope,
@@ -453,6 +461,7 @@ def launch_decode(
         MODE=mode,
         UNIT_QLEN=unit_qlen,
         WRITE_LSE=write_lse,
+        HAS_KV_SCALE=kv_scale is not None,
         DOT_DTYPE=dot_dtype,
         INPUT_PRECISION=precision,
         REG_PIPELINE=config.reg_pipeline,
@@ -497,52 +506,38 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-def paged_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    *,
-    max_qlen: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    kv_scale: float | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    schedule: SplitKVSchedule | None = None,
-    config: DecodeLaunchConfig | None = None,
-) -> None:
-    """Paged MQA decode (contract of ``KernelProvider.paged_mqa_decode``).
-
-    q ``[T, H, L+R]``, kv_cache ``[N_tok, L+R]``, out ``[T, H, L]``, lse ``[T, H]`` fp32 or
-    ``None`` (not written).
-    ``config`` overrides the heuristic (benchmarks); ``schedule`` selects the persistent path.
-    """
-    num_requests = qo_indptr.numel() - 1
+def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = None) -> None:
+    """Paged MQA decode (the ``paged-decode`` contract; ``call.schedule`` selects the persistent
+    path, which takes a :class:`~mla.schedule.SplitKVSchedule`). ``config`` overrides the
+    heuristic (benchmarks)."""
+    schedule = call.schedule
+    if schedule is not None and not isinstance(schedule, SplitKVSchedule):
+        raise PlanMismatchError(f"the triton provider takes a SplitKVSchedule, got {type(schedule).__name__}")
+    q, out = call.q, call.out
+    num_requests = call.qo_indptr.numel() - 1
     kv_lora_rank = out.shape[-1]
     if config is None:
         config = decode_launch_config(
             batch=num_requests,
-            rows=q.shape[1] * max_qlen,
-            max_seqlen_k=max_seqlen_k,
+            rows=q.shape[1] * call.max_qlen,
+            max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(q.device),
-            kv_elem_size=kv_cache.element_size(),
+            kv_elem_size=call.kv_cache.element_size(),
             persistent=schedule is not None,
         )
     launch_decode(
         q_nope=q[..., :kv_lora_rank],
         q_pe=q[..., kv_lora_rank:],
-        kv_cache=kv_cache,
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        qo_indptr=qo_indptr,
+        kv_cache=call.kv_cache,
+        kv_indptr=call.kv_indptr,
+        kv_indices=call.kv_indices,
+        qo_indptr=call.qo_indptr,
         num_requests=num_requests,
-        max_qlen=max_qlen,
-        softmax_scale=softmax_scale,
-        kv_scale=kv_scale,
+        max_qlen=call.max_qlen,
+        softmax_scale=call.softmax_scale,
+        kv_scale=call.kv_scale,
         out=out,
-        lse=lse,
+        lse=call.lse,
         config=config,
         schedule=schedule,
     )

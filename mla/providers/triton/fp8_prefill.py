@@ -36,6 +36,7 @@ import triton.language as tl
 
 from mla.config import FP8_DTYPES
 from mla.errors import InvalidInputError, PlanMismatchError
+from mla.providers.calls import Fp8PrefillCall
 from mla.providers.triton.prefill import (
     LOG2E,
     AttentionLaunchConfig,
@@ -386,24 +387,8 @@ def _check_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
         )  # fmt: skip
 
 
-def fp8_prefill_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    plan: object,
-    softmax_scale: float,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    causal: bool,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    config: AttentionLaunchConfig | None = None,
-) -> None:
-    """FP8 persistent prefill (the provider's ``fp8_prefill`` contract).
+def fp8_prefill_fwd(call: Fp8PrefillCall, *, config: AttentionLaunchConfig | None = None) -> None:
+    """FP8 persistent prefill (the ``fp8-prefill`` contract; ``call.schedule`` is the plan).
 
     q ``[T, H, Dqk]``, k ``[Tk, H, Dqk]``, v ``[Tk, H, Dv]`` in one fp8 dtype (value = stored x
     scale; scales are fp32 one-element tensors read in the kernel, no sync); ``plan`` from
@@ -411,6 +396,10 @@ def fp8_prefill_fwd(
     writes out ``[T, H, Dv]`` (out's dtype) and lse fp32 ``[T, H]``. Split tiles use an fp32
     workspace of ``num_slots * tile_q * H * Dv`` floats, sized from the plan.
     """
+    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
+    plan, causal, softmax_scale = call.schedule, call.causal, call.softmax_scale
+    q_scale, k_scale, v_scale = call.q_scale, call.k_scale, call.v_scale
     if not isinstance(plan, Fp8PrefillPlan):
         raise PlanMismatchError(f"plan: expected an Fp8PrefillPlan from plan_fp8_prefill, got {type(plan)}")
     check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from mla.errors import InvalidInputError
+from mla.providers.calls import VarlenPrefillCall
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled into the exp2 domain."""
@@ -430,22 +431,8 @@ def check_attention_args(
         raise InvalidInputError("softmax_scale", f"must be a positive finite float, got {softmax_scale}")
 
 
-def varlen_attention_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    config: AttentionLaunchConfig | None = None,
-) -> None:
-    """Varlen attention forward (the provider's ``varlen_attention`` contract).
+def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConfig | None = None) -> None:
+    """Varlen attention forward (the ``varlen-prefill`` contract).
 
     q ``[T, H, Dqk]``, k ``[Tk, H, Dqk]``, v ``[Tk, H, Dv]`` (fp16/bf16/fp32, one dtype, last dim
     contiguous), cu_seqlens int32 ``[B+1]``; writes out ``[T, H, Dv]`` (its own dtype) and lse
@@ -453,7 +440,9 @@ def varlen_attention_fwd(
     ``max_seqlen_k`` is accepted for the contract and unused (key loops read cu_seqlens_k).
     ``config`` overrides :func:`choose_varlen_config` (benchmarks sweep it).
     """
-    del max_seqlen_k
+    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
+    max_seqlen_q, softmax_scale, causal = call.max_seqlen_q, call.softmax_scale, call.causal
     check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)
     if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidInputError("q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -1,4 +1,4 @@
-"""The ``triton`` kernel provider: every kernel contract of DESIGN §4 as Triton kernels.
+"""The ``triton`` kernel provider: every kernel contract as Triton kernels.
 
 Runs on NVIDIA and AMD GPUs, and in Triton's CPU interpreter (``TRITON_INTERPRET=1``, used by
 the tests). Decode kernels live in :mod:`.decode` / :mod:`.small_head` with the launch heuristic
@@ -21,9 +21,21 @@ import torch
 import triton
 
 from mla.capabilities import ALL_CONTRACTS, Contract, ProviderCapabilities
-from mla.errors import InvalidInputError
+from mla.errors import PlanMismatchError
 from mla.platform import Platform
 from mla.providers.base import KernelProvider
+from mla.providers.calls import (
+    DecodeScheduleBuffersCall,
+    ExpandPagesCall,
+    Fp8PrefillCall,
+    Fp8PrefillPlanCall,
+    MergeStatesCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
+    VarlenPrefillCall,
+    WriteKVCall,
+)
 from mla.providers.triton.decode import paged_decode
 from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import varlen_attention_fwd
@@ -130,225 +142,53 @@ class TritonProvider(KernelProvider):
 
     # -- decode -----------------------------------------------------------------------------
 
-    def paged_mqa_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        *,
-        max_qlen: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        schedule: object | None = None,
-    ) -> None:
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        paged_decode(call)
 
-        if schedule is not None and not isinstance(schedule, SplitKVSchedule):
-            raise InvalidInputError(
-                "schedule", f"the triton provider takes a SplitKVSchedule, got {type(schedule).__name__}"
-            )
-        paged_decode(
-            q,
-            kv_cache,
-            kv_indptr,
-            kv_indices,
-            qo_indptr,
-            max_qlen=max_qlen,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=softmax_scale,
-            kv_scale=kv_scale,
-            out=out,
-            lse=lse,
-            schedule=schedule,
-        )
-
-    def decode_schedule_buffers(
-        self,
-        *,
-        max_batch: int,
-        max_kernel_qlen: int,
-        kernel_heads: int,
-        kv_lora_rank: int,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype,
-        platform: Platform,
-        device: torch.device,
-    ) -> SplitKVSchedule:
-
+    def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> SplitKVSchedule:
         return allocate_schedule(
-            max_batch=max_batch,
-            max_kernel_qlen=max_kernel_qlen,
-            kernel_heads=kernel_heads,
-            kv_lora_rank=kv_lora_rank,
-            num_sms=platform.num_compute_units,
-            device=device,
+            max_batch=call.max_batch,
+            max_kernel_qlen=call.max_kernel_qlen,
+            kernel_heads=call.kernel_heads,
+            kv_lora_rank=call.kv_lora_rank,
+            num_sms=call.platform.num_compute_units,
+            device=call.device,
         )
 
-    def plan_decode_schedule(
-        self,
-        schedule: object,
-        *,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        batch_size: int,
-        kernel_qlen: int,
-        uniform_qlen: bool,
-    ) -> None:
-
-        if not isinstance(schedule, SplitKVSchedule):
-            raise InvalidInputError(
-                "schedule", f"the triton provider takes a SplitKVSchedule, got {type(schedule).__name__}"
+    def plan_decode_schedule(self, call: PlanDecodeScheduleCall) -> None:
+        if not isinstance(call.schedule, SplitKVSchedule):
+            raise PlanMismatchError(
+                f"the triton provider takes a SplitKVSchedule, got {type(call.schedule).__name__}"
             )
-        plan_split_kv(schedule, kv_indptr, batch_size)
+        plan_split_kv(call.schedule, call.kv_indptr, call.batch_size)
 
-    def small_head_decode(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        page_table: torch.Tensor,
-        seq_info: torch.Tensor,
-        *,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        kv_scale: float | None,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-    ) -> None:
-
-        small_head_decode(
-            q_nope,
-            q_pe,
-            kv_cache,
-            page_table,
-            seq_info,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=softmax_scale,
-            kv_scale=kv_scale,
-            out=out,
-            lse=lse,
-        )
+    def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
+        small_head_decode(call)
 
     # -- prefill ----------------------------------------------------------------------------
 
-    def varlen_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
+    def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        varlen_attention_fwd(call)
 
-        varlen_attention_fwd(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            out=out,
-            lse=lse,
-        )
-
-    def plan_fp8_prefill(
-        self,
-        cu_seqlens_q_cpu: torch.Tensor,
-        cu_seqlens_k_cpu: torch.Tensor,
-        *,
-        num_heads: int,
-        causal: bool,
-        platform: Platform,
-        device: torch.device,
-    ) -> object:
-
+    def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> object:
         return plan_fp8_prefill(
-            cu_seqlens_q_cpu, cu_seqlens_k_cpu, num_heads=num_heads, causal=causal, device=device
+            call.cu_seqlens_q_cpu,
+            call.cu_seqlens_k_cpu,
+            num_heads=call.num_heads,
+            causal=call.causal,
+            device=call.device,
         )
 
-    def fp8_prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        *,
-        schedule: object,
-        softmax_scale: float,
-        q_scale: torch.Tensor,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
-        causal: bool,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
-
-        fp8_prefill_fwd(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            plan=schedule,
-            softmax_scale=softmax_scale,
-            q_scale=q_scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            causal=causal,
-            out=out,
-            lse=lse,
-        )
+    def fp8_prefill(self, call: Fp8PrefillCall) -> None:
+        fp8_prefill_fwd(call)
 
     # -- utilities --------------------------------------------------------------------------
 
-    def merge_states(
-        self,
-        o_a: torch.Tensor,
-        lse_a: torch.Tensor,
-        o_b: torch.Tensor,
-        lse_b: torch.Tensor,
-        *,
-        out: torch.Tensor,
-        lse_out: torch.Tensor | None = None,
-    ) -> None:
+    def merge_states(self, call: MergeStatesCall) -> None:
+        merge_states(call)
 
-        merge_states(o_a, lse_a, o_b, lse_b, out=out, lse_out=lse_out)
+    def expand_page_indices(self, call: ExpandPagesCall) -> None:
+        expand_page_indices(call)
 
-    def expand_page_indices(
-        self,
-        block_table: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        *,
-        block_size: int,
-        num_tokens: int,
-        out: torch.Tensor,
-    ) -> None:
-
-        expand_page_indices(block_table, kv_indptr, block_size=block_size, num_tokens=num_tokens, out=out)
-
-    def write_kv(
-        self,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        kv_scale: float | None,
-    ) -> None:
-
-        write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=kv_scale)
+    def write_kv(self, call: WriteKVCall) -> None:
+        write_kv(call)

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.errors import InvalidInputError
+from mla.errors import PlanMismatchError
 from mla.schedule import SplitKVSchedule
 
 MIN_SPLIT_TOKENS = 256
@@ -223,8 +223,8 @@ def plan_split_kv(schedule: SplitKVSchedule, kv_indptr: torch.Tensor, batch_size
     Same result as :meth:`SplitKVSchedule.plan`; one program, no host sync.
     """
     if batch_size > schedule.max_batch:
-        raise InvalidInputError(
-            "batch_size", f"{batch_size} exceeds the {schedule.max_batch} requests the schedule was sized for"
+        raise PlanMismatchError(
+            f"batch_size {batch_size} exceeds the {schedule.max_batch} requests the schedule was sized for"
         )
     _plan_split_kv_kernel[(1,)](
         kv_indptr,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from mla.errors import InvalidInputError
+from mla.providers.calls import ExpandPagesCall, MergeStatesCall, WriteKVCall
 
 
 @triton.jit
@@ -71,20 +72,14 @@ def _merge_states_kernel(
         tl.store(o_row + d, mixed.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def merge_states(
-    o_a: torch.Tensor,
-    lse_a: torch.Tensor,
-    o_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    *,
-    out: torch.Tensor,
-    lse_out: torch.Tensor | None,
-) -> None:
-    """Merge two attention states (contract of ``KernelProvider.merge_states``).
+def merge_states(call: MergeStatesCall) -> None:
+    """Merge two attention states (the ``merge-states`` contract).
 
     o ``[T, H, D]`` (any strides with a contiguous last dim), lse ``[T, H]`` fp32. Each program
     reads its row of both inputs before writing, so ``out`` may alias ``o_a`` or ``o_b``.
     """
+    o_a, lse_a, o_b, lse_b = call.o_a, call.lse_a, call.o_b, call.lse_b
+    out, lse_out = call.out, call.lse_out
     for name, tensor in (("o_a", o_a), ("o_b", o_b), ("out", out)):
         if tensor.stride(-1) != 1:
             raise InvalidInputError(
@@ -152,13 +147,13 @@ def _expand_page_indices_kernel(
     tl.store(out_ptr + i, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def expand_page_indices(
-    block_table: torch.Tensor, kv_indptr: torch.Tensor, *, block_size: int, num_tokens: int, out: torch.Tensor
-) -> None:
-    """Block table ``[B, max_blocks]`` → flat token ids ``out[:num_tokens]`` (contract of
-    ``KernelProvider.expand_page_indices``). Requests with equal indptr entries (empty) own no
-    token; the search picks the last request starting at or before each token, which is the
-    owner because empty requests start where the owner ends."""
+def expand_page_indices(call: ExpandPagesCall) -> None:
+    """Block table ``[B, max_blocks]`` → flat token ids ``out[:num_tokens]`` (the
+    ``expand-pages`` contract). Requests with equal indptr entries (empty) own no token; the
+    search picks the last request starting at or before each token, which is the owner because
+    empty requests start where the owner ends."""
+    block_table, kv_indptr, out = call.block_table, call.kv_indptr, call.out
+    block_size, num_tokens = call.block_size, call.num_tokens
     num_requests = kv_indptr.numel() - 1
     if num_tokens == 0 or num_requests <= 0:
         return
@@ -188,7 +183,7 @@ def _write_kv_kernel(
     stride_c,
     stride_pe,
     stride_slot_row,
-    scale,
+    scale_ptr,
     fp8_max,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -197,7 +192,8 @@ def _write_kv_kernel(
     QUANTIZE: tl.constexpr,
 ):
     """Program per new token: copy ``[kv_c | k_pe]`` to cache row ``slot`` (skip negative
-    slots); fp8 caches store ``clamp(value / scale, ±max)`` rounded to nearest-even."""
+    slots); fp8 caches store ``clamp(value / scale, ±max)`` rounded to nearest-even, with the
+    scale read from its device tensor."""
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     if slot < 0:
@@ -207,6 +203,7 @@ def _write_kv_kernel(
     lat = tl.load(kv_c_ptr + n * stride_c + offs_l, mask=offs_l < L, other=0.0).to(tl.float32)
     rope = tl.load(k_pe_ptr + n * stride_pe + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
     if QUANTIZE:
+        scale = tl.load(scale_ptr)
         lat = tl.minimum(tl.maximum(lat / scale, -fp8_max), fp8_max)
         rope = tl.minimum(tl.maximum(rope / scale, -fp8_max), fp8_max)
     row = cache_ptr + slot * stride_slot_row
@@ -214,16 +211,12 @@ def _write_kv_kernel(
     tl.store(row + L + offs_r, rope.to(cache_ptr.dtype.element_ty), mask=offs_r < R)
 
 
-def write_kv(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    kv_scale: float | None,
-) -> None:
+def write_kv(call: WriteKVCall) -> None:
     """Write new latent + rope rows into ``kv_cache [blocks, block_size, L+R]`` at flat
-    ``slot_mapping`` slots (contract of ``KernelProvider.write_kv``)."""
+    ``slot_mapping`` slots (the ``kv-write`` contract)."""
+    kv_c, k_pe, kv_cache, slot_mapping, kv_scale = (
+        call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping, call.kv_scale
+    )  # fmt: skip
     num_new, rank = kv_c.shape
     rope = k_pe.shape[1]
     if num_new == 0:
@@ -241,7 +234,7 @@ def write_kv(
         kv_c.stride(0),
         k_pe.stride(0),
         flat.stride(0),
-        1.0 if kv_scale is None else kv_scale,
+        slot_mapping if kv_scale is None else kv_scale,
         fp8_max,
         L=rank,
         R=rope,

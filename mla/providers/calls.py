@@ -1,0 +1,295 @@
+"""The kernel contracts as call records: one frozen record per provider method.
+
+A strategy builds the record (once per step where its tensors are plan buffers, otherwise per
+run) and hands it to the provider method of the same contract, e.g.
+``provider.paged_mqa_decode(PagedDecodeCall(...))``. Records hold tensors and the Python ints and
+floats a kernel needs; they never hold values a kernel would have to read back to the host.
+(The pattern of one ``Inputs`` record per operator comes from xformers' memory-efficient
+attention.)
+
+Conventions shared by every record:
+
+* ``T`` query tokens, ``B`` requests, ``H`` heads, ``L`` = kv_lora_rank, ``R`` = rope dim.
+* LSE tensors are float32 ``[T, H]`` in natural log. A row with no keys gets ``o = 0`` and
+  ``lse = -inf``.
+* Indptr/index tensors are int32 on the device of the data.
+* ``kv_scale`` is the per-tensor dequant scale of an fp8 cache as a float32 one-element tensor
+  on the data's device (``None`` for a float cache): the cache value is ``stored * kv_scale``.
+  Kernels read it on the device, so a captured CUDA graph replays with the current value.
+* Device-side calls (everything but :class:`DecodeScheduleBuffersCall` and
+  :class:`Fp8PrefillPlanCall`) perform no host-device synchronisation and no allocation whose
+  size depends on tensor values; the sizes they need arrive as Python ints from the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+import torch
+
+from mla.platform import Platform
+
+
+class DecodeSchedule(Protocol):
+    """A provider's persistent decode schedule: fixed buffers allocated once by
+    ``decode_schedule_buffers`` and re-planned in place by ``plan_decode_schedule`` each step.
+
+    Each provider takes only its own schedule type and raises
+    :class:`~mla.errors.PlanMismatchError` for another one, or for a step that does not fit.
+    """
+
+    @property
+    def max_batch(self) -> int:
+        """Most requests a step planned into these buffers may have."""
+        ...
+
+
+# -- decode -----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PagedDecodeCall:
+    """Asm-style paged MQA decode (contract ``paged-decode``).
+
+    Query row ``i`` of request ``b`` (``q_b`` rows, ``s_b`` keys) attends keys
+    ``0 .. s_b - q_b + i`` of its request.
+    """
+
+    q: torch.Tensor
+    """``[Tk, Hk, L+R]`` in the model dtype, contiguous."""
+    kv_cache: torch.Tensor
+    """Flat cache ``[N_tok, L+R]`` (a float dtype, or fp8 with ``kv_scale``)."""
+    kv_indptr: torch.Tensor
+    """int32 ``[B+1]``: request ``b`` reads ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``."""
+    kv_indices: torch.Tensor
+    """int32 flat cache row ids (a persistent buffer; entries past ``kv_indptr[B]`` are unused).
+    Each request's ids come in runs of ``page_size`` consecutive rows starting at request
+    positions that are multiples of ``page_size`` (one run per cache block; the last may be
+    partial)."""
+    qo_indptr: torch.Tensor
+    """int32 ``[B+1]``: query rows per request."""
+    out: torch.Tensor
+    """``[Tk, Hk, L]`` in q's dtype."""
+    lse: torch.Tensor | None
+    """``[Tk, Hk]`` float32, or ``None``: no LSE wanted, the provider may skip every LSE-only
+    computation (split-KV partial LSEs it needs to reduce ``out`` are unaffected)."""
+    max_qlen: int
+    """The largest ``qo_indptr`` step (the kernel qlen)."""
+    max_seqlen_k: int
+    """Static bound on any request's KV length (the engine's ``max_model_len``, so a captured
+    graph stays valid as sequences grow)."""
+    page_size: int
+    """Cache block size in tokens: the run length of ``kv_indices``."""
+    softmax_scale: float
+    kv_scale: torch.Tensor | None
+    """float32 ``[1]`` dequant scale of an fp8 cache, or ``None``."""
+    schedule: DecodeSchedule | None = None
+    """The provider's persistent schedule planned for this step (its split-KV path), or
+    ``None`` (non-persistent)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class DecodeScheduleBuffersCall:
+    """Allocate a persistent decode schedule, once at init (contract ``decode-schedule``).
+
+    The same kernel heads, kernel qlen bound and dtypes must reach every
+    :class:`PlanDecodeScheduleCall` and :class:`PagedDecodeCall` using the schedule.
+    """
+
+    max_batch: int
+    max_kernel_qlen: int
+    kernel_heads: int
+    kv_lora_rank: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    platform: Platform
+    device: torch.device
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PlanDecodeScheduleCall:
+    """Fill ``schedule`` on the device for this step's indptrs, no host sync (contract
+    ``decode-schedule``)."""
+
+    schedule: DecodeSchedule
+    qo_indptr: torch.Tensor
+    """int32 ``[B+1]`` kernel rows per request."""
+    kv_indptr: torch.Tensor
+    """int32 ``[B+1]``."""
+    batch_size: int
+    """``B``."""
+    kernel_qlen: int
+    uniform_qlen: bool
+    """Every request (graph padding included) has exactly ``kernel_qlen`` rows, so a planner
+    may take the row count as a constant."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SmallHeadDecodeCall:
+    """Gluon-style decode (contract ``small-head-decode``): each of the ``T`` rows is an
+    independent qlen-1 decode over its own key list."""
+
+    q_nope: torch.Tensor
+    """``[T, H, L]`` (a strided view of the ``[T, H, L+R]`` query; last dim contiguous)."""
+    q_pe: torch.Tensor
+    """``[T, H, R]`` (likewise a view)."""
+    kv_cache: torch.Tensor
+    """Flat cache ``[N_tok, L+R]``."""
+    page_table: torch.Tensor
+    """int32 flat cache row ids. Each row's ids are a prefix of its request's page list, so
+    they come in runs of ``page_size`` consecutive rows starting at row positions that are
+    multiples of ``page_size``."""
+    seq_info: torch.Tensor
+    """int32 ``[T+1]`` indptr into ``page_table`` per row (rows at most ``max_seqlen_k`` long)."""
+    out: torch.Tensor
+    """``[T, H, L]`` in q's dtype."""
+    lse: torch.Tensor | None
+    """``[T, H]`` float32, or ``None`` (no LSE wanted: the provider may skip computing it)."""
+    max_seqlen_k: int
+    page_size: int
+    """Cache block size in tokens: the run length of ``page_table``."""
+    softmax_scale: float
+    kv_scale: torch.Tensor | None
+    """float32 ``[1]`` dequant scale of an fp8 cache, or ``None``."""
+
+
+# -- prefill ----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class VarlenPrefillCall:
+    """Flash-style varlen attention (contract ``varlen-prefill``). Causal is bottom-right
+    aligned: row ``i`` of a request sees keys ``<= i + Sk - Sq``."""
+
+    q: torch.Tensor
+    """``[T, H, Dqk]``."""
+    k: torch.Tensor
+    """``[Tk, H, Dqk]`` in q's dtype."""
+    v: torch.Tensor
+    """``[Tk, H, Dv]`` in q's dtype."""
+    cu_seqlens_q: torch.Tensor
+    """int32 ``[B+1]``."""
+    cu_seqlens_k: torch.Tensor
+    """int32 ``[B+1]``."""
+    out: torch.Tensor
+    """``[T, H, Dv]``."""
+    lse: torch.Tensor
+    """``[T, H]`` float32."""
+    max_seqlen_q: int
+    max_seqlen_k: int
+    softmax_scale: float
+    causal: bool
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Fp8PrefillPlanCall:
+    """Host-side tile schedule of the fp8 prefill, at build time; may read the host tensors
+    (contract ``fp8-prefill``)."""
+
+    cu_seqlens_q_cpu: torch.Tensor
+    """int ``[B+1]`` on the host."""
+    cu_seqlens_k_cpu: torch.Tensor
+    """int ``[B+1]`` on the host."""
+    num_heads: int
+    causal: bool
+    platform: Platform
+    device: torch.device
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Fp8PrefillCall:
+    """FP8 persistent prefill (contract ``fp8-prefill``): the :class:`VarlenPrefillCall` math
+    over fp8 q/k/v whose values are ``stored * scale``."""
+
+    q: torch.Tensor
+    """``[T, H, Dqk]`` fp8."""
+    k: torch.Tensor
+    """``[Tk, H, Dqk]`` fp8."""
+    v: torch.Tensor
+    """``[Tk, H, Dv]`` fp8."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    out: torch.Tensor
+    """``[T, H, Dv]`` (its own dtype)."""
+    lse: torch.Tensor
+    """``[T, H]`` float32."""
+    schedule: object
+    """The provider's plan from ``plan_fp8_prefill`` for these cu_seqlens."""
+    softmax_scale: float
+    q_scale: torch.Tensor
+    """float32 one-element tensors (the per-tensor dequant scales)."""
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    causal: bool
+
+
+# -- utilities --------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class MergeStatesCall:
+    """``lse* = logaddexp(lse_a, lse_b)``, ``o = e^(lse_a-lse*) o_a + e^(lse_b-lse*) o_b``
+    (contract ``merge-states``). Rows where both are ``-inf`` give ``o = 0``, ``lse = -inf``;
+    ``out`` may alias ``o_a`` or ``o_b``."""
+
+    o_a: torch.Tensor
+    """``[T, H, D]``."""
+    lse_a: torch.Tensor
+    """``[T, H]`` float32."""
+    o_b: torch.Tensor
+    lse_b: torch.Tensor
+    out: torch.Tensor
+    """``[T, H, D]``."""
+    lse_out: torch.Tensor | None = None
+    """``[T, H]`` float32, or ``None`` (merged LSE not wanted)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ExpandPagesCall:
+    """Block table to flat token ids (contract ``expand-pages``):
+    ``out[kv_indptr[r] + t] = block_table[r, t // bs] * bs + t % bs`` for every request ``r``
+    and ``t < kv_indptr[r+1] - kv_indptr[r]``."""
+
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks]``."""
+    kv_indptr: torch.Tensor
+    """int32 ``[B+1]``."""
+    out: torch.Tensor
+    """int32 flat ids (at least ``num_tokens`` long)."""
+    block_size: int
+    """``bs``, the cache block size in tokens."""
+    num_tokens: int
+    """``kv_indptr[-1]`` (a host int known at build time)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class WriteKVCall:
+    """Write new tokens' ``[kv_c | k_pe]`` rows into the paged cache (contract ``kv-write``);
+    an fp8 cache stores ``value / kv_scale``."""
+
+    kv_c: torch.Tensor
+    """``[N, L]``."""
+    k_pe: torch.Tensor
+    """``[N, R]``."""
+    kv_cache: torch.Tensor
+    """``[blocks, block_size, L+R]``."""
+    slot_mapping: torch.Tensor
+    """``[N]`` flat slots (negative = skip)."""
+    kv_scale: torch.Tensor | None
+    """float32 ``[1]`` quantization scale of an fp8 cache, or ``None``."""
+
+
+__all__ = [
+    "DecodeSchedule",
+    "DecodeScheduleBuffersCall",
+    "ExpandPagesCall",
+    "Fp8PrefillCall",
+    "Fp8PrefillPlanCall",
+    "MergeStatesCall",
+    "PagedDecodeCall",
+    "PlanDecodeScheduleCall",
+    "SmallHeadDecodeCall",
+    "VarlenPrefillCall",
+    "WriteKVCall",
+]
