@@ -40,6 +40,7 @@ from _common import (
     tflops,
 )
 
+from mla.providers.calls import ExpandPagesCall, PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode import num_sms, paged_decode
@@ -91,7 +92,7 @@ class Problem:
         num_blocks = shape.batch * blocks_per_req + 1
         cache = torch.randn(num_blocks, shape.block, RANK + ROPE, device=device, generator=gen)
         if shape.kv == "fp8":
-            self.kv_scale: float | None = FP8_SCALE
+            self.kv_scale: torch.Tensor | None = torch.tensor([FP8_SCALE], device=device)
             self.cache = (cache / FP8_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn)
         else:
             self.kv_scale = None
@@ -104,7 +105,13 @@ class Problem:
         total = shape.batch * shape.seq
         self.kv_indices = torch.empty(total, dtype=torch.int32, device=device)
         TritonProvider().expand_page_indices(
-            self.block_table, self.kv_indptr, block_size=shape.block, num_tokens=total, out=self.kv_indices
+            ExpandPagesCall(
+                block_table=self.block_table,
+                kv_indptr=self.kv_indptr,
+                out=self.kv_indices,
+                block_size=shape.block,
+                num_tokens=total,
+            )
         )
         tokens = shape.batch * shape.qlen
         self.q = torch.randn(tokens, shape.heads, RANK + ROPE, device=device, generator=gen).to(
@@ -137,6 +144,33 @@ class Problem:
         plan_split_kv(sched, self.kv_indptr, s.batch)
         return sched
 
+    def paged_call(
+        self,
+        *,
+        requests: int | None = None,
+        schedule: SplitKVSchedule | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> PagedDecodeCall:
+        """The paged decode of the first ``requests`` requests (default: all)."""
+        s = self.shape
+        k = s.batch if requests is None else requests
+        return PagedDecodeCall(
+            q=self.q[: k * s.qlen],
+            kv_cache=self.flat,
+            kv_indptr=self.kv_indptr[: k + 1],
+            kv_indices=self.kv_indices,
+            qo_indptr=self.qo_indptr[: k + 1],
+            out=self.out if out is None else out,
+            lse=self.lse if lse is None else lse,
+            max_qlen=s.qlen,
+            max_seqlen_k=s.seq,
+            page_size=s.block,
+            softmax_scale=SCALE,
+            kv_scale=self.kv_scale,
+            schedule=schedule,
+        )
+
     def decode_fn(
         self,
         *,
@@ -145,43 +179,30 @@ class Problem:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
     ) -> Callable[[], None]:
-        s = self.shape
+        call = self.paged_call(schedule=schedule, out=out, lse=lse)
 
         def run() -> None:
-            paged_decode(
-                self.q,
-                self.flat,
-                self.kv_indptr,
-                self.kv_indices,
-                self.qo_indptr,
-                max_qlen=s.qlen,
-                max_seqlen_k=s.seq,
-                softmax_scale=SCALE,
-                kv_scale=self.kv_scale,
-                out=self.out if out is None else out,
-                lse=self.lse if lse is None else lse,
-                schedule=schedule,
-                config=config,
-            )
+            paged_decode(call, config=config)
 
         return run
 
     def small_head_fn(self) -> Callable[[], None]:
-        s = self.shape
+        call = SmallHeadDecodeCall(
+            q_nope=self.q[..., :RANK],
+            q_pe=self.q[..., RANK:],
+            kv_cache=self.flat,
+            page_table=self.kv_indices,
+            seq_info=self.kv_indptr,
+            out=self.out,
+            lse=self.lse,
+            max_seqlen_k=self.shape.seq,
+            page_size=self.shape.block,
+            softmax_scale=SCALE,
+            kv_scale=self.kv_scale,
+        )
 
         def run() -> None:
-            small_head_decode(
-                self.q[..., :RANK],
-                self.q[..., RANK:],
-                self.flat,
-                self.kv_indices,
-                self.kv_indptr,
-                max_seqlen_k=s.seq,
-                softmax_scale=SCALE,
-                kv_scale=self.kv_scale,
-                out=self.out,
-                lse=self.lse,
-            )
+            small_head_decode(call)
 
         return run
 
@@ -195,19 +216,7 @@ class Problem:
         rows = k * s.qlen
         ref_o = torch.empty(rows, s.heads, RANK, dtype=torch.float32, device=self.q.device)
         ref_l = torch.empty(rows, s.heads, dtype=torch.float32, device=self.q.device)
-        TorchProvider().paged_mqa_decode(
-            self.q[:rows],
-            self.flat,
-            self.kv_indptr[: k + 1],
-            self.kv_indices,
-            self.qo_indptr[: k + 1],
-            max_qlen=s.qlen,
-            max_seqlen_k=s.seq,
-            softmax_scale=SCALE,
-            kv_scale=self.kv_scale,
-            out=ref_o,
-            lse=ref_l,
-        )
+        TorchProvider().paged_mqa_decode(self.paged_call(requests=k, out=ref_o, lse=ref_l))
         if torch.isnan(self.out).any() or torch.isnan(self.lse).any():
             return math.inf, math.inf
         return rel_error(self.out[:rows], ref_o), float((self.lse[:rows] - ref_l).abs().max())
@@ -245,11 +254,7 @@ def run_matrix(shapes: list[Shape], *, with_torch: bool) -> list[dict[str, Any]]
             ref_lse = torch.empty_like(prob.lse)
 
             def torch_run(p: Problem = prob, o: torch.Tensor = ref_out, lse: torch.Tensor = ref_lse) -> None:
-                TorchProvider().paged_mqa_decode(
-                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr,
-                    max_qlen=p.shape.qlen, max_seqlen_k=p.shape.seq, softmax_scale=SCALE,
-                    kv_scale=p.kv_scale, out=o, lse=lse,
-                )  # fmt: skip
+                TorchProvider().paged_mqa_decode(p.paged_call(out=o, lse=lse))
 
             torch_us = bench_us(torch_run, warmup_ms=1, rep_ms=20)
         for mode, fn in variants:

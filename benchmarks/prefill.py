@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from _common import attention_flops, bench_us, gpu_name, print_table, tflops
 
+from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
 from mla.providers.triton.fp8_prefill import choose_fp8_config, fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import AttentionLaunchConfig, choose_varlen_config, varlen_attention_fwd
 from mla.quant import quantize_per_tensor
@@ -91,17 +92,20 @@ class Case:
         return f"H={self.heads} {self.batch}x{self.seqlen}"
 
     def run_triton(self, config: AttentionLaunchConfig | None = None) -> None:
-        varlen_attention_fwd(
-            self.q, self.k, self.v, self.cu, self.cu, max_seqlen_q=self.seqlen, max_seqlen_k=self.seqlen,
-            softmax_scale=self.scale, causal=True, out=self.out, lse=self.lse, config=config,
+        call = VarlenPrefillCall(
+            q=self.q, k=self.k, v=self.v, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, out=self.out,
+            lse=self.lse, max_seqlen_q=self.seqlen, max_seqlen_k=self.seqlen, softmax_scale=self.scale,
+            causal=True,
         )  # fmt: skip
+        varlen_attention_fwd(call, config=config)
 
     def run_fp8(self, config: AttentionLaunchConfig | None = None) -> None:
-        fp8_prefill_fwd(
-            self.q8, self.k8, self.v8, self.cu, self.cu, plan=self.plan, softmax_scale=self.scale,
-            q_scale=self.q_scale, k_scale=self.k_scale, v_scale=self.v_scale, causal=True,
-            out=self.out, lse=self.lse, config=config,
+        call = Fp8PrefillCall(
+            q=self.q8, k=self.k8, v=self.v8, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, out=self.out,
+            lse=self.lse, schedule=self.plan, softmax_scale=self.scale, q_scale=self.q_scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, causal=True,
         )  # fmt: skip
+        fp8_prefill_fwd(call, config=config)
 
 
 def torch_varlen(case: Case) -> tuple[str, Callable[[], Any]]:

@@ -75,7 +75,7 @@ class DenseWindowDecode(DecodeStrategy):
         q: torch.Tensor,
         kv_flat: torch.Tensor,
         *,
-        kv_scale: float | None,
+        kv_scale: torch.Tensor | None,
         out: torch.Tensor,
         lse: torch.Tensor,
     ) -> None:

@@ -32,6 +32,19 @@ from mla.providers.calls import (
 from mla.support import Support
 
 
+CONTRACT_METHODS: dict[Contract, tuple[str, ...]] = {
+    Contract.PAGED_DECODE: ("paged_mqa_decode",),
+    Contract.DECODE_SCHEDULE: ("decode_schedule_buffers", "plan_decode_schedule"),
+    Contract.SMALL_HEAD_DECODE: ("small_head_decode",),
+    Contract.VARLEN_PREFILL: ("varlen_attention",),
+    Contract.FP8_PREFILL: ("plan_fp8_prefill", "fp8_prefill"),
+    Contract.MERGE_STATES: ("merge_states",),
+    Contract.EXPAND_PAGES: ("expand_page_indices",),
+    Contract.KV_WRITE: ("write_kv",),
+}
+"""The :class:`KernelProvider` methods a provider overrides for each contract it declares."""
+
+
 class KernelProvider(abc.ABC):
     """One implementation of the kernel contracts.
 

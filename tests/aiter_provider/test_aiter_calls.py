@@ -5,12 +5,19 @@ from __future__ import annotations
 import importlib
 import math
 
+import attrs
 import pytest
 import torch
 from aiter_cases import decode_backend, decode_case, fake_provider, fp8_for, run_decode
 
 from mla import PaddedAsmPersistent, PlanMismatchError
 from mla.providers.aiter.schedule import AiterDecodeSchedule
+from mla.providers.calls import (
+    DecodeScheduleBuffersCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    VarlenPrefillCall,
+)
 from mla.reference import reference_prefill
 from mla.testing import compare_to_reference, make_decode_inputs
 
@@ -82,46 +89,50 @@ def test_a_run_with_a_stale_plan_is_refused(fake_aiter) -> None:
     fake_aiter("gfx950")
     provider = fake_provider()
     schedule = provider.decode_schedule_buffers(
-        max_batch=4,
-        max_kernel_qlen=1,
-        kernel_heads=16,
-        kv_lora_rank=512,
-        q_dtype=torch.bfloat16,
-        kv_dtype=torch.bfloat16,
-        platform=None,  # type: ignore[arg-type]
-        device=torch.device("cpu"),
+        DecodeScheduleBuffersCall(
+            max_batch=4,
+            max_kernel_qlen=1,
+            kernel_heads=16,
+            kv_lora_rank=512,
+            q_dtype=torch.bfloat16,
+            kv_dtype=torch.bfloat16,
+            platform=None,  # type: ignore[arg-type]
+            device=torch.device("cpu"),
+        )
     )
     assert isinstance(schedule, AiterDecodeSchedule)
     indptr = torch.tensor([0, 1, 2], dtype=torch.int32)
     kv_indptr = torch.tensor([0, 5, 9], dtype=torch.int32)
-    provider.plan_decode_schedule(
-        schedule, qo_indptr=indptr, kv_indptr=kv_indptr, batch_size=2, kernel_qlen=1, uniform_qlen=True
+    plan = PlanDecodeScheduleCall(
+        schedule=schedule,
+        qo_indptr=indptr,
+        kv_indptr=kv_indptr,
+        batch_size=2,
+        kernel_qlen=1,
+        uniform_qlen=True,
     )
-    q = torch.randn(3, 16, 576).to(torch.bfloat16)
-    kwargs = {
-        "max_qlen": 1,
-        "max_seqlen_k": 9,
-        "softmax_scale": 0.1,
-        "kv_scale": None,
-        "out": torch.empty(3, 16, 512, dtype=torch.bfloat16),
-        "lse": torch.empty(3, 16),
-        "schedule": schedule,
-    }
-    cache = torch.randn(9, 576).to(torch.bfloat16)
-    indices = torch.arange(9, dtype=torch.int32)
+    provider.plan_decode_schedule(plan)
+    call = PagedDecodeCall(
+        q=torch.randn(3, 16, 576).to(torch.bfloat16),
+        kv_cache=torch.randn(9, 576).to(torch.bfloat16),
+        kv_indptr=torch.tensor([0, 3, 6, 9], dtype=torch.int32),
+        kv_indices=torch.arange(9, dtype=torch.int32),
+        qo_indptr=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+        out=torch.empty(3, 16, 512, dtype=torch.bfloat16),
+        lse=torch.empty(3, 16),
+        max_qlen=1,
+        max_seqlen_k=9,
+        page_size=1,
+        softmax_scale=0.1,
+        kv_scale=None,
+        schedule=schedule,
+    )
     with pytest.raises(PlanMismatchError, match="planned for 2 requests"):
-        provider.paged_mqa_decode(
-            q,
-            cache,
-            torch.tensor([0, 3, 6, 9], dtype=torch.int32),
-            indices,
-            torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-            **kwargs,
-        )
+        provider.paged_mqa_decode(call)
     with pytest.raises(PlanMismatchError, match="sized for"):
-        provider.plan_decode_schedule(
-            schedule, qo_indptr=indptr, kv_indptr=kv_indptr, batch_size=2, kernel_qlen=4, uniform_qlen=True
-        )
+        provider.plan_decode_schedule(attrs.evolve(plan, kernel_qlen=4))
+    with pytest.raises(PlanMismatchError, match="its own decode schedule"):
+        provider.paged_mqa_decode(attrs.evolve(call, schedule=object()))
 
 
 def test_the_fake_refuses_what_aiter_refuses(fake_aiter) -> None:
@@ -252,8 +263,11 @@ def test_varlen_rows_without_keys_get_zeros_and_minus_inf(fake_aiter) -> None:
     out = torch.full((3, 2, 128), math.nan, dtype=torch.bfloat16)
     lse = torch.full((3, 2), math.nan)
     fake_provider().varlen_attention(
-        q, k, v, cu_q, cu_k, max_seqlen_q=3, max_seqlen_k=1, softmax_scale=0.1, causal=True, out=out, lse=lse
-    )
+        VarlenPrefillCall(
+            q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse, max_seqlen_q=3,
+            max_seqlen_k=1, softmax_scale=0.1, causal=True,
+        )
+    )  # fmt: skip
     ref_out, ref_lse = reference_prefill(q, k, v, cu_q, cu_k, softmax_scale=0.1, causal=True)
     assert torch.isneginf(lse[:2]).all()
     assert compare_to_reference(out, lse, ref_out, ref_lse).ok

@@ -23,6 +23,14 @@ from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
 from mla.platform import simulated_platform
 from mla.providers import get_provider
+from mla.providers.calls import (
+    ExpandPagesCall,
+    MergeStatesCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
+    WriteKVCall,
+)
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode import paged_decode
@@ -72,7 +80,7 @@ class _PagedBatch:
         total = sum(self.seq_lens)
         num_tok = total + 20
         cache = torch.randn(num_tok, rank + rope, generator=gen) * (2.0 if kv_dtype.itemsize == 1 else 1.0)
-        self.kv_scale = 0.5 if kv_dtype.itemsize == 1 else None
+        self.kv_scale = torch.tensor([0.5], device=DEVICE) if kv_dtype.itemsize == 1 else None
         self.cache = cache.to(kv_dtype).to(DEVICE)
         self.kv_indices = torch.randperm(num_tok, generator=gen)[:total].to(torch.int32).to(DEVICE)
         self.kv_indptr = _indptr(self.seq_lens)
@@ -80,23 +88,27 @@ class _PagedBatch:
         self.q = torch.randn(sum(self.qlens), heads, rank + rope, generator=gen).to(dtype).to(DEVICE)
         self.dtype = dtype
 
-    def run(self, decode: Callable[..., None], **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``decode`` (a ``paged_mqa_decode``-shaped callable) into poisoned outputs."""
+    def run(
+        self, decode: Callable[..., None], *, schedule: SplitKVSchedule | None = None, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``decode`` (``paged_mqa_decode`` or a launcher taking its call) into poisoned outputs."""
         out, lse = _poisoned(self.q.shape[0], self.heads, self.rank, self.dtype)
-        decode(
-            self.q,
-            self.cache,
-            self.kv_indptr,
-            self.kv_indices,
-            self.qo_indptr,
-            max_qlen=4,
-            max_seqlen_k=80,
-            softmax_scale=0.3,
-            kv_scale=self.kv_scale,
+        call = PagedDecodeCall(
+            q=self.q,
+            kv_cache=self.cache,
+            kv_indptr=self.kv_indptr,
+            kv_indices=self.kv_indices,
+            qo_indptr=self.qo_indptr,
             out=out,
             lse=lse,
-            **kwargs,
+            max_qlen=4,
+            max_seqlen_k=80,
+            page_size=1,
+            softmax_scale=0.3,
+            kv_scale=self.kv_scale,
+            schedule=schedule,
         )
+        decode(call, **kwargs)
         return out, lse
 
 
@@ -158,12 +170,14 @@ def test_plan_matches_torch_schedule_and_scheduled_decode() -> None:
     )
     schedule.work_info.fill_(7)
     TRITON.plan_decode_schedule(
-        schedule,
-        qo_indptr=batch.qo_indptr,
-        kv_indptr=batch.kv_indptr,
-        batch_size=num_requests,
-        kernel_qlen=4,
-        uniform_qlen=False,
+        PlanDecodeScheduleCall(
+            schedule=schedule,
+            qo_indptr=batch.qo_indptr,
+            kv_indptr=batch.kv_indptr,
+            batch_size=num_requests,
+            kernel_qlen=4,
+            uniform_qlen=False,
+        )
     )
     reference.plan(batch.kv_indptr, num_requests)
     assert torch.equal(schedule.work_info, reference.work_info)
@@ -180,23 +194,26 @@ def test_small_head_decode_strided_views(kv_dtype: torch.dtype) -> None:
     lengths = [9, 0, 40]
     num_tok = 64
     cache = (torch.randn(num_tok, rank + rope, generator=gen) * 2).to(kv_dtype).to(DEVICE)
-    kv_scale = 0.5 if kv_dtype.itemsize == 1 else None
+    kv_scale = torch.tensor([0.5], device=DEVICE) if kv_dtype.itemsize == 1 else None
     table = torch.randperm(num_tok, generator=gen)[: sum(lengths)].to(torch.int32).to(DEVICE)
     q = torch.randn(len(lengths), heads, rank + rope, generator=gen).to(torch.float16).to(DEVICE)
     results = []
     for provider in (TRITON, REF):
         out, lse = _poisoned(len(lengths), heads, rank, torch.float16)
         provider.small_head_decode(
-            q[..., :rank],
-            q[..., rank:],
-            cache,
-            table,
-            _indptr(lengths),
-            max_seqlen_k=40,
-            softmax_scale=0.25,
-            kv_scale=kv_scale,
-            out=out,
-            lse=lse,
+            SmallHeadDecodeCall(
+                q_nope=q[..., :rank],
+                q_pe=q[..., rank:],
+                kv_cache=cache,
+                page_table=table,
+                seq_info=_indptr(lengths),
+                out=out,
+                lse=lse,
+                max_seqlen_k=40,
+                page_size=1,
+                softmax_scale=0.25,
+                kv_scale=kv_scale,
+            )
         )
         results.append((out, lse))
     _assert_close(results[0], results[1])
@@ -214,9 +231,12 @@ def test_merge_states_with_empty_rows_and_alias() -> None:
     lse_a[1, 1] = -math.inf
     o_a[1, 1] = math.nan  # an empty state's output is never read
     want_o, want_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
-    REF.merge_states(o_a.nan_to_num(), lse_a, o_b, lse_b, out=want_o, lse_out=want_lse)
+    REF.merge_states(
+        MergeStatesCall(o_a=o_a.nan_to_num(), lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=want_o, lse_out=want_lse)
+    )
     got_lse = torch.full_like(lse_a, math.nan)
-    TRITON.merge_states(o_a, lse_a, o_b, lse_b, out=o_a, lse_out=got_lse)  # out aliases o_a
+    # out aliases o_a
+    TRITON.merge_states(MergeStatesCall(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=o_a, lse_out=got_lse))
     torch.testing.assert_close(o_a, want_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_lse, want_lse)
 
@@ -230,21 +250,39 @@ def test_expand_page_indices(block_size: int) -> None:
     total = sum(lengths)
     got = torch.full((total + 3,), -7, dtype=torch.int32, device=DEVICE)
     want = got.clone()
-    TRITON.expand_page_indices(table, indptr, block_size=block_size, num_tokens=total, out=got)
-    REF.expand_page_indices(table, indptr, block_size=block_size, num_tokens=total, out=want)
+    for provider, out in ((TRITON, got), (REF, want)):
+        provider.expand_page_indices(
+            ExpandPagesCall(
+                block_table=table, kv_indptr=indptr, out=out, block_size=block_size, num_tokens=total
+            )
+        )
     assert torch.equal(got, want)
 
 
-def test_write_kv_skips_negative_slots() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_write_kv_skips_negative_slots(kv_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(9)
-    cache = torch.randn(4, 8, 48, generator=gen).to(torch.float16).to(DEVICE)
+    cache = torch.randn(4, 8, 48, generator=gen).to(kv_dtype).to(DEVICE)
     want = cache.clone()
-    kv_c = torch.randn(5, 32, generator=gen).to(torch.float16).to(DEVICE)
-    k_pe = torch.randn(5, 16, generator=gen).to(torch.float16).to(DEVICE)
+    # Quarter steps: value / 0.25 is an integer in [-16, 16], exact in fp8 (the interpreter's own
+    # fp8 rounding is off near powers of two, so rounded values would not compare exactly).
+    kv_c = (torch.randint(-16, 17, (5, 32), generator=gen) / 4).to(torch.float16).to(DEVICE)
+    k_pe = (torch.randint(-16, 17, (5, 16), generator=gen) / 4).to(torch.float16).to(DEVICE)
     slots = torch.tensor([3, -1, 17, 31, 0], device=DEVICE)
-    TRITON.write_kv(kv_c, k_pe, cache, slots, kv_scale=None)
-    REF.write_kv(kv_c, k_pe, want, slots, kv_scale=None)
-    assert torch.equal(cache, want)
+    # The fp8 scale is read from its device tensor: changed after the call is built, it still counts.
+    kv_scale = torch.tensor([1.0], device=DEVICE) if kv_dtype.itemsize == 1 else None
+    calls = [
+        WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=target, slot_mapping=slots, kv_scale=kv_scale)
+        for target in (cache, want)
+    ]
+    if kv_scale is not None:
+        kv_scale.fill_(0.25)
+    TRITON.write_kv(calls[0])
+    REF.write_kv(calls[1])
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    if kv_scale is not None:
+        expected = (torch.cat([kv_c[0], k_pe[0]]).float() * 4).to(kv_dtype)
+        assert torch.equal(cache.view(-1, 48)[3].view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_capabilities_availability_and_heuristic() -> None:

@@ -19,6 +19,7 @@ from mla.decode.base import DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
 from mla.platform import detect_platform
+from mla.providers.calls import WriteKVCall
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.reference import reference_decode
@@ -105,7 +106,10 @@ def _step(qlen: int, seq_lens: list[int], block_table: torch.Tensor, extra: int)
 def test_cuda_graph_replay_after_metadata_rebuild(
     strategy: type[DecodeStrategy], heads: int, qlen: int, kv_dtype: torch.dtype
 ) -> None:
-    """Capture one decode step, rebuild the metadata in place for new lengths/tables, replay."""
+    """Capture one decode step, rebuild the metadata in place for new lengths/tables, replay.
+
+    An fp8 cache's ``kv_scale`` is a device tensor that holds a wrong value at capture and the
+    right one before the replay: the replay must read the current value."""
     gen = torch.Generator().manual_seed(heads * 10 + qlen)
     batch, block, max_len, extra = 4, 16, 2048, 0
     blocks = batch * (max_len // block)
@@ -128,6 +132,7 @@ def test_cuda_graph_replay_after_metadata_rebuild(
     kv_scale = 0.05 if kv_dtype == FP8 else None
     values = torch.randn(blocks, block, 576, generator=gen)
     cache = (values / (kv_scale or 1.0)).clamp(-448, 448).to(kv_dtype).cuda()
+    scale_t = None if kv_scale is None else torch.full((1,), 10 * kv_scale, device="cuda")
     tokens = batch * qlen + extra
     q = torch.randn(tokens, heads, 576, generator=gen).to(torch.bfloat16).cuda()
     out = torch.full((tokens, heads, 512), math.nan, dtype=torch.bfloat16, device="cuda")
@@ -139,11 +144,11 @@ def test_cuda_graph_replay_after_metadata_rebuild(
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.impl.forward_decode(first, q, cache, out=out, lse=lse, kv_scale=kv_scale)
+        backend.impl.forward_decode(first, q, cache, out=out, lse=lse, kv_scale=scale_t)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        backend.impl.forward_decode(first, q, cache, out=out, lse=lse, kv_scale=kv_scale)
+        backend.impl.forward_decode(first, q, cache, out=out, lse=lse, kv_scale=scale_t)
 
     new_lens = [33, 2048, 700, 0]
     new_table = torch.randperm(blocks, generator=gen)[: batch * (max_len // block)].view(batch, -1)
@@ -154,6 +159,8 @@ def test_cuda_graph_replay_after_metadata_rebuild(
     q.copy_(torch.randn(tokens, heads, 576, generator=gen).to(torch.bfloat16))
     out.fill_(math.nan)
     lse.fill_(math.nan)
+    if scale_t is not None:
+        scale_t.fill_(kv_scale)
     graph.replay()
     torch.cuda.synchronize()
     qsl = torch.arange(batch + 1, dtype=torch.int32) * qlen
@@ -174,7 +181,7 @@ def test_write_kv_and_utilities_on_gpu(kv_dtype: torch.dtype) -> None:
     k_pe = (torch.randn(20, 64, generator=gen) * 4).to(torch.bfloat16).cuda()
     slots = torch.randperm(128, generator=gen)[:20].cuda()
     slots[3] = -1
-    scale = None if kv_dtype == torch.bfloat16 else 0.02
-    triton_p.write_kv(kv_c, k_pe, cache, slots, kv_scale=scale)
-    ref.write_kv(kv_c, k_pe, want, slots, kv_scale=scale)
+    scale = None if kv_dtype == torch.bfloat16 else torch.tensor([0.02], device="cuda")
+    triton_p.write_kv(WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots, kv_scale=scale))
+    ref.write_kv(WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=want, slot_mapping=slots, kv_scale=scale))
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mla
+from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
 from mla.providers.triton.fp8_prefill import build_fp8_prefill_plan, fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import varlen_attention_fwd
 from mla.quant import quantize_per_tensor
@@ -77,8 +78,10 @@ def test_varlen_matches_reference(batch: str, causal: bool, dtype: torch.dtype) 
     q, k, v, cu_q, cu_k = _inputs(lengths_q, lengths_k, heads, dtype, seed=len(batch))
     out, lse = _poisoned(q.shape[0], heads, dtype)
     varlen_attention_fwd(
-        q, k, v, cu_q, cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k),
-        softmax_scale=SCALE, causal=causal, out=out, lse=lse,
+        VarlenPrefillCall(
+            q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+            max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=SCALE, causal=causal,
+        )
     )  # fmt: skip
     ref = reference_prefill(q, k, v, cu_q, cu_k, softmax_scale=SCALE, causal=causal)
     _assert_close(out, lse, ref, TOL[dtype])
@@ -111,8 +114,10 @@ def test_fp8_prefill_matches_reference(batch: str, causal: bool, kv_split: int |
         assert plan.num_groups > 0 or batch == "sk-lt-sq"
     out, lse = _poisoned(q8.shape[0], heads, torch.bfloat16)
     fp8_prefill_fwd(
-        q8, k8, v8, cu_q, cu_k, plan=plan, softmax_scale=SCALE, q_scale=qs, k_scale=ks, v_scale=vs,
-        causal=causal, out=out, lse=lse,
+        Fp8PrefillCall(
+            q=q8, k=k8, v=v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse, schedule=plan,
+            softmax_scale=SCALE, q_scale=qs, k_scale=ks, v_scale=vs, causal=causal,
+        )
     )  # fmt: skip
     deq = [x.double() * s.double() for x, s in quantized]
     ref = reference_prefill(*deq, cu_q, cu_k, softmax_scale=SCALE, causal=causal)
@@ -134,12 +139,16 @@ def test_kernels_capture_in_a_cuda_graph() -> None:
 
     def step() -> None:
         varlen_attention_fwd(
-            q, k, v, cu_q, cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k),
-            softmax_scale=SCALE, causal=True, out=out, lse=lse,
+            VarlenPrefillCall(
+                q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+                max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=SCALE, causal=True,
+            )
         )  # fmt: skip
         fp8_prefill_fwd(
-            q8, k8, v8, cu_q, cu_k, plan=plan, softmax_scale=SCALE, q_scale=qs, k_scale=ks, v_scale=vs,
-            causal=True, out=out8, lse=lse8,
+            Fp8PrefillCall(
+                q=q8, k=k8, v=v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out8, lse=lse8, schedule=plan,
+                softmax_scale=SCALE, q_scale=qs, k_scale=ks, v_scale=vs, causal=True,
+            )
         )  # fmt: skip
 
     step()  # compile outside the capture

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 
+import attrs
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
 from mla.providers.triton.fp8_prefill import (
     KV_SPLIT_ALIGN,
     build_fp8_prefill_plan,
@@ -85,8 +87,10 @@ def test_varlen_matches_reference(
     out = torch.full((q.shape[0], heads, v_dim), float("nan"), dtype=dtype, device=DEVICE)
     lse = torch.full((q.shape[0], heads), float("nan"), device=DEVICE)
     varlen_attention_fwd(
-        q, k, v, cu_q, cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k),
-        softmax_scale=scale, causal=causal, out=out, lse=lse,
+        VarlenPrefillCall(
+            q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+            max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=scale, causal=causal,
+        )
     )  # fmt: skip
     ref = reference_prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal)
     _check(out, lse, ref, 2e-3 if dtype == torch.float16 else 1e-5)
@@ -133,8 +137,10 @@ def test_fp8_prefill_matches_reference(
     out = torch.full((q8.shape[0], heads, v_dim), float("nan"), dtype=torch.float16, device=DEVICE)
     lse = torch.full((q8.shape[0], heads), float("nan"), device=DEVICE)
     fp8_prefill_fwd(
-        q8, k8, v8, cu_q, cu_k, plan=plan, softmax_scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
-        causal=causal, out=out, lse=lse,
+        Fp8PrefillCall(
+            q=q8, k=k8, v=v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse, schedule=plan,
+            softmax_scale=scale, q_scale=qs, k_scale=ks, v_scale=vs, causal=causal,
+        )
     )  # fmt: skip
     deq = [x.double() * s.double() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
     _check(out, lse, reference_prefill(*deq, cu_q, cu_k, softmax_scale=scale, causal=causal), 2e-3)
@@ -203,30 +209,32 @@ def test_fp8_prefill_rejects_a_plan_for_another_batch() -> None:
     case = _small_fp8_case()
     other = _one_request_plan(causal=False)
     with pytest.raises(PlanMismatchError, match="causal"):
-        fp8_prefill_fwd(plan=other, **case)  # type: ignore[arg-type]
+        fp8_prefill_fwd(Fp8PrefillCall(schedule=other, **case))  # type: ignore[arg-type]
     with pytest.raises(PlanMismatchError, match="Fp8PrefillPlan"):
-        fp8_prefill_fwd(plan=object(), **case)  # type: ignore[arg-type]
+        fp8_prefill_fwd(Fp8PrefillCall(schedule=object(), **case))  # type: ignore[arg-type]
 
 
 def test_launchers_reject_bad_inputs() -> None:
     case = _small_fp8_case()
     plan = _one_request_plan(causal=True)
     with pytest.raises(InvalidInputError, match="v_scale"):
-        fp8_prefill_fwd(plan=plan, **{**case, "v_scale": torch.ones(2, device=DEVICE)})  # type: ignore[arg-type]
+        fp8_prefill_fwd(Fp8PrefillCall(schedule=plan, **{**case, "v_scale": torch.ones(2, device=DEVICE)}))  # type: ignore[arg-type]
     q = torch.randn(20, 2, 192, device=DEVICE)
     v = torch.randn(20, 2, 128, device=DEVICE)
     out, lse = torch.empty(20, 2, 128, device=DEVICE), torch.empty(20, 2, device=DEVICE)
     cu = _indptr([20])
-    kwargs = {"max_seqlen_q": 20, "max_seqlen_k": 20, "causal": True, "out": out, "lse": lse}
+    varlen = VarlenPrefillCall(
+        q=q, k=q, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=out, lse=lse, max_seqlen_q=20, max_seqlen_k=20,
+        softmax_scale=0.1, causal=True,
+    )  # fmt: skip
     with pytest.raises(InvalidInputError, match="softmax_scale"):
-        varlen_attention_fwd(q, q, v, cu, cu, softmax_scale=0.0, **kwargs)  # type: ignore[arg-type]
+        varlen_attention_fwd(attrs.evolve(varlen, softmax_scale=0.0))
     with pytest.raises(InvalidInputError, match="cu_seqlens_q"):
-        varlen_attention_fwd(q, q, v, cu.long(), cu, softmax_scale=0.1, **kwargs)  # type: ignore[arg-type]
+        varlen_attention_fwd(attrs.evolve(varlen, cu_seqlens_q=cu.long()))
     with pytest.raises(InvalidInputError, match="fp8"):
-        fp8_prefill_fwd(plan=plan, **{**case, "q": q, "k": q, "v": v})  # type: ignore[arg-type]
+        fp8_prefill_fwd(Fp8PrefillCall(schedule=plan, **{**case, "q": q, "k": q, "v": v}))  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="contiguous"):
-        varlen_attention_fwd(q.transpose(0, 2).contiguous().transpose(0, 2), q, v, cu, cu, softmax_scale=0.1,
-                             **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        varlen_attention_fwd(attrs.evolve(varlen, q=q.transpose(0, 2).contiguous().transpose(0, 2)))
 
 
 KIT_CASES = [
