@@ -31,7 +31,6 @@ from mla.providers.calls import (
 )
 from mla.support import Support
 
-
 CONTRACT_METHODS: dict[Contract, tuple[str, ...]] = {
     Contract.PAGED_DECODE: ("paged_mqa_decode",),
     Contract.DECODE_SCHEDULE: ("decode_schedule_buffers", "plan_decode_schedule"),

@@ -16,8 +16,10 @@ from mla.providers.calls import (
     DecodeScheduleBuffersCall,
     PagedDecodeCall,
     PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
     VarlenPrefillCall,
 )
+from mla.providers.torch_ref import TorchProvider
 from mla.reference import reference_prefill
 from mla.testing import compare_to_reference, make_decode_inputs
 
@@ -271,3 +273,40 @@ def test_varlen_rows_without_keys_get_zeros_and_minus_inf(fake_aiter) -> None:
     ref_out, ref_lse = reference_prefill(q, k, v, cu_q, cu_k, softmax_scale=0.1, causal=True)
     assert torch.isneginf(lse[:2]).all()
     assert compare_to_reference(out, lse, ref_out, ref_lse).ok
+
+
+def test_small_head_folds_a_device_kv_scale_into_query_and_output(fake_aiter) -> None:
+    """``mla_gluon`` takes ``kv_scale`` as a Python float (a tensor would be read as a pointer):
+    the provider passes 1.0 and applies the device scale itself, with no host sync."""
+    fake = fake_aiter("gfx950")
+    gen = torch.Generator().manual_seed(4)
+    rows, heads, lengths = 3, 8, [7, 0, 12]
+    cache = torch.randn(24, 576, generator=gen).to(torch.bfloat16)
+    q = torch.randn(rows, heads, 576, generator=gen).to(torch.bfloat16)
+    seq_info = torch.tensor([0, 7, 7, 19], dtype=torch.int32)
+    page_table = torch.randperm(24, generator=gen)[: sum(lengths)].to(torch.int32)
+    results = []
+    for provider in (fake_provider(), TorchProvider()):
+        out = torch.full((rows, heads, 512), math.nan, dtype=torch.bfloat16)
+        lse = torch.full((rows, heads), math.nan)
+        provider.small_head_decode(
+            SmallHeadDecodeCall(
+                q_nope=q[..., :512],
+                q_pe=q[..., 512:],
+                kv_cache=cache,
+                page_table=page_table,
+                seq_info=seq_info,
+                out=out,
+                lse=lse,
+                max_seqlen_k=12,
+                page_size=1,
+                softmax_scale=0.05,
+                kv_scale=torch.tensor([0.5]),
+            )
+        )
+        results.append((out, lse))
+    (call,) = fake.calls("mla_gluon")
+    assert call["kv_scale"] == 1.0
+    (out, lse), (want_out, want_lse) = results
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=1e-3)
