@@ -3,7 +3,8 @@
 ``import mla`` never imports a kernel library; providers import theirs on first use.
 """
 
-from mla.api import mla_decode, mla_prefill
+from mla import ops
+from mla.api import mla_decode, mla_prefill, write_kv
 from mla.backend import AttentionImpl, MetadataBuilder, MLABackend, MLAMetadata, StepInputs
 from mla.capabilities import (
     REFERENCE_CAPABILITIES,
@@ -26,6 +27,7 @@ from mla.errors import (
     UnsupportedError,
 )
 from mla.explain import Candidate, Explanation
+from mla.ops import ContextExpanderHandle, register_context_expander
 from mla.platform import Knobs, Platform, detect_platform, simulated_platform
 from mla.prefill.base import PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.prefill.flash_varlen import FlashVarlen
@@ -51,6 +53,7 @@ __all__ = [
     "AsmNonPersistent",
     "AttentionImpl",
     "Candidate",
+    "ContextExpanderHandle",
     "Contract",
     "Decision",
     "DecodeBatch",
@@ -100,9 +103,12 @@ __all__ = [
     "get_provider",
     "mla_decode",
     "mla_prefill",
+    "ops",
     "override",
     "prefill_context",
     "provider_names",
     "register",
+    "register_context_expander",
     "simulated_platform",
+    "write_kv",
 ]

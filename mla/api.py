@@ -1,17 +1,27 @@
 """Functional entry points: one call, one decision, reference-checked semantics.
 
-:func:`mla_decode` and :func:`mla_prefill` validate their inputs, build a one-shot backend (or
-strategy) sized from the call, resolve the strategy (or check the forced one), and run it.
-Engines use :class:`~mla.backend.MLABackend` instead, which sizes buffers once.
+:func:`mla_decode` and :func:`mla_prefill` validate their inputs, resolve the strategy (or check
+the forced one) and run it. The plan (a backend or strategy with its persistent buffers) is
+cached per (shapes, dtypes, device, scale, provider, strategy, platform, validate) in a small LRU
+(:data:`PLAN_CACHE_SIZE` entries per function), so a repeated call costs the kernels plus a
+small constant: no re-resolution, no buffer allocation, and for decode no device-to-host copy.
+:func:`write_kv` writes new latent rows into the paged cache. Engines use
+:class:`~mla.backend.MLABackend` instead, which sizes buffers from the engine limits.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Generic, Literal, TypeVar, overload
+
+import attrs
 import torch
 
+from mla import ops
 from mla.backend import MLABackend, StepInputs
-from mla.config import EngineLimits, KVCacheSpec, MLADims, is_fp8
-from mla.context import prefill_context
+from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name, is_fp8
+from mla.context import PrefillContext, prefill_context
 from mla.errors import InvalidInputError
 from mla.platform import Platform, detect_platform, simulated_platform
 from mla.prefill.base import PrefillBatch, PrefillStrategy
@@ -21,13 +31,50 @@ from mla.registry import AnyStrategy
 from mla.resolver import Resolver
 from mla.strategy import StrategySetup
 from mla.validate import (
+    ValidateMode,
+    check_block_ids,
     check_indptr,
+    check_kv_scale,
     check_paged_requests,
+    check_write_kv,
     require_float,
     require_index,
     require_same_device,
     require_tensor,
+    require_validate_mode,
 )
+
+PLAN_CACHE_SIZE = 16
+"""Cached plans per functional entry point (least recently used evicted first)."""
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class PlanCache(Generic[K, V]):
+    """A bounded least-recently-used map from plan keys to plans."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: K, value: V) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 def _platform(platform: Platform | str | None, device: torch.device) -> Platform:
@@ -36,6 +83,60 @@ def _platform(platform: Platform | str | None, device: torch.device) -> Platform
     if isinstance(platform, str):
         return simulated_platform(platform)
     return detect_platform(device)
+
+
+@attrs.frozen(eq=False)
+class _DecodeEntry:
+    backend: MLABackend
+    unit_qsl_cpu: torch.Tensor
+    """int64 ``[B+1]`` ``0..B`` on the host (one token per request)."""
+    unit_qsl: torch.Tensor
+    """The same on the device."""
+
+
+DECODE_PLANS: PlanCache[tuple[object, ...], _DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)
+
+
+@overload
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor | None = ...,
+    softmax_scale: float,
+    kv_lora_rank: int = ...,
+    kv_scale: float | torch.Tensor | None = ...,
+    provider: str | KernelProvider = ...,
+    strategy: str | AnyStrategy | None = ...,
+    platform: Platform | str | None = ...,
+    out: torch.Tensor | None = ...,
+    lse: torch.Tensor | None = ...,
+    return_lse: Literal[True] = ...,
+    validate: ValidateMode = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor | None = ...,
+    softmax_scale: float,
+    kv_lora_rank: int = ...,
+    kv_scale: float | torch.Tensor | None = ...,
+    provider: str | KernelProvider = ...,
+    strategy: str | AnyStrategy | None = ...,
+    platform: Platform | str | None = ...,
+    out: torch.Tensor | None = ...,
+    lse: None = ...,
+    return_lse: Literal[False],
+    validate: ValidateMode = ...,
+) -> torch.Tensor: ...
 
 
 def mla_decode(
@@ -51,8 +152,12 @@ def mla_decode(
     provider: str | KernelProvider = "auto",
     strategy: str | AnyStrategy | None = None,
     platform: Platform | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode over a paged latent cache (DESIGN §5).
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = True,
+    validate: ValidateMode = "fast",
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """Absorbed MLA decode over a paged latent cache.
 
     Args:
         q: ``[T, H, kv_lora_rank + rope]`` bf16/fp16/fp32.
@@ -61,19 +166,33 @@ def mla_decode(
         block_table: int32/int64 ``[B, max_blocks]``.
         seq_lens: int ``[B]``: KV length of each request including its new tokens (0 marks a
             graph-padding request).
-        query_start_loc: int ``[B+1]``; default one token per request.
+        query_start_loc: int ``[B+1]`` on q's device or on the host; default one token per
+            request. A device tensor costs one device-to-host copy (pass the host copy, or
+            ``None`` for single-token decode, to avoid it).
         softmax_scale: the model's scale (never defaulted to ``1/sqrt(576)``).
+        kv_scale: float, or a 0-d/one-element float tensor on q's device (read on the device,
+            no host sync).
         provider: ``"auto"``, ``"torch"``, ``"triton"``, ``"aiter"`` or a provider object.
         strategy: force a decode strategy (class or ``NAME``); checked like automatic selection.
         platform: a :class:`Platform`, or an arch name such as ``"gfx950"`` to simulate.
+        out: optional ``[T, H, kv_lora_rank]`` output in q's dtype (written in place).
+        lse: optional ``[T, H]`` float32 LSE output (written in place).
+        return_lse: ``False`` returns ``out`` alone and skips computing the LSE (unless ``lse``
+            is given).
+        validate: ``"fast"`` (default) checks shapes, dtypes and devices and never copies
+            ``block_table`` or ``seq_lens`` to the host: lengths past the block table and
+            out-of-range block ids are clamped on the device (memory-safe, not an error).
+            ``"full"`` (debug) copies them and raises on any bad length or block id.
 
     Returns:
-        ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32 natural log)``.
+        ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32 natural log)``, or ``out``
+        when ``return_lse=False``.
 
     Raises:
-        InvalidInputError: bad shapes, dtypes, devices or index values.
+        InvalidInputError: bad shapes, dtypes, devices (or, with ``validate="full"``, values).
         UnsupportedError: no strategy (or not the forced one) supports the case.
     """
+    mode = require_validate_mode(validate)
     require_tensor("q", q, ndim=3)
     require_tensor("kv_cache", kv_cache, ndim=3)
     require_index("block_table", block_table, ndim=2)
@@ -83,7 +202,8 @@ def mla_decode(
     tensors = [("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)]
     if query_start_loc is not None:
         require_index("query_start_loc", query_start_loc, ndim=1)
-        tensors.append(("query_start_loc", query_start_loc))
+        if query_start_loc.device.type != "cpu":
+            tensors.append(("query_start_loc", query_start_loc))
     require_same_device(("q", q), *tensors)
     num_tokens, num_heads, width = q.shape
     if width <= kv_lora_rank:
@@ -94,70 +214,170 @@ def mla_decode(
         raise InvalidInputError("kv_cache", f"last dim {kv_cache.shape[-1]} must equal q's last dim {width}")
     if is_fp8(kv_cache.dtype) and kv_scale is None:
         raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({kv_cache.dtype}) needs kv_scale")
+    if isinstance(kv_scale, torch.Tensor):
+        check_kv_scale(kv_scale, q.device)
+    if out is not None:
+        _require_output("out", out, (num_tokens, num_heads, kv_lora_rank), q.dtype, q.device)
+    if lse is not None:
+        _require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
     num_requests = seq_lens.numel()
-    qsl_cpu = (
-        torch.arange(num_requests + 1, dtype=torch.int64)
-        if query_start_loc is None
-        else query_start_loc.cpu().to(torch.int64)
-    )
-    if qsl_cpu.numel() != num_requests + 1:
-        raise InvalidInputError(
-            "query_start_loc",
-            f"expected {num_requests + 1} entries for {num_requests} requests, got {qsl_cpu.numel()}",
-        )
-    check_indptr("query_start_loc", qsl_cpu, total=num_tokens)
-    seq_cpu = seq_lens.cpu().to(torch.int64)
+    qsl_cpu = None
+    if query_start_loc is not None:
+        if query_start_loc.numel() != num_requests + 1:
+            raise InvalidInputError(
+                "query_start_loc",
+                f"expected {num_requests + 1} entries for {num_requests} requests, "
+                f"got {query_start_loc.numel()}",
+            )
+        qsl_cpu = query_start_loc.cpu().to(torch.int64)
+        check_indptr("query_start_loc", qsl_cpu, total=num_tokens)
+        qlens = qsl_cpu[1:] - qsl_cpu[:-1]
+        max_qlen = max(1, int(qlens.max()) if qlens.numel() else 1)
+    else:
+        if num_tokens < num_requests:
+            raise InvalidInputError(
+                "q", f"has {num_tokens} rows for {num_requests} single-token requests (query_start_loc=None)"
+            )
+        max_qlen = 1
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    if num_requests == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return (out, lse) if return_lse and lse is not None else out
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
-    check_paged_requests(
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens_cpu=seq_cpu,
-        block_table_cpu=block_table.cpu(),
-        block_size=block_size,
-        num_blocks=num_blocks,
-    )
-    qlens = qsl_cpu[1:] - qsl_cpu[:-1]
-    max_qlen = max(1, int(qlens.max()) if qlens.numel() else 1)
-    dims = MLADims(
-        num_heads=num_heads,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=width - kv_lora_rank,
-        softmax_scale=softmax_scale,
-    )
-    limits = EngineLimits(
-        max_num_seqs=max(1, num_requests),
-        max_model_len=max(1, int(seq_cpu.max()) if seq_cpu.numel() else 1),
-        max_num_batched_tokens=max(1, num_tokens),
-        max_decode_qlen=max(max_qlen, -(-num_tokens // max(1, num_requests))),
-    )
-    backend = MLABackend(
-        dims,
-        KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks),
-        limits,
-        model_dtype=q.dtype,
-        provider=provider,
-        platform=_platform(platform, q.device),
-        device=q.device,
-        decode_strategy=strategy,
-        preallocate=False,
-    )
+    max_decode_qlen = max(max_qlen, -(-num_tokens // num_requests))
+    key = (
+        tuple(q.shape), q.dtype, q.device, tuple(kv_cache.shape), kv_cache.dtype,
+        tuple(block_table.shape), max_decode_qlen, softmax_scale, kv_lora_rank,
+        provider, strategy, platform, mode,
+    )  # fmt: skip
+    entry = DECODE_PLANS.get(key)
+    if entry is None:
+        dims = MLADims(
+            num_heads=num_heads,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=width - kv_lora_rank,
+            softmax_scale=softmax_scale,
+        )
+        limits = EngineLimits(
+            max_num_seqs=num_requests,
+            max_model_len=max(1, block_table.shape[1] * block_size),
+            max_num_batched_tokens=max(1, num_tokens),
+            max_decode_qlen=max_decode_qlen,
+        )
+        backend = MLABackend(
+            dims,
+            KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks),
+            limits,
+            model_dtype=q.dtype,
+            provider=provider,
+            platform=_platform(platform, q.device),
+            device=q.device,
+            decode_strategy=strategy,
+            preallocate=False,
+            validate=mode,
+        )
+        unit = torch.arange(num_requests + 1, dtype=torch.int64)
+        entry = _DecodeEntry(backend, unit, unit.to(device=q.device, dtype=torch.int32))
+        DECODE_PLANS.put(key, entry)
+    backend = entry.backend
+    if qsl_cpu is None:
+        qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
+    elif query_start_loc is not None and query_start_loc.device == q.device:
+        qsl = query_start_loc.to(torch.int32)
+    else:
+        qsl = qsl_cpu.to(device=q.device, dtype=torch.int32, non_blocking=True)
+    seq_cpu = None
+    if mode == "full":
+        seq_cpu = seq_lens.cpu().to(torch.int64)
+        check_paged_requests(
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+            block_table_shape=tuple(block_table.shape),
+            block_size=block_size,
+        )
+        check_block_ids(
+            seq_lens_cpu=seq_cpu, block_table_cpu=block_table.cpu(), block_size=block_size, num_blocks=num_blocks
+        )
     step = StepInputs(
         query_start_loc_cpu=qsl_cpu,
-        query_start_loc=qsl_cpu.to(device=q.device, dtype=torch.int32),
+        query_start_loc=qsl,
         seq_lens=seq_lens.to(torch.int32),
         seq_lens_cpu=seq_cpu,
         block_table=block_table.to(torch.int32),
         num_decodes=num_requests,
         num_decode_tokens=num_tokens,
     )
-    out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    if num_requests == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    metadata = backend.builder.build(step)
-    backend.impl.forward_decode(metadata, q, kv_cache, out=out, lse=lse, kv_scale=kv_scale)
-    return out, lse
+    backend.builder.build(step)
+    backend.run_decode(q, kv_cache, out, lse, backend.kv_scale_tensor(kv_scale))
+    return (out, lse) if return_lse and lse is not None else out
+
+
+def _require_output(
+    name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    value = require_tensor(name, tensor, ndim=len(shape))
+    if tuple(value.shape) != shape:
+        raise InvalidInputError(name, f"expected shape {shape}, got {tuple(value.shape)}")
+    if value.dtype != dtype:
+        raise InvalidInputError(name, f"expected dtype {dtype_name(dtype)}, got {dtype_name(value.dtype)}")
+    if value.device != device:
+        raise InvalidInputError(name, f"is on {value.device} but q is on {device}; move it to {device}")
+
+
+@attrs.frozen(eq=False)
+class _PrefillEntry:
+    context: PrefillContext
+    runner: PrefillStrategy
+
+
+PREFILL_PLANS: PlanCache[tuple[object, ...], _PrefillEntry] = PlanCache(PLAN_CACHE_SIZE)
+
+
+@overload
+def mla_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float,
+    causal: bool = ...,
+    provider: str | KernelProvider = ...,
+    strategy: str | AnyStrategy | None = ...,
+    platform: Platform | str | None = ...,
+    out: torch.Tensor | None = ...,
+    lse: torch.Tensor | None = ...,
+    return_lse: Literal[True] = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def mla_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float,
+    causal: bool = ...,
+    provider: str | KernelProvider = ...,
+    strategy: str | AnyStrategy | None = ...,
+    platform: Platform | str | None = ...,
+    out: torch.Tensor | None = ...,
+    lse: torch.Tensor | None = ...,
+    return_lse: Literal[False],
+) -> torch.Tensor: ...
 
 
 def mla_prefill(
@@ -174,12 +394,17 @@ def mla_prefill(
     provider: str | KernelProvider = "auto",
     strategy: str | AnyStrategy | None = None,
     platform: Platform | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Varlen MHA prefill (bottom-right causal), MLA-shaped: q/k ``[T, H, Dqk]``, v ``[Tk, H, Dv]``.
 
-    Returns ``(out [T, H, Dv] in q's dtype, lse [T, H] float32 natural log)``. Raises
-    :class:`InvalidInputError` for bad input and :class:`UnsupportedError` when no strategy (or
-    not the forced one) fits.
+    Returns ``(out [T, H, Dv] in q's dtype, lse [T, H] float32 natural log)``, or ``out`` alone
+    with ``return_lse=False``; ``out``/``lse`` may be given to be written in place. The
+    ``cu_seqlens`` are copied to the host once per call (checked there and, for the fp8
+    prefill, tiled there). Raises :class:`InvalidInputError` for bad input and
+    :class:`UnsupportedError` when no strategy (or not the forced one) fits.
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         require_tensor(name, tensor, ndim=3)
@@ -198,6 +423,10 @@ def mla_prefill(
         )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidInputError("k", f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if out is not None:
+        _require_output("out", out, (num_tokens, num_heads, v.shape[-1]), q.dtype, q.device)
+    if lse is not None:
+        _require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
     check_indptr("cu_seqlens_q", cu_q_cpu, total=num_tokens)
@@ -211,6 +440,45 @@ def mla_prefill(
         raise InvalidInputError("max_seqlen_q", f"{max_seqlen_q} < longest query {int(lens_q.max())}")
     if lens_k.numel() and int(lens_k.max()) > max_seqlen_k:
         raise InvalidInputError("max_seqlen_k", f"{max_seqlen_k} < longest key range {int(lens_k.max())}")
+    key = (
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, lens_q.numel(),
+        softmax_scale, provider, strategy, platform,
+    )  # fmt: skip
+    entry = PREFILL_PLANS.get(key)
+    if entry is None:
+        entry = _prefill_entry(q, v, lens_q.numel(), softmax_scale, provider, strategy, platform)
+        PREFILL_PLANS.put(key, entry)
+    batch = PrefillBatch(
+        context=entry.context,
+        cu_seqlens_q_cpu=cu_q_cpu.to(torch.int32),
+        cu_seqlens_k_cpu=cu_k_cpu.to(torch.int32),
+        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k=cu_seqlens_k.to(torch.int32),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        num_tokens=num_tokens,
+        num_kv_tokens=k.shape[0],
+        causal=causal,
+    )
+    plan = entry.runner.build_metadata(batch)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    entry.runner.run(plan, q, k, v, out=out, lse=lse)
+    return (out, lse) if return_lse else out
+
+
+def _prefill_entry(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    num_requests: int,
+    softmax_scale: float,
+    provider: str | KernelProvider,
+    strategy: str | AnyStrategy | None,
+    platform: Platform | str | None,
+) -> _PrefillEntry:
+    num_tokens, num_heads, qk_dim = q.shape
     plat = _platform(platform, q.device)
     prov = resolve_provider(provider, plat)
     caps = prov.capabilities(plat)
@@ -237,28 +505,42 @@ def mla_prefill(
     setup = StrategySetup(
         dims=dims,
         cache=KVCacheSpec(1, q.dtype),
-        limits=EngineLimits(max(1, lens_q.numel()), max(1, max_seqlen_k), max(1, num_tokens)),
+        limits=EngineLimits(max(1, num_requests), max(1, v.shape[0]), max(1, num_tokens)),
         q_dtype=q.dtype,
         platform=plat,
         provider=prov,
         capabilities=caps,
         device=q.device,
     )
-    runner = cls(setup)
-    batch = PrefillBatch(
-        context=ctx,
-        cu_seqlens_q_cpu=cu_q_cpu.to(torch.int32),
-        cu_seqlens_k_cpu=cu_k_cpu.to(torch.int32),
-        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
-        cu_seqlens_k=cu_seqlens_k.to(torch.int32),
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        num_tokens=num_tokens,
-        num_kv_tokens=k.shape[0],
-        causal=causal,
-    )
-    plan = runner.build_metadata(batch)
-    out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    runner.run(plan, q, k, v, out=out, lse=lse)
-    return out, lse
+    return _PrefillEntry(ctx, cls(setup))
+
+
+def write_kv(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_scale: float | torch.Tensor | None = None,
+    provider: str | KernelProvider = "auto",
+    platform: Platform | str | None = None,
+) -> None:
+    """Write new latent rows into the paged cache, in vLLM's ``concat_and_cache_mla`` order.
+
+    kv_c ``[N, kv_lora_rank]`` and k_pe ``[N, rope]`` (float), kv_cache
+    ``[num_blocks, block_size, kv_lora_rank + rope]`` (float, or fp8 with ``kv_scale``: the
+    cache stores ``value / kv_scale``), slot_mapping int ``[N]`` flat slots
+    ``block * block_size + offset`` (negative: skipped). ``kv_scale`` is a float or a 0-d /
+    one-element float tensor on the cache's device. Runs ``mla::write_kv``. Raises
+    :class:`InvalidInputError` naming the bad argument.
+    """
+    check_write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+    prov = resolve_provider(provider, _platform(platform, kv_cache.device))
+    scale: torch.Tensor | None
+    if isinstance(kv_scale, torch.Tensor):
+        scale = kv_scale.reshape(1).to(torch.float32)
+    elif kv_scale is not None:
+        scale = torch.full((1,), kv_scale, dtype=torch.float32, device=kv_cache.device)
+    else:
+        scale = None
+    ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, scale, ops.provider_handle(prov))

@@ -24,15 +24,27 @@ from mla.capabilities import ProviderCapabilities
 from mla.config import EngineLimits, KVCacheSpec, MLADims
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
-from mla.errors import InvalidInputError, UnsupportedError
+from mla import ops
+from mla.errors import InvalidInputError, PlanMismatchError, UnsupportedError
 from mla.platform import Platform, detect_platform, simulated_platform
 from mla.prefill.base import ContextChunk, ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider
+from mla.quant import ScaleBuffer
 from mla.registry import AnyStrategy
 from mla.resolver import Decision, Resolver
 from mla.strategy import StrategySetup
-from mla.validate import check_indptr, check_paged_requests, require_index
+from mla.validate import (
+    ValidateMode,
+    check_block_ids,
+    check_indptr,
+    check_kv_scale,
+    check_paged_requests,
+    check_write_kv,
+    require_index,
+    require_same_device,
+    require_validate_mode,
+)
 
 
 @attrs.frozen(eq=False)
@@ -54,7 +66,9 @@ class StepInputs:
     num_decodes: int
     num_decode_tokens: int
     seq_lens_cpu: torch.Tensor | None = None
-    """Host copy of ``seq_lens`` (copied from the device when omitted)."""
+    """Host copy of ``seq_lens``. When omitted, a decode-only step plans its page indices on the
+    device (no copy, work sized by the block table); a step with prefills (or
+    ``validate="full"``) copies ``seq_lens`` from the device."""
 
 
 @attrs.frozen(eq=False)
@@ -84,6 +98,13 @@ class MLABackend:
     Decode strategies for every step the limits allow are resolved and allocated at init (an
     unsupported qlen within the limits raises :class:`UnsupportedError` here, not mid-run).
     ``decode_strategy``/``prefill_strategy`` force a strategy through the same checks.
+
+    ``validate`` (see :data:`mla.validate.ValidateMode`): ``"fast"`` never copies device data to
+    the host in ``builder.build``; ``"full"`` adds the host checks of every block id.
+
+    The backend registers itself with the custom ops (:mod:`mla.ops`) under ``op_id``;
+    ``builder.build`` makes the step's metadata the backend's ``current_metadata``, which the
+    ops run.
     """
 
     def __init__(
@@ -101,6 +122,7 @@ class MLABackend:
         prefill_strategy: str | AnyStrategy | None = None,
         preallocate: bool = True,
         context_chunk_tokens: int | None = None,
+        validate: ValidateMode = "fast",
     ) -> None:
         if isinstance(platform, str):
             platform = simulated_platform(platform)
@@ -111,6 +133,7 @@ class MLABackend:
             else torch.device("cuda" if self.platform.is_gpu else "cpu")
         )
         self.dims, self.cache, self.limits, self.model_dtype = dims, cache, limits, model_dtype
+        self.validate: ValidateMode = require_validate_mode(validate)
         self.provider = resolve_provider(provider, self.platform)
         self.capabilities: ProviderCapabilities = self.provider.capabilities(self.platform)
         self.resolver = resolver or Resolver()
@@ -142,6 +165,11 @@ class MLABackend:
         """Strategies first allocated after init (a step the init-time enumeration missed)."""
         if preallocate:
             self._preallocate()
+        self.current_metadata: MLAMetadata | None = None
+        """The metadata of the step being run (set by ``builder.build``)."""
+        self.kv_scale_buffer = ScaleBuffer.allocate(self.device)
+        self.op_id = ops.register_runner(self)
+        self.provider_id = ops.provider_handle(self.provider)
         self.builder = MetadataBuilder(self)
         self.impl = AttentionImpl(self)
 
@@ -226,22 +254,98 @@ class MLABackend:
     def builder_ready(self) -> bool:
         return hasattr(self, "builder")
 
+    # -- what the custom ops run -------------------------------------------------------------
+
+    def run_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+    ) -> None:
+        """Run the current step's decode plan (the body of ``mla::decode``)."""
+        plan = self._current("decode").decode
+        assert plan is not None
+        strategy = self.decode_strategy(plan.strategy)
+        strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
+
+    def run_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+        expand_context: ContextExpander | None,
+    ) -> None:
+        """Run the current step's prefill plan (the body of ``mla::prefill``)."""
+        plan = self._current("prefill").prefill
+        assert plan is not None
+        strategy = self.prefill_strategy(plan.strategy)
+        strategy.run(
+            plan,
+            q,
+            k,
+            v,
+            out=out,
+            lse=lse,
+            kv_cache=kv_cache,
+            kv_scale=kv_scale,
+            expand_context=expand_context,
+        )
+
+    def _current(self, phase: str) -> MLAMetadata:
+        metadata = self.current_metadata
+        if metadata is None:
+            raise InvalidInputError("metadata", "no step was built yet: call builder.build(step) first")
+        if getattr(metadata, phase) is None:
+            raise InvalidInputError("metadata", f"this step has no {phase} requests")
+        return metadata
+
+    def check_current(self, metadata: MLAMetadata, phase: str) -> None:
+        """Eager calls: ``metadata`` must be the current step's (the ops run the current plan)."""
+        if metadata is not self.current_metadata:
+            raise PlanMismatchError(
+                "metadata is not this backend's current metadata: builder.build was called for "
+                "another step since (the ops run the most recently built plan); run each step's "
+                "layers before building the next step"
+            )
+        self._current(phase)
+
+    def kv_scale_tensor(self, kv_scale: float | torch.Tensor | None) -> torch.Tensor | None:
+        """``kv_scale`` as the float32 ``[1]`` device tensor the ops take (``None`` stays).
+
+        A tensor (0-d or one element, float, on the backend's device) is used as is (converted
+        to float32 when needed), so a captured graph reads its current value; a float is written
+        into the backend's :class:`~mla.quant.ScaleBuffer`.
+        """
+        if isinstance(kv_scale, torch.Tensor):
+            check_kv_scale(kv_scale, self.device)
+        return self.kv_scale_buffer.tensor(kv_scale)
+
 
 class MetadataBuilder:
-    """Turns step inputs into metadata; the only place a step's strategies are decided."""
+    """Turns step inputs into metadata; the only place a step's strategies are decided.
+
+    With the host copies the engine already has (``query_start_loc_cpu``, ``seq_lens_cpu``) a
+    build copies nothing from the device (``validate="fast"``): the rules needing host data run
+    on those copies, block ids are checked only under ``validate="full"``.
+    """
 
     def __init__(self, backend: MLABackend) -> None:
         self.backend = backend
 
     def build(self, step: StepInputs) -> MLAMetadata:
+        """Plan one step and make it the backend's current metadata (also returned)."""
         be = self.backend
+        full = be.validate == "full"
         qsl_cpu = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
         require_index("query_start_loc", step.query_start_loc, ndim=1)
-        require_index("seq_lens", step.seq_lens, ndim=1)
-        require_index("block_table", step.block_table, ndim=2)
-        seq_cpu = (
-            (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
-        )
+        seq_lens = require_index("seq_lens", step.seq_lens, ndim=1)
+        block_table = require_index("block_table", step.block_table, ndim=2)
         num_requests = qsl_cpu.numel() - 1
         check_indptr("query_start_loc", qsl_cpu)
         if not 0 <= step.num_decodes <= num_requests:
@@ -250,16 +354,33 @@ class MetadataBuilder:
             raise InvalidInputError(
                 "query_start_loc", f"{num_requests} requests exceed max_num_seqs {be.limits.max_num_seqs}"
             )
-        check_paged_requests(
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_cpu,
-            block_table_cpu=step.block_table.cpu(),
-            block_size=be.cache.block_size,
-            num_blocks=be.cache.num_blocks or (1 << 62),
-            max_model_len=be.limits.max_model_len,
-        )
-        owned_decode_tokens = int(qsl_cpu[step.num_decodes])
+        if seq_lens.numel() != num_requests:
+            raise InvalidInputError(
+                "seq_lens", f"has {seq_lens.numel()} entries but query_start_loc describes {num_requests} requests"
+            )
+        if block_table.shape[0] < num_requests:
+            raise InvalidInputError("block_table", f"has {block_table.shape[0]} rows for {num_requests} requests")
         num_prefills = num_requests - step.num_decodes
+        seq_cpu = step.seq_lens_cpu
+        if seq_cpu is None and (full or num_prefills):
+            seq_cpu = seq_lens.cpu()
+        if seq_cpu is not None:
+            seq_cpu = require_index("seq_lens_cpu", seq_cpu, ndim=1).to(torch.int64)
+            check_paged_requests(
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens_cpu=seq_cpu,
+                block_table_shape=tuple(block_table.shape),
+                block_size=be.cache.block_size,
+                max_model_len=be.limits.max_model_len,
+            )
+            if full:
+                check_block_ids(
+                    seq_lens_cpu=seq_cpu,
+                    block_table_cpu=block_table.cpu(),
+                    block_size=be.cache.block_size,
+                    num_blocks=be.cache.num_blocks or (1 << 62),
+                )
+        owned_decode_tokens = int(qsl_cpu[step.num_decodes])
         if step.num_decode_tokens < owned_decode_tokens or (
             num_prefills and step.num_decode_tokens != owned_decode_tokens
         ):
@@ -279,8 +400,9 @@ class MetadataBuilder:
         if step.num_decodes:
             decode_decision, decode_plan = self._build_decode(step, qsl_cpu, seq_cpu)
         if num_prefills:
+            assert seq_cpu is not None
             prefill_decision, prefill_plan = self._build_prefill(step, qsl_cpu, seq_cpu)
-        return MLAMetadata(
+        metadata = MLAMetadata(
             num_decodes=step.num_decodes,
             num_decode_tokens=step.num_decode_tokens,
             num_prefills=num_prefills,
@@ -290,22 +412,29 @@ class MetadataBuilder:
             decode_decision=decode_decision,
             prefill_decision=prefill_decision,
         )
+        be.current_metadata = metadata
+        return metadata
 
     def _build_decode(
-        self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor
+        self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor | None
     ) -> tuple[Decision, DecodePlan]:
         be = self.backend
         nd = step.num_decodes
         qsl = qsl_cpu[: nd + 1]
-        lens = seq_cpu[:nd]
         qlens = qsl[1:] - qsl[:-1]
-        real = lens > 0
         max_qlen = max(1, int(qlens.max()))
-        real_qlens = qlens[real]
-        padded_qlens = qlens[~real]
-        uniform = bool((real_qlens == max_qlen).all()) and bool(
-            ((padded_qlens == 0) | (padded_qlens == max_qlen)).all()
-        )
+        lens = None if seq_cpu is None else seq_cpu[:nd]
+        if bool((qlens == max_qlen).all()):
+            uniform = True
+        elif lens is None:
+            # Without host lengths the graph-padding requests cannot be told apart.
+            uniform = False
+        else:
+            real = lens > 0
+            padded_qlens = qlens[~real]
+            uniform = bool((qlens[real] == max_qlen).all()) and bool(
+                ((padded_qlens == 0) | (padded_qlens == max_qlen)).all()
+            )
         ctx = be.decode_context(max_qlen=max_qlen, uniform_qlen=uniform, batch_size=nd)
         decision = be.resolver.resolve(ctx, force=be.force_decode)
         strategy = be.decode_strategy(decision)
@@ -339,7 +468,7 @@ class MetadataBuilder:
         ctx = be.prefill_context(has_chunked_context=has_context)
         decision = be.resolver.resolve(ctx, force=be.force_prefill)
         strategy = be.prefill_strategy(decision)
-        cu_q = cu_q_cpu.to(be.device)
+        cu_q = _to_device(cu_q_cpu, be.device)
         chunks = self._context_chunks(context_lens, step.block_table[nd:]) if has_context else ()
         max_q = int(qlens.max()) if qlens.numel() else 0
         batch = PrefillBatch(
@@ -360,12 +489,22 @@ class MetadataBuilder:
     def _context_chunks(
         self, context_lens: torch.Tensor, block_table: torch.Tensor
     ) -> tuple[ContextChunk, ...]:
-        """Split each prefill request's cached context into chunks that fit the workspace."""
+        """Split the prefill requests' cached context into chunks of at most the workspace.
+
+        Sized by the batch: when the whole context fits the workspace it is one chunk of exactly
+        the context tokens; otherwise each request takes an equal block-aligned share of the
+        workspace per chunk (vLLM's chunked-context rule). Each chunk's ``token_indices`` hold
+        exactly its tokens, so ``expand_context`` sees only real context rows.
+        """
         be = self.backend
         bs = be.cache.block_size
         workspace = be.context_chunk_tokens
-        with_context = int((context_lens > 0).sum())
-        per_request = max(bs, (workspace // with_context) // bs * bs)
+        total_context = int(context_lens.sum())
+        if total_context <= workspace:
+            per_request = max(bs, -(-int(context_lens.max()) // bs) * bs)
+        else:
+            with_context = int((context_lens > 0).sum())
+            per_request = max(bs, (workspace // with_context) // bs * bs)
         num_chunks = -(-int(context_lens.max()) // per_request)
         chunks = []
         for c in range(num_chunks):
@@ -375,18 +514,14 @@ class MetadataBuilder:
             cu = torch.zeros(counts.numel() + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(counts, 0)
             total = int(cu[-1])
-            indices = torch.zeros(workspace, dtype=torch.int32, device=be.device)
-            if total:
-                pos = torch.arange(total)
-                req = torch.searchsorted(cu[1:], pos, right=True)
-                position = (starts[req] + pos - cu[req]).to(be.device)
-                req_d = req.to(be.device)
-                blocks = block_table[req_d, position // bs].to(torch.int64)
-                indices[:total] = (blocks * bs + position % bs).to(torch.int32)
+            pos = torch.arange(total)
+            req = torch.searchsorted(cu[1:], pos, right=True)
+            position = _to_device(starts[req] + pos - cu[req], be.device)
+            blocks = block_table[_to_device(req, be.device), position // bs].to(torch.int64)
             chunks.append(
                 ContextChunk(
-                    token_indices=indices,
-                    cu_seqlens_k=cu.to(torch.int32).to(be.device),
+                    token_indices=(blocks * bs + position % bs).to(torch.int32),
+                    cu_seqlens_k=_to_device(cu.to(torch.int32), be.device),
                     max_seqlen_k=int(counts.max()),
                     num_tokens=total,
                 )
@@ -394,8 +529,26 @@ class MetadataBuilder:
         return tuple(chunks)
 
 
+def _same_device(q: torch.Tensor, **others: object) -> None:
+    """Every tensor argument is on q's device (the op dispatches on the devices it is given)."""
+    require_same_device(
+        ("q", q), *((name, t) for name, t in others.items() if isinstance(t, torch.Tensor))
+    )
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a blocking copy (the source is a fresh temporary)."""
+    return host.to(device, non_blocking=True)
+
+
 class AttentionImpl:
-    """Runs decode and prefill from metadata only, writing into caller outputs."""
+    """Runs decode, prefill and the KV write through the custom ops of :mod:`mla.ops`.
+
+    Each method checks its inputs, then calls one op with the backend's handle; the op runs the
+    backend's current plan. Eager calls also check that ``metadata`` is the current step's
+    (:class:`PlanMismatchError` otherwise). Under ``torch.compile`` the metadata argument is not
+    read, so the compiled graph neither guards on it nor changes from step to step.
+    """
 
     def __init__(self, backend: MLABackend) -> None:
         self.backend = backend
@@ -415,11 +568,11 @@ class AttentionImpl:
         e.g. under decode context parallelism) lets the provider skip computing it.
         ``kv_scale`` (fp8 cache) is a float or a one-element device tensor; kernels read it on
         the device, so a captured graph replays with the tensor's current value."""
-        plan = metadata.decode
-        if plan is None:
-            raise InvalidInputError("metadata", "this step has no decode requests")
-        strategy = self.backend.decode_strategy(plan.strategy)
-        strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
+        be = self.backend
+        if not torch.compiler.is_compiling():
+            be.check_current(metadata, "decode")
+        _same_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
+        ops.decode(q, kv_cache, out, lse, be.kv_scale_tensor(kv_scale), be.op_id)
 
     def forward_prefill(
         self,
@@ -432,23 +585,50 @@ class AttentionImpl:
         lse: torch.Tensor | None = None,
         kv_cache: torch.Tensor | None = None,
         kv_scale: float | torch.Tensor | None = None,
-        expand_context: ContextExpander | None = None,
+        expand_context: ContextExpander | ops.ContextExpanderHandle | None = None,
     ) -> None:
-        """q/k ``[num_prefill_tokens, H, Dqk]``, v ``[.., H, Dv]``; writes out ``[.., H, Dv]``."""
-        plan = metadata.prefill
-        if plan is None:
-            raise InvalidInputError("metadata", "this step has no prefill requests")
-        strategy = self.backend.prefill_strategy(plan.strategy)
+        """q/k ``[num_prefill_tokens, H, Dqk]``, v ``[.., H, Dv]``; writes out ``[.., H, Dv]``.
+
+        ``expand_context``: the engine's latent -> (k, v) callback, or (required under
+        ``torch.compile``) its handle from :func:`mla.register_context_expander`.
+        """
+        be = self.backend
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            be.check_current(metadata, "prefill")
+        _same_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
         if lse is None:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        strategy.run(
-            plan,
-            q,
-            k,
-            v,
-            out=out,
-            lse=lse,
-            kv_cache=kv_cache,
-            kv_scale=kv_scale,
-            expand_context=expand_context,
-        )
+        scale = be.kv_scale_tensor(kv_scale)
+        if expand_context is None or isinstance(expand_context, ops.ContextExpanderHandle):
+            expander_id = 0 if expand_context is None else expand_context.id
+            ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, expander_id)
+            return
+        if compiling:
+            raise InvalidInputError(
+                "expand_context",
+                "under torch.compile pass a handle: register the callback once with "
+                "mla.register_context_expander(fn) (e.g. at layer init) and pass the handle",
+            )
+        handle = ops.register_context_expander(expand_context)
+        try:
+            ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, handle.id)
+        finally:
+            handle.release()
+
+    def write_kv(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        kv_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Write the step's new latent rows ``kv_c [N, L]`` and rope rows ``k_pe [N, R]`` into
+        ``kv_cache [blocks, block_size, L+R]`` at flat slots ``slot_mapping [N]`` (negative
+        slots are skipped; vLLM's ``concat_and_cache_mla`` argument order). fp8 caches store
+        ``value / kv_scale``."""
+        be = self.backend
+        check_write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+        ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, be.kv_scale_tensor(kv_scale), be.provider_id)

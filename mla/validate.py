@@ -6,9 +6,11 @@ any kernel runs and before anything is written to caller outputs.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from mla.config import FP8_DTYPES, dtype_name
+from mla.config import FP8_DTYPES, dtype_name, is_fp8
 from mla.errors import InvalidInputError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -63,23 +65,66 @@ def check_indptr(name: str, indptr_cpu: torch.Tensor, *, total: int | None = Non
         raise InvalidInputError(name, f"ends at {int(indptr_cpu[-1])} but there are only {total} rows")
 
 
+ValidateMode = Literal["fast", "full"]
+"""How much input checking the engine path does.
+
+``"fast"`` (default): shapes, dtypes and devices, plus the rules on the host copies the caller
+already has (``query_start_loc_cpu``, ``seq_lens_cpu``); never a device-to-host copy. Block ids
+are trusted; the kernels' own bounds decide what out-of-range ids do (the device-side index fill
+used without host lengths clamps them to the cache). ``"full"``: a debug mode that also copies
+``block_table`` (and ``seq_lens`` when no host copy was given) to the host and checks every
+used block id against the cache.
+"""
+
+VALIDATE_MODES: tuple[str, ...] = ("fast", "full")
+
+
+def require_validate_mode(value: object) -> ValidateMode:
+    if value == "fast":
+        return "fast"
+    if value == "full":
+        return "full"
+    raise InvalidInputError("validate", f"expected 'fast' or 'full', got {value!r}")
+
+
 def check_paged_requests(
     *,
     query_start_loc_cpu: torch.Tensor,
     seq_lens_cpu: torch.Tensor,
-    block_table_cpu: torch.Tensor,
+    block_table_shape: tuple[int, ...],
     block_size: int,
-    num_blocks: int,
     max_model_len: int | None = None,
 ) -> None:
-    """The paged-KV rules: seq_len covers the query, block_table covers seq_len, block ids are
-    inside the cache. ``seq_len == 0`` marks a graph-padding request (any qlen, no keys)."""
+    """The paged-KV rules the host can check: seq_len covers the query, the block table has a
+    row per request and enough columns for every seq_len. ``seq_len == 0`` marks a
+    graph-padding request (any qlen, no keys)."""
     qlens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
     lens = seq_lens_cpu.to(torch.int64)
     if lens.numel() != qlens.numel():
         raise InvalidInputError(
             "seq_lens", f"has {lens.numel()} entries but query_start_loc describes {qlens.numel()} requests"
         )
+    if lens.numel() == 0:
+        return
+    needed = (lens + block_size - 1) // block_size
+    width = block_table_shape[1]
+    # One fused test on the fast path; the detailed rules below only name the failure.
+    if (
+        bool(((lens < 0) | ((lens > 0) & (lens < qlens)) | (needed > width)).any())
+        or block_table_shape[0] < lens.numel()
+        or (max_model_len is not None and int(lens.max()) > max_model_len)
+    ):
+        _explain_paged_requests(qlens, lens, needed, block_table_shape, block_size, max_model_len)
+
+
+def _explain_paged_requests(
+    qlens: torch.Tensor,
+    lens: torch.Tensor,
+    needed: torch.Tensor,
+    block_table_shape: tuple[int, ...],
+    block_size: int,
+    max_model_len: int | None,
+) -> None:
     if bool((lens < 0).any()):
         raise InvalidInputError("seq_lens", "must be >= 0")
     short = (lens > 0) & (lens < qlens)
@@ -90,25 +135,31 @@ def check_paged_requests(
             f"request {b} has seq_len {int(lens[b])} < its query length {int(qlens[b])}; seq_len "
             "counts the KV including the new tokens (0 marks a graph-padding request)",
         )
-    if max_model_len is not None and lens.numel() and int(lens.max()) > max_model_len:
+    if max_model_len is not None and int(lens.max()) > max_model_len:
         raise InvalidInputError(
             "seq_lens", f"max seq_len {int(lens.max())} exceeds the engine's max_model_len {max_model_len}"
         )
-    if block_table_cpu.shape[0] < lens.numel():
-        raise InvalidInputError(
-            "block_table", f"has {block_table_cpu.shape[0]} rows for {lens.numel()} requests"
-        )
-    needed = (lens + block_size - 1) // block_size
+    if block_table_shape[0] < lens.numel():
+        raise InvalidInputError("block_table", f"has {block_table_shape[0]} rows for {lens.numel()} requests")
+    width = block_table_shape[1]
+    b = int(torch.argmax(needed))
+    raise InvalidInputError(
+        "block_table",
+        f"request {b} needs {int(needed[b])} blocks of {block_size} for seq_len {int(lens[b])} "
+        f"but block_table has {width} columns",
+    )
+
+
+def check_block_ids(
+    *, seq_lens_cpu: torch.Tensor, block_table_cpu: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """Every block id a request uses (the first ``ceil(seq_len / block_size)`` of its row) is
+    inside the cache. Needs the block table on the host: ``validate="full"`` only."""
+    lens = seq_lens_cpu.to(torch.int64)
     width = block_table_cpu.shape[1]
-    if needed.numel() and int(needed.max()) > width:
-        b = int(torch.argmax(needed))
-        raise InvalidInputError(
-            "block_table",
-            f"request {b} needs {int(needed[b])} blocks of {block_size} for seq_len {int(lens[b])} "
-            f"but block_table has {width} columns",
-        )
-    if needed.numel() == 0 or width == 0:
+    if lens.numel() == 0 or width == 0:
         return
+    needed = (lens + block_size - 1) // block_size
     cols = torch.arange(width)[None, :]
     used = cols < needed[:, None]
     table = block_table_cpu[: lens.numel()].to(torch.int64)
@@ -120,3 +171,53 @@ def check_paged_requests(
             f"block id {int(table[b, c])} (request {b}, column {c}) is outside the cache's "
             f"{num_blocks} blocks",
         )
+
+
+def check_kv_scale(kv_scale: torch.Tensor, device: torch.device) -> None:
+    """A device ``kv_scale``: one float element on ``device`` (its value is read by kernels)."""
+    if kv_scale.numel() != 1 or kv_scale.dim() > 1:
+        raise InvalidInputError(
+            "kv_scale", f"expected a float, a 0-d or a one-element tensor, got shape {tuple(kv_scale.shape)}"
+        )
+    if not kv_scale.dtype.is_floating_point:
+        raise InvalidInputError("kv_scale", f"expected a float tensor, got {dtype_name(kv_scale.dtype)}")
+    if kv_scale.device.type != device.type:
+        raise InvalidInputError(
+            "kv_scale", f"is on {kv_scale.device} but the data is on {device}; keep it on {device}"
+        )
+
+
+def check_write_kv(
+    kv_c: object,
+    k_pe: object,
+    kv_cache: object,
+    slot_mapping: object,
+    kv_scale: float | torch.Tensor | None,
+) -> None:
+    """Shapes, dtypes and devices of a KV write (``concat_and_cache_mla`` order)."""
+    latent = require_tensor("kv_c", kv_c, ndim=2)
+    rope = require_tensor("k_pe", k_pe, ndim=2)
+    cache = require_tensor("kv_cache", kv_cache, ndim=3)
+    slots = require_index("slot_mapping", slot_mapping, ndim=1)
+    require_float("kv_c", latent)
+    require_float("k_pe", rope)
+    require_float("kv_cache", cache, allow_fp8=True)
+    require_same_device(("kv_cache", cache), ("kv_c", latent), ("k_pe", rope), ("slot_mapping", slots))
+    num_new = latent.shape[0]
+    if rope.shape[0] != num_new:
+        raise InvalidInputError("k_pe", f"has {rope.shape[0]} rows but kv_c has {num_new}")
+    if slots.shape[0] != num_new:
+        raise InvalidInputError("slot_mapping", f"has {slots.shape[0]} entries for {num_new} new rows")
+    width = latent.shape[1] + rope.shape[1]
+    if cache.shape[-1] != width:
+        raise InvalidInputError(
+            "kv_cache", f"last dim {cache.shape[-1]} must be kv_c + k_pe widths = {width}"
+        )
+    if is_fp8(cache.dtype) and kv_scale is None:
+        raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({dtype_name(cache.dtype)}) needs kv_scale")
+    if not is_fp8(cache.dtype) and kv_scale is not None:
+        raise InvalidInputError(
+            "kv_scale", f"given for a {dtype_name(cache.dtype)} cache; only fp8 caches take a scale"
+        )
+    if isinstance(kv_scale, torch.Tensor):
+        check_kv_scale(kv_scale, cache.device)

@@ -118,10 +118,16 @@ def test_decode_non_monotonic_query_start_loc() -> None:
     )
 
 
+# Rules on seq_lens / block_table values need host copies: mla_decode checks them only with
+# validate="full" (the fast default never copies them from the device).
+
+
 def test_decode_seq_len_shorter_than_query() -> None:
-    error = expect_invalid("seq_lens", decode(seq_lens=torch.tensor([1, 37], dtype=torch.int32)))
+    short = torch.tensor([1, 37], dtype=torch.int32)
+    error = expect_invalid("seq_lens", decode(seq_lens=short, validate="full"))
     assert "request 0 has seq_len 1 < its query length 2" in str(error)
-    expect_invalid("seq_lens", decode(seq_lens=torch.tensor([-1, 37], dtype=torch.int32)), ">= 0")
+    negative = torch.tensor([-1, 37], dtype=torch.int32)
+    expect_invalid("seq_lens", decode(seq_lens=negative, validate="full"), ">= 0")
 
 
 def test_decode_block_ids_outside_the_cache() -> None:
@@ -130,13 +136,13 @@ def test_decode_block_ids_outside_the_cache() -> None:
     for bad in (num_blocks, -1):
         table = args["block_table"].clone()
         table[1, 0] = bad
-        error = expect_invalid("block_table", decode(block_table=table), "outside the cache")
+        error = expect_invalid("block_table", decode(block_table=table, validate="full"), "outside the cache")
         assert f"block id {bad} (request 1, column 0)" in str(error)
 
 
 def test_decode_block_table_too_short() -> None:
     table = decode_args()["block_table"]
-    error = expect_invalid("block_table", decode(block_table=table[:, :1]), "columns")
+    error = expect_invalid("block_table", decode(block_table=table[:, :1], validate="full"), "columns")
     assert "needs 3 blocks of 16 for seq_len 37" in str(error)
     expect_invalid("block_table", decode(block_table=table[:1]), "1 rows for 2 requests")
 
@@ -294,6 +300,8 @@ def step(**changes: Any) -> mla.StepInputs:
         "num_decode_tokens": 3,
     }
     values.update(changes)
+    # The engine passes its host copy of seq_lens: the host rules run on it.
+    values.setdefault("seq_lens_cpu", values["seq_lens"])
     return mla.StepInputs(**values)
 
 
@@ -332,7 +340,7 @@ def test_builder_seq_len_over_max_model_len() -> None:
 
 
 def test_builder_block_ids_outside_the_cache() -> None:
-    builder = make_backend().builder
+    builder = make_backend(validate="full").builder
     table = torch.tensor([[3, 1, 0], [5, 8, 7]], dtype=torch.int32)
     expect_invalid(
         "block_table", lambda: builder.build(step(block_table=table)), "outside the cache's 8 blocks"

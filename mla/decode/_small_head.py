@@ -90,7 +90,7 @@ class SmallHeadDecode(DecodeStrategy):
                 row_indptr=kv_indptr,
                 page_table=self.index_buffers.kv_indices,
             )
-        request, window = verify_row_lengths(batch.query_start_loc_cpu, batch.seq_lens_cpu, num_tokens)
+        request, window = verify_row_lengths(batch.query_start_loc_cpu, batch.host_seq_lens(), num_tokens)
         indptr_cpu = torch.zeros(num_tokens + 1, dtype=torch.int32)
         indptr_cpu[1:] = torch.cumsum(window, 0)
         total = int(indptr_cpu[-1])

@@ -8,7 +8,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.config import is_fp8
+from mla.config import GraphMode, is_fp8
 from mla.context import DecodeContext
 from mla.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall
@@ -33,8 +33,10 @@ class DecodeBatch:
     context: DecodeContext
     query_start_loc_cpu: torch.Tensor
     """int ``[B+1]`` on the host."""
-    seq_lens_cpu: torch.Tensor
-    """int ``[B]`` on the host: KV length including the new tokens."""
+    seq_lens_cpu: torch.Tensor | None
+    """int ``[B]`` on the host: KV length including the new tokens. ``None`` when the engine
+    passed no host copy: the page indices are then planned on the device (no copy), and a
+    strategy that needs host lengths calls :meth:`host_seq_lens`."""
     query_start_loc: torch.Tensor
     """int32 ``[B+1]`` on the device."""
     seq_lens: torch.Tensor
@@ -46,7 +48,17 @@ class DecodeBatch:
 
     @property
     def num_requests(self) -> int:
-        return int(self.seq_lens_cpu.numel())
+        return int(self.seq_lens.numel())
+
+    def host_seq_lens(self) -> torch.Tensor:
+        """``seq_lens`` on the host: the engine's copy, else one device-to-host copy."""
+        return self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens.cpu()
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The batch's longest KV length when known on the host, else ``None``."""
+        lens = self.seq_lens_cpu
+        return int(lens.max()) if lens is not None and lens.numel() else None
 
     @property
     def num_owned_tokens(self) -> int:
@@ -68,7 +80,8 @@ class DecodeGeometry:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
     max_seqlen_k: int
-    """Static bound on any request's KV length (the engine's ``max_model_len``)."""
+    """Bound on any request's KV length: the engine's ``max_model_len`` under full CUDA graphs,
+    else the batch's longest sequence (when known on the host)."""
 
 
 @attrs.frozen(eq=False)
@@ -89,18 +102,28 @@ class DecodeIndexBuffers:
     kv_indptr: torch.Tensor
     """int32 ``[max_num_seqs + 1]``."""
     kv_indices: torch.Tensor
-    """int32 ``[max_num_seqs * max_model_len]``."""
+    """int32 ``[max_num_seqs * max_model_len + 1]``; the last entry is a scratch slot that the
+    device-side fill writes its masked-off lanes to."""
 
     @classmethod
     def allocate(cls, setup: StrategySetup) -> DecodeIndexBuffers:
         limits, dev = setup.limits, setup.device
         return cls(
             kv_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
-            kv_indices=torch.zeros(limits.max_num_seqs * limits.max_model_len, dtype=torch.int32, device=dev),
+            kv_indices=torch.zeros(
+                limits.max_num_seqs * limits.max_model_len + 1, dtype=torch.int32, device=dev
+            ),
         )
 
-    def fill(self, setup: StrategySetup, batch: DecodeBatch) -> tuple[torch.Tensor, int]:
-        """Write this step's kv_indptr and flat indices; return the indptr view and total."""
+    def fill(self, setup: StrategySetup, batch: DecodeBatch) -> tuple[torch.Tensor, int | None]:
+        """Write this step's kv_indptr and flat indices; return the indptr view and the total
+        token count (``None`` when it is known only on the device).
+
+        With host lengths: the indptr is summed on the host and the provider expands exactly
+        the batch's tokens. Without: :meth:`fill_on_device`.
+        """
+        if batch.seq_lens_cpu is None:
+            return self.fill_on_device(setup, batch), None
         lens = batch.seq_lens_cpu.to(torch.int64)
         indptr_cpu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
         indptr_cpu[1:] = torch.cumsum(lens, 0)
@@ -117,6 +140,34 @@ class DecodeIndexBuffers:
             )
         )
         return indptr, total
+
+    def fill_on_device(self, setup: StrategySetup, batch: DecodeBatch) -> torch.Tensor:
+        """Plan the page indices from the device ``seq_lens`` alone: no host copy, no sync.
+
+        Work is sized by the block table (``B x min(max_blocks * block_size, max_model_len)``
+        lanes), not by the data. Lengths are clamped to that capacity and block ids to the
+        cache (when ``KVCacheSpec.num_blocks`` is known), so bad input cannot make a kernel read
+        outside the cache; ``validate="full"`` rejects such input on the host instead.
+        """
+        bs, table = setup.cache.block_size, batch.block_table
+        num_requests = batch.num_requests
+        capacity = min(table.shape[1] * bs, setup.limits.max_model_len)
+        lens = torch.clamp(batch.seq_lens.to(torch.int64), 0, capacity)
+        indptr = self.kv_indptr[: num_requests + 1]
+        indptr[1:].copy_(torch.cumsum(lens, 0))
+        position = torch.arange(capacity, device=table.device)
+        tokens = table.index_select(1, position // bs).to(torch.int64)
+        if setup.cache.num_blocks is not None:
+            tokens.clamp_(0, setup.cache.num_blocks - 1)
+        tokens = tokens * bs + position % bs
+        scratch = self.kv_indices.numel() - 1
+        dest = torch.where(
+            position[None, :] < lens[:, None],
+            indptr[:-1, None].to(torch.int64) + position[None, :],
+            scratch,
+        )
+        self.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))
+        return indptr
 
 
 class DecodeStrategy(Strategy[DecodeContext]):
@@ -211,5 +262,15 @@ class DecodeStrategy(Strategy[DecodeContext]):
             num_kernel_rows=num_kernel_rows,
             q_dtype=self.setup.q_dtype,
             kv_dtype=self.setup.cache.dtype,
-            max_seqlen_k=self.setup.limits.max_model_len,
+            max_seqlen_k=self.max_seqlen_k(batch),
         )
+
+    def max_seqlen_k(self, batch: DecodeBatch) -> int:
+        """The KV-length bound the kernels are launched with: the engine's ``max_model_len``
+        under full CUDA graphs (a captured step stays valid as sequences grow), else the batch's
+        longest sequence when the host knows it, so work follows the batch, not the limits."""
+        limits = self.setup.limits
+        longest = batch.max_seq_len
+        if limits.graph_mode is GraphMode.FULL or longest is None:
+            return limits.max_model_len
+        return max(1, min(longest, limits.max_model_len))

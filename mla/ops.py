@@ -1,0 +1,282 @@
+"""The engine boundary: torch custom ops ``mla::decode``, ``mla::prefill`` and ``mla::write_kv``.
+
+An engine compiles its model with ``torch.compile(fullgraph=True)``; attention is one opaque op
+per call in the graph, as vLLM's ``unified_mla_attention_with_output`` is, so the engine can split
+piecewise CUDA graphs there or capture the whole compiled step.
+
+Plans never cross the op boundary. Each :class:`~mla.backend.MLABackend` registers itself here
+under an integer handle; ``MetadataBuilder.build`` records the step's metadata as the backend's
+*current* metadata, and the ops take ``backend_id`` and run the current plan (the pattern of
+vLLM's forward context). So the compiled graph holds only tensors and ints: it is the same graph
+for every step (no guards on metadata objects, no recompiles), and a CUDA graph of the compiled
+step replays with whatever plan was rebuilt in place since.
+
+``kv_scale`` crosses as a float32 one-element tensor (or ``None``), read by the kernels on the
+device, so a replayed graph uses the current scale.
+
+Op schemas::
+
+    mla::decode(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor? kv_scale,
+                int backend_id) -> ()
+    mla::prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, Tensor? kv_cache,
+                 Tensor? kv_scale, int backend_id, int expander_id) -> ()
+    mla::write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping,
+                  Tensor? kv_scale, int provider_id) -> ()
+
+The ops are registered with ``torch.library.Library.define``/``impl`` and
+``torch.library.register_fake`` rather than ``torch.library.custom_op``: the latter's Python
+dispatch wrapper costs about 20 µs per call more (measured on this project's CI host), which is
+the whole overhead budget of a decode step. vLLM registers its attention ops the same way for
+the same reason (``direct_register_custom_op``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+import attrs
+import torch
+
+from mla.errors import InvalidInputError
+from mla.prefill.base import ContextExpander
+from mla.providers.base import KernelProvider
+from mla.providers.calls import WriteKVCall
+
+class OpRunner(Protocol):
+    """What the ops call: an owner of the current plan (an ``MLABackend``)."""
+
+    def run_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+    ) -> None: ...
+
+    def run_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+        expand_context: ContextExpander | None,
+    ) -> None: ...
+
+
+T = TypeVar("T")
+
+
+class _Handles(Generic[T]):
+    """Integer handles for live objects (weakly held: a handle dies with its object)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._objects: weakref.WeakValueDictionary[int, T] = weakref.WeakValueDictionary()
+        self._ids: weakref.WeakKeyDictionary[T, int] = weakref.WeakKeyDictionary()
+        self._next = itertools.count(1)
+
+    def handle(self, obj: T) -> int:
+        found = self._ids.get(obj)
+        if found is None:
+            found = next(self._next)
+            self._ids[obj] = found
+            self._objects[found] = obj
+        return found
+
+    def get(self, handle: int) -> T:
+        obj = self._objects.get(handle)
+        if obj is None:
+            raise InvalidInputError(
+                f"{self.what}_id",
+                f"no live {self.what} has handle {handle}; it was garbage-collected or never "
+                "registered (keep the object alive while compiled code uses it)",
+            )
+        return obj
+
+
+_RUNNERS: _Handles[OpRunner] = _Handles("backend")
+_PROVIDERS: _Handles[KernelProvider] = _Handles("provider")
+
+
+def register_runner(runner: OpRunner) -> int:
+    """The handle the ops use for ``runner`` (an ``MLABackend``; one per backend, weakly held)."""
+    return _RUNNERS.handle(runner)
+
+
+def provider_handle(provider: KernelProvider) -> int:
+    """The handle ``mla::write_kv`` uses for ``provider`` (weakly held)."""
+    return _PROVIDERS.handle(provider)
+
+
+# -- context expanders ---------------------------------------------------------------------------
+
+_EXPANDERS: dict[int, Callable[[], ContextExpander | None]] = {}
+_EXPANDER_IDS = itertools.count(1)
+
+
+@attrs.frozen
+class ContextExpanderHandle:
+    """A registered ``expand_context`` callback, passable through ``mla::prefill`` as an int.
+
+    Register once (e.g. at layer init) with :func:`register_context_expander` and pass the
+    handle as ``expand_context`` where the layer is compiled: a Python callable cannot be an op
+    argument. Eager calls may pass the callable itself. Calling the handle calls the callback.
+    """
+
+    id: int
+
+    def __call__(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lookup_expander(self.id)(latent)
+
+    def release(self) -> None:
+        """Forget the callback (later calls through this handle raise)."""
+        _EXPANDERS.pop(self.id, None)
+
+
+def register_context_expander(fn: ContextExpander) -> ContextExpanderHandle:
+    """Register ``fn`` for ``mla::prefill``. A bound method is held weakly (it dies with its
+    object, e.g. the layer that owns it); any other callable is held until ``release()``."""
+    ref: Callable[[], ContextExpander | None]
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        ref = weakref.WeakMethod(fn)  # type: ignore[arg-type]
+    else:
+        ref = _StrongRef(fn)
+    handle = next(_EXPANDER_IDS)
+    _EXPANDERS[handle] = ref
+    return ContextExpanderHandle(handle)
+
+
+@attrs.frozen
+class _StrongRef:
+    fn: ContextExpander
+
+    def __call__(self) -> ContextExpander:
+        return self.fn
+
+
+def lookup_expander(handle: int) -> ContextExpander:
+    ref = _EXPANDERS.get(handle)
+    fn = None if ref is None else ref()
+    if fn is None:
+        raise InvalidInputError(
+            "expand_context",
+            f"context expander {handle} is not registered (released, or its object was "
+            "garbage-collected); register it with mla.register_context_expander",
+        )
+    return fn
+
+
+# -- the ops ------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("mla", "DEF")
+_LIB.define(
+    "decode(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor? kv_scale, "
+    "int backend_id) -> ()"
+)
+_LIB.define(
+    "prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, Tensor? kv_cache, "
+    "Tensor? kv_scale, int backend_id, int expander_id) -> ()"
+)
+_LIB.define(
+    "write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? kv_scale, "
+    "int provider_id) -> ()"
+)
+
+
+def _decode_impl(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
+    backend_id: int,
+) -> None:
+    _RUNNERS.get(backend_id).run_decode(q, kv_cache, out, lse, kv_scale)
+
+
+def _prefill_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
+    backend_id: int,
+    expander_id: int,
+) -> None:
+    expander = lookup_expander(expander_id) if expander_id else None
+    _RUNNERS.get(backend_id).run_prefill(q, k, v, out, lse, kv_cache, kv_scale, expander)
+
+
+def _write_kv_impl(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    provider_id: int,
+) -> None:
+    call = WriteKVCall(
+        kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping, kv_scale=kv_scale
+    )
+    _PROVIDERS.get(provider_id).write_kv(call)
+
+
+_LIB.impl("decode", _decode_impl, "CompositeExplicitAutograd")
+_LIB.impl("prefill", _prefill_impl, "CompositeExplicitAutograd")
+_LIB.impl("write_kv", _write_kv_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mla::decode")  # type: ignore[misc]
+def _decode_fake(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
+    backend_id: int,
+) -> None:
+    return None
+
+
+@torch.library.register_fake("mla::prefill")  # type: ignore[misc]
+def _prefill_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
+    backend_id: int,
+    expander_id: int,
+) -> None:
+    return None
+
+
+@torch.library.register_fake("mla::write_kv")  # type: ignore[misc]
+def _write_kv_fake(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    provider_id: int,
+) -> None:
+    return None
+
+
+decode = torch.ops.mla.decode.default
+"""``mla::decode``: run the backend's current decode plan, writing ``out`` (and ``lse``)."""
+prefill = torch.ops.mla.prefill.default
+"""``mla::prefill``: run the backend's current prefill plan, writing ``out`` and ``lse``."""
+write_kv = torch.ops.mla.write_kv.default
+"""``mla::write_kv``: write ``[kv_c | k_pe]`` rows into the paged cache with the provider."""
