@@ -205,8 +205,13 @@ class TorchProvider(KernelProvider):
     def _scheduled_decode(self, call: PagedDecodeCall, schedule: SplitKVSchedule) -> None:
         q, qo_indptr, kv_indptr, max_qlen = call.q, call.qo_indptr, call.kv_indptr, call.max_qlen
         num_tokens, heads, _ = q.shape
-        info = schedule.work_info.to(torch.int64)
-        items = info.shape[0]
+        # Live items come first, ordered by request, and a request of at most max_seqlen_k
+        # keys has at most ceil(max_seqlen_k / min_chunk) of them: only that prefix is
+        # computed, so the work follows the batch rather than the schedule's capacity.
+        batch = kv_indptr.numel() - 1
+        per_request = max(1, -(-call.max_seqlen_k // schedule.min_chunk))
+        items = min(schedule.max_work, batch + schedule.num_units, batch * per_request)
+        info = schedule.work_info[:items].to(torch.int64)
         req = torch.clamp(info[:, 0], min=0)
         live = info[:, 0] >= 0
         qlen = qo_indptr[req + 1] - qo_indptr[req]
@@ -232,15 +237,14 @@ class TorchProvider(KernelProvider):
             kv_scale=call.kv_scale,
         )
         # Partials go through the schedule's own buffers, as a kernel's would.
-        schedule.partial_o[:, :max_qlen].copy_(o_part.view(items, max_qlen, heads, -1))
-        schedule.partial_lse[:, :max_qlen].copy_(lse_part.view(items, max_qlen, heads))
+        partial_o, partial_lse = schedule.partial_o[:items, :max_qlen], schedule.partial_lse[:items, :max_qlen]
+        partial_o.copy_(o_part.view(items, max_qlen, heads, -1))
+        partial_lse.copy_(lse_part.view(items, max_qlen, heads))
         target = torch.where(row_live, token, torch.full_like(token, num_tokens))
         o, row_lse = _merge_into(
-            schedule.partial_o[:, :max_qlen].reshape(items * max_qlen, heads, -1),
+            partial_o.reshape(items * max_qlen, heads, -1),
             torch.where(
-                row_live[..., None],
-                schedule.partial_lse[:, :max_qlen],
-                torch.full_like(schedule.partial_lse[:, :max_qlen], float("-inf")),
+                row_live[..., None], partial_lse, torch.full_like(partial_lse, float("-inf"))
             ).reshape(items * max_qlen, heads),
             target.reshape(-1),
             num_tokens,
