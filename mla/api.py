@@ -301,7 +301,10 @@ def mla_decode(
             block_size=block_size,
         )
         check_block_ids(
-            seq_lens_cpu=seq_cpu, block_table_cpu=block_table.cpu(), block_size=block_size, num_blocks=num_blocks
+            seq_lens_cpu=seq_cpu,
+            block_table_cpu=block_table.cpu(),
+            block_size=block_size,
+            num_blocks=num_blocks,
         )
     step = StepInputs(
         query_start_loc_cpu=qsl_cpu,

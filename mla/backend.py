@@ -20,11 +20,11 @@ import itertools
 import attrs
 import torch
 
+from mla import ops
 from mla.capabilities import ProviderCapabilities
 from mla.config import EngineLimits, KVCacheSpec, MLADims
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
-from mla import ops
 from mla.errors import InvalidInputError, PlanMismatchError, UnsupportedError
 from mla.platform import Platform, detect_platform, simulated_platform
 from mla.prefill.base import ContextChunk, ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
@@ -356,10 +356,13 @@ class MetadataBuilder:
             )
         if seq_lens.numel() != num_requests:
             raise InvalidInputError(
-                "seq_lens", f"has {seq_lens.numel()} entries but query_start_loc describes {num_requests} requests"
+                "seq_lens",
+                f"has {seq_lens.numel()} entries but query_start_loc describes {num_requests} requests",
             )
         if block_table.shape[0] < num_requests:
-            raise InvalidInputError("block_table", f"has {block_table.shape[0]} rows for {num_requests} requests")
+            raise InvalidInputError(
+                "block_table", f"has {block_table.shape[0]} rows for {num_requests} requests"
+            )
         num_prefills = num_requests - step.num_decodes
         seq_cpu = step.seq_lens_cpu
         if seq_cpu is None and (full or num_prefills):

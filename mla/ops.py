@@ -45,6 +45,7 @@ from mla.prefill.base import ContextExpander
 from mla.providers.base import KernelProvider
 from mla.providers.calls import WriteKVCall
 
+
 class OpRunner(Protocol):
     """What the ops call: an owner of the current plan (an ``MLABackend``)."""
 
@@ -143,11 +144,8 @@ class ContextExpanderHandle:
 def register_context_expander(fn: ContextExpander) -> ContextExpanderHandle:
     """Register ``fn`` for ``mla::prefill``. A bound method is held weakly (it dies with its
     object, e.g. the layer that owns it); any other callable is held until ``release()``."""
-    ref: Callable[[], ContextExpander | None]
-    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
-        ref = weakref.WeakMethod(fn)  # type: ignore[arg-type]
-    else:
-        ref = _StrongRef(fn)
+    bound = hasattr(fn, "__self__") and hasattr(fn, "__func__")
+    ref: Callable[[], ContextExpander | None] = weakref.WeakMethod(fn) if bound else _StrongRef(fn)
     handle = next(_EXPANDER_IDS)
     _EXPANDERS[handle] = ref
     return ContextExpanderHandle(handle)
@@ -175,16 +173,16 @@ def lookup_expander(handle: int) -> ContextExpander:
 
 # -- the ops ------------------------------------------------------------------------------------
 
-_LIB = torch.library.Library("mla", "DEF")
-_LIB.define(
+_LIB = torch.library.Library("mla", "DEF")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
     "decode(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, Tensor? kv_scale, "
     "int backend_id) -> ()"
 )
-_LIB.define(
+_LIB.define(  # type: ignore[no-untyped-call]
     "prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, Tensor? kv_cache, "
     "Tensor? kv_scale, int backend_id, int expander_id) -> ()"
 )
-_LIB.define(
+_LIB.define(  # type: ignore[no-untyped-call]
     "write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? kv_scale, "
     "int provider_id) -> ()"
 )
@@ -230,12 +228,12 @@ def _write_kv_impl(
     _PROVIDERS.get(provider_id).write_kv(call)
 
 
-_LIB.impl("decode", _decode_impl, "CompositeExplicitAutograd")
-_LIB.impl("prefill", _prefill_impl, "CompositeExplicitAutograd")
-_LIB.impl("write_kv", _write_kv_impl, "CompositeExplicitAutograd")
+_LIB.impl("decode", _decode_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("prefill", _prefill_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("write_kv", _write_kv_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("mla::decode")  # type: ignore[misc]
+@torch.library.register_fake("mla::decode")  # type: ignore[untyped-decorator]
 def _decode_fake(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -247,7 +245,7 @@ def _decode_fake(
     return None
 
 
-@torch.library.register_fake("mla::prefill")  # type: ignore[misc]
+@torch.library.register_fake("mla::prefill")  # type: ignore[untyped-decorator]
 def _prefill_fake(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -262,7 +260,7 @@ def _prefill_fake(
     return None
 
 
-@torch.library.register_fake("mla::write_kv")  # type: ignore[misc]
+@torch.library.register_fake("mla::write_kv")  # type: ignore[untyped-decorator]
 def _write_kv_fake(
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,

@@ -194,7 +194,13 @@ def test_decode_op_reads_the_current_plan_and_rejects_stale_metadata() -> None:
     mla.ops.decode(q, cache, out, lse, None, backend.op_id)
     step = _step([1, 1], [5, 9], 2)
     ref = reference_decode(
-        q, cache, step.block_table, step.seq_lens, step.query_start_loc, softmax_scale=SCALE, kv_lora_rank=RANK
+        q,
+        cache,
+        step.block_table,
+        step.seq_lens,
+        step.query_start_loc,
+        softmax_scale=SCALE,
+        kv_lora_rank=RANK,
     )
     assert_matches_reference(out, lse, *ref, context="op after rebuild")
 
@@ -377,7 +383,11 @@ def test_write_kv_fp8_with_a_device_scale() -> None:
         ("slot_mapping", {"slot_mapping": torch.tensor([1, 2, 3])}, "3 entries"),
         ("kv_cache", {"kv_cache": torch.zeros(NUM_BLOCKS, BLOCK, RANK)}, "last dim"),
         ("slot_mapping", {"slot_mapping": torch.tensor([1, 2], device="meta")}, "is on meta"),
-        ("kv_scale", {"kv_cache": torch.zeros(NUM_BLOCKS, BLOCK, RANK + ROPE, dtype=torch.float8_e4m3fn)}, "needs"),
+        (
+            "kv_scale",
+            {"kv_cache": torch.zeros(NUM_BLOCKS, BLOCK, RANK + ROPE, dtype=torch.float8_e4m3fn)},
+            "needs",
+        ),
         ("kv_scale", {"kv_scale": 0.5}, "only fp8"),
     ],
 )
@@ -403,7 +413,12 @@ def test_mla_decode_reuses_its_plan_and_writes_given_outputs() -> None:
     q = torch.randn(2, HEADS, RANK + ROPE, generator=gen)
     cache = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE, generator=gen)
     table = torch.tensor([[3, 1, 0], [5, 2, 7]], dtype=torch.int32)
-    args: dict[str, Any] = {"softmax_scale": SCALE, "kv_lora_rank": RANK, "provider": "torch", "platform": "cpu"}
+    args: dict[str, Any] = {
+        "softmax_scale": SCALE,
+        "kv_lora_rank": RANK,
+        "provider": "torch",
+        "platform": "cpu",
+    }
     for lens in ([20, 37], [48, 1]):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         out = torch.full((2, HEADS, RANK), math.nan)
@@ -450,12 +465,17 @@ def test_mla_decode_device_kv_scale() -> None:
 def test_mla_prefill_reuses_its_plan_and_accepts_outputs() -> None:
     mla.api.PREFILL_PLANS.clear()
     gen = torch.Generator().manual_seed(7)
-    q, k = torch.randn(6, HEADS, NOPE + ROPE, generator=gen), torch.randn(6, HEADS, NOPE + ROPE, generator=gen)
+    q, k = (
+        torch.randn(6, HEADS, NOPE + ROPE, generator=gen),
+        torch.randn(6, HEADS, NOPE + ROPE, generator=gen),
+    )
     v = torch.randn(6, HEADS, VDIM, generator=gen)
     for cu in ([0, 2, 6], [0, 5, 6]):
         cu_t = torch.tensor(cu, dtype=torch.int32)
         out = torch.full((6, HEADS, VDIM), math.nan)
-        got = mla.mla_prefill(q, k, v, cu_t, cu_t, 5, 5, softmax_scale=SCALE, provider="torch", out=out, return_lse=False)
+        got = mla.mla_prefill(
+            q, k, v, cu_t, cu_t, 5, 5, softmax_scale=SCALE, provider="torch", out=out, return_lse=False
+        )
         assert got is out
         assert not torch.isnan(out).any()
     assert len(mla.api.PREFILL_PLANS) == 1

@@ -237,7 +237,8 @@ class TorchProvider(KernelProvider):
             kv_scale=call.kv_scale,
         )
         # Partials go through the schedule's own buffers, as a kernel's would.
-        partial_o, partial_lse = schedule.partial_o[:items, :max_qlen], schedule.partial_lse[:items, :max_qlen]
+        partial_o = schedule.partial_o[:items, :max_qlen]
+        partial_lse = schedule.partial_lse[:items, :max_qlen]
         partial_o.copy_(o_part.view(items, max_qlen, heads, -1))
         partial_lse.copy_(lse_part.view(items, max_qlen, heads))
         target = torch.where(row_live, token, torch.full_like(token, num_tokens))
