@@ -71,25 +71,39 @@ def _slots(step: mla.StepInputs) -> torch.Tensor:
 
 
 class DecodeLayer(nn.Module):
-    """q/kv projection -> write_kv -> absorbed decode -> output projection."""
+    """q/kv projection -> write_kv -> absorbed decode -> output projection.
 
-    def __init__(self, backend: mla.MLABackend) -> None:
+    ``attention`` (when given) is a static ``[T, H, L]`` buffer that receives the decode output,
+    so a test can compare it with the reference math.
+    """
+
+    def __init__(
+        self, backend: mla.MLABackend, hidden: int = HIDDEN, attention: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.backend = backend
-        self.q_proj = nn.Linear(HIDDEN, HEADS * (RANK + ROPE))
-        self.kv_proj = nn.Linear(HIDDEN, RANK + ROPE)
-        self.o_proj = nn.Linear(HEADS * RANK, HIDDEN)
+        dims = backend.dims
+        self.heads, self.rank, self.rope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim
+        self.q_proj = nn.Linear(hidden, self.heads * (self.rank + self.rope))
+        self.kv_proj = nn.Linear(hidden, self.rank + self.rope)
+        self.o_proj = nn.Linear(self.heads * self.rank, hidden)
+        self.attention = attention
+
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q_proj(x).view(x.shape[0], self.heads, self.rank + self.rope)
 
     def forward(
         self, metadata: mla.MLAMetadata, x: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, HEADS, RANK + ROPE)
+        q = self.project_q(x)
         kv = self.kv_proj(x)
-        self.backend.impl.write_kv(kv[:, :RANK], kv[:, RANK:], kv_cache, slots)
-        out = torch.empty(tokens, HEADS, RANK, dtype=x.dtype, device=x.device)
+        self.backend.impl.write_kv(kv[:, : self.rank], kv[:, self.rank :], kv_cache, slots)
+        out = self.attention
+        if out is None:
+            out = torch.empty(tokens, self.heads, self.rank, dtype=x.dtype, device=x.device)
         self.backend.impl.forward_decode(metadata, q, kv_cache, out=out)
-        return self.o_proj(out.view(tokens, HEADS * RANK))
+        return self.o_proj(out.view(tokens, self.heads * self.rank))
 
 
 class PrefillLayer(nn.Module):
@@ -479,3 +493,219 @@ def test_mla_prefill_reuses_its_plan_and_accepts_outputs() -> None:
         assert got is out
         assert not torch.isnan(out).any()
     assert len(mla.api.PREFILL_PLANS) == 1
+
+
+# -- GPU: compiled steps in CUDA graphs, no syncs in builds ---------------------------------------
+
+
+def _gpu_providers() -> list[str]:
+    names = ["torch"]
+    for name in ("triton", "gluon"):
+        if name not in mla.provider_names():
+            continue
+        try:
+            if mla.get_provider(name).availability():
+                names.append(name)
+        except mla.ProviderUnavailableError:
+            continue
+    return names
+
+
+G_HEADS, G_BLOCK, G_SEQS, G_MAX_LEN, G_HIDDEN = 16, 64, 4, 1024, 256
+
+
+def _gpu_backend(provider: str, kv_dtype: torch.dtype = torch.bfloat16) -> mla.MLABackend:
+    return mla.MLABackend(
+        mla.MLADims(G_HEADS, 512, 64, softmax_scale=0.07),
+        mla.KVCacheSpec(G_BLOCK, kv_dtype, num_blocks=G_SEQS * G_MAX_LEN // G_BLOCK),
+        mla.EngineLimits(G_SEQS, G_MAX_LEN, G_SEQS, graph_mode=mla.GraphMode.FULL),
+        model_dtype=torch.bfloat16,
+        provider=provider,
+        device="cuda",
+    )
+
+
+def _gpu_step(
+    backend: mla.MLABackend, seq_lens: torch.Tensor, table: torch.Tensor, lens: list[int]
+) -> mla.StepInputs:
+    """Write a new batch into the static ``seq_lens``/``table`` buffers; the last request is a
+    graph-padding one."""
+    seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    perm = torch.randperm(table.numel())
+    table.copy_(perm.view_as(table).to(torch.int32))
+    qsl = torch.arange(G_SEQS + 1, dtype=torch.int32)
+    return mla.StepInputs(
+        query_start_loc_cpu=qsl,
+        query_start_loc=qsl.cuda(),
+        seq_lens=seq_lens,
+        seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+        block_table=table,
+        num_decodes=G_SEQS,
+        num_decode_tokens=G_SEQS,
+    )
+
+
+def _step_slots(step: mla.StepInputs) -> torch.Tensor:
+    """Slot of each request's newest token (-1 for a graph-padding request)."""
+    lens = step.seq_lens_cpu
+    assert lens is not None
+    table = step.block_table.cpu()
+    slots = [
+        int(table[b, (s - 1) // G_BLOCK]) * G_BLOCK + (s - 1) % G_BLOCK if s > 0 else -1
+        for b, s in enumerate(lens.tolist())
+    ]
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+def test_compiled_decode_step_replays_in_a_cuda_graph_after_rebuild(provider: str) -> None:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = _gpu_backend(provider)
+    num_blocks = backend.cache.num_blocks or 0
+    cache = torch.randn(num_blocks, G_BLOCK, 576, device="cuda").to(torch.bfloat16)
+    x = torch.randn(G_SEQS, G_HIDDEN, device="cuda", dtype=torch.bfloat16)
+    slots = torch.empty(G_SEQS, dtype=torch.int64, device="cuda")
+    seq_lens = torch.empty(G_SEQS, dtype=torch.int32, device="cuda")
+    table = torch.empty(G_SEQS, num_blocks // G_SEQS, dtype=torch.int32, device="cuda")
+    attention = torch.empty(G_SEQS, G_HEADS, 512, dtype=torch.bfloat16, device="cuda")
+    layer = DecodeLayer(backend, G_HIDDEN, attention).to(device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+
+    def check(step: mla.StepInputs, cache_after: torch.Tensor, label: str) -> None:
+        """The replayed graph's attention output (in the static buffer) against the reference
+        math on the cache it wrote; then the eager op with LSE at the reference tolerance."""
+        graph_attention = attention.clone()
+        q = layer.project_q(x)
+        ref = reference_decode(
+            q, cache_after, step.block_table, step.seq_lens, step.query_start_loc, softmax_scale=0.07
+        )
+        torch.testing.assert_close(graph_attention.double(), ref[0], rtol=3e-2, atol=3e-2, msg=label)
+        lse = torch.full((G_SEQS, G_HEADS), math.nan, device="cuda")
+        backend.impl.forward_decode(backend.current_metadata, q, cache_after, out=attention, lse=lse)
+        assert_matches_reference(attention, lse, *ref, context=label)
+
+    step = _gpu_step(backend, seq_lens, table, [700, 33, 1024, 0])
+    slots.copy_(_step_slots(step))
+    metadata = backend.builder.build(step)
+    with torch.no_grad():
+        eager_cache = cache.clone()
+        expected = layer(metadata, x, eager_cache, slots)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                work = cache.clone()
+                got = compiled(metadata, x, work, slots)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = compiled(metadata, x, cache, slots)
+        for round_, lens in enumerate(([12, 1000, 64, 0], [1024, 1, 500, 0])):
+            step = _gpu_step(backend, seq_lens, table, lens)
+            slots.copy_(_step_slots(step))
+            x.copy_(torch.randn_like(x))
+            rebuilt = backend.builder.build(step)
+            assert rebuilt.decode is not None
+            before = cache.clone()
+            attention.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            check(step, cache, f"{provider} replay {round_}")
+            eager_cache = before.clone()
+            expected = layer(rebuilt, x, eager_cache, slots)
+            torch.testing.assert_close(static_out, expected, rtol=2e-2, atol=2e-2, msg=f"replay {round_}")
+            torch.testing.assert_close(cache, eager_cache, msg=f"cache after replay {round_}")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert torch._dynamo.explain(layer)(metadata, x, cache.clone(), slots).graph_break_count == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+def test_decode_graph_replays_with_the_current_device_kv_scale(provider: str) -> None:
+    fp8 = torch.float8_e4m3fn
+    backend = _gpu_backend(provider, fp8)
+    num_blocks = backend.cache.num_blocks or 0
+    values = torch.randn(num_blocks, G_BLOCK, 576, device="cuda")
+    cache = values.clamp(-400, 400).to(fp8)
+    seq_lens = torch.empty(G_SEQS, dtype=torch.int32, device="cuda")
+    table = torch.empty(G_SEQS, num_blocks // G_SEQS, dtype=torch.int32, device="cuda")
+    step = _gpu_step(backend, seq_lens, table, [700, 33, 1024, 0])
+    metadata = backend.builder.build(step)
+    q = torch.randn(G_SEQS, G_HEADS, 576, device="cuda").to(torch.bfloat16)
+    out = torch.empty(G_SEQS, G_HEADS, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(G_SEQS, G_HEADS, device="cuda")
+    kv_scale = torch.full((1,), 0.02, device="cuda")
+
+    def forward() -> None:
+        backend.impl.forward_decode(metadata, q, cache, out=out, lse=lse, kv_scale=kv_scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    for scale in (0.02, 0.005, 0.05):
+        kv_scale.fill_(scale)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_decode(
+            q,
+            cache,
+            step.block_table,
+            step.seq_lens,
+            step.query_start_loc,
+            softmax_scale=0.07,
+            kv_scale=scale,
+        )
+        assert_matches_reference(out, lse, *ref, context=f"{provider} kv_scale {scale}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("block", [1, 64])
+def test_builds_and_mla_decode_do_not_sync(provider: str, block: int) -> None:
+    """``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronizing call (a
+    device-to-host copy, ``.item()``, a blocking host-to-device copy)."""
+    batch, max_len = 128, 1024
+    backend = mla.MLABackend(
+        mla.MLADims(16, 512, 64, softmax_scale=0.07),
+        mla.KVCacheSpec(block, torch.bfloat16, num_blocks=batch * max_len // block),
+        mla.EngineLimits(batch, max_len, batch),
+        model_dtype=torch.bfloat16,
+        provider=provider,
+        device="cuda",
+    )
+    lens_cpu = torch.randint(1, max_len + 1, (batch,), dtype=torch.int32)
+    qsl_cpu = torch.arange(batch + 1, dtype=torch.int32)
+    table = torch.randperm(batch * max_len // block, dtype=torch.int32).view(batch, -1).cuda()
+    step = mla.StepInputs(
+        query_start_loc_cpu=qsl_cpu,
+        query_start_loc=qsl_cpu.cuda(),
+        seq_lens=lens_cpu.cuda(),
+        seq_lens_cpu=lens_cpu,
+        block_table=table,
+        num_decodes=batch,
+        num_decode_tokens=batch,
+    )
+    q = torch.randn(batch, 16, 576, device="cuda").to(torch.bfloat16)
+    cache = torch.randn(batch * max_len // block, block, 576, device="cuda").to(torch.bfloat16)
+    args: dict[str, Any] = {"softmax_scale": 0.07, "provider": provider}
+    mla.mla_decode(q, cache, table, step.seq_lens, **args)  # the first call plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            backend.builder.build(step)
+            out = mla.mla_decode(q, cache, table, step.seq_lens, return_lse=False, **args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref_out, _ = reference_decode(q, cache, table, step.seq_lens, softmax_scale=0.07)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)

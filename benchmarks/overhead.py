@@ -1,0 +1,160 @@
+"""Host overhead of the front door and of the engine path.
+
+    python benchmarks/overhead.py                     # H200: B 1/64/128 x block 1/64, H16, S4096
+    python benchmarks/overhead.py --device cpu        # smoke run on a CPU (tiny shapes, torch)
+
+Per shape it prints:
+
+* ``kernel``: one decode step's kernels alone, timed as CUDA-graph replays of the plan's run
+  (CPU: the plan's run, wall clock).
+* ``call``: ``mla.mla_decode`` per call after the first one (which plans), as a loop of calls
+  ending in one synchronize, so host work overlaps the kernels as in a real loop.
+* ``overhead = call - kernel`` (the issue's bound: 30 us on the H200).
+* ``sync call``: the same with a synchronize after every call (host work no longer hidden).
+* ``build``: ``backend.builder.build(step)`` host time with the engine's host copies passed
+  (the issue's bound at B=128: 60 us), and ``d2h``: device-to-host copies it made (counted with
+  ``torch.cuda.set_sync_debug_mode("warn")``'s warnings; 0 expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import bench_graph_us, gpu_name, print_table
+
+import mla
+
+
+def _wall_us(fn: Callable[[], Any], *, calls: int, rounds: int, sync: Callable[[], None]) -> float:
+    """Median over rounds of the per-call wall time of ``calls`` back-to-back calls."""
+    fn()
+    sync()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def _count_syncs(fn: Callable[[], Any]) -> int | str:
+    """Synchronizing calls (device-to-host copies, .item(), blocking copies) made by ``fn``."""
+    if not torch.cuda.is_available():
+        return "n/a"
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_shape(
+    *, batch: int, block: int, heads: int, seq_len: int, rank: int, rope: int, device: str, provider: str
+) -> dict[str, Any]:
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gpu = dev.type == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    blocks_per_seq = -(-seq_len // block)
+    num_blocks = batch * blocks_per_seq
+    gen = torch.Generator().manual_seed(batch * 100 + block)
+    q = torch.randn(batch, heads, rank + rope, generator=gen).to(dtype).to(dev)
+    cache = torch.randn(num_blocks, block, rank + rope, generator=gen).to(dtype).to(dev)
+    table = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32).to(dev)
+    lens_cpu = torch.full((batch,), seq_len, dtype=torch.int32)
+    seq_lens = lens_cpu.to(dev)
+    scale = (rank + rope) ** -0.5
+    args: dict[str, Any] = {"softmax_scale": scale, "kv_lora_rank": rank, "provider": provider}
+    out = torch.empty(batch, heads, rank, dtype=dtype, device=dev)
+
+    def call() -> None:
+        mla.mla_decode(q, cache, table, seq_lens, out=out, return_lse=False, **args)
+
+    calls, rounds = (200, 7) if gpu else (5, 3)
+    call_us = _wall_us(call, calls=calls, rounds=rounds, sync=sync)
+    sync_call_us = _wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
+    # The kernels alone: the cached plan's run (what every call launches after planning).
+    plans = [e for e in mla.api.DECODE_PLANS._entries.values() if e.backend.device == dev]
+    backend = plans[-1].backend
+
+    def kernels() -> None:
+        backend.run_decode(q, cache, out, None, None)
+
+    kernel_us = bench_graph_us(kernels) if gpu else _wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
+
+    engine = mla.MLABackend(
+        mla.MLADims(heads, rank, rope, softmax_scale=scale),
+        mla.KVCacheSpec(block, dtype, num_blocks=num_blocks),
+        mla.EngineLimits(batch, blocks_per_seq * block, batch),
+        model_dtype=dtype,
+        provider=provider,
+        device=dev,
+    )
+    qsl_cpu = torch.arange(batch + 1, dtype=torch.int32)
+    step = mla.StepInputs(
+        query_start_loc_cpu=qsl_cpu,
+        query_start_loc=qsl_cpu.to(dev),
+        seq_lens=seq_lens,
+        seq_lens_cpu=lens_cpu,
+        block_table=table,
+        num_decodes=batch,
+        num_decode_tokens=batch,
+    )
+    build_us = _wall_us(lambda: engine.builder.build(step), calls=calls, rounds=rounds, sync=sync)
+    return {
+        "B": batch,
+        "block": block,
+        "H": heads,
+        "S": seq_len,
+        "kernel us": round(kernel_us, 1),
+        "call us": round(call_us, 1),
+        "overhead us": round(call_us - kernel_us, 1),
+        "sync call us": round(sync_call_us, 1),
+        "build us": round(build_us, 1),
+        "build d2h": _count_syncs(lambda: engine.builder.build(step)),
+        "call d2h": _count_syncs(call),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--provider", default="auto")
+    parser.add_argument("--seq-len", type=int, default=None)
+    args = parser.parse_args()
+    gpu = args.device.startswith("cuda")
+    if gpu:
+        shapes = [(b, blk) for b in (1, 64, 128) for blk in (1, 64)]
+        dims = {"heads": 16, "rank": 512, "rope": 64, "seq_len": args.seq_len or 4096}
+        title = f"mla_decode / builder.build host overhead on {gpu_name()}"
+    else:
+        shapes = [(b, blk) for b in (1, 4) for blk in (1, 16)]
+        dims = {"heads": 4, "rank": 64, "rope": 16, "seq_len": args.seq_len or 64}
+        title = "mla_decode / builder.build host overhead (CPU smoke run, tiny shapes)"
+    rows = [
+        run_shape(batch=b, block=blk, device=args.device, provider=args.provider, **dims) for b, blk in shapes
+    ]
+    print_table(rows, title=title)
+
+
+if __name__ == "__main__":
+    main()
