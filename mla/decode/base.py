@@ -80,8 +80,8 @@ class DecodeGeometry:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
     max_seqlen_k: int
-    """Bound on any request's KV length: the engine's ``max_model_len`` under full CUDA graphs,
-    else the batch's longest sequence (when known on the host)."""
+    """Bound on any request's KV length: the engine's ``max_model_len`` when decode steps are
+    captured in CUDA graphs, else the batch's longest sequence (when known on the host)."""
 
 
 @attrs.frozen(eq=False)
@@ -267,10 +267,11 @@ class DecodeStrategy(Strategy[DecodeContext]):
 
     def max_seqlen_k(self, batch: DecodeBatch) -> int:
         """The KV-length bound the kernels are launched with: the engine's ``max_model_len``
-        under full CUDA graphs (a captured step stays valid as sequences grow), else the batch's
-        longest sequence when the host knows it, so work follows the batch, not the limits."""
+        when the engine captures decode steps in CUDA graphs (``graph_mode`` other than
+        ``NONE``: a captured step stays valid as sequences grow), else the batch's longest
+        sequence when the host knows it, so work follows the batch, not the limits."""
         limits = self.setup.limits
         longest = batch.max_seq_len
-        if limits.graph_mode is GraphMode.FULL or longest is None:
+        if limits.graph_mode is not GraphMode.NONE or longest is None:
             return limits.max_model_len
         return max(1, min(longest, limits.max_model_len))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mla.backend import MLABackend, StepInputs
-from mla.config import EngineLimits, KVCacheSpec, MLADims
+from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
@@ -116,7 +116,7 @@ def test_cuda_graph_replay_after_metadata_rebuild(
     dims = MLADims(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, softmax_scale=0.07)
     limits = EngineLimits(
         max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=batch * qlen + extra,
-        max_decode_qlen=qlen,
+        max_decode_qlen=qlen, graph_mode=GraphMode.FULL,
     )  # fmt: skip
     backend = MLABackend(
         dims,
