@@ -420,7 +420,7 @@ def test_prefill_plan_handed_to_the_wrong_strategy_raises() -> None:
 
 def test_impl_refuses_inputs_of_another_geometry() -> None:
     """The run checks its inputs against the plan's geometry (cheaply) before any kernel."""
-    backend, metadata, _, cache = _two_plans()
+    backend, _, metadata, cache = _two_plans()  # the ops run the current (last built) plan
     q = torch.randn(3, 8, RANK + ROPE).to(BF16)
     out = torch.full((3, 8, RANK), math.nan, dtype=BF16)
     with pytest.raises(mla.InvalidInputError, match="q: expected shape"):
