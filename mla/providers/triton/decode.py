@@ -470,6 +470,46 @@ def launch_decode(
     )
     if mode == _MODE_SPLIT and num_splits == 1:
         return
+    launch_merge(
+        part_o=part_o,
+        part_lse=part_lse,
+        out=out,
+        lse=lse,
+        qo_indptr=qo_indptr,
+        split_indptr=split_indptr,
+        num_requests=num_requests,
+        max_qlen=max_qlen,
+        num_splits=num_splits if mode == _MODE_SPLIT else None,
+    )
+
+
+def launch_merge(
+    *,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    qo_indptr: torch.Tensor | None,
+    split_indptr: torch.Tensor,
+    num_requests: int,
+    max_qlen: int,
+    num_splits: int | None,
+) -> None:
+    """LSE-merge split-KV partials into ``out`` (and ``lse`` unless ``None``).
+
+    ``part_o [W, max_qlen, H, L]`` fp32 normalised partial outputs and ``part_lse [W, max_qlen, H]``
+    natural-log partial LSEs of ``W`` work items. ``num_splits`` set: request ``b`` owns items
+    ``b·num_splits ..`` (non-persistent); ``None``: items ``split_indptr[b] .. split_indptr[b+1]``
+    of a planned schedule, where a request with one item was written directly and is skipped.
+    ``qo_indptr is None`` means request ``b`` is query row ``b`` (qlen 1). Shared with the Gluon
+    provider, whose kernel writes partials in this layout.
+    """
+    heads, rank = part_o.shape[2], part_o.shape[3]
+    unit_qlen = qo_indptr is None
+    qo = split_indptr if qo_indptr is None else qo_indptr
+    write_lse = lse is not None
+    lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
+    mode = _MODE_SPLIT if num_splits is not None else _MODE_SCHEDULED
     block_d = min(MERGE_BLOCK_D, max(16, triton.next_power_of_2(rank)))
     _merge_splits_kernel[(num_requests * max_qlen, heads, triton.cdiv(rank, block_d))](
         part_o,
@@ -478,7 +518,7 @@ def launch_decode(
         lse_arg,
         qo,
         split_indptr,
-        num_splits,
+        num_splits or 1,
         max_qlen,
         part_o.stride(0),
         part_o.stride(1),
@@ -543,4 +583,4 @@ def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = N
     )
 
 
-__all__ = ["launch_decode", "num_sms", "paged_decode"]
+__all__ = ["launch_decode", "launch_merge", "num_sms", "paged_decode"]

@@ -1,0 +1,89 @@
+"""Compile the Gluon decode kernel for sm_90 without a GPU and print its resource report.
+
+    python benchmarks/gluon_compile.py [--fp8] [--block-n 64] [--stages 2] [--sass]
+
+Prints registers, spills, shared memory and counts of the key SASS instructions (HGMMA,
+LDGSTS, LDL/STL) so a variant can be judged before it costs device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mla.providers.gluon.kernels import mla_decode_kernel  # noqa: E402
+
+
+def compile_variant(*, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0):
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    ptrs = {
+        "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": kv, "kv_indptr_ptr": "*i32",
+        "kv_indices_ptr": "*i32", "qo_indptr_ptr": "*i32", "work_info_ptr": "*i32",
+        "split_indptr_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32",
+        "part_lse_ptr": "*fp32", "kv_scale_ptr": "*fp32",
+    }  # fmt: skip
+    ints = [
+        "num_splits", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_kv",
+        "stride_o_t", "stride_o_h", "stride_lse_t", "stride_lse_h", "stride_po_w", "stride_po_q",
+        "stride_po_h", "stride_pl_w", "stride_pl_q",
+    ]  # fmt: skip
+    constexprs = {
+        "H": heads, "L": 512, "R": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "ROW_BLOCKS": 1,
+        "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "num_warps": 8,
+    }  # fmt: skip
+    sig = dict(ptrs)
+    sig.update({k: "i32" for k in ints})
+    sig["sm_scale_log2"] = "fp32"
+    for k, v in constexprs.items():
+        sig[k] = "constexpr"
+    names = list(sig)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs}
+    attrs.update({(names.index(k),): [["tt.divisibility", 16]] for k in ints if k.startswith("stride")})
+    src = GluonASTSource(
+        mla_decode_kernel,
+        signature=sig,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--sass", action="store_true")
+    args = ap.parse_args()
+    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages)
+    md = k.metadata
+    print(f"shared={md.shared} B  num_warps={md.num_warps}")
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+        print("\n".join(line for line in r.stderr.splitlines() if "registers" in line or "spill" in line or "error" in line))
+        cub = os.path.join(d, "k.cubin")
+        open(cub, "wb").write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cub], capture_output=True, text=True).stdout
+    for ins in ("HGMMA", "LDGSTS", "LDL", "STL", "BAR.SYNC", "F2FP", "LDG", "STG", "LDSM", "STS", "LDS"):
+        pattern = r"\b" + re.escape(ins) + r"[ .]"
+        print(f"{ins:9s} {len(re.findall(pattern, sass))}")
+    if args.sass:
+        print(sass)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Development harness of the Gluon decode: check every variant on small shapes, then time.
+
+    python benchmarks/gluon_dev.py [--check-only] [--out DIR]
+
+Checks (against the torch reference provider, NaN-poisoned outputs): bf16 and fp8 caches,
+page sizes 1/16/64 via random token permutations, heads 1..128, qlen 1..8 uniform and mixed,
+empty and short requests, each on the non-persistent path (auto, 1 and 3 splits), the planned
+schedule and the small-head path. Then times the issue's key shapes (CUDA-graph replay) for the
+Gluon and Triton providers and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import bench_graph_us, print_table, rel_error  # noqa: E402
+from decode import MATRIX, SCALE, Problem, label  # noqa: E402
+
+from mla.providers.gluon import decode as gd  # noqa: E402
+from mla.providers.gluon.planner import GluonLaunchConfig, schedule_units  # noqa: E402
+from mla.providers.torch_ref import TorchProvider  # noqa: E402
+from mla.providers.triton.decode import num_sms  # noqa: E402
+from mla.providers.triton.schedule import plan_split_kv  # noqa: E402
+from mla.schedule import SplitKVSchedule  # noqa: E402
+
+RANK, ROPE = 512, 64
+FP8 = torch.float8_e4m3fn
+
+
+def make_case(heads: int, qlens: list[int], lens: list[int], block: int, fp8: bool, seed: int) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    blocks_per = [-(-max(n, 1) // block) for n in lens]
+    nblocks = sum(blocks_per) + 3
+    vals = torch.randn(nblocks, block, RANK + ROPE, device=dev, generator=g)
+    scale = 0.05 if fp8 else None
+    cache = (vals / scale).clamp(-448, 448).to(FP8) if fp8 else vals.to(torch.bfloat16)
+    perm = torch.randperm(nblocks, device=dev, generator=g)
+    idx = []
+    pos = 0
+    for n, nb in zip(lens, blocks_per, strict=True):
+        pages = perm[pos : pos + nb]
+        pos += nb
+        toks = (pages[:, None] * block + torch.arange(block, device=dev)[None, :]).reshape(-1)[:n]
+        idx.append(toks)
+    kv_indices = torch.cat(idx).to(torch.int32) if idx else torch.zeros(0, dtype=torch.int32, device=dev)
+    kv_indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    qo_indptr = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    tokens = sum(qlens)
+    q = torch.randn(tokens, heads, RANK + ROPE, device=dev, generator=g).to(torch.bfloat16)
+    return {
+        "heads": heads, "qlens": qlens, "lens": lens, "block": block, "fp8": fp8,
+        "cache": cache.view(-1, RANK + ROPE), "kv_indices": kv_indices, "kv_indptr": kv_indptr,
+        "qo_indptr": qo_indptr, "q": q, "scale": scale,
+        "scale_t": torch.tensor([scale or 1.0], dtype=torch.float32, device=dev),
+    }  # fmt: skip
+
+
+def reference(c: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    o = torch.empty(c["q"].shape[0], c["heads"], RANK, dtype=torch.float32, device="cuda")
+    lse = torch.empty(c["q"].shape[0], c["heads"], dtype=torch.float32, device="cuda")
+    TorchProvider().paged_mqa_decode(
+        c["q"], c["cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"],
+        max_qlen=max(c["qlens"]), max_seqlen_k=max(c["lens"]), softmax_scale=SCALE,
+        kv_scale=c["scale"], out=o, lse=lse,
+    )  # fmt: skip
+    return o, lse
+
+
+def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tokens, heads = c["q"].shape[0], c["heads"]
+    out = torch.full((tokens, heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((tokens, heads), math.nan, dtype=torch.float32, device="cuda") if with_lse else None
+    max_qlen, max_len = max(c["qlens"]), max(c["lens"])
+    scale_t = c["scale_t"] if c["fp8"] else None
+    if variant == "small":
+        assert max_qlen == 1
+        gd.small_head_decode(
+            c["q"][..., :RANK], c["q"][..., RANK:], c["cache"], c["kv_indices"], c["kv_indptr"],
+            max_seqlen_k=max_len, softmax_scale=SCALE, kv_scale=scale_t, out=out, lse=lse,
+        )  # fmt: skip
+        return out, lse
+    sched = None
+    config = None
+    if variant == "sched":
+        batch = len(c["lens"])
+        sched = SplitKVSchedule.allocate(
+            max_batch=batch, max_kernel_qlen=max_qlen, kernel_heads=heads, kv_lora_rank=RANK,
+            num_units=schedule_units(num_sms=num_sms(c["q"].device), rows=heads * max_qlen),
+            device=c["q"].device, min_chunk=256,
+        )  # fmt: skip
+        plan_split_kv(sched, c["kv_indptr"], batch)
+    elif variant.startswith("np"):
+        splits = variant[2:]
+        config = None if splits == "" else GluonLaunchConfig(num_splits=int(splits))
+    gd.paged_decode(
+        c["q"], c["cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"],
+        max_qlen=max_qlen, max_seqlen_k=max_len, softmax_scale=SCALE, kv_scale=scale_t,
+        out=out, lse=lse, schedule=sched, config=config,
+    )  # fmt: skip
+    return out, lse
+
+
+CHECKS: list[tuple[int, list[int], list[int], int]] = [
+    (16, [1] * 6, [4096, 33, 1000, 0, 64, 5], 64),
+    (16, [1] * 4, [700, 1, 129, 2049], 1),
+    (8, [1] * 3, [300, 64, 1500], 16),
+    (1, [1, 1], [200, 77], 16),
+    (12, [3, 3, 3], [300, 3, 1500], 16),
+    (16, [4, 4, 4], [1200, 4, 0], 1),
+    (16, [2, 1, 8], [520, 40, 900], 64),
+    (128, [1, 2, 1], [800, 300, 2], 64),
+    (64, [1, 1], [3000, 65], 1),
+    (5, [8, 1], [2000, 9], 16),
+]
+
+
+def checks(log: list[dict[str, Any]]) -> bool:
+    ok_all = True
+    for i, (heads, qlens, lens, block) in enumerate(CHECKS):
+        for fp8 in (False, True):
+            c = make_case(heads, qlens, lens, block, fp8, seed=100 + i)
+            ref_o, ref_l = reference(c)
+            variants = ["np", "np1", "np3", "sched"] + (["small"] if max(qlens) == 1 else [])
+            for v in variants:
+                for with_lse in (True, False) if v == "np" else (True,):
+                    name = f"H{heads} q{qlens} S{lens} bs{block} {'fp8' if fp8 else 'bf16'} {v}{'' if with_lse else ' nolse'}"
+                    try:
+                        out, lse = run_variant(c, v, with_lse)
+                        torch.cuda.synchronize()
+                        eo = rel_error(out.float(), ref_o)
+                        el = 0.0 if lse is None else rel_error(lse, ref_l)
+                        ok = eo <= 1e-2 and el <= 1e-3
+                        row = {"case": name, "o_err": eo, "lse_err": el, "ok": ok}
+                    except Exception as exc:  # report, keep checking the others
+                        row = {"case": name, "o_err": math.inf, "lse_err": math.inf, "ok": False,
+                               "error": f"{type(exc).__name__}: {str(exc)[-800:]}"}  # fmt: skip
+                        traceback.print_exc()
+                    ok_all &= bool(row["ok"])
+                    log.append(row)
+                    if not row["ok"]:
+                        print("FAIL", row, flush=True)
+    print(f"checks: {sum(r['ok'] for r in log)}/{len(log)} passed", flush=True)
+    return ok_all
+
+
+def timing(rows: list[dict[str, Any]], shapes: list[Any]) -> None:
+    from mla.providers.triton.decode import paged_decode as triton_decode
+    from mla.providers.triton.small_head import small_head_decode as triton_small
+
+    dev = torch.device("cuda")
+    for shape in shapes:
+        prob = Problem(shape, dev)
+        scale_t = torch.tensor([prob.kv_scale or 1.0], dtype=torch.float32, device=dev)
+        st = scale_t if prob.kv_scale is not None else None
+        sched_t = prob.schedule()
+        sched_g = SplitKVSchedule.allocate(
+            max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
+            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen), device=dev, min_chunk=256,
+        )  # fmt: skip
+        plan_split_kv(sched_g, prob.kv_indptr, shape.batch)
+
+        def g_fn(sched: SplitKVSchedule | None, p: Problem = prob, st: Any = st) -> Callable[[], None]:
+            def run() -> None:
+                gd.paged_decode(
+                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
+                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=st, out=p.out, lse=p.lse,
+                    schedule=sched,
+                )  # fmt: skip
+
+            return run
+
+        def g_small(p: Problem = prob, st: Any = st) -> None:
+            gd.small_head_decode(
+                p.q[..., :RANK], p.q[..., RANK:], p.flat, p.kv_indices, p.kv_indptr,
+                max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=st, out=p.out, lse=p.lse,
+            )  # fmt: skip
+
+        def t_fn(sched: SplitKVSchedule | None, p: Problem = prob) -> Callable[[], None]:
+            def run() -> None:
+                triton_decode(
+                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
+                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=p.kv_scale, out=p.out,
+                    lse=p.lse, schedule=sched,
+                )  # fmt: skip
+
+            return run
+
+        variants = [("gluon np", g_fn(None)), ("gluon pers", g_fn(sched_g)),
+                    ("triton np", t_fn(None)), ("triton pers", t_fn(sched_t))]  # fmt: skip
+        if shape.name == "heads":
+            variants.append(("gluon small", g_small))
+        for name, fn in variants:
+            try:
+                eo, el = prob.check(fn)
+                ok = eo <= 1e-2
+                us = bench_graph_us(fn) if ok else math.nan
+            except Exception as exc:
+                traceback.print_exc()
+                eo, us, ok = math.inf, math.nan, False
+                name += f" ERR {type(exc).__name__}"
+            bw, fl = prob.metrics(us)
+            rows.append({"shape": label(shape), "impl": name, "ok": ok, "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl})
+            print(rows[-1], flush=True)
+        del prob
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    log: list[dict[str, Any]] = []
+    ok = True if args.time_only else checks(log)
+    rows: list[dict[str, Any]] = []
+    if not args.check_only:
+        timing(rows, MATRIX)
+    with open(os.path.join(args.out, "gluon_dev.json"), "w") as f:
+        json.dump({"checks": log, "timing": rows}, f, indent=1, default=str)
+    fails = [r for r in log if not r["ok"]]
+    if fails:
+        print_table([{"case": r["case"], "o_err": r["o_err"], "lse_err": r["lse_err"]} for r in fails[:40]], title="FAILED checks")
+    if rows:
+        print_table(rows, title="timing (graph replay)")
+    print("ALL CHECKS OK" if ok else f"{len(fails)} CHECKS FAILED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Launchers of the Gluon MLA decode: paged MQA decode and small-head decode.
+
+Contracts (same as the Triton provider's, see :mod:`mla.providers.base`): q ``[T, H, L+R]`` (or
+``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` strided views with a contiguous last dim), flat cache
+``[N_tok, L+R]`` (16-bit, or fp8 with a per-tensor scale given as a one-element float32 device
+tensor), ``kv_indptr``/``kv_indices``/``qo_indptr`` int32 on the device, out ``[T, H, L]``,
+lse ``[T, H]`` fp32 or ``None`` (not written). Split-KV partials are combined by the Triton
+provider's reduce kernel (:func:`mla.providers.triton.decode.launch_merge`). Everything is
+graph-capturable: grids come from shapes and Python ints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla.errors import InvalidInputError
+from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
+from mla.providers.gluon.planner import NUM_WARPS, GluonLaunchConfig, launch_config
+from mla.providers.triton.decode import launch_merge, num_sms
+from mla.schedule import SplitKVSchedule
+
+LOG2E = 1.4426950408889634
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def launch_gluon_decode(
+    *,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor | None,
+    num_requests: int,
+    max_qlen: int,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: GluonLaunchConfig,
+    schedule: SplitKVSchedule | None,
+) -> None:
+    """Launch the decode kernel (and the reduce when any request is split).
+
+    ``qo_indptr is None``: row ``b`` of q is request ``b`` with qlen 1 (small-head mode).
+    Non-persistent when ``schedule is None`` (``config.num_splits`` splits per request).
+    ``kv_scale`` is required for an fp8 cache (``None`` otherwise).
+    """
+    heads, rank = q_nope.shape[1], q_nope.shape[2]
+    rope = q_pe.shape[2]
+    rows = heads * max_qlen
+    if num_requests == 0 or rows == 0:
+        return
+    row_blocks = config.row_blocks(rows)
+    kv_fp8 = kv_cache.element_size() == 1
+    if kv_fp8 and kv_scale is None:
+        raise InvalidInputError("kv_scale", "an fp8 cache needs its per-tensor scale (float32 [1] tensor)")
+    scale_arg = kv_scale if kv_scale is not None else out.new_empty(1, dtype=torch.float32)
+    write_lse = lse is not None
+    lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
+    unit_qlen = qo_indptr is None
+    qo = kv_indptr if qo_indptr is None else qo_indptr
+    if schedule is None:
+        mode, num_splits = MODE_SPLIT, config.num_splits
+        num_work = num_requests * num_splits
+        if num_splits > 1:
+            part_o = torch.empty(num_work, max_qlen, heads, rank, dtype=torch.float32, device=out.device)
+            part_lse = torch.empty(num_work, max_qlen, heads, dtype=torch.float32, device=out.device)
+        else:
+            part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+            part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
+        work_info, split_indptr = kv_indptr, kv_indptr
+    else:
+        mode, num_splits = MODE_SCHEDULED, 1
+        num_work = schedule.max_work
+        part_o, part_lse = schedule.partial_o, schedule.partial_lse
+        if part_o.shape[1] < max_qlen or part_o.shape[2] != heads or part_o.shape[3] != rank:
+            raise InvalidInputError(
+                "schedule",
+                f"partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
+                f"qlen {max_qlen} x {heads} heads x rank {rank}; allocate them with "
+                "decode_schedule_buffers for this kernel's heads and max qlen",
+            )
+        work_info, split_indptr = schedule.work_info, schedule.split_indptr
+    mla_decode_kernel[(num_work * row_blocks,)](
+        q_nope,
+        q_pe,
+        kv_cache,
+        kv_indptr,
+        kv_indices,
+        qo,
+        work_info,
+        split_indptr,
+        out,
+        lse_arg,
+        part_o,
+        part_lse,
+        scale_arg,
+        num_splits,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse_arg.stride(0),
+        lse_arg.stride(1),
+        part_o.stride(0),
+        part_o.stride(1),
+        part_o.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        softmax_scale * LOG2E,
+        H=heads,
+        L=rank,
+        R=rope,
+        BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages,
+        ROW_BLOCKS=row_blocks,
+        MODE=mode,
+        UNIT_QLEN=unit_qlen,
+        WRITE_LSE=write_lse,
+        KV_FP8=kv_fp8,
+        num_warps=NUM_WARPS,
+    )
+    if mode == MODE_SPLIT and num_splits == 1:
+        return
+    launch_merge(
+        part_o=part_o,
+        part_lse=part_lse,
+        out=out,
+        lse=lse,
+        qo_indptr=qo_indptr,
+        split_indptr=split_indptr,
+        num_requests=num_requests,
+        max_qlen=max_qlen,
+        num_splits=num_splits if mode == MODE_SPLIT else None,
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    *,
+    max_qlen: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    schedule: SplitKVSchedule | None = None,
+    config: GluonLaunchConfig | None = None,
+) -> None:
+    """Paged MQA decode; ``config`` overrides the heuristic, ``schedule`` selects the planned path."""
+    num_requests = qo_indptr.numel() - 1
+    rank = out.shape[-1]
+    if config is None:
+        config = launch_config(
+            batch=num_requests,
+            rows=q.shape[1] * max_qlen,
+            max_seqlen_k=max_seqlen_k,
+            num_sms=num_sms(q.device),
+            kv_elem_size=kv_cache.element_size(),
+            persistent=schedule is not None,
+        )
+    launch_gluon_decode(
+        q_nope=q[..., :rank],
+        q_pe=q[..., rank:],
+        kv_cache=kv_cache,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        qo_indptr=qo_indptr,
+        num_requests=num_requests,
+        max_qlen=max_qlen,
+        softmax_scale=softmax_scale,
+        kv_scale=kv_scale,
+        out=out,
+        lse=lse,
+        config=config,
+        schedule=schedule,
+    )
+
+
+def small_head_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_info: torch.Tensor,
+    *,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: GluonLaunchConfig | None = None,
+) -> None:
+    """Small-head decode: row ``t`` of q is an independent qlen-1 decode over
+    ``page_table[seq_info[t] : seq_info[t+1]]`` (the paged kernel in unit-qlen mode)."""
+    rows = q_nope.shape[0]
+    if config is None:
+        config = launch_config(
+            batch=rows,
+            rows=q_nope.shape[1],
+            max_seqlen_k=max_seqlen_k,
+            num_sms=num_sms(q_nope.device),
+            kv_elem_size=kv_cache.element_size(),
+            persistent=False,
+        )
+    launch_gluon_decode(
+        q_nope=_last_dim_contiguous(q_nope),
+        q_pe=_last_dim_contiguous(q_pe),
+        kv_cache=kv_cache,
+        kv_indptr=seq_info,
+        kv_indices=page_table,
+        qo_indptr=None,
+        num_requests=rows,
+        max_qlen=1,
+        softmax_scale=softmax_scale,
+        kv_scale=kv_scale,
+        out=out,
+        lse=lse,
+        config=config,
+        schedule=None,
+    )
+
+
+__all__ = ["launch_gluon_decode", "paged_decode", "small_head_decode"]

@@ -1,0 +1,315 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Gluon (Hopper) paged MQA decode kernel for MLA: 64-row q tile, shared-memory KV ring, wgmma.
+
+One kernel serves every decode contract of the provider (paged decode, non-persistent or on a
+planned :class:`~mla.schedule.SplitKVSchedule`, and the small-head decode with one qlen-1
+request per row). A program owns one work item (request, KV range ``[lo, hi)``) and
+``BLOCK_M = 64`` packed query rows (``row = qi·H + head``; more rows run as several row blocks).
+
+Per program (8 warps = two warpgroups):
+
+* the query tile (``q_nope [64, L]``, ``q_pe [64, R]``) is loaded once into NVMMA-swizzled shared
+  memory;
+* KV tiles of ``BLOCK_N`` cache rows are gathered by flat token id with ``cp.async`` (16 bytes
+  per thread) into a ``NUM_STAGES``-deep shared-memory ring: the tile ``NUM_STAGES - 1`` ahead is
+  in flight while the current one is computed, and the token ids are loaded one step earlier
+  still, so no load waits on an index load;
+* ``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` and ``O += P·K_lat`` are both ``warpgroup_mma`` reading
+  that one shared-memory copy (V is the latent part of the K tile). The accumulator layout puts
+  the two warpgroups side by side along N (``warps_per_cta = [4, 2]``): each holds half of the
+  64×512 fp32 output (128 registers per thread) and computes half of the score columns; the
+  row max/sum of the online softmax (exp2 domain, fp32) cross the warpgroups through shared
+  memory (compiler-generated reductions), and P reaches the PV MMA as a register operand;
+* fp8 caches (``KV_FP8``) are gathered as fp8 (half the bytes) into an fp8 ring and widened,
+  16 rows at a time, into one bf16/fp16 tile in shared memory that the MMAs read (Hopper's fp8
+  wgmma needs both operands K-major, which V in the row-major tile is not). The per-tensor scale
+  is read on the device from a one-element float32 tensor and folded into the score scale and
+  the output, so a captured graph sees updates.
+
+Work items covering a whole request write ``out``/``lse`` directly; split items write fp32
+partials (normalised o, natural-log lse) for the Triton provider's split reduce. Rows with no
+visible key produce ``o = 0``, ``lse = -inf``. Causal rows are right-aligned: query row ``qi`` of
+a request with ``qlen`` rows and ``kv_len`` keys sees relative keys ``< kv_len - qlen + qi + 1``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+MODE_SPLIT = 0
+"""Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
+MODE_SCHEDULED = 1
+"""Planned: program ``work`` reads item ``work`` of the schedule's ``work_info``."""
+
+
+@gluon.jit
+def _row_info(rb, qlen, kv_len, H: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """Query row ordinal, head, validity and causal key limit of the 64 packed rows (``layout``)."""
+    rows = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    qi = rows // H
+    head = rows % H
+    row_ok = qi < qlen
+    row_limit = kv_len - qlen + qi + 1
+    return qi, head, row_ok, row_limit
+
+
+@gluon.jit
+def _load_ids(index_base, n0, hi, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Flat token ids (int64) of KV positions ``n0 ..`` in ``layout``; 0 past ``hi``."""
+    n = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    return gl.load(index_base + n, mask=n < hi, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _issue_tile(
+    kv_ptr, tok_l, tok_r, n0, hi, stride_kv, lat_dst, rope_dst,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+    LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
+):  # fmt: skip
+    """cp.async the latent and rope parts of cache rows ``tok`` (rows past ``hi`` zero-filled)."""
+    n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_LD))
+    cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
+    ptr_l = kv_ptr + tok_l[:, None] * stride_kv + cols_l[None, :]
+    async_copy.async_copy_global_to_shared(lat_dst, ptr_l, mask=(n_l < hi)[:, None])
+    n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_LD))
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
+    ptr_r = kv_ptr + tok_r[:, None] * stride_kv + L + cols_r[None, :]
+    async_copy.async_copy_global_to_shared(rope_dst, ptr_r, mask=(n_r < hi)[:, None])
+
+
+# ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
+# one split turns it into the constant 1 (an LLVM-lowering assertion), and one binary serves
+# every split count anyway.
+@gluon.jit(do_not_specialize=["num_splits"])
+def mla_decode_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    qo_indptr_ptr,
+    work_info_ptr,
+    split_indptr_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    kv_scale_ptr,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    sm_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    ROW_BLOCKS: gl.constexpr,
+    MODE: gl.constexpr,
+    UNIT_QLEN: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    KV_FP8: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 64
+    gl.static_assert(num_warps == 8, "two warpgroups split the output columns")
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
+
+    # -- layouts -------------------------------------------------------------------------------
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    if KV_FP8:
+        lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
+        rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        kv_elem_bits: gl.constexpr = 8
+    else:
+        lat_ld: gl.constexpr = q_ld
+        rope_ld: gl.constexpr = qr_ld
+        kv_elem_bits: gl.constexpr = 16
+    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ring_smem: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128 if kv_elem_bits == 16 else 64, element_bitwidth=kv_elem_bits, rank=2
+    )
+
+    # -- the work item ---------------------------------------------------------------------------
+    pid = gl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    work = pid // ROW_BLOCKS
+    if MODE == 0:
+        req = work // num_splits
+        split = work % num_splits
+        kv_start = gl.load(kv_indptr_ptr + req)
+        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, kv_len)
+        direct = num_splits == 1
+    else:
+        req = gl.load(work_info_ptr + work * 4)
+        if req < 0:
+            return
+        kv_start = gl.load(kv_indptr_ptr + req)
+        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+        lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
+        hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
+        direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
+    if UNIT_QLEN:
+        q_start = req
+        qlen = 1
+    else:
+        q_start = gl.load(qo_indptr_ptr + req)
+        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
+
+    qk_scale = sm_scale_log2
+    v_scale = 1.0
+    if KV_FP8:
+        kv_scale = gl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
+        v_scale = kv_scale
+
+    # -- shared memory ---------------------------------------------------------------------------
+    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+    if KV_FP8:
+        lat_wide = gl.allocate_shared_memory(dtype, [BLOCK_N, L], mma_smem)
+        rope_wide = gl.allocate_shared_memory(dtype, [BLOCK_N, R], mma_smem)
+
+    index_base = kv_indices_ptr + kv_start
+    tok_l = _load_ids(index_base, lo, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
+    tok_r = _load_ids(index_base, lo, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
+    for st in gl.static_range(NUM_STAGES - 1):
+        _issue_tile(
+            kv_ptr, tok_l, tok_r, lo + st * BLOCK_N, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            L, R, BLOCK_N, lat_ld, rope_ld,
+        )  # fmt: skip
+        async_copy.commit_group()
+        tok_l = _load_ids(index_base, lo + (st + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
+        tok_r = _load_ids(index_base, lo + (st + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
+
+    # -- the query tile (while the first KV tiles are in flight) --------------------------------
+    qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, q_ld))
+    tok_q = (q_start + qi_q).to(gl.int64)
+    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
+    qn = gl.load(
+        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
+        mask=ok_q[:, None],
+        other=0.0,
+    )
+    q_nope_smem.store(qn)
+    qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, qr_ld))
+    tok_qr = (q_start + qi_r).to(gl.int64)
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
+    qp = gl.load(
+        q_pe_ptr + tok_qr[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
+        mask=ok_r[:, None],
+        other=0.0,
+    )
+    q_pe_smem.store(qp)
+
+    _qi_s, _head_s, _ok_s, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, L], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    for t in range(n_tiles):
+        # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
+        gl.thread_barrier()
+        ahead = t + NUM_STAGES - 1
+        _issue_tile(
+            kv_ptr, tok_l, tok_r, lo + ahead * BLOCK_N, hi, stride_kv,
+            lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+            L, R, BLOCK_N, lat_ld, rope_ld,
+        )  # fmt: skip
+        async_copy.commit_group()
+        tok_l = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
+        tok_r = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
+        async_copy.wait_group(NUM_STAGES - 1)
+        stage = t % NUM_STAGES
+        if KV_FP8:
+            gl.thread_barrier()
+            WIDEN_ROWS: gl.constexpr = 16
+            for c in gl.static_range(BLOCK_N // WIDEN_ROWS):
+                x = lat_ring.index(stage).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(lat_ld)
+                lat_wide.slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(dtype))
+            xr = rope_ring.index(stage).load(rope_ld)
+            rope_wide.store(xr.to(dtype))
+            k_lat = lat_wide
+            k_rope = rope_wide
+        else:
+            k_lat = lat_ring.index(stage)
+            k_rope = rope_ring.index(stage)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+
+        n = t * BLOCK_N + lo + offs_n
+        visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, k_lat, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    # -- epilogue --------------------------------------------------------------------------------
+    has_keys = l_i > 0.0
+    safe_l = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
+    inv = gl.convert_layout(v_scale / safe_l, gl.SliceLayout(1, o_layout))
+    o = acc * inv[:, None]
+    qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, o_layout))
+    qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, s_layout))
+    if direct:
+        tok_o = (q_start + qi_o).to(gl.int64)
+        o_ptrs = out_ptr + tok_o[:, None] * stride_o_t + head_o[:, None] * stride_o_h + cols_o[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[:, None])
+        if WRITE_LSE:
+            tok_s = (q_start + qi_s).to(gl.int64)
+            gl.store(lse_ptr + tok_s * stride_lse_t + head_s * stride_lse_h, lse, mask=ok_s)
+    else:
+        wk = work.to(gl.int64)
+        po_ptrs = part_o_ptr + wk * stride_po_w + qi_o[:, None] * stride_po_q + head_o[:, None] * stride_po_h
+        gl.store(po_ptrs + cols_o[None, :], o, mask=ok_o[:, None])
+        gl.store(part_lse_ptr + wk * stride_pl_w + qi_s * stride_pl_q + head_s, lse, mask=ok_s)
