@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mla.providers.gluon.kernels import mla_decode_kernel  # noqa: E402
 
 
-def compile_variant(*, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0):
+def compile_variant(*, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0, overlap: bool = True):
     kv = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {
         "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": kv, "kv_indptr_ptr": "*i32",
@@ -39,7 +39,7 @@ def compile_variant(*, fp8: bool, block_n: int, stages: int, heads: int = 16, mo
     ]  # fmt: skip
     constexprs = {
         "H": heads, "L": 512, "R": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "ROW_BLOCKS": 1,
-        "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "num_warps": 8,
+        "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "OVERLAP": overlap, "num_warps": 8,
     }  # fmt: skip
     sig = dict(ptrs)
     sig.update({k: "i32" for k in ints})
@@ -64,8 +64,9 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--sass", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args()
-    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages)
+    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=not args.no_overlap)
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

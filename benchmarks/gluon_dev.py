@@ -28,7 +28,7 @@ from _common import bench_graph_us, print_table, rel_error  # noqa: E402
 from decode import MATRIX, SCALE, Problem, label  # noqa: E402
 
 from mla.providers.gluon import decode as gd  # noqa: E402
-from mla.providers.gluon.planner import GluonLaunchConfig, schedule_units  # noqa: E402
+from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units  # noqa: E402
 from mla.providers.torch_ref import TorchProvider  # noqa: E402
 from mla.providers.triton.decode import num_sms  # noqa: E402
 from mla.providers.triton.schedule import plan_split_kv  # noqa: E402
@@ -217,25 +217,75 @@ def timing(rows: list[dict[str, Any]], shapes: list[Any]) -> None:
         torch.cuda.empty_cache()
 
 
+SWEEP_BF16 = [(64, 2, False), (32, 4, True), (32, 3, True), (32, 4, False), (16, 8, True)]
+SWEEP_FP8 = [(64, 2, False), (32, 4, True), (32, 6, False), (16, 8, True), (16, 12, True)]
+
+
+def sweep(rows: list[dict[str, Any]]) -> None:
+    from decode import Shape
+
+    dev = torch.device("cuda")
+    shapes = [
+        Shape("mem", 16, 1, 128, 8192), Shape("mem", 16, 1, 64, 4096), Shape("long", 16, 1, 1, 65536),
+        Shape("page1", 16, 1, 16, 4096, block=1), Shape("verify", 16, 4, 64, 4096),
+        Shape("compute", 128, 1, 64, 4096), Shape("fp8", 16, 1, 128, 8192, kv="fp8"),
+    ]  # fmt: skip
+    for shape in shapes:
+        prob = Problem(shape, dev)
+        st = torch.tensor([prob.kv_scale], dtype=torch.float32, device=dev) if prob.kv_scale else None
+        base = launch_config(
+            batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
+            num_sms=num_sms(dev), kv_elem_size=prob.cache.element_size(), persistent=False,
+        )  # fmt: skip
+        for bn, ns, ov in SWEEP_FP8 if shape.kv == "fp8" else SWEEP_BF16:
+            cfg = GluonLaunchConfig(block_n=bn, num_stages=ns, overlap=ov, num_splits=base.num_splits)
+
+            def run(p: Problem = prob, cfg: GluonLaunchConfig = cfg, st: Any = st) -> None:
+                gd.paged_decode(
+                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
+                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=st, out=p.out, lse=p.lse,
+                    config=cfg,
+                )  # fmt: skip
+
+            try:
+                eo, _ = prob.check(run)
+                us = bench_graph_us(run) if eo <= 1e-2 else math.nan
+            except Exception as exc:
+                eo, us = math.inf, math.nan
+                print("sweep error", cfg, type(exc).__name__, str(exc)[-300:], flush=True)
+            bw, fl = prob.metrics(us)
+            rows.append({"shape": label(shape), "cfg": f"n{bn} s{ns} {'ov' if ov else 'serial'} k{base.num_splits}",
+                         "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl})  # fmt: skip
+            print(rows[-1], flush=True)
+        del prob
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="checks, then the launch-config sweep only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     log: list[dict[str, Any]] = []
     ok = True if args.time_only else checks(log)
     rows: list[dict[str, Any]] = []
-    if not args.check_only:
+    sweep_rows: list[dict[str, Any]] = []
+    if args.sweep:
+        sweep(sweep_rows)
+    elif not args.check_only:
         timing(rows, MATRIX)
     with open(os.path.join(args.out, "gluon_dev.json"), "w") as f:
-        json.dump({"checks": log, "timing": rows}, f, indent=1, default=str)
+        json.dump({"checks": log, "timing": rows, "sweep": sweep_rows}, f, indent=1, default=str)
     fails = [r for r in log if not r["ok"]]
     if fails:
         print_table([{"case": r["case"], "o_err": r["o_err"], "lse_err": r["lse_err"]} for r in fails[:40]], title="FAILED checks")
     if rows:
         print_table(rows, title="timing (graph replay)")
+    if sweep_rows:
+        print_table(sweep_rows, title="config sweep (graph replay)")
     print("ALL CHECKS OK" if ok else f"{len(fails)} CHECKS FAILED")
 
 

@@ -125,6 +125,7 @@ def launch_gluon_decode(
         UNIT_QLEN=unit_qlen,
         WRITE_LSE=write_lse,
         KV_FP8=kv_fp8,
+        OVERLAP=config.overlap,
         num_warps=NUM_WARPS,
     )
     if mode == MODE_SPLIT and num_splits == 1:

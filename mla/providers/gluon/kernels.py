@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -82,6 +83,37 @@ def _issue_tile(
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
     ptr_r = kv_ptr + tok_r[:, None] * stride_kv + L + cols_r[None, :]
     async_copy.async_copy_global_to_shared(rope_dst, ptr_r, mask=(n_r < hi)[:, None])
+
+
+@gluon.jit
+def _mma_operands(
+    lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
+    dtype: gl.constexpr,
+):  # fmt: skip
+    """The shared-memory K tile of tile ``t`` for the MMAs, after its cp.async group completed.
+
+    16-bit caches: the ring slot itself. fp8: the slot widened, 16 rows at a time, into wide
+    buffer ``t % WIDE_STAGES``. Ends with the proxy fence and barrier the MMAs need.
+    """
+    stage = t % NUM_STAGES
+    if KV_FP8:
+        gl.thread_barrier()
+        slot = t % WIDE_STAGES
+        WIDEN_ROWS: gl.constexpr = 16
+        for c in gl.static_range(BLOCK_N // WIDEN_ROWS):
+            x = lat_ring.index(stage).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(LAT_LD)
+            lat_wide.index(slot).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(dtype))
+        xr = rope_ring.index(stage).load(ROPE_LD)
+        rope_wide.index(slot).store(xr.to(dtype))
+        k_lat = lat_wide.index(slot)
+        k_rope = rope_wide.index(slot)
+    else:
+        k_lat = lat_ring.index(stage)
+        k_rope = rope_ring.index(stage)
+    fence_async_shared()
+    gl.thread_barrier()
+    return k_lat, k_rope
 
 
 # ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
@@ -128,9 +160,13 @@ def mla_decode_kernel(
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
+    OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64
+    WIDE_STAGES: gl.constexpr = 2 if OVERLAP else 1
+    if OVERLAP:
+        gl.static_assert(NUM_STAGES >= 3, "the overlapped loop keeps two tiles ahead of the MMAs")
     gl.static_assert(num_warps == 8, "two warpgroups split the output columns")
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
@@ -200,8 +236,11 @@ def mla_decode_kernel(
     lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
     rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
     if KV_FP8:
-        lat_wide = gl.allocate_shared_memory(dtype, [BLOCK_N, L], mma_smem)
-        rope_wide = gl.allocate_shared_memory(dtype, [BLOCK_N, R], mma_smem)
+        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
+        rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], mma_smem)
+    else:
+        lat_wide = lat_ring
+        rope_wide = rope_ring
 
     index_base = kv_indices_ptr + kv_start
     tok_l = _load_ids(index_base, lo, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
@@ -243,53 +282,89 @@ def mla_decode_kernel(
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    for t in range(n_tiles):
-        # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
-        gl.thread_barrier()
-        ahead = t + NUM_STAGES - 1
-        _issue_tile(
-            kv_ptr, tok_l, tok_r, lo + ahead * BLOCK_N, hi, stride_kv,
-            lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-            L, R, BLOCK_N, lat_ld, rope_ld,
+    if OVERLAP:
+        # Software-pipelined: PV of tile t and QKᵀ of tile t+1 are issued back to back and
+        # waited together, so the tensor cores see both while the ring streams tiles ahead.
+        async_copy.wait_group(NUM_STAGES - 2)
+        k_lat, k_rope = _mma_operands(
+            lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
+            lat_ld, rope_ld, dtype,
         )  # fmt: skip
-        async_copy.commit_group()
-        tok_l = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
-        tok_r = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
-        async_copy.wait_group(NUM_STAGES - 1)
-        stage = t % NUM_STAGES
-        if KV_FP8:
-            gl.thread_barrier()
-            WIDEN_ROWS: gl.constexpr = 16
-            for c in gl.static_range(BLOCK_N // WIDEN_ROWS):
-                x = lat_ring.index(stage).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(lat_ld)
-                lat_wide.slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(dtype))
-            xr = rope_ring.index(stage).load(rope_ld)
-            rope_wide.store(xr.to(dtype))
-            k_lat = lat_wide
-            k_rope = rope_wide
-        else:
-            k_lat = lat_ring.index(stage)
-            k_rope = rope_ring.index(stage)
-        fence_async_shared()
-        gl.thread_barrier()
-
         sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-
-        n = t * BLOCK_N + lo + offs_n
-        visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
-        sc = gl.where(visible, sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, k_lat, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_init(acc)
+        for t in range(n_tiles):
+            sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
+            n = t * BLOCK_N + lo + offs_n
+            visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+            sc = gl.where(visible, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if KV_FP8:
+                v_cur = lat_wide.index(t % WIDE_STAGES)
+            else:
+                v_cur = lat_ring.index(t % NUM_STAGES)
+            acc = warpgroup_mma(p_op, v_cur, acc, is_async=True)
+            # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled.
+            gl.thread_barrier()
+            ahead = t + NUM_STAGES - 1
+            _issue_tile(
+                kv_ptr, tok_l, tok_r, lo + ahead * BLOCK_N, hi, stride_kv,
+                lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+                L, R, BLOCK_N, lat_ld, rope_ld,
+            )  # fmt: skip
+            async_copy.commit_group()
+            tok_l = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
+            tok_r = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
+            async_copy.wait_group(NUM_STAGES - 2)
+            # Tile t+1 (zero rows past the last tile: its scores are never used).
+            k_lat, k_rope = _mma_operands(
+                lat_ring, rope_ring, lat_wide, rope_wide, t + 1, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
+                lat_ld, rope_ld, dtype,
+            )  # fmt: skip
+            sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
+        sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
+    else:
+        for t in range(n_tiles):
+            # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
+            gl.thread_barrier()
+            ahead = t + NUM_STAGES - 1
+            _issue_tile(
+                kv_ptr, tok_l, tok_r, lo + ahead * BLOCK_N, hi, stride_kv,
+                lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+                L, R, BLOCK_N, lat_ld, rope_ld,
+            )  # fmt: skip
+            async_copy.commit_group()
+            tok_l = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
+            tok_r = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
+            async_copy.wait_group(NUM_STAGES - 1)
+            k_lat, k_rope = _mma_operands(
+                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
+                lat_ld, rope_ld, dtype,
+            )  # fmt: skip
+            sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            n = t * BLOCK_N + lo + offs_n
+            visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+            sc = gl.where(visible, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, k_lat, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
     # -- epilogue --------------------------------------------------------------------------------

@@ -48,12 +48,14 @@ SUPPORTED_ROPE = 64
 class GluonLaunchConfig:
     """Compile-time shape of one Gluon decode launch plus its run-time split count."""
 
-    block_n: int = 64
+    block_n: int = 32
     """KV tokens per tile (the wgmma N of QKᵀ and K of PV)."""
-    num_stages: int = 2
+    num_stages: int = 4
     """Depth of the shared-memory KV ring (tiles in flight = ``num_stages - 1``)."""
     num_splits: int = 1
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
+    overlap: bool = True
+    """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // BLOCK_M)
