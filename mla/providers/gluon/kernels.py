@@ -62,23 +62,28 @@ def _row_info(rb, qlen, kv_len, H: gl.constexpr, BLOCK_M: gl.constexpr, layout: 
 
 
 @gluon.jit
-def _load_ids(index_base, n0, hi, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """Flat token ids (int64) of KV positions ``n0 ..`` in ``layout``; 0 past ``hi``."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=layout)
-    return gl.load(index_base + n, mask=n < hi, other=0).to(gl.int64)
+def _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr, ID_LD: gl.constexpr):
+    """cp.async the flat token ids of tile ``j`` into id-ring slot ``j % ID_SLOTS`` (0 past ``hi``)."""
+    n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ID_LD)
+    async_copy.async_copy_global_to_shared(idx_ring.index(j % ID_SLOTS), index_base + n, mask=n < hi)
 
 
 @gluon.jit
 def _issue_tile(
-    kv_ptr, tok_l, tok_r, n0, hi, stride_kv, lat_dst, rope_dst,
-    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+    kv_ptr, idx_ring, a, lo, hi, stride_kv, lat_dst, rope_dst,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
 ):  # fmt: skip
-    """cp.async the latent and rope parts of cache rows ``tok`` (rows past ``hi`` zero-filled)."""
+    """cp.async the latent and rope parts of tile ``a``'s cache rows (ids from the id ring;
+    rows past ``hi`` zero-filled)."""
+    ids = idx_ring.index(a % ID_SLOTS)
+    n0 = lo + a * BLOCK_N
+    tok_l = ids.load(gl.SliceLayout(1, LAT_LD)).to(gl.int64)
     n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_LD))
     cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
     ptr_l = kv_ptr + tok_l[:, None] * stride_kv + cols_l[None, :]
     async_copy.async_copy_global_to_shared(lat_dst, ptr_l, mask=(n_l < hi)[:, None])
+    tok_r = ids.load(gl.SliceLayout(1, ROPE_LD)).to(gl.int64)
     n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_LD))
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
     ptr_r = kv_ptr + tok_r[:, None] * stride_kv + L + cols_r[None, :]
@@ -189,6 +194,9 @@ def mla_decode_kernel(
         lat_ld: gl.constexpr = q_ld
         rope_ld: gl.constexpr = qr_ld
         kv_elem_bits: gl.constexpr = 16
+    id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     ring_smem: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=128 if kv_elem_bits == 16 else 64, element_bitwidth=kv_elem_bits, rank=2
@@ -235,6 +243,7 @@ def mla_decode_kernel(
     q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
     lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
     rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+    idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
     if KV_FP8:
         lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
         rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], mma_smem)
@@ -242,17 +251,22 @@ def mla_decode_kernel(
         lat_wide = lat_ring
         rope_wide = rope_ring
 
+    # Token ids travel NUM_STAGES tiles ahead of the KV rows they address, through a ring of
+    # 2·NUM_STAGES slots filled by cp.async in the same groups as the KV tiles: the group that
+    # brings KV tile a also brings the ids of tile a + NUM_STAGES, so issuing a KV tile never
+    # waits on a global load (an id load one tile ahead cost a full memory latency per tile).
     index_base = kv_indices_ptr + kv_start
-    tok_l = _load_ids(index_base, lo, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
-    tok_r = _load_ids(index_base, lo, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
+    for j in gl.static_range(2 * NUM_STAGES - 1):
+        _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
     for st in gl.static_range(NUM_STAGES - 1):
         _issue_tile(
-            kv_ptr, tok_l, tok_r, lo + st * BLOCK_N, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, lat_ld, rope_ld,
+            kv_ptr, idx_ring, st, lo, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
         )  # fmt: skip
         async_copy.commit_group()
-        tok_l = _load_ids(index_base, lo + (st + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
-        tok_r = _load_ids(index_base, lo + (st + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
 
     # -- the query tile (while the first KV tiles are in flight) --------------------------------
     qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, q_ld))
@@ -315,13 +329,12 @@ def mla_decode_kernel(
             gl.thread_barrier()
             ahead = t + NUM_STAGES - 1
             _issue_tile(
-                kv_ptr, tok_l, tok_r, lo + ahead * BLOCK_N, hi, stride_kv,
+                kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
                 lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-                L, R, BLOCK_N, lat_ld, rope_ld,
+                L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
             )  # fmt: skip
+            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
             async_copy.commit_group()
-            tok_l = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
-            tok_r = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
             async_copy.wait_group(NUM_STAGES - 2)
             # Tile t+1 (zero rows past the last tile: its scores are never used).
             k_lat, k_rope = _mma_operands(
@@ -337,13 +350,12 @@ def mla_decode_kernel(
             gl.thread_barrier()
             ahead = t + NUM_STAGES - 1
             _issue_tile(
-                kv_ptr, tok_l, tok_r, lo + ahead * BLOCK_N, hi, stride_kv,
+                kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
                 lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-                L, R, BLOCK_N, lat_ld, rope_ld,
+                L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
             )  # fmt: skip
+            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
             async_copy.commit_group()
-            tok_l = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, lat_ld))
-            tok_r = _load_ids(index_base, lo + (ahead + 1) * BLOCK_N, hi, BLOCK_N, gl.SliceLayout(1, rope_ld))
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
                 lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
