@@ -21,10 +21,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mla.providers.gluon.kernels import mla_decode_kernel  # noqa: E402
+from mla.providers.gluon.kernels import mla_decode_kernel
 
 
-def compile_variant(*, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0, overlap: bool = True):
+def compile_variant(
+    *, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0, overlap: bool = False
+):
     kv = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {
         "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": kv, "kv_indptr_ptr": "*i32",
@@ -39,12 +41,13 @@ def compile_variant(*, fp8: bool, block_n: int, stages: int, heads: int = 16, mo
     ]  # fmt: skip
     constexprs = {
         "H": heads, "L": 512, "R": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "ROW_BLOCKS": 1,
-        "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "OVERLAP": overlap, "num_warps": 8,
+        "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "OVERLAP": overlap,
+        "num_warps": 8,
     }  # fmt: skip
     sig = dict(ptrs)
-    sig.update({k: "i32" for k in ints})
+    sig.update(dict.fromkeys(ints, "i32"))
     sig["sm_scale_log2"] = "fp32"
-    for k, v in constexprs.items():
+    for k, _v in constexprs.items():
         sig[k] = "constexpr"
     names = list(sig)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs}
@@ -64,21 +67,35 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--sass", action="store_true")
-    ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--overlap", action="store_true")
     args = ap.parse_args()
-    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=not args.no_overlap)
+    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap)
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
-        open(ptx, "w").write(k.asm["ptx"])
-        r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-        print("\n".join(line for line in r.stderr.splitlines() if "registers" in line or "spill" in line or "error" in line))
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        r = subprocess.run(
+            [os.path.join(bindir, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.o")],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        print(
+            "\n".join(
+                line
+                for line in r.stderr.splitlines()
+                if "registers" in line or "spill" in line or "error" in line
+            )
+        )
         cub = os.path.join(d, "k.cubin")
-        open(cub, "wb").write(k.asm["cubin"])
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cub], capture_output=True, text=True).stdout
+        with open(cub, "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run(
+            [os.path.join(bindir, "cuobjdump"), "-sass", cub], capture_output=True, text=True, check=True
+        ).stdout
     for ins in ("HGMMA", "LDGSTS", "LDL", "STL", "BAR.SYNC", "F2FP", "LDG", "STG", "LDSM", "STS", "LDS"):
         pattern = r"\b" + re.escape(ins) + r"[ .]"
         print(f"{ins:9s} {len(re.findall(pattern, sass))}")

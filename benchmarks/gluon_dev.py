@@ -1,12 +1,12 @@
 """Development harness of the Gluon decode: check every variant on small shapes, then time.
 
-    python benchmarks/gluon_dev.py [--check-only] [--out DIR]
+    python benchmarks/gluon_dev.py [--sweep] [--out DIR]
 
 Checks (against the torch reference provider, NaN-poisoned outputs): bf16 and fp8 caches,
 page sizes 1/16/64 via random token permutations, heads 1..128, qlen 1..8 uniform and mixed,
 empty and short requests, each on the non-persistent path (auto, 1 and 3 splits), the planned
-schedule and the small-head path. Then times the issue's key shapes (CUDA-graph replay) for the
-Gluon and Triton providers and prints a table last.
+schedule and the small-head path. ``--sweep`` then times alternative tile shapes on the key
+cases (CUDA-graph replay); ``benchmarks/decode.py`` times the providers side by side.
 """
 
 from __future__ import annotations
@@ -17,28 +17,29 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import bench_graph_us, print_table, rel_error  # noqa: E402
-from decode import MATRIX, SCALE, Problem, label  # noqa: E402
+from _common import bench_graph_us, print_table, rel_error
+from decode import SCALE, Problem, label
 
-from mla.providers.gluon import decode as gd  # noqa: E402
-from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units  # noqa: E402
-from mla.providers.torch_ref import TorchProvider  # noqa: E402
-from mla.providers.triton.decode import num_sms  # noqa: E402
-from mla.providers.triton.schedule import plan_split_kv  # noqa: E402
-from mla.schedule import SplitKVSchedule  # noqa: E402
+from mla.providers.gluon import decode as gd
+from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
+from mla.providers.torch_ref import TorchProvider
+from mla.providers.triton.decode import num_sms
+from mla.providers.triton.schedule import plan_split_kv
+from mla.schedule import SplitKVSchedule
 
 RANK, ROPE = 512, 64
 FP8 = torch.float8_e4m3fn
 
 
-def make_case(heads: int, qlens: list[int], lens: list[int], block: int, fp8: bool, seed: int) -> dict[str, Any]:
+def make_case(
+    heads: int, qlens: list[int], lens: list[int], block: int, fp8: bool, seed: int
+) -> dict[str, Any]:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     blocks_per = [-(-max(n, 1) // block) for n in lens]
@@ -135,7 +136,8 @@ def checks(log: list[dict[str, Any]]) -> bool:
             variants = ["np", "np1", "np3", "sched"] + (["small"] if max(qlens) == 1 else [])
             for v in variants:
                 for with_lse in (True, False) if v == "np" else (True,):
-                    name = f"H{heads} q{qlens} S{lens} bs{block} {'fp8' if fp8 else 'bf16'} {v}{'' if with_lse else ' nolse'}"
+                    kv = "fp8" if fp8 else "bf16"
+                    name = f"H{heads} q{qlens} S{lens} bs{block} {kv} {v}{'' if with_lse else ' nolse'}"
                     try:
                         out, lse = run_variant(c, v, with_lse)
                         torch.cuda.synchronize()
@@ -153,68 +155,6 @@ def checks(log: list[dict[str, Any]]) -> bool:
                         print("FAIL", row, flush=True)
     print(f"checks: {sum(r['ok'] for r in log)}/{len(log)} passed", flush=True)
     return ok_all
-
-
-def timing(rows: list[dict[str, Any]], shapes: list[Any]) -> None:
-    from mla.providers.triton.decode import paged_decode as triton_decode
-    from mla.providers.triton.small_head import small_head_decode as triton_small
-
-    dev = torch.device("cuda")
-    for shape in shapes:
-        prob = Problem(shape, dev)
-        scale_t = torch.tensor([prob.kv_scale or 1.0], dtype=torch.float32, device=dev)
-        st = scale_t if prob.kv_scale is not None else None
-        sched_t = prob.schedule()
-        sched_g = SplitKVSchedule.allocate(
-            max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
-            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen), device=dev, min_chunk=256,
-        )  # fmt: skip
-        plan_split_kv(sched_g, prob.kv_indptr, shape.batch)
-
-        def g_fn(sched: SplitKVSchedule | None, p: Problem = prob, st: Any = st) -> Callable[[], None]:
-            def run() -> None:
-                gd.paged_decode(
-                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
-                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=st, out=p.out, lse=p.lse,
-                    schedule=sched,
-                )  # fmt: skip
-
-            return run
-
-        def g_small(p: Problem = prob, st: Any = st) -> None:
-            gd.small_head_decode(
-                p.q[..., :RANK], p.q[..., RANK:], p.flat, p.kv_indices, p.kv_indptr,
-                max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=st, out=p.out, lse=p.lse,
-            )  # fmt: skip
-
-        def t_fn(sched: SplitKVSchedule | None, p: Problem = prob) -> Callable[[], None]:
-            def run() -> None:
-                triton_decode(
-                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
-                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=p.kv_scale, out=p.out,
-                    lse=p.lse, schedule=sched,
-                )  # fmt: skip
-
-            return run
-
-        variants = [("gluon np", g_fn(None)), ("gluon pers", g_fn(sched_g)),
-                    ("triton np", t_fn(None)), ("triton pers", t_fn(sched_t))]  # fmt: skip
-        if shape.name == "heads":
-            variants.append(("gluon small", g_small))
-        for name, fn in variants:
-            try:
-                eo, el = prob.check(fn)
-                ok = eo <= 1e-2
-                us = bench_graph_us(fn) if ok else math.nan
-            except Exception as exc:
-                traceback.print_exc()
-                eo, us, ok = math.inf, math.nan, False
-                name += f" ERR {type(exc).__name__}"
-            bw, fl = prob.metrics(us)
-            rows.append({"shape": label(shape), "impl": name, "ok": ok, "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl})
-            print(rows[-1], flush=True)
-        del prob
-        torch.cuda.empty_cache()
 
 
 SWEEP_BF16 = [(64, 2, False), (32, 4, True), (32, 3, True), (32, 4, False), (16, 8, True)]
@@ -254,8 +194,10 @@ def sweep(rows: list[dict[str, Any]]) -> None:
                 eo, us = math.inf, math.nan
                 print("sweep error", cfg, type(exc).__name__, str(exc)[-300:], flush=True)
             bw, fl = prob.metrics(us)
-            rows.append({"shape": label(shape), "cfg": f"n{bn} s{ns} {'ov' if ov else 'serial'} k{base.num_splits}",
-                         "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl})  # fmt: skip
+            desc = f"n{bn} s{ns} {'ov' if ov else 'serial'} k{base.num_splits}"
+            rows.append(
+                {"shape": label(shape), "cfg": desc, "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl}
+            )
             print(rows[-1], flush=True)
         del prob
         torch.cuda.empty_cache()
@@ -263,27 +205,23 @@ def sweep(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--check-only", action="store_true")
-    ap.add_argument("--time-only", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="checks, then the launch-config sweep only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     log: list[dict[str, Any]] = []
-    ok = True if args.time_only else checks(log)
-    rows: list[dict[str, Any]] = []
+    ok = checks(log)
     sweep_rows: list[dict[str, Any]] = []
     if args.sweep:
         sweep(sweep_rows)
-    elif not args.check_only:
-        timing(rows, MATRIX)
     with open(os.path.join(args.out, "gluon_dev.json"), "w") as f:
-        json.dump({"checks": log, "timing": rows, "sweep": sweep_rows}, f, indent=1, default=str)
+        json.dump({"checks": log, "sweep": sweep_rows}, f, indent=1, default=str)
     fails = [r for r in log if not r["ok"]]
     if fails:
-        print_table([{"case": r["case"], "o_err": r["o_err"], "lse_err": r["lse_err"]} for r in fails[:40]], title="FAILED checks")
-    if rows:
-        print_table(rows, title="timing (graph replay)")
+        print_table(
+            [{"case": r["case"], "o_err": r["o_err"], "lse_err": r["lse_err"]} for r in fails[:40]],
+            title="FAILED checks",
+        )
     if sweep_rows:
         print_table(sweep_rows, title="config sweep (graph replay)")
     print("ALL CHECKS OK" if ok else f"{len(fails)} CHECKS FAILED")

@@ -62,7 +62,9 @@ def _row_info(rb, qlen, kv_len, H: gl.constexpr, BLOCK_M: gl.constexpr, layout: 
 
 
 @gluon.jit
-def _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr, ID_LD: gl.constexpr):
+def _issue_ids(
+    index_base, idx_ring, j, lo, hi, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr, ID_LD: gl.constexpr
+):
     """cp.async the flat token ids of tile ``j`` into id-ring slot ``j % ID_SLOTS`` (0 past ``hi``)."""
     n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ID_LD)
     async_copy.async_copy_global_to_shared(idx_ring.index(j % ID_SLOTS), index_base + n, mask=n < hi)
@@ -320,10 +322,7 @@ def mla_decode_kernel(
             m_i = m_new
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            if KV_FP8:
-                v_cur = lat_wide.index(t % WIDE_STAGES)
-            else:
-                v_cur = lat_ring.index(t % NUM_STAGES)
+            v_cur = lat_wide.index(t % WIDE_STAGES) if KV_FP8 else lat_ring.index(t % NUM_STAGES)
             acc = warpgroup_mma(p_op, v_cur, acc, is_async=True)
             # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled.
             gl.thread_barrier()

@@ -1,26 +1,35 @@
 """Launch heuristic and split-KV planning of the Gluon MLA decode (pure Python, CPU-testable).
 
 The kernel (:mod:`.kernels`) always runs a 64-row query tile (heads × qlen packed, padded) on
-8 warps, one program per SM: its shared memory (query tile 72 KB + a two-stage ring of
-64-token bf16 KV tiles 144 KB, or the fp8 ring plus one widened tile) and 213–236 registers ×
-256 threads leave room for one resident program (compiler report for sm_90,
-``benchmarks/gluon_compile.py``). So a wave is ``num_sms`` programs, and rows above 64 run as
-``ceil(rows / 64)`` row blocks over the same KV range (adjacent programs, the second read of a
-tile hits L2).
+8 warps, one program per SM: its shared memory (query tile 72 KB, a two-stage ring of 64-token
+bf16 KV tiles 144 KB, the token-id ring; 221 KB in all) and 209 registers × 256 threads leave
+room for one resident program (compiler report for sm_90, ``benchmarks/gluon_compile.py``). So a
+wave is ``num_sms`` programs, and rows above 64 run as ``ceil(rows / 64)`` row blocks over the
+same KV range (adjacent programs, so the second read of a tile hits L2).
 
-==========  =======  ==========  ================================================================
-KV dtype    BLOCK_N  NUM_STAGES  why
-==========  =======  ==========  ================================================================
-16-bit      64       2           one 74 KB tile in flight per SM while the previous is computed;
-                                 the 64×576 tile is the FlashMLA page and the wgmma N of QKᵀ
-fp8         64       2           same tile, half the bytes; widened to 16-bit in shared memory
-==========  =======  ==========  ================================================================
+Tile shape (H200, 2026-12-01, ``benchmarks/gluon_dev.py --sweep``, graph replay, µs):
+
+=========================  ===========  ==========  ==========  ==========
+case                       n64 s2       n32 s4      n32 s4      n16 s8
+                           serial       serial      overlap     overlap
+=========================  ===========  ==========  ==========  ==========
+H16 q1 B128 S8192 bf16     **368**      532         641         1089
+H16 q1 B1 S65536 bf16      **38**       49          57          85
+H16 q4 B64 S4096 bf16      **199**      239         264         379
+H128 q1 B64 S4096 bf16     **197**      279         330         553
+H16 q1 B128 S8192 fp8      **635**      848 (s6)    951         1361
+=========================  ===========  ==========  ==========  ==========
+
+Time grows with the number of tiles, not with the bytes: every tile re-reads the whole 64×576
+query tile from shared memory for QKᵀ in both warpgroups (144 KB per tile, the wgmma A operand)
+besides the softmax's cross-warpgroup exchanges, so the largest tile that fits (64 tokens, two
+stages) wins, and the software-pipelined loop (``overlap``) does not pay it back.
 
 Splits are sized in whole waves (a program in a mostly empty second wave costs a full one):
 
 * non-persistent: the split count ``k`` minimises ``ceil(P·k / slots) / k`` for
-  ``P = requests × row blocks`` programs (the Triton provider's :func:`wave_splits`), capped at
-  ``MAX_SPLITS`` and at one split per ``MIN_SPLIT_TOKENS`` tokens;
+  ``P = requests × row blocks`` programs, capped at ``MAX_SPLITS`` and at one split per
+  ``MIN_SPLIT_TOKENS`` tokens;
 * persistent (planned :class:`~mla.schedule.SplitKVSchedule`): the planner's unit count is the
   largest power of two <= ``num_sms / row_blocks``, so power-of-two batches and lengths are cut
   into equal items (the Triton provider's device planner fills the schedule).
@@ -29,11 +38,14 @@ Splits are sized in whole waves (a program in a mostly empty second wave costs a
 from __future__ import annotations
 
 import attrs
+import torch
 
 MIN_SPLIT_TOKENS = 256
 """Smallest KV range a split is given (non-persistent) and the persistent planner's min chunk."""
 MAX_SPLITS = 128
 """Upper bound on non-persistent splits per request (bounds the partial buffer)."""
+FP8_KV_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+"""fp8 cache formats the Gluon kernel widens (Hopper converts both to 16-bit)."""
 BLOCK_M = 64
 """Packed query rows per program (the wgmma M tile of one warpgroup pair)."""
 NUM_WARPS = 8
@@ -48,17 +60,48 @@ SUPPORTED_ROPE = 64
 class GluonLaunchConfig:
     """Compile-time shape of one Gluon decode launch plus its run-time split count."""
 
-    block_n: int = 32
+    block_n: int = 64
     """KV tokens per tile (the wgmma N of QKᵀ and K of PV)."""
-    num_stages: int = 4
+    num_stages: int = 2
     """Depth of the shared-memory KV ring (tiles in flight = ``num_stages - 1``)."""
     num_splits: int = 1
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
-    overlap: bool = True
+    overlap: bool = False
     """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // BLOCK_M)
+
+
+FP8_ON_GLUON = False
+"""Whether fp8 caches run on the Gluon kernel. Off: on the H200 (2026-12-01, H16 q1 B128 S8192)
+the Gluon fp8 path (fp8 ring widened to bf16 in shared memory) took 635 µs against 514 µs for
+the Triton provider's register-widening kernel, so fp8 decodes use the Triton kernel."""
+
+
+def decode_kernel(
+    *, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int
+) -> tuple[str, str]:
+    """Which kernel serves a decode: ``("gluon", why)`` or ``("triton", why)``.
+
+    The Gluon kernel is built for 16-bit queries, a cache of the query's dtype (or fp8 e4m3 /
+    e5m2 when :data:`FP8_ON_GLUON`) and the 512 + 64 latent/rope split; everything else runs
+    on the Triton provider's decode kernel.
+    """
+    if (kv_lora_rank, rope_dim) != (SUPPORTED_LATENT, SUPPORTED_ROPE):
+        return "triton", (
+            f"latent/rope dims {kv_lora_rank}+{rope_dim}: the Gluon kernel is built for "
+            f"{SUPPORTED_LATENT}+{SUPPORTED_ROPE}"
+        )
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return "triton", f"query dtype {q_dtype}: the Gluon kernel takes bf16/fp16 queries"
+    if kv_dtype in FP8_KV_DTYPES:
+        if FP8_ON_GLUON:
+            return "gluon", "fp8 cache on the Gluon kernel"
+        return "triton", "fp8 cache: the Triton kernel measured faster on the H200 (514 vs 635 µs)"
+    if kv_dtype != q_dtype:
+        return "triton", f"cache dtype {kv_dtype} differs from the query dtype {q_dtype}"
+    return "gluon", "16-bit cache, 512+64 dims"
 
 
 def wave_splits(programs: int, *, slots: int, cap: int) -> int:
@@ -100,10 +143,13 @@ def schedule_units(*, num_sms: int, rows: int) -> int:
 
 __all__ = [
     "BLOCK_M",
+    "FP8_KV_DTYPES",
+    "FP8_ON_GLUON",
     "MAX_SPLITS",
     "MIN_SPLIT_TOKENS",
     "NUM_WARPS",
     "GluonLaunchConfig",
+    "decode_kernel",
     "launch_config",
     "schedule_units",
     "wave_splits",

@@ -1,0 +1,88 @@
+"""The Gluon decode's launch heuristic and kernel choice, on the CPU (no GPU, no compilation)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mla.providers.gluon.planner import (
+    BLOCK_M,
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
+    GluonLaunchConfig,
+    decode_kernel,
+    launch_config,
+    schedule_units,
+    wave_splits,
+)
+
+
+def _waves_per_unit(programs: int, k: int, slots: int) -> float:
+    return math.ceil(programs * k / slots) / k
+
+
+@given(st.integers(1, 600), st.integers(1, 264), st.integers(1, 200))
+def test_wave_splits_is_the_smallest_best_split(programs: int, slots: int, cap: int) -> None:
+    k = wave_splits(programs, slots=slots, cap=cap)
+    assert 1 <= k <= cap
+    costs = [_waves_per_unit(programs, j, slots) for j in range(1, cap + 1)]
+    assert _waves_per_unit(programs, k, slots) == min(costs)
+    assert costs.index(min(costs)) + 1 == k
+
+
+def test_launch_config_examples() -> None:
+    # 64 requests on 132 SMs: two splits fill one wave (128 programs).
+    assert launch_config(
+        batch=64, rows=16, max_seqlen_k=4096, num_sms=132, kv_elem_size=2, persistent=False
+    ) == (GluonLaunchConfig(num_splits=2))
+    # One long request is cut into MAX_SPLITS pieces.
+    one = launch_config(batch=1, rows=16, max_seqlen_k=65536, num_sms=132, kv_elem_size=2, persistent=False)
+    assert one.num_splits == MAX_SPLITS
+    # 128 heads are two row blocks: 128 programs already fill the wave.
+    big = launch_config(batch=64, rows=128, max_seqlen_k=4096, num_sms=132, kv_elem_size=2, persistent=False)
+    assert big.row_blocks(128) == 2
+    assert big.num_splits == 1
+    # Persistent launches take their splits from the schedule.
+    assert launch_config(
+        batch=1, rows=16, max_seqlen_k=65536, num_sms=132, kv_elem_size=2, persistent=True
+    ) == (GluonLaunchConfig())
+
+
+@given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
+def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int, sms: int) -> None:
+    cfg = launch_config(
+        batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, kv_elem_size=2, persistent=False
+    )
+    assert 1 <= cfg.num_splits <= MAX_SPLITS
+    assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
+    assert cfg.row_blocks(rows) == -(-rows // BLOCK_M)
+
+
+@pytest.mark.parametrize(
+    ("sms", "rows", "units"),
+    [(132, 16, 128), (132, 64, 128), (132, 128, 64), (132, 256, 32), (8, 16, 8), (1, 512, 1)],
+)
+def test_schedule_units_is_a_power_of_two_per_wave(sms: int, rows: int, units: int) -> None:
+    assert schedule_units(num_sms=sms, rows=rows) == units
+
+
+def test_kernel_choice_and_reasons() -> None:
+    bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+    assert decode_kernel(q_dtype=bf16, kv_dtype=bf16, kv_lora_rank=512, rope_dim=64)[0] == "gluon"
+    assert decode_kernel(q_dtype=fp16, kv_dtype=fp16, kv_lora_rank=512, rope_dim=64)[0] == "gluon"
+    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=bf16, kv_lora_rank=256, rope_dim=64)
+    assert kernel == "triton"
+    assert "512+64" in why
+    kernel, why = decode_kernel(q_dtype=torch.float32, kv_dtype=torch.float32, kv_lora_rank=512, rope_dim=64)
+    assert kernel == "triton"
+    assert "query dtype" in why
+    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp16, kv_lora_rank=512, rope_dim=64)
+    assert kernel == "triton"
+    assert "differs" in why
+    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64)
+    assert kernel == "triton"
+    assert "fp8" in why
