@@ -22,10 +22,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla.providers.gluon.kernels import mla_decode_kernel
+from mla.providers.gluon.transposed import mla_decode_rows_kernel
 
 
 def compile_variant(
-    *, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0, overlap: bool = False
+    *, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0, overlap: bool = False,
+    rows: int = 0,
 ):
     kv = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {
@@ -47,18 +49,26 @@ def compile_variant(
     sig = dict(ptrs)
     sig.update(dict.fromkeys(ints, "i32"))
     sig["sm_scale_log2"] = "fp32"
+    if rows:
+        del sig["kv_scale_ptr"]
+        for k in ("KV_FP8", "OVERLAP"):
+            del constexprs[k]
+        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
+        constexprs = {"H": heads, "L": 512, "R": 64, "NR": rows, **rest}
+        constexprs["num_warps"] = 4
     for k, _v in constexprs.items():
         sig[k] = "constexpr"
     names = list(sig)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs if k in sig}
     attrs.update({(names.index(k),): [["tt.divisibility", 16]] for k in ints if k.startswith("stride")})
     src = GluonASTSource(
-        mla_decode_kernel,
+        mla_decode_rows_kernel if rows else mla_decode_kernel,
         signature=sig,
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    warps = 4 if rows else 8
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 def main() -> None:
@@ -68,8 +78,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--sass", action="store_true")
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--rows", type=int, default=0, help="compile the transposed kernel for NR rows")
     args = ap.parse_args()
-    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap)
+    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap, rows=args.rows)
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

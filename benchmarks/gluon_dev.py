@@ -19,6 +19,7 @@ import sys
 import traceback
 from typing import Any
 
+import attrs
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -102,9 +103,16 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
             device=c["q"].device, min_chunk=256,
         )  # fmt: skip
         plan_split_kv(sched, c["kv_indptr"], batch)
+    elif variant == "np64":
+        config = GluonLaunchConfig(num_splits=2)
     elif variant.startswith("np"):
         splits = variant[2:]
-        config = None if splits == "" else GluonLaunchConfig(num_splits=int(splits))
+        if splits:
+            auto = launch_config(
+                batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len, num_sms=num_sms(c["q"].device),
+                kv_elem_size=c["cache"].element_size(), persistent=False,
+            )  # fmt: skip
+            config = attrs.evolve(auto, num_splits=int(splits))
     gd.paged_decode(
         c["q"], c["cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"],
         max_qlen=max_qlen, max_seqlen_k=max_len, softmax_scale=SCALE, kv_scale=scale_t,
@@ -124,6 +132,9 @@ CHECKS: list[tuple[int, list[int], list[int], int]] = [
     (128, [1, 2, 1], [800, 300, 2], 64),
     (64, [1, 1], [3000, 65], 1),
     (5, [8, 1], [2000, 9], 16),
+    (16, [2, 2, 2], [700, 2, 1500], 16),
+    (12, [2, 1], [900, 33], 1),
+    (3, [7, 7], [130, 4000], 64),
 ]
 
 
@@ -134,6 +145,8 @@ def checks(log: list[dict[str, Any]]) -> bool:
             c = make_case(heads, qlens, lens, block, fp8, seed=100 + i)
             ref_o, ref_l = reference(c)
             variants = ["np", "np1", "np3", "sched"] + (["small"] if max(qlens) == 1 else [])
+            if heads * max(qlens) <= 32:
+                variants.append("np64")
             for v in variants:
                 for with_lse in (True, False) if v == "np" else (True,):
                     kv = "fp8" if fp8 else "bf16"
@@ -157,34 +170,40 @@ def checks(log: list[dict[str, Any]]) -> bool:
     return ok_all
 
 
-SWEEP_BF16 = [(64, 2, False), (32, 4, True), (32, 3, True), (32, 4, False), (16, 8, True)]
-SWEEP_FP8 = [(64, 2, False), (32, 4, True), (32, 6, False), (16, 8, True), (16, 12, True)]
-
-
 def sweep(rows: list[dict[str, Any]]) -> None:
+    """The 64-row kernel against the transposed few-rows kernel on the few-row cases."""
     from decode import Shape
 
     dev = torch.device("cuda")
     shapes = [
-        Shape("mem", 16, 1, 128, 8192), Shape("mem", 16, 1, 64, 4096), Shape("long", 16, 1, 1, 65536),
-        Shape("page1", 16, 1, 16, 4096, block=1), Shape("verify", 16, 4, 64, 4096),
-        Shape("compute", 128, 1, 64, 4096), Shape("fp8", 16, 1, 128, 8192, kv="fp8"),
+        Shape("mem", 16, 1, 64, 4096), Shape("mem", 16, 1, 64, 8192), Shape("mem", 16, 1, 128, 4096),
+        Shape("mem", 16, 1, 128, 8192), Shape("long", 16, 1, 1, 65536),
+        Shape("page1", 16, 1, 16, 4096, block=1), Shape("verify", 16, 2, 64, 4096),
+        Shape("heads", 8, 1, 128, 4096), Shape("heads", 12, 1, 128, 4096),
     ]  # fmt: skip
     for shape in shapes:
         prob = Problem(shape, dev)
-        st = torch.tensor([prob.kv_scale], dtype=torch.float32, device=dev) if prob.kv_scale else None
-        base = launch_config(
+        auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), kv_elem_size=prob.cache.element_size(), persistent=False,
+            num_sms=num_sms(dev), kv_elem_size=2, persistent=False,
         )  # fmt: skip
-        for bn, ns, ov in SWEEP_FP8 if shape.kv == "fp8" else SWEEP_BF16:
-            cfg = GluonLaunchConfig(block_n=bn, num_stages=ns, overlap=ov, num_splits=base.num_splits)
+        sched = SplitKVSchedule.allocate(
+            max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
+            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen), device=dev,
+            min_chunk=256,
+        )  # fmt: skip
+        plan_split_kv(sched, prob.kv_indptr, shape.batch)
+        for name, cfg, sc in [
+            ("64-row np", attrs.evolve(auto, row_tile=64), None),
+            (f"{auto.row_tile}-row np", auto, None),
+            (f"{auto.row_tile}-row pers", None, sched),
+        ]:
 
-            def run(p: Problem = prob, cfg: GluonLaunchConfig = cfg, st: Any = st) -> None:
+            def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:
                 gd.paged_decode(
                     p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
-                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=st, out=p.out, lse=p.lse,
-                    config=cfg,
+                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=None, out=p.out, lse=p.lse,
+                    config=cfg, schedule=sc,
                 )  # fmt: skip
 
             try:
@@ -192,11 +211,10 @@ def sweep(rows: list[dict[str, Any]]) -> None:
                 us = bench_graph_us(run) if eo <= 1e-2 else math.nan
             except Exception as exc:
                 eo, us = math.inf, math.nan
-                print("sweep error", cfg, type(exc).__name__, str(exc)[-300:], flush=True)
+                print("sweep error", name, type(exc).__name__, str(exc)[-300:], flush=True)
             bw, fl = prob.metrics(us)
-            desc = f"n{bn} s{ns} {'ov' if ov else 'serial'} k{base.num_splits}"
             rows.append(
-                {"shape": label(shape), "cfg": desc, "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl}
+                {"shape": label(shape), "kernel": name, "o_err": eo, "us": us, "TB/s": bw, "TFLOP/s": fl}
             )
             print(rows[-1], flush=True)
         del prob

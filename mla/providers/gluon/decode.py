@@ -15,7 +15,8 @@ import torch
 
 from mla.errors import InvalidInputError
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
-from mla.providers.gluon.planner import NUM_WARPS, GluonLaunchConfig, launch_config
+from mla.providers.gluon.planner import BLOCK_M, NUM_WARPS, GluonLaunchConfig, launch_config
+from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.triton.decode import launch_merge, num_sms
 from mla.schedule import SplitKVSchedule
 
@@ -85,7 +86,7 @@ def launch_gluon_decode(
                 "decode_schedule_buffers for this kernel's heads and max qlen",
             )
         work_info, split_indptr = schedule.work_info, schedule.split_indptr
-    mla_decode_kernel[(num_work * row_blocks,)](
+    common = (
         q_nope,
         q_pe,
         kv_cache,
@@ -98,7 +99,8 @@ def launch_gluon_decode(
         lse_arg,
         part_o,
         part_lse,
-        scale_arg,
+    )
+    strides = (
         num_splits,
         q_nope.stride(0),
         q_nope.stride(1),
@@ -115,19 +117,43 @@ def launch_gluon_decode(
         part_lse.stride(0),
         part_lse.stride(1),
         softmax_scale * LOG2E,
-        H=heads,
-        L=rank,
-        R=rope,
-        BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages,
-        ROW_BLOCKS=row_blocks,
-        MODE=mode,
-        UNIT_QLEN=unit_qlen,
-        WRITE_LSE=write_lse,
-        KV_FP8=kv_fp8,
-        OVERLAP=config.overlap,
-        num_warps=NUM_WARPS,
     )
+    if config.row_tile != BLOCK_M:
+        if kv_fp8:
+            raise InvalidInputError("config", "the few-rows kernel takes 16-bit caches only; use row_tile=64")
+        mla_decode_rows_kernel[(num_work * row_blocks,)](
+            *common,
+            *strides,
+            H=heads,
+            L=rank,
+            R=rope,
+            NR=config.row_tile,
+            BLOCK_N=config.block_n,
+            NUM_STAGES=config.num_stages,
+            ROW_BLOCKS=row_blocks,
+            MODE=mode,
+            UNIT_QLEN=unit_qlen,
+            WRITE_LSE=write_lse,
+            num_warps=4,
+        )
+    else:
+        mla_decode_kernel[(num_work * row_blocks,)](
+            *common,
+            scale_arg,
+            *strides,
+            H=heads,
+            L=rank,
+            R=rope,
+            BLOCK_N=config.block_n,
+            NUM_STAGES=config.num_stages,
+            ROW_BLOCKS=row_blocks,
+            MODE=mode,
+            UNIT_QLEN=unit_qlen,
+            WRITE_LSE=write_lse,
+            KV_FP8=kv_fp8,
+            OVERLAP=config.overlap,
+            num_warps=NUM_WARPS,
+        )
     if mode == MODE_SPLIT and num_splits == 1:
         return
     launch_merge(

@@ -48,6 +48,9 @@ FP8_KV_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 """fp8 cache formats the Gluon kernel widens (Hopper converts both to 16-bit)."""
 BLOCK_M = 64
 """Packed query rows per program (the wgmma M tile of one warpgroup pair)."""
+FEW_ROWS_MAX = 32
+"""Largest packed row count the transposed few-rows kernel takes (its ``Oᵀ`` accumulator is
+``512 × rows`` fp32 on one warpgroup: 128 registers per thread at 32 rows)."""
 NUM_WARPS = 8
 """Two warpgroups, each holding half of the 64×512 fp32 output accumulator."""
 SUPPORTED_LATENT = 512
@@ -68,9 +71,12 @@ class GluonLaunchConfig:
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
     overlap: bool = False
     """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
+    row_tile: int = BLOCK_M
+    """Packed query rows per program: 64 (the 64-row kernel of :mod:`.kernels`) or 16/32 (the
+    transposed few-rows kernel of :mod:`.transposed`, 16-bit caches only)."""
 
     def row_blocks(self, rows: int) -> int:
-        return -(-rows // BLOCK_M)
+        return -(-rows // self.row_tile)
 
 
 FP8_ON_GLUON = False
@@ -125,8 +131,7 @@ def launch_config(
     ``kv_elem_size`` (1 for fp8) is accepted so the table can differ per cache width; today
     both widths use the same tile.
     """
-    del kv_elem_size
-    tile = GluonLaunchConfig()
+    tile = GluonLaunchConfig(row_tile=few_rows_tile(rows, kv_elem_size=kv_elem_size))
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
@@ -134,10 +139,19 @@ def launch_config(
     return attrs.evolve(tile, num_splits=splits)
 
 
-def schedule_units(*, num_sms: int, rows: int) -> int:
+def few_rows_tile(rows: int, *, kv_elem_size: int) -> int:
+    """The row tile for ``rows`` packed rows: 16 or 32 (transposed kernel) when they fit and
+    the cache is 16-bit, else 64."""
+    if kv_elem_size == 2 and rows <= FEW_ROWS_MAX:
+        return 16 if rows <= 16 else 32
+    return BLOCK_M
+
+
+def schedule_units(*, num_sms: int, rows: int, kv_elem_size: int = 2) -> int:
     """Work items the persistent planner aims for: the largest power of two <= ``num_sms``
     divided by the row blocks of ``rows``."""
-    per_wave = max(1, num_sms // (-(-max(rows, 1) // BLOCK_M)))
+    tile = few_rows_tile(max(rows, 1), kv_elem_size=kv_elem_size)
+    per_wave = max(1, num_sms // (-(-max(rows, 1) // tile)))
     return 1 << (per_wave.bit_length() - 1)
 
 

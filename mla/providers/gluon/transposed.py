@@ -1,0 +1,235 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Gluon MLA decode for few query rows (heads × qlen <= 32): transposed MMAs on one warpgroup.
+
+A 64-row query tile wastes most of its MMA rows when a request has 16 (or 32) packed rows, and
+with the query as the wgmma A operand every KV tile re-reads the whole 64×576 query tile from
+shared memory. This kernel computes the transposed products instead, so the few query rows are
+the MMA N dimension (``NR`` = 16 or 32) and the KV tile is the M dimension:
+
+* ``Sᵀ [BLOCK_N, NR] = K [BLOCK_N, 576] · Qᵀ`` (A = the K tile, K-major; B = the ``NR``-row query
+  tile, 18 or 36 KB of shared memory);
+* ``Oᵀ [512, NR] += Vᵀ [512, BLOCK_N] · Pᵀ`` (A = the same tile read transposed, B = ``Pᵀ``
+  stored to shared memory as bf16/fp16, 2–4 KB).
+
+Per 64-token tile that is about 250 KB of shared-memory traffic instead of about 370 KB, a
+quarter of the MMA work, no cross-warpgroup exchange (one warpgroup of 4 warps holds the
+``Oᵀ`` accumulator: 64 or 128 registers per thread), and room left for the KV ring. The token
+ids, the cp.async KV ring, the work items (non-persistent splits, planned schedule, unit-qlen
+rows) and the outputs (direct, or fp32 partials for the split reduce) are those of
+:mod:`.kernels`; 16-bit caches only.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.providers.gluon.kernels import _issue_ids, _issue_tile
+
+
+@gluon.jit
+def _rows(rb, qlen, kv_len, H: gl.constexpr, NR: gl.constexpr, layout: gl.constexpr):
+    """Query row ordinal, head, validity and causal key limit of the ``NR`` packed rows."""
+    rows = rb * NR + gl.arange(0, NR, layout=layout)
+    qi = rows // H
+    head = rows % H
+    return qi, head, qi < qlen, kv_len - qlen + qi + 1
+
+
+@gluon.jit(do_not_specialize=["num_splits"])
+def mla_decode_rows_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    qo_indptr_ptr,
+    work_info_ptr,
+    split_indptr_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    sm_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    NR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    ROW_BLOCKS: gl.constexpr,
+    MODE: gl.constexpr,
+    UNIT_QLEN: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == 4, "one warpgroup")
+    gl.static_assert(BLOCK_N == 64, "the KV tile is the wgmma M dimension (64 rows per warpgroup)")
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 16]
+    )
+    ot_layout: gl.constexpr = st_layout
+    lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
+    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
+
+    # -- the work item (as in the 64-row kernel) -----------------------------------------------
+    pid = gl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    work = pid // ROW_BLOCKS
+    if MODE == 0:
+        req = work // num_splits
+        split = work % num_splits
+        kv_start = gl.load(kv_indptr_ptr + req)
+        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, kv_len)
+        direct = num_splits == 1
+    else:
+        req = gl.load(work_info_ptr + work * 4)
+        if req < 0:
+            return
+        kv_start = gl.load(kv_indptr_ptr + req)
+        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+        lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
+        hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
+        direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
+    if UNIT_QLEN:
+        q_start = req
+        qlen = 1
+    else:
+        q_start = gl.load(qo_indptr_ptr + req)
+        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
+
+    q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_smem_layout)
+    lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
+    rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+    idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
+
+    index_base = kv_indices_ptr + kv_start
+    for j in gl.static_range(2 * NUM_STAGES - 1):
+        _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    for st in gl.static_range(NUM_STAGES - 1):
+        _issue_tile(
+            kv_ptr, idx_ring, st, lo, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+        )  # fmt: skip
+        async_copy.commit_group()
+
+    # -- the NR query rows -----------------------------------------------------------------------
+    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, lat_ld))
+    tok_q = (q_start + qi_q).to(gl.int64)
+    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, lat_ld))
+    qn = gl.load(
+        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
+        mask=ok_q[:, None],
+        other=0.0,
+    )
+    q_nope_smem.store(qn)
+    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, rope_ld))
+    tok_r = (q_start + qi_r).to(gl.int64)
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    qp = gl.load(
+        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
+        mask=ok_r[:, None],
+        other=0.0,
+    )
+    q_pe_smem.store(qp)
+
+    _qi, _hd, _ok, row_limit = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
+    m_i = gl.full([NR], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
+    l_i = gl.zeros([NR], gl.float32, layout=gl.SliceLayout(0, st_layout))
+    acc = gl.zeros([L, NR], gl.float32, layout=ot_layout)
+    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    for t in range(n_tiles):
+        # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
+        gl.thread_barrier()
+        ahead = t + NUM_STAGES - 1
+        _issue_tile(
+            kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
+            lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+        )  # fmt: skip
+        _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+        async_copy.commit_group()
+        async_copy.wait_group(NUM_STAGES - 1)
+        fence_async_shared()
+        gl.thread_barrier()
+        k_lat = lat_ring.index(t % NUM_STAGES)
+        k_rope = rope_ring.index(t % NUM_STAGES)
+
+        sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+
+        n = t * BLOCK_N + lo + offs_n
+        visible = (n < hi)[:, None] & (n[:, None] < row_limit[None, :])
+        sc = gl.where(visible, sc * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        acc = acc * alpha[None, :]
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(k_lat.permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    # -- epilogue --------------------------------------------------------------------------------
+    has_keys = l_i > 0.0
+    safe_l = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
+    o = acc * (1.0 / safe_l)[None, :]
+    qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, ot_layout))
+    cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, ot_layout))
+    if direct:
+        tok_o = (q_start + qi_o).to(gl.int64)
+        o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[None, :])
+        if WRITE_LSE:
+            gl.store(lse_ptr + tok_o * stride_lse_t + head_o * stride_lse_h, lse, mask=ok_o)
+    else:
+        wk = work.to(gl.int64)
+        base = part_o_ptr + wk * stride_po_w + qi_o * stride_po_q + head_o * stride_po_h
+        gl.store(base[None, :] + cols_o[:, None], o, mask=ok_o[None, :])
+        gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
