@@ -18,6 +18,7 @@ from mla.providers.torch_ref import TorchProvider
 PROVIDER_MODULES: dict[str, tuple[str, str]] = {
     "torch": ("mla.providers.torch_ref", "TorchProvider"),
     "triton": ("mla.providers.triton", "TritonProvider"),
+    "gluon": ("mla.providers.gluon", "GluonProvider"),
     "aiter": ("mla.providers.aiter", "AiterProvider"),
 }
 """Provider name -> (module, class), imported on first use."""
@@ -52,14 +53,22 @@ def get_provider(name: str) -> KernelProvider:
     return provider
 
 
-def auto_provider(platform: Platform) -> KernelProvider:
-    """The best provider for ``platform``: aiter on ROCm when available, Triton on a GPU when
-    available, the torch reference otherwise."""
-    order = []
+def auto_order(platform: Platform) -> tuple[str, ...]:
+    """Providers ``auto`` tries on ``platform``, best first: aiter on ROCm, gluon on NVIDIA
+    Hopper (sm90), triton on any GPU; the torch reference comes after all of them."""
+    order: list[str] = []
     if platform.is_gpu:
         if platform.vendor == "amd":
             order.append("aiter")
+        if platform.arch == "sm90":
+            order.append("gluon")
         order.append("triton")
+    return tuple(order)
+
+
+def auto_provider(platform: Platform) -> KernelProvider:
+    """The first available provider of :func:`auto_order`, the torch reference otherwise."""
+    order = auto_order(platform)
     for name in order:
         try:
             provider = get_provider(name)
@@ -112,6 +121,7 @@ __all__ = [
     "PROVIDER_MODULES",
     "KernelProvider",
     "TorchProvider",
+    "auto_order",
     "auto_provider",
     "emulated_provider",
     "emulation_capabilities",

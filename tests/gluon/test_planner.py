@@ -34,22 +34,26 @@ def test_wave_splits_is_the_smallest_best_split(programs: int, slots: int, cap: 
     assert costs.index(min(costs)) + 1 == k
 
 
+def _cfg(**kw: object) -> GluonLaunchConfig:
+    return launch_config(**{"num_sms": 132, "kv_elem_size": 2, "persistent": False, **kw})  # type: ignore[arg-type]
+
+
 def test_launch_config_examples() -> None:
-    # 64 requests on 132 SMs: two splits fill one wave (128 programs).
-    assert launch_config(
-        batch=64, rows=16, max_seqlen_k=4096, num_sms=132, kv_elem_size=2, persistent=False
-    ) == (GluonLaunchConfig(num_splits=2))
+    # 64 requests of 16 rows on 132 SMs: the 16-row kernel, two splits fill one wave.
+    assert _cfg(batch=64, rows=16, max_seqlen_k=4096) == GluonLaunchConfig(num_splits=2, row_tile=16)
+    # 24 and 32 rows take the 32-row tile, 33 rows the 64-row kernel.
+    assert _cfg(batch=8, rows=24, max_seqlen_k=512).row_tile == 32
+    assert _cfg(batch=8, rows=33, max_seqlen_k=512).row_tile == BLOCK_M
+    # fp8 caches always run the 64-row kernel (the few-rows kernel is 16-bit only).
+    assert _cfg(batch=8, rows=16, max_seqlen_k=512, kv_elem_size=1).row_tile == BLOCK_M
     # One long request is cut into MAX_SPLITS pieces.
-    one = launch_config(batch=1, rows=16, max_seqlen_k=65536, num_sms=132, kv_elem_size=2, persistent=False)
-    assert one.num_splits == MAX_SPLITS
-    # 128 heads are two row blocks: 128 programs already fill the wave.
-    big = launch_config(batch=64, rows=128, max_seqlen_k=4096, num_sms=132, kv_elem_size=2, persistent=False)
+    assert _cfg(batch=1, rows=16, max_seqlen_k=65536).num_splits == MAX_SPLITS
+    # 128 heads are two 64-row blocks: 128 programs already fill the wave.
+    big = _cfg(batch=64, rows=128, max_seqlen_k=4096)
     assert big.row_blocks(128) == 2
     assert big.num_splits == 1
     # Persistent launches take their splits from the schedule.
-    assert launch_config(
-        batch=1, rows=16, max_seqlen_k=65536, num_sms=132, kv_elem_size=2, persistent=True
-    ) == (GluonLaunchConfig())
+    assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
 
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
@@ -59,15 +63,17 @@ def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int,
     )
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
-    assert cfg.row_blocks(rows) == -(-rows // BLOCK_M)
+    assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)
+    assert cfg.row_blocks(rows) == -(-rows // cfg.row_tile)
 
 
 @pytest.mark.parametrize(
     ("sms", "rows", "units"),
-    [(132, 16, 128), (132, 64, 128), (132, 128, 64), (132, 256, 32), (8, 16, 8), (1, 512, 1)],
+    [(132, 16, 128), (132, 48, 128), (132, 64, 128), (132, 128, 64), (132, 256, 32), (8, 16, 8), (1, 512, 1)],
 )
 def test_schedule_units_is_a_power_of_two_per_wave(sms: int, rows: int, units: int) -> None:
     assert schedule_units(num_sms=sms, rows=rows) == units
+    assert schedule_units(num_sms=sms, rows=rows, kv_elem_size=1) <= units
 
 
 def test_kernel_choice_and_reasons() -> None:

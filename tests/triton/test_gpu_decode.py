@@ -1,5 +1,6 @@
-"""Triton decode on a GPU: every decode strategy with real MLA dims (512 + 64), bf16 and fp8 caches,
-graph-padded rows, and CUDA-graph capture + replay after an in-place metadata rebuild.
+"""Triton and Gluon decode on a GPU: every decode strategy with real MLA dims (512 + 64), bf16 and
+fp8 caches, graph-padded rows, and CUDA-graph capture + replay after an in-place metadata rebuild,
+on each GPU provider (``gluon`` only where it is available: NVIDIA sm_90).
 
 Skipped without CUDA (``gpu`` marker). Run: ``pytest -m gpu tests/triton/test_gpu_decode.py``.
 """
@@ -21,6 +22,8 @@ from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
 from mla.platform import detect_platform
 from mla.providers.calls import WriteKVCall
 from mla.providers.torch_ref import TorchProvider
+from mla.providers import get_provider
+from mla.providers.base import KernelProvider
 from mla.providers.triton import TritonProvider
 from mla.reference import reference_decode
 from mla.testing import DecodeCase, assert_matches_reference, check_decode_strategy
@@ -41,9 +44,23 @@ STRATEGY_CASES: list[tuple[type[DecodeStrategy], int, tuple[int, ...], tuple[int
     (AsmNonPersistent, 16, (1,) * 5, (3000, 1, 0, 700, 64), 64, 2),
     (AsmNonPersistent, 8, (2, 2), (1900, 2), 1, 1),
     (AsmNonPersistent, 128, (1, 1), (640, 5), 16, 0),
+    (AsmNonPersistent, 1, (1, 1, 1), (200, 77, 0), 16, 1),
+    (PaddedAsmPersistent, 5, (8, 1, 3), (2000, 9, 300), 16, 0),
+    (AsmNonPersistent, 16, (2, 2, 2), (700, 2, 1500), 64, 1),
+    (PaddedAsmPersistent, 64, (1, 1), (3000, 65), 1, 0),
 ]
+PROVIDERS = ["triton", "gluon"]
 
 
+def _gpu_provider(name: str) -> KernelProvider:
+    provider = get_provider(name)
+    support = provider.availability()
+    if not support:
+        pytest.skip(f"provider {name!r} is unavailable here: {support}")
+    return provider
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize(
     ("strategy", "heads", "qlens", "seq_lens", "block_size", "extra"),
@@ -58,7 +75,9 @@ def test_strategy_on_gpu(
     block_size: int,
     extra: int,
     kv_dtype: torch.dtype,
+    provider: str,
 ) -> None:
+    prov = _gpu_provider(provider)
     case = DecodeCase(
         heads=heads,
         qlens=qlens,
@@ -72,7 +91,7 @@ def test_strategy_on_gpu(
         seed=heads + block_size,
     )
     result = check_decode_strategy(
-        strategy, case, provider="triton", platform=detect_platform("cuda"), device="cuda"
+        strategy, case, provider=prov, platform=detect_platform("cuda"), device="cuda"
     )
     result.assert_passed()
 
@@ -91,6 +110,7 @@ def _step(qlen: int, seq_lens: list[int], block_table: torch.Tensor, extra: int)
     )
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize(
     ("strategy", "heads", "qlen", "kv_dtype"),
     [
@@ -104,12 +124,13 @@ def _step(qlen: int, seq_lens: list[int], block_table: torch.Tensor, extra: int)
     ids=lambda x: getattr(x, "NAME", str(x)),
 )
 def test_cuda_graph_replay_after_metadata_rebuild(
-    strategy: type[DecodeStrategy], heads: int, qlen: int, kv_dtype: torch.dtype
+    strategy: type[DecodeStrategy], heads: int, qlen: int, kv_dtype: torch.dtype, provider: str
 ) -> None:
     """Capture one decode step, rebuild the metadata in place for new lengths/tables, replay.
 
     An fp8 cache's ``kv_scale`` is a device tensor that holds a wrong value at capture and the
     right one before the replay: the replay must read the current value."""
+    prov = _gpu_provider(provider)
     gen = torch.Generator().manual_seed(heads * 10 + qlen)
     batch, block, max_len, extra = 4, 16, 2048, 0
     blocks = batch * (max_len // block)
@@ -123,7 +144,7 @@ def test_cuda_graph_replay_after_metadata_rebuild(
         KVCacheSpec(block, kv_dtype, num_blocks=blocks),
         limits,
         model_dtype=torch.bfloat16,
-        provider=TritonProvider(),
+        provider=prov,
         platform=detect_platform("cuda"),
         device="cuda",
         decode_strategy=strategy,

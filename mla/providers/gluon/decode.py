@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from mla.errors import InvalidInputError
+from mla.errors import InvalidInputError, PlanMismatchError
+from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.planner import BLOCK_M, NUM_WARPS, GluonLaunchConfig, launch_config
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
@@ -169,91 +170,69 @@ def launch_gluon_decode(
     )
 
 
-def paged_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    *,
-    max_qlen: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    schedule: SplitKVSchedule | None = None,
-    config: GluonLaunchConfig | None = None,
-) -> None:
-    """Paged MQA decode; ``config`` overrides the heuristic, ``schedule`` selects the planned path."""
-    num_requests = qo_indptr.numel() - 1
+def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
+    """Paged MQA decode on the Gluon kernels (the ``paged-decode`` contract; ``call.schedule``
+    selects the planned split-KV path and must be a :class:`~mla.schedule.SplitKVSchedule`).
+    ``config`` overrides the launch heuristic (benchmarks)."""
+    schedule = call.schedule
+    if schedule is not None and not isinstance(schedule, SplitKVSchedule):
+        raise PlanMismatchError(f"the gluon provider takes a SplitKVSchedule, got {type(schedule).__name__}")
+    q, out = call.q, call.out
+    num_requests = call.qo_indptr.numel() - 1
     rank = out.shape[-1]
     if config is None:
         config = launch_config(
             batch=num_requests,
-            rows=q.shape[1] * max_qlen,
-            max_seqlen_k=max_seqlen_k,
+            rows=q.shape[1] * call.max_qlen,
+            max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(q.device),
-            kv_elem_size=kv_cache.element_size(),
+            kv_elem_size=call.kv_cache.element_size(),
             persistent=schedule is not None,
         )
     launch_gluon_decode(
         q_nope=q[..., :rank],
         q_pe=q[..., rank:],
-        kv_cache=kv_cache,
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
-        qo_indptr=qo_indptr,
+        kv_cache=call.kv_cache,
+        kv_indptr=call.kv_indptr,
+        kv_indices=call.kv_indices,
+        qo_indptr=call.qo_indptr,
         num_requests=num_requests,
-        max_qlen=max_qlen,
-        softmax_scale=softmax_scale,
-        kv_scale=kv_scale,
+        max_qlen=call.max_qlen,
+        softmax_scale=call.softmax_scale,
+        kv_scale=call.kv_scale,
         out=out,
-        lse=lse,
+        lse=call.lse,
         config=config,
         schedule=schedule,
     )
 
 
-def small_head_decode(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_info: torch.Tensor,
-    *,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    config: GluonLaunchConfig | None = None,
-) -> None:
-    """Small-head decode: row ``t`` of q is an independent qlen-1 decode over
-    ``page_table[seq_info[t] : seq_info[t+1]]`` (the paged kernel in unit-qlen mode)."""
-    rows = q_nope.shape[0]
+def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
+    """Small-head decode on the Gluon kernels: row ``t`` of q is an independent qlen-1 decode
+    over ``page_table[seq_info[t] : seq_info[t+1]]`` (the paged kernels in unit-qlen mode)."""
+    rows = call.q_nope.shape[0]
     if config is None:
         config = launch_config(
             batch=rows,
-            rows=q_nope.shape[1],
-            max_seqlen_k=max_seqlen_k,
-            num_sms=num_sms(q_nope.device),
-            kv_elem_size=kv_cache.element_size(),
+            rows=call.q_nope.shape[1],
+            max_seqlen_k=call.max_seqlen_k,
+            num_sms=num_sms(call.q_nope.device),
+            kv_elem_size=call.kv_cache.element_size(),
             persistent=False,
         )
     launch_gluon_decode(
-        q_nope=_last_dim_contiguous(q_nope),
-        q_pe=_last_dim_contiguous(q_pe),
-        kv_cache=kv_cache,
-        kv_indptr=seq_info,
-        kv_indices=page_table,
+        q_nope=_last_dim_contiguous(call.q_nope),
+        q_pe=_last_dim_contiguous(call.q_pe),
+        kv_cache=call.kv_cache,
+        kv_indptr=call.seq_info,
+        kv_indices=call.page_table,
         qo_indptr=None,
         num_requests=rows,
         max_qlen=1,
-        softmax_scale=softmax_scale,
-        kv_scale=kv_scale,
-        out=out,
-        lse=lse,
+        softmax_scale=call.softmax_scale,
+        kv_scale=call.kv_scale,
+        out=call.out,
+        lse=call.lse,
         config=config,
         schedule=None,
     )

@@ -1,0 +1,201 @@
+"""The ``gluon`` kernel provider: Hopper-native decode kernels, the Triton provider for the rest.
+
+Decode (``paged-decode`` on both split-KV paths, ``decode-schedule``, ``small-head-decode``)
+runs on the Gluon kernels of :mod:`.kernels` / :mod:`.transposed` wherever
+:func:`~mla.providers.gluon.planner.decode_kernel` says they apply (16-bit queries with a cache
+of the same dtype, 512 + 64 latent/rope dims); every other decode case runs on the Triton
+provider's decode kernel, and the contracts the Gluon kernels do not implement (varlen and fp8
+prefill, merge, page expansion, KV write) are the Triton provider's kernels. An engine builds
+one backend with one provider for both phases, so composing the Triton provider is what lets
+``provider="auto"`` pick ``gluon`` on Hopper without losing a contract; ``mla info`` lists the
+delegated contracts and the routing rules under the provider's probes.
+
+Available on an NVIDIA sm_90 device where ``triton.experimental.gluon.language.nvidia.hopper``
+imports (Triton >= 3.6); elsewhere :meth:`GluonProvider.availability` says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar
+
+import attrs
+import torch
+
+from mla.capabilities import Contract, ProviderCapabilities
+from mla.platform import Platform
+from mla.providers.base import KernelProvider
+from mla.providers.calls import (
+    DecodeScheduleBuffersCall,
+    ExpandPagesCall,
+    Fp8PrefillCall,
+    Fp8PrefillPlanCall,
+    MergeStatesCall,
+    PagedDecodeCall,
+    PlanDecodeScheduleCall,
+    SmallHeadDecodeCall,
+    VarlenPrefillCall,
+    WriteKVCall,
+)
+from mla.providers.gluon.planner import (
+    FEW_ROWS_MAX,
+    FP8_ON_GLUON,
+    MIN_SPLIT_TOKENS,
+    SUPPORTED_ROPE,
+    decode_kernel,
+    schedule_units,
+)
+from mla.providers.triton import TritonProvider
+from mla.schedule import SplitKVSchedule
+from mla.support import Support
+
+HOPPER_MODULE = "triton.experimental.gluon.language.nvidia.hopper"
+"""The Gluon module whose wgmma/TMA/mbarrier builtins the kernels use."""
+GLUON_ARCH = "sm90"
+"""The only arch the kernels are built for (wgmma needs sm_90a)."""
+DELEGATED: tuple[Contract, ...] = (
+    Contract.VARLEN_PREFILL,
+    Contract.FP8_PREFILL,
+    Contract.MERGE_STATES,
+    Contract.EXPAND_PAGES,
+    Contract.KV_WRITE,
+)
+"""Contracts served by the Triton provider's kernels."""
+
+
+def hopper_support(capability: tuple[int, int] | None, import_error: str | None) -> Support:
+    """Availability from the device's compute capability (``None``: no CUDA device) and the
+    failure to import the Gluon Hopper module (``None``: it imports)."""
+    if capability is None:
+        return Support.no("no-device", "no CUDA device is visible; the Gluon kernels need an NVIDIA sm_90 GPU")
+    if capability != (9, 0):
+        return Support.no(
+            "not-hopper",
+            f"the device has compute capability {capability[0]}.{capability[1]}; the Gluon kernels "
+            "use wgmma and need sm_90 (H100/H200): use provider='triton'",
+        )
+    if import_error is not None:
+        return Support.no(
+            "no-gluon",
+            f"{HOPPER_MODULE} does not import ({import_error}); the Gluon kernels need Triton >= 3.6",
+        )
+    return Support.yes()
+
+
+class GluonProvider(KernelProvider):
+    """Gluon (Hopper) decode kernels, composed with the Triton provider for everything else."""
+
+    name: ClassVar[str] = "gluon"
+
+    def __init__(self) -> None:
+        self._triton = TritonProvider()
+        self._availability: Support | None = None
+
+    def __repr__(self) -> str:
+        return "GluonProvider()"
+
+    def availability(self) -> Support:
+        if self._availability is None:
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+            import_error: str | None = None
+            if capability == (9, 0):
+                try:
+                    importlib.import_module(HOPPER_MODULE)
+                except ImportError as exc:
+                    import_error = str(exc)
+            self._availability = hopper_support(capability, import_error)
+        return self._availability
+
+    def capabilities(self, platform: Platform) -> ProviderCapabilities:
+        # The Triton provider's record (every case it runs, which the Gluon kernels' fallback
+        # keeps), restricted to Hopper.
+        return attrs.evolve(
+            self._triton.capabilities(platform),
+            provider=self.name,
+            archs=frozenset({GLUON_ARCH}),
+            # H200, 2026-12-01 (benchmarks/gluon_dev.py --sweep): non-persistent as fast or
+            # faster on every case (H16 B128 S8192 279 vs 296 us, B64 S4096 103 vs 106 us)
+            # except one long request (B=1 S=65536: 33.1 vs 32.4 us).
+            persistent_decode_preferred=False,
+        )
+
+    def describe_probes(self) -> dict[str, object]:
+        probes = self._triton.describe_probes()
+        probes["gluon_hopper_module"] = HOPPER_MODULE
+        probes["decode_kernels"] = (
+            f"Gluon 64-row tile (wgmma, cp.async KV ring) above {FEW_ROWS_MAX} heads x qlen rows, "
+            f"transposed few-rows kernel up to {FEW_ROWS_MAX}; Triton decode kernel for "
+            f"other latent/rope dims than 512+64, fp32 queries, mixed 16-bit dtypes"
+            + ("" if FP8_ON_GLUON else " and fp8 caches (measured faster)")
+        )
+        probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
+        return probes
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def _on_gluon(self, q: torch.Tensor, kv_cache: torch.Tensor, rank: int, rope: int) -> bool:
+        kernel, _why = decode_kernel(q_dtype=q.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope)
+        return kernel == "gluon"
+
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        rank = call.out.shape[-1]
+        if self._on_gluon(call.q, call.kv_cache, rank, call.q.shape[-1] - rank):
+            from mla.providers.gluon.decode import paged_decode
+
+            paged_decode(call)
+        else:
+            self._triton.paged_mqa_decode(call)
+
+    def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> SplitKVSchedule:
+        kernel, _why = decode_kernel(
+            q_dtype=call.q_dtype, kv_dtype=call.kv_dtype, kv_lora_rank=call.kv_lora_rank, rope_dim=SUPPORTED_ROPE
+        )
+        if kernel == "triton":
+            # Sized for the Triton kernel that will run it (same schedule type).
+            return self._triton.decode_schedule_buffers(call)
+        return SplitKVSchedule.allocate(
+            max_batch=call.max_batch,
+            max_kernel_qlen=call.max_kernel_qlen,
+            kernel_heads=call.kernel_heads,
+            kv_lora_rank=call.kv_lora_rank,
+            num_units=schedule_units(
+                num_sms=call.platform.num_compute_units,
+                rows=call.kernel_heads * call.max_kernel_qlen,
+                kv_elem_size=call.kv_dtype.itemsize,
+            ),
+            device=call.device,
+            min_chunk=MIN_SPLIT_TOKENS,
+        )
+
+    def plan_decode_schedule(self, call: PlanDecodeScheduleCall) -> None:
+        # Same schedule type and planner as the Triton provider (its device-side kernel).
+        self._triton.plan_decode_schedule(call)
+
+    def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
+        rank = call.out.shape[-1]
+        if self._on_gluon(call.q_nope, call.kv_cache, rank, call.q_pe.shape[-1]):
+            from mla.providers.gluon.decode import small_head_decode
+
+            small_head_decode(call)
+        else:
+            self._triton.small_head_decode(call)
+
+    # -- delegated to the Triton provider ---------------------------------------------------
+
+    def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        self._triton.varlen_attention(call)
+
+    def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> object:
+        return self._triton.plan_fp8_prefill(call)
+
+    def fp8_prefill(self, call: Fp8PrefillCall) -> None:
+        self._triton.fp8_prefill(call)
+
+    def merge_states(self, call: MergeStatesCall) -> None:
+        self._triton.merge_states(call)
+
+    def expand_page_indices(self, call: ExpandPagesCall) -> None:
+        self._triton.expand_page_indices(call)
+
+    def write_kv(self, call: WriteKVCall) -> None:
+        self._triton.write_kv(call)

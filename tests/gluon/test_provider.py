@@ -1,0 +1,114 @@
+"""The ``gluon`` provider on a CPU: availability reasons, the ``auto`` order, its capability record,
+and the routing of cases its kernels do not take to the Triton kernels (run in the interpreter)."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+
+from mla.capabilities import Contract
+from mla.platform import simulated_platform
+from mla.providers import auto_order, get_provider
+from mla.providers.calls import PagedDecodeCall, WriteKVCall
+from mla.providers.gluon import GluonProvider
+from mla.providers.gluon.provider import DELEGATED, hopper_support
+from mla.providers.torch_ref import TorchProvider
+from mla.providers.triton import TritonProvider
+from mla.testing import assert_matches_reference
+
+
+def test_availability_reasons() -> None:
+    assert hopper_support((9, 0), None)
+    no_device = hopper_support(None, None)
+    assert not no_device
+    assert "no-device" in str(no_device)
+    ampere = hopper_support((8, 0), None)
+    assert not ampere
+    assert "8.0" in str(ampere)
+    assert "sm_90" in str(ampere)
+    blackwell = hopper_support((10, 0), None)
+    assert not blackwell
+    missing = hopper_support((9, 0), "No module named 'triton.experimental'")
+    assert not missing
+    assert "Triton >= 3.6" in str(missing)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_unavailable_without_a_gpu() -> None:
+    support = get_provider("gluon").availability()
+    assert not support
+    assert "no-device" in str(support)
+
+
+@pytest.mark.parametrize(
+    ("arch", "order"),
+    [
+        ("sm90", ("gluon", "triton")),
+        ("sm80", ("triton",)),
+        ("sm100", ("triton",)),
+        ("gfx950", ("aiter", "triton")),
+        ("cpu", ()),
+    ],
+)
+def test_auto_order(arch: str, order: tuple[str, ...]) -> None:
+    on_gpu = attrs.evolve(simulated_platform(arch), device_type="cuda" if arch != "cpu" else "cpu")
+    assert auto_order(on_gpu) == order
+    # Without a device (a simulated arch) nothing but the torch reference is tried.
+    assert auto_order(simulated_platform(arch)) == ()
+
+
+def test_capabilities_compose_the_triton_record() -> None:
+    plat = simulated_platform("sm90")
+    caps = GluonProvider().capabilities(plat)
+    triton_caps = TritonProvider().capabilities(plat)
+    assert caps.provider == "gluon"
+    assert caps.archs == frozenset({"sm90"})
+    assert caps.contracts == triton_caps.contracts
+    assert caps.kv_dtypes == triton_caps.kv_dtypes
+    assert not caps.persistent_decode_preferred
+    assert set(DELEGATED) | {Contract.PAGED_DECODE, Contract.DECODE_SCHEDULE, Contract.SMALL_HEAD_DECODE} == set(
+        caps.contracts
+    )
+    probes = GluonProvider().describe_probes()
+    assert probes["delegated_to_triton"] == sorted(c.value for c in DELEGATED)
+
+
+def test_other_dims_and_dtypes_run_on_the_triton_kernel() -> None:
+    """fp32 queries with 32+16 dims are not a Gluon case: the provider runs the Triton kernel
+    (here in the interpreter) and matches the reference."""
+    gen = torch.Generator().manual_seed(3)
+    rank, rope, heads = 32, 16, 2
+    cache = torch.randn(40, rank + rope, generator=gen)
+    q = torch.randn(3, heads, rank + rope, generator=gen)
+    kv_indptr = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
+    kv_indices = torch.randperm(40, generator=gen).to(torch.int32)
+    qo_indptr = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+
+    def call(out: torch.Tensor, lse: torch.Tensor) -> PagedDecodeCall:
+        return PagedDecodeCall(
+            q=q, kv_cache=cache, kv_indptr=kv_indptr, kv_indices=kv_indices, qo_indptr=qo_indptr, out=out,
+            lse=lse, max_qlen=1, max_seqlen_k=23, page_size=1, softmax_scale=0.3, kv_scale=None,
+        )  # fmt: skip
+
+    out = torch.full((3, heads, rank), math.nan)
+    lse = torch.full((3, heads), math.nan)
+    GluonProvider().paged_mqa_decode(call(out, lse))
+    ref_out = torch.empty(3, heads, rank)
+    ref_lse = torch.empty(3, heads)
+    TorchProvider().paged_mqa_decode(call(ref_out, ref_lse))
+    assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon -> triton fallback")
+
+
+def test_delegated_write_kv_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.zeros(4, 8, 48)
+    want = cache.clone()
+    kv_c = torch.randn(6, 32, generator=gen)
+    k_pe = torch.randn(6, 16, generator=gen)
+    slots = torch.tensor([3, 9, -1, 30, 0, 17])
+    GluonProvider().write_kv(WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots, kv_scale=None))
+    TorchProvider().write_kv(WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=want, slot_mapping=slots, kv_scale=None))
+    assert torch.equal(cache, want)
