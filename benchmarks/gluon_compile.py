@@ -26,7 +26,13 @@ from mla.providers.gluon.transposed import mla_decode_rows_kernel
 
 
 def compile_variant(
-    *, fp8: bool, block_n: int, stages: int, heads: int = 16, mode: int = 0, overlap: bool = False,
+    *,
+    fp8: bool,
+    block_n: int,
+    stages: int,
+    heads: int = 16,
+    mode: int = 0,
+    overlap: bool = False,
     rows: int = 0,
 ):
     kv = "*fp8e4nv" if fp8 else "*bf16"
@@ -80,7 +86,9 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--rows", type=int, default=0, help="compile the transposed kernel for NR rows")
     args = ap.parse_args()
-    k = compile_variant(fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap, rows=args.rows)
+    k = compile_variant(
+        fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap, rows=args.rows
+    )
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

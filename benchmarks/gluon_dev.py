@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import bench_graph_us, print_table, rel_error
 from decode import SCALE, Problem, label
 
+from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon import decode as gd
 from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
 from mla.providers.torch_ref import TorchProvider
@@ -73,10 +74,21 @@ def reference(c: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     o = torch.empty(c["q"].shape[0], c["heads"], RANK, dtype=torch.float32, device="cuda")
     lse = torch.empty(c["q"].shape[0], c["heads"], dtype=torch.float32, device="cuda")
     TorchProvider().paged_mqa_decode(
-        c["q"], c["cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"],
-        max_qlen=max(c["qlens"]), max_seqlen_k=max(c["lens"]), softmax_scale=SCALE,
-        kv_scale=c["scale"], out=o, lse=lse,
-    )  # fmt: skip
+        PagedDecodeCall(
+            q=c["q"],
+            kv_cache=c["cache"],
+            kv_indptr=c["kv_indptr"],
+            kv_indices=c["kv_indices"],
+            qo_indptr=c["qo_indptr"],
+            out=o,
+            lse=lse,
+            max_qlen=max(c["qlens"]),
+            max_seqlen_k=max(c["lens"]),
+            page_size=c["block"],
+            softmax_scale=SCALE,
+            kv_scale=c["scale_t"] if c["fp8"] else None,
+        )
+    )
     return o, lse
 
 
@@ -89,9 +101,20 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
     if variant == "small":
         assert max_qlen == 1
         gd.small_head_decode(
-            c["q"][..., :RANK], c["q"][..., RANK:], c["cache"], c["kv_indices"], c["kv_indptr"],
-            max_seqlen_k=max_len, softmax_scale=SCALE, kv_scale=scale_t, out=out, lse=lse,
-        )  # fmt: skip
+            SmallHeadDecodeCall(
+                q_nope=c["q"][..., :RANK],
+                q_pe=c["q"][..., RANK:],
+                kv_cache=c["cache"],
+                page_table=c["kv_indices"],
+                seq_info=c["kv_indptr"],
+                out=out,
+                lse=lse,
+                max_seqlen_k=max_len,
+                page_size=c["block"],
+                softmax_scale=SCALE,
+                kv_scale=scale_t,
+            )
+        )
         return out, lse
     sched = None
     config = None
@@ -109,15 +132,29 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
         splits = variant[2:]
         if splits:
             auto = launch_config(
-                batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len, num_sms=num_sms(c["q"].device),
+                batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
+                num_sms=num_sms(c["q"].device),
                 kv_elem_size=c["cache"].element_size(), persistent=False,
             )  # fmt: skip
             config = attrs.evolve(auto, num_splits=int(splits))
     gd.paged_decode(
-        c["q"], c["cache"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"],
-        max_qlen=max_qlen, max_seqlen_k=max_len, softmax_scale=SCALE, kv_scale=scale_t,
-        out=out, lse=lse, schedule=sched, config=config,
-    )  # fmt: skip
+        PagedDecodeCall(
+            q=c["q"],
+            kv_cache=c["cache"],
+            kv_indptr=c["kv_indptr"],
+            kv_indices=c["kv_indices"],
+            qo_indptr=c["qo_indptr"],
+            out=out,
+            lse=lse,
+            max_qlen=max_qlen,
+            max_seqlen_k=max_len,
+            page_size=c["block"],
+            softmax_scale=SCALE,
+            kv_scale=scale_t,
+            schedule=sched,
+        ),
+        config=config,
+    )
     return out, lse
 
 
@@ -200,11 +237,7 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         ]:
 
             def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:
-                gd.paged_decode(
-                    p.q, p.flat, p.kv_indptr, p.kv_indices, p.qo_indptr, max_qlen=p.shape.qlen,
-                    max_seqlen_k=p.shape.seq, softmax_scale=SCALE, kv_scale=None, out=p.out, lse=p.lse,
-                    config=cfg, schedule=sc,
-                )  # fmt: skip
+                gd.paged_decode(p.paged_call(schedule=sc), config=cfg)
 
             try:
                 eo, _ = prob.check(run)

@@ -85,7 +85,9 @@ CASES = [
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize(("heads", "qlens", "lens", "block"), CASES, ids=[f"h{c[0]}-q{max(c[1])}-bs{c[3]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("heads", "qlens", "lens", "block"), CASES, ids=[f"h{c[0]}-q{max(c[1])}-bs{c[3]}" for c in CASES]
+)
 def test_paged_decode_variants(
     heads: int, qlens: list[int], lens: list[int], block: int, variant: str, kv_dtype: torch.dtype
 ) -> None:
@@ -140,9 +142,18 @@ def test_small_head_decode(heads: int, kv_dtype: torch.dtype) -> None:
     lse = torch.full((q.shape[0], heads), math.nan, device="cuda")
     small_head_decode(
         SmallHeadDecodeCall(
-            q_nope=q[..., :RANK], q_pe=q[..., RANK:], kv_cache=cache, page_table=kv_indices, seq_info=kv_indptr,
-            out=out, lse=lse, max_seqlen_k=max(lens), page_size=block, softmax_scale=SCALE, kv_scale=scale_t,
-        )  # fmt: skip
+            q_nope=q[..., :RANK],
+            q_pe=q[..., RANK:],
+            kv_cache=cache,
+            page_table=kv_indices,
+            seq_info=kv_indptr,
+            out=out,
+            lse=lse,
+            max_seqlen_k=max(lens),
+            page_size=block,
+            softmax_scale=SCALE,
+            kv_scale=scale_t,
+        )
     )
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon small-head")

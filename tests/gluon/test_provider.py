@@ -69,9 +69,11 @@ def test_capabilities_compose_the_triton_record() -> None:
     assert caps.contracts == triton_caps.contracts
     assert caps.kv_dtypes == triton_caps.kv_dtypes
     assert not caps.persistent_decode_preferred
-    assert set(DELEGATED) | {Contract.PAGED_DECODE, Contract.DECODE_SCHEDULE, Contract.SMALL_HEAD_DECODE} == set(
-        caps.contracts
-    )
+    assert set(DELEGATED) | {
+        Contract.PAGED_DECODE,
+        Contract.DECODE_SCHEDULE,
+        Contract.SMALL_HEAD_DECODE,
+    } == set(caps.contracts)
     probes = GluonProvider().describe_probes()
     assert probes["delegated_to_triton"] == sorted(c.value for c in DELEGATED)
 
@@ -109,6 +111,10 @@ def test_delegated_write_kv_matches_torch() -> None:
     kv_c = torch.randn(6, 32, generator=gen)
     k_pe = torch.randn(6, 16, generator=gen)
     slots = torch.tensor([3, 9, -1, 30, 0, 17])
-    GluonProvider().write_kv(WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots, kv_scale=None))
-    TorchProvider().write_kv(WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=want, slot_mapping=slots, kv_scale=None))
+    GluonProvider().write_kv(
+        WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=cache, slot_mapping=slots, kv_scale=None)
+    )
+    TorchProvider().write_kv(
+        WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=want, slot_mapping=slots, kv_scale=None)
+    )
     assert torch.equal(cache, want)

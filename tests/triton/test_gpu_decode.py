@@ -20,10 +20,10 @@ from mla.decode.base import DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
 from mla.platform import detect_platform
-from mla.providers.calls import WriteKVCall
-from mla.providers.torch_ref import TorchProvider
 from mla.providers import get_provider
 from mla.providers.base import KernelProvider
+from mla.providers.calls import WriteKVCall
+from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.reference import reference_decode
 from mla.testing import DecodeCase, assert_matches_reference, check_decode_strategy

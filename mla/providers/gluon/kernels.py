@@ -188,14 +188,10 @@ def mla_decode_kernel(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    if KV_FP8:
-        lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0])
-        rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        kv_elem_bits: gl.constexpr = 8
-    else:
-        lat_ld: gl.constexpr = q_ld
-        rope_ld: gl.constexpr = qr_ld
-        kv_elem_bits: gl.constexpr = 16
+    # fp8 rows are gathered 16 elements (16 bytes) per thread.
+    lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
+    kv_elem_bits: gl.constexpr = 8 if KV_FP8 else 16
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES

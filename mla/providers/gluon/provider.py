@@ -67,7 +67,9 @@ def hopper_support(capability: tuple[int, int] | None, import_error: str | None)
     """Availability from the device's compute capability (``None``: no CUDA device) and the
     failure to import the Gluon Hopper module (``None``: it imports)."""
     if capability is None:
-        return Support.no("no-device", "no CUDA device is visible; the Gluon kernels need an NVIDIA sm_90 GPU")
+        return Support.no(
+            "no-device", "no CUDA device is visible; the Gluon kernels need an NVIDIA sm_90 GPU"
+        )
     if capability != (9, 0):
         return Support.no(
             "not-hopper",
@@ -134,13 +136,15 @@ class GluonProvider(KernelProvider):
     # -- decode -----------------------------------------------------------------------------
 
     def _on_gluon(self, q: torch.Tensor, kv_cache: torch.Tensor, rank: int, rope: int) -> bool:
-        kernel, _why = decode_kernel(q_dtype=q.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope)
+        kernel, _why = decode_kernel(
+            q_dtype=q.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope
+        )
         return kernel == "gluon"
 
     def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
         rank = call.out.shape[-1]
         if self._on_gluon(call.q, call.kv_cache, rank, call.q.shape[-1] - rank):
-            from mla.providers.gluon.decode import paged_decode
+            from mla.providers.gluon.decode import paged_decode  # noqa: PLC0415 (kernels load lazily)
 
             paged_decode(call)
         else:
@@ -148,7 +152,10 @@ class GluonProvider(KernelProvider):
 
     def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> SplitKVSchedule:
         kernel, _why = decode_kernel(
-            q_dtype=call.q_dtype, kv_dtype=call.kv_dtype, kv_lora_rank=call.kv_lora_rank, rope_dim=SUPPORTED_ROPE
+            q_dtype=call.q_dtype,
+            kv_dtype=call.kv_dtype,
+            kv_lora_rank=call.kv_lora_rank,
+            rope_dim=SUPPORTED_ROPE,
         )
         if kernel == "triton":
             # Sized for the Triton kernel that will run it (same schedule type).
@@ -174,7 +181,7 @@ class GluonProvider(KernelProvider):
     def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
         rank = call.out.shape[-1]
         if self._on_gluon(call.q_nope, call.kv_cache, rank, call.q_pe.shape[-1]):
-            from mla.providers.gluon.decode import small_head_decode
+            from mla.providers.gluon.decode import small_head_decode  # noqa: PLC0415 (kernels load lazily)
 
             small_head_decode(call)
         else:

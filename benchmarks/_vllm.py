@@ -1,0 +1,55 @@
+"""vLLM's Triton MLA decode (``triton_decode_attention.py``), called as vLLM's TRITON_MLA backend
+calls it, for side-by-side timing. The file is not part of this repository: pass its path with
+``--vllm-decode`` (a local copy of vllm/v1/attention/ops/triton_decode_attention.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import triton
+
+
+def load(path: str) -> ModuleType:
+    """Import the file at ``path`` as a module (it needs only torch and triton)."""
+    spec = importlib.util.spec_from_file_location("vllm_triton_decode_attention", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_fn(
+    module: ModuleType,
+    *,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    softmax_scale: float,
+    out: torch.Tensor,
+    num_sms: int,
+) -> Callable[[], None]:
+    """One qlen-1 decode step as ``TritonMLAImpl.forward_mqa`` runs it: q ``[B, H, 576]``, cache
+    ``[num_blocks, page, 576]`` (bf16), ``block_table [B, pages]`` page ids, out ``[B, H, 512]``.
+    Split count as vLLM picks it: ``min(next_pow2(max(1, max_seq_len·B // 256)), 2·SMs)``."""
+    batch, heads, _ = q.shape
+    rank = out.shape[-1]
+    k_buffer = cache.unsqueeze(2)
+    v_buffer = k_buffer[..., :rank]
+    splits = min(triton.next_power_of_2(max(1, max_seq_len * batch // 256)), 2 * num_sms)
+    logits = torch.empty(batch, heads, splits, rank + 1, dtype=torch.float32, device=q.device)
+    lse = torch.zeros(batch, heads, dtype=q.dtype, device=q.device)
+
+    def run() -> None:
+        module.decode_attention_fwd(
+            q, k_buffer, v_buffer, out, lse, block_table, seq_lens, logits, splits, softmax_scale,
+            cache.shape[1], is_mla=True,
+        )  # fmt: skip
+
+    return run
