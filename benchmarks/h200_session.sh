@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session on the H200 (run through the device tool from the repository root):
-# the GPU-marked tests, the demo on the Triton provider, both benchmarks, and
-# compute-sanitizer memcheck on a decode and a prefill test subset. Each part has its own time
+# the GPU-marked tests, the demo on the auto provider, both benchmarks (decode: gluon, triton and
+# vLLM side by side, plot to $OUT/decode-h200.png, copy it to docs/img/), and compute-sanitizer
+# memcheck on decode and prefill subsets plus memcheck and racecheck on Gluon decode. Each part has its own time
 # limit so one slow part cannot starve the others; logs go to $OUT (or /tmp/mla-h200).
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -14,23 +15,34 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 part "GPU tests"
-timeout 130 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 
 part "mla demo (auto provider)"
 timeout 60 python3 -m mla demo --steps 32 2>&1 | tee "$OUT/demo.log" | tail -14
 
 part "decode benchmark"
-timeout 110 python3 benchmarks/decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -22
+mkdir -p docs/img
+timeout 200 python3 benchmarks/decode.py --json "$OUT/decode.json" --plot "$OUT/decode-h200.png" \
+  --vllm-decode .peers/vllm_triton_decode_attention.py 2>&1 | tee "$OUT/decode.log" | tail -44
 
 part "prefill benchmark"
 timeout 75 python3 benchmarks/prefill.py --check 2>&1 | tee "$OUT/prefill.log" | tail -16
 
 part "compute-sanitizer memcheck: decode"
 timeout 50 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
-  "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-padded-persistent-h12-q3-bs16-bf16]" \
-  "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[gluon-verify-flatten-h12-q3-bs16-fp8]" \
-  "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-non-persistent-h8-q2-bs1-bf16]" \
+  "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-padded-persistent-h12-q3-bs16-bf16-triton]" \
+  "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[gluon-verify-flatten-h12-q3-bs16-fp8-triton]" \
+  "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-non-persistent-h8-q2-bs1-bf16-triton]" \
   2>&1 | tee "$OUT/sanitizer_decode.log" | tail -4
+
+part "compute-sanitizer memcheck + racecheck: Gluon decode"
+for tool in memcheck racecheck; do
+  timeout 120 compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider \
+    "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-padded-persistent-h12-q3-bs16-bf16-gluon]" \
+    "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-non-persistent-h8-q2-bs1-bf16-gluon]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-auto-fp8]" \
+    2>&1 | tee "$OUT/sanitizer_gluon_$tool.log" | tail -4
+done
 
 part "compute-sanitizer memcheck: prefill"
 timeout 50 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \

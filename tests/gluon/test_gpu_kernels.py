@@ -72,7 +72,6 @@ def _reference(case, qlens, lens):
     return out, lse
 
 
-VARIANTS = ["auto", "splits3", "schedule", "row64", "overlap", "no_lse"]
 CASES = [
     (16, [1] * 5, [4096, 33, 0, 700, 64], 64),
     (8, [1, 1, 1], [300, 1, 1500], 1),
@@ -81,28 +80,36 @@ CASES = [
     (128, [1, 2, 1], [800, 300, 2], 64),
     (5, [8, 1], [2000, 9], 16),
 ]
+# Every case on the launch heuristic's own choice; the other launch variants on the cases that
+# reach them (16 rows: few-rows kernel; 32 rows; 36 rows: the 64-row kernel).
+RUNS = (
+    [(case, "auto") for case in CASES]
+    + [(CASES[0], v) for v in ("splits3", "schedule", "row64", "overlap", "no_lse")]
+    + [(CASES[2], v) for v in ("splits3", "schedule", "no_lse")]
+    + [(CASES[3], v) for v in ("schedule", "no_lse")]
+)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
-    ("heads", "qlens", "lens", "block"), CASES, ids=[f"h{c[0]}-q{max(c[1])}-bs{c[3]}" for c in CASES]
+    ("case", "variant"), RUNS, ids=[f"h{c[0]}-q{max(c[1])}-bs{c[3]}-{v}" for c, v in RUNS]
 )
 def test_paged_decode_variants(
-    heads: int, qlens: list[int], lens: list[int], block: int, variant: str, kv_dtype: torch.dtype
+    case: tuple[int, list[int], list[int], int], variant: str, kv_dtype: torch.dtype
 ) -> None:
+    heads, qlens, lens, block = case
     from mla.providers.gluon.decode import paged_decode
     from mla.providers.gluon.planner import BLOCK_M, launch_config, schedule_units
     from mla.providers.triton.decode import num_sms
     from mla.providers.triton.schedule import plan_split_kv
     from mla.schedule import SplitKVSchedule
 
-    case = _case(heads, qlens, lens, block, kv_dtype, seed=heads + len(variant))
-    q = case[0]
-    ref_out, ref_lse = _reference(case, qlens, lens)
+    data = _case(heads, qlens, lens, block, kv_dtype, seed=heads + len(variant))
+    q = data[0]
+    ref_out, ref_lse = _reference(data, qlens, lens)
     out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
     lse = None if variant == "no_lse" else torch.full((q.shape[0], heads), math.nan, device="cuda")
-    rows, kv_elem = heads * max(qlens), case[1].element_size()
+    rows, kv_elem = heads * max(qlens), data[1].element_size()
     auto = launch_config(
         batch=len(lens), rows=rows, max_seqlen_k=max(lens), num_sms=num_sms(q.device), kv_elem_size=kv_elem,
         persistent=False,
@@ -116,12 +123,12 @@ def test_paged_decode_variants(
             num_units=schedule_units(num_sms=num_sms(q.device), rows=rows, kv_elem_size=kv_elem),
             device=q.device, min_chunk=256,
         )  # fmt: skip
-        plan_split_kv(schedule, case[2], len(lens))
+        plan_split_kv(schedule, data[2], len(lens))
     elif variant == "row64":
         config = attrs.evolve(auto, row_tile=BLOCK_M, num_splits=2)
     elif variant == "overlap":
         config = attrs.evolve(auto, row_tile=BLOCK_M, block_n=32, num_stages=4, overlap=True)
-    paged_decode(_call(case, qlens, lens, out, lse, schedule), config=config)
+    paged_decode(_call(data, qlens, lens, out, lse, schedule), config=config)
     torch.cuda.synchronize()
     if lse is None:
         assert_matches_reference(out, ref_lse, ref_out, ref_lse, context=f"gluon {variant}")
