@@ -268,6 +268,8 @@ class ExplainResult:
 
     view: ProviderView
     explanation: Explanation
+    kernel_note: str | None = None
+    """The provider's word on which of its kernel families serves the case (``kernel_note``)."""
 
     def to_json(self) -> dict[str, Any]:
         """``Explanation.to_json()`` (``phase``, ``chosen``, ``candidates`` with ``name``,
@@ -279,6 +281,7 @@ class ExplainResult:
             "available": bool(self.view.availability),
             "reasons": _reasons_json(self.view.availability),
             "emulated_by": self.view.emulated_by,
+            "kernel_note": self.kernel_note,
         }
         caps = self.view.capabilities
         payload["capabilities"] = caps.describe() if caps is not None else None
@@ -365,7 +368,16 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
             has_chunked_context=args.chunked_context,
         )
     explanation = Resolver().explain(ctx, force=args.force)
-    return ExplainResult(view, explanation)
+    note = None
+    if view.provider is not None and view.emulated_by is None:
+        note = view.provider.kernel_note(
+            phase=args.phase,
+            q_dtype=q_dtype,
+            kv_dtype=kv_dtype,
+            kv_lora_rank=dims.kv_lora_rank,
+            rope_dim=dims.qk_rope_head_dim,
+        )
+    return ExplainResult(view, explanation, note)
 
 
 def render_explain(result: ExplainResult) -> str:
@@ -381,6 +393,8 @@ def render_explain(result: ExplainResult) -> str:
             "where it is available"
         )
     lines.append(str(result.explanation))
+    if result.kernel_note:
+        lines.append(f"provider {view.name}: {result.kernel_note}")
     return "\n".join(lines)
 
 

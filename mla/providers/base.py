@@ -13,6 +13,8 @@ from __future__ import annotations
 import abc
 from typing import ClassVar, NoReturn
 
+import torch
+
 from mla.capabilities import Contract, ProviderCapabilities
 from mla.errors import UnsupportedError
 from mla.platform import Platform
@@ -65,6 +67,20 @@ class KernelProvider(abc.ABC):
     def describe_probes(self) -> dict[str, object]:
         """Feature probes shown by ``mla info`` (library versions, optional kernels)."""
         return {}
+
+    def kernel_note(
+        self,
+        *,
+        phase: str,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        kv_lora_rank: int,
+        rope_dim: int,
+    ) -> str | None:
+        """Which of the provider's kernel families serves a case of ``phase`` (``"decode"`` or
+        ``"prefill"``) and why, for providers that route cases between families (shown by
+        ``mla explain``); ``None`` when there is nothing to say."""
+        return None
 
     def _unsupported(self, contract: Contract, method: str) -> NoReturn:
         raise UnsupportedError(

@@ -118,3 +118,42 @@ def test_delegated_write_kv_matches_torch() -> None:
         WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=want, slot_mapping=slots, kv_scale=None)
     )
     assert torch.equal(cache, want)
+
+
+def test_kernel_note_names_the_kernel_and_the_reason() -> None:
+    note = GluonProvider().kernel_note
+    bf16 = note(
+        phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
+    )
+    assert bf16 is not None
+    assert "Gluon kernels" in bf16
+    fp8 = note(
+        phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, kv_lora_rank=512, rope_dim=64
+    )
+    assert fp8 is not None
+    assert "Triton" in fp8
+    assert "fp8" in fp8
+    dims = note(
+        phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=256, rope_dim=64
+    )
+    assert dims is not None
+    assert "256+64" in dims
+    prefill = note(
+        phase="prefill", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
+    )
+    assert prefill is not None
+    assert "delegates" in prefill
+    assert (
+        TritonProvider().kernel_note(
+            phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
+        )
+        is None
+    )
+
+
+def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> None:
+    from mla.cli import main
+
+    main(["explain", "--provider", "gluon", "--arch", "sm90", "--heads", "16", "--kv-dtype", "fp8"])
+    text = capsys.readouterr().out
+    assert "provider gluon: decode runs on the Triton provider's decode kernel: fp8 cache" in text

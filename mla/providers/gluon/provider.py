@@ -133,6 +133,23 @@ class GluonProvider(KernelProvider):
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
         return probes
 
+    def kernel_note(
+        self,
+        *,
+        phase: str,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        kv_lora_rank: int,
+        rope_dim: int,
+    ) -> str | None:
+        if phase != "decode":
+            return f"{phase} runs on the Triton provider's kernels (the gluon provider delegates it)"
+        kernel, why = decode_kernel(
+            q_dtype=q_dtype, kv_dtype=kv_dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim
+        )
+        where = "the Gluon kernels" if kernel == "gluon" else "the Triton provider's decode kernel"
+        return f"decode runs on {where}: {why}"
+
     # -- decode -----------------------------------------------------------------------------
 
     def _on_gluon(self, q: torch.Tensor, kv_cache: torch.Tensor, rank: int, rope: int) -> bool:
