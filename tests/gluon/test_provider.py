@@ -157,3 +157,25 @@ def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> No
     main(["explain", "--provider", "gluon", "--arch", "sm90", "--heads", "16", "--kv-dtype", "fp8"])
     text = capsys.readouterr().out
     assert "provider gluon: decode runs on the Triton provider's decode kernel: fp8 cache" in text
+
+
+@pytest.mark.parametrize(
+    ("rank", "rope", "q_dtype", "kv_dtype"),
+    [(256, 64, torch.bfloat16, torch.bfloat16), (512, 32, torch.bfloat16, torch.bfloat16),
+     (512, 64, torch.float32, torch.float32), (512, 64, torch.bfloat16, torch.float16)],
+)  # fmt: skip
+def test_launcher_rejects_cases_the_kernels_do_not_take(
+    rank: int, rope: int, q_dtype: torch.dtype, kv_dtype: torch.dtype
+) -> None:
+    from mla.errors import InvalidInputError
+    from mla.providers.gluon.decode import launch_gluon_decode
+    from mla.providers.gluon.planner import GluonLaunchConfig
+
+    q = torch.zeros(2, 16, rank + rope, dtype=q_dtype)
+    with pytest.raises(InvalidInputError, match="Triton provider"):
+        launch_gluon_decode(
+            q_nope=q[..., :rank], q_pe=q[..., rank:], kv_cache=torch.zeros(8, rank + rope, dtype=kv_dtype),
+            kv_indptr=torch.zeros(3, dtype=torch.int32), kv_indices=torch.zeros(8, dtype=torch.int32),
+            qo_indptr=None, num_requests=2, max_qlen=1, softmax_scale=0.1, kv_scale=None,
+            out=torch.zeros(2, 16, rank, dtype=q_dtype), lse=None, config=GluonLaunchConfig(), schedule=None,
+        )  # fmt: skip

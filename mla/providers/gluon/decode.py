@@ -16,7 +16,14 @@ import torch
 from mla.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
-from mla.providers.gluon.planner import BLOCK_M, NUM_WARPS, GluonLaunchConfig, launch_config
+from mla.providers.gluon.planner import (
+    BLOCK_M,
+    FP8_KV_DTYPES,
+    NUM_WARPS,
+    GluonLaunchConfig,
+    decode_kernel,
+    launch_config,
+)
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.triton.decode import launch_merge, num_sms
 from mla.schedule import SplitKVSchedule
@@ -53,6 +60,11 @@ def launch_gluon_decode(
     """
     heads, rank = q_nope.shape[1], q_nope.shape[2]
     rope = q_pe.shape[2]
+    kernel, why = decode_kernel(
+        q_dtype=q_nope.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope
+    )
+    if kernel != "gluon" and not (kv_cache.dtype in FP8_KV_DTYPES and (rank, rope) == (512, 64)):
+        raise InvalidInputError("q", f"not a Gluon kernel case ({why}); run it on the Triton provider")
     rows = heads * max_qlen
     if num_requests == 0 or rows == 0:
         return
