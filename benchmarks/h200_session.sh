@@ -21,8 +21,7 @@ part "mla demo (auto provider)"
 timeout 60 python3 -m mla demo --steps 32 2>&1 | tee "$OUT/demo.log" | tail -14
 
 part "decode benchmark"
-mkdir -p docs/img
-timeout 200 python3 benchmarks/decode.py --json "$OUT/decode.json" --plot "$OUT/decode-h200.png" \
+timeout 240 python3 benchmarks/decode.py --no-torch --json "$OUT/decode.json" --plot "$OUT/decode-h200.png" \
   --vllm-decode .peers/vllm_triton_decode_attention.py 2>&1 | tee "$OUT/decode.log" | tail -44
 
 part "prefill benchmark"
