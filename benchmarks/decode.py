@@ -286,19 +286,7 @@ class Problem:
         )
 
     def small_head_fn(self) -> Callable[[], None]:
-        call = SmallHeadDecodeCall(
-            q_nope=self.q[..., :RANK],
-            q_pe=self.q[..., RANK:],
-            kv_cache=self.flat,
-            page_table=self.kv_indices,
-            seq_info=self.kv_indptr,
-            out=self.out,
-            lse=self.lse,
-            max_seqlen_k=self.shape.seq,
-            page_size=self.shape.block,
-            softmax_scale=SCALE,
-            kv_scale=self.kv_scale,
-        )
+        call = self.small_head_call()
 
         def run() -> None:
             small_head_decode(call)
