@@ -19,6 +19,7 @@ from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
+from mla.distributed import DCPLayout, DCPMetadata, DecodeContextParallel
 from mla.errors import (
     InvalidInputError,
     MLAError,
@@ -27,6 +28,7 @@ from mla.errors import (
     UnsupportedError,
 )
 from mla.explain import Candidate, Explanation
+from mla.layers import MLAAttention, deepseek_softmax_scale, yarn_mscale
 from mla.ops import ContextExpanderHandle, register_context_expander
 from mla.platform import Knobs, Platform, detect_platform, simulated_platform
 from mla.prefill.base import PrefillBatch, PrefillPlan, PrefillStrategy
@@ -55,9 +57,12 @@ __all__ = [
     "Candidate",
     "ContextExpanderHandle",
     "Contract",
+    "DCPLayout",
+    "DCPMetadata",
     "Decision",
     "DecodeBatch",
     "DecodeContext",
+    "DecodeContextParallel",
     "DecodePlan",
     "DecodeStrategy",
     "EngineLimits",
@@ -72,6 +77,7 @@ __all__ = [
     "KVCacheSpec",
     "KernelProvider",
     "Knobs",
+    "MLAAttention",
     "MLABackend",
     "MLADims",
     "MLAError",
@@ -99,6 +105,7 @@ __all__ = [
     "__version__",
     "aiter_capabilities",
     "decode_context",
+    "deepseek_softmax_scale",
     "detect_platform",
     "get_provider",
     "mla_decode",
@@ -111,4 +118,5 @@ __all__ = [
     "register_context_expander",
     "simulated_platform",
     "write_kv",
+    "yarn_mscale",
 ]

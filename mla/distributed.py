@@ -1,0 +1,521 @@
+"""Decode context parallelism (DCP): each request's latent KV cache sharded by token across ranks.
+
+Layout (vLLM's, with its interleave size ``I``, 1 by default): token ``p`` of a request lives on
+rank ``(p // I) % W`` of the ``W``-rank group, at local position ``(p // (I*W)) * I + p % I``.
+Each rank's paged cache holds only its tokens, at their local positions, addressed through the
+engine's one block table: the same block ids on every rank, each rank's block holding that rank's
+share of the tokens. The block table therefore needs ``ceil(local_length / block_size)`` columns,
+about ``1/W`` of the columns of an unsharded cache.
+
+Per step, :meth:`DecodeContextParallel.build` derives from the engine's global step (global
+``seq_lens``) this rank's local sequence lengths and block-table rows, the cache slot of every new
+token it owns (``-1`` for the others: ``write_kv`` writes each token on its owning rank only),
+and the plans. Decode splits every query row into a qlen-1 row whose local length counts the
+tokens that row sees on this rank, so verify rows keep their causal mask under any interleave.
+Each rank decodes its shard with the LSE; the partial states are combined as in vLLM's
+``cp_lse_ag_out_rs``: all-gather the LSEs, scale each rank's output by
+``exp(lse_rank - logsumexp(lses))``, then reduce-scatter over heads when the DCP ranks are
+tensor-parallel ranks (``split_heads``: the query is all-gathered over heads first, so each rank
+decodes every head of the group on its shard) or all-reduce when every rank holds the same heads.
+A rank that owns no token of a request contributes ``o = 0``, ``lse = -inf``. Prefill gathers the
+context rows of the step's prefill requests from every rank (as vLLM does under DCP) and runs the
+ordinary prefill on them.
+
+The run path (:meth:`~DecodeContextParallel.forward_decode`, ``write_kv``) performs no host
+synchronisation and reads only buffers whose addresses persist across builds, so a decode step
+can be captured in a CUDA graph and replayed after an in-place rebuild.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from mla.backend import MLABackend, MLAMetadata, StepInputs
+from mla.config import EngineLimits, KVCacheSpec, MLADims
+from mla.errors import InvalidInputError
+from mla.prefill.base import ContextExpander
+from mla.validate import check_indptr, check_paged_requests, require_index, require_tensor
+
+
+@attrs.frozen
+class DCPLayout:
+    """Where each token of a request lives: rank ``(p // I) % W`` at ``(p // (I*W)) * I + p % I``.
+
+    The functions take int64 tensors (host or device) and return int64 tensors of the same shape.
+    """
+
+    world_size: int
+    rank: int
+    interleave: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.world_size < 1:
+            raise InvalidInputError("world_size", f"must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidInputError("rank", f"must be in [0, {self.world_size}), got {self.rank}")
+        if self.interleave < 1:
+            raise InvalidInputError("interleave", f"must be >= 1, got {self.interleave}")
+
+    @property
+    def stripe(self) -> int:
+        """Tokens in one round over the group (``I * W``)."""
+        return self.interleave * self.world_size
+
+    def owner(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rank holding each global position."""
+        return (positions // self.interleave) % self.world_size
+
+    def local_position(self, positions: torch.Tensor) -> torch.Tensor:
+        """Position of each global position inside its owner's cache."""
+        return (positions // self.stripe) * self.interleave + positions % self.interleave
+
+    def local_length(self, lengths: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Tokens of positions ``0 .. length-1`` that ``rank`` (default: this rank) holds."""
+        rank = self.rank if rank is None else rank
+        rounds = lengths // self.stripe
+        rest = lengths - rounds * self.stripe
+        return rounds * self.interleave + torch.clamp(rest - rank * self.interleave, 0, self.interleave)
+
+    def max_local_length(self, length: int) -> int:
+        """The most tokens of a ``length``-token request any rank holds (rank 0's share)."""
+        return int(self.local_length(torch.tensor(length), 0))
+
+
+@attrs.frozen(eq=False)
+class ContextGather:
+    """How one step's prefill context is gathered from every rank (planned at build time)."""
+
+    send_slots: torch.Tensor
+    """int64 ``[M]``: this rank's cache slots of the context rows it sends (padded with a valid
+    slot), ``M`` the largest share of any rank."""
+    source_rows: torch.Tensor
+    """int64 ``[C]``: row of the all-gathered ``[W * M]`` buffer holding each context token."""
+    target_slots: torch.Tensor
+    """int64 ``[C]``: slot of each context token in :attr:`workspace`."""
+    workspace: torch.Tensor
+    """``[blocks, block_size, L+R]`` in the cache dtype: the prefill requests' gathered context,
+    each request on its own contiguous blocks (the prefill plan's block table points here)."""
+
+
+@attrs.frozen(eq=False)
+class DCPMetadata:
+    """One step under decode context parallelism, on one rank (from :meth:`DecodeContextParallel.build`).
+
+    The counts are the global step's, as in :class:`~mla.backend.MLAMetadata`.
+    """
+
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    slot_mapping: torch.Tensor
+    """int64 ``[num_decode_tokens + num_prefill_tokens]`` view of a persistent buffer: this
+    rank's cache slot of each new token it owns, ``-1`` for tokens other ranks own and padding."""
+    local_seq_lens_cpu: torch.Tensor
+    """int64 ``[owned decode rows]``: keys each decode row sees on this rank."""
+    decode: MLAMetadata | None
+    """The local decode step: one qlen-1 request per decode row, over this rank's shard."""
+    prefill: MLAMetadata | None
+    """The prefill step over :attr:`ContextGather.workspace`."""
+    context: ContextGather | None
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    # torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, tensor, group=group)
+
+
+def lse_weights(partial_lse: torch.Tensor, all_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge weights of one rank's partial states.
+
+    ``partial_lse`` ``[T, H]`` is this rank's, ``all_lse`` ``[W, T, H]`` every rank's (float32).
+    Returns ``(weight [T, H], lse [T, H])`` with ``lse = logsumexp`` over ranks and
+    ``weight = exp(partial_lse - lse)``; rows where every rank has ``-inf`` get weight 0 and
+    ``lse = -inf``, so the combined output is 0 there.
+    """
+    lse = torch.logsumexp(all_lse, dim=0)
+    finite = torch.isfinite(lse)
+    weight = torch.where(finite, torch.exp(partial_lse - torch.where(finite, lse, 0.0)), 0.0)
+    return weight, lse
+
+
+class DecodeContextParallel:
+    """Decode over a KV cache sharded by token across a ``torch.distributed`` group.
+
+    Built once per rank with the rank's own head geometry (``dims.num_heads`` = heads this rank
+    serves), the cache spec of the rank's local cache and the engine's global limits. It owns two
+    :class:`~mla.backend.MLABackend`: one decodes this rank's shard (``num_heads * W`` heads when
+    ``split_heads``; one qlen-1 request per decode row, up to ``max_num_seqs * max_decode_qlen``;
+    keys up to the largest local share of ``max_model_len``), one prefills over the gathered
+    context. ``backend_options`` (``model_dtype``, ``provider``, ``platform``, ``device``,
+    ``decode_strategy``, ``prefill_strategy``, ``context_chunk_tokens``) go to both.
+
+    ``split_heads``: the group's ranks are tensor-parallel ranks, each holding its own
+    ``num_heads`` (rank ``r`` heads ``r*H .. r*H+H-1`` of the group): q is all-gathered over
+    heads and outputs are reduce-scattered back. Otherwise every rank holds the same heads and
+    outputs are all-reduced.
+
+    The engine's step (:class:`~mla.backend.StepInputs`) keeps global ``seq_lens`` and positions;
+    its ``block_table`` holds the block ids of the sharded caches (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        cache: KVCacheSpec,
+        limits: EngineLimits,
+        *,
+        group: Any = None,
+        interleave: int = 1,
+        split_heads: bool = True,
+        **backend_options: Any,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidInputError(
+                "group", "torch.distributed is not initialized: call init_process_group first"
+            )
+        self.group = group
+        self.layout = DCPLayout(dist.get_world_size(group), dist.get_rank(group), interleave)
+        self.dims, self.cache, self.limits = dims, cache, limits
+        self.split_heads = split_heads
+        world = self.layout.world_size
+        decode_heads = dims.num_heads * world if split_heads else dims.num_heads
+        local_len = self.layout.max_local_length(limits.max_model_len)
+        rows = limits.max_decode_tokens
+        self.decode_backend = MLABackend(
+            attrs.evolve(dims, num_heads=decode_heads),
+            cache,
+            EngineLimits(
+                max_num_seqs=rows,
+                max_model_len=local_len,
+                max_num_batched_tokens=max(rows, limits.max_num_batched_tokens),
+                max_decode_qlen=1,
+                graph_mode=limits.graph_mode,
+            ),
+            **backend_options,
+        )
+        self.prefill_backend = MLABackend(
+            dims,
+            KVCacheSpec(cache.block_size, cache.dtype),
+            attrs.evolve(limits, max_decode_qlen=1),
+            **backend_options,
+        )
+        self.device = self.decode_backend.device
+        self.model_dtype = self.decode_backend.model_dtype
+        self.local_blocks = -(-local_len // cache.block_size)
+        dev = self.device
+        # Persistent step buffers: a captured decode reads these addresses on every replay.
+        self._slot_mapping = torch.full((limits.max_num_batched_tokens,), -1, dtype=torch.int64, device=dev)
+        self._qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._block_table = torch.zeros(rows, self.local_blocks, dtype=torch.int32, device=dev)
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (
+            f"DecodeContextParallel(rank={lay.rank}/{lay.world_size}, interleave={lay.interleave}, "
+            f"split_heads={self.split_heads}, decode={self.decode_backend!r})"
+        )
+
+    # -- build (host side, once per step) -----------------------------------------------------
+
+    def build(self, step: StepInputs) -> DCPMetadata:
+        """Derive this rank's local step from the engine's global one and plan it.
+
+        Raises :class:`~mla.errors.InvalidInputError` for a malformed step or a block table that
+        does not cover this rank's share of a request.
+        """
+        qsl = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
+        require_index("block_table", step.block_table, ndim=2)
+        seq = (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
+        check_indptr("query_start_loc", qsl)
+        num_requests, nd = seq.numel(), step.num_decodes
+        if qsl.numel() != num_requests + 1:
+            raise InvalidInputError(
+                "query_start_loc_cpu", f"has {qsl.numel()} entries for {num_requests} requests"
+            )
+        if not 0 <= nd <= num_requests:
+            raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {nd}")
+        owned_decode = int(qsl[nd])
+        num_prefill_tokens = int(qsl[-1]) - owned_decode
+        if step.num_decode_tokens < owned_decode or (
+            num_prefill_tokens and step.num_decode_tokens != owned_decode
+        ):
+            raise InvalidInputError(
+                "num_decode_tokens",
+                f"got {step.num_decode_tokens}; the decode requests own {owned_decode} tokens "
+                "(extra graph-padding rows are allowed only in decode-only steps)",
+            )
+        total = step.num_decode_tokens + num_prefill_tokens
+        if total > self.limits.max_num_batched_tokens:
+            raise InvalidInputError(
+                "query_start_loc",
+                f"{total} rows exceed max_num_batched_tokens {self.limits.max_num_batched_tokens}",
+            )
+        lay = self.layout
+        local_seq = lay.local_length(seq)
+        check_paged_requests(
+            query_start_loc_cpu=torch.zeros(num_requests + 1, dtype=torch.int64),
+            seq_lens_cpu=local_seq,
+            block_table_cpu=step.block_table.cpu(),
+            block_size=self.cache.block_size,
+            num_blocks=self.cache.num_blocks or (1 << 62),
+        )
+        qlens = qsl[1:] - qsl[:-1]
+        row_req = torch.repeat_interleave(torch.arange(num_requests), qlens)
+        row_pos = seq[row_req] - qlens[row_req] + torch.arange(int(qsl[-1])) - qsl[row_req]
+        real = seq[row_req] > 0
+        slot_mapping = self._fill_slot_mapping(step.block_table, row_req, row_pos, real, total)
+        decode = None
+        row_local = torch.zeros(0, dtype=torch.int64)
+        if nd:
+            row_local = torch.where(real[:owned_decode], lay.local_length(row_pos[:owned_decode] + 1), 0)
+            decode = self._build_decode(step, row_req[:owned_decode], row_local)
+        prefill = context = None
+        if num_requests > nd:
+            prefill, context = self._build_prefill(step, qsl, seq, nd)
+        return DCPMetadata(
+            num_decodes=nd,
+            num_decode_tokens=step.num_decode_tokens,
+            num_prefills=num_requests - nd,
+            num_prefill_tokens=num_prefill_tokens,
+            slot_mapping=slot_mapping,
+            local_seq_lens_cpu=row_local,
+            decode=decode,
+            prefill=prefill,
+            context=context,
+        )
+
+    def _slots(self, block_table: torch.Tensor, requests: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Cache slots of local positions ``local`` of ``requests`` (host int64 -> device int64)."""
+        bs = self.cache.block_size
+        req = requests.to(self.device)
+        pos = local.to(self.device)
+        return block_table[req, pos // bs].to(torch.int64) * bs + pos % bs
+
+    def _fill_slot_mapping(
+        self,
+        block_table: torch.Tensor,
+        row_req: torch.Tensor,
+        row_pos: torch.Tensor,
+        real: torch.Tensor,
+        total: int,
+    ) -> torch.Tensor:
+        lay = self.layout
+        mine = real & (lay.owner(row_pos) == lay.rank)
+        rows = torch.nonzero(mine).flatten()
+        out = self._slot_mapping[:total]
+        out.fill_(-1)
+        if rows.numel():
+            slots = self._slots(block_table, row_req[rows], lay.local_position(row_pos[rows]))
+            out[rows.to(self.device)] = slots
+        return out
+
+    def _build_decode(self, step: StepInputs, row_req: torch.Tensor, row_local: torch.Tensor) -> MLAMetadata:
+        rows = row_req.numel()
+        width = min(step.block_table.shape[1], self.local_blocks)
+        self._seq_lens[:rows].copy_(row_local.to(torch.int32), non_blocking=True)
+        self._block_table[:rows, :width].copy_(step.block_table[row_req.to(self.device), :width])
+        local = StepInputs(
+            query_start_loc_cpu=torch.arange(rows + 1, dtype=torch.int64),
+            query_start_loc=self._qsl[: rows + 1],
+            seq_lens=self._seq_lens[:rows],
+            seq_lens_cpu=row_local,
+            block_table=self._block_table[:rows, :width],
+            num_decodes=rows,
+            num_decode_tokens=step.num_decode_tokens,
+        )
+        return self.decode_backend.builder.build(local)
+
+    def _build_prefill(
+        self, step: StepInputs, qsl: torch.Tensor, seq: torch.Tensor, nd: int
+    ) -> tuple[MLAMetadata, ContextGather | None]:
+        lay, bs, dev = self.layout, self.cache.block_size, self.device
+        qlens = (qsl[nd + 1 :] - qsl[nd:-1]).to(torch.int64)
+        lens = seq[nd:]
+        context = lens - qlens
+        if bool((context < 0).any()):
+            b = int(torch.nonzero(context < 0)[0, 0])
+            raise InvalidInputError(
+                "seq_lens",
+                f"prefill request {nd + b} has seq_len {int(lens[b])} < query length {int(qlens[b])}",
+            )
+        # Each prefill request gets contiguous workspace blocks covering its whole sequence.
+        blocks = (lens + bs - 1) // bs
+        base = torch.cumsum(blocks, 0) - blocks
+        width = max(1, int(blocks.max()))
+        cols = torch.arange(width)[None, :]
+        table = torch.where(cols < blocks[:, None], base[:, None] + cols, 0).to(torch.int32)
+        cu = (qsl[nd:] - qsl[nd]).to(torch.int32)
+        prefill = self.prefill_backend.builder.build(
+            StepInputs(
+                query_start_loc_cpu=cu,
+                query_start_loc=cu.to(dev),
+                seq_lens=lens.to(torch.int32).to(dev),
+                seq_lens_cpu=lens,
+                block_table=table.to(dev),
+                num_decodes=0,
+                num_decode_tokens=0,
+            )
+        )
+        total = int(context.sum())
+        if total == 0:
+            return prefill, None
+        world = lay.world_size
+        shares = torch.stack([lay.local_length(context, r) for r in range(world)], dim=1)  # [P, W]
+        offsets = torch.cumsum(shares, 0) - shares
+        largest = int(shares.sum(0).max())
+        mine = shares[:, lay.rank]
+        send_req = torch.repeat_interleave(torch.arange(mine.numel()), mine)
+        send_pos = torch.arange(int(mine.sum())) - (torch.cumsum(mine, 0) - mine)[send_req]
+        send = torch.zeros(largest, dtype=torch.int64, device=dev)
+        if send_req.numel():
+            slots = self._slots(step.block_table, send_req + nd, send_pos)
+            send[: slots.numel()] = slots
+            send[slots.numel() :] = slots[0]
+        ctx_req = torch.repeat_interleave(torch.arange(context.numel()), context)
+        ctx_pos = torch.arange(total) - (torch.cumsum(context, 0) - context)[ctx_req]
+        owner = lay.owner(ctx_pos)
+        source = owner * largest + offsets[ctx_req, owner] + lay.local_position(ctx_pos)
+        target = base[ctx_req] * bs + ctx_pos
+        workspace = torch.empty(
+            int(blocks.sum()), bs, self.dims.latent_dim, dtype=self.cache.dtype, device=dev
+        )
+        return prefill, ContextGather(send, source.to(dev), target.to(dev), workspace)
+
+    # -- run (device side) --------------------------------------------------------------------
+
+    def write_kv(
+        self,
+        metadata: DCPMetadata,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        kv_scale: float | None = None,
+    ) -> None:
+        """Write the step's new latent rows ``kv_c [T, L]``, ``k_pe [T, R]`` that this rank owns
+        into its cache (``T`` = the step's rows, decode rows first)."""
+        rows = metadata.slot_mapping.numel()
+        require_tensor("kv_c", kv_c, ndim=2)
+        if kv_c.shape[0] != rows or k_pe.shape[0] != rows:
+            raise InvalidInputError(
+                "kv_c", f"expected {rows} rows (the step's tokens), got {kv_c.shape[0]} and {k_pe.shape[0]}"
+            )
+        self.decode_backend.impl.write_kv(kv_c, k_pe, kv_cache, metadata.slot_mapping, kv_scale=kv_scale)
+
+    def forward_decode(
+        self,
+        metadata: DCPMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_scale: float | None = None,
+    ) -> None:
+        """Decode the step's rows over every rank's shard; collective over the group.
+
+        q ``[num_decode_tokens, H, L+R]`` (this rank's heads) in the model dtype; writes out
+        ``[.., H, L]`` and, when given, lse ``[.., H]`` float32: the same values the unsharded
+        decode gives. Every rank of the group must call it for the same step.
+        """
+        if metadata.num_decodes == 0:
+            raise InvalidInputError("metadata", "this step has no decode requests")
+        rows, heads, world = metadata.num_decode_tokens, self.dims.num_heads, self.layout.world_size
+        require_tensor("q", q, ndim=3)
+        require_tensor("out", out, ndim=3)
+        if tuple(q.shape[:2]) != (rows, heads):
+            raise InvalidInputError("q", f"expected [{rows}, {heads}, L+R], got {tuple(q.shape)}")
+        if tuple(out.shape[:2]) != (rows, heads):
+            raise InvalidInputError("out", f"expected [{rows}, {heads}, L], got {tuple(out.shape)}")
+        if self.split_heads and world > 1:
+            gathered = torch.empty((world * rows, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            _all_gather(gathered, q.contiguous(), self.group)
+            q_local = gathered.view(world, rows, heads, -1).transpose(0, 1).reshape(rows, world * heads, -1)
+        else:
+            q_local = q
+        local_heads = q_local.shape[1]
+        part = torch.empty((rows, local_heads, out.shape[-1]), dtype=out.dtype, device=out.device)
+        part_lse = torch.empty((rows, local_heads), dtype=torch.float32, device=out.device)
+        if metadata.decode is None:
+            part.zero_()
+            part_lse.fill_(float("-inf"))
+        else:
+            self.decode_backend.impl.forward_decode(
+                metadata.decode, q_local, kv_cache, out=part, lse=part_lse, kv_scale=kv_scale
+            )
+        all_lse = torch.empty((world * rows, local_heads), dtype=torch.float32, device=out.device)
+        _all_gather(all_lse, part_lse, self.group)
+        weight, merged_lse = lse_weights(part_lse, all_lse.view(world, rows, local_heads))
+        corrected = (part.to(torch.float32) * weight[..., None]).to(out.dtype)
+        if self.split_heads and world > 1:
+            send = corrected.view(rows, world, heads, -1).transpose(0, 1).reshape(world * rows, heads, -1)
+            target = out if out.is_contiguous() else torch.empty_like(out)
+            _reduce_scatter(target, send, self.group)
+            if target is not out:
+                out.copy_(target)
+            own = merged_lse.view(rows, world, heads)[:, self.layout.rank]
+        else:
+            dist.all_reduce(corrected, group=self.group)
+            out.copy_(corrected)
+            own = merged_lse
+        if lse is not None:
+            lse.copy_(own)
+
+    def forward_prefill(
+        self,
+        metadata: DCPMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_cache: torch.Tensor | None = None,
+        kv_scale: float | None = None,
+        expand_context: ContextExpander | None = None,
+    ) -> None:
+        """Prefill the step's new tokens (MHA form, this rank's heads) over their whole context.
+
+        Collective over the group when the step has cached context: the context rows are
+        gathered from every rank's ``kv_cache`` into the plan's workspace first.
+        """
+        if metadata.prefill is None:
+            raise InvalidInputError("metadata", "this step has no prefill requests")
+        workspace = None
+        gather = metadata.context
+        if gather is not None:
+            if kv_cache is None:
+                raise InvalidInputError("kv_cache", "this step has cached context: pass this rank's kv_cache")
+            width = kv_cache.shape[-1]
+            local = kv_cache.view(-1, width).view(torch.uint8)
+            send = local[gather.send_slots]
+            received = torch.empty(
+                (self.layout.world_size * send.shape[0], send.shape[1]), dtype=torch.uint8, device=send.device
+            )
+            _all_gather(received, send, self.group)
+            workspace = gather.workspace
+            flat = workspace.view(-1, width).view(torch.uint8)
+            flat[gather.target_slots] = received[gather.source_rows]
+        self.prefill_backend.impl.forward_prefill(
+            metadata.prefill,
+            q,
+            k,
+            v,
+            out=out,
+            lse=lse,
+            kv_cache=workspace,
+            kv_scale=kv_scale,
+            expand_context=expand_context,
+        )

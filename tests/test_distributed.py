@@ -1,0 +1,131 @@
+"""Decode context parallelism: the layout, the LSE combine, and 2- and 4-rank runs.
+
+The multi-rank checks (``dcp_harness``) spawn gloo processes on the CPU and, on a machine with
+two GPUs, NCCL processes; every rank compares its decode (and a mixed step through
+``MLAAttention``) with the single-process backend on the unsharded cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import attrs
+import dcp_harness
+import pytest
+import torch
+import torch.distributed as dist
+
+import mla
+from mla.distributed import DCPLayout, DecodeContextParallel, lse_weights
+from mla.errors import InvalidInputError
+from mla.reference import merge_reference
+
+
+@pytest.mark.parametrize(("world", "interleave"), [(1, 1), (2, 1), (3, 2), (4, 16), (2, 5)])
+def test_layout_matches_round_robin_by_interleave(world: int, interleave: int) -> None:
+    """Walk positions one by one: rank (p // I) % W, each rank filling its cache in order."""
+    positions = torch.arange(300)
+    filled = [0] * world
+    for rank in range(world):
+        layout = DCPLayout(world, rank, interleave)
+        owners = layout.owner(positions)
+        local = layout.local_position(positions)
+        for p in range(300):
+            if int(owners[p]) == rank:
+                assert int(local[p]) == filled[rank]
+                filled[rank] += 1
+            assert int(layout.local_length(torch.tensor(p + 1))) == filled[rank]
+    assert sum(filled) == 300
+    assert DCPLayout(world, 0, interleave).max_local_length(300) == max(filled)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"world_size": 0, "rank": 0}, "world_size"),
+        ({"world_size": 2, "rank": 2}, "rank"),
+        ({"world_size": 2, "rank": -1}, "rank"),
+        ({"world_size": 2, "rank": 0, "interleave": 0}, "interleave"),
+    ],
+)
+def test_layout_rejects_bad_values(kwargs: dict[str, int], argument: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        DCPLayout(**kwargs)
+    assert info.value.argument == argument
+
+
+def test_lse_weights_merge_like_the_reference() -> None:
+    """Combining weighted partials equals attention over the union; all -inf rows give 0."""
+    gen = torch.Generator().manual_seed(0)
+    lses = torch.randn(3, 5, 2, generator=gen, dtype=torch.float64).float()
+    lses[1, 0] = float("-inf")  # one rank holds no key of row 0
+    lses[:, 4] = float("-inf")  # no rank holds a key of row 4
+    outs = torch.randn(3, 5, 2, 8, generator=gen)
+    outs[:, 4] = 0
+    outs[1, 0] = 0
+    merged = torch.zeros(5, 2, 8)
+    for r in range(3):
+        weight, lse = lse_weights(lses[r], lses)
+        merged += outs[r] * weight[..., None]
+    ref_o, ref_lse = merge_reference(outs[0], lses[0], outs[1], lses[1])
+    ref_o, ref_lse = merge_reference(ref_o, ref_lse, outs[2], lses[2])
+    assert float((merged.double() - ref_o).abs().max()) < 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert float((lse.double() - ref_lse)[finite].abs().max()) < 1e-5
+    assert bool((merged[4] == 0).all())
+    assert float(lse[4, 0]) == -math.inf
+
+
+def test_needs_an_initialized_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(InvalidInputError) as info:
+        DecodeContextParallel(
+            mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16),
+            mla.KVCacheSpec(4),
+            mla.EngineLimits(4, 64, 32),
+        )
+    assert info.value.argument == "group"
+
+
+def _fraction(cases: list[dcp_harness.Case]) -> list[dcp_harness.Case]:
+    """Half of the 2^4 (kv dtype, block size, interleave, qlen) grid in which every pair of
+    those factors still takes all four value combinations."""
+    levels = {"bf16": 0, "fp8": 1, 1: 0, 16: 1, 3: 1}
+
+    def parity(case: dcp_harness.Case) -> int:
+        return (
+            levels[case.kv_dtype]
+            + levels[case.block_size]
+            + (case.interleave == 16)
+            + levels.get(case.qlen, 0)
+        ) % 2
+
+    picked = [c for c in cases if parity(c) == 0]
+    values = [(c.kv_dtype, c.block_size, c.interleave, c.qlen) for c in picked]
+    for a, b in itertools.combinations(range(4), 2):
+        assert len({(v[a], v[b]) for v in values}) == 4
+    return picked
+
+
+def test_dcp_matches_single_process_on_gloo(tmp_path: Path) -> None:
+    """Four gloo processes: first as two 2-rank DCP groups (subgroups of the world, between
+    them every case), then as one 4-rank group (half the grid, every pair of values). Every rank
+    checks DCP decode (qlen 1 and verify 3, graph padding, requests shorter than the group) and a
+    mixed step through MLAAttention against the single-process results."""
+    cases = dcp_harness.cases()
+    assert {c.split_heads for c in cases} == {True, False}
+    dcp_harness.spawn(4, "gloo", dcp_harness.Geometry(), [(2, cases), (4, _fraction(cases))], str(tmp_path))
+
+
+@pytest.mark.gpu
+def test_dcp_matches_single_process_on_two_gpus_nccl(tmp_path: Path) -> None:
+    """The same check over NCCL on two GPUs with the GPU provider and DeepSeek's latent dims."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    cases = [attrs.evolve(c, model_dtype=torch.bfloat16) for c in dcp_harness.cases()]
+    geometry = dcp_harness.Geometry(heads=16, kv_lora_rank=512, rope=64, nope=128, v=128, provider="auto")
+    dcp_harness.spawn(2, "nccl", geometry, [(2, cases)], str(tmp_path))

@@ -1,0 +1,302 @@
+"""``MLAAttention`` against Hugging Face transformers' ``DeepseekV3Attention``.
+
+HF's layer runs each whole sequence once in float32 (eager attention, causal mask). Hooks on its
+projections capture ``q`` (before rope), the normed latent and ``k_pe`` (before rope); HF's own
+rope functions rotate them with HF's cos/sin. ``MLAAttention`` is fed those rows over mixed
+engine steps (prefills with and without cached context, decodes, verifies of qlen 2-4) through a
+paged cache, and each step's output is compared with HF's attention output before ``o_proj`` at
+the same positions. Tensor parallelism is simulated in one process: rank ``r`` of ``tp`` gets
+its head slice and its own backend and cache.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import mla
+from mla.layers import MLAAttention, deepseek_softmax_scale
+
+transformers = pytest.importorskip(
+    "transformers", reason="the HF cross-check needs transformers (pip install -e '.[test]')"
+)
+hf_ds = pytest.importorskip(
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    reason="this transformers has no DeepSeek-V3 model",
+)
+
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float8_e4m3fn: 8e-2}
+"""Largest ``max|out - hf| / max|hf|`` per step, by cache dtype (float32 model)."""
+
+LENGTHS = {"a": 19, "b": 26, "c": 18}
+"""Sequence length of each request; HF runs each whole sequence once."""
+
+# (decodes [(request, qlen)], prefills [(request, new tokens)]), decodes first as engines order them.
+STEPS: tuple[tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]], ...] = (
+    ((), (("a", 12), ("b", 8))),  # prefills without context
+    ((("a", 1),), (("b", 12), ("c", 5))),  # decode + prefill with context + prefill without
+    ((("a", 3), ("b", 1)), (("c", 7),)),  # verify qlen 3 next to a decode; prefill with context
+    ((("a", 2), ("b", 4), ("c", 1)), ()),  # mixed verify step (qlen 2 and 4)
+    ((("a", 1), ("b", 1), ("c", 3)), ()),
+    ((("c", 2),), ()),
+)
+
+
+@attrs.frozen
+class Model:
+    """One HF config: its layer's captured per-token inputs and outputs, per request."""
+
+    name: str
+    config: Any
+    attn: Any
+    rows: dict[str, dict[str, torch.Tensor]]
+    """request -> q_nope [S,H,n], q_pe [S,H,R], kv_c [S,L], k_pe [S,R], out [S,H,v]."""
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "plain-rope": {"q_lora_rank": None, "rope_interleave": False, "rope": {"rope_type": "default"}},
+    "q-lora-interleaved": {"q_lora_rank": 24, "rope_interleave": True, "rope": {"rope_type": "default"}},
+    "yarn": {
+        "q_lora_rank": 24,
+        "rope_interleave": True,
+        "rope": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
+    "yarn-mscale-differs": {
+        "q_lora_rank": None,
+        "rope_interleave": False,
+        "rope": {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.5,
+        },
+    },
+}
+
+
+def hf_config(q_lora_rank: int | None, rope_interleave: bool, rope: dict[str, Any]) -> Any:
+    """A tiny DeepSeek-V3 config (4 heads, latent 32, rope 16, nope 16, v 24) in float32."""
+    common: dict[str, Any] = {
+        "vocab_size": 32,
+        "hidden_size": 48,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": q_lora_rank,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 24,
+        "max_position_embeddings": 64,
+        "rope_interleave": rope_interleave,
+    }
+    if TRANSFORMERS_MAJOR >= 5:
+        config = transformers.DeepseekV3Config(rope_parameters={"rope_theta": 10000.0, **rope}, **common)
+    else:
+        scaling = None if rope["rope_type"] == "default" else dict(rope)
+        config = transformers.DeepseekV3Config(rope_theta=10000.0, rope_scaling=scaling, **common)
+    config._attn_implementation = "eager"
+    return config
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return dict(params or {})
+
+
+def capture(config: Any, attn: Any, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Run HF's layer on one sequence ``[S, hidden]``; return its per-token MLA inputs and the
+    attention output before ``o_proj``."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Any:
+        def hook(_module: Any, _args: Any, output: torch.Tensor) -> None:
+            seen[name] = output.detach()
+
+        return hook
+
+    def keep_input(_module: Any, args: tuple[torch.Tensor, ...]) -> None:
+        seen["o"] = args[0].detach()
+
+    q_module = attn.q_proj if config.q_lora_rank is None else attn.q_b_proj
+    handles = [
+        q_module.register_forward_hook(keep("q")),
+        attn.kv_a_layernorm.register_forward_hook(keep("kv_c")),
+        attn.kv_a_proj_with_mqa.register_forward_hook(keep("kv")),
+        attn.o_proj.register_forward_pre_hook(keep_input),
+    ]
+    seq = hidden.shape[0]
+    rotary = hf_ds.DeepseekV3RotaryEmbedding(config=config)
+    cos, sin = rotary(hidden[None], torch.arange(seq)[None])
+    mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    try:
+        with torch.no_grad():
+            attn(hidden[None], (cos, sin), mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    heads, nope, rope_dim = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+    q = seen["q"].view(1, seq, heads, nope + rope_dim).transpose(1, 2)
+    q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
+    k_rot = seen["kv"][..., config.kv_lora_rank :].view(1, 1, seq, rope_dim)
+    apply_rope = (
+        hf_ds.apply_rotary_pos_emb_interleave if config.rope_interleave else hf_ds.apply_rotary_pos_emb
+    )
+    q_rot, k_rot = apply_rope(q_rot, k_rot, cos, sin)
+    return {
+        "q_nope": q_nope[0].transpose(0, 1).contiguous(),
+        "q_pe": q_rot[0].transpose(0, 1).contiguous(),
+        "kv_c": seen["kv_c"][0].contiguous(),
+        "k_pe": k_rot[0, 0].contiguous(),
+        "out": seen["o"][0].view(seq, heads, config.v_head_dim),
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request: pytest.FixtureRequest) -> Model:
+    torch.manual_seed(7)
+    config = hf_config(**CONFIGS[request.param])
+    attn = hf_ds.DeepseekV3Attention(config, layer_idx=0).eval()
+    rows = {
+        name: capture(config, attn, torch.randn(length, config.hidden_size))
+        for name, length in LENGTHS.items()
+    }
+    return Model(request.param, config, attn, rows)
+
+
+class Rank:
+    """One simulated tensor-parallel rank: its backend, layer, cache and block lists."""
+
+    def __init__(
+        self, model: Model, *, tp_rank: int, tp_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype
+    ):
+        config = model.config
+        heads = config.num_attention_heads // tp_size
+        self.heads = slice(tp_rank * heads, (tp_rank + 1) * heads)
+        dims = mla.MLADims(
+            num_heads=heads,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            v_head_dim=config.v_head_dim,
+            softmax_scale=deepseek_softmax_scale(
+                config.qk_nope_head_dim + config.qk_rope_head_dim, rope_parameters(config)
+            ),
+        )
+        self.block_size, num_blocks = 4, 40
+        self.backend = mla.MLABackend(
+            dims,
+            mla.KVCacheSpec(self.block_size, kv_dtype, num_blocks=num_blocks),
+            mla.EngineLimits(max_num_seqs=3, max_model_len=32, max_num_batched_tokens=32, max_decode_qlen=4),
+            model_dtype=model_dtype,
+            provider="torch",
+            context_chunk_tokens=12,  # the smallest workspace: contexts span several chunks
+        )
+        self.layer = MLAAttention(self.backend, model.attn.kv_b_proj.weight, tp_rank=tp_rank, tp_size=tp_size)
+        self.cache = torch.full((num_blocks, self.block_size, dims.latent_dim), float("nan")).to(kv_dtype)
+        self.free = list(range(num_blocks))
+        random.Random(tp_rank).shuffle(self.free)
+        self.blocks: dict[str, list[int]] = {name: [] for name in LENGTHS}
+
+    def slots(self, name: str, start: int, count: int) -> list[int]:
+        blocks, bs = self.blocks[name], self.block_size
+        while len(blocks) * bs < start + count:
+            blocks.append(self.free.pop())
+        return [blocks[p // bs] * bs + p % bs for p in range(start, start + count)]
+
+
+def run_steps(model: Model, *, tp_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> list[float]:
+    """Serve :data:`STEPS` on every simulated rank; return each (rank, step) relative error."""
+    latent_amax = max(float(torch.cat([r["kv_c"], r["k_pe"]], -1).abs().max()) for r in model.rows.values())
+    kv_scale = latent_amax / 224.0 if kv_dtype == torch.float8_e4m3fn else None
+    errors = []
+    for tp_rank in range(tp_size):
+        rank = Rank(model, tp_rank=tp_rank, tp_size=tp_size, kv_dtype=kv_dtype, model_dtype=model_dtype)
+        done = dict.fromkeys(LENGTHS, 0)
+        for decodes, prefills in STEPS:
+            picks: list[tuple[str, int, int]] = [(n, done[n], q) for n, q in (*decodes, *prefills)]
+            qsl = [0]
+            seq_lens, slots, table = [], [], []
+            for name, start, count in picks:
+                slots += rank.slots(name, start, count)
+                qsl.append(qsl[-1] + count)
+                seq_lens.append(start + count)
+            width = max(len(rank.blocks[n]) for n, _, _ in picks)
+            table = [rank.blocks[n] + [0] * (width - len(rank.blocks[n])) for n, _, _ in picks]
+            qsl_t = torch.tensor(qsl, dtype=torch.int32)
+            seq_t = torch.tensor(seq_lens, dtype=torch.int32)
+            step = mla.StepInputs(
+                query_start_loc_cpu=qsl_t,
+                query_start_loc=qsl_t,
+                seq_lens=seq_t,
+                seq_lens_cpu=seq_t,
+                block_table=torch.tensor(table, dtype=torch.int32),
+                num_decodes=len(decodes),
+                num_decode_tokens=sum(q for _, q in decodes),
+            )
+            metadata = rank.backend.builder.build(step)
+
+            def rows(key: str, picks: list[tuple[str, int, int]] = picks) -> torch.Tensor:
+                return torch.cat([model.rows[n][key][s : s + c] for n, s, c in picks])
+
+            out = rank.layer(
+                metadata,
+                rows("q_nope")[:, rank.heads].to(model_dtype),
+                rows("q_pe")[:, rank.heads].to(model_dtype),
+                rows("kv_c").to(model_dtype),
+                rows("k_pe").to(model_dtype),
+                rank.cache,
+                slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                kv_scale=kv_scale,
+            )
+            ref = rows("out")[:, rank.heads]
+            assert out.shape == ref.shape
+            errors.append(float((out.float() - ref).abs().max() / ref.abs().max()))
+            for name, _, count in picks:
+                done[name] += count
+    return errors
+
+
+def test_softmax_scale_matches_hf(model: Model) -> None:
+    config = model.config
+    scale = deepseek_softmax_scale(config.qk_nope_head_dim + config.qk_rope_head_dim, rope_parameters(config))
+    assert scale == pytest.approx(model.attn.scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize(
+    ("kv_dtype", "model_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float8_e4m3fn, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16-cache", "fp8-cache", "bf16-model"],
+)
+def test_layer_matches_hf_attention(
+    model: Model, tp_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype
+) -> None:
+    errors = run_steps(model, tp_size=tp_size, kv_dtype=kv_dtype, model_dtype=model_dtype)
+    tol = TOLERANCE[torch.bfloat16 if model_dtype == torch.bfloat16 else kv_dtype]
+    assert len(errors) == tp_size * len(STEPS)
+    assert max(errors) <= tol, errors
