@@ -449,6 +449,7 @@ def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
         arch=args.arch,
         emulate=args.emulate,
         block_size=args.block_size,
+        dcp=args.dcp,
     )
     progress = None if args.quiet else ProgressBar(sys.stderr)
     report = run_demo(config, progress=progress)
@@ -538,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=provider_names(),
         help="torch reference kernels under this provider's capability record (e.g. aiter with "
         "--arch gfx950 runs the Gluon and padding paths on a CPU)",
+    )
+    demo.add_argument(
+        "--dcp", type=_positive_int, default=1, help="serve with N processes, the KV cache sharded by token"
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser

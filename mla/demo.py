@@ -91,6 +91,12 @@ class DemoConfig:
     chunks."""
     device: str | None = None
     """Torch device (default: the platform's: ``cuda`` on a GPU, else ``cpu``)."""
+    dcp: int = attrs.field(default=1, validator=_positive)
+    """Decode context parallelism: serve with this many processes (gloo on a CPU, NCCL on GPUs),
+    each holding a token shard of the cache and ``heads / dcp`` of the heads, and check every
+    step against the single-process backend (:mod:`mla.demo_dcp`)."""
+    dcp_interleave: int = attrs.field(default=1, validator=_positive)
+    """Tokens per rank per round of the sharded cache (vLLM's interleave size)."""
 
     def __attrs_post_init__(self) -> None:
         if self.max_model_len < self.max_decode_qlen + 8:
@@ -98,6 +104,10 @@ class DemoConfig:
                 "max_model_len",
                 f"{self.max_model_len} leaves no room for a prompt and a verify; use at least "
                 f"max_decode_qlen + 8 = {self.max_decode_qlen + 8}",
+            )
+        if self.heads % self.dcp:
+            raise InvalidInputError(
+                "heads", f"{self.heads} heads do not split over dcp={self.dcp} ranks; use a multiple"
             )
         if self.max_num_batched_tokens <= self.max_num_seqs * self.max_decode_qlen:
             raise InvalidInputError(
@@ -172,10 +182,14 @@ class DemoReport:
     """Counts of the step features exercised (prefills with cached context, verifies, padding)."""
     failures: tuple[StepFailure, ...]
     wall_seconds: float
+    extra: tuple[PhaseStats, ...] = ()
+    """Further checks (``mla demo --dcp``: each rank's sharded decode and prefill against the
+    single-process backend, worst over ranks)."""
 
     @property
     def passed(self) -> bool:
-        return not self.failures and self.decode.passed and self.prefill.passed
+        phases = (self.decode, self.prefill, *self.extra)
+        return not self.failures and all(stats.passed for stats in phases)
 
     def strategies(self, phase: str) -> dict[str, int]:
         """``{strategy NAME: steps}`` for ``phase`` (``decode`` or ``prefill``)."""
@@ -189,9 +203,14 @@ class DemoReport:
             f"model {self.model_dtype}, kv cache {self.kv_dtype}, max decode qlen "
             f"{self.config.max_decode_qlen}"
         )
+        if self.config.dcp > 1:
+            head += (
+                f"; decode context parallelism over {self.config.dcp} ranks "
+                f"(interleave {self.config.dcp_interleave})"
+            )
         header = ("phase", "steps", "tokens", "strategy (steps)", "max rel err", "max lse err", "tol", "")
         rows = [header]
-        for stats in (self.decode, self.prefill):
+        for stats in (self.decode, self.prefill, *self.extra):
             strategies = ", ".join(f"{name} ({count})" for name, count in stats.strategies) or "-"
             rows.append(
                 (
@@ -502,6 +521,7 @@ class ServingLoop:
         latent = self._randn(len(slots), self.dims.latent_dim)
         self._write(slots, latent)
         metadata = self.backend.builder.build(inputs)
+        self._on_step(sched, inputs, latent)
         ok = True
         decode_name = prefill_name = None
         if inputs.num_decodes:
@@ -593,6 +613,7 @@ class ServingLoop:
         )
         assert metadata.decode is not None
         name = metadata.decode.strategy
+        self._on_decode(index, q, out, lse)
         return name, self._record(self.decode_tally, index, name, rows, (out, lse), (ref_out, ref_lse))
 
     def _context_rows(self, request: Request) -> torch.Tensor:
@@ -655,7 +676,26 @@ class ServingLoop:
             softmax_scale=dims.scale,
             causal=True,
         )
+        self._on_prefill(index, name, (q, k, v), out, lse)
         return name, self._record(self.prefill_tally, index, name, tokens, (out, lse), (ref_out, ref_lse))
+
+    # -- hooks for loops that check more per step (mla.demo_dcp) ---------------------------
+
+    def _on_step(self, sched: ScheduledStep, inputs: StepInputs, latent: torch.Tensor) -> None:
+        """After the step's rows (``latent [T, L+R]``) are written and its metadata built."""
+
+    def _on_decode(self, index: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """After the decode ran: its absorbed ``q`` and the backend's ``out``/``lse``."""
+
+    def _on_prefill(
+        self,
+        index: int,
+        strategy: str,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """After the prefill ran: the strategy, its ``(q, k, v)`` and the backend's ``out``/``lse``."""
 
     def _record(
         self,
@@ -700,6 +740,10 @@ def run_demo(config: DemoConfig, progress: Callable[[StepRecord], None] | None =
     :class:`~mla.errors.ProviderUnavailableError` for a provider that cannot run here.
     Tolerance misses do not raise: they are in :attr:`DemoReport.failures`.
     """
+    if config.dcp > 1:
+        from mla.demo_dcp import run_dcp_demo  # noqa: PLC0415  (mla.demo_dcp builds on this module)
+
+        return run_dcp_demo(config, progress)
     start = time.perf_counter()
     loop = ServingLoop(config)
     for index in range(config.steps):

@@ -158,7 +158,8 @@ class DecodeContextParallel:
     ``split_heads``; one qlen-1 request per decode row, up to ``max_num_seqs * max_decode_qlen``;
     keys up to the largest local share of ``max_model_len``), one prefills over the gathered
     context. ``backend_options`` (``model_dtype``, ``provider``, ``platform``, ``device``,
-    ``decode_strategy``, ``prefill_strategy``, ``context_chunk_tokens``) go to both.
+    ``resolver``) go to both, ``decode_strategy`` to the first, ``prefill_strategy`` and
+    ``context_chunk_tokens`` to the second.
 
     ``split_heads``: the group's ranks are tensor-parallel ranks, each holding its own
     ``num_heads`` (rank ``r`` heads ``r*H .. r*H+H-1`` of the group): q is all-gathered over
@@ -192,6 +193,9 @@ class DecodeContextParallel:
         decode_heads = dims.num_heads * world if split_heads else dims.num_heads
         local_len = self.layout.max_local_length(limits.max_model_len)
         rows = limits.max_decode_tokens
+        prefill_only = {"context_chunk_tokens", "prefill_strategy"}
+        decode_options = {k: v for k, v in backend_options.items() if k not in prefill_only}
+        prefill_options = {k: v for k, v in backend_options.items() if k != "decode_strategy"}
         self.decode_backend = MLABackend(
             attrs.evolve(dims, num_heads=decode_heads),
             cache,
@@ -202,13 +206,13 @@ class DecodeContextParallel:
                 max_decode_qlen=1,
                 graph_mode=limits.graph_mode,
             ),
-            **backend_options,
+            **decode_options,
         )
         self.prefill_backend = MLABackend(
             dims,
             KVCacheSpec(cache.block_size, cache.dtype),
             attrs.evolve(limits, max_decode_qlen=1),
-            **backend_options,
+            **prefill_options,
         )
         self.device = self.decode_backend.device
         self.model_dtype = self.decode_backend.model_dtype

@@ -187,3 +187,24 @@ def test_progress_bar_writes_lines_off_a_terminal() -> None:
     assert lines[-1].startswith("[" + "#" * 28 + "]")
     assert "20/20 steps" in lines[-1]
     assert "FAILED: 1" in lines[-1]
+
+
+def test_dcp_demo_checks_every_rank_against_the_single_process_run() -> None:
+    """``mla demo --dcp 2``: two gloo processes serve the sharded cache; every step's decode and
+    prefill on each rank's head slice match the single-process backend."""
+    records: list[StepRecord] = []
+    report = run_demo(small(dcp=2, dcp_interleave=3, steps=12), progress=records.append)
+    assert report.passed, report.summary()
+    assert [r.index for r in records] == list(range(12))
+    phases = {stats.phase: stats for stats in report.extra}
+    assert {"dcp decode", "dcp prefill"} <= set(phases)
+    assert phases["dcp decode"].steps == report.decode.steps
+    assert phases["dcp prefill"].steps == report.prefill.steps
+    assert "decode context parallelism over 2 ranks (interleave 3)" in report.summary()
+
+
+def test_dcp_demo_needs_heads_that_split_over_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(InvalidInputError, match="heads"):
+        small(heads=4, dcp=3)
+    assert cli.main(["demo", "--dcp", "3", "--heads", "4", "--quiet"]) == cli.EXIT_UNSUPPORTED
+    assert "dcp=3" in capsys.readouterr().err
