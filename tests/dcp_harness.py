@@ -308,10 +308,39 @@ def check_decode(case: Case, geo: Geometry, *, group: Any, device: torch.device)
         scenario.meta_dcp, q_rank, scenario.cache_local, out=out, lse=lse, kv_scale=scenario.kv_scale
     )
     tol = TOLERANCE[case.model_dtype]
+    failures = []
     rel, lse_err = _rel(out, ref_out[:, heads]), _lse_err(lse, ref_lse[:, heads])
-    if rel <= tol and lse_err <= max(tol, 1e-4):
-        return []
-    return [f"rank {rank}/{world} decode {case.label}: rel err {rel:.3e}, lse err {lse_err:.3e}"]
+    if rel > tol or lse_err > max(tol, 1e-4):
+        failures.append(f"rank {rank}/{world} decode {case.label}: rel err {rel:.3e}, lse err {lse_err:.3e}")
+    if device.type == "cuda":
+        rel = _captured_decode_error(scenario, q_rank, ref_out[:, heads])
+        if rel > tol:
+            failures.append(f"rank {rank}/{world} graph-replayed decode {case.label}: rel err {rel:.3e}")
+    return failures
+
+
+def _captured_decode_error(scenario: Scenario, q: torch.Tensor, ref: torch.Tensor) -> float:
+    """Run the DCP decode with host syncs turned into errors, then capture it in a CUDA graph
+    (collectives included) and replay it; return the replay's error."""
+    dcp, meta, cache, scale = scenario.dcp, scenario.meta_dcp, scenario.cache_local, scenario.kv_scale
+    out = torch.full_like(ref, float("nan"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dcp.forward_decode(meta, q, cache, out=out, kv_scale=scale)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dcp.forward_decode(meta, q, cache, out=out, kv_scale=scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dcp.forward_decode(meta, q, cache, out=out, kv_scale=scale)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return _rel(out, ref)
 
 
 def check_layer_step(case: Case, geo: Geometry, *, group: Any, device: torch.device) -> list[str]:

@@ -29,18 +29,21 @@ NUM_DECODES = 2
 TOLERANCE = {"bf16": 2e-2, "fp8": 8e-2}
 
 
-def make_backend(heads: int, kv_dtype: str, provider: Any, **options: Any) -> mla.MLABackend:
-    dims = mla.MLADims(num_heads=heads, qk_nope_head_dim=32, v_head_dim=32)  # 512/64 latent
+def make_backend(
+    heads: int, kv_dtype: str, provider: Any, *, platform: Any = "cpu", head_dim: int = 32, **options: Any
+) -> mla.MLABackend:
+    """DeepSeek's 512/64 latent, ``head_dim``-wide nope and v heads, a bf16 model."""
+    dims = mla.MLADims(num_heads=heads, qk_nope_head_dim=head_dim, v_head_dim=head_dim)
+    if isinstance(platform, str):
+        platform = mla.simulated_platform(platform)
+    fp8 = provider.capabilities(platform).fp8_dtype
     return mla.MLABackend(
         dims,
-        mla.KVCacheSpec(
-            4,
-            provider.capabilities(mla.simulated_platform("cpu")).fp8_dtype if kv_dtype == "fp8" else kv_dtype,
-            num_blocks=64,
-        ),
+        mla.KVCacheSpec(4, fp8 if kv_dtype == "fp8" else kv_dtype, num_blocks=64),
         mla.EngineLimits(max_num_seqs=6, max_model_len=48, max_num_batched_tokens=48, max_decode_qlen=4),
         model_dtype=torch.bfloat16,
         provider=provider,
+        platform=platform,
         context_chunk_tokens=24,
         **options,
     )
@@ -48,7 +51,7 @@ def make_backend(heads: int, kv_dtype: str, provider: Any, **options: Any) -> ml
 
 def run_step(backend: mla.MLABackend, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, mla.MLAMetadata]:
     """Serve one mixed step of :data:`REQUESTS` through a fresh layer; return (out, ref, meta)."""
-    dims, bs = backend.dims, backend.cache.block_size
+    dims, bs, dev = backend.dims, backend.cache.block_size, backend.device
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     weight = torch.randn(
@@ -58,8 +61,8 @@ def run_step(backend: mla.MLABackend, *, seed: int = 0) -> tuple[torch.Tensor, t
     kv_scale = 1.0 / 32.0 if backend.cache.is_fp8 else None
     free = list(range(64))
     rng.shuffle(free)
-    cache = torch.randn(64, bs, dims.latent_dim, generator=gen).to(backend.cache.dtype)
-    rows = [torch.randn(seq, dims.latent_dim, generator=gen).to(torch.bfloat16) for seq, _ in REQUESTS]
+    cache = torch.randn(64, bs, dims.latent_dim, generator=gen).to(dev, backend.cache.dtype)
+    rows = [torch.randn(seq, dims.latent_dim, generator=gen).to(dev, torch.bfloat16) for seq, _ in REQUESTS]
     tables, slots, new_slots = [], [], []
     for (seq, new), latent in zip(REQUESTS, rows, strict=True):
         blocks = [free.pop() for _ in range(-(-seq // bs))]
@@ -71,7 +74,7 @@ def run_step(backend: mla.MLABackend, *, seed: int = 0) -> tuple[torch.Tensor, t
                 latent[:history, : dims.kv_lora_rank],
                 latent[:history, dims.kv_lora_rank :],
                 cache,
-                torch.tensor(slots[:history]),
+                torch.tensor(slots[:history], device=dev),
                 kv_scale=kv_scale,
             )
         new_slots += slots[history:]
@@ -80,19 +83,19 @@ def run_step(backend: mla.MLABackend, *, seed: int = 0) -> tuple[torch.Tensor, t
     seq_lens = torch.tensor([seq for seq, _ in REQUESTS], dtype=torch.int32)
     step = mla.StepInputs(
         query_start_loc_cpu=qsl,
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
+        query_start_loc=qsl.to(dev),
+        seq_lens=seq_lens.to(dev),
         seq_lens_cpu=seq_lens,
-        block_table=torch.tensor(tables, dtype=torch.int32),
+        block_table=torch.tensor(tables, dtype=torch.int32, device=dev),
         num_decodes=NUM_DECODES,
         num_decode_tokens=sum(qlens[:NUM_DECODES]),
     )
     meta = backend.builder.build(step)
     total = sum(qlens)
-    q_nope = torch.randn(total, dims.num_heads, dims.qk_nope_head_dim, generator=gen).to(torch.bfloat16)
-    q_pe = torch.randn(total, dims.num_heads, dims.qk_rope_head_dim, generator=gen).to(torch.bfloat16)
+    q_nope = torch.randn(total, dims.num_heads, dims.qk_nope_head_dim, generator=gen).to(dev, torch.bfloat16)
+    q_pe = torch.randn(total, dims.num_heads, dims.qk_rope_head_dim, generator=gen).to(dev, torch.bfloat16)
     new_rows = torch.cat([latent[seq - new :] for (seq, new), latent in zip(REQUESTS, rows, strict=True)])
-    out = torch.full((total, dims.num_heads, dims.v_head_dim), math.nan, dtype=torch.bfloat16)
+    out = torch.full((total, dims.num_heads, dims.v_head_dim), math.nan, dtype=torch.bfloat16, device=dev)
     layer(
         meta,
         q_nope,
@@ -100,12 +103,13 @@ def run_step(backend: mla.MLABackend, *, seed: int = 0) -> tuple[torch.Tensor, t
         new_rows[:, : dims.kv_lora_rank],
         new_rows[:, dims.kv_lora_rank :],
         cache,
-        slot_mapping=torch.tensor(new_slots),
+        slot_mapping=torch.tensor(new_slots, device=dev),
         kv_scale=kv_scale,
         out=out,
     )
     # float64 reference over each request's full keys, as the cache holds them.
-    w = layer.kv_b_proj.double().view(dims.num_heads, -1, dims.kv_lora_rank)
+    w = layer.kv_b_proj.double().cpu().view(dims.num_heads, -1, dims.kv_lora_rank)
+    q_nope, q_pe, rows = q_nope.cpu(), q_pe.cpu(), [latent.cpu() for latent in rows]
     w_k, w_v = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]
     ref = torch.zeros(total, dims.num_heads, dims.v_head_dim, dtype=torch.float64)
     start = 0
@@ -121,7 +125,7 @@ def run_step(backend: mla.MLABackend, *, seed: int = 0) -> tuple[torch.Tensor, t
         scores = scores.masked_fill(~causal_visible(new, seq)[None], -math.inf)
         ref[start : start + new] = torch.einsum("hqs,shv->qhv", torch.softmax(scores, -1), v)
         start += new
-    return out, ref, meta
+    return out.cpu(), ref, meta
 
 
 def itertools_accumulate(values: list[int]) -> list[int]:
@@ -296,3 +300,16 @@ def test_layer_rejects_bad_inputs(bad: str) -> None:
         layer(meta, *inputs.values(), cache, **options)
     assert info.value.argument == ("slot_mapping" if bad == "no-slots" else bad)
     assert bool((cache == 0).all()), "nothing is written before the inputs are checked"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [8, 16, 128])
+def test_layer_on_the_gpu_provider(heads: int, kv_dtype: str) -> None:
+    """The GPU provider (Triton on CUDA, aiter on ROCm) behind the layer, DeepSeek's latent dims."""
+    platform = mla.detect_platform("cuda")
+    provider = mla.providers.auto_provider(platform)
+    backend = make_backend(heads, kv_dtype, provider, platform=platform, head_dim=128, device="cuda")
+    out, ref, meta = run_step(backend, seed=3)
+    assert meta.decode is not None
+    assert rel_error(out, ref) <= TOLERANCE[kv_dtype]
