@@ -266,16 +266,35 @@ class DecodeContextParallel:
                 "query_start_loc",
                 f"{total} rows exceed max_num_batched_tokens {self.limits.max_num_batched_tokens}",
             )
+        if step.num_decode_tokens > self.limits.max_decode_tokens:
+            raise InvalidInputError(
+                "num_decode_tokens",
+                f"{step.num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = "
+                f"{self.limits.max_decode_tokens}",
+            )
+        # Every rank checks the same (global, rank-0) quantities, so a bad step raises on all
+        # ranks alike instead of leaving some waiting in a collective.
         lay = self.layout
-        local_seq = lay.local_length(seq)
+        qlens = qsl[1:] - qsl[:-1]
+        short = (seq > 0) & (seq < qlens)
+        if bool(short.any()) or bool((seq < 0).any()):
+            b = int(torch.nonzero(short | (seq < 0))[0, 0])
+            raise InvalidInputError(
+                "seq_lens",
+                f"request {b} has seq_len {int(seq[b])} for {int(qlens[b])} new tokens; seq_len counts "
+                "the KV including the new tokens (0 marks a graph-padding request)",
+            )
+        if num_requests and int(seq.max()) > self.limits.max_model_len:
+            raise InvalidInputError(
+                "seq_lens", f"max seq_len {int(seq.max())} exceeds max_model_len {self.limits.max_model_len}"
+            )
         check_paged_requests(
             query_start_loc_cpu=torch.zeros(num_requests + 1, dtype=torch.int64),
-            seq_lens_cpu=local_seq,
+            seq_lens_cpu=lay.local_length(seq, 0),
             block_table_cpu=step.block_table.cpu(),
             block_size=self.cache.block_size,
             num_blocks=self.cache.num_blocks or (1 << 62),
         )
-        qlens = qsl[1:] - qsl[:-1]
         row_req = torch.repeat_interleave(torch.arange(num_requests), qlens)
         row_pos = seq[row_req] - qlens[row_req] + torch.arange(int(qsl[-1])) - qsl[row_req]
         real = seq[row_req] > 0

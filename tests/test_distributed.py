@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import mla
 from mla.distributed import DCPLayout, DecodeContextParallel, lse_weights
 from mla.errors import InvalidInputError
+from mla.layers import MLAAttention
 from mla.reference import merge_reference
 
 
@@ -129,3 +131,139 @@ def test_dcp_matches_single_process_on_two_gpus_nccl(tmp_path: Path) -> None:
     cases = [attrs.evolve(c, model_dtype=torch.bfloat16) for c in dcp_harness.cases()]
     geometry = dcp_harness.Geometry(heads=16, kv_lora_rank=512, rope=64, nope=128, v=128, provider="auto")
     dcp_harness.spawn(2, "nccl", geometry, [(2, cases)], str(tmp_path))
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group in this process (the rejection rules need no peers)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+DIMS = mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def small_dcp() -> DecodeContextParallel:
+    return DecodeContextParallel(
+        DIMS,
+        mla.KVCacheSpec(4, num_blocks=8),
+        mla.EngineLimits(max_num_seqs=2, max_model_len=16, max_num_batched_tokens=12, max_decode_qlen=2),
+        model_dtype=torch.float32,
+        provider="torch",
+        platform="cpu",
+    )
+
+
+def step(
+    qlens: list[int], seqs: list[int], *, decodes: int, table_cols: int = 4, rows: int | None = None
+) -> mla.StepInputs:
+    qsl = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+    seq = torch.tensor(seqs, dtype=torch.int32)
+    table = torch.arange(len(seqs) * table_cols, dtype=torch.int32).view(len(seqs), table_cols) % 8
+    num_decode_tokens = rows if rows is not None else int(qsl[decodes])
+    return mla.StepInputs(qsl, qsl, seq, table, decodes, num_decode_tokens, seq)
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize(
+    ("inputs", "argument"),
+    [
+        (step([2], [1], decodes=1), "seq_lens"),
+        (step([1], [17], decodes=1), "seq_lens"),
+        (step([1], [9], decodes=1, table_cols=2), "block_table"),
+        (step([1, 3], [5, 3], decodes=3, rows=4), "num_decodes"),
+        (step([1, 3], [5, 3], decodes=1, rows=2), "num_decode_tokens"),
+        (step([2, 2], [5, 3], decodes=2, rows=5), "num_decode_tokens"),
+        (step([1, 12], [5, 12], decodes=1), "query_start_loc"),
+    ],
+    ids=[
+        "seq-below-qlen",
+        "beyond-max-model-len",
+        "short-table",
+        "num-decodes",
+        "padding-with-prefill",
+        "too-many-decode-rows",
+        "too-many-rows",
+    ],
+)
+def test_build_rejects_bad_steps(inputs: mla.StepInputs, argument: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        small_dcp().build(inputs)
+    assert info.value.argument == argument
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_one_rank_equals_the_backend_and_rejects_bad_calls() -> None:
+    """With one rank DCP is the plain backend; wrong tensors and phases raise typed errors."""
+    dcp = small_dcp()
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(8, 4, DIMS.latent_dim, generator=gen).to(torch.bfloat16)
+    inputs = step([1, 2], [9, 6], decodes=2)
+    meta = dcp.build(inputs)
+    # The one rank owns every new token: request 0's position 8 (block 2 of its row [0..3]) and
+    # request 1's positions 4 and 5 (block 5 of its row [4..7]).
+    assert meta.slot_mapping.tolist() == [2 * 4 + 0, 5 * 4 + 0, 5 * 4 + 1]
+    q = torch.randn(3, 2, DIMS.latent_dim, generator=gen)
+    out = torch.full((3, 2, 32), math.nan)
+    lse = torch.full((3, 2), math.nan)
+    dcp.forward_decode(meta, q, cache, out=out, lse=lse)
+    backend = mla.MLABackend(
+        DIMS,
+        mla.KVCacheSpec(4, num_blocks=8),
+        dcp.limits,
+        model_dtype=torch.float32,
+        provider="torch",
+        platform="cpu",
+    )
+    ref = torch.empty_like(out)
+    ref_lse = torch.empty_like(lse)
+    backend.impl.forward_decode(backend.builder.build(inputs), q, cache, out=ref, lse=ref_lse)
+    assert float((out - ref).abs().max()) < 1e-5
+    assert float((lse - ref_lse).abs().max()) < 1e-5
+    with pytest.raises(InvalidInputError) as info:
+        dcp.forward_decode(meta, q[:, :1], cache, out=out)
+    assert info.value.argument == "q"
+    with pytest.raises(InvalidInputError) as info:
+        dcp.forward_decode(meta, q, cache, out=out[:2])
+    assert info.value.argument == "out"
+    with pytest.raises(InvalidInputError) as info:
+        dcp.write_kv(meta, torch.zeros(2, 32), torch.zeros(2, 16), cache)
+    assert info.value.argument == "kv_c"
+    with pytest.raises(InvalidInputError) as info:
+        dcp.forward_prefill(meta, q, q, q, out=out)
+    assert info.value.argument == "metadata"
+    prefill_meta = dcp.build(step([3], [3], decodes=0))
+    with pytest.raises(InvalidInputError) as info:
+        dcp.forward_decode(prefill_meta, q, cache, out=out)
+    assert info.value.argument == "metadata"
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_layer_takes_slots_from_the_dcp_metadata() -> None:
+    dcp = small_dcp()
+    weight = torch.randn(2 * 32, 32)
+    layer = MLAAttention(dcp, weight)
+    meta = dcp.build(step([1], [5], decodes=1))
+    args = (
+        torch.zeros(1, 2, 16),
+        torch.zeros(1, 2, 16),
+        torch.zeros(1, 32),
+        torch.zeros(1, 16),
+        torch.zeros(8, 4, 48),
+    )
+    with pytest.raises(InvalidInputError) as info:
+        layer(meta, *args, slot_mapping=torch.zeros(1, dtype=torch.int64))
+    assert info.value.argument == "slot_mapping"
+    backend_layer = MLAAttention(dcp.prefill_backend, weight)
+    with pytest.raises(InvalidInputError) as info:
+        backend_layer(meta, *args)
+    assert info.value.argument == "metadata"
+    plain = dcp.prefill_backend.builder.build(step([1], [5], decodes=1))
+    with pytest.raises(InvalidInputError) as info:
+        layer(plain, *args, slot_mapping=torch.zeros(1, dtype=torch.int64))
+    assert info.value.argument == "metadata"
