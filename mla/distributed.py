@@ -425,7 +425,7 @@ class DecodeContextParallel:
         k_pe: torch.Tensor,
         kv_cache: torch.Tensor,
         *,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
     ) -> None:
         """Write the step's new latent rows ``kv_c [T, L]``, ``k_pe [T, R]`` that this rank owns
         into its cache (``T`` = the step's rows, decode rows first)."""
@@ -445,7 +445,7 @@ class DecodeContextParallel:
         *,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
     ) -> None:
         """Decode the step's rows over every rank's shard; collective over the group.
 
@@ -506,7 +506,7 @@ class DecodeContextParallel:
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
         kv_cache: torch.Tensor | None = None,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
         expand_context: ContextExpander | None = None,
     ) -> None:
         """Prefill the step's new tokens (MHA form, this rank's heads) over their whole context.

@@ -175,7 +175,7 @@ class MLAAttention(nn.Module):
         kv_cache: torch.Tensor,
         *,
         slot_mapping: torch.Tensor | None = None,
-        kv_scale: float | None = None,
+        kv_scale: float | torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend one step's tokens (decode rows first, as the metadata was built).
@@ -268,7 +268,7 @@ class MLAAttention(nn.Module):
         k_pe: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor | None,
-        kv_scale: float | None,
+        kv_scale: float | torch.Tensor | None,
     ) -> None:
         if isinstance(metadata, DCPMetadata):
             if slot_mapping is not None:
