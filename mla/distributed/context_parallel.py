@@ -1,29 +1,6 @@
-"""Decode context parallelism (DCP): each request's latent KV cache sharded by token across ranks.
+"""``DecodeContextParallel``: build and run one rank's share of a step over a token-sharded cache.
 
-Layout (vLLM's, with its interleave size ``I``, 1 by default): token ``p`` of a request lives on
-rank ``(p // I) % W`` of the ``W``-rank group, at local position ``(p // (I*W)) * I + p % I``.
-Each rank's paged cache holds only its tokens, at their local positions, addressed through the
-engine's one block table: the same block ids on every rank, each rank's block holding that rank's
-share of the tokens. The block table therefore needs ``ceil(local_length / block_size)`` columns,
-about ``1/W`` of the columns of an unsharded cache.
-
-Per step, :meth:`DecodeContextParallel.build` derives from the engine's global step (global
-``seq_lens``) this rank's local sequence lengths and block-table rows, the cache slot of every new
-token it owns (``-1`` for the others: ``write_kv`` writes each token on its owning rank only),
-and the plans. Decode splits every query row into a qlen-1 row whose local length counts the
-tokens that row sees on this rank, so verify rows keep their causal mask under any interleave.
-Each rank decodes its shard with the LSE; the partial states are combined as in vLLM's
-``cp_lse_ag_out_rs``: all-gather the LSEs, scale each rank's output by
-``exp(lse_rank - logsumexp(lses))``, then reduce-scatter over heads when the DCP ranks are
-tensor-parallel ranks (``split_heads``: the query is all-gathered over heads first, so each rank
-decodes every head of the group on its shard) or all-reduce when every rank holds the same heads.
-A rank that owns no token of a request contributes ``o = 0``, ``lse = -inf``. Prefill gathers the
-context rows of the step's prefill requests from every rank (as vLLM does under DCP) and runs the
-ordinary prefill on them.
-
-The run path (:meth:`~DecodeContextParallel.forward_decode`, ``write_kv``) performs no host
-synchronisation and reads only buffers whose addresses persist across builds, so a decode step
-can be captured in a CUDA graph and replayed after an in-place rebuild.
+See :mod:`mla.distributed` for the layout and the combine.
 """
 
 from __future__ import annotations
@@ -36,53 +13,11 @@ import torch.distributed as dist
 
 from mla.backend import MLABackend, MLAMetadata, StepInputs
 from mla.config import EngineLimits, KVCacheSpec, MLADims
+from mla.distributed.combine import all_gather_into, combine_decode_states
+from mla.distributed.layout import DCPLayout
 from mla.errors import InvalidInputError
 from mla.prefill.base import ContextExpander
 from mla.validate import check_indptr, check_paged_requests, require_index, require_tensor
-
-
-@attrs.frozen
-class DCPLayout:
-    """Where each token of a request lives: rank ``(p // I) % W`` at ``(p // (I*W)) * I + p % I``.
-
-    The functions take int64 tensors (host or device) and return int64 tensors of the same shape.
-    """
-
-    world_size: int
-    rank: int
-    interleave: int = 1
-
-    def __attrs_post_init__(self) -> None:
-        if self.world_size < 1:
-            raise InvalidInputError("world_size", f"must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise InvalidInputError("rank", f"must be in [0, {self.world_size}), got {self.rank}")
-        if self.interleave < 1:
-            raise InvalidInputError("interleave", f"must be >= 1, got {self.interleave}")
-
-    @property
-    def stripe(self) -> int:
-        """Tokens in one round over the group (``I * W``)."""
-        return self.interleave * self.world_size
-
-    def owner(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rank holding each global position."""
-        return (positions // self.interleave) % self.world_size
-
-    def local_position(self, positions: torch.Tensor) -> torch.Tensor:
-        """Position of each global position inside its owner's cache."""
-        return (positions // self.stripe) * self.interleave + positions % self.interleave
-
-    def local_length(self, lengths: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-        """Tokens of positions ``0 .. length-1`` that ``rank`` (default: this rank) holds."""
-        rank = self.rank if rank is None else rank
-        rounds = lengths // self.stripe
-        rest = lengths - rounds * self.stripe
-        return rounds * self.interleave + torch.clamp(rest - rank * self.interleave, 0, self.interleave)
-
-    def max_local_length(self, length: int) -> int:
-        """The most tokens of a ``length``-token request any rank holds (rank 0's share)."""
-        return int(self.local_length(torch.tensor(length), 0))
 
 
 @attrs.frozen(eq=False)
@@ -122,31 +57,6 @@ class DCPMetadata:
     prefill: MLAMetadata | None
     """The prefill step over :attr:`ContextGather.workspace`."""
     context: ContextGather | None
-
-
-def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    # torch >= 2.12 names these *_single; older releases only have the *_tensor spelling.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
-
-
-def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, group=group)
-
-
-def lse_weights(partial_lse: torch.Tensor, all_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merge weights of one rank's partial states.
-
-    ``partial_lse`` ``[T, H]`` is this rank's, ``all_lse`` ``[W, T, H]`` every rank's (float32).
-    Returns ``(weight [T, H], lse [T, H])`` with ``lse = logsumexp`` over ranks and
-    ``weight = exp(partial_lse - lse)``; rows where every rank has ``-inf`` get weight 0 and
-    ``lse = -inf``, so the combined output is 0 there.
-    """
-    lse = torch.logsumexp(all_lse, dim=0)
-    finite = torch.isfinite(lse)
-    weight = torch.where(finite, torch.exp(partial_lse - torch.where(finite, lse, 0.0)), 0.0)
-    return weight, lse
 
 
 class DecodeContextParallel:
@@ -464,7 +374,7 @@ class DecodeContextParallel:
             raise InvalidInputError("out", f"expected [{rows}, {heads}, L], got {tuple(out.shape)}")
         if self.split_heads and world > 1:
             gathered = torch.empty((world * rows, *q.shape[1:]), dtype=q.dtype, device=q.device)
-            _all_gather(gathered, q.contiguous(), self.group)
+            all_gather_into(gathered, q.contiguous(), self.group)
             q_local = gathered.view(world, rows, heads, -1).transpose(0, 1).reshape(rows, world * heads, -1)
         else:
             q_local = q
@@ -478,23 +388,16 @@ class DecodeContextParallel:
             self.decode_backend.impl.forward_decode(
                 metadata.decode, q_local, kv_cache, out=part, lse=part_lse, kv_scale=kv_scale
             )
-        all_lse = torch.empty((world * rows, local_heads), dtype=torch.float32, device=out.device)
-        _all_gather(all_lse, part_lse, self.group)
-        weight, merged_lse = lse_weights(part_lse, all_lse.view(world, rows, local_heads))
-        corrected = (part.to(torch.float32) * weight[..., None]).to(out.dtype)
-        if self.split_heads and world > 1:
-            send = corrected.view(rows, world, heads, -1).transpose(0, 1).reshape(world * rows, heads, -1)
-            target = out if out.is_contiguous() else torch.empty_like(out)
-            _reduce_scatter(target, send, self.group)
-            if target is not out:
-                out.copy_(target)
-            own = merged_lse.view(rows, world, heads)[:, self.layout.rank]
-        else:
-            dist.all_reduce(corrected, group=self.group)
-            out.copy_(corrected)
-            own = merged_lse
-        if lse is not None:
-            lse.copy_(own)
+        combine_decode_states(
+            part,
+            part_lse,
+            group=self.group,
+            rank=self.layout.rank,
+            world_size=world,
+            split_heads=self.split_heads,
+            out=out,
+            lse=lse,
+        )
 
     def forward_prefill(
         self,
@@ -527,7 +430,7 @@ class DecodeContextParallel:
             received = torch.empty(
                 (self.layout.world_size * send.shape[0], send.shape[1]), dtype=torch.uint8, device=send.device
             )
-            _all_gather(received, send, self.group)
+            all_gather_into(received, send, self.group)
             workspace = gather.workspace
             flat = workspace.view(-1, width).view(torch.uint8)
             flat[gather.target_slots] = received[gather.source_rows]

@@ -1,0 +1,40 @@
+"""Decode context parallelism (DCP): each request's latent KV cache sharded by token across ranks.
+
+Layout (vLLM's, with its interleave size ``I``, 1 by default): token ``p`` of a request lives on
+rank ``(p // I) % W`` of the ``W``-rank group, at local position ``(p // (I*W)) * I + p % I``.
+Each rank's paged cache holds only its tokens, at their local positions, addressed through the
+engine's one block table: the same block ids on every rank, each rank's block holding that rank's
+share of the tokens. The block table therefore needs ``ceil(local_length / block_size)`` columns,
+about ``1/W`` of the columns of an unsharded cache.
+
+Per step, :meth:`DecodeContextParallel.build` derives from the engine's global step (global
+``seq_lens``) this rank's local sequence lengths and block-table rows, the cache slot of every new
+token it owns (``-1`` for the others: ``write_kv`` writes each token on its owning rank only),
+and the plans. Decode splits every query row into a qlen-1 row whose local length counts the
+tokens that row sees on this rank, so verify rows keep their causal mask under any interleave.
+Each rank decodes its shard with the LSE; the partial states are combined as in vLLM's
+``cp_lse_ag_out_rs``: all-gather the LSEs, scale each rank's output by
+``exp(lse_rank - logsumexp(lses))``, then reduce-scatter over heads when the DCP ranks are
+tensor-parallel ranks (``split_heads``: the query is all-gathered over heads first, so each rank
+decodes every head of the group on its shard) or all-reduce when every rank holds the same heads.
+A rank that owns no token of a request contributes ``o = 0``, ``lse = -inf``. Prefill gathers the
+context rows of the step's prefill requests from every rank (as vLLM does under DCP) and runs the
+ordinary prefill on them.
+
+The run path (:meth:`~DecodeContextParallel.forward_decode`, ``write_kv``) performs no host
+synchronisation and reads only buffers whose addresses persist across builds, so a decode step
+can be captured in a CUDA graph and replayed after an in-place rebuild.
+"""
+
+from mla.distributed.combine import combine_decode_states, lse_weights
+from mla.distributed.context_parallel import ContextGather, DCPMetadata, DecodeContextParallel
+from mla.distributed.layout import DCPLayout
+
+__all__ = [
+    "ContextGather",
+    "DCPLayout",
+    "DCPMetadata",
+    "DecodeContextParallel",
+    "combine_decode_states",
+    "lse_weights",
+]
