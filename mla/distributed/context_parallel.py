@@ -17,7 +17,7 @@ from mla.distributed.combine import all_gather_into, combine_decode_states
 from mla.distributed.layout import DCPLayout
 from mla.errors import InvalidInputError
 from mla.prefill.base import ContextExpander
-from mla.validate import check_indptr, check_paged_requests, require_index, require_tensor
+from mla.validate import check_block_ids, check_indptr, check_paged_requests, require_index, require_tensor
 
 
 @attrs.frozen(eq=False)
@@ -146,8 +146,11 @@ class DecodeContextParallel:
     def build(self, step: StepInputs) -> DCPMetadata:
         """Derive this rank's local step from the engine's global one and plan it.
 
-        Raises :class:`~mla.errors.InvalidInputError` for a malformed step or a block table that
-        does not cover this rank's share of a request.
+        Host work on ``query_start_loc_cpu`` and ``seq_lens_cpu`` (``seq_lens`` is copied from
+        the device when the host copy is missing); block ids are read on the device, and checked
+        on the host only with ``validate="full"``. Every rank runs the same checks on the same
+        global values, so a bad step raises :class:`~mla.errors.InvalidInputError` on every rank
+        (a malformed step, or a block table too narrow for rank 0's share of a request).
         """
         qsl = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
         require_index("block_table", step.block_table, ndim=2)
@@ -198,13 +201,20 @@ class DecodeContextParallel:
             raise InvalidInputError(
                 "seq_lens", f"max seq_len {int(seq.max())} exceeds max_model_len {self.limits.max_model_len}"
             )
+        largest_share = lay.local_length(seq, 0)
         check_paged_requests(
             query_start_loc_cpu=torch.zeros(num_requests + 1, dtype=torch.int64),
-            seq_lens_cpu=lay.local_length(seq, 0),
-            block_table_cpu=step.block_table.cpu(),
+            seq_lens_cpu=largest_share,
+            block_table_shape=tuple(step.block_table.shape),
             block_size=self.cache.block_size,
-            num_blocks=self.cache.num_blocks or (1 << 62),
         )
+        if self.decode_backend.validate == "full":
+            check_block_ids(
+                seq_lens_cpu=largest_share,
+                block_table_cpu=step.block_table.cpu(),
+                block_size=self.cache.block_size,
+                num_blocks=self.cache.num_blocks or (1 << 62),
+            )
         row_req = torch.repeat_interleave(torch.arange(num_requests), qlens)
         row_pos = seq[row_req] - qlens[row_req] + torch.arange(int(qsl[-1])) - qsl[row_req]
         real = seq[row_req] > 0
