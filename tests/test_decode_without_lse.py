@@ -12,14 +12,13 @@ import attrs
 import pytest
 import torch
 
-from mla import EngineLimits, KVCacheSpec, MLABackend, MLADims
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
-from mla.providers import KernelProvider, emulated_provider, get_provider
-from mla.testing import DecodeCase, DecodeInputs, compare_to_reference, make_decode_inputs
+from mla.providers import emulated_provider, get_provider
+from mla.testing import DecodeCase, compare_to_reference, decode_case_backend, make_decode_inputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -45,36 +44,6 @@ PROVIDERS = {
 }
 
 
-def _backend(
-    strategy: type[DecodeStrategy],
-    case: DecodeCase,
-    inputs: DecodeInputs,
-    provider: KernelProvider,
-    arch: str,
-) -> MLABackend:
-    return MLABackend(
-        MLADims(
-            num_heads=case.heads,
-            kv_lora_rank=case.kv_lora_rank,
-            qk_rope_head_dim=case.rope_dim,
-            softmax_scale=case.scale,
-        ),
-        KVCacheSpec(case.block_size, case.kv_dtype, num_blocks=inputs.kv_cache.shape[0]),
-        EngineLimits(
-            max_num_seqs=max(case.num_requests, -(-case.num_tokens // case.max_qlen)),
-            max_model_len=max(case.seq_lens),
-            max_num_batched_tokens=case.num_tokens,
-            max_decode_qlen=case.max_qlen,
-        ),
-        model_dtype=case.q_dtype,
-        provider=provider,
-        platform=arch,
-        device=DEVICE,
-        decode_strategy=strategy,
-        preallocate=False,
-    )
-
-
 PARAMS = [
     pytest.param(
         name,
@@ -98,7 +67,14 @@ def test_decode_without_lse_writes_the_same_output(
         pytest.importorskip("triton")
     case = attrs.evolve(case, q_dtype=dtype, kv_dtype=dtype)
     inputs = make_decode_inputs(case, DEVICE)
-    backend = _backend(strategy, case, inputs, make_provider(), arch)
+    backend = decode_case_backend(
+        case,
+        provider=make_provider(),
+        platform=arch,
+        strategy=strategy,
+        device=DEVICE,
+        num_blocks=inputs.kv_cache.shape[0],
+    )
     metadata = backend.builder.build(inputs.step())
     assert metadata.decode is not None
     assert metadata.decode.strategy == strategy.NAME

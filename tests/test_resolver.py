@@ -24,7 +24,12 @@ from mla import (
 )
 from mla.capabilities import REFERENCE_CAPABILITIES, PagedKernel, ProviderCapabilities
 from mla.context import DecodeContext, PrefillContext
-from mla.testing import emulated_provider, scratch_registry
+from mla.testing import (
+    emulated_provider,
+    scratch_registry,
+    simulated_decode_context,
+    simulated_prefill_context,
+)
 
 BF16 = torch.bfloat16
 AVAILABLE = Support.yes()
@@ -49,17 +54,20 @@ def decode_ctx(
     native_h24: bool = False,
 ) -> DecodeContext:
     """A decode step as the backend describes it, with aiter's capabilities on ``arch``."""
-    return decode_context(
-        dims=MLADims(heads),
-        cache=KVCacheSpec(16, kv),
+    return simulated_decode_context(
+        arch,
+        heads=heads,
+        qlen=qlen,
+        max_decode_qlen=max_decode_qlen,
+        kv_dtype=kv,
         q_dtype=q_dtype,
-        platform=simulated_platform(arch, knobs=Knobs(small_head_mode=mode)),  # type: ignore[arg-type]
-        capabilities=caps or aiter_capabilities(arch, native_h24=native_h24),
-        availability=availability,
-        limits=EngineLimits(64, 4096, 8192, max_decode_qlen=max_decode_qlen),
-        max_qlen=qlen,
         uniform_qlen=uniform,
         batch_size=32,
+        knobs=Knobs(small_head_mode=mode),  # type: ignore[arg-type]
+        provider="aiter",
+        native_h24=native_h24,
+        capabilities=caps,
+        availability=availability,
     )
 
 
@@ -74,14 +82,16 @@ def prefill_ctx(
     caps: ProviderCapabilities | None = None,
     availability: Support = AVAILABLE,
 ) -> PrefillContext:
-    return prefill_context(
-        dims=MLADims(heads),
-        cache=KVCacheSpec(16, kv),
+    return simulated_prefill_context(
+        arch,
+        heads=heads,
+        kv_dtype=kv,
         q_dtype=q_dtype,
-        platform=simulated_platform(arch, knobs=Knobs(fp8_prefill=fp8_prefill)),  # type: ignore[arg-type]
-        capabilities=caps or aiter_capabilities(arch),
+        chunked_context=chunked,
+        knobs=Knobs(fp8_prefill=fp8_prefill),  # type: ignore[arg-type]
+        provider="aiter",
+        capabilities=caps,
         availability=availability,
-        has_chunked_context=chunked,
     )
 
 

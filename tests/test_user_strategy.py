@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mla
-from mla import Contract, DecodeStrategy, Resolver, StrategyKind, Support
+from mla import Contract, DecodeStrategy, Resolver, StrategyKind
 from mla.context import DecodeContext
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan
 from mla.strategy import StrategySetup
@@ -23,6 +23,7 @@ from mla.testing import (
     emulated_provider,
     make_decode_inputs,
     scratch_registry,
+    simulated_decode_context,
 )
 
 
@@ -77,7 +78,7 @@ class DenseWindowDecode(DecodeStrategy):
         *,
         kv_scale: torch.Tensor | None,
         out: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
         assert isinstance(plan, DensePlan)
         geo, dev = plan.geometry, q.device
@@ -103,7 +104,8 @@ class DenseWindowDecode(DecodeStrategy):
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
         probs = torch.exp(scores - safe[..., None])
         out.copy_(torch.einsum("ths,tsl->thl", probs, cache[..., : out.shape[-1]]))
-        lse.copy_(row_lse)
+        if lse is not None:  # None: the caller wants no LSE (the production default)
+            lse.copy_(row_lse)
 
 
 PRIORITY = 5
@@ -128,19 +130,11 @@ def registered_by_default() -> Iterator[None]:
 
 
 def _ctx(*, heads: int = 8, qlen: int = 1, max_decode_qlen: int = 1, arch: str = "cpu") -> DecodeContext:
-    provider = emulated_provider("aiter" if arch.startswith("gfx") else "torch", arch)
-    platform = mla.simulated_platform(arch)
-    return mla.decode_context(
-        dims=mla.MLADims(heads),
-        cache=mla.KVCacheSpec(16, "bf16"),
-        q_dtype=torch.bfloat16,
-        platform=platform,
-        capabilities=provider.capabilities(platform),
-        availability=Support.yes(),
+    return simulated_decode_context(
+        arch,
+        heads=heads,
+        qlen=qlen,
         limits=mla.EngineLimits(16, 1024, 1024, max_decode_qlen=max_decode_qlen),
-        max_qlen=qlen,
-        uniform_qlen=True,
-        batch_size=4,
     )
 
 

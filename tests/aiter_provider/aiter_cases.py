@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from mla import EngineLimits, Knobs, KVCacheSpec, MLABackend, MLADims, simulated_platform
+from mla import Knobs, MLABackend, simulated_platform
 from mla.capabilities import ProviderCapabilities
 from mla.config import is_fp8
 from mla.decode.base import DecodeStrategy
@@ -20,8 +20,10 @@ from mla.testing import (
     DecodeCase,
     PrefillCase,
     compare_to_reference,
+    decode_case_backend,
     make_decode_inputs,
     make_prefill_inputs,
+    prefill_case_backend,
     rounded_inputs,
 )
 
@@ -58,28 +60,13 @@ def decode_backend(
     small_head_mode: str = "auto",
     preallocate: bool = True,
 ) -> MLABackend:
-    max_decode_qlen = case.max_decode_qlen or case.max_qlen
-    limits = EngineLimits(
-        max_num_seqs=max(case.num_requests, -(-case.num_tokens // max_decode_qlen)),
-        max_model_len=max(1, *case.seq_lens),
-        max_num_batched_tokens=max(case.num_tokens, 1),
-        max_decode_qlen=max_decode_qlen,
-    )
-    dims = MLADims(
-        num_heads=case.heads,
-        kv_lora_rank=case.kv_lora_rank,
-        qk_rope_head_dim=case.rope_dim,
-        softmax_scale=case.scale,
-    )
-    return MLABackend(
-        dims,
-        KVCacheSpec(case.block_size, case.kv_dtype, num_blocks=num_blocks),
-        limits,
-        model_dtype=case.q_dtype,
+    return decode_case_backend(
+        case,
         provider=provider,
         platform=platform(arch, small_head_mode=small_head_mode),
-        device=torch.device("cpu"),
-        decode_strategy=force,
+        strategy=force,
+        device="cpu",
+        num_blocks=num_blocks,
         preallocate=preallocate,
     )
 
@@ -161,21 +148,14 @@ def run_prefill(
     """One backend prefill step (cached context read, expanded and merged when the case has
     it); compared to the reference on the inputs the chosen strategy really computes with."""
     inputs = make_prefill_inputs(case)
-    seq_lens = [c + n for c, n in zip(case.contexts, case.q_lens, strict=True)]
-    backend = MLABackend(
-        case.dims,
-        KVCacheSpec(case.block_size, case.cache_dtype, num_blocks=inputs.context.kv_cache.shape[0]),
-        EngineLimits(
-            max_num_seqs=len(case.q_lens),
-            max_model_len=max(seq_lens),
-            max_num_batched_tokens=sum(case.q_lens),
-        ),
-        model_dtype=case.dtype,
+    backend = prefill_case_backend(
+        case,
         provider=provider,
         platform=platform(arch, fp8_prefill=fp8_prefill),
-        device=torch.device("cpu"),
-        prefill_strategy=force,
-        context_chunk_tokens=case.context_chunk_tokens,
+        strategy=force,
+        device="cpu",
+        num_blocks=inputs.context.kv_cache.shape[0],
+        preallocate=True,
     )
     metadata = backend.builder.build(inputs.step())
     assert metadata.prefill is not None

@@ -1,0 +1,119 @@
+"""The conformance kit: run any strategy on generated cases and compare it to the reference math.
+
+Users run it on their own strategy subclass; the project's own strategy tests use it too::
+
+    from mla.testing import check_decode_strategy, decode_cases, emulated_provider
+
+    for case in decode_cases(heads=(8, 16)):
+        result = check_decode_strategy(MyDecode, case, provider="torch", platform="cpu")
+        if not result.supported:
+            print(f"{MyDecode.NAME}: {result.reasons}")   # pytest.skip(...) in a test
+            continue
+        result.assert_passed()
+
+A decode check builds an :class:`~mla.backend.MLABackend` sized for the case, forces the
+strategy (the resolver runs the same ``supports`` checks as automatic selection), builds the
+step's metadata, poisons the caller outputs with NaN, runs ``impl.forward_decode`` with an LSE
+tensor and again with ``lse=None`` (the production default) and compares both to
+:func:`mla.reference.reference_decode` (float64). Inputs are random, never zeros; cache blocks
+are a random permutation, so a strategy that assumes contiguous blocks fails. Prefill checks run
+through :func:`mla.mla_prefill` or the backend (optionally with cached context expanded by a
+random up-projection and merged by LSE).
+
+Tolerances are relative Frobenius errors per output dtype (:data:`TOLERANCES`). An fp8 KV cache
+uses the q/out dtype's tolerance, because the reference dequantizes the very same cache. A
+strategy that rounds its inputs to fp8 (it exposes ``quantize(q, k, v)``, like
+:class:`~mla.prefill.fp8_persistent.Fp8PersistentPrefill`) is compared with the reference computed
+on its dequantized inputs, so the tolerance stays tight.
+
+Modules: :mod:`~mla.testing.compare` (tolerances, comparison, NaN poisoning),
+:mod:`~mla.testing.cases` (case records and generators), :mod:`~mla.testing.inputs` (input
+builders), :mod:`~mla.testing.contexts` (context, backend and registry factories),
+:mod:`~mla.testing.check` (check runners).
+"""
+
+from mla.providers import emulated_provider
+from mla.testing.cases import (
+    DEFAULT_FP8_KV_SCALE,
+    DecodeCase,
+    PaddingKind,
+    PrefillCase,
+    context_prefill_cases,
+    decode_cases,
+    pairwise,
+    prefill_cases,
+)
+from mla.testing.check import (
+    CheckResult,
+    PrefillPath,
+    check_decode_strategy,
+    check_prefill_strategy,
+    decode_support,
+    rounded_inputs,
+)
+from mla.testing.compare import (
+    TOLERANCES,
+    Comparison,
+    assert_matches_reference,
+    compare_to_reference,
+    poisoned_empty,
+    tolerance_for,
+)
+from mla.testing.contexts import (
+    as_platform,
+    decode_case_backend,
+    device_for,
+    prefill_case_backend,
+    scratch_registry,
+    simulated_capabilities,
+    simulated_decode_context,
+    simulated_prefill_context,
+)
+from mla.testing.inputs import (
+    CachedContext,
+    DecodeInputs,
+    PrefillInputs,
+    RandomUpProjection,
+    indptr,
+    make_decode_inputs,
+    make_prefill_inputs,
+)
+
+__all__ = [
+    "DEFAULT_FP8_KV_SCALE",
+    "TOLERANCES",
+    "CachedContext",
+    "CheckResult",
+    "Comparison",
+    "DecodeCase",
+    "DecodeInputs",
+    "PaddingKind",
+    "PrefillCase",
+    "PrefillInputs",
+    "PrefillPath",
+    "RandomUpProjection",
+    "as_platform",
+    "assert_matches_reference",
+    "check_decode_strategy",
+    "check_prefill_strategy",
+    "compare_to_reference",
+    "context_prefill_cases",
+    "decode_case_backend",
+    "decode_cases",
+    "decode_support",
+    "device_for",
+    "emulated_provider",
+    "indptr",
+    "make_decode_inputs",
+    "make_prefill_inputs",
+    "pairwise",
+    "poisoned_empty",
+    "prefill_case_backend",
+    "prefill_cases",
+    "rounded_inputs",
+    "scratch_registry",
+    "simulated_capabilities",
+    "simulated_decode_context",
+    "simulated_prefill_context",
+    "tolerance_for",
+]

@@ -1,0 +1,311 @@
+"""Check runners: run one strategy, forced through the resolver's checks, on one case and compare
+it with the reference; a decode strategy runs with and without an LSE tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import attrs
+import torch
+
+from mla.api import mla_prefill
+from mla.config import EngineLimits, KVCacheSpec
+from mla.decode.base import DecodeStrategy
+from mla.errors import UnsupportedError
+from mla.explain import Explanation
+from mla.platform import Platform
+from mla.prefill.base import PrefillStrategy
+from mla.providers import resolve_provider
+from mla.providers.base import KernelProvider
+from mla.quant import dequantize
+from mla.registry import AnyStrategy, Registry
+from mla.strategy import StrategySetup
+from mla.support import Reason, Support
+from mla.testing.cases import DecodeCase, PrefillCase
+from mla.testing.compare import TOLERANCES, Comparison, compare_to_reference, poisoned_empty, tolerance_for
+from mla.testing.contexts import as_platform, decode_case_backend, device_for, prefill_case_backend
+from mla.testing.inputs import make_decode_inputs, make_prefill_inputs
+
+
+@attrs.frozen
+class CheckResult:
+    """The outcome of running one strategy on one case."""
+
+    strategy: str
+    case: str
+    """The case id."""
+    support: Support
+    """Why the strategy cannot run the case (empty: it ran)."""
+    ran: str | None = None
+    """The strategy the backend recorded in the step's metadata (must equal ``strategy``)."""
+    comparison: Comparison | None = None
+    """The run with an LSE tensor against the reference's output and LSE."""
+    without_lse: Comparison | None = None
+    """Decode only: the run with ``lse=None`` (the production default) against the reference's
+    output, on the same plan; ``None`` for prefill checks."""
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.support)
+
+    @property
+    def reasons(self) -> str:
+        """Every reason, readable (``"[heads] 130 heads: ..."``); for ``pytest.skip``."""
+        return str(self.support)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.supported
+            and self.ran == self.strategy
+            and self.comparison is not None
+            and self.comparison.ok
+            and (self.without_lse is None or self.without_lse.ok)
+        )
+
+    def assert_passed(self) -> None:
+        """Raise ``AssertionError`` with the details unless the strategy ran and matched."""
+        if not self.ok:
+            raise AssertionError(str(self))
+
+    def __str__(self) -> str:
+        head = f"{self.strategy} on {self.case}"
+        if not self.supported:
+            return f"{head}: not supported: {self.reasons}"
+        if self.ran != self.strategy:
+            return f"{head}: the backend ran {self.ran!r} instead"
+        if self.without_lse is None:
+            return f"{head}: {self.comparison}"
+        return f"{head}: {self.comparison}; {self.without_lse}"
+
+
+def _unsupported(strategy: AnyStrategy, case_id: str, exc: UnsupportedError) -> CheckResult:
+    explanation: Explanation | None = exc.explanation
+    reasons: tuple[Reason, ...]
+    try:
+        reasons = explanation.candidate(strategy.NAME).reasons if explanation is not None else ()
+    except KeyError:
+        reasons = ()
+    if not reasons:
+        reasons = (Reason("unsupported", str(exc)),)
+    return CheckResult(strategy.NAME, case_id, Support(reasons))
+
+
+def decode_support(
+    strategy_cls: type[DecodeStrategy],
+    case: DecodeCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    registry: Registry | None = None,
+) -> Support:
+    """Whether the backend would run ``case`` with ``strategy_cls`` forced (builds the step's
+    metadata on the CPU, runs no kernel): empty when supported, else every reason."""
+    inputs = make_decode_inputs(case, "cpu")
+    backend = decode_case_backend(
+        case,
+        provider=provider,
+        platform=platform,
+        strategy=strategy_cls,
+        registry=registry,
+        device="cpu",
+        num_blocks=inputs.kv_cache.shape[0],
+    )
+    try:
+        backend.builder.build(inputs.step())
+    except UnsupportedError as exc:
+        return _unsupported(strategy_cls, case.id, exc).support
+    return Support.yes()
+
+
+def check_decode_strategy(
+    strategy_cls: type[DecodeStrategy],
+    case: DecodeCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    registry: Registry | None = None,
+    device: torch.device | str | None = None,
+) -> CheckResult:
+    """Run ``case`` through an :class:`~mla.MLABackend` with ``strategy_cls`` forced and compare.
+
+    The backend is sized for the case (:func:`~mla.testing.decode_case_backend`). One plan is
+    built, then run twice: with an LSE tensor (output and LSE compared) and with ``lse=None``,
+    the production default (output compared). Outputs are caller-provided and NaN-poisoned, so
+    unwritten rows fail. An unsupported case returns a result with ``supported == False`` and
+    every reason from the resolver's explanation. A run that raises with ``lse=None`` raises
+    ``AssertionError`` naming it.
+
+    ``provider`` is a name or a provider object (see :func:`~mla.testing.emulated_provider`);
+    ``platform`` a :class:`~mla.Platform` or an arch name to simulate; ``registry`` the registry
+    the backend's resolver reads (default: the default one; a forced class need not be
+    registered).
+    """
+    plat = as_platform(platform)
+    dev = device_for(plat, device)
+    inputs = make_decode_inputs(case, dev)
+    backend = decode_case_backend(
+        case,
+        provider=resolve_provider(provider, plat),
+        platform=plat,
+        strategy=strategy_cls,
+        registry=registry,
+        device=dev,
+        num_blocks=inputs.kv_cache.shape[0],
+    )
+    try:
+        metadata = backend.builder.build(inputs.step())
+    except UnsupportedError as exc:
+        return _unsupported(strategy_cls, case.id, exc)
+    assert metadata.decode is not None
+    ref_out, ref_lse = inputs.reference()
+    out, lse = inputs.poisoned_outputs()
+    backend.impl.forward_decode(
+        metadata, inputs.q, inputs.kv_cache, out=out, lse=lse, kv_scale=inputs.kv_scale
+    )
+    with_lse = compare_to_reference(out, lse, ref_out, ref_lse)
+    out, _ = inputs.poisoned_outputs()
+    try:
+        backend.impl.forward_decode(
+            metadata, inputs.q, inputs.kv_cache, out=out, lse=None, kv_scale=inputs.kv_scale
+        )
+    except Exception as exc:
+        raise AssertionError(
+            f"{strategy_cls.NAME} on {case.id}: the run with lse=None (the production default) "
+            f"raised {type(exc).__name__}: {exc}"
+        ) from exc
+    return CheckResult(
+        strategy_cls.NAME,
+        case.id,
+        Support.yes(),
+        ran=metadata.decode.strategy,
+        comparison=with_lse,
+        without_lse=compare_to_reference(out, None, ref_out, ref_lse),
+    )
+
+
+PrefillPath = Literal["auto", "api", "backend"]
+
+
+def rounded_inputs(
+    instance: PrefillStrategy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The (dequantized) inputs a prefill strategy really computes with when it rounds them to
+    fp8 (it has ``quantize(q, k, v)``); ``None`` when it takes them as they are. Compare such a
+    strategy with the reference on these, so the tolerance stays tight."""
+    quantize: Callable[..., tuple[tuple[torch.Tensor, torch.Tensor], ...]] | None = getattr(
+        instance, "quantize", None
+    )
+    if quantize is None:
+        return None
+    (q8, qs), (k8, ks), (v8, vs) = quantize(q, k, v)
+    return dequantize(q8, qs), dequantize(k8, ks), dequantize(v8, vs)
+
+
+def check_prefill_strategy(
+    strategy_cls: type[PrefillStrategy],
+    case: PrefillCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    registry: Registry | None = None,
+    path: PrefillPath = "auto",
+    device: torch.device | str | None = None,
+) -> CheckResult:
+    """Run ``case`` with ``strategy_cls`` forced and compare to the reference.
+
+    ``path="api"`` calls :func:`mla.mla_prefill` (its own outputs, poisoned through
+    :func:`poisoned_empty`); ``path="backend"`` builds an :class:`MLABackend` step (cached
+    context read from the paged cache, expanded by the case's random up-projection, merged by
+    LSE; caller outputs NaN-poisoned). ``"auto"``: the backend when the case has context, else
+    the API. ``registry`` applies to the backend path (the API resolves with the default
+    registry; a forced class need not be registered in either).
+    """
+    plat = as_platform(platform)
+    dev = device_for(plat, device)
+    prov = resolve_provider(provider, plat)
+    inputs = make_prefill_inputs(case, dev)
+    chosen = ("backend" if case.has_context else "api") if path == "auto" else path
+    if chosen == "api" and case.has_context:
+        raise ValueError(f"case {case.id} has cached context, which only the backend path runs")
+    if chosen == "backend" and (case.keys != case.q_lens or not case.causal):
+        raise ValueError(
+            f"case {case.id}: the backend path runs causal steps whose new tokens are their own "
+            "keys (kv_lens == q_lens); use the API path"
+        )
+    if chosen == "api":
+        try:
+            with poisoned_empty():
+                out, lse = mla_prefill(
+                    inputs.q,
+                    inputs.k,
+                    inputs.v,
+                    inputs.cu_seqlens_q,
+                    inputs.cu_seqlens_k,
+                    inputs.max_seqlen_q,
+                    inputs.max_seqlen_k,
+                    softmax_scale=case.scale,
+                    causal=case.causal,
+                    provider=prov,
+                    strategy=strategy_cls,
+                    platform=plat,
+                )
+        except UnsupportedError as exc:
+            return _unsupported(strategy_cls, case.id, exc)
+        instance = strategy_cls(
+            StrategySetup(
+                dims=case.dims,
+                cache=KVCacheSpec(case.block_size, case.dtype),
+                limits=EngineLimits(len(case.q_lens), max(1, *case.keys), sum(case.q_lens)),
+                q_dtype=case.dtype,
+                platform=plat,
+                provider=prov,
+                capabilities=prov.capabilities(plat),
+                device=dev,
+            )
+        )
+        ran: str | None = strategy_cls.NAME
+    else:
+        backend = prefill_case_backend(
+            case,
+            provider=prov,
+            platform=plat,
+            strategy=strategy_cls,
+            registry=registry,
+            device=dev,
+            num_blocks=inputs.context.kv_cache.shape[0],
+        )
+        try:
+            metadata = backend.builder.build(inputs.step())
+        except UnsupportedError as exc:
+            return _unsupported(strategy_cls, case.id, exc)
+        assert metadata.prefill is not None
+        out, lse = inputs.poisoned_outputs()
+        backend.impl.forward_prefill(
+            metadata,
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            out=out,
+            lse=lse,
+            kv_cache=inputs.context.kv_cache,
+            kv_scale=inputs.context.kv_scale,
+            expand_context=inputs.context.expand,
+        )
+        ran = metadata.prefill.strategy
+        instance = backend.prefill_strategy(ran)
+    rounded = rounded_inputs(instance, inputs.q, inputs.k, inputs.v)
+    ref_out, ref_lse = inputs.reference(*rounded) if rounded is not None else inputs.reference()
+    tolerance = tolerance_for(out.dtype)
+    if rounded is not None:
+        # The reference sees the same fp8-rounded inputs; fp8 kernels may still keep their
+        # intermediates (the probabilities P) in 16 bits, so no tighter than float16.
+        tolerance = max(tolerance, TOLERANCES[torch.float16])
+    return CheckResult(
+        strategy_cls.NAME,
+        case.id,
+        Support.yes(),
+        ran=ran,
+        comparison=compare_to_reference(out, lse, ref_out, ref_lse, tolerance=tolerance),
+    )
