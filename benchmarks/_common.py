@@ -1,10 +1,11 @@
 """Shared helpers for the GPU benchmarks: median timing, FlashMLA's metric formulas, a table printer.
 
 Timing: ``bench_us`` runs ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) and
-returns the median in microseconds; ``bench_graph_us`` captures the callable in a CUDA graph and
-times replays, which removes launch gaps for multi-kernel steps.
+returns the median in microseconds; ``bench_graph_us`` runs ``triton.testing.do_bench_cudagraph``
+(the callable captured in a CUDA graph and replayed), which removes launch gaps for multi-kernel
+steps.
 
-Metrics follow FlashMLA's ``tests/test_flash_mla.py`` (anchors.md §1.2) so numbers compare 1:1
+Metrics follow FlashMLA's ``tests/test_flash_mla.py`` so numbers compare 1:1
 with the published anchors:
 
     FLOPS = s_q · total_seqlens · h_q · (d + dv) · 2
@@ -18,13 +19,12 @@ cache and query element sizes apart so an fp8 cache counts 1 byte per KV element
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-# Measured device-to-device copy bandwidth on the lent H200 (issue 3); the yardstick for TB/s.
+# Measured device-to-device copy bandwidth on an H200; the yardstick for TB/s.
 H200_COPY_TBPS = 4.25
 
 
@@ -35,35 +35,16 @@ def bench_us(fn: Callable[[], Any], *, warmup_ms: float = 25.0, rep_ms: float = 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
 
 
-def bench_graph_us(fn: Callable[[], Any], *, replays: int = 50, rounds: int = 5) -> float:
-    """Median time of one ``fn()`` in microseconds, timed as replays of a captured CUDA graph.
+def bench_graph_us(fn: Callable[[], Any], *, rep_ms: float = 20.0) -> float:
+    """Median time of one ``fn()`` in microseconds, timed as replays of a captured CUDA graph
+    (``triton.testing.do_bench_cudagraph``: the calls of about ``rep_ms`` unrolled in one graph).
 
-    ``fn`` must be capturable (no host syncs, no allocation of data-dependent size). Each round
-    replays the graph ``replays`` times between two events; the median over rounds is divided by
-    ``replays``. Use this for steps made of several small launches.
+    ``fn`` must be capturable (no host syncs, no allocation of data-dependent size). Use this for
+    steps made of several small launches: it removes the launch gaps.
     """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    for _ in range(rounds):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
+    from triton.testing import do_bench_cudagraph
+
+    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")) * 1e3
 
 
 def decode_flops(*, total_seqlens: int, s_q: int, h_q: int, d: int = 576, dv: int = 512) -> float:

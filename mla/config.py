@@ -12,7 +12,7 @@ import math
 import attrs
 import torch
 
-from mla.errors import InvalidInputError
+from mla.errors import InvalidInputError, input_validator
 
 FP8_DTYPES: frozenset[torch.dtype] = frozenset(
     {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
@@ -64,9 +64,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise InvalidInputError(attribute.name, f"must be > 0, got {value}")
+_positive = input_validator(attrs.validators.gt(0), "> 0")
 
 
 @attrs.frozen

@@ -11,8 +11,11 @@ import torch
 
 from mla.capabilities import ProviderCapabilities
 from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8
+from mla.errors import input_validator
 from mla.platform import Platform
 from mla.support import Support
+
+_AT_LEAST_ONE = input_validator(attrs.validators.ge(1), ">= 1")
 
 
 @attrs.frozen
@@ -27,14 +30,14 @@ class DecodeContext:
     capabilities: ProviderCapabilities
     provider_availability: Support
     """Empty when the provider's library and device are usable here."""
-    max_qlen: int = attrs.field(validator=attrs.validators.ge(1))
+    max_qlen: int = attrs.field(validator=_AT_LEAST_ONE)
     """The batch's largest decode query length ``q``."""
     uniform_qlen: bool
     """Every real request has qlen ``max_qlen`` (graph-padded requests excepted)."""
-    max_decode_qlen: int = attrs.field(validator=attrs.validators.ge(1))
+    max_decode_qlen: int = attrs.field(validator=_AT_LEAST_ONE)
     """The engine's largest decode qlen ``T`` (speculative tokens + 1); persistent buffers are
     sized for it."""
-    batch_size: int = attrs.field(validator=attrs.validators.ge(1))
+    batch_size: int = attrs.field(validator=_AT_LEAST_ONE)
     graph_mode: GraphMode = GraphMode.NONE
 
     @property

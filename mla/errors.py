@@ -6,7 +6,10 @@ carries its :class:`~mla.explain.Explanation` so the caller sees every candidate
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 if TYPE_CHECKING:
     from mla.explain import Explanation
@@ -39,6 +42,23 @@ class InvalidInputError(MLAError, ValueError):
     def __init__(self, argument: str, message: str) -> None:
         super().__init__(f"{argument}: {message}")
         self.argument = argument
+
+
+AttrsValidator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+"""An attrs field validator: ``(instance, attribute, value) -> None``, raising on a bad value."""
+
+
+def input_validator(check: AttrsValidator, expected: str) -> AttrsValidator:
+    """Wrap an attrs validator (``attrs.validators.gt(0)`` ...) so that a rejected value raises
+    :class:`InvalidInputError` naming the field: ``"<field>: must be <expected>, got <value>"``."""
+
+    def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        try:
+            check(instance, attribute, value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(attribute.name, f"must be {expected}, got {value!r}") from exc
+
+    return validate
 
 
 class PlanMismatchError(MLAError, RuntimeError):

@@ -12,7 +12,7 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.errors import InvalidInputError
+from mla.errors import InvalidInputError, input_validator
 
 SmallHeadMode = Literal["auto", "gluon", "asm"]
 Fp8PrefillMode = Literal["auto", "on", "off"]
@@ -46,10 +46,16 @@ class Knobs:
     """
 
     small_head_mode: SmallHeadMode = attrs.field(
-        default="auto", validator=attrs.validators.in_(SMALL_HEAD_MODES)
+        default="auto",
+        validator=input_validator(
+            attrs.validators.in_(SMALL_HEAD_MODES), "one of " + "/".join(SMALL_HEAD_MODES)
+        ),
     )
     fp8_prefill: Fp8PrefillMode = attrs.field(
-        default="auto", validator=attrs.validators.in_(FP8_PREFILL_MODES)
+        default="auto",
+        validator=input_validator(
+            attrs.validators.in_(FP8_PREFILL_MODES), "one of " + "/".join(FP8_PREFILL_MODES)
+        ),
     )
 
     @classmethod
@@ -76,7 +82,7 @@ class Platform:
 
     vendor: Literal["amd", "nvidia", "cpu"]
     arch: str
-    num_compute_units: int = attrs.field(validator=attrs.validators.gt(0))
+    num_compute_units: int = attrs.field(validator=input_validator(attrs.validators.gt(0), "> 0"))
     knobs: Knobs = Knobs()
     device_type: str = "cpu"
     """The torch device type tensors live on (``cuda`` for both NVIDIA and ROCm)."""
