@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mla
-from mla.testing import DecodeCase, check_decode_strategy, decode_cases, emulated_provider, pairwise
+from mla.testing import (
+    DecodeCase,
+    check_decode_strategy,
+    decode_cases,
+    emulated_provider,
+    pairwise,
+    scratch_registry,
+    simulated_decode_context,
+)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -122,3 +130,11 @@ def test_docs_example_declines_aiter_head_padding() -> None:
     )
     assert not result.supported
     assert "heads" in result.support.codes
+
+
+def test_docs_example_is_listed_by_explain() -> None:
+    strategy = _docs_example_strategy()
+    ctx = simulated_decode_context("cpu", heads=8)
+    explanation = mla.Resolver(scratch_registry([(strategy, 25)])).explain(ctx)
+    assert explanation.candidate(strategy.NAME).supported
+    assert strategy.NAME not in [c.name for c in mla.Resolver().explain(ctx).candidates]
