@@ -1,4 +1,5 @@
-"""Every decode strategy, forced on every case it supports, matches the reference math.
+"""Every decode strategy, forced on every case it supports, matches the reference math, with an LSE
+tensor and with ``lse=None`` (the kit runs each plan both ways).
 
 Runs on the torch provider's own capabilities and under aiter's capability records for gfx942
 and gfx950 (simulated), so head padding, qlen padding, verify flattening and the persistent
@@ -17,7 +18,11 @@ from mla.testing import DecodeCase, check_decode_strategy, decode_cases, decode_
 
 BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 
-TORCH_CASES = list(decode_cases(dtypes=((F32, F32), (BF16, BF16), (BF16, FP8), (F32, FP8))))
+# The torch provider pads no heads: fewer head counts than aiter's matrix keep its share of the
+# run time (each case runs twice: with and without an LSE).
+TORCH_CASES = list(
+    decode_cases(heads=(1, 2, 8, 12, 16, 128), dtypes=((F32, F32), (BF16, BF16), (BF16, FP8), (F32, FP8)))
+)
 AITER_CASES = list(decode_cases(dtypes=((BF16, BF16), (BF16, FP8)), seed=1))
 SMALL_HEAD_CASES = list(
     decode_cases(
@@ -70,8 +75,8 @@ def test_strategy_matches_reference(
 # Expected coverage (the supported counts of the pairwise selection above, exact as of writing), so
 # a regression in ``supports`` cannot silently turn the matrix into skips.
 MIN_SUPPORTED = {
-    ("torch", "cpu", "gluon-decode"): 22,
-    ("torch", "cpu", "gluon-verify-flatten"): 130,
+    ("torch", "cpu", "gluon-decode"): 19,
+    ("torch", "cpu", "gluon-verify-flatten"): 97,
     ("torch", "cpu", "asm-padded-persistent"): len(_cases("torch")),
     ("torch", "cpu", "asm-non-persistent"): len(_cases("torch")),
     ("aiter", "gfx942", "asm-padded-persistent"): 85,
