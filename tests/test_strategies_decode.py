@@ -111,10 +111,12 @@ def test_unwritten_rows_are_caught() -> None:
         NAME = "test-skips-last-row"
 
         def launch(self, plan, q, kv_flat, *, kv_scale, out, lse):  # type: ignore[no-untyped-def]
-            saved_out, saved_lse = out[-1].clone(), lse[-1].clone()
+            saved_out = out[-1].clone()
+            saved_lse = None if lse is None else lse[-1].clone()
             super().launch(plan, q, kv_flat, kv_scale=kv_scale, out=out, lse=lse)
             out[-1].copy_(saved_out)
-            lse[-1].copy_(saved_lse)
+            if lse is not None and saved_lse is not None:
+                lse[-1].copy_(saved_lse)
 
     case = DecodeCase(heads=4, qlens=(2, 1), seq_lens=(9, 30), kv_lora_rank=64, rope_dim=16)
     result = check_decode_strategy(SkipsLastRow, case, provider="torch", platform="cpu")
@@ -122,5 +124,7 @@ def test_unwritten_rows_are_caught() -> None:
     assert not result.ok
     assert result.comparison is not None
     assert result.comparison.unwritten_rows == 1
+    assert result.without_lse is not None
+    assert result.without_lse.unwritten_rows == 1
     with pytest.raises(AssertionError, match="1 unwritten rows"):
         result.assert_passed()
