@@ -10,7 +10,6 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
-import triton
 
 
 def load(path: str) -> ModuleType:
@@ -37,12 +36,13 @@ def decode_fn(
 ) -> Callable[[], None]:
     """One qlen-1 decode step as ``TritonMLAImpl.forward_mqa`` runs it: q ``[B, H, 576]``, cache
     ``[num_blocks, page, 576]`` (bf16), ``block_table [B, pages]`` page ids, out ``[B, H, 512]``.
-    Split count as vLLM picks it: ``min(next_pow2(max(1, max_seq_len·B // 256)), 2·SMs)``."""
+    Split count: 4, the fixed ``num_kv_splits`` of vLLM's ``TritonMLAImpl`` (a batch-size
+    heuristic seen in some vLLM versions gives hundreds of splits here and runs 5x slower)."""
     batch, heads, _ = q.shape
     rank = out.shape[-1]
     k_buffer = cache.unsqueeze(2)
     v_buffer = k_buffer[..., :rank]
-    splits = min(triton.next_power_of_2(max(1, max_seq_len * batch // 256)), 2 * num_sms)
+    splits = 4
     logits = torch.empty(batch, heads, splits, rank + 1, dtype=torch.float32, device=q.device)
     lse = torch.zeros(batch, heads, dtype=q.dtype, device=q.device)
 
