@@ -310,3 +310,65 @@ def test_small_head_folds_a_device_kv_scale_into_query_and_output(fake_aiter) ->
     (out, lse), (want_out, want_lse) = results
     torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=1e-3)
+
+
+# (heads, qlens, seq_lens, kv dtype): steps whose kernel qlen has another metadata size than the
+# largest over the qlens the backend was sized for (the strict fake demands the exact sizes).
+METADATA_SIZE_CASES = [
+    pytest.param(
+        32, (3, 0, 0, 0, 0), (30, 9, 4, 0, 0), torch.float8_e4m3fn, id="h32-qlen3-mixed-graph-pad-fp8"
+    ),
+    pytest.param(24, (4, 4, 4, 4), (30, 9, 8, 7), torch.bfloat16, id="h24-qlen4-bf16"),
+    pytest.param(16, (8, 8, 8, 8, 0, 0), (30, 9, 8, 17, 0, 0), torch.bfloat16, id="h16-qlen8-graph-pad-bf16"),
+]
+
+
+@pytest.mark.parametrize(("heads", "qlens", "seq_lens", "kv_dtype"), METADATA_SIZE_CASES)
+def test_metadata_buffers_are_sized_for_the_kernel_qlen_of_the_call(
+    fake_aiter, heads: int, qlens: tuple[int, ...], seq_lens: tuple[int, ...], kv_dtype: torch.dtype
+) -> None:
+    fake = fake_aiter("gfx950")
+    run = run_decode(fake_provider(), "gfx950", decode_case(heads, qlens, seq_lens, kv_dtype=kv_dtype))
+    assert run.strategy == PaddedAsmPersistent.NAME
+    assert run.comparison.ok, run.comparison
+    (plan,) = fake.calls("get_mla_metadata_v1")
+    sizes = {info["qlen"]: info for info in fake.calls("get_mla_metadata_info_v1")}
+    # The fake checked the buffers against the info answer for the call's kernel qlen; that
+    # answer differs from another qlen's here, which is what made the largest buffers wrong.
+    assert plan["max_seqlen_qo"] in sizes
+    (decode,) = fake.calls("mla_decode_fwd")
+    assert decode["persistent"]
+    assert decode["max_seqlen_q"] == plan["max_seqlen_qo"]
+
+
+def test_the_fake_refuses_metadata_buffers_sized_for_another_qlen(fake_aiter) -> None:
+    fake_aiter("gfx950")
+    attention = importlib.import_module("aiter.ops.attention")
+    info = {
+        qlen: attention.get_mla_metadata_info_v1(2, qlen, 32, torch.bfloat16, torch.bfloat16, False)
+        for qlen in (3, 4)
+    }
+    assert info[3] != info[4]
+    buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in info[3]]
+    qo = torch.tensor([0, 4, 8], dtype=torch.int32)
+    kv = torch.tensor([0, 30, 39], dtype=torch.int32)
+    with pytest.raises(
+        RuntimeError, match="not sized by get_mla_metadata_info_v1 for this call's kernel qlen 4"
+    ):
+        attention.get_mla_metadata_v1(
+            qo,
+            kv,
+            torch.ones(2, dtype=torch.int32),
+            32,
+            1,
+            True,
+            buffers[0],
+            buffers[2],
+            buffers[1],
+            buffers[3],
+            buffers[4],
+            buffers[5],
+            max_seqlen_qo=4,
+            dtype_q=torch.bfloat16,
+            dtype_kv=torch.bfloat16,
+        )

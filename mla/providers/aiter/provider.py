@@ -315,7 +315,7 @@ class AiterProvider(KernelProvider):
                 kv_dtype=kv_cache.dtype,
             )
             plan.check_planned(batch=batch, qlen=max_qlen)
-            kwargs.update(plan.decode_kwargs())
+            kwargs.update(plan.decode_kwargs(max_qlen))
             page_lens = plan.kv_last_page_lens[:batch]
         else:
             page_lens = self._ones(batch, q.device)
@@ -397,7 +397,7 @@ class AiterProvider(KernelProvider):
             plan.kernel_heads,
             1,
             True,
-            *plan.buffers(),
+            *plan.buffers(kernel_qlen),
             page_size=1,
             kv_granularity=DECODE_KV_GRANULARITY,
             max_seqlen_qo=kernel_qlen,

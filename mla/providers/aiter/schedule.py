@@ -6,6 +6,11 @@ aiter's ``*_info_v1`` functions give. The decode schedule is allocated once at i
 in place every step (``get_mla_metadata_v1``, on the device), so a captured decode graph stays
 valid; it records the geometry it was sized for, and every plan and run is checked against it
 (vLLM PRs #38615, #45227, #46997: buffers sized for other heads, qlen or dtypes than the run).
+
+aiter's planner and kernel take the buffers' shapes as the layout of the plan (tile counts per
+request, partial rows), so a step at kernel qlen ``q`` is handed views of exactly the shapes
+``get_mla_metadata_info_v1`` gives for ``q``: one storage per buffer, sized for the largest
+qlen, and a fixed set of views per qlen into it (fixed addresses, so graphs stay valid).
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ def allocate(specs: Sequence[BufferSpec], device: torch.device) -> SixBuffers:
     return a, b, c, d, e, f
 
 
+def _prefix_view(storage: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first ``prod(shape)`` elements of contiguous ``storage`` viewed as ``shape``."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return storage.reshape(-1)[:count].view(shape)
+
+
 def largest(spec_sets: Sequence[Sequence[BufferSpec]]) -> list[BufferSpec]:
     """Elementwise largest shapes over several ``*_info_v1`` answers (same dtypes)."""
     out: list[BufferSpec] = []
@@ -62,8 +75,10 @@ class AiterDecodeSchedule:
     """The six ``get_mla_metadata_v1`` buffers of one backend, plus the geometry they fit.
 
     Sized by ``get_mla_metadata_info_v1`` for every kernel qlen ``1..max_kernel_qlen`` (aiter's
-    tile count is not monotonic in qlen, so the largest shape of each buffer is kept), with the
-    same kernel heads and q/kv dtypes that :meth:`check` demands of every plan and run.
+    tile count is not monotonic in qlen, so each storage has the largest shape), with the same
+    kernel heads and q/kv dtypes that :meth:`check` demands of every plan and run. A step at
+    kernel qlen ``q`` is handed ``views[q]``: the six buffers in the exact shapes the info call
+    gave for ``q``, over the same storage.
     """
 
     work_metadata: torch.Tensor
@@ -72,6 +87,9 @@ class AiterDecodeSchedule:
     reduce_indptr: torch.Tensor
     reduce_final_map: torch.Tensor
     reduce_partial_map: torch.Tensor
+    views: dict[int, SixBuffers]
+    """Per kernel qlen: the six buffers (aiter's info order) shaped as the info call for that
+    qlen says, viewing the storage above."""
     kv_last_page_lens: torch.Tensor
     """int32 ``[max_batch]`` of ones (page size 1)."""
     max_batch: int
@@ -98,8 +116,15 @@ class AiterDecodeSchedule:
         device: torch.device,
     ) -> AiterDecodeSchedule:
         """``info(qlen)`` calls ``get_mla_metadata_info_v1`` for one kernel qlen."""
-        specs = largest([info(qlen) for qlen in range(1, max_kernel_qlen + 1)])
-        meta, indptr, info_set, reduce_indptr, final_map, partial_map = allocate(specs, device)
+        per_qlen = {qlen: list(info(qlen)) for qlen in range(1, max_kernel_qlen + 1)}
+        storage = allocate(largest(list(per_qlen.values())), device)
+        views: dict[int, SixBuffers] = {}
+        for qlen, specs in per_qlen.items():
+            a, b, c, d, e, f = (
+                _prefix_view(buffer, _shape(shape)) for buffer, (shape, _) in zip(storage, specs, strict=True)
+            )
+            views[qlen] = (a, b, c, d, e, f)
+        meta, indptr, info_set, reduce_indptr, final_map, partial_map = storage
         return cls(
             work_metadata=meta,
             work_indptr=indptr,
@@ -107,6 +132,7 @@ class AiterDecodeSchedule:
             reduce_indptr=reduce_indptr,
             reduce_final_map=final_map,
             reduce_partial_map=partial_map,
+            views=views,
             kv_last_page_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
             max_batch=max_batch,
             max_kernel_qlen=max_kernel_qlen,
@@ -115,27 +141,31 @@ class AiterDecodeSchedule:
             kv_dtype=kv_dtype,
         )
 
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The six buffers in ``get_mla_metadata_v1``'s positional order (``work_info_set``
-        before ``work_indptr``)."""
-        return (
-            self.work_metadata,
-            self.work_info_set,
-            self.work_indptr,
-            self.reduce_indptr,
-            self.reduce_final_map,
-            self.reduce_partial_map,
-        )
+    def _views(self, qlen: int) -> SixBuffers:
+        if qlen not in self.views:
+            raise PlanMismatchError(
+                f"aiter decode schedule: kernel qlen {qlen} is not one of the {sorted(self.views)} "
+                "the buffers were sized for"
+            )
+        return self.views[qlen]
 
-    def decode_kwargs(self) -> dict[str, torch.Tensor]:
-        """All six buffers as ``mla_decode_fwd`` keywords (always all of them)."""
+    def buffers(self, qlen: int) -> tuple[torch.Tensor, ...]:
+        """The six buffers for kernel qlen ``qlen`` in ``get_mla_metadata_v1``'s positional
+        order (``work_info_set`` before ``work_indptr``)."""
+        meta, indptr, info_set, reduce_indptr, final_map, partial_map = self._views(qlen)
+        return (meta, info_set, indptr, reduce_indptr, final_map, partial_map)
+
+    def decode_kwargs(self, qlen: int) -> dict[str, torch.Tensor]:
+        """All six buffers for kernel qlen ``qlen`` as ``mla_decode_fwd`` keywords (always all
+        of them)."""
+        meta, indptr, info_set, reduce_indptr, final_map, partial_map = self._views(qlen)
         return {
-            "work_meta_data": self.work_metadata,
-            "work_indptr": self.work_indptr,
-            "work_info_set": self.work_info_set,
-            "reduce_indptr": self.reduce_indptr,
-            "reduce_final_map": self.reduce_final_map,
-            "reduce_partial_map": self.reduce_partial_map,
+            "work_meta_data": meta,
+            "work_indptr": indptr,
+            "work_info_set": info_set,
+            "reduce_indptr": reduce_indptr,
+            "reduce_final_map": final_map,
+            "reduce_partial_map": partial_map,
         }
 
     def check(

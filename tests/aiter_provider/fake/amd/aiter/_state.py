@@ -19,6 +19,9 @@ CONFIG: dict[str, Any] = json.loads((Path(__file__).parent / "fake_config.json")
 CALLS: list[tuple[str, dict[str, Any]]] = []
 """Every kernel call: ``(name, facts)``; tests read it to check how the provider called aiter."""
 
+INFOS: list[dict[str, Any]] = []
+"""Every ``get_mla_metadata_info_v1`` answer: the call's facts and the six buffer shapes."""
+
 PLANS: dict[int, dict[str, Any]] = {}
 """Decode metadata plans by ``work_metadata_ptrs.data_ptr()``: what each was planned for."""
 

@@ -207,6 +207,13 @@ def _persistent(
     facts = {"heads": heads, "max_seqlen_qo": max_seqlen_q, "batch": len(qo) - 1}
     for key, value in facts.items():
         check(plan[key] == value, f"metadata planned with {key}={plan[key]}, the decode runs {value}")
+    given = tuple(tuple(int(d) for d in buffers[name].shape) for name in PERSISTENT_BUFFERS)
+    planned = plan["shapes"]
+    # The kernel sizes its partials from reduce_partial_map and walks the planned layout.
+    check(
+        given == planned,
+        f"the decode got metadata buffers {given}, the plan was made in {planned}",
+    )
     check(work_info.shape[1] == WORK_FIELDS, "work_info_set must be [N, 8]")
     partial_map = buffers["reduce_partial_map"]
     _asm_table.check_reduce(run_heads, 512)

@@ -86,7 +86,7 @@ def get_mla_metadata_info_v1(
         kv_dtype=kv_dtype,
     )
     size = _decode_sizes(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype)
-    return (
+    specs = (
         (2, torch.uint64),
         (size["splits"] + 1, torch.int32),
         ((size["works"], WORK_FIELDS), torch.int32),
@@ -94,6 +94,41 @@ def get_mla_metadata_info_v1(
         ((size["tiles"], 2), torch.int32),
         (size["partials"], torch.int32),
     )
+    _state.INFOS.append(
+        {
+            "batch": batch_size,
+            "qlen": max_seqlen_qo,
+            "heads": num_head_qo,
+            "dtypes": (q_dtype, kv_dtype),
+            "shapes": tuple(_spec_shape(shape) for shape, _ in specs),
+        }
+    )
+    return specs
+
+
+def _spec_shape(shape: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in shape) if isinstance(shape, tuple) else (int(shape),)
+
+
+def _check_info_sizes(
+    buffers: tuple[torch.Tensor, ...], *, batch: int, qlen: int, heads: int, dtypes: tuple[torch.dtype, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """The buffers (aiter's info order) have exactly the shapes ``get_mla_metadata_info_v1``
+    gave for this kernel qlen, heads and dtypes (at a batch size >= the call's): the planner
+    and the kernel read the plan's layout (tiles per request, partial rows) from them."""
+    shapes = tuple(tuple(int(d) for d in b.shape) for b in buffers)
+    sized = [
+        info["shapes"]
+        for info in _state.INFOS
+        if (info["qlen"], info["heads"], info["dtypes"]) == (qlen, heads, dtypes) and info["batch"] >= batch
+    ]
+    check(
+        shapes in sized,
+        f"metadata buffers {shapes} were not sized by get_mla_metadata_info_v1 for this call's kernel "
+        f"qlen {qlen}, {heads} heads and dtypes {dtypes} (it gives {sized or 'no answer for them'}); "
+        "sized for another qlen they do not match the plan's layout and the kernel writes past them",
+    )
+    return shapes
 
 
 def _planner_heads(heads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, qlen: int) -> None:
@@ -204,6 +239,13 @@ def get_mla_metadata_v1(
         and reduce_partial_map.numel() >= size["partials"],
         f"get_mla_metadata_v1: buffers smaller than get_mla_metadata_info_v1 gives for this call {size}",
     )
+    shapes = _check_info_sizes(
+        (work_metadata_ptrs, work_indptr, work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map),
+        batch=batch,
+        qlen=max_seqlen_qo,
+        heads=heads,
+        dtypes=(dtype_q, dtype_kv),
+    )
     lengths = [kv[b + 1] - kv[b] for b in range(batch)]
     units = size["splits"]
     chunk = max(kv_granularity, -(-max(sum(lengths), 1) // units))
@@ -261,6 +303,7 @@ def get_mla_metadata_v1(
         "dtype_kv": dtype_kv,
         "max_seqlen_qo": max_seqlen_qo,
         "batch": batch,
+        "shapes": shapes,
     }
     _state.record(
         "get_mla_metadata_v1",
