@@ -56,12 +56,15 @@ class PagedKernel:
     min_qlen: int = 1
     max_qlen: int | None = None
     """Largest kernel qlen (``None``: any)."""
+    head_multiple: int | None = None
+    """Any multiple of this many kernel heads runs too (aiter's persistent decode folds them
+    onto its 16-head kernel as extra pseudo-requests); ``None``: only ``heads``."""
 
     def runs(self, *, persistent: bool, fp8: bool, heads: int, qlen: int) -> bool:
         return (
             self.persistent == persistent
             and self.fp8 == fp8
-            and heads in self.heads
+            and (heads in self.heads or (self.head_multiple is not None and heads % self.head_multiple == 0))
             and qlen >= self.min_qlen
             and (self.max_qlen is None or qlen <= self.max_qlen)
         )
@@ -69,7 +72,10 @@ class PagedKernel:
     def __str__(self) -> str:
         mode = "persistent" if self.persistent else "non-persistent"
         qlens = f"qlen {self.min_qlen}..{self.max_qlen if self.max_qlen is not None else 'any'}"
-        return f"{mode} {'fp8' if self.fp8 else 'float'} KV, heads {sorted(self.heads)}, {qlens}"
+        heads = [str(h) for h in sorted(self.heads)]
+        if self.head_multiple is not None:
+            heads.append(f"any multiple of {self.head_multiple}")
+        return f"{mode} {'fp8' if self.fp8 else 'float'} KV, heads [{', '.join(heads)}], {qlens}"
 
 
 @attrs.frozen
@@ -85,7 +91,10 @@ class ProviderCapabilities:
     archs: frozenset[str] | None = None
     """Archs the kernels are built for; ``None`` = any."""
     q_dtypes: frozenset[torch.dtype] = _FLOATS
+    """Query dtypes of the paged decode."""
     kv_dtypes: frozenset[torch.dtype] = _FLOATS | FP8_DTYPES
+    varlen_q_dtypes: frozenset[torch.dtype] = _FLOATS
+    """q/k/v dtypes of the varlen (flash-style) prefill."""
 
     head_granularity: int = 1
     """Paged-decode kernels need a multiple of this many heads (16 for aiter's asm kernels)."""
@@ -165,16 +174,26 @@ class ProviderCapabilities:
         return qlen
 
     def describe(self) -> dict[str, object]:
-        """A JSON-friendly view for ``mla info``."""
+        """A JSON-friendly view for ``mla info`` (numbers stay numbers, dtypes become names)."""
         out: dict[str, object] = {}
         for field in attrs.fields(type(self)):
-            value = getattr(self, field.name)
-            if isinstance(value, frozenset):
-                value = sorted(v.value if isinstance(v, Contract) else str(v) for v in value)
-            elif isinstance(value, tuple):
-                value = [list(v) for v in value]
-            out[field.name] = value
+            out[field.name] = _json_value(getattr(self, field.name))
         return out
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, frozenset):
+        items = [_json_value(v) for v in value]
+        return sorted(items, key=lambda v: (not isinstance(v, int), v if isinstance(v, int) else str(v)))
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Contract):
+        return value.value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, PagedKernel):
+        return str(value)
+    return value
 
 
 REFERENCE_CAPABILITIES = ProviderCapabilities(provider="torch")
@@ -185,28 +204,32 @@ AITER_GET_BLOCK_N_FP8_KEYS: frozenset[int] = frozenset({8, 16, 24, 32, 48, 64, 1
 (``aiter/mla.py::get_block_n_fp8``); any other product raises KeyError inside aiter."""
 
 
-_FOLDED_HEADS = frozenset(range(16, 129, 16))
-"""Head counts aiter's persistent decode runs, natively or folded onto its 16-head kernel."""
+AITER_FOLD_HEADS = 16
+"""aiter's persistent decode runs any multiple of 16 heads, natively or folded onto its
+16-head kernel (``q.view(T * H / 16, 16, D)``: the extra heads become pseudo-requests), also
+above 128 heads, as vLLM's ROCm AITER MLA backend relies on for 144, 160, ... heads per rank."""
 
 
 def aiter_paged_kernels(arch: str) -> frozenset[PagedKernel]:
     """aiter's paged-decode kernel table on ``arch`` as the strategies can reach it (kernel heads
     a multiple of 16, or a native 24; fp8 KV always with an fp8 query).
 
-    Derived from aiter-contract.md §2.1-§2.3 (ROCm/aiter e4048607): ``mla_decode_fwd``'s
-    native/fold rule, ``asm_mla.cu``'s qlen/gqa remap and the ``mla_asm.csv`` rows, and
-    ``mla_reduce_v1``'s head list (at most 128). A combination outside the table is a
-    ``cannot get heuristic kernel`` abort, an ``AITER_CHECK`` or a ``get_block_n_fp8`` KeyError.
+    Derived from ROCm/aiter e4048607: ``aiter/mla.py::mla_decode_fwd``'s native/fold rule,
+    ``csrc/py_itfs_cu/asm_mla.cu``'s qlen/gqa remap and the ``hsa/<arch>/mla/mla_asm.csv``
+    rows, and ``mla_reduce_v1``'s head list (at most 128, so more heads run folded). A
+    combination outside the table is a ``cannot get heuristic kernel`` abort, an
+    ``AITER_CHECK`` or a ``get_block_n_fp8`` KeyError.
     """
+    fold = AITER_FOLD_HEADS
     if arch == "gfx950":
         return frozenset(
             {
                 # bf16 persistent remaps to the gqa32/qlen4 or gqa64/qlen1 kernel at any qlen;
                 # 24 heads need the native-H24 reducer and planner (see native_head_counts).
-                PagedKernel(True, False, _FOLDED_HEADS | {24}),
+                PagedKernel(True, False, frozenset({24}), head_multiple=fold),
                 # fp8 persistent: gqa16 qlen 1/2/4 and the gqa32 remap past qlen 4; 24 heads
                 # run as 32 inside the aiter provider (mla_decode_fwd has no fp8 24-head path).
-                PagedKernel(True, True, _FOLDED_HEADS | {24}),
+                PagedKernel(True, True, frozenset({24}), head_multiple=fold),
                 PagedKernel(False, False, frozenset({16, 32, 64, 128})),
                 PagedKernel(False, True, frozenset({16, 128}), 1, 4),
             }
@@ -215,8 +238,8 @@ def aiter_paged_kernels(arch: str) -> frozenset[PagedKernel]:
         return frozenset(
             {
                 # Every head count folds onto the gqa16 kernel, which exists up to qlen 4.
-                PagedKernel(True, False, _FOLDED_HEADS, 1, 4),
-                PagedKernel(True, True, _FOLDED_HEADS, 1, 4),
+                PagedKernel(True, False, frozenset(), 1, 4, head_multiple=fold),
+                PagedKernel(True, True, frozenset(), 1, 4, head_multiple=fold),
                 # 128 fp8 heads are native (qSeqLen 0: any qlen).
                 PagedKernel(True, True, frozenset({128})),
                 PagedKernel(False, False, frozenset({16, 32, 128})),
@@ -257,6 +280,8 @@ def aiter_capabilities(
         archs=frozenset({"gfx942", "gfx950"}),
         q_dtypes=_BF16,
         kv_dtypes=_BF16 | frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz}),
+        # aiter's CK varlen flash attention (flash_attn_varlen_func) takes fp16 and bf16.
+        varlen_q_dtypes=_BF16 | frozenset({torch.float16}),
         head_granularity=16,
         max_unpadded_heads=128,
         native_head_counts=frozenset({24}) if native_h24 and gfx950 else frozenset(),

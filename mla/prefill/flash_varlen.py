@@ -31,7 +31,7 @@ class FlashVarlen(PrefillStrategy):
     @classmethod
     def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
         caps = ctx.capabilities
-        require_dtype(reasons, "q-dtype", "query", ctx.q_dtype, caps.q_dtypes, "varlen kernel")
+        require_dtype(reasons, "q-dtype", "query", ctx.q_dtype, caps.varlen_q_dtypes, "varlen kernel")
         if ctx.has_chunked_context:
             reasons.require(
                 caps.has(Contract.MERGE_STATES),

@@ -14,7 +14,7 @@ from mla import AsmNonPersistent, PaddedAsmPersistent, UnsupportedError
 from mla.capabilities import aiter_capabilities
 from mla.providers.aiter.lse import kernel_returns_decode_lse
 
-KERNEL_HEADS = (16, 24, 32, 48, 64, 80, 96, 112, 128, 144)
+KERNEL_HEADS = (16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 256)
 """Every kernel head count a strategy can hand the paged decode (padded to 16, or 24 native)."""
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from aiter_cases import LATENT, decode_case, fake_provider, fp8_for, prefill_case, run_decode, run_prefill
 
+import mla
 from mla import (
     DECODE_STRATEGIES,
     AsmNonPersistent,
@@ -187,3 +188,37 @@ def test_fp8_prefill_through_the_api_with_keys_longer_than_queries(fake_aiter) -
     ):
         result = check_prefill_strategy(Fp8PersistentPrefill, case, provider=provider, platform="gfx950")
         assert result.ok, result
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_fp16_prefill_runs_on_the_ck_varlen_kernel(fake_aiter, arch: str) -> None:
+    """aiter's CK flash_attn_varlen_func takes fp16: an fp16 model's prefill is FlashVarlen,
+    not the fp8 prefill (fp8-level error) on gfx950 and not nothing on gfx942."""
+    fake_aiter(arch)
+    case = prefill_case(16, (9, 5), dtype=torch.float16)
+    result = check_prefill_strategy(FlashVarlen, case, provider=fake_provider(), platform=arch)
+    assert result.ok, result
+    q = torch.randn(7, 16, 192, dtype=torch.float16)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    out, lse = mla.mla_prefill(
+        q, q, q[..., :128], cu, cu, 4, 4, softmax_scale=192**-0.5, provider=fake_provider(), platform=arch
+    )
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize(("arch", "qlen"), [("gfx942", 1), ("gfx942", 4), ("gfx950", 1), ("gfx950", 6)])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_heads_above_128_fold_like_vllm(fake_aiter, arch: str, qlen: int, kv: str) -> None:
+    """vLLM's ROCm AITER MLA backend accepts any multiple of 16 heads; aiter folds heads above
+    128 onto its 16-head kernel as pseudo-requests."""
+    if arch == "gfx942" and kv == "fp8" and qlen > 4:
+        pytest.skip("gfx942 has no fp8 decode past qlen 4 at any head count")
+    fake = fake_aiter(arch)
+    kv_dtype = fp8_for(arch) if kv == "fp8" else torch.bfloat16
+    case = decode_case(144, (qlen, qlen), (30, qlen + 3), kv_dtype=kv_dtype)
+    run = run_decode(fake_provider(), arch, case)
+    assert run.strategy == PaddedAsmPersistent.NAME
+    assert run.comparison.ok, run.comparison
+    assert [c["heads"] for c in fake.calls("mla_decode_fwd")] == [144]

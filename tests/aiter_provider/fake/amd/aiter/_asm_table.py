@@ -90,6 +90,8 @@ def persistent_heads(arch: str, nhead: int, qlen: int, q_fp8: bool, kv_fp8: bool
     """``mla_decode_fwd``'s persistent head rule: ``(heads the kernel runs, folded)``."""
     fp8 = q_fp8 and kv_fp8
     bf16 = not q_fp8 and not kv_fp8
+    if nhead > 128 and nhead % 16 == 0:
+        return 16, True  # past the reducer's 128 heads every multiple of 16 runs folded
     native = (
         nhead == 16
         or (arch == "gfx942" and nhead == 128 and fp8)
@@ -101,7 +103,7 @@ def persistent_heads(arch: str, nhead: int, qlen: int, q_fp8: bool, kv_fp8: bool
     )
     if native:
         return nhead, False
-    if nhead in range(32, 129, 16):
+    if nhead % 16 == 0:
         return 16, True
     raise AssertionError(f"nhead={nhead} and max_seqlen_q={qlen} not supported")
 
