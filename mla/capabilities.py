@@ -1,6 +1,6 @@
 """What a kernel provider can compute, as data.
 
-A :class:`ProviderCapabilities` record lists the kernel contracts (DESIGN §4) a provider
+A :class:`ProviderCapabilities` record lists the kernel contracts (:mod:`mla.providers.base`) a provider
 implements and the limits its kernels have (head granularity, qlen limits, dtypes, kernel-table
 gaps). Strategies read only this record in ``supports``; the record is separate from availability
 ("is the library importable here"). Any record can be imposed on the torch reference provider, so
@@ -18,7 +18,7 @@ from mla.config import FP8_DTYPES
 
 
 class Contract(enum.Enum):
-    """The kernel contracts of DESIGN §4."""
+    """The kernel contracts a provider may implement (:class:`mla.providers.base.KernelProvider`)."""
 
     PAGED_DECODE = "paged-decode"
     """Asm-style paged MQA decode over a flat latent cache (optionally scheduled)."""
@@ -123,7 +123,7 @@ class ProviderCapabilities:
 
     paged_kernels: frozenset[PagedKernel] | None = None
     """The paged-decode kernel table: the combinations that exist (``None``: every one). The
-    limits above read as rules; this is the table they summarize (aiter-contract.md §2.2)."""
+    limits above read as rules; this is the table they summarize."""
     latent_dims: frozenset[tuple[int, int]] | None = None
     """``(kv_lora_rank, rope)`` pairs the decode kernels (paged and small-head) are built for
     (``None``: any; aiter's asm and Gluon kernels: 512/64)."""
@@ -152,7 +152,7 @@ class ProviderCapabilities:
         return -(-num_heads // g) * g
 
     def heads_valid(self, num_heads: int) -> bool:
-        """The seed's validity rule: ``H > 0 and (H <= max_unpadded or H % granularity == 0)``."""
+        """vLLM's ROCm AITER MLA head rule: ``H > 0 and (H <= max_unpadded or H % granularity == 0)``."""
         if num_heads <= 0:
             return False
         if num_heads % self.head_granularity == 0 or num_heads in self.native_head_counts:
@@ -258,7 +258,7 @@ def aiter_capabilities(
     native_h24: bool = False,
     provider: str = "aiter",
 ) -> ProviderCapabilities:
-    """The capability record of AMD aiter's MLA kernels on ``arch`` (aiter-contract.md §2).
+    """The capability record of AMD aiter's MLA kernels on ``arch`` (ROCm/aiter e4048607).
 
     ``gluon`` / ``fp8_prefill`` default to "shipped on gfx950 only"; ``native_h24`` is the
     reducer-and-planner probe (off unless both ship; honoured on gfx950 only, where

@@ -1,4 +1,4 @@
-"""Preference: which of several supported strategies runs first (DESIGN §2).
+"""Preference: which of several supported strategies runs first.
 
 Pure functions of the context and the knobs. Correctness limits live in ``supports``; these
 rules only order, so a wrong rule costs speed, never accuracy. Each rule says where it comes

@@ -1,4 +1,10 @@
-"""The reference math of DESIGN §5, written for clarity: per-request loops in float64.
+"""The reference math of MLA, written for clarity: per-request loops in float64.
+
+For request ``b`` with query length ``q_b`` and KV length ``s_b`` (including the new tokens),
+query row ``i`` attends keys ``0 .. s_b - q_b + i`` (right-aligned causal);
+``o = softmax(q·k * scale) @ v`` and ``lse = log(sum(exp(q·k * scale)))`` (natural log). A row
+with no keys gives ``o = 0`` and ``lse = -inf``; states merge as
+``lse* = logaddexp(lse_a, lse_b)``, ``o = e^(lse_a-lse*) o_a + e^(lse_b-lse*) o_b``.
 
 Used by the conformance kit (:mod:`mla.testing`), the tests and ``mla demo`` to check every
 strategy. Slow; never used to serve.
@@ -105,7 +111,8 @@ def reference_prefill(
 def merge_reference(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DESIGN §5 state merge in float64."""
+    """The state merge (``logaddexp`` of the LSEs, outputs weighted by ``e^(lse - lse*)``) in
+    float64."""
     lse = torch.logaddexp(lse_a.double(), lse_b.double())
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
     w_a = torch.where(torch.isfinite(lse), torch.exp(lse_a.double() - safe), 0.0)

@@ -41,7 +41,7 @@ class GraphSupport(enum.Enum):
 
 
 class StrategyKind(enum.Enum):
-    """Families the preference rules order (DESIGN §2, support vs preference)."""
+    """Families the preference rules (:mod:`mla.preference`) order; support is not preference."""
 
     SMALL_HEAD = "small-head"
     PAGED = "paged"

@@ -1,4 +1,4 @@
-"""Builder/impl agreement (DESIGN §3, invariants 1 and 2), as a property over random steps.
+"""Builder/impl agreement (one decision per phase, buffers sized at init), as a property over random steps.
 
 For random step compositions within the engine limits (decodes of any qlen up to
 ``max_decode_qlen``, graph-padding requests and rows, prefills with and without cached

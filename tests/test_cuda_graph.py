@@ -1,6 +1,6 @@
 """A decode step captured in a CUDA graph replays correctly after an in-place metadata rebuild.
 
-DESIGN §3, invariant 3: ``run`` has no host sync and no data-dependent allocation, and the
+``run`` has no host sync and no data-dependent allocation, and the
 builder writes each step's metadata into buffers allocated at init. So an engine captures
 ``impl.forward_decode`` once per (batch size, qlen), then for every later step of that shape
 copies the new inputs into its static buffers, rebuilds the metadata in place and replays.

@@ -217,7 +217,7 @@ class PagedDecode(DecodeStrategy):
             else:
                 padding.pad(q, q_kernel)
             if geo.kernel_qlen > 1 and not self.PERSISTENT:
-                o_kernel.zero_()  # the seed's guard: unwritten lanes of a multi-row tile cannot leak
+                o_kernel.zero_()  # vLLM's guard: unwritten lanes of a multi-row tile cannot leak
             o_target, lse_target = o_kernel[:rows], None if lse is None else lse_kernel[:rows]
         setup.provider.paged_mqa_decode(
             PagedDecodeCall(

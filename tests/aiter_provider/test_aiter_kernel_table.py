@@ -1,5 +1,5 @@
-"""No code path reaches a kernel combination aiter lacks (aiter-contract.md §2.2); where the
-seed's rules alone would pick one, the backend refuses at construction with the reason."""
+"""No code path reaches a kernel combination aiter lacks (``mla_asm.csv``); where vLLM's
+rules alone would pick one, the backend refuses at construction with the reason."""
 
 from __future__ import annotations
 

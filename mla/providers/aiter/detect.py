@@ -2,7 +2,7 @@
 
 The PyPI name ``aiter`` belongs to an unrelated async-iterator library (richardkiss/aiter) that
 also installs a top-level ``aiter`` package; AMD's library ships as the ``amd-aiter``
-distribution or as a ROCm/aiter source build. Detection follows aiter-contract.md §3:
+distribution or as a ROCm/aiter source build. Detection, like vLLM's:
 ``find_spec``, the ``amd-aiter`` distribution, a guarded import (aiter's import runs
 ``rocminfo`` and fails on a host without ROCm), then the API surface.
 """

@@ -39,7 +39,7 @@ def kernel_returns_decode_lse(arch: str, *, persistent: bool, fp8: bool, heads: 
 
     ``heads``/``qlen`` are the kernel heads and kernel qlen of the call. Non-persistent calls
     never change kernels for the LSE. Persistent calls need an ``lse_ps`` kernel for the
-    (gqa, qSeqLen) that ``asm_mla.cu`` remaps the call to (aiter-contract.md §2.2):
+    (gqa, qSeqLen) that ``asm_mla.cu`` remaps the call to (``hsa/<arch>/mla/mla_asm.csv``):
     gfx950 bf16 always remaps to gqa32/qlen4 or gqa64/qlen1 (both have one); gfx950 fp8 has one
     everywhere except gqa16 at qSeqLen 2 (16 heads, or 48/80/96/112 folded to 16, at qlen 2);
     gfx942 only for fp8 with 64 native heads at qlen 1.

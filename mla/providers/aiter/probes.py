@@ -3,7 +3,7 @@
 aiter's MLA surface changes between builds (the PyPI wheel ``amd-aiter 0.1.7`` lacks the Gluon
 and fp8-prefill kernels and ``mla_decode_fwd``'s ``return_lse``; native 24-head support needs
 both the reducer and the metadata planner), so each kernel is probed on its own, the way vLLM's
-ROCM_AITER_MLA backend does (aiter-contract.md §1.1 and §3). The probes run once per provider
+ROCM_AITER_MLA backend does. The probes run once per provider
 (:meth:`AiterProvider.describe_probes` shows them) and decide its capability record.
 """
 

@@ -3,7 +3,7 @@
 Nothing here imports aiter at module import or at construction: the library is detected and
 probed on first use (:attr:`AiterProvider.library`, :attr:`AiterProvider.probes`), once per
 provider object. Every kernel is called with the exact signature and argument order that
-aiter-contract.md documents (§1.6, §1.7, §2):
+vLLM's ROCM_AITER_MLA backend makes them (ROCm/aiter e4048607):
 
 * paged decode: ``aiter.mla.mla_decode_fwd`` over the flat cache viewed ``[N_tok, 1, 1, 576]``,
   ``page_size=1``, ``nhead_kv=1``, the softmax scale always explicit (aiter's default is
@@ -81,7 +81,7 @@ AITER_LATENT_DIMS = frozenset({(512, 64)})
 AITER_FP8_PREFILL_DIMS = frozenset({(192, 128)})
 """``(qk, v)`` head dims of ``mla_pfl_qh192_vh128`` (the fp8 persistent prefill kernel)."""
 AITER_FP8_PREFILL_HEADS = frozenset({16, 32, 48, 64, 96, 128})
-"""Multiples of 16 that ``mla_reduce_v1`` reduces at ``v_head_dim`` 128 (aiter-contract.md §2.3)."""
+"""Multiples of 16 that ``mla_reduce_v1`` reduces at ``v_head_dim`` 128 (``csrc/kernels/mla/reduce.cu``)."""
 ARCH_FP8: dict[str, torch.dtype] = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
 """``aiter.dtypes.fp8`` per arch: the only fp8 format aiter's kernels read there."""
 

@@ -8,7 +8,7 @@ Work decomposition (planned once per step on the host by :func:`plan_fp8_prefill
   most ``kv_split`` keys, so no work unit is much longer than the rest;
 * a *unit* is one (tile, split, head). Tiles with one split write ``out``/``lse`` directly; tiles
   with several write fp32 partials ``[slot, row, head, Dv]`` that :func:`_fp8_reduce_kernel`
-  merges by LSE (DESIGN §5);
+  merges by LSE;
 * the kernel runs ``num_programs`` programs; program ``p`` takes units ``p, p + P, p + 2P, ...``.
   Units are ordered request by request (most work first), head by head, longest split first, so
   programs running at the same time share one head's K/V in L2. The GPU planner launches one

@@ -1,6 +1,6 @@
 """aiter's MLA decode dispatch: ``mla_decode_fwd``'s head/qlen rules and the asm kernel table.
 
-Emulates ROCm/aiter e4048607 as aiter-contract.md §2.1-§2.3 describes it: the Python-level
+Emulates ROCm/aiter e4048607: the Python-level
 native/fold/assert rule of the persistent path, the ``get_block_n_fp8`` dict of the
 non-persistent fp8 path, ``asm_mla.cu``'s (gqa, qSeqLen) remap and the exact-match lookup in
 ``hsa/<arch>/mla/mla_asm.csv`` (decode rows with ``causal=1``, no ``cprr``).

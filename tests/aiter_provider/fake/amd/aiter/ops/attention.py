@@ -1,5 +1,5 @@
 """Fake ``aiter/ops/attention.py``: persistent metadata (decode and fp8 prefill), the reduce and
-the fp8 persistent prefill kernel, checking what real aiter checks (aiter-contract.md §2.3)."""
+the fp8 persistent prefill kernel, checking what real aiter checks."""
 
 from __future__ import annotations
 
