@@ -20,26 +20,30 @@ import torch
 
 from mla import ops
 from mla.backend import MLABackend, StepInputs
-from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name, is_fp8
+from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
 from mla.context import PrefillContext, prefill_context
 from mla.errors import InvalidInputError
-from mla.platform import Platform, detect_platform, simulated_platform
+from mla.platform import Platform, resolve_platform
 from mla.prefill.base import PrefillBatch, PrefillStrategy
-from mla.providers import resolve_provider
+from mla.providers import require_available, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.registry import AnyStrategy
 from mla.resolver import Resolver
-from mla.strategy import StrategySetup
+from mla.strategy import Phase, StrategySetup
 from mla.validate import (
     ValidateMode,
     check_block_ids,
+    check_cache_scale,
     check_indptr,
-    check_kv_scale,
     check_paged_requests,
+    check_slots,
     check_write_kv,
+    require_bool,
     require_float,
     require_index,
+    require_int,
     require_same_device,
+    require_softmax_scale,
     require_tensor,
     require_validate_mode,
 )
@@ -77,12 +81,12 @@ class PlanCache(Generic[K, V]):
         self._entries.clear()
 
 
-def _platform(platform: Platform | str | None, device: torch.device) -> Platform:
-    if isinstance(platform, Platform):
-        return platform
-    if isinstance(platform, str):
-        return simulated_platform(platform)
-    return detect_platform(device)
+def _provider(provider: str | KernelProvider, platform: Platform) -> KernelProvider:
+    """The provider object for ``provider``; :class:`ProviderUnavailableError` (an
+    :class:`UnsupportedError`) with its reasons when it cannot run here."""
+    prov = resolve_provider(provider, platform)
+    require_available(prov)
+    return prov
 
 
 @attrs.frozen(eq=False)
@@ -159,8 +163,13 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Absorbed MLA decode over a paged latent cache.
 
+    Query row ``i`` of request ``b`` (``q_b`` rows, ``s_b`` keys) attends keys
+    ``0 .. s_b - q_b + i`` of its block-table rows; values are the first ``kv_lora_rank``
+    lanes of each cache row.
+
     Args:
-        q: ``[T, H, kv_lora_rank + rope]`` bf16/fp16/fp32.
+        q: ``[T, H, kv_lora_rank + rope]`` bf16/fp16/fp32; ``T`` is the requests' rows
+            (``query_start_loc[-1]``, or ``B`` without it): no row without a request.
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]``; bf16/fp16/fp32, or fp8
             with ``kv_scale`` (value = stored * kv_scale).
         block_table: int32/int64 ``[B, max_blocks]``.
@@ -169,11 +178,13 @@ def mla_decode(
         query_start_loc: int ``[B+1]`` on q's device or on the host; default one token per
             request. A device tensor costs one device-to-host copy (pass the host copy, or
             ``None`` for single-token decode, to avoid it).
-        softmax_scale: the model's scale (never defaulted to ``1/sqrt(576)``).
-        kv_scale: float, or a 0-d/one-element float tensor on q's device (read on the device,
-            no host sync).
+        softmax_scale: the model's scale, required: a finite float > 0 (there is no default:
+            DeepSeek-V3's YaRN scale differs from ``192**-0.5``; never ``1/sqrt(576)``).
+        kv_scale: the fp8 cache's dequant scale: a finite float > 0, or a 0-d/one-element float
+            tensor on q's device (read on the device, no host sync); ``None`` for a float cache.
         provider: ``"auto"``, ``"torch"``, ``"triton"``, ``"aiter"`` or a provider object.
-        strategy: force a decode strategy (class or ``NAME``); checked like automatic selection.
+        strategy: force a decode strategy (class, ``NAME`` or class name); checked like
+            automatic selection.
         platform: a :class:`Platform`, or an arch name such as ``"gfx950"`` to simulate.
         out: optional ``[T, H, kv_lora_rank]`` output in q's dtype (written in place).
         lse: optional ``[T, H]`` float32 LSE output (written in place).
@@ -205,17 +216,25 @@ def mla_decode(
         if query_start_loc.device.type != "cpu":
             tensors.append(("query_start_loc", query_start_loc))
     require_same_device(("q", q), *tensors)
+    softmax_scale = require_softmax_scale(softmax_scale)
+    kv_lora_rank = require_int("kv_lora_rank", kv_lora_rank, minimum=1)
+    require_bool("return_lse", return_lse)
     num_tokens, num_heads, width = q.shape
-    if width <= kv_lora_rank:
+    cache_width = kv_cache.shape[-1]
+    if cache_width <= kv_lora_rank:
         raise InvalidInputError(
-            "q", f"last dim {width} must be kv_lora_rank ({kv_lora_rank}) + rope dim (> 0)"
+            "kv_cache",
+            f"last dim {cache_width} must be kv_lora_rank ({kv_lora_rank}) + rope dim (> 0); pass "
+            "the latent cache [num_blocks, block_size, kv_lora_rank + rope] (or the model's kv_lora_rank)",
         )
-    if kv_cache.shape[-1] != width:
-        raise InvalidInputError("kv_cache", f"last dim {kv_cache.shape[-1]} must equal q's last dim {width}")
-    if is_fp8(kv_cache.dtype) and kv_scale is None:
-        raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({kv_cache.dtype}) needs kv_scale")
-    if isinstance(kv_scale, torch.Tensor):
-        check_kv_scale(kv_scale, q.device)
+    if width != cache_width:
+        raise InvalidInputError(
+            "q",
+            f"last dim {width} must equal kv_cache's last dim {cache_width} (kv_lora_rank "
+            f"{kv_lora_rank} + rope {cache_width - kv_lora_rank}): pass the absorbed query "
+            "[q_nope @ W_UK^T | q_pe]",
+        )
+    check_cache_scale(kv_scale, kv_cache.dtype, device=q.device)
     if out is not None:
         _require_output("out", out, (num_tokens, num_heads, kv_lora_rank), q.dtype, q.device)
     if lse is not None:
@@ -231,12 +250,20 @@ def mla_decode(
             )
         qsl_cpu = query_start_loc.cpu().to(torch.int64)
         check_indptr("query_start_loc", qsl_cpu, total=num_tokens)
+        if int(qsl_cpu[-1]) != num_tokens:
+            raise InvalidInputError(
+                "query_start_loc",
+                f"ends at {int(qsl_cpu[-1])} but q has {num_tokens} rows; every row of q must belong "
+                "to a request (add the requests to query_start_loc, or slice q)",
+            )
         qlens = qsl_cpu[1:] - qsl_cpu[:-1]
         max_qlen = max(1, int(qlens.max()) if qlens.numel() else 1)
     else:
-        if num_tokens < num_requests:
+        if num_tokens != num_requests:
             raise InvalidInputError(
-                "q", f"has {num_tokens} rows for {num_requests} single-token requests (query_start_loc=None)"
+                "q",
+                f"has {num_tokens} rows for {num_requests} single-token requests (query_start_loc=None); "
+                "pass query_start_loc for multi-token requests, or one row per request",
             )
         max_qlen = 1
     if out is None:
@@ -257,6 +284,8 @@ def mla_decode(
     )  # fmt: skip
     entry = DECODE_PLANS.get(key)
     if entry is None:
+        plat = resolve_platform(platform, q.device)
+        forced = None if strategy is None else Resolver().forced_strategy(strategy, Phase.DECODE)
         dims = MLADims(
             num_heads=num_heads,
             kv_lora_rank=kv_lora_rank,
@@ -274,10 +303,10 @@ def mla_decode(
             KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks),
             limits,
             model_dtype=q.dtype,
-            provider=provider,
-            platform=_platform(platform, q.device),
+            provider=_provider(provider, plat),
+            platform=plat,
             device=q.device,
-            decode_strategy=strategy,
+            decode_strategy=forced,
             preallocate=False,
             validate=mode,
         )
@@ -403,11 +432,14 @@ def mla_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Varlen MHA prefill (bottom-right causal), MLA-shaped: q/k ``[T, H, Dqk]``, v ``[Tk, H, Dv]``.
 
+    ``cu_seqlens_q``/``cu_seqlens_k`` are int ``[B+1]`` indptrs ending at ``T`` and ``Tk``
+    (every row belongs to a request); ``softmax_scale`` is required (a finite float > 0).
     Returns ``(out [T, H, Dv] in q's dtype, lse [T, H] float32 natural log)``, or ``out`` alone
     with ``return_lse=False``; ``out``/``lse`` may be given to be written in place. The
     ``cu_seqlens`` are copied to the host once per call (checked there and, for the fp8
     prefill, tiled there). Raises :class:`InvalidInputError` for bad input and
-    :class:`UnsupportedError` when no strategy (or not the forced one) fits.
+    :class:`UnsupportedError` when no strategy (or not the forced one: a class, ``NAME`` or
+    class name) fits.
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         require_tensor(name, tensor, ndim=3)
@@ -417,6 +449,11 @@ def mla_prefill(
     require_same_device(
         ("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)
     )
+    softmax_scale = require_softmax_scale(softmax_scale)
+    max_seqlen_q = require_int("max_seqlen_q", max_seqlen_q, minimum=0)
+    max_seqlen_k = require_int("max_seqlen_k", max_seqlen_k, minimum=0)
+    causal = require_bool("causal", causal)
+    require_bool("return_lse", return_lse)
     num_tokens, num_heads, qk_dim = q.shape
     if k.shape[1:] != (num_heads, qk_dim):
         raise InvalidInputError("k", f"expected [Tk, {num_heads}, {qk_dim}] to match q, got {tuple(k.shape)}")
@@ -434,6 +471,16 @@ def mla_prefill(
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
     check_indptr("cu_seqlens_q", cu_q_cpu, total=num_tokens)
     check_indptr("cu_seqlens_k", cu_k_cpu, total=k.shape[0])
+    for name, indptr, rows, rows_of in (
+        ("cu_seqlens_q", cu_q_cpu, num_tokens, "q"),
+        ("cu_seqlens_k", cu_k_cpu, k.shape[0], "k"),
+    ):
+        if int(indptr[-1]) != rows:
+            raise InvalidInputError(
+                name,
+                f"ends at {int(indptr[-1])} but {rows_of} has {rows} rows; every row must belong to a "
+                f"request (add the missing requests to {name}, or slice {rows_of})",
+            )
     if cu_q_cpu.numel() != cu_k_cpu.numel():
         raise InvalidInputError(
             "cu_seqlens_k", f"has {cu_k_cpu.numel()} entries, cu_seqlens_q {cu_q_cpu.numel()}"
@@ -482,8 +529,8 @@ def _prefill_entry(
     platform: Platform | str | None,
 ) -> _PrefillEntry:
     num_tokens, num_heads, qk_dim = q.shape
-    plat = _platform(platform, q.device)
-    prov = resolve_provider(provider, plat)
+    plat = resolve_platform(platform, q.device)
+    prov = _provider(provider, plat)
     caps = prov.capabilities(plat)
     rope = min(64, qk_dim - 1) if qk_dim > 1 else 0
     dims = MLADims(
@@ -527,18 +574,24 @@ def write_kv(
     kv_scale: float | torch.Tensor | None = None,
     provider: str | KernelProvider = "auto",
     platform: Platform | str | None = None,
+    validate: ValidateMode = "fast",
 ) -> None:
     """Write new latent rows into the paged cache, in vLLM's ``concat_and_cache_mla`` order.
 
     kv_c ``[N, kv_lora_rank]`` and k_pe ``[N, rope]`` (float), kv_cache
     ``[num_blocks, block_size, kv_lora_rank + rope]`` (float, or fp8 with ``kv_scale``: the
     cache stores ``value / kv_scale``), slot_mapping int ``[N]`` flat slots
-    ``block * block_size + offset`` (negative: skipped). ``kv_scale`` is a float or a 0-d /
-    one-element float tensor on the cache's device. Runs ``mla::write_kv``. Raises
-    :class:`InvalidInputError` naming the bad argument.
+    ``block * block_size + offset`` (negative: skipped). ``kv_scale`` is a finite float > 0 or
+    a 0-d / one-element float tensor on the cache's device, and ``None`` for a float cache.
+    Slots outside the cache are skipped by every provider (memory-safe); ``validate="full"``
+    reads ``slot_mapping`` on the host and rejects them, and any slot two tokens share. Runs
+    ``mla::write_kv``. Raises :class:`InvalidInputError` naming the bad argument.
     """
+    mode = require_validate_mode(validate)
     check_write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
-    prov = resolve_provider(provider, _platform(platform, kv_cache.device))
+    if mode == "full":
+        check_slots(slot_mapping.cpu(), num_blocks=kv_cache.shape[0], block_size=kv_cache.shape[1])
+    prov = _provider(provider, resolve_platform(platform, kv_cache.device))
     scale: torch.Tensor | None
     if isinstance(kv_scale, torch.Tensor):
         scale = kv_scale.reshape(1).to(torch.float32)

@@ -22,28 +22,33 @@ import torch
 
 from mla import ops
 from mla.capabilities import ProviderCapabilities
-from mla.config import EngineLimits, KVCacheSpec, MLADims
+from mla.config import FLOAT_DTYPES, EngineLimits, KVCacheSpec, MLADims, dtype_name, normalize_dtype
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
-from mla.errors import InvalidInputError, PlanMismatchError, UnsupportedError
-from mla.platform import Platform, detect_platform, simulated_platform
+from mla.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError, UnsupportedError
+from mla.platform import Platform, resolve_platform
 from mla.prefill.base import ContextChunk, ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider
 from mla.quant import ScaleBuffer
 from mla.registry import AnyStrategy
 from mla.resolver import Decision, Resolver
-from mla.strategy import StrategySetup
+from mla.strategy import Phase, StrategySetup
 from mla.validate import (
     ValidateMode,
     check_block_ids,
+    check_cache_scale,
     check_indptr,
     check_kv_scale,
     check_paged_requests,
+    check_slots,
     check_write_kv,
     require_index,
+    require_int,
     require_same_device,
+    require_tensor,
     require_validate_mode,
+    used_cache_blocks,
 )
 
 
@@ -92,15 +97,23 @@ def default_context_chunk_tokens(limits: EngineLimits, block_size: int) -> int:
     return max(size, limits.max_num_seqs * block_size)
 
 
+def _require_instance(argument: str, value: object, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise InvalidInputError(argument, f"expected an mla.{cls.__name__}, got {type(value).__name__}")
+
+
 class MLABackend:
     """Owns the provider, the resolver, the strategies and their persistent buffers.
 
     Decode strategies for every step the limits allow are resolved and allocated at init (an
     unsupported qlen within the limits raises :class:`UnsupportedError` here, not mid-run).
-    ``decode_strategy``/``prefill_strategy`` force a strategy through the same checks.
+    ``decode_strategy``/``prefill_strategy`` force a strategy (``NAME``, class name or class)
+    through the same checks. A provider that cannot run here raises
+    :class:`ProviderUnavailableError` (an :class:`UnsupportedError`) with its reasons.
 
     ``validate`` (see :data:`mla.validate.ValidateMode`): ``"fast"`` never copies device data to
-    the host in ``builder.build``; ``"full"`` adds the host checks of every block id.
+    the host in ``builder.build``; ``"full"`` adds the host checks of every block id and checks
+    that the device ``query_start_loc``/``seq_lens`` equal their host copies.
 
     The backend registers itself with the custom ops (:mod:`mla.ops`) under ``op_id``;
     ``builder.build`` makes the step's metadata the backend's ``current_metadata``, which the
@@ -124,20 +137,41 @@ class MLABackend:
         context_chunk_tokens: int | None = None,
         validate: ValidateMode = "fast",
     ) -> None:
-        if isinstance(platform, str):
-            platform = simulated_platform(platform)
-        self.platform = platform or detect_platform(device)
-        self.device = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda" if self.platform.is_gpu else "cpu")
-        )
+        _require_instance("dims", dims, MLADims)
+        _require_instance("cache", cache, KVCacheSpec)
+        _require_instance("limits", limits, EngineLimits)
+        model_dtype = normalize_dtype(model_dtype, argument="model_dtype")
+        if model_dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(
+                "model_dtype", f"{dtype_name(model_dtype)} is not a model dtype; use bf16, fp16 or fp32"
+            )
+        if device is not None and not isinstance(device, torch.device | str):
+            raise InvalidInputError("device", f"expected a torch.device or str, got {type(device).__name__}")
+        try:
+            torch_device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInputError("device", f"{device!r} is not a torch device: {exc}") from None
+        self.platform = resolve_platform(platform, torch_device)
+        self.device = torch_device or torch.device("cuda" if self.platform.is_gpu else "cpu")
         self.dims, self.cache, self.limits, self.model_dtype = dims, cache, limits, model_dtype
         self.validate: ValidateMode = require_validate_mode(validate)
         self.provider = resolve_provider(provider, self.platform)
         self.capabilities: ProviderCapabilities = self.provider.capabilities(self.platform)
+        if resolver is not None and not isinstance(resolver, Resolver):
+            raise InvalidInputError("resolver", f"expected an mla.Resolver, got {type(resolver).__name__}")
         self.resolver = resolver or Resolver()
-        self.force_decode, self.force_prefill = decode_strategy, prefill_strategy
+        self.force_decode: AnyStrategy | None = (
+            None
+            if decode_strategy is None
+            else self.resolver.forced_strategy(decode_strategy, Phase.DECODE, argument="decode_strategy")
+        )
+        self.force_prefill: AnyStrategy | None = (
+            None
+            if prefill_strategy is None
+            else self.resolver.forced_strategy(prefill_strategy, Phase.PREFILL, argument="prefill_strategy")
+        )
+        if context_chunk_tokens is not None:
+            require_int("context_chunk_tokens", context_chunk_tokens, minimum=1)
         self.context_chunk_tokens = context_chunk_tokens or default_context_chunk_tokens(
             limits, cache.block_size
         )
@@ -216,18 +250,46 @@ class MLABackend:
             try:
                 decision = self.resolver.resolve(ctx, force=self.force_decode)
             except UnsupportedError as exc:
-                raise UnsupportedError(
-                    f"the engine limits allow decode qlen {qlen} (max_decode_qlen "
-                    f"{self.limits.max_decode_qlen}), which no decode strategy supports; lower "
-                    "the speculative token count or pick another provider",
-                    exc.explanation,
-                ) from exc
+                raise self._unsupported(exc, "decode", qlen) from exc
             self.decode_strategy(decision)
         for chunked in (False, True):
-            decision = self.resolver.resolve(
-                self.prefill_context(has_chunked_context=chunked), force=self.force_prefill
-            )
+            try:
+                decision = self.resolver.resolve(
+                    self.prefill_context(has_chunked_context=chunked), force=self.force_prefill
+                )
+            except UnsupportedError as exc:
+                raise self._unsupported(exc, "prefill", 0) from exc
             self.prefill_strategy(decision)
+
+    def _unsupported(self, exc: UnsupportedError, phase: str, qlen: int) -> UnsupportedError:
+        """The error of a failed init-time resolution, leading with its real cause."""
+        availability = self.provider.availability()
+        if not availability:
+            return ProviderUnavailableError(
+                f"provider: {self.provider.name!r} cannot run here: {availability}; pass "
+                "provider='auto' (the best provider that runs here) or another provider",
+                exc.explanation,
+            )
+        forced = self.force_decode if phase == "decode" else self.force_prefill
+        what = (
+            f"forced {phase} strategy {forced.NAME!r} does not support"
+            if forced is not None
+            else f"no {phase} strategy supports"
+        )
+        where = f"{self.capabilities.provider!r} ({self.platform.arch})"
+        if qlen > 1:
+            return UnsupportedError(
+                f"the engine limits allow decode qlen {qlen} (max_decode_qlen "
+                f"{self.limits.max_decode_qlen}), which {what} on {where}; lower the speculative "
+                f"token count (max_decode_qlen <= {qlen - 1}) or pick another provider",
+                exc.explanation,
+            )
+        return UnsupportedError(
+            f"{'the ' if forced is not None else ''}{what} this model on provider {where}: "
+            f"{self.dims.num_heads} heads, {dtype_name(self.model_dtype)} queries, "
+            f"{dtype_name(self.cache.dtype)} KV cache; see every candidate's reasons below",
+            exc.explanation,
+        )
 
     def decode_strategy(self, decision: Decision | str) -> DecodeStrategy:
         """The backend's instance of a decode strategy (allocated on first use)."""
@@ -332,7 +394,13 @@ class MetadataBuilder:
 
     With the host copies the engine already has (``query_start_loc_cpu``, ``seq_lens_cpu``) a
     build copies nothing from the device (``validate="fast"``): the rules needing host data run
-    on those copies, block ids are checked only under ``validate="full"``.
+    on those copies, block ids are checked only under ``validate="full"``, which also checks
+    that the device ``query_start_loc``/``seq_lens`` hold what their host copies say.
+
+    Every step is checked against the engine limits the backend was sized for (requests,
+    decode qlen, decode rows, tokens, model length) on the host copies, so a step beyond them
+    raises :class:`InvalidInputError` here instead of running outside the buffers allocated at
+    init: a step within them never allocates a strategy late.
     """
 
     def __init__(self, backend: MLABackend) -> None:
@@ -342,17 +410,36 @@ class MetadataBuilder:
         """Plan one step and make it the backend's current metadata (also returned)."""
         be = self.backend
         full = be.validate == "full"
+        _require_instance("step", step, StepInputs)
         qsl_cpu = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
-        require_index("query_start_loc", step.query_start_loc, ndim=1)
-        seq_lens = require_index("seq_lens", step.seq_lens, ndim=1)
-        block_table = require_index("block_table", step.block_table, ndim=2)
+        device_inputs = (
+            ("query_start_loc", require_index("query_start_loc", step.query_start_loc, ndim=1)),
+            ("seq_lens", require_index("seq_lens", step.seq_lens, ndim=1)),
+            ("block_table", require_index("block_table", step.block_table, ndim=2)),
+        )
+        for name, tensor in device_inputs:
+            if tensor.device.type != be.device.type:
+                raise InvalidInputError(
+                    name, f"is on {tensor.device} but the backend runs on {be.device}; move it there"
+                )
+        seq_lens, block_table = step.seq_lens, step.block_table
+        num_decodes = require_int("num_decodes", step.num_decodes, minimum=0)
+        num_decode_tokens = require_int("num_decode_tokens", step.num_decode_tokens, minimum=0)
         num_requests = qsl_cpu.numel() - 1
         check_indptr("query_start_loc", qsl_cpu)
-        if not 0 <= step.num_decodes <= num_requests:
-            raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {step.num_decodes}")
+        if step.query_start_loc.numel() != qsl_cpu.numel():
+            raise InvalidInputError(
+                "query_start_loc",
+                f"has {step.query_start_loc.numel()} entries but query_start_loc_cpu has "
+                f"{qsl_cpu.numel()}; pass the same indptr on the device and on the host",
+            )
+        if num_decodes > num_requests:
+            raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {num_decodes}")
         if num_requests > be.limits.max_num_seqs:
             raise InvalidInputError(
-                "query_start_loc", f"{num_requests} requests exceed max_num_seqs {be.limits.max_num_seqs}"
+                "query_start_loc",
+                f"{num_requests} requests exceed max_num_seqs {be.limits.max_num_seqs}; split the "
+                "step or build the backend with a larger EngineLimits.max_num_seqs",
             )
         if seq_lens.numel() != num_requests:
             raise InvalidInputError(
@@ -363,12 +450,16 @@ class MetadataBuilder:
             raise InvalidInputError(
                 "block_table", f"has {block_table.shape[0]} rows for {num_requests} requests"
             )
-        num_prefills = num_requests - step.num_decodes
+        num_prefills = num_requests - num_decodes
         seq_cpu = step.seq_lens_cpu
-        if seq_cpu is None and (full or num_prefills):
-            seq_cpu = seq_lens.cpu()
         if seq_cpu is not None:
             seq_cpu = require_index("seq_lens_cpu", seq_cpu, ndim=1).to(torch.int64)
+        if full:
+            self._cross_check(step, qsl_cpu, seq_cpu)
+        if seq_cpu is None and (full or num_prefills):
+            seq_cpu = seq_lens.cpu().to(torch.int64)
+        table_cpu: torch.Tensor | None = None
+        if seq_cpu is not None:
             check_paged_requests(
                 query_start_loc_cpu=qsl_cpu,
                 seq_lens_cpu=seq_cpu,
@@ -377,37 +468,42 @@ class MetadataBuilder:
                 max_model_len=be.limits.max_model_len,
             )
             if full:
+                table_cpu = block_table.cpu()
                 check_block_ids(
                     seq_lens_cpu=seq_cpu,
-                    block_table_cpu=block_table.cpu(),
+                    block_table_cpu=table_cpu,
                     block_size=be.cache.block_size,
                     num_blocks=be.cache.num_blocks or (1 << 62),
                 )
-        owned_decode_tokens = int(qsl_cpu[step.num_decodes])
-        if step.num_decode_tokens < owned_decode_tokens or (
-            num_prefills and step.num_decode_tokens != owned_decode_tokens
+        self._check_limits(qsl_cpu, num_decodes)
+        owned_decode_tokens = int(qsl_cpu[num_decodes])
+        if num_decode_tokens < owned_decode_tokens or (
+            num_prefills and num_decode_tokens != owned_decode_tokens
         ):
             raise InvalidInputError(
                 "num_decode_tokens",
-                f"got {step.num_decode_tokens}; the decode requests own {owned_decode_tokens} "
+                f"got {num_decode_tokens}; the decode requests own {owned_decode_tokens} "
                 "tokens (extra graph-padding rows are allowed only in decode-only steps)",
             )
-        if step.num_decode_tokens > be.limits.max_decode_tokens:
+        if num_decode_tokens > be.limits.max_decode_tokens:
             raise InvalidInputError(
                 "num_decode_tokens",
-                f"{step.num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = "
-                f"{be.limits.max_decode_tokens}",
+                f"{num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {be.limits.max_decode_tokens}",
             )
         decode_plan = prefill_plan = None
         decode_decision = prefill_decision = None
-        if step.num_decodes:
-            decode_decision, decode_plan = self._build_decode(step, qsl_cpu, seq_cpu)
+        if num_decodes:
+            decode_decision, decode_plan = self._build_decode(
+                step, qsl_cpu, seq_cpu, table_cpu, num_decodes, num_decode_tokens
+            )
         if num_prefills:
             assert seq_cpu is not None
-            prefill_decision, prefill_plan = self._build_prefill(step, qsl_cpu, seq_cpu)
+            prefill_decision, prefill_plan = self._build_prefill(
+                step, qsl_cpu, seq_cpu, table_cpu, num_decodes
+            )
         metadata = MLAMetadata(
-            num_decodes=step.num_decodes,
-            num_decode_tokens=step.num_decode_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
             num_prefill_tokens=int(qsl_cpu[-1]) - owned_decode_tokens,
             decode=decode_plan,
@@ -418,11 +514,59 @@ class MetadataBuilder:
         be.current_metadata = metadata
         return metadata
 
+    def _check_limits(self, qsl_cpu: torch.Tensor, num_decodes: int) -> None:
+        """The step's decode qlens and token count are within the limits the backend was sized
+        (and its strategies allocated) for (host rules on ``query_start_loc_cpu``)."""
+        limits = self.backend.limits
+        qlens = qsl_cpu[1:] - qsl_cpu[:-1]
+        decode_qlens = qlens[:num_decodes]
+        if decode_qlens.numel() and int(decode_qlens.max()) > limits.max_decode_qlen:
+            b = int(torch.argmax(decode_qlens))
+            raise InvalidInputError(
+                "query_start_loc",
+                f"decode request {b} has {int(decode_qlens[b])} query tokens > max_decode_qlen "
+                f"{limits.max_decode_qlen}. Decode requests (qlen <= max_decode_qlen: one token, or "
+                "a speculative verify) come first in the batch and num_decodes counts them; a "
+                "prefill placed before the decodes, a num_decodes that is too large, or more "
+                "speculative tokens than EngineLimits.max_decode_qlen allows look like this",
+            )
+        total = int(qsl_cpu[-1])
+        if total > limits.max_num_batched_tokens:
+            raise InvalidInputError(
+                "query_start_loc",
+                f"the step has {total} query tokens > max_num_batched_tokens "
+                f"{limits.max_num_batched_tokens}; split the step or raise the limit",
+            )
+
+    def _cross_check(self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor | None) -> None:
+        """``validate="full"``: the device tensors hold what their host copies say (one
+        device-to-host copy each)."""
+        device_qsl = step.query_start_loc.cpu().to(torch.int64)
+        if not torch.equal(device_qsl, qsl_cpu):
+            raise InvalidInputError(
+                "query_start_loc",
+                f"the device copy {device_qsl.tolist()} differs from query_start_loc_cpu "
+                f"{qsl_cpu.tolist()}; pass the same indptr on both sides",
+            )
+        if seq_cpu is not None:
+            device_lens = step.seq_lens.cpu().to(torch.int64)
+            if not torch.equal(device_lens, seq_cpu):
+                raise InvalidInputError(
+                    "seq_lens",
+                    f"the device copy {device_lens.tolist()} differs from seq_lens_cpu "
+                    f"{seq_cpu.tolist()}; pass the same lengths on both sides",
+                )
+
     def _build_decode(
-        self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor | None
+        self,
+        step: StepInputs,
+        qsl_cpu: torch.Tensor,
+        seq_cpu: torch.Tensor | None,
+        table_cpu: torch.Tensor | None,
+        nd: int,
+        num_tokens: int,
     ) -> tuple[Decision, DecodePlan]:
         be = self.backend
-        nd = step.num_decodes
         qsl = qsl_cpu[: nd + 1]
         qlens = qsl[1:] - qsl[:-1]
         max_qlen = max(1, int(qlens.max()))
@@ -448,15 +592,24 @@ class MetadataBuilder:
             query_start_loc=step.query_start_loc[: nd + 1],
             seq_lens=step.seq_lens[:nd],
             block_table=step.block_table[:nd],
-            num_tokens=step.num_decode_tokens,
+            num_tokens=num_tokens,
+            cache_blocks=(
+                0
+                if table_cpu is None or lens is None
+                else used_cache_blocks(table_cpu[:nd], lens, be.cache.block_size)
+            ),
         )
         return decision, strategy.build_metadata(batch)
 
     def _build_prefill(
-        self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor
+        self,
+        step: StepInputs,
+        qsl_cpu: torch.Tensor,
+        seq_cpu: torch.Tensor,
+        table_cpu: torch.Tensor | None,
+        nd: int,
     ) -> tuple[Decision, PrefillPlan]:
         be = self.backend
-        nd = step.num_decodes
         cu_q_cpu = (qsl_cpu[nd:] - qsl_cpu[nd]).to(torch.int32)
         qlens = (cu_q_cpu[1:] - cu_q_cpu[:-1]).to(torch.int64)
         lens = seq_cpu[nd:]
@@ -486,6 +639,11 @@ class MetadataBuilder:
             num_kv_tokens=int(cu_q_cpu[-1]),
             causal=True,
             context_chunks=chunks,
+            cache_blocks=(
+                0
+                if table_cpu is None
+                else used_cache_blocks(table_cpu[nd:], context_lens, be.cache.block_size)
+            ),
         )
         return decision, strategy.build_metadata(batch)
 
@@ -534,9 +692,13 @@ class MetadataBuilder:
 
 def _same_device(q: torch.Tensor, **others: object) -> None:
     """Every tensor argument is on q's device (the op dispatches on the devices it is given)."""
-    require_same_device(
-        ("q", q), *((name, t) for name, t in others.items() if isinstance(t, torch.Tensor))
-    )
+    require_same_device(("q", q), *((name, t) for name, t in others.items() if isinstance(t, torch.Tensor)))
+
+
+def _require_inputs(**tensors: object) -> None:
+    """The impl's tensor arguments are tensors (a readable error before any op dispatch)."""
+    for name, value in tensors.items():
+        require_tensor(name, value)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -573,8 +735,11 @@ class AttentionImpl:
         the device, so a captured graph replays with the tensor's current value."""
         be = self.backend
         if not torch.compiler.is_compiling():
+            _require_instance("metadata", metadata, MLAMetadata)
             be.check_current(metadata, "decode")
+        _require_inputs(q=q, kv_cache=kv_cache, out=out)
         _same_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
+        check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
         ops.decode(q, kv_cache, out, lse, be.kv_scale_tensor(kv_scale), be.op_id)
 
     def forward_prefill(
@@ -598,8 +763,13 @@ class AttentionImpl:
         be = self.backend
         compiling = torch.compiler.is_compiling()
         if not compiling:
+            _require_instance("metadata", metadata, MLAMetadata)
             be.check_current(metadata, "prefill")
+        _require_inputs(q=q, k=k, v=v, out=out)
         _same_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
+        if kv_cache is None and kv_scale is not None:
+            raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
+        check_cache_scale(kv_scale, be.cache.dtype, device=q.device, required=False)
         if lse is None:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         scale = be.kv_scale_tensor(kv_scale)
@@ -630,8 +800,11 @@ class AttentionImpl:
     ) -> None:
         """Write the step's new latent rows ``kv_c [N, L]`` and rope rows ``k_pe [N, R]`` into
         ``kv_cache [blocks, block_size, L+R]`` at flat slots ``slot_mapping [N]`` (negative
-        slots are skipped; vLLM's ``concat_and_cache_mla`` argument order). fp8 caches store
-        ``value / kv_scale``."""
+        slots are skipped, and slots outside the cache too; ``validate="full"`` rejects those
+        and shared slots on the host; vLLM's ``concat_and_cache_mla`` argument order). fp8
+        caches store ``value / kv_scale``."""
         be = self.backend
         check_write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
+        if be.validate == "full":
+            check_slots(slot_mapping.cpu(), num_blocks=kv_cache.shape[0], block_size=kv_cache.shape[1])
         ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, be.kv_scale_tensor(kv_scale), be.provider_id)

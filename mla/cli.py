@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import attrs
@@ -30,14 +30,16 @@ from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_nati
 from mla.config import EngineLimits, KVCacheSpec, MLADims, is_fp8, normalize_dtype
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.demo import DemoConfig, StepRecord, run_demo
-from mla.errors import MLAError, ProviderUnavailableError
+from mla.errors import InvalidInputError, MLAError, ProviderUnavailableError, UnsupportedError
 from mla.explain import Explanation
 from mla.platform import (
     FP8_PREFILL_MODES,
+    KNOWN_ARCHS,
     SMALL_HEAD_MODES,
     Knobs,
     Platform,
     detect_platform,
+    normalize_arch,
     simulated_platform,
 )
 from mla.providers import auto_provider, emulation_capabilities, get_provider, provider_names
@@ -386,11 +388,9 @@ def render_explain(result: ExplainResult) -> str:
     if view.emulated_by:
         lines.append(f"provider {view.name}: emulated by the {view.emulated_by} reference kernels")
     elif not view.availability:
-        lines.append(f"provider {view.name}: not available here")
-        lines += [f"    - {reason}" for reason in view.availability.reasons]
         lines.append(
-            "  so no strategy can run here; the other reasons below are those that would remain "
-            "where it is available"
+            f"provider {view.name}: not available here, so no strategy can run here; the reasons "
+            "below say why, once, then what would decide where it is available"
         )
     lines.append(str(result.explanation))
     if result.kernel_note:
@@ -460,11 +460,44 @@ def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
 # -- parser ----------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
+def _named(name: str) -> Callable[[Callable[[str], Any]], Callable[[str], Any]]:
+    """Give an argparse type function the name argparse shows in its errors."""
+
+    def apply(function: Callable[[str], Any]) -> Callable[[str], Any]:
+        function.__name__ = name
+        return function
+
+    return apply
+
+
+@_named("positive integer")
+def positive_int(text: str) -> int:
+    """``--heads 16``: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (must be > 0)")
     return value
+
+
+@_named("arch")
+def arch_name(text: str) -> str:
+    """``--arch``: a known arch in its canonical spelling (``sm_90`` -> ``sm90``)."""
+    try:
+        return normalize_arch(text, argument="--arch")
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--arch: ")) from None
+
+
+@_named("strategy")
+def strategy_name(text: str) -> str:
+    """``--force``: a registered strategy's NAME or class name, as its NAME."""
+    try:
+        return DEFAULT_REGISTRY.get(text, argument="--force").NAME
+    except UnsupportedError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--force: ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,26 +529,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the torch reference kernels under this provider's capability record "
         "(available everywhere; replaces --provider)",
     )
-    explain.add_argument("--arch", help="simulate this arch (gfx942, gfx950, sm90, cpu...); default: detect")
-    explain.add_argument("--heads", type=_positive_int, default=16, help="query heads per rank (default 16)")
     explain.add_argument(
-        "--qlen", type=_positive_int, default=1, help="the batch's max decode qlen (default 1)"
+        "--arch",
+        type=arch_name,
+        help=f"simulate this arch ({', '.join(KNOWN_ARCHS)}; sm_90 or mi300x spellings too); default: detect",
+    )
+    explain.add_argument("--heads", type=positive_int, default=16, help="query heads per rank (default 16)")
+    explain.add_argument(
+        "--qlen", type=positive_int, default=1, help="the batch's max decode qlen (default 1)"
     )
     explain.add_argument(
-        "--max-decode-qlen", type=_positive_int, help="engine's max decode qlen (default: --qlen)"
+        "--max-decode-qlen", type=positive_int, help="engine's max decode qlen (default: --qlen)"
     )
     explain.add_argument("--mixed-qlen", action="store_true", help="requests have different qlens")
-    explain.add_argument("--batch-size", type=_positive_int, default=1)
+    explain.add_argument("--batch-size", type=positive_int, default=1)
     explain.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16")
     explain.add_argument("--q-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    explain.add_argument("--block-size", type=_positive_int, default=16)
+    explain.add_argument("--block-size", type=positive_int, default=16)
     explain.add_argument(
         "--small-head-mode", choices=SMALL_HEAD_MODES, help="default: environment, else auto"
     )
     explain.add_argument("--fp8-prefill", choices=FP8_PREFILL_MODES, help="default: environment, else auto")
     explain.add_argument("--chunked-context", action="store_true", help="prefill step has cached context")
     explain.add_argument("--native-h24", action="store_true", help="provider runs 24 heads natively")
-    explain.add_argument("--force", metavar="STRATEGY", help="force a strategy (same checks)")
+    explain.add_argument(
+        "--force",
+        metavar="STRATEGY",
+        type=strategy_name,
+        help="force a strategy, by NAME or class name (same checks)",
+    )
     explain.add_argument("--json", action="store_true", help="print JSON")
 
     demo = sub.add_parser(
@@ -526,14 +568,18 @@ def build_parser() -> argparse.ArgumentParser:
         "is checked against mla.reference; exit code 1 when one misses its tolerance.",
     )
     demo.add_argument("--provider", choices=providers, default="auto")
-    demo.add_argument("--steps", type=_positive_int, default=_DEMO_DEFAULTS.steps)
-    demo.add_argument("--heads", type=_positive_int, default=_DEMO_DEFAULTS.heads)
+    demo.add_argument("--steps", type=positive_int, default=_DEMO_DEFAULTS.steps)
+    demo.add_argument("--heads", type=positive_int, default=_DEMO_DEFAULTS.heads)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
-    demo.add_argument("--max-decode-qlen", type=_positive_int, default=_DEMO_DEFAULTS.max_decode_qlen)
+    demo.add_argument("--max-decode-qlen", type=positive_int, default=_DEMO_DEFAULTS.max_decode_qlen)
     demo.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="model dtype")
-    demo.add_argument("--block-size", type=_positive_int, default=_DEMO_DEFAULTS.block_size)
-    demo.add_argument("--arch", help="simulate this arch instead of detecting the device")
+    demo.add_argument("--block-size", type=positive_int, default=_DEMO_DEFAULTS.block_size)
+    demo.add_argument(
+        "--arch",
+        type=arch_name,
+        help=f"simulate this arch instead of detecting the device ({', '.join(KNOWN_ARCHS)})",
+    )
     demo.add_argument(
         "--emulate",
         choices=provider_names(),

@@ -48,6 +48,8 @@ def normalize_dtype(value: torch.dtype | str, *, argument: str = "dtype") -> tor
         if value in FP8_DTYPES or value in FLOAT_DTYPES:
             return value
         raise InvalidInputError(argument, f"dtype {value} is not a supported float or fp8 dtype")
+    if not isinstance(value, str):
+        raise InvalidInputError(argument, f"expected a torch dtype or a name, got {type(value).__name__}")
     key = value.lower()
     if key in _DTYPE_ALIASES:
         return _DTYPE_ALIASES[key]
@@ -64,7 +66,25 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_positive = input_validator(attrs.validators.gt(0), "> 0")
+def _require_int(_inst: object, _attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an int")
+
+
+_positive = attrs.validators.and_(
+    input_validator(attrs.validators.gt(0), "> 0"), input_validator(_require_int, "an int")
+)
+
+
+def _finite_positive(_inst: object, _attribute: attrs.Attribute[float], value: float) -> None:
+    real = isinstance(value, int | float) and not isinstance(value, bool)
+    if not real or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{value!r} is not a finite float > 0")
+
+
+_softmax_scale = attrs.validators.optional(
+    input_validator(_finite_positive, "a finite float > 0 (or None for 1/sqrt(qk_head_dim))")
+)
 
 
 @attrs.frozen
@@ -82,9 +102,10 @@ class MLADims:
     qk_rope_head_dim: int = attrs.field(default=64, validator=_positive)
     qk_nope_head_dim: int = attrs.field(default=128, validator=_positive)
     v_head_dim: int = attrs.field(default=128, validator=_positive)
-    softmax_scale: float | None = None
+    softmax_scale: float | None = attrs.field(default=None, validator=_softmax_scale)
     """The model's softmax scale; ``None`` means ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``,
-    DeepSeek's convention (never the kernel default ``1/sqrt(576)``)."""
+    DeepSeek's convention without YaRN (never the kernel default ``1/sqrt(576)``). Models with
+    YaRN rope scaling (DeepSeek-V3) must pass theirs (``mscale**2 / sqrt(192)``)."""
 
     @property
     def latent_dim(self) -> int:
@@ -119,8 +140,9 @@ class KVCacheSpec:
         default=torch.bfloat16,
         converter=_kv_cache_dtype,
     )
-    num_blocks: int | None = None
-    """Blocks in the cache, when known: block ids are then range-checked at build time."""
+    num_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    """Blocks in the cache, when known: block ids are then range-checked at build time under
+    ``validate="full"``, and a run refuses a ``kv_cache`` with fewer blocks."""
 
     @property
     def is_fp8(self) -> bool:
@@ -135,6 +157,18 @@ class GraphMode(enum.Enum):
     FULL = "full"
 
 
+def _graph_mode(value: GraphMode | str) -> GraphMode:
+    if isinstance(value, GraphMode):
+        return value
+    try:
+        return GraphMode(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in GraphMode)
+        raise InvalidInputError(
+            "graph_mode", f"expected a GraphMode or one of {choices}, got {value!r}"
+        ) from None
+
+
 @attrs.frozen
 class EngineLimits:
     """Engine-wide maxima that size every persistent buffer at init."""
@@ -144,7 +178,7 @@ class EngineLimits:
     max_num_batched_tokens: int = attrs.field(validator=_positive)
     max_decode_qlen: int = attrs.field(default=1, validator=_positive)
     """Largest decode query length the engine sends: speculative tokens + 1."""
-    graph_mode: GraphMode = GraphMode.NONE
+    graph_mode: GraphMode = attrs.field(default=GraphMode.NONE, converter=_graph_mode)
 
     @property
     def max_decode_tokens(self) -> int:

@@ -65,5 +65,6 @@ class PlanMismatchError(MLAError, RuntimeError):
     """``run`` was handed a plan built for another strategy or geometry than its inputs."""
 
 
-class ProviderUnavailableError(MLAError, RuntimeError):
-    """A kernel provider was requested by name but cannot run here (library or device missing)."""
+class ProviderUnavailableError(UnsupportedError):
+    """A kernel provider was requested but cannot run here (unknown name, library or device
+    missing). An :class:`UnsupportedError` (and a ``RuntimeError``) with no explanation."""

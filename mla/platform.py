@@ -7,6 +7,7 @@ platform's decisions can be reproduced and tested on a CPU.
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 import attrs
@@ -27,13 +28,64 @@ FP8_PREFILL_ENV = "MLA_FP8_PREFILL"
 
 # Compute-unit counts used when an arch is simulated without a device.
 _SIMULATED_UNITS: dict[str, int] = {
+    "gfx90a": 104,
     "gfx942": 304,
     "gfx950": 256,
+    "sm80": 108,
+    "sm86": 72,
+    "sm89": 142,
     "sm90": 132,
     "sm100": 148,
-    "sm80": 108,
+    "sm120": 170,
     "cpu": 8,
 }
+
+KNOWN_ARCHS: tuple[str, ...] = tuple(_SIMULATED_UNITS)
+"""Arch names :func:`simulated_platform` accepts, in their canonical spelling (what
+:func:`detect_platform` reports: ``gfx`` + the ROCm target, ``sm`` + CUDA major and minor)."""
+
+ARCH_ALIASES: dict[str, str] = {
+    "mi250": "gfx90a",
+    "mi250x": "gfx90a",
+    "mi300a": "gfx942",
+    "mi300x": "gfx942",
+    "mi325x": "gfx942",
+    "mi350x": "gfx950",
+    "mi355x": "gfx950",
+    "a100": "sm80",
+    "a10": "sm86",
+    "l40s": "sm89",
+    "h100": "sm90",
+    "h200": "sm90",
+    "h20": "sm90",
+    "h800": "sm90",
+    "b200": "sm100",
+    "gb200": "sm100",
+}
+"""Product names accepted for their arch."""
+
+_CUDA_ARCH = re.compile(r"(?:sm|compute)_?(\d{2,3})[af]?")
+
+
+def normalize_arch(name: object, *, argument: str = "arch") -> str:
+    """The canonical spelling of an arch name, or :class:`InvalidInputError` naming ``argument``.
+
+    Accepts the canonical names (:data:`KNOWN_ARCHS`), CUDA spellings (``sm_90``, ``sm_90a``,
+    ``SM90`` -> ``sm90``), ROCm target strings with features (``gfx942:sramecc+:xnack-`` ->
+    ``gfx942``) and product names (:data:`ARCH_ALIASES`, e.g. ``mi300x`` -> ``gfx942``).
+    """
+    if not isinstance(name, str):
+        raise InvalidInputError(argument, f"expected an arch name (str), got {type(name).__name__}")
+    key = name.strip().lower().split(":")[0]
+    match = _CUDA_ARCH.fullmatch(key)
+    canonical = ARCH_ALIASES.get(key) or (f"sm{match.group(1)}" if match else key)
+    if canonical not in _SIMULATED_UNITS:
+        raise InvalidInputError(
+            argument,
+            f"unknown arch {name!r}; expected one of {', '.join(KNOWN_ARCHS)} (CUDA spellings such as "
+            "sm_90 and product names such as mi300x or h100 are accepted too)",
+        )
+    return canonical
 
 
 @attrs.frozen
@@ -106,14 +158,18 @@ class Platform:
 
 
 def simulated_platform(arch: str, *, knobs: Knobs | None = None) -> Platform:
-    """A platform for ``arch`` without its device (for explain, tests and emulation on a CPU)."""
+    """A platform for ``arch`` without its device (for explain, tests and emulation on a CPU).
+
+    ``arch`` is normalized by :func:`normalize_arch` (``sm_90`` -> ``sm90``); an unknown name
+    raises :class:`InvalidInputError`."""
+    arch = normalize_arch(arch)
     if arch.startswith("gfx"):
         vendor: Literal["amd", "nvidia", "cpu"] = "amd"
     elif arch.startswith("sm"):
         vendor = "nvidia"
     else:
         vendor = "cpu"
-    units = _SIMULATED_UNITS.get(arch, 8)
+    units = _SIMULATED_UNITS[arch]
     return Platform(vendor=vendor, arch=arch, num_compute_units=units, knobs=knobs or Knobs())
 
 
@@ -130,3 +186,20 @@ def detect_platform(device: torch.device | str | None = None, *, knobs: Knobs | 
         arch = f"sm{props.major}{props.minor}"
         return Platform("nvidia", arch, props.multi_processor_count, knobs, "cuda")
     return Platform("cpu", "cpu", max(1, os.cpu_count() or 1), knobs, "cpu")
+
+
+def resolve_platform(
+    spec: Platform | str | None, device: torch.device | str | None = None, *, argument: str = "platform"
+) -> Platform:
+    """``spec`` as a :class:`Platform`: a platform as is, an arch name simulated
+    (:func:`simulated_platform`), or ``None`` for the platform of ``device`` (detected).
+    Anything else raises :class:`InvalidInputError` naming ``argument``."""
+    if isinstance(spec, Platform):
+        return spec
+    if isinstance(spec, str):
+        return simulated_platform(normalize_arch(spec, argument=argument))
+    if spec is None:
+        return detect_platform(device)
+    raise InvalidInputError(
+        argument, f"expected a Platform, an arch name such as 'gfx950', or None; got {type(spec).__name__}"
+    )

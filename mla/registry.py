@@ -68,12 +68,27 @@ class Registry:
         """Whether an :meth:`override` fixes the order of ``phase``'s candidates right now."""
         return self._only[phase] is not None
 
-    def get(self, name: str) -> AnyStrategy:
+    def get(self, name: str, *, argument: str = "strategy") -> AnyStrategy:
+        """The registered strategy called ``name``: its ``NAME`` (``"gluon-decode"``) or its class
+        name (``"GluonDecode"``). Raises :class:`UnsupportedError` naming ``argument`` otherwise."""
+        if not isinstance(name, str):
+            raise UnsupportedError(
+                f"{argument}: expected a strategy name or class, got {type(name).__name__} {name!r}"
+            )
         for entries in self._entries.values():
             if name in entries:
                 return entries[name].strategy
-        known = sorted(n for entries in self._entries.values() for n in entries)
-        raise UnsupportedError(f"strategy: unknown strategy {name!r}; known: {', '.join(known)}")
+            for registration in entries.values():
+                if registration.strategy.__name__ == name:
+                    return registration.strategy
+        known = sorted(
+            f"{r.name} ({r.strategy.__name__})"
+            for entries in self._entries.values()
+            for r in entries.values()
+        )
+        raise UnsupportedError(
+            f"{argument}: unknown strategy {name!r}; known (NAME or class name): {', '.join(known)}"
+        )
 
     def names(self, phase: Phase) -> tuple[str, ...]:
         return tuple(r.name for r in self.entries(phase))
@@ -92,9 +107,7 @@ class Registry:
         saved = dict(self._only)
         for phase, chosen in ((Phase.DECODE, decode), (Phase.PREFILL, prefill)):
             if chosen is not None:
-                names = tuple(c if isinstance(c, str) else c.NAME for c in chosen)
-                for name in names:
-                    self.get(name)
+                names = tuple(self.get(c).NAME if isinstance(c, str) else c.NAME for c in chosen)
                 self._only[phase] = names
         self.version += 1
         try:

@@ -7,10 +7,10 @@ import attrs
 from mla.config import dtype_name
 from mla.context import DecodeContext, PrefillContext
 from mla.errors import UnsupportedError
-from mla.explain import Candidate, Explanation
+from mla.explain import Candidate, ContextValue, Explanation
 from mla.preference import decode_order, prefill_order
 from mla.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.strategy import Phase
+from mla.strategy import Phase, Strategy
 from mla.support import Support
 
 Context = DecodeContext | PrefillContext
@@ -30,26 +30,27 @@ class Decision:
         return self.strategy.NAME
 
 
-def describe_context(ctx: Context) -> tuple[tuple[str, str], ...]:
-    """Readable ``(field, value)`` pairs for explanations and errors."""
-    pairs = [
+def describe_context(ctx: Context) -> tuple[tuple[str, ContextValue], ...]:
+    """Readable ``(field, value)`` pairs for explanations and errors (numbers and flags keep
+    their type)."""
+    pairs: list[tuple[str, ContextValue]] = [
         ("provider", ctx.capabilities.provider),
         ("arch", ctx.platform.arch),
-        ("heads", str(ctx.num_heads)),
+        ("heads", ctx.num_heads),
         ("q_dtype", dtype_name(ctx.q_dtype)),
         ("kv_dtype", dtype_name(ctx.kv_dtype)),
     ]
     if isinstance(ctx, DecodeContext):
         pairs += [
-            ("max_qlen", str(ctx.max_qlen)),
-            ("uniform_qlen", str(ctx.uniform_qlen)),
-            ("max_decode_qlen", str(ctx.max_decode_qlen)),
-            ("batch_size", str(ctx.batch_size)),
+            ("max_qlen", ctx.max_qlen),
+            ("uniform_qlen", ctx.uniform_qlen),
+            ("max_decode_qlen", ctx.max_decode_qlen),
+            ("batch_size", ctx.batch_size),
             ("small_head_mode", ctx.platform.knobs.small_head_mode),
         ]
     else:
         pairs += [
-            ("chunked_context", str(ctx.has_chunked_context)),
+            ("chunked_context", ctx.has_chunked_context),
             ("fp8_prefill", ctx.platform.knobs.fp8_prefill),
         ]
     return tuple(pairs)
@@ -106,25 +107,42 @@ class Resolver:
             chosen=chosen,
             forced=forced.NAME if forced is not None else None,
             if_available=if_available,
+            unavailable=ctx.provider_availability.reasons,
         )
 
     def _forced_class(self, ctx: Context, force: str | AnyStrategy | None) -> AnyStrategy | None:
         if force is None:
             return None
-        cls = self.registry.get(force) if isinstance(force, str) else force
-        if cls.PHASE is not self.phase_of(ctx):
+        return self.forced_strategy(force, self.phase_of(ctx))
+
+    def forced_strategy(
+        self, force: str | AnyStrategy, phase: Phase, *, argument: str = "strategy"
+    ) -> AnyStrategy:
+        """The strategy class ``force`` names (``NAME``, class name or the class itself) for
+        ``phase``; :class:`UnsupportedError` naming ``argument`` when it is unknown, not a
+        strategy, or of the other phase."""
+        if isinstance(force, str):
+            cls = self.registry.get(force, argument=argument)
+        elif isinstance(force, type) and issubclass(force, Strategy) and hasattr(force, "NAME"):
+            cls = force
+        else:
             raise UnsupportedError(
-                f"strategy: {cls.NAME!r} is a {cls.PHASE.value} strategy, "
-                f"not a {self.phase_of(ctx).value} one"
+                f"{argument}: expected a strategy NAME, class name or class, got "
+                f"{type(force).__name__} {force!r}"
+            )
+        if cls.PHASE is not phase:
+            raise UnsupportedError(
+                f"{argument}: {cls.NAME!r} is a {cls.PHASE.value} strategy, not a {phase.value} one"
             )
         return cls
 
     def resolve(self, ctx: Context, *, force: str | AnyStrategy | None = None) -> Decision:
         """The one decision for ``ctx``; raises :class:`UnsupportedError` with the explanation."""
-        key = (ctx, force if isinstance(force, str | None) else force.NAME, self.registry.version)
+        forced = self._forced_class(ctx, force)
+        key = (ctx, forced, self.registry.version)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._resolve(ctx, force)
+            hit = self._resolve(ctx, forced)
             self._cache[key] = hit
         if isinstance(hit, UnsupportedError):
             raise hit

@@ -168,6 +168,8 @@ def check_tensor(
     device: torch.device | None = None,
 ) -> None:
     """Cheap run-time agreement check between an input and the plan's geometry."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidInputError(argument, f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != shape:
         raise InvalidInputError(argument, f"expected shape {shape}, got {tuple(tensor.shape)}")
     if dtype is not None and tensor.dtype != dtype:
@@ -176,3 +178,32 @@ def check_tensor(
         )
     if device is not None and tensor.device.type != device.type:
         raise InvalidInputError(argument, f"expected device {device}, got {tensor.device}")
+
+
+def check_cache(
+    kv_cache: torch.Tensor,
+    *,
+    block_size: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int = 0,
+) -> None:
+    """The paged cache a run reads: ``[blocks >= num_blocks, block_size, width]`` of ``dtype``
+    on ``device`` (``num_blocks``: the spec's count, or the blocks the step reads)."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise InvalidInputError("kv_cache", f"expected a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (block_size, width):
+        raise InvalidInputError(
+            "kv_cache",
+            f"expected [num_blocks, {block_size}, {width}] (KVCacheSpec.block_size, latent width), "
+            f"got {tuple(kv_cache.shape)}",
+        )
+    check_tensor("kv_cache", kv_cache, shape=tuple(kv_cache.shape), dtype=dtype, device=device)
+    if kv_cache.shape[0] < num_blocks:
+        raise InvalidInputError(
+            "kv_cache",
+            f"has {kv_cache.shape[0]} blocks but needs {num_blocks} (KVCacheSpec.num_blocks, or the "
+            f"largest block id this step's block_table reads, plus one); pass the cache the block "
+            "table indexes",
+        )

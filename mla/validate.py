@@ -6,6 +6,9 @@ any kernel runs and before anything is written to caller outputs.
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from typing import Literal
 
 import torch
@@ -15,11 +18,91 @@ from mla.errors import InvalidInputError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+SOFTMAX_SCALE_HINT = (
+    "pass the model's softmax scale, e.g. 192**-0.5 for DeepSeek-V3's qk head dim 192 (times "
+    "YaRN's mscale**2 when the model uses YaRN rope scaling); kernels' 1/sqrt(576) is never right"
+)
 
-def require_tensor(name: str, value: object, *, ndim: int) -> torch.Tensor:
+
+def _describe(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def require_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int (ints and numpy-style integers; never a bool, float or str)."""
+    if isinstance(value, bool | torch.Tensor) or not isinstance(value, numbers.Integral):
+        raise InvalidInputError(name, f"expected an int, got {_describe(value)}")
+    number = operator.index(value)
+    if minimum is not None and number < minimum:
+        raise InvalidInputError(name, f"must be >= {minimum}, got {number}")
+    return number
+
+
+def require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInputError(name, f"expected True or False, got {_describe(value)}")
+    return value
+
+
+def require_scale(name: str, value: object, *, hint: str = "") -> float:
+    """``value`` as a finite positive Python float (a real number; never a bool, str or tensor)."""
+    if isinstance(value, bool | torch.Tensor) or not isinstance(value, numbers.Real):
+        raise InvalidInputError(
+            name, f"expected a finite positive float, got {_describe(value)}" + (f"; {hint}" if hint else "")
+        )
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise InvalidInputError(
+            name, f"must be a finite positive float, got {number}" + (f"; {hint}" if hint else "")
+        )
+    return number
+
+
+def require_softmax_scale(value: object) -> float:
+    """The softmax scale of a functional call: required (no silent default), finite, > 0."""
+    if value is None:
+        raise InvalidInputError("softmax_scale", f"is required; {SOFTMAX_SCALE_HINT}")
+    return require_scale("softmax_scale", value, hint=SOFTMAX_SCALE_HINT)
+
+
+def check_cache_scale(
+    value: object,
+    kv_dtype: torch.dtype,
+    *,
+    device: torch.device | None = None,
+    required: bool = True,
+) -> None:
+    """``kv_scale`` for a cache of ``kv_dtype``: for an fp8 cache a finite float > 0 or a
+    one-element float tensor (on ``device`` when given; its value is checked only on the host,
+    reading an accelerator's would be a sync), needed unless ``required`` is false; ``None``
+    for a float cache (a scale there would be applied to values that are not scaled)."""
+    fp8 = is_fp8(kv_dtype)
+    if value is None:
+        if fp8 and required:
+            raise InvalidInputError(
+                "kv_scale",
+                f"an fp8 kv_cache ({dtype_name(kv_dtype)}) needs kv_scale, its per-tensor dequant "
+                "scale (value = stored * kv_scale)",
+            )
+        return
+    if not fp8:
+        raise InvalidInputError(
+            "kv_scale",
+            f"{value!r} was given for a {dtype_name(kv_dtype)} kv_cache; only fp8 caches take a "
+            "scale (it dequantizes them): pass kv_scale=None for a float cache",
+        )
+    if isinstance(value, torch.Tensor):
+        check_kv_scale(value, device if device is not None else value.device)
+        if value.device.type == "cpu":
+            require_scale("kv_scale", float(value.detach().reshape(())))
+        return
+    require_scale("kv_scale", value)
+
+
+def require_tensor(name: str, value: object, *, ndim: int | None = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidInputError(name, f"expected a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != ndim:
+    if ndim is not None and value.dim() != ndim:
         raise InvalidInputError(name, f"expected {ndim} dims, got shape {tuple(value.shape)}")
     return value
 
@@ -213,11 +296,41 @@ def check_write_kv(
         raise InvalidInputError(
             "kv_cache", f"last dim {cache.shape[-1]} must be kv_c + k_pe widths = {width}"
         )
-    if is_fp8(cache.dtype) and kv_scale is None:
-        raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({dtype_name(cache.dtype)}) needs kv_scale")
-    if not is_fp8(cache.dtype) and kv_scale is not None:
+    check_cache_scale(kv_scale, cache.dtype, device=cache.device)
+
+
+def check_slots(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Host rules of a KV write's ``slot_mapping`` (``validate="full"``): every non-negative
+    slot is inside the cache and no two tokens share one (negative slots are skipped)."""
+    slots = slot_mapping_cpu.to(torch.int64)
+    capacity = num_blocks * block_size
+    outside = slots >= capacity
+    if bool(outside.any()):
+        bad = int(torch.nonzero(outside)[0, 0])
         raise InvalidInputError(
-            "kv_scale", f"given for a {dtype_name(cache.dtype)} cache; only fp8 caches take a scale"
+            "slot_mapping",
+            f"token {bad} has slot {int(slots[bad])} outside the cache's {capacity} slots ({num_blocks} "
+            f"blocks x {block_size}); slots are block * block_size + offset",
         )
-    if isinstance(kv_scale, torch.Tensor):
-        check_kv_scale(kv_scale, cache.device)
+    live = slots[slots >= 0]
+    values, counts = torch.unique(live, return_counts=True)
+    if bool((counts > 1).any()):
+        raise InvalidInputError(
+            "slot_mapping",
+            f"slot {int(values[counts > 1][0])} is written by more than one token; give each token "
+            "its own slot",
+        )
+
+
+def used_cache_blocks(block_table_cpu: torch.Tensor, lens_cpu: torch.Tensor, block_size: int) -> int:
+    """Blocks a cache needs for the first ``ceil(len / block_size)`` columns of each row of the
+    host block table: the largest block id read, plus one (0 when nothing is read)."""
+    lens = lens_cpu.to(torch.int64)
+    if lens.numel() == 0 or block_table_cpu.shape[1] == 0:
+        return 0
+    needed = (lens + block_size - 1) // block_size
+    used = torch.arange(block_table_cpu.shape[1])[None, :] < needed[:, None]
+    if not bool(used.any()):
+        return 0
+    table = block_table_cpu[: lens.numel()].to(torch.int64)
+    return int(table[used].max()) + 1

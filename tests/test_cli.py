@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -227,8 +228,8 @@ def test_mixed_qlen_marks_the_batch_non_uniform(capsys: pytest.CaptureFixture[st
     argv = [*decode_args("gfx942", 8, 3, 4, "bf16", "auto"), "--emulate", "aiter"]
     _, uniform = run_json(capsys, *argv)
     _, mixed = run_json(capsys, *argv, "--mixed-qlen")
-    assert uniform["context"]["uniform_qlen"] == "True"
-    assert mixed["context"]["uniform_qlen"] == "False"
+    assert uniform["context"]["uniform_qlen"] is True
+    assert mixed["context"]["uniform_qlen"] is False
     assert mixed["chosen"] == uniform["chosen"] == "asm-padded-persistent"
 
 
@@ -239,8 +240,8 @@ def test_native_h24_reaches_the_capability_record(
     argv = [*decode_args("gfx950", 24, 1, 1, "bf16", "auto"), *flags]
     _, default = run_json(capsys, *argv)
     _, native = run_json(capsys, *argv, "--native-h24")
-    assert "24" not in default["capabilities"]["native_head_counts"]
-    assert "24" in native["capabilities"]["native_head_counts"]
+    assert 24 not in default["capabilities"]["native_head_counts"]
+    assert 24 in native["capabilities"]["native_head_counts"]
     assert effective_choice(native) == "asm-padded-persistent"
 
 
@@ -311,3 +312,102 @@ def test_info_survives_a_broken_provider(
     aiter = {p["name"]: p for p in payload["providers"]}["aiter"]
     assert aiter["available"] is False
     assert "rocminfo" in aiter["reasons"][0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("spelling", "canonical"),
+    [
+        ("sm_90", "sm90"),
+        ("SM90a", "sm90"),
+        ("h100", "sm90"),
+        ("gfx942:sramecc+:xnack-", "gfx942"),
+        ("mi355x", "gfx950"),
+    ],
+)
+def test_arch_spellings_map_to_the_canonical_name(
+    capsys: pytest.CaptureFixture[str], spelling: str, canonical: str
+) -> None:
+    code, payload = run_json(capsys, "explain", "--arch", spelling, "--emulate", "aiter")
+    assert payload["context"]["arch"] == canonical
+    assert code in (cli.EXIT_OK, cli.EXIT_UNSUPPORTED)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["explain", "--arch", "banana"],
+            "argument --arch: unknown arch 'banana'; expected one of gfx90a, gfx942",
+        ),
+        (["explain", "--arch", "sm_9"], "argument --arch: unknown arch 'sm_9'"),
+        (["demo", "--arch", "banana"], "argument --arch: unknown arch 'banana'"),
+        (["explain", "--heads", "abc"], "argument --heads: 'abc' is not a positive integer"),
+        (["explain", "--qlen", "0"], "argument --qlen: '0' is not a positive integer"),
+        (["demo", "--steps", "-3"], "argument --steps: '-3' is not a positive integer"),
+        (["explain", "--force", "nope"], "argument --force: unknown strategy 'nope'"),
+    ],
+    ids=["arch-banana", "arch-sm_9", "demo-arch", "heads-abc", "qlen-0", "steps-negative", "force-nope"],
+)
+def test_bad_arguments_are_rejected_in_the_users_terms(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "_positive_int" not in err
+    assert "positive_int value" not in err
+
+
+def test_force_accepts_the_class_name(capsys: pytest.CaptureFixture[str]) -> None:
+    code, payload = run_json(
+        capsys,
+        *decode_args("gfx950", 8, 1, 1, "bf16", "auto"),
+        "--emulate",
+        "aiter",
+        "--force",
+        "GluonDecode",
+    )
+    assert code == cli.EXIT_OK
+    assert payload["forced"] == payload["chosen"] == "gluon-decode"
+
+
+def test_json_numbers_and_flags_keep_their_type(capsys: pytest.CaptureFixture[str]) -> None:
+    _, payload = run_json(capsys, *decode_args("gfx950", 12, 3, 4, "bf16", "auto"), "--emulate", "aiter")
+    context = payload["context"]
+    assert (context["heads"], context["max_qlen"], context["max_decode_qlen"], context["batch_size"]) == (
+        12,
+        3,
+        4,
+        1,
+    )
+    assert context["uniform_qlen"] is True
+    assert payload["capabilities"]["head_granularity"] == 16
+    assert payload["capabilities"]["uniform_qlen_padding"] == [[2, 4], [3, 4]]
+    assert payload["capabilities"]["nonpersistent_fp8_head_qlen_products"][:2] == [8, 16]
+
+
+def test_availability_reasons_are_said_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing(name: str) -> mla.KernelProvider:
+        raise ProviderUnavailableError(f"provider: {name!r} cannot be imported here: no ROCm")
+
+    monkeypatch.setattr(cli, "get_provider", missing)
+    code, out = run_cli(capsys, *decode_args("gfx950", 12, 3, 4, "bf16", "auto"))
+    assert code == cli.EXIT_UNSUPPORTED
+    assert out.count("no ROCm") == 1
+    assert "gluon-verify-flatten: supported where the provider is available" in out
+    assert "[qlen]" in out  # GluonDecode's own reason still shows
+
+
+def test_readme_explain_examples_run_anywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    commands = [
+        line.split("#")[0].split()[1:] for line in readme.splitlines() if line.startswith("mla explain")
+    ]
+    assert commands
+    for argv in commands:
+        code, _ = run_cli(capsys, *argv)
+        assert code == (cli.EXIT_UNSUPPORTED if "130" in argv else cli.EXIT_OK), argv

@@ -8,9 +8,8 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.config import GraphMode, is_fp8
+from mla.config import GraphMode
 from mla.context import DecodeContext
-from mla.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall
 from mla.strategy import (
     GraphSupport,
@@ -18,8 +17,10 @@ from mla.strategy import (
     PlanBase,
     Strategy,
     StrategySetup,
+    check_cache,
     check_tensor,
 )
+from mla.validate import check_cache_scale
 
 
 @attrs.frozen(eq=False)
@@ -45,6 +46,10 @@ class DecodeBatch:
     """int32 ``[B, max_blocks]`` on the device."""
     num_tokens: int
     """Rows of the decode query (``>= query_start_loc[-1]``)."""
+    cache_blocks: int = 0
+    """Cache blocks the requests' block-table rows read (the largest block id used, plus one)
+    when the builder read the block table on the host (``validate="full"``), else 0: ``run``
+    refuses a ``kv_cache`` with fewer blocks."""
 
     @property
     def num_requests(self) -> int:
@@ -82,6 +87,8 @@ class DecodeGeometry:
     max_seqlen_k: int
     """Bound on any request's KV length: the engine's ``max_model_len`` when decode steps are
     captured in CUDA graphs, else the batch's longest sequence (when known on the host)."""
+    cache_blocks: int = 0
+    """The ``kv_cache`` must have at least this many blocks (:attr:`DecodeBatch.cache_blocks`)."""
 
 
 @attrs.frozen(eq=False)
@@ -224,12 +231,14 @@ class DecodeStrategy(Strategy[DecodeContext]):
         geo = plan.geometry
         dims = self.setup.dims
         check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, dims.latent_dim), dtype=geo.q_dtype)
-        check_tensor(
-            "kv_cache",
+        cache = self.setup.cache
+        check_cache(
             kv_cache,
-            shape=(*kv_cache.shape[:2], dims.latent_dim),
+            block_size=cache.block_size,
+            width=dims.latent_dim,
             dtype=geo.kv_dtype,
             device=q.device,
+            num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
         )
         check_tensor(
             "out",
@@ -242,8 +251,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
             check_tensor(
                 "lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device
             )
-        if is_fp8(geo.kv_dtype) and kv_scale is None:
-            raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({geo.kv_dtype}) needs kv_scale")
+        check_cache_scale(kv_scale, geo.kv_dtype, device=q.device)
         scale = self.kv_scale_buffer.tensor(kv_scale)
         self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=scale, out=out, lse=lse)
 
@@ -263,6 +271,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
             q_dtype=self.setup.q_dtype,
             kv_dtype=self.setup.cache.dtype,
             max_seqlen_k=self.max_seqlen_k(batch),
+            cache_blocks=batch.cache_blocks,
         )
 
     def max_seqlen_k(self, batch: DecodeBatch) -> int:

@@ -9,10 +9,10 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.config import is_fp8
 from mla.context import PrefillContext
 from mla.errors import InvalidInputError
-from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_tensor
+from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
+from mla.validate import check_cache_scale, require_tensor
 
 ContextExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """Engine callback turning cached latent rows ``[n, L+R]`` (model dtype) into MHA-form
@@ -46,6 +46,10 @@ class PrefillBatch:
     num_kv_tokens: int
     causal: bool = True
     context_chunks: tuple[ContextChunk, ...] = ()
+    cache_blocks: int = 0
+    """Cache blocks the context chunks read (largest block id used, plus one) when the builder
+    read the block table on the host (``validate="full"``), else 0: ``run`` refuses a
+    ``kv_cache`` with fewer blocks."""
 
 
 @attrs.frozen
@@ -56,6 +60,7 @@ class PrefillGeometry:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    cache_blocks: int = 0
 
 
 @attrs.frozen(eq=False)
@@ -89,6 +94,7 @@ class PrefillStrategy(Strategy[PrefillContext]):
                 max_seqlen_q=batch.max_seqlen_q,
                 max_seqlen_k=batch.max_seqlen_k,
                 causal=batch.causal,
+                cache_blocks=batch.cache_blocks,
             ),
             batch.cu_seqlens_q,
             batch.cu_seqlens_k,
@@ -134,6 +140,8 @@ class PrefillStrategy(Strategy[PrefillContext]):
         or a one-element tensor) dequantizes an fp8 ``kv_cache``'s context rows."""
         self.check_plan(plan)
         geo = plan.geometry
+        require_tensor("q", q, ndim=3)
+        require_tensor("v", v, ndim=3)
         check_tensor("q", q, shape=(geo.num_tokens, geo.num_heads, q.shape[-1]))
         check_tensor(
             "k", k, shape=(geo.num_kv_tokens, geo.num_heads, q.shape[-1]), dtype=q.dtype, device=q.device
@@ -151,8 +159,24 @@ class PrefillStrategy(Strategy[PrefillContext]):
                 "this step has cached context: pass kv_cache and an expand_context callback "
                 "that up-projects latent rows to (k, v)",
             )
-        if plan.context_chunks and kv_cache is not None and is_fp8(kv_cache.dtype) and kv_scale is None:
-            raise InvalidInputError("kv_scale", f"an fp8 kv_cache ({kv_cache.dtype}) needs kv_scale")
+        if expand_context is not None and not callable(expand_context):
+            raise InvalidInputError(
+                "expand_context", f"expected a callable latent -> (k, v), got {type(expand_context).__name__}"
+            )
+        if kv_cache is None:
+            if kv_scale is not None:
+                raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
+        else:
+            cache = self.setup.cache
+            check_cache(
+                kv_cache,
+                block_size=cache.block_size,
+                width=self.setup.dims.latent_dim,
+                dtype=cache.dtype,
+                device=q.device,
+                num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
+            )
+            check_cache_scale(kv_scale, cache.dtype, device=q.device, required=bool(plan.context_chunks))
         self.launch(
             plan,
             q,

@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 
 from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_native_h24
-from mla.errors import ProviderUnavailableError
+from mla.errors import InvalidInputError, ProviderUnavailableError
 from mla.platform import Platform, simulated_platform
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
@@ -80,12 +80,32 @@ def auto_provider(platform: Platform) -> KernelProvider:
 
 
 def resolve_provider(spec: str | KernelProvider, platform: Platform) -> KernelProvider:
-    """``spec`` as a provider object: a provider, a name, or ``"auto"``."""
+    """``spec`` as a provider object: a provider, a name, or ``"auto"``.
+
+    An unknown name raises :class:`ProviderUnavailableError`; anything else that is not a name
+    or a provider raises :class:`InvalidInputError` naming ``provider``."""
     if isinstance(spec, KernelProvider):
         return spec
+    if not isinstance(spec, str):
+        raise InvalidInputError(
+            "provider",
+            f"expected 'auto', a provider name ({', '.join(PROVIDER_MODULES)}) or a KernelProvider, "
+            f"got {type(spec).__name__}",
+        )
     if spec == "auto":
         return auto_provider(platform)
     return get_provider(spec)
+
+
+def require_available(provider: KernelProvider) -> None:
+    """Raise :class:`ProviderUnavailableError` with every reason when ``provider`` cannot run
+    here (library or device missing)."""
+    availability = provider.availability()
+    if not availability:
+        raise ProviderUnavailableError(
+            f"provider: {provider.name!r} cannot run here: {availability}; pass provider='auto' "
+            "(the best provider that runs here) or another provider"
+        )
 
 
 def emulation_capabilities(
@@ -127,5 +147,6 @@ __all__ = [
     "emulation_capabilities",
     "get_provider",
     "provider_names",
+    "require_available",
     "resolve_provider",
 ]

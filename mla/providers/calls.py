@@ -275,7 +275,8 @@ class WriteKVCall:
     kv_cache: torch.Tensor
     """``[blocks, block_size, L+R]``."""
     slot_mapping: torch.Tensor
-    """``[N]`` flat slots (negative = skip)."""
+    """``[N]`` flat slots (negative or past the cache = skip, so a bad slot cannot write outside
+    the cache)."""
     kv_scale: torch.Tensor | None
     """float32 ``[1]`` quantization scale of an fp8 cache, or ``None``."""
 

@@ -389,7 +389,7 @@ class TorchProvider(KernelProvider):
             # fp8 has no where/index_copy_ kernels on every device: move the bytes instead.
             flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
         slots = call.slot_mapping.to(torch.int64)
-        valid = slots >= 0
+        valid = (slots >= 0) & (slots < flat.shape[0])
         # Skipped rows re-write the first valid row's value at its slot: identical writes,
         # so the scatter stays deterministic without boolean-mask indexing.
         first = torch.argmax(valid.to(torch.int8))

@@ -185,6 +185,7 @@ def _write_kv_kernel(
     stride_slot_row,
     scale_ptr,
     fp8_max,
+    num_slots,
     L: tl.constexpr,
     R: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -192,11 +193,12 @@ def _write_kv_kernel(
     QUANTIZE: tl.constexpr,
 ):
     """Program per new token: copy ``[kv_c | k_pe]`` to cache row ``slot`` (skip negative
-    slots); fp8 caches store ``clamp(value / scale, ±max)`` rounded to nearest-even, with the
+    slots and slots past the cache's ``num_slots`` rows); fp8 caches store
+    ``clamp(value / scale, ±max)`` rounded to nearest-even, with the
     scale read from its device tensor."""
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
-    if slot < 0:
+    if slot < 0 or slot >= num_slots:
         return
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
@@ -236,6 +238,7 @@ def write_kv(call: WriteKVCall) -> None:
         flat.stride(0),
         slot_mapping if kv_scale is None else kv_scale,
         fp8_max,
+        flat.shape[0],
         L=rank,
         R=rope,
         BLOCK_L=triton.next_power_of_2(rank),
