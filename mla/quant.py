@@ -13,10 +13,12 @@ def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     """``x ~= q.float() * scale`` with a dynamic per-tensor scale (device ops, no host sync).
 
     Returns ``(q, scale)``: ``q`` in ``dtype`` (an fp8 format) and ``scale`` a float32 0-dim
-    tensor ``amax(|x|) / finfo(dtype).max`` (1 for an all-zero tensor).
+    tensor ``amax(|x|) / finfo(dtype).max`` over the finite values of ``x`` (1 when there are
+    none or all are zero), so a NaN in one request's rows does not change every other row's
+    rounding; non-finite values stay NaN or saturate.
     """
     finfo = torch.finfo(dtype)
-    amax = x.detach().abs().amax().to(torch.float32)
+    amax = torch.nan_to_num(x.detach().abs(), nan=0.0, posinf=0.0).amax().to(torch.float32)
     scale = torch.where(amax > 0, amax / finfo.max, torch.ones_like(amax))
     q = torch.clamp(x.to(torch.float32) / scale, finfo.min, finfo.max).to(dtype)
     return q, scale

@@ -20,13 +20,21 @@ from mla.config import is_fp8
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[M, H, D]``, k ``[N, H|1, D]``, v ``[N, H|1, Dv]``, visible ``[M, N]`` bool (float64)."""
-    scores = torch.einsum("mhd,nhd->hmn", q, k.expand(-1, q.shape[1], -1)) * scale
+    """q ``[M, H, D]``, k ``[N, H|1, D]``, v ``[N, H|1, Dv]``, visible ``[M, N]`` bool (float64).
+
+    Row ``m`` is ``sum over visible n of p[m, n] * v[n]``: a value row ``m`` does not see never
+    reaches it (not even as ``0 * NaN``); one it sees that is not finite makes it NaN."""
+    heads = q.shape[1]
+    scores = torch.einsum("mhd,nhd->hmn", q, k.expand(-1, heads, -1)) * scale
     scores = scores.masked_fill(~visible[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, M]
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     probs = torch.where(torch.isfinite(lse)[..., None], probs, 0.0)
-    out = torch.einsum("hmn,nhv->mhv", probs, v.expand(-1, q.shape[1], -1))
+    values = v.expand(-1, heads, -1)
+    finite = torch.isfinite(values)
+    out = torch.einsum("hmn,nhv->mhv", probs, torch.where(finite, values, 0.0))
+    sees_bad = torch.einsum("mn,nh->mh", visible.to(out.dtype), (~finite).any(-1).to(out.dtype)) > 0
+    out = torch.where(sees_bad[..., None], torch.full_like(out, float("nan")), out)
     return out, lse.transpose(0, 1)
 
 

@@ -4,6 +4,12 @@ Exact (float32 accumulation), any device, slow. Written like a kernel: fixed sha
 the static bounds it is given, no host syncs, no boolean-mask indexing, so it also runs inside a
 captured CUDA graph. Its capability record can be replaced (``TorchProvider(capabilities=...)``)
 to emulate another provider's limits on a CPU.
+
+Fixed shapes mean masked positions still gather a row (the clamped index's: the null block,
+another request's or a stale one). Those rows are zeroed (``torch.where``) before any product, so
+no value from memory a row may not see reaches it, not even as ``0 * NaN``; where one product
+serves rows with different windows (the fp8 prefill tiles), a row that sees a non-finite value
+gets NaN explicitly, as the reference math gives it.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ def _dequant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 def _softmax_stats(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax over the last dim: returns unnormalised probabilities and the LSE.
 
-    Rows without a valid key give zero probabilities and ``lse = -inf``.
+    Rows without a valid key give zero probabilities and ``lse = -inf``; a NaN score among the
+    valid keys gives NaN, as in the reference math.
     """
     scores = scores.masked_fill(~valid, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
@@ -57,7 +64,7 @@ def _softmax_stats(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Ten
     probs = torch.exp(scores - safe_max)
     denom = probs.sum(dim=-1)
     lse = torch.where(
-        denom > 0, torch.log(denom) + safe_max.squeeze(-1), torch.full_like(denom, float("-inf"))
+        denom == 0, torch.full_like(denom, float("-inf")), torch.log(denom) + safe_max.squeeze(-1)
     )
     probs = probs / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     return probs, lse
@@ -97,11 +104,23 @@ def _latent_attention(
         pos = torch.clamp(starts[lo:hi, None].to(torch.int64) + offsets[None, :], 0, last_index)
         tok = torch.where(valid, kv_indices[pos].to(torch.int64), torch.zeros_like(pos))
         rows = _dequant(kv_cache[torch.clamp(tok, 0, last_row)], kv_scale)
+        rows = torch.where(valid[..., None], rows, 0.0)
         scores = torch.einsum("nhd,nkd->nhk", q[lo:hi].to(torch.float32), rows) * scale
         probs, row_lse = _softmax_stats(scores, valid[:, None, :])
         out[lo:hi] = torch.einsum("nhk,nkv->nhv", probs, rows[..., :value_dim])
         lse[lo:hi] = row_lse
     return out, lse
+
+
+def _visible_values_product(probs: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``probs [H, Q, K] @ values [K, H, V]`` -> ``[Q, H, V]`` where one value tile serves rows
+    with different windows: non-finite values are zeroed so a row that does not see them stays
+    finite (no ``0 * NaN``), and a row that does see one (``visible [Q, K]``) gets NaN."""
+    finite = torch.isfinite(values)
+    out = torch.einsum("hqk,khv->qhv", probs, torch.where(finite, values, 0.0))
+    bad_keys = (~finite).any(dim=-1).to(torch.float32)  # [K, H]
+    sees_bad = torch.einsum("qk,kh->qh", visible.to(torch.float32), bad_keys) > 0
+    return torch.where(sees_bad[..., None], torch.full_like(out, float("nan")), out)
 
 
 def _token_requests(indptr: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,16 +146,18 @@ def _merge_into(
     idx = target[:, None].expand(-1, heads)
     row_max = row_max.scatter_reduce(0, idx, lse_parts, reduce="amax", include_self=True)
     safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # A part without keys (lse -inf) weighs 0 and adds nothing, whatever its rows hold; a NaN
+    # part (it saw a NaN) makes its row NaN.
     weight = torch.exp(lse_parts - safe_max[target])
-    weight = torch.where(torch.isfinite(lse_parts), weight, torch.zeros_like(weight))
+    weight = torch.where(lse_parts == float("-inf"), torch.zeros_like(weight), weight)
     wsum = torch.zeros(num_rows + 1, heads, device=dev).index_add_(0, target, weight)
     # scatter_add_, not index_add_: the CPU index_add_ of wide rows is ~1000x slower.
-    weighted = o_parts * weight[..., None]
+    weighted = torch.where(weight[..., None] == 0, 0.0, o_parts * weight[..., None])
     acc = torch.zeros(num_rows + 1, heads, dim, device=dev).scatter_add_(
         0, target[:, None, None].expand_as(weighted), weighted
     )
     o = acc / wsum.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    lse = torch.where(wsum > 0, torch.log(wsum) + safe_max, torch.full_like(wsum, float("-inf")))
+    lse = torch.where(wsum == 0, torch.full_like(wsum, float("-inf")), torch.log(wsum) + safe_max)
     return o[:num_rows], lse[:num_rows]
 
 
@@ -343,7 +364,7 @@ class TorchProvider(KernelProvider):
             keys = torch.arange(k0, k1, device=q.device)[None, :]
             valid = (keys <= rows + offset)[None]
             probs, part_lse = _softmax_stats(scores, valid)
-            parts_o.append(torch.einsum("hqk,khv->qhv", probs, vf[k0:k1]))
+            parts_o.append(_visible_values_product(probs, vf[k0:k1], valid[0]))
             parts_lse.append(part_lse.transpose(0, 1))
             targets.append(torch.arange(q0, q1, device=q.device))
         if not parts_o:
@@ -359,11 +380,14 @@ class TorchProvider(KernelProvider):
     def merge_states(self, call: MergeStatesCall) -> None:
         lse_a, lse_b = call.lse_a, call.lse_b
         merged_lse = torch.logaddexp(lse_a, lse_b)
-        finite = torch.isfinite(merged_lse)
-        safe = torch.where(finite, merged_lse, torch.zeros_like(merged_lse))
-        w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(safe))
-        w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(safe))
-        merged = call.o_a.to(torch.float32) * w_a[..., None] + call.o_b.to(torch.float32) * w_b[..., None]
+        safe = torch.where(torch.isfinite(merged_lse), merged_lse, torch.zeros_like(merged_lse))
+        none = torch.zeros_like(safe)
+        w_a = torch.where(lse_a == float("-inf"), none, torch.exp(lse_a - safe))
+        w_b = torch.where(lse_b == float("-inf"), none, torch.exp(lse_b - safe))
+        # A state without keys (weight 0) contributes nothing, whatever its rows hold.
+        part_a = torch.where(w_a[..., None] == 0, 0.0, call.o_a.to(torch.float32) * w_a[..., None])
+        part_b = torch.where(w_b[..., None] == 0, 0.0, call.o_b.to(torch.float32) * w_b[..., None])
+        merged = part_a + part_b
         call.out.copy_(merged)
         if call.lse_out is not None:
             call.lse_out.copy_(merged_lse)
@@ -428,7 +452,8 @@ def _mha_varlen(
         hi = min(lo + step, num_tokens)
         valid = offsets[None, :] < limit[lo:hi, None]
         pos = torch.clamp(cu_k[req[lo:hi]][:, None] + offsets[None, :], 0, k.shape[0] - 1)
-        keys, values = k[pos], v[pos]
+        keys = torch.where(valid[..., None, None], k[pos], 0.0)
+        values = torch.where(valid[..., None, None], v[pos], 0.0)
         scores = torch.einsum("nhd,nkhd->nhk", q[lo:hi], keys) * scale
         probs, row_lse = _softmax_stats(scores, valid[:, None, :])
         out[lo:hi] = torch.einsum("nhk,nkhv->nhv", probs, values)

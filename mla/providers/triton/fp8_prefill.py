@@ -348,11 +348,12 @@ def _fp8_reduce_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         weight = tl.exp(lse_s - m_safe)
-        acc = acc * alpha[:, None] + o_s * weight[:, None]
+        # A split without keys for a row (weight 0) adds nothing, whatever its partial holds.
+        acc = acc * alpha[:, None] + tl.where(weight[:, None] == 0.0, 0.0, o_s * weight[:, None])
         l_i = l_i * alpha + weight
         m_i = m_new
-    seen = l_i > 0.0
-    out = acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None]
+    seen = l_i != 0.0
+    out = tl.where(seen[:, None], acc * tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)[:, None], 0.0)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     o_ptrs = Out + (q_begin + rows[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=tile_ok)

@@ -93,6 +93,10 @@ def attend_key_blocks(
     key each row may see (already clamped to ``num_keys - 1``). ``MASKED`` blocks apply
     ``row_last_key`` and the key bound; unmasked blocks must be fully visible to every row.
     Scores are ``dot(q, k) * qk_scale`` with ``qk_scale > 0`` (softmax scale times log2(e)).
+
+    In ``MASKED`` blocks one value tile serves rows that see different keys, so a value a row
+    must not see could reach it as ``0 * NaN``: non-finite value lanes are multiplied as 0 and
+    a row that does see such a value gets NaN added to its accumulator instead.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_da = tl.arange(0, BLOCK_DA)
@@ -120,6 +124,13 @@ def attend_key_blocks(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = load_tile(v_ptrs, keys_ok, offs_dv < D_V, MASKED, D_V < BLOCK_DV)
+        if MASKED:
+            v32 = v.to(tl.float32)
+            finite = v32 - v32 == 0.0
+            key_bad = tl.max(tl.where(finite, 0.0, 1.0), 1)
+            seen_bad = tl.where(keys[None, :] <= row_last_key[:, None], key_bad[None, :], 0.0)
+            acc = acc + tl.where(tl.max(seen_bad, 1) > 0.0, float("nan"), 0.0)[:, None]
+            v = tl.where(finite, v32, 0.0)
         acc = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs_a += BLOCK_N * stride_kt
@@ -213,9 +224,9 @@ def load_q_block(
 def finalize_rows(acc, l_i, m_i, extra_scale):
     """``(out, lse)`` of a finished online softmax: ``out = acc * extra_scale / l`` (0 where no key
     was seen) and the natural-log LSE (``-inf`` there)."""
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
     inv_l = tl.where(seen, extra_scale / tl.where(seen, l_i, 1.0), 0.0)
-    out = acc * inv_l[:, None]
+    out = tl.where(seen[:, None], acc * inv_l[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     return out, lse
 
