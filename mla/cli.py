@@ -587,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch gfx950 runs the Gluon and padding paths on a CPU)",
     )
     demo.add_argument(
-        "--dcp", type=_positive_int, default=1, help="serve with N processes, the KV cache sharded by token"
+        "--dcp", type=positive_int, default=1, help="serve with N processes, the KV cache sharded by token"
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser

@@ -67,6 +67,7 @@ def decode_scenario(
     extra_rows: int,
     poisoned_request: int,
     rank: int,
+    poisoned_key: str = "last",
     rope: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
@@ -76,7 +77,8 @@ def decode_scenario(
     seed: int = 0,
 ) -> DecodeScenario:
     """A decode step whose unowned memory is NaN; request ``poisoned_request`` has a NaN at its
-    last key (seen only by its last query row)."""
+    ``"last"`` key (seen only by its last query row: its earlier rows must stay finite) or its
+    ``"first"`` key (seen by all its rows)."""
     gen = torch.Generator().manual_seed(seed)
     width = -(-max(seq_lens) // block_size) + 2
     table = torch.zeros(len(qlens), width, dtype=torch.int64)  # unused columns: the null block
@@ -89,8 +91,8 @@ def decode_scenario(
         for position in range(seq):
             owned_slots[table[b, position // block_size], position % block_size] = True
     values[~owned_slots] = NAN
-    last = seq_lens[poisoned_request] - 1
-    values[table[poisoned_request, last // block_size], last % block_size] = NAN
+    key = seq_lens[poisoned_request] - 1 if poisoned_key == "last" else 0
+    values[table[poisoned_request, key // block_size], key % block_size] = NAN
     kv_scale = None
     if kv_dtype.itemsize == 1:
         kv_scale = 0.05
@@ -109,7 +111,7 @@ def decode_scenario(
             continue
         owned[start : start + qlen] = True
         if b == poisoned_request:
-            sees_nan[start + qlen - 1] = True
+            sees_nan[start + qlen - 1 if poisoned_key == "last" else start : start + qlen] = True
     return DecodeScenario(
         q.to(dtype).to(device),
         cache.to(device),
@@ -262,16 +264,23 @@ def _provider(name: str, arch: str) -> KernelProvider | str:
     return emulated_provider("aiter", arch) if name == "aiter" else name
 
 
+@pytest.mark.parametrize("key", ["last", "first"])
 @pytest.mark.parametrize(("provider", "arch", "force", "shape", "dtype", "kv_dtype"), CPU_DECODE)
 def test_decode_reads_no_unowned_memory(
-    provider: str, arch: str, force: str | None, shape: str, dtype: torch.dtype, kv_dtype: torch.dtype
+    provider: str,
+    arch: str,
+    force: str | None,
+    shape: str,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    key: str,
 ) -> None:
     heads, qlens, seq_lens, extra, poisoned = DECODE_SHAPES[shape]
     rank, rope = 64, 16
     device = torch.device("cpu")
     scenario = decode_scenario(
         heads=heads, qlens=qlens, seq_lens=seq_lens, extra_rows=extra, poisoned_request=poisoned,
-        rank=rank, rope=rope, dtype=dtype, kv_dtype=kv_dtype, device=device,
+        rank=rank, rope=rope, dtype=dtype, kv_dtype=kv_dtype, device=device, poisoned_key=key,
     )  # fmt: skip
     out, lse = run_decode(
         scenario,
@@ -429,27 +438,38 @@ GPU_STRATEGIES = ("GluonDecode", "GluonVerifyFlatten", "PaddedAsmPersistent", "A
 
 @pytest.mark.gpu
 def test_gpu_every_provider_reads_no_unowned_memory() -> None:
+    ran = run_every_provider(torch.device("cuda"), _device_providers())
+    assert any(r.startswith("triton/") for r in ran), ran
+    print("ran:", ran)
+
+
+def run_every_provider(device: torch.device, names: list[str]) -> list[str]:
     """torch, Triton and (when listed and available) Gluon on the device, real MLA dims, every
-    decode strategy each runs, bf16 and fp8 caches; then both prefill strategies."""
-    device = torch.device("cuda")
+    decode strategy each runs, bf16 and fp8 caches; then both prefill strategies.
+
+    The planted NaN sits at a request's last key (a verify row before it must stay finite) and
+    at its first key. The Gluon kernel multiplies the request's whole KV tile by P in its PV
+    MMA, so a NaN in a later key of the row's own request (not unowned memory) reaches earlier
+    verify rows as ``0 * NaN``: Gluon runs the first-key variant only."""
     platform = mla.detect_platform(device)
     ran: list[str] = []
-    for name in _device_providers():
+    for name in names:
         provider = mla.get_provider(name)
         cases = [
-            (shape, force, kv)
+            (shape, force, kv, key)
             for shape in DECODE_SHAPES
             for force in GPU_STRATEGIES
             for kv in (torch.bfloat16, torch.float8_e4m3fn)
+            for key in (("first",) if name == "gluon" else ("last", "first"))
         ]
-        for shape, force, kv in cases:
+        for shape, force, kv, key in cases:
             heads, qlens, seq_lens, extra, poisoned = DECODE_SHAPES[shape]
             if force == "GluonDecode" and max(qlens) > 1:
                 continue
             scenario = decode_scenario(
                 heads=heads, qlens=qlens, seq_lens=tuple(s * 37 for s in seq_lens), extra_rows=extra,
                 poisoned_request=poisoned, rank=512, rope=64, dtype=torch.bfloat16, kv_dtype=kv,
-                device=device, block_size=64, num_blocks=64,
+                device=device, block_size=64, num_blocks=64, poisoned_key=key,
             )  # fmt: skip
             try:
                 out, lse = run_decode(
@@ -458,7 +478,7 @@ def test_gpu_every_provider_reads_no_unowned_memory() -> None:
             except mla.UnsupportedError:
                 continue
             check_decode(scenario, out, lse, rank=512)
-            ran.append(f"{name}/{force}/{shape}/{kv}")
+            ran.append(f"{name}/{force}/{shape}/{kv}/{key}")
         for force in ("flash-varlen", "fp8-persistent-prefill"):
             q, k, v, cu = prefill_inputs(16, (300, 700, 90), (1, 200), torch.bfloat16)
             q, k, v, cu = q.to(device), k.to(device), v.to(device), cu.to(device)
@@ -473,5 +493,4 @@ def test_gpu_every_provider_reads_no_unowned_memory() -> None:
             assert torch.isfinite(out[~sees].float()).all(), (name, force)
             assert torch.isnan(out[sees].float()).any(dim=-1).all(), (name, force)
             ran.append(f"{name}/{force}")
-    assert any(r.startswith("triton/") for r in ran), ran
-    print("ran:", ran)
+    return ran
