@@ -79,22 +79,17 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_tile(
-    q_nope, q_pe, k_lat, k_rope, n, hi, row_limit, first_hidden, m_i, l_i, acc, qk_scale,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, PER_ROW_WINDOWS: tl.constexpr,
+    q_nope, q_pe, k_lat, k_rope, n, hi, row_limit, m_i, l_i, acc, qk_scale,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step (exp2 domain) over KV positions ``n``: returns ``m, l, acc``.
 
-    With ``PER_ROW_WINDOWS`` (verify rows) a tile holding a key ``>= first_hidden`` (one some
-    row of the block must not see) multiplies non-finite value lanes as 0, so a NaN key a row
-    does not see cannot reach it as ``0 * NaN``. The values are the keys' first lanes, so a row
-    that does see it still gets NaN through its score.
+    V is the same tile as K (its first ``L`` lanes): verify rows of one request share the tile,
+    so a non-finite value in a key of the request's own that a row does not see reaches it as
+    ``0 * NaN`` in the PV product. Keys outside the request (other requests, the null block,
+    the tail past ``hi``) are never loaded (masked loads give 0).
     """
     k_lat = k_lat.to(DOT_DTYPE)
-    v_lat = k_lat
-    if PER_ROW_WINDOWS:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if tl.max(n, 0) >= first_hidden:
-            v32 = k_lat.to(tl.float32)
-            v_lat = tl.where(v32 - v32 == 0.0, v32, 0.0).to(DOT_DTYPE)
     scores = tl.dot(q_nope, tl.trans(k_lat), input_precision=INPUT_PRECISION)
     scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)), scores, input_precision=INPUT_PRECISION)
     visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
@@ -105,7 +100,7 @@ def _attend_tile(
     p = tl.math.exp2(scores - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(DOT_DTYPE), v_lat, acc, input_precision=INPUT_PRECISION)
+    acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -199,7 +194,6 @@ def _mla_decode_kernel(
     row_ok = qi < qlen
     # Right-aligned causal window: row qi sees relative keys < kv_len - qlen + qi + 1.
     row_limit = kv_len - qlen + qi + 1
-    first_hidden = kv_len - qlen + 1  # row 0's window ends here
     token = (q_start + qi).to(tl.int64)
 
     offs_l = tl.arange(0, BLOCK_L)
@@ -237,8 +231,8 @@ def _mla_decode_kernel(
                 kv_ptr, tok_next, n0 + BLOCK_N, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R
             )
             m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, first_hidden, m_i, l_i, acc,
-                qk_scale, DOT_DTYPE, INPUT_PRECISION, not UNIT_QLEN,
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, m_i, l_i, acc, qk_scale,
+                DOT_DTYPE, INPUT_PRECISION,
             )  # fmt: skip
             k_lat, k_rope, tok_next = k_lat_next, k_rope_next, tok_after
     else:
@@ -248,8 +242,8 @@ def _mla_decode_kernel(
                 L, R, BLOCK_L, BLOCK_R,
             )  # fmt: skip
             m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, first_hidden, m_i, l_i, acc,
-                qk_scale, DOT_DTYPE, INPUT_PRECISION, not UNIT_QLEN,
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, m_i, l_i, acc, qk_scale,
+                DOT_DTYPE, INPUT_PRECISION,
             )  # fmt: skip
 
     has_keys = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
