@@ -30,6 +30,7 @@ from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_nati
 from mla.config import EngineLimits, KVCacheSpec, MLADims, is_fp8, normalize_dtype
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.demo import DemoConfig, StepRecord, run_demo
+from mla.demo_dcp import run_dcp_demo
 from mla.errors import InvalidInputError, MLAError, ProviderUnavailableError, UnsupportedError
 from mla.explain import Explanation
 from mla.platform import (
@@ -452,7 +453,8 @@ def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
         dcp=args.dcp,
     )
     progress = None if args.quiet else ProgressBar(sys.stderr)
-    report = run_demo(config, progress=progress)
+    runner = run_dcp_demo if config.dcp > 1 else run_demo
+    report = runner(config, progress=progress)
     out.write(report.summary() + "\n")
     return EXIT_OK if report.passed else EXIT_FAILED
 

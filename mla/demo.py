@@ -738,12 +738,13 @@ def run_demo(config: DemoConfig, progress: Callable[[StepRecord], None] | None =
     Raises :class:`~mla.errors.UnsupportedError` when the backend cannot serve the configuration
     (e.g. a decode qlen within ``max_decode_qlen`` that no strategy supports) and
     :class:`~mla.errors.ProviderUnavailableError` for a provider that cannot run here.
-    Tolerance misses do not raise: they are in :attr:`DemoReport.failures`.
+    Tolerance misses do not raise: they are in :attr:`DemoReport.failures`. One process:
+    ``config.dcp > 1`` is :func:`mla.demo_dcp.run_dcp_demo`'s (which builds on this module).
     """
     if config.dcp > 1:
-        from mla.demo_dcp import run_dcp_demo  # noqa: PLC0415  (mla.demo_dcp builds on this module)
-
-        return run_dcp_demo(config, progress)
+        raise InvalidInputError(
+            "config.dcp", f"run_demo serves one process; use mla.demo_dcp.run_dcp_demo for dcp={config.dcp}"
+        )
     start = time.perf_counter()
     loop = ServingLoop(config)
     for index in range(config.steps):

@@ -11,6 +11,7 @@ import torch
 
 from mla import cli
 from mla.demo import DemoConfig, DemoReport, StepRecord, run_demo
+from mla.demo_dcp import run_dcp_demo
 from mla.errors import InvalidInputError, UnsupportedError
 from mla.providers.calls import PagedDecodeCall, VarlenPrefillCall
 from mla.providers.torch_ref import TorchProvider
@@ -193,7 +194,7 @@ def test_dcp_demo_checks_every_rank_against_the_single_process_run() -> None:
     """``mla demo --dcp 2``: two gloo processes serve the sharded cache; every step's decode and
     prefill on each rank's head slice match the single-process backend."""
     records: list[StepRecord] = []
-    report = run_demo(small(dcp=2, dcp_interleave=3, steps=12), progress=records.append)
+    report = run_dcp_demo(small(dcp=2, dcp_interleave=3, steps=12), progress=records.append)
     assert report.passed, report.summary()
     assert [r.index for r in records] == list(range(12))
     phases = {stats.phase: stats for stats in report.extra}
@@ -201,6 +202,12 @@ def test_dcp_demo_checks_every_rank_against_the_single_process_run() -> None:
     assert phases["dcp decode"].steps == report.decode.steps
     assert phases["dcp prefill"].steps == report.prefill.steps
     assert "decode context parallelism over 2 ranks (interleave 3)" in report.summary()
+
+
+def test_run_demo_serves_one_process() -> None:
+    """``run_demo`` does not start rank processes: ``dcp > 1`` is ``run_dcp_demo``'s."""
+    with pytest.raises(InvalidInputError, match="run_dcp_demo"):
+        run_demo(small(dcp=2, steps=2))
 
 
 def test_dcp_demo_needs_heads_that_split_over_the_ranks(capsys: pytest.CaptureFixture[str]) -> None:
