@@ -216,7 +216,7 @@ class MLABackend:
 
     # -- contexts and decisions --------------------------------------------------------------
 
-    def decode_context(self, *, max_qlen: int, uniform_qlen: bool, batch_size: int) -> DecodeContext:
+    def decode_context(self, *, max_qlen: int, uniform_qlen: bool) -> DecodeContext:
         return decode_context(
             dims=self.dims,
             cache=self.cache,
@@ -227,7 +227,6 @@ class MLABackend:
             limits=self.limits,
             max_qlen=max_qlen,
             uniform_qlen=uniform_qlen,
-            batch_size=batch_size,
         )
 
     def prefill_context(self, *, has_chunked_context: bool) -> PrefillContext:
@@ -244,9 +243,7 @@ class MLABackend:
     def _preallocate(self) -> None:
         """Resolve every decode shape the limits allow and the prefill cases; allocate."""
         for qlen, uniform in itertools.product(range(1, self.limits.max_decode_qlen + 1), (True, False)):
-            ctx = self.decode_context(
-                max_qlen=qlen, uniform_qlen=uniform, batch_size=self.limits.max_num_seqs
-            )
+            ctx = self.decode_context(max_qlen=qlen, uniform_qlen=uniform)
             try:
                 decision = self.resolver.resolve(ctx, force=self.force_decode)
             except UnsupportedError as exc:
@@ -582,7 +579,7 @@ class MetadataBuilder:
             uniform = bool((qlens[real] == max_qlen).all()) and bool(
                 ((padded_qlens == 0) | (padded_qlens == max_qlen)).all()
             )
-        ctx = be.decode_context(max_qlen=max_qlen, uniform_qlen=uniform, batch_size=nd)
+        ctx = be.decode_context(max_qlen=max_qlen, uniform_qlen=uniform)
         decision = be.resolver.resolve(ctx, force=be.force_decode)
         strategy = be.decode_strategy(decision)
         batch = DecodeBatch(

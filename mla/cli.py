@@ -27,7 +27,7 @@ import torch
 
 import mla
 from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_native_h24
-from mla.config import EngineLimits, KVCacheSpec, MLADims, is_fp8, normalize_dtype
+from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8, normalize_dtype
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.demo import DemoConfig, StepRecord, run_demo
 from mla.demo_dcp import run_dcp_demo
@@ -347,6 +347,7 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
             max_model_len=4096,
             max_num_batched_tokens=8192,
             max_decode_qlen=max_decode_qlen,
+            graph_mode=GraphMode(args.graph_mode),
         )
         ctx: DecodeContext | PrefillContext = decode_context(
             dims=dims,
@@ -358,7 +359,6 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
             limits=limits,
             max_qlen=args.qlen,
             uniform_qlen=not args.mixed_qlen,
-            batch_size=max(1, args.batch_size),
         )
     else:
         ctx = prefill_context(
@@ -545,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--mixed-qlen", action="store_true", help="requests have different qlens")
     explain.add_argument("--batch-size", type=positive_int, default=1)
+    explain.add_argument(
+        "--graph-mode",
+        choices=[mode.value for mode in GraphMode],
+        default=GraphMode.NONE.value,
+        help="how the engine captures decode steps in CUDA graphs",
+    )
     explain.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16")
     explain.add_argument("--q-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     explain.add_argument("--block-size", type=positive_int, default=16)

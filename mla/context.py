@@ -37,8 +37,8 @@ class DecodeContext:
     max_decode_qlen: int = attrs.field(validator=_AT_LEAST_ONE)
     """The engine's largest decode qlen ``T`` (speculative tokens + 1); persistent buffers are
     sized for it."""
-    batch_size: int = attrs.field(validator=_AT_LEAST_ONE)
     graph_mode: GraphMode = GraphMode.NONE
+    """How the engine captures decode steps; ``FULL`` rules out strategies that cannot be captured."""
 
     @property
     def num_heads(self) -> int:
@@ -87,7 +87,6 @@ def decode_context(
     limits: EngineLimits,
     max_qlen: int,
     uniform_qlen: bool,
-    batch_size: int,
 ) -> DecodeContext:
     """Normalize one decode step's facts into a :class:`DecodeContext`."""
     return DecodeContext(
@@ -100,7 +99,6 @@ def decode_context(
         max_qlen=max_qlen,
         uniform_qlen=uniform_qlen or max_qlen == 1,
         max_decode_qlen=limits.max_decode_qlen,
-        batch_size=batch_size,
         graph_mode=limits.graph_mode,
     )
 

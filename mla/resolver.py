@@ -45,7 +45,7 @@ def describe_context(ctx: Context) -> tuple[tuple[str, ContextValue], ...]:
             ("max_qlen", ctx.max_qlen),
             ("uniform_qlen", ctx.uniform_qlen),
             ("max_decode_qlen", ctx.max_decode_qlen),
-            ("batch_size", ctx.batch_size),
+            ("graph_mode", ctx.graph_mode.value),
             ("small_head_mode", ctx.platform.knobs.small_head_mode),
         ]
     else:

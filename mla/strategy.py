@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from mla.capabilities import Contract, ProviderCapabilities
-from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
+from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, dtype_name
 from mla.context import DecodeContext, PrefillContext
 from mla.errors import InvalidInputError, PlanMismatchError
 from mla.platform import Platform
@@ -107,6 +107,13 @@ class Strategy(abc.ABC, Generic[CtxT]):
                 "arch",
                 f"arch {ctx.platform.arch} is not one of {sorted(caps.archs)} that "
                 f"{caps.provider!r} builds for",
+            )
+        if isinstance(ctx, DecodeContext):
+            reasons.require(
+                ctx.graph_mode is not GraphMode.FULL or cls.GRAPH_SUPPORT is not GraphSupport.NEVER,
+                "graph",
+                f"the engine captures whole decode steps in CUDA graphs (graph_mode "
+                f"{ctx.graph_mode.value!r}) and {cls.NAME} is not capturable (GRAPH_SUPPORT never)",
             )
         cls.check(ctx, reasons)
         return reasons.support()

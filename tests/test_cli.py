@@ -411,3 +411,12 @@ def test_readme_explain_examples_run_anywhere(capsys: pytest.CaptureFixture[str]
     for argv in commands:
         code, _ = run_cli(capsys, *argv)
         assert code == (cli.EXIT_UNSUPPORTED if "130" in argv else cli.EXIT_OK), argv
+@pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
+def test_explain_takes_the_engine_graph_mode(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+    """Every built-in decode strategy is capturable: the graph mode is shown and changes nothing."""
+    code, payload = run_json(
+        capsys, *decode_args("gfx950", 8, 1, 1, "bf16", "auto"), "--emulate", "aiter", "--graph-mode", mode
+    )
+    assert code == cli.EXIT_OK
+    assert payload["context"]["graph_mode"] == mode
+    assert payload["chosen"] == "gluon-decode"

@@ -62,7 +62,6 @@ def decode_ctx(
         kv_dtype=kv,
         q_dtype=q_dtype,
         uniform_qlen=uniform,
-        batch_size=32,
         knobs=Knobs(small_head_mode=mode),  # type: ignore[arg-type]
         provider="aiter",
         native_h24=native_h24,
@@ -545,7 +544,6 @@ def test_rule_dims() -> None:
         limits=EngineLimits(4, 64, 64),
         max_qlen=1,
         uniform_qlen=True,
-        batch_size=2,
     )
     for strategy in (mla.GluonDecode, mla.PaddedAsmPersistent, mla.AsmNonPersistent):
         assert _codes(strategy, small) == ("dims",)

@@ -129,12 +129,19 @@ def registered_by_default() -> Iterator[None]:
         assert mla.DEFAULT_REGISTRY.names(mla.Phase.DECODE) == before
 
 
-def _ctx(*, heads: int = 8, qlen: int = 1, max_decode_qlen: int = 1, arch: str = "cpu") -> DecodeContext:
+def _ctx(
+    *,
+    heads: int = 8,
+    qlen: int = 1,
+    max_decode_qlen: int = 1,
+    arch: str = "cpu",
+    graph_mode: mla.GraphMode = mla.GraphMode.NONE,
+) -> DecodeContext:
     return simulated_decode_context(
         arch,
         heads=heads,
         qlen=qlen,
-        limits=mla.EngineLimits(16, 1024, 1024, max_decode_qlen=max_decode_qlen),
+        limits=mla.EngineLimits(16, 1024, 1024, max_decode_qlen=max_decode_qlen, graph_mode=graph_mode),
     )
 
 
@@ -159,6 +166,46 @@ def test_unsupported_user_strategy_appears_with_its_reason(registry: mla.Registr
     assert "at most 8" in candidate.reasons[0].message
     assert explanation.chosen == "asm-padded-persistent"
     assert f"{DenseWindowDecode.NAME}: not supported" in str(explanation)
+
+
+class UncapturableDenseDecode(DenseWindowDecode):
+    """The same strategy declared not CUDA-graph capturable."""
+
+    NAME: ClassVar[str] = "test-dense-uncapturable"
+    GRAPH_SUPPORT: ClassVar[mla.GraphSupport] = mla.GraphSupport.NEVER
+
+
+@pytest.mark.parametrize("mode", list(mla.GraphMode))
+def test_a_full_graph_engine_refuses_an_uncapturable_strategy(mode: mla.GraphMode) -> None:
+    """``graph_mode=FULL`` captures whole decode steps: a ``GRAPH_SUPPORT = NEVER`` strategy is
+    refused with a ``graph`` reason; piecewise capture runs attention eagerly, so it is fine."""
+    ctx = _ctx(graph_mode=mode)
+    support = UncapturableDenseDecode.supports(ctx)
+    assert DenseWindowDecode.supports(ctx)
+    if mode is mla.GraphMode.FULL:
+        assert support.codes == ("graph",)
+        assert "not capturable" in support.reasons[0].message
+    else:
+        assert support
+    explanation = Resolver(scratch_registry([(UncapturableDenseDecode, PRIORITY)])).explain(ctx)
+    assert (explanation.chosen == UncapturableDenseDecode.NAME) is (mode is not mla.GraphMode.FULL)
+    assert ("graph_mode", mode.value) in explanation.context
+
+
+def test_the_backend_refuses_to_force_an_uncapturable_strategy_under_full_graphs() -> None:
+    dims, cache = mla.MLADims(8), mla.KVCacheSpec(16, "bf16")
+    full = mla.EngineLimits(4, 64, 64, graph_mode=mla.GraphMode.FULL)
+    with pytest.raises(mla.UnsupportedError, match="not capturable") as raised:
+        mla.MLABackend(
+            dims, cache, full, provider="torch", platform="cpu", decode_strategy=UncapturableDenseDecode
+        )
+    assert raised.value.explanation is not None
+    assert raised.value.explanation.candidate(UncapturableDenseDecode.NAME).reasons[0].code == "graph"
+    eager = attrs.evolve(full, graph_mode=mla.GraphMode.PIECEWISE)
+    backend = mla.MLABackend(
+        dims, cache, eager, provider="torch", platform="cpu", decode_strategy=UncapturableDenseDecode
+    )
+    assert UncapturableDenseDecode.NAME in backend.decode_strategies
 
 
 def test_backend_runs_the_user_strategy(registry: mla.Registry) -> None:

@@ -79,7 +79,6 @@ def simulated_decode_context(
     q_dtype: torch.dtype = torch.bfloat16,
     block_size: int = 16,
     uniform_qlen: bool = True,
-    batch_size: int = 4,
     knobs: Knobs | None = None,
     provider: str | None = None,
     native_h24: bool = False,
@@ -113,7 +112,6 @@ def simulated_decode_context(
         else EngineLimits(64, 4096, 8192, max_decode_qlen=max_decode_qlen or qlen),
         max_qlen=qlen,
         uniform_qlen=uniform_qlen,
-        batch_size=batch_size,
     )
 
 
