@@ -38,7 +38,7 @@ def test_record_rejects_bad_field(field: str, build: Callable[[], object], messa
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("field", ["max_qlen", "max_decode_qlen", "batch_size"])
+@pytest.mark.parametrize("field", ["max_qlen", "max_decode_qlen"])
 def test_decode_context_rejects_counts_below_one(field: str) -> None:
     ctx = simulated_decode_context("cpu", q_dtype=torch.bfloat16)
     assert isinstance(ctx, DecodeContext)
