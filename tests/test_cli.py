@@ -376,12 +376,8 @@ def test_force_accepts_the_class_name(capsys: pytest.CaptureFixture[str]) -> Non
 def test_json_numbers_and_flags_keep_their_type(capsys: pytest.CaptureFixture[str]) -> None:
     _, payload = run_json(capsys, *decode_args("gfx950", 12, 3, 4, "bf16", "auto"), "--emulate", "aiter")
     context = payload["context"]
-    assert (context["heads"], context["max_qlen"], context["max_decode_qlen"], context["batch_size"]) == (
-        12,
-        3,
-        4,
-        1,
-    )
+    assert (context["heads"], context["max_qlen"], context["max_decode_qlen"]) == (12, 3, 4)
+    assert context["graph_mode"] == "none"
     assert context["uniform_qlen"] is True
     assert payload["capabilities"]["head_granularity"] == 16
     assert payload["capabilities"]["uniform_qlen_padding"] == [[2, 4], [3, 4]]
