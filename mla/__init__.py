@@ -6,12 +6,7 @@
 from mla import ops
 from mla.api import mla_decode, mla_prefill, write_kv
 from mla.backend import AttentionImpl, MetadataBuilder, MLABackend, MLAMetadata, StepInputs
-from mla.capabilities import (
-    REFERENCE_CAPABILITIES,
-    Contract,
-    ProviderCapabilities,
-    aiter_capabilities,
-)
+from mla.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
 from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.decode.asm_non_persistent import AsmNonPersistent
@@ -35,6 +30,7 @@ from mla.prefill.base import PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.prefill.flash_varlen import FlashVarlen
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 from mla.providers import KernelProvider, TorchProvider, get_provider, provider_names
+from mla.providers.aiter.capabilities import aiter_capabilities
 from mla.registry import DEFAULT_REGISTRY, Registry, override, register
 from mla.resolver import Decision, Resolver
 from mla.strategy import GraphSupport, Phase, StrategyKind, StrategySetup

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import textwrap
@@ -26,7 +27,7 @@ import attrs
 import torch
 
 import mla
-from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_native_h24
+from mla.capabilities import ProviderCapabilities
 from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8, normalize_dtype
 from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.demo import DemoConfig, StepRecord, run_demo
@@ -43,7 +44,15 @@ from mla.platform import (
     normalize_arch,
     simulated_platform,
 )
-from mla.providers import auto_provider, emulation_capabilities, get_provider, provider_names
+from mla.providers import (
+    PROVIDER_MODULES,
+    auto_order,
+    auto_provider,
+    emulation_capabilities,
+    get_provider,
+    provider_names,
+)
+from mla.providers.aiter.capabilities import with_native_h24
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
 from mla.registry import DEFAULT_REGISTRY, Registry
@@ -101,10 +110,10 @@ def provider_view(
     """Look ``name`` up without failing: a provider that cannot be imported or probed here is
     shown with the error as its availability reason.
 
-    When the aiter provider cannot give its record and ``static_fallback`` is set, its
-    capabilities fall back to the static :func:`~mla.capabilities.aiter_capabilities` record for
-    ``platform.arch``. ``native_h24`` assumes aiter's native-H24 reducer and planner
-    (:func:`mla.capabilities.with_native_h24`).
+    When the provider cannot give its record and ``static_fallback`` is set, its capabilities
+    fall back to its :meth:`~mla.providers.base.KernelProvider.static_capabilities` for
+    ``platform`` (aiter's as shipped). ``native_h24`` assumes aiter's native-H24 reducer and
+    planner (:func:`mla.providers.aiter.capabilities.with_native_h24`).
     """
     provider: KernelProvider | None = None
     caps: ProviderCapabilities | None = None
@@ -119,11 +128,25 @@ def provider_view(
             caps = provider.capabilities(platform)
         except Exception as exc:
             availability += Support.no("capabilities-failed", f"{type(exc).__name__}: {exc}")
-    if caps is None and name == "aiter" and static_fallback:
-        caps = aiter_capabilities(platform.arch)
+    if caps is None and static_fallback:
+        caps = _static_capabilities(name, provider, platform)
     if caps is not None and native_h24:
         caps = with_native_h24(caps, platform.arch)
     return ProviderView(name, provider, availability, caps)
+
+
+def _static_capabilities(
+    name: str, provider: KernelProvider | None, platform: Platform
+) -> ProviderCapabilities | None:
+    """The provider's static record, from its class when it could not be built here."""
+    if provider is not None:
+        return type(provider).static_capabilities(platform)
+    module_name, class_name = PROVIDER_MODULES[name]
+    try:
+        cls: type[KernelProvider] = getattr(importlib.import_module(module_name), class_name)
+    except Exception:  # the module itself does not import here: nothing is known
+        return None
+    return cls.static_capabilities(platform)
 
 
 def emulated_view(name: str, platform: Platform, *, native_h24: bool = False) -> ProviderView:
@@ -302,18 +325,25 @@ def _explain_platform(args: argparse.Namespace) -> Platform:
     return detect_platform(knobs=knobs)
 
 
+def _as_gpu(platform: Platform) -> Platform:
+    """``platform`` with a simulated GPU arch counted as a GPU."""
+    return platform if platform.vendor == "cpu" else attrs.evolve(platform, device_type="cuda")
+
+
 def _auto_choice(platform: Platform) -> str:
-    """What ``provider="auto"`` picks for ``platform`` with the libraries installed here (a
-    simulated GPU arch counts as a GPU)."""
-    gpu = platform if platform.vendor == "cpu" else attrs.evolve(platform, device_type="cuda")
-    return auto_provider(gpu).name
+    """What ``provider="auto"`` picks for ``platform`` with the libraries installed here."""
+    return auto_provider(_as_gpu(platform)).name
 
 
 def _provider_name(requested: str | None, platform: Platform) -> str:
-    """``--provider``: a name; ``auto``; or, when omitted, aiter for a gfx arch and auto's
-    choice elsewhere."""
+    """``--provider``: a name; ``auto``; or, when omitted, the first provider ``auto`` tries on
+    ``platform`` whose record is known without its library (aiter on a gfx arch), else auto's
+    choice with the libraries installed here."""
     if requested is None:
-        return "aiter" if platform.arch.startswith("gfx") else _auto_choice(platform)
+        for name in auto_order(_as_gpu(platform)):
+            if _static_capabilities(name, None, platform) is not None:
+                return name
+        return _auto_choice(platform)
     return _auto_choice(platform) if requested == "auto" else requested
 
 

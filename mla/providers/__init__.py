@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from mla.capabilities import ProviderCapabilities, aiter_capabilities, with_native_h24
+from mla.capabilities import ProviderCapabilities
 from mla.errors import InvalidInputError, ProviderUnavailableError
 from mla.platform import Platform, simulated_platform
+from mla.providers.aiter.capabilities import with_native_h24
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
 
@@ -113,14 +114,13 @@ def emulation_capabilities(
 ) -> ProviderCapabilities:
     """The capability record that emulating provider ``name`` imposes on the torch provider.
 
-    ``aiter`` is always the static :func:`~mla.capabilities.aiter_capabilities` record for
-    ``platform.arch`` (aiter's kernels as shipped; no ROCm needed, the same on every machine);
-    any other provider reports its own record for ``platform``. ``native_h24`` assumes aiter's
-    native-H24 reducer and planner (:func:`~mla.capabilities.with_native_h24`).
+    The provider's :meth:`~KernelProvider.static_capabilities` for ``platform`` where it has one
+    (aiter: its kernels as shipped; no ROCm needed, the same on every machine), else the record
+    the provider reports. ``native_h24`` assumes aiter's native-H24 reducer and planner
+    (:func:`~mla.providers.aiter.capabilities.with_native_h24`).
     """
-    if name == "aiter":
-        return aiter_capabilities(platform.arch, native_h24=native_h24)
-    caps = get_provider(name).capabilities(platform)
+    provider = get_provider(name)
+    caps = type(provider).static_capabilities(platform) or provider.capabilities(platform)
     return with_native_h24(caps, platform.arch) if native_h24 else caps
 
 

@@ -64,6 +64,13 @@ class KernelProvider(abc.ABC):
     def capabilities(self, platform: Platform) -> ProviderCapabilities:
         """The capability record for ``platform`` (real or simulated)."""
 
+    @classmethod
+    def static_capabilities(cls, platform: Platform) -> ProviderCapabilities | None:
+        """The record of this provider's kernels as shipped for ``platform``, known without its
+        library or a device (``None``: only :meth:`capabilities` can say). Emulation and
+        ``mla explain`` use it, so they give the same answer on every machine."""
+        return None
+
     def describe_probes(self) -> dict[str, object]:
         """Feature probes shown by ``mla info`` (library versions, optional kernels)."""
         return {}

@@ -12,7 +12,7 @@ from mla.config import is_fp8
 from mla.decode.base import DecodeStrategy
 from mla.prefill.base import PrefillStrategy
 from mla.providers.aiter import AiterProvider
-from mla.providers.aiter.provider import ARCH_FP8
+from mla.providers.aiter.capabilities import ARCH_FP8
 from mla.quant import dequantize, quantize_per_tensor
 from mla.reference import reference_decode
 from mla.testing import (

@@ -10,9 +10,9 @@ import pytest
 import torch
 from aiter_cases import fake_provider
 
-from mla.capabilities import aiter_capabilities
 from mla.platform import simulated_platform
 from mla.providers.aiter import AiterProvider
+from mla.providers.aiter.capabilities import aiter_capabilities
 
 
 def test_import_mla_and_constructing_the_provider_never_import_aiter() -> None:

@@ -11,7 +11,7 @@ import torch
 from aiter_cases import decode_backend, decode_case, fake_provider, fp8_for, run_decode
 
 from mla import AsmNonPersistent, PaddedAsmPersistent, UnsupportedError
-from mla.capabilities import aiter_capabilities
+from mla.providers.aiter.capabilities import aiter_capabilities
 from mla.providers.aiter.lse import kernel_returns_decode_lse
 
 KERNEL_HEADS = (16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 256)

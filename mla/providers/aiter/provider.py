@@ -34,10 +34,18 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from mla.capabilities import Contract, ProviderCapabilities, aiter_capabilities
+from mla.capabilities import Contract, ProviderCapabilities
 from mla.config import FP8_DTYPES, dtype_name, is_fp8
 from mla.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError
 from mla.platform import Platform
+from mla.providers.aiter.capabilities import (
+    AITER_FP8_PREFILL_DIMS,
+    AITER_FP8_PREFILL_HEADS,
+    AITER_LATENT_DIMS,
+    ARCH_FP8,
+    aiter_capabilities,
+    real_kernel_limits,
+)
 from mla.providers.aiter.detect import AiterLibrary, detect_aiter
 from mla.providers.aiter.lse import (
     clear_empty_rows,
@@ -75,15 +83,6 @@ from mla.providers.torch_ref import TorchProvider
 from mla.quant import dequantize, quantize_per_tensor
 from mla.support import Support
 from mla.transforms import HeadPadding
-
-AITER_LATENT_DIMS = frozenset({(512, 64)})
-"""``(kv_lora_rank, rope)`` of aiter's asm and Gluon decode kernels (576-wide rows)."""
-AITER_FP8_PREFILL_DIMS = frozenset({(192, 128)})
-"""``(qk, v)`` head dims of ``mla_pfl_qh192_vh128`` (the fp8 persistent prefill kernel)."""
-AITER_FP8_PREFILL_HEADS = frozenset({16, 32, 48, 64, 96, 128})
-"""Multiples of 16 that ``mla_reduce_v1`` reduces at ``v_head_dim`` 128 (``csrc/kernels/mla/reduce.cu``)."""
-ARCH_FP8: dict[str, torch.dtype] = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
-"""``aiter.dtypes.fp8`` per arch: the only fp8 format aiter's kernels read there."""
 
 
 def _fp8_kernel_heads(heads: int) -> int:
@@ -166,6 +165,12 @@ class AiterProvider(KernelProvider):
     def availability(self) -> Support:
         return self.library.support + self._device_support
 
+    @classmethod
+    def static_capabilities(cls, platform: Platform) -> ProviderCapabilities:
+        """aiter's kernels as shipped on ``platform.arch`` (:func:`aiter_capabilities`); no aiter
+        needed, the same on every machine."""
+        return aiter_capabilities(platform.arch)
+
     def capabilities(self, platform: Platform) -> ProviderCapabilities:
         """The record for ``platform.arch``: aiter's table narrowed by what this build ships.
 
@@ -183,7 +188,7 @@ class AiterProvider(KernelProvider):
                 fp8_prefill=None if self._fp8_prefill is None else self._fp8_prefill and gfx950,
                 native_h24=bool(self._native_h24),
             )
-            return self._real_kernel_limits(base, arch, decode_fp8=True)
+            return real_kernel_limits(base, arch, decode_fp8=True)
         gluon = probes.gluon_fn is not None if self._gluon is None else self._gluon
         fp8_prefill = probes.fp8_prefill.ok if self._fp8_prefill is None else self._fp8_prefill
         native_h24 = probes.native_h24 if self._native_h24 is None else self._native_h24
@@ -196,27 +201,7 @@ class AiterProvider(KernelProvider):
         if not probes.varlen.ok:
             contracts.discard(Contract.VARLEN_PREFILL)
         base = attrs.evolve(base, contracts=frozenset(contracts))
-        return self._real_kernel_limits(
-            base, arch, decode_fp8=probes.decode_fp8 and probes.fp8_dtype in FP8_DTYPES
-        )
-
-    @staticmethod
-    def _real_kernel_limits(
-        caps: ProviderCapabilities, arch: str, *, decode_fp8: bool
-    ) -> ProviderCapabilities:
-        """Limits of the real kernels that the CPU emulation record does not carry: 576-wide
-        rows, the fp8 prefill's 192/128 dims and reducible head counts, and the one fp8 format
-        aiter reads on ``arch`` (an ``mla_decode_fwd`` without q/kv scales takes no fp8 cache)."""
-        fp8 = ARCH_FP8.get(arch, caps.fp8_dtype)
-        kv_dtypes = frozenset({torch.bfloat16} | ({fp8} if decode_fp8 else set()))
-        return attrs.evolve(
-            caps,
-            kv_dtypes=kv_dtypes,
-            latent_dims=AITER_LATENT_DIMS,
-            fp8_prefill_heads=AITER_FP8_PREFILL_HEADS,
-            fp8_prefill_dims=AITER_FP8_PREFILL_DIMS,
-            fp8_dtype=fp8,
-        )
+        return real_kernel_limits(base, arch, decode_fp8=probes.decode_fp8 and probes.fp8_dtype in FP8_DTYPES)
 
     def describe_probes(self) -> dict[str, object]:
         rows: dict[str, object] = {"aiter": self.library.describe()}
