@@ -59,11 +59,15 @@ class PagedKernel:
     head_multiple: int | None = None
     """Any multiple of this many kernel heads runs too (aiter's persistent decode folds them
     onto its 16-head kernel as extra pseudo-requests); ``None``: only ``heads``."""
+    padded: bool | None = None
+    """Which query head counts the row serves: ``True`` only fewer heads than the provider's
+    granularity, padded up to it; ``False`` only the others; ``None`` both."""
 
-    def runs(self, *, persistent: bool, fp8: bool, heads: int, qlen: int) -> bool:
+    def runs(self, *, persistent: bool, fp8: bool, heads: int, qlen: int, padded: bool = False) -> bool:
         return (
             self.persistent == persistent
             and self.fp8 == fp8
+            and (self.padded is None or self.padded == padded)
             and (heads in self.heads or (self.head_multiple is not None and heads % self.head_multiple == 0))
             and qlen >= self.min_qlen
             and (self.max_qlen is None or qlen <= self.max_qlen)
@@ -75,7 +79,8 @@ class PagedKernel:
         heads = [str(h) for h in sorted(self.heads)]
         if self.head_multiple is not None:
             heads.append(f"any multiple of {self.head_multiple}")
-        return f"{mode} {'fp8' if self.fp8 else 'float'} KV, heads [{', '.join(heads)}], {qlens}"
+        only = {None: "", True: " (padded heads only)", False: " (unpadded heads only)"}[self.padded]
+        return f"{mode} {'fp8' if self.fp8 else 'float'} KV, heads [{', '.join(heads)}]{only}, {qlens}"
 
 
 @attrs.frozen
@@ -111,19 +116,11 @@ class ProviderCapabilities:
     uniform_qlen_padding: tuple[tuple[int, int], ...] = ()
     """``(qlen, kernel_qlen)`` pairs: uniform batches of that qlen are padded (prepended zero
     rows) to the kernel qlen. aiter: 2 and 3 run as 4."""
-    persistent_small_head_max_qlen: int | None = None
-    """Padded (H < granularity) bf16/fp16 persistent decode exists only up to this kernel qlen."""
-    persistent_fp8_max_qlen: int | None = None
-    """fp8-KV persistent decode exists only up to this kernel qlen."""
-    nonpersistent_fp8_max_qlen: int | None = None
-    """fp8-KV non-persistent decode exists only up to this kernel qlen."""
-    nonpersistent_fp8_head_qlen_products: frozenset[int] | None = None
-    """fp8-KV non-persistent decode looks its kernel up by ``kernel_heads * kernel_qlen``; only
-    these products exist (aiter's ``get_block_n_fp8`` keys)."""
 
     paged_kernels: frozenset[PagedKernel] | None = None
-    """The paged-decode kernel table: the combinations that exist (``None``: every one). The
-    limits above read as rules; this is the table they summarize."""
+    """The paged-decode kernel table: the (mode, KV, kernel heads, kernel qlen, padded heads)
+    combinations that exist (``None``: every one). The one statement of the paged kernels'
+    gaps; the paged strategies check it in one place."""
     latent_dims: frozenset[tuple[int, int]] | None = None
     """``(kv_lora_rank, rope)`` pairs the decode kernels (paged and small-head) are built for
     (``None``: any; aiter's asm and Gluon kernels: 512/64)."""
@@ -159,11 +156,22 @@ class ProviderCapabilities:
             return True
         return self.max_unpadded_heads is None or num_heads <= self.max_unpadded_heads
 
-    def has_paged_kernel(self, *, persistent: bool, fp8: bool, heads: int, qlen: int) -> bool:
-        """Whether the kernel table has a paged decode for this combination."""
+    def has_paged_kernel(
+        self, *, persistent: bool, fp8: bool, heads: int, qlen: int, padded: bool = False
+    ) -> bool:
+        """Whether the kernel table has a paged decode for ``heads`` kernel heads at kernel qlen
+        ``qlen`` (``padded``: the query has fewer heads than the granularity)."""
         if self.paged_kernels is None:
             return True
-        return any(k.runs(persistent=persistent, fp8=fp8, heads=heads, qlen=qlen) for k in self.paged_kernels)
+        return any(
+            k.runs(persistent=persistent, fp8=fp8, heads=heads, qlen=qlen, padded=padded)
+            for k in self.paged_kernels
+        )
+
+    def paged_kernel_rows(self, *, persistent: bool, fp8: bool) -> tuple[PagedKernel, ...]:
+        """The table's rows of one mode and KV kind (for messages), in a stable order."""
+        rows = [k for k in self.paged_kernels or () if k.persistent == persistent and k.fp8 == fp8]
+        return tuple(sorted(rows, key=str))
 
     def kernel_qlen(self, qlen: int, *, uniform: bool) -> int:
         """The qlen the paged decode runs a batch of max qlen ``qlen`` at."""

@@ -381,7 +381,7 @@ def test_json_numbers_and_flags_keep_their_type(capsys: pytest.CaptureFixture[st
     assert context["uniform_qlen"] is True
     assert payload["capabilities"]["head_granularity"] == 16
     assert payload["capabilities"]["uniform_qlen_padding"] == [[2, 4], [3, 4]]
-    assert payload["capabilities"]["nonpersistent_fp8_head_qlen_products"][:2] == [8, 16]
+    assert "non-persistent fp8 KV, heads [16, 128], qlen 1..4" in payload["capabilities"]["paged_kernels"]
 
 
 def test_availability_reasons_are_said_once(
@@ -407,6 +407,8 @@ def test_readme_explain_examples_run_anywhere(capsys: pytest.CaptureFixture[str]
     for argv in commands:
         code, _ = run_cli(capsys, *argv)
         assert code == (cli.EXIT_UNSUPPORTED if "130" in argv else cli.EXIT_OK), argv
+
+
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
 def test_explain_takes_the_engine_graph_mode(capsys: pytest.CaptureFixture[str], mode: str) -> None:
     """Every built-in decode strategy is capturable: the graph mode is shown and changes nothing."""

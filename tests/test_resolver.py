@@ -24,6 +24,7 @@ from mla import (
 )
 from mla.capabilities import REFERENCE_CAPABILITIES, PagedKernel, ProviderCapabilities
 from mla.context import DecodeContext, PrefillContext
+from mla.providers.aiter.capabilities import AITER_GET_BLOCK_N_FP8_KEYS
 from mla.testing import (
     emulated_provider,
     scratch_registry,
@@ -118,11 +119,11 @@ DECODE_TABLE = [
     (("gfx942", 8, 3, 4, "bf16", "auto"), PERSISTENT,
      {GLUON: ("missing-kernel", "qlen"), VERIFY: ("missing-kernel",), PERSISTENT: (), NONPERSISTENT: ()}),
     (("gfx942", 8, 6, 8, "bf16", "auto"), NONPERSISTENT,
-     {GLUON: ("missing-kernel", "qlen"), VERIFY: ("missing-kernel",), PERSISTENT: ("persistent-qlen",),
+     {GLUON: ("missing-kernel", "qlen"), VERIFY: ("missing-kernel",), PERSISTENT: ("kernel-table",),
       NONPERSISTENT: ()}),
     (("gfx950", 8, 6, 8, "fp8", "auto"), PERSISTENT,
      {GLUON: ("kv-dtype", "qlen"), VERIFY: ("kv-dtype",), PERSISTENT: (),
-      NONPERSISTENT: ("nonpersistent-fp8-qlen", "nonpersistent-fp8-heads-qlen")}),
+      NONPERSISTENT: ("kernel-table",)}),
     (("gfx942", 16, 1, 1, "bf16", "auto"), PERSISTENT,
      {PERSISTENT: (), NONPERSISTENT: (), GLUON: ("missing-kernel", "heads"),
       VERIFY: ("missing-kernel", "heads", "qlen")}),
@@ -444,36 +445,52 @@ def test_rule_arch() -> None:
     assert _codes(mla.FlashVarlen, prefill_ctx("sm90", caps=aiter_capabilities("gfx950"))) == ("arch",)
 
 
-def test_rule_persistent_qlen() -> None:
-    ctx = decode_ctx("gfx942", 8, 6, 8)
-    assert "persistent-qlen" in _codes(mla.PaddedAsmPersistent, ctx)
-    # Not a limit for 16+ heads, nor for fp8 (which has its own rule), nor within qlen 4.
-    assert "persistent-qlen" not in mla.PaddedAsmPersistent.supports(decode_ctx("gfx950", 16, 6, 8)).codes
-    assert (
-        "persistent-qlen" not in mla.PaddedAsmPersistent.supports(decode_ctx("gfx950", 8, 6, 8, "fp8")).codes
-    )
+def _table_message(strategy: type, ctx: DecodeContext) -> str:
+    support: Support = strategy.supports(ctx)  # type: ignore[attr-defined]
+    assert support.codes == ("kernel-table",), support.codes
+    return support.reasons[0].message
+
+
+def test_kernel_table_padded_heads() -> None:
+    """Fewer heads than the granularity, padded to 16: no bf16 persistent kernel past qlen 4."""
+    message = _table_message(mla.PaddedAsmPersistent, decode_ctx("gfx942", 8, 6, 8))
+    assert "16 kernel heads (padded from 8) at kernel qlen 6" in message
+    assert "(padded from 8)" in _table_message(mla.PaddedAsmPersistent, decode_ctx("gfx950", 8, 6, 8))
+    # Not a gap for 16+ heads, nor for fp8, nor within qlen 4.
+    assert mla.PaddedAsmPersistent.supports(decode_ctx("gfx950", 16, 6, 8))
+    assert mla.PaddedAsmPersistent.supports(decode_ctx("gfx950", 8, 6, 8, "fp8"))
     assert mla.PaddedAsmPersistent.supports(decode_ctx("gfx942", 8, 3, 4))
 
 
-def test_rule_persistent_fp8_qlen() -> None:
-    ctx = decode_ctx("gfx942", 16, 6, 8, "fp8")
-    assert "persistent-fp8-qlen" in _codes(mla.PaddedAsmPersistent, ctx)
-    assert (
-        "persistent-fp8-qlen"
-        not in mla.PaddedAsmPersistent.supports(decode_ctx("gfx950", 16, 6, 8, "fp8")).codes
+def test_kernel_table_persistent_fp8_qlen() -> None:
+    """gfx942 runs fp8 persistent past qlen 4 only with 128 native heads; gfx950 at any."""
+    assert "at kernel qlen 6" in _table_message(
+        mla.PaddedAsmPersistent, decode_ctx("gfx942", 16, 6, 8, "fp8")
     )
+    assert mla.PaddedAsmPersistent.supports(decode_ctx("gfx942", 128, 6, 8, "fp8"))
+    assert mla.PaddedAsmPersistent.supports(decode_ctx("gfx950", 16, 6, 8, "fp8"))
 
 
-def test_rule_nonpersistent_fp8_qlen() -> None:
-    ctx = decode_ctx("gfx950", 16, 6, 8, "fp8")
-    assert "nonpersistent-fp8-qlen" in _codes(mla.AsmNonPersistent, ctx)
+def test_kernel_table_nonpersistent_fp8() -> None:
+    """fp8 non-persistent: qlen 1..4 and only the head counts with a get_block_n_fp8 block."""
+    message = _table_message(mla.AsmNonPersistent, decode_ctx("gfx950", 16, 6, 8, "fp8"))
+    assert "non-persistent fp8 KV, heads [16, 128], qlen 1..4" in message
+    assert "80 kernel heads at kernel qlen 1" in _table_message(
+        mla.AsmNonPersistent, decode_ctx("gfx950", 80, 1, 1, "fp8")
+    )
+    assert mla.AsmNonPersistent.supports(decode_ctx("gfx950", 16, 3, 4, "fp8"))
 
 
-def test_rule_nonpersistent_fp8_heads_qlen() -> None:
-    # 80 kernel heads x qlen 1 = 80: no get_block_n_fp8 key.
-    ctx = decode_ctx("gfx950", 80, 1, 1, "fp8")
-    assert "nonpersistent-fp8-heads-qlen" in _codes(mla.AsmNonPersistent, ctx)
-    assert "nonpersistent-fp8-qlen" not in mla.AsmNonPersistent.supports(ctx).codes
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_aiter_nonpersistent_fp8_rows_have_kernel_blocks(arch: str) -> None:
+    """Every non-persistent fp8 combination of the table is a ``get_block_n_fp8`` key."""
+    rows = aiter_capabilities(arch).paged_kernel_rows(persistent=False, fp8=True)
+    assert rows
+    for row in rows:
+        assert row.max_qlen is not None
+        for heads in row.heads:
+            for qlen in range(row.min_qlen, row.max_qlen + 1):
+                assert heads * qlen in AITER_GET_BLOCK_N_FP8_KEYS, (heads, qlen)
 
 
 def test_rule_qlen_over_engine_max() -> None:

@@ -123,16 +123,19 @@ class PagedDecode(DecodeStrategy):
         require_dtype(reasons, "kv-dtype", "kv cache", ctx.kv_dtype, caps.kv_dtypes, "paged decode")
         require_latent_dims(ctx, reasons, "paged decode")
         kernel_heads, kernel_qlen = caps.padded_heads(heads), ctx.kernel_qlen
-        mode = "persistent" if cls.PERSISTENT else "non-persistent"
+        padded = heads < caps.head_granularity
+        fp8, mode = ctx.kv_is_fp8, "persistent" if cls.PERSISTENT else "non-persistent"
+        found = caps.has_paged_kernel(
+            persistent=cls.PERSISTENT, fp8=fp8, heads=kernel_heads, qlen=kernel_qlen, padded=padded
+        )
+        rows = "; ".join(map(str, caps.paged_kernel_rows(persistent=cls.PERSISTENT, fp8=fp8)))
         reasons.require(
-            not caps.heads_valid(heads)
-            or caps.has_paged_kernel(
-                persistent=cls.PERSISTENT, fp8=ctx.kv_is_fp8, heads=kernel_heads, qlen=kernel_qlen
-            ),
+            not caps.heads_valid(heads) or found,
             "kernel-table",
             f"{caps.provider} on {ctx.platform.arch} has no {mode} "
-            f"{'fp8' if ctx.kv_is_fp8 else dtype_name(ctx.kv_dtype)}-KV decode kernel for "
-            f"{kernel_heads} kernel heads at kernel qlen {kernel_qlen}",
+            f"{'fp8' if fp8 else dtype_name(ctx.kv_dtype)}-KV decode kernel for {kernel_heads} "
+            f"kernel heads{f' (padded from {heads})' if padded else ''} at kernel qlen "
+            f"{kernel_qlen} (its {mode} kernels: {rows or 'none'})",
         )
 
     def build_metadata(self, batch: DecodeBatch) -> PagedPlan:

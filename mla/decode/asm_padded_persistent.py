@@ -28,27 +28,9 @@ class PaddedAsmPersistent(PagedDecode):
     @classmethod
     def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
         super().check(ctx, reasons)
-        caps = ctx.capabilities
-        kernel_qlen = ctx.kernel_qlen
         reasons.require(
             ctx.max_qlen <= ctx.max_decode_qlen,
             "qlen-over-engine-max",
             f"max qlen {ctx.max_qlen} exceeds the engine's max decode qlen "
             f"{ctx.max_decode_qlen} that the persistent buffers are sized for",
-        )
-        small_limit = caps.persistent_small_head_max_qlen
-        padded = ctx.num_heads < caps.head_granularity
-        reasons.require(
-            not padded or ctx.kv_is_fp8 or small_limit is None or kernel_qlen <= small_limit,
-            "persistent-qlen",
-            f"{ctx.num_heads} heads padded to {caps.padded_heads(ctx.num_heads)} at kernel qlen "
-            f"{kernel_qlen}: {caps.provider} has no padded non-fp8 persistent kernel past "
-            f"qlen {small_limit}",
-        )
-        fp8_limit = caps.persistent_fp8_max_qlen
-        reasons.require(
-            not ctx.kv_is_fp8 or fp8_limit is None or kernel_qlen <= fp8_limit,
-            "persistent-fp8-qlen",
-            f"fp8 KV at kernel qlen {kernel_qlen}: {caps.provider} on {ctx.platform.arch} has "
-            f"no fp8 persistent kernel past qlen {fp8_limit}",
         )

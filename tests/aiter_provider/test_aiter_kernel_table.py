@@ -62,8 +62,8 @@ def test_gfx942_fp8_past_qlen_4_is_refused_when_the_backend_is_built(fake_aiter)
     explanation = info.value.explanation
     assert explanation is not None
     persistent = {r.code for r in explanation.candidate(PaddedAsmPersistent.NAME).reasons}
-    assert {"persistent-fp8-qlen", "kernel-table"} <= persistent
-    assert "nonpersistent-fp8-qlen" in [r.code for r in explanation.candidate(AsmNonPersistent.NAME).reasons]
+    assert persistent == {"kernel-table"}
+    assert [r.code for r in explanation.candidate(AsmNonPersistent.NAME).reasons] == ["kernel-table"]
     assert "max_decode_qlen 6" in str(info.value)
     assert not fake.calls("mla_decode_fwd")
 
@@ -73,7 +73,7 @@ def test_the_fp8_asm_fallback_at_a_missing_heads_x_qlen_product_is_refused(fake_
     provider = fake_provider()
     case = decode_case(16, (5, 5), (30, 9), kv_dtype=torch.float8_e4m3fn, max_decode_qlen=5)
     with pytest.raises(
-        UnsupportedError, match=r"16 kernel heads x qlen 5 = 80 has no non-persistent fp8 kernel"
+        UnsupportedError, match=r"no non-persistent fp8-KV decode kernel for 16 kernel heads at kernel qlen 5"
     ):
         decode_backend(provider, "gfx950", case, num_blocks=8)
     # A product get_block_n_fp8 has (32 x 1) whose C++ kernel does not exist is refused too.

@@ -21,7 +21,8 @@ ARCH_FP8: dict[str, torch.dtype] = {"gfx942": torch.float8_e4m3fnuz, "gfx950": t
 
 AITER_GET_BLOCK_N_FP8_KEYS: frozenset[int] = frozenset({8, 16, 24, 32, 48, 64, 128, 256, 384, 512})
 """Head x qlen products aiter's non-persistent fp8 decode has a kernel block for
-(``aiter/mla.py::get_block_n_fp8``); any other product raises KeyError inside aiter."""
+(``aiter/mla.py::get_block_n_fp8``); any other product raises KeyError inside aiter. The
+non-persistent fp8 rows of :func:`aiter_paged_kernels` stay within them."""
 
 
 AITER_FOLD_HEADS = 16
@@ -46,7 +47,9 @@ def aiter_paged_kernels(arch: str) -> frozenset[PagedKernel]:
             {
                 # bf16 persistent remaps to the gqa32/qlen4 or gqa64/qlen1 kernel at any qlen;
                 # 24 heads need the native-H24 reducer and planner (see native_head_counts).
-                PagedKernel(True, False, frozenset({24}), head_multiple=fold),
+                PagedKernel(True, False, frozenset({24}), head_multiple=fold, padded=False),
+                # Fewer than 16 heads padded to 16: the padded persistent path stops at qlen 4.
+                PagedKernel(True, False, frozenset({fold}), 1, 4, padded=True),
                 # fp8 persistent: gqa16 qlen 1/2/4 and the gqa32 remap past qlen 4; 24 heads
                 # run as 32 inside the aiter provider (mla_decode_fwd has no fp8 24-head path).
                 PagedKernel(True, True, frozenset({24}), head_multiple=fold),
@@ -82,11 +85,10 @@ def aiter_capabilities(
 
     ``gluon`` / ``fp8_prefill`` default to "shipped on gfx950 only"; ``native_h24`` is the
     reducer-and-planner probe (off unless both ship; honoured on gfx950 only, where
-    ``mla_decode_fwd`` runs 24 bf16 heads natively). Kernel-table gaps become limits:
-    no padded bf16 persistent kernel past qlen 4 (persistent gate), fp8 persistent past qlen 4
-    only on gfx950 (gqa32 remap), fp8 non-persistent only to qlen 4 and only at
-    ``get_block_n_fp8`` products; :func:`aiter_paged_kernels` is the full table (e.g. gfx942
-    has no persistent kernel past qlen 4 at any head count).
+    ``mla_decode_fwd`` runs 24 bf16 heads natively). The paged kernels' gaps are the table
+    :func:`aiter_paged_kernels` (e.g. no padded bf16 persistent kernel past qlen 4, fp8
+    non-persistent only to qlen 4 at ``get_block_n_fp8`` products, gfx942 persistent past qlen 4
+    only for 128 fp8 heads).
     """
     gfx950 = arch == "gfx950"
     contracts = set(ALL_CONTRACTS)
@@ -109,10 +111,6 @@ def aiter_capabilities(
         small_head_q_dtypes=_BF16,
         small_head_kv_dtypes=_BF16,
         uniform_qlen_padding=((2, 4), (3, 4)),
-        persistent_small_head_max_qlen=4,
-        persistent_fp8_max_qlen=None if gfx950 else 4,
-        nonpersistent_fp8_max_qlen=4,
-        nonpersistent_fp8_head_qlen_products=AITER_GET_BLOCK_N_FP8_KEYS,
         paged_kernels=aiter_paged_kernels(arch),
         fp8_prefill_head_multiple=16,
         fp8_dtype=torch.float8_e4m3fn if gfx950 else torch.float8_e4m3fnuz,
