@@ -97,15 +97,15 @@ def bench_sequence(
 ) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     heads, bs = args.heads, args.block
-    kv = mla.config.normalize_dtype(args.kv)
+    kv = mla.core.config.normalize_dtype(args.kv)
     limits = mla.EngineLimits(max_num_seqs=1, max_model_len=seq, max_num_batched_tokens=64)
     dims = mla.MLADims(num_heads=heads)
     blocks = -(-seq // bs)
     platform = mla.detect_platform(device)
-    if mla.config.is_fp8(kv):
+    if mla.core.config.is_fp8(kv):
         kv = mla.providers.resolve_provider("auto", platform).capabilities(platform).fp8_dtype
     single = mla.MLABackend(dims, mla.KVCacheSpec(bs, kv, num_blocks=blocks), limits, device=device)
-    scale = FP8_SCALE if mla.config.is_fp8(kv) else None
+    scale = FP8_SCALE if mla.core.config.is_fp8(kv) else None
     rows = torch.randn(seq, dims.latent_dim, device=device, dtype=torch.bfloat16)
     cache = torch.empty(blocks, bs, dims.latent_dim, device=device, dtype=kv)
     table = torch.randperm(blocks, device=device).to(torch.int32)[None]

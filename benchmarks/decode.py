@@ -47,7 +47,7 @@ from _common import (
     tflops,
 )
 
-from mla.platform import detect_platform
+from mla.core.platform import detect_platform
 from mla.providers import get_provider
 from mla.providers.base import KernelProvider
 from mla.providers.calls import (
@@ -57,12 +57,12 @@ from mla.providers.calls import (
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
 )
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode import num_sms, paged_decode
 from mla.providers.triton.schedule import DecodeLaunchConfig, allocate_schedule, plan_split_kv
 from mla.providers.triton.small_head import small_head_decode
-from mla.schedule import SplitKVSchedule
 
 RANK, ROPE = 512, 64
 SCALE = 1.0 / math.sqrt(192)

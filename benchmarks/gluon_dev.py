@@ -30,10 +30,10 @@ from decode import SCALE, Problem, label
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon import decode as gd
 from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton.decode import num_sms
 from mla.providers.triton.schedule import plan_split_kv
-from mla.schedule import SplitKVSchedule
 
 RANK, ROPE = 512, 64
 FP8 = torch.float8_e4m3fn

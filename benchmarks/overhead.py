@@ -91,7 +91,7 @@ def run_shape(
     call_us = _wall_us(call, calls=calls, rounds=rounds, sync=sync)
     sync_call_us = _wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
     # The kernels alone: the cached plan's run (what every call launches after planning).
-    plans = [e for e in mla.api.DECODE_PLANS._entries.values() if e.backend.device.type == dev.type]
+    plans = [e for e in mla.engine.api.DECODE_PLANS._entries.values() if e.backend.device.type == dev.type]
     backend = plans[-1].backend
 
     def kernels() -> None:

@@ -39,9 +39,9 @@ import torch
 from _common import attention_flops, bench_us, gpu_name, print_table, tflops
 
 from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
+from mla.providers.quant import quantize_per_tensor
 from mla.providers.triton.fp8_prefill import choose_fp8_config, fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import AttentionLaunchConfig, choose_varlen_config, varlen_attention_fwd
-from mla.quant import quantize_per_tensor
 
 QK_DIM, V_DIM = 192, 128
 TARGET_VS_VARLEN = 1.3

@@ -3,38 +3,38 @@
 ``import mla`` never imports a kernel library; providers import theirs on first use.
 """
 
-from mla import ops
-from mla.api import mla_decode, mla_prefill, write_kv
-from mla.backend import AttentionImpl, MetadataBuilder, MLABackend, MLAMetadata, StepInputs
-from mla.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
-from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
-from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
-from mla.decode.asm_non_persistent import AsmNonPersistent
-from mla.decode.asm_padded_persistent import PaddedAsmPersistent
-from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
-from mla.decode.gluon import GluonDecode
-from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
-from mla.distributed import DCPLayout, DCPMetadata, DecodeContextParallel
-from mla.errors import (
+from mla.core.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
+from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
+from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.core.errors import (
     InvalidInputError,
     MLAError,
     PlanMismatchError,
     ProviderUnavailableError,
     UnsupportedError,
 )
-from mla.explain import Candidate, Explanation
+from mla.core.explain import Candidate, Explanation
+from mla.core.platform import Knobs, Platform, detect_platform, simulated_platform
+from mla.core.support import Reason, Support
+from mla.decode.asm_non_persistent import AsmNonPersistent
+from mla.decode.asm_padded_persistent import PaddedAsmPersistent
+from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
+from mla.decode.gluon import GluonDecode
+from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
+from mla.distributed import DCPLayout, DCPMetadata, DecodeContextParallel
+from mla.engine import ops
+from mla.engine.api import mla_decode, mla_prefill, write_kv
+from mla.engine.backend import AttentionImpl, MetadataBuilder, MLABackend, MLAMetadata, StepInputs
+from mla.engine.ops import ContextExpanderHandle, register_context_expander
+from mla.engine.registry import DEFAULT_REGISTRY, Registry, override, register
+from mla.engine.resolver import Decision, Resolver
 from mla.layers import MLAAttention, deepseek_softmax_scale, yarn_mscale
-from mla.ops import ContextExpanderHandle, register_context_expander
-from mla.platform import Knobs, Platform, detect_platform, simulated_platform
 from mla.prefill.base import PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.prefill.flash_varlen import FlashVarlen
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 from mla.providers import KernelProvider, TorchProvider, get_provider, provider_names
 from mla.providers.aiter.capabilities import aiter_capabilities
-from mla.registry import DEFAULT_REGISTRY, Registry, override, register
-from mla.resolver import Decision, Resolver
 from mla.strategy import GraphSupport, Phase, StrategyKind, StrategySetup
-from mla.support import Reason, Support
 
 __version__ = "0.1.0"
 

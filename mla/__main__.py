@@ -1,5 +1,5 @@
 """``python -m mla``: the same commands as the ``mla`` console script."""
 
-from mla.cli import main
+from mla.tools.cli import main
 
 raise SystemExit(main())

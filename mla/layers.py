@@ -15,11 +15,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from mla.backend import MLABackend, MLAMetadata
-from mla.config import MLADims
+from mla.core.config import MLADims
+from mla.core.errors import InvalidInputError
+from mla.core.validate import require_float, require_tensor
 from mla.distributed import DCPMetadata, DecodeContextParallel
-from mla.errors import InvalidInputError
-from mla.validate import require_float, require_tensor
+from mla.engine.backend import MLABackend, MLAMetadata
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -63,7 +63,7 @@ class MLAAttention(nn.Module):
     """Attention of one MLA layer on one tensor-parallel rank.
 
     Args:
-        attention: the :class:`~mla.backend.MLABackend` serving this rank (one per rank, shared
+        attention: the :class:`~mla.engine.backend.MLABackend` serving this rank (one per rank, shared
             by every layer with these dims), or a
             :class:`~mla.distributed.DecodeContextParallel` when the KV cache is sharded across
             ranks. Its ``dims`` are this rank's: ``num_heads`` = the model's heads / ``tp_size``
@@ -186,7 +186,7 @@ class MLAAttention(nn.Module):
             kv_c_normed: ``[T, L]`` (after ``kv_a_layernorm``); k_pe ``[T, R]`` after rope.
             kv_cache: ``[num_blocks, block_size, L+R]``; this step's rows are written first.
             slot_mapping: int ``[T]`` cache slot of each token (``-1``: padding, not written);
-                required with an :class:`~mla.backend.MLAMetadata`, derived by the builder
+                required with an :class:`~mla.engine.backend.MLAMetadata`, derived by the builder
                 under decode context parallelism (must then be ``None``).
             kv_scale: the fp8 cache's per-tensor dequant scale (``None`` for a float cache).
             out: optional ``[T, H, v]`` output in the model dtype.

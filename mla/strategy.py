@@ -4,7 +4,7 @@ A strategy is mostly data: capability-style constraints as ClassVars, a ``suppor
 returns every reason, ``build_metadata`` (host side, once per step, may sync, writes into the
 buffers the strategy allocated at init) and ``run`` (device side: no host sync, no
 data-dependent shapes, graph-capturable for decode). New kernels are added by subclassing and
-registering (:func:`mla.registry.register`), with no edit to the resolver.
+registering (:func:`mla.engine.registry.register`), with no edit to the resolver.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import ClassVar, Generic, TypeVar
 import attrs
 import torch
 
-from mla.capabilities import Contract, ProviderCapabilities
-from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, dtype_name
-from mla.context import DecodeContext, PrefillContext
-from mla.errors import InvalidInputError, PlanMismatchError
-from mla.platform import Platform
+from mla.core.capabilities import Contract, ProviderCapabilities
+from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, dtype_name
+from mla.core.context import DecodeContext, PrefillContext
+from mla.core.errors import InvalidInputError, PlanMismatchError
+from mla.core.platform import Platform
+from mla.core.support import ReasonCollector, Support
 from mla.providers.base import KernelProvider
-from mla.quant import ScaleBuffer
-from mla.support import ReasonCollector, Support
+from mla.providers.quant import ScaleBuffer
 
 
 class Phase(enum.Enum):
@@ -41,7 +41,7 @@ class GraphSupport(enum.Enum):
 
 
 class StrategyKind(enum.Enum):
-    """Families the preference rules (:mod:`mla.preference`) order; support is not preference."""
+    """Families the preference rules (:mod:`mla.engine.preference`) order; support is not preference."""
 
     SMALL_HEAD = "small-head"
     PAGED = "paged"

@@ -130,14 +130,14 @@ class Scenario:
             max_num_seqs=8, max_model_len=max_len, max_num_batched_tokens=64, max_decode_qlen=4
         )
         common: dict[str, Any] = {"model_dtype": case.model_dtype, "provider": geo.provider, "device": device}
-        kv = mla.config.normalize_dtype(case.kv_dtype)
+        kv = mla.core.config.normalize_dtype(case.kv_dtype)
         blocks_global = len(requests) * -(-max_len // bs) + 1
         local_max = sum(1 for p in range(max_len) if _owner(p, world, case.interleave) == 0)
         blocks_local = len(requests) * -(-local_max // bs) + 1
         self.reference = mla.MLABackend(
             self.dims_global, mla.KVCacheSpec(bs, kv, num_blocks=blocks_global), limits, **common
         )
-        kv = self.reference.capabilities.fp8_dtype if mla.config.is_fp8(kv) else kv
+        kv = self.reference.capabilities.fp8_dtype if mla.core.config.is_fp8(kv) else kv
         self.reference = mla.MLABackend(
             self.dims_global, mla.KVCacheSpec(bs, kv, num_blocks=blocks_global), limits, **common
         )
@@ -150,7 +150,7 @@ class Scenario:
             split_heads=case.split_heads,
             **common,
         )
-        self.kv_scale = FP8_KV_SCALE if mla.config.is_fp8(kv) else None
+        self.kv_scale = FP8_KV_SCALE if mla.core.config.is_fp8(kv) else None
         width = geo.kv_lora_rank + geo.rope
         self.cache_global = self._randn(blocks_global, bs, width).to(kv)
         self.cache_local = self._randn(blocks_local, bs, width).to(kv)

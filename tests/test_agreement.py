@@ -22,10 +22,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import mla
+from mla.core.errors import PlanMismatchError
 from mla.decode._paged import PagedDecode
 from mla.decode._small_head import SmallHeadDecode
-from mla.errors import PlanMismatchError
-from mla.reference import reference_decode
 from mla.testing import (
     CachedContext,
     PrefillCase,
@@ -35,6 +34,7 @@ from mla.testing import (
     emulated_provider,
     rounded_inputs,
 )
+from mla.tools.reference import reference_decode
 
 BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 RANK, ROPE, NOPE, V_DIM = 64, 16, 32, 24
@@ -215,7 +215,7 @@ def _check_decode_geometry(backend: mla.MLABackend, metadata: mla.MLAMetadata, s
         assert geo.num_tokens <= ws.kernel_row.numel()
         if strategy.PERSISTENT:
             schedule = ws.schedule
-            assert isinstance(schedule, mla.schedule.SplitKVSchedule)
+            assert isinstance(schedule, mla.providers.split_kv.SplitKVSchedule)
             assert schedule.partial_o.shape[1] >= geo.kernel_qlen
             assert schedule.partial_o.shape[2] == geo.kernel_heads
             assert schedule.max_batch >= geo.num_requests

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 import mla
-from mla import cli
-from mla.errors import ProviderUnavailableError
-from mla.platform import FP8_PREFILL_ENV, SMALL_HEAD_MODE_ENV
+from mla.core.errors import ProviderUnavailableError
+from mla.core.platform import FP8_PREFILL_ENV, SMALL_HEAD_MODE_ENV
 from mla.strategy import Phase
+from mla.tools import cli
 
 # (arch, heads, qlen, max decode qlen, kv dtype, small-head mode) -> chosen decode strategy.
 DECODE_TABLE = [

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import mla
-from mla.reference import reference_decode
 from mla.testing import assert_matches_reference, emulated_provider
+from mla.tools.reference import reference_decode
 
 pytestmark = pytest.mark.gpu
 

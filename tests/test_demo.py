@@ -9,12 +9,12 @@ import attrs
 import pytest
 import torch
 
-from mla import cli
-from mla.demo import DemoConfig, DemoReport, StepRecord, run_demo
-from mla.demo_dcp import run_dcp_demo
-from mla.errors import InvalidInputError, UnsupportedError
+from mla.core.errors import InvalidInputError, UnsupportedError
 from mla.providers.calls import PagedDecodeCall, VarlenPrefillCall
 from mla.providers.torch_ref import TorchProvider
+from mla.tools import cli
+from mla.tools.demo import DemoConfig, DemoReport, StepRecord, run_demo
+from mla.tools.demo_dcp import run_dcp_demo
 
 # Small latent dims keep each run to a fraction of a second on a CPU; the loop is the same.
 SMALL = DemoConfig(

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 import mla
+from mla.core.errors import InvalidInputError
 from mla.distributed import DCPLayout, DecodeContextParallel, lse_weights
-from mla.errors import InvalidInputError
 from mla.layers import MLAAttention
-from mla.reference import merge_reference
+from mla.tools.reference import merge_reference
 
 
 @pytest.mark.parametrize(("world", "interleave"), [(1, 1), (2, 1), (3, 2), (4, 16), (2, 5)])

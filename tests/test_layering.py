@@ -15,28 +15,12 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mla"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "foundation",
-        (
-            "mla.support",
-            "mla.explain",
-            "mla.errors",
-            "mla.config",
-            "mla.platform",
-            "mla.capabilities",
-            "mla.context",
-            "mla.validate",
-            "mla.transforms",
-            "mla.quant",
-            "mla.schedule",
-        ),
-    ),
+    ("core", ("mla.core",)),
     ("providers", ("mla.providers",)),
-    ("strategies", ("mla.strategy", "mla.preference", "mla.decode", "mla.prefill")),
-    ("resolution", ("mla.registry", "mla.resolver")),
-    ("engine", ("mla.ops", "mla.backend", "mla.api")),
+    ("strategies", ("mla.strategy", "mla.decode", "mla.prefill")),
+    ("engine", ("mla.engine",)),
     ("model", ("mla.layers", "mla.distributed")),
-    ("tools", ("mla", "mla.__main__", "mla.cli", "mla.demo", "mla.demo_dcp", "mla.reference", "mla.testing")),
+    ("tools", ("mla", "mla.__main__", "mla.tools", "mla.testing")),
 )
 """Layers from the bottom up; a module may import its own layer and the ones below it."""
 
@@ -147,13 +131,13 @@ def test_the_checks_catch_a_cycle_and_an_upward_import() -> None:
     """The walkers themselves: a planted cycle is found, a planted upward import is seen."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert layer_of("mla.support") < layer_of("mla.providers.base") < layer_of("mla.decode.base")
-    assert layer_of("mla.decode.base") < layer_of("mla.backend") < layer_of("mla.cli")
-    assert "mla.errors" in GRAPH["mla.config"]
+    assert layer_of("mla.core.support") < layer_of("mla.providers.base") < layer_of("mla.decode.base")
+    assert layer_of("mla.decode.base") < layer_of("mla.engine.backend") < layer_of("mla.tools.cli")
+    assert "mla.core.errors" in GRAPH["mla.core.config"]
     # A package's __init__ counts the submodules it hands on.
     assert "mla.providers.aiter.provider" in GRAPH["mla.providers.aiter"]
 
 
-@pytest.mark.parametrize("name", ["mla.__main__", "mla.cli"])
+@pytest.mark.parametrize("name", ["mla.__main__", "mla.tools.cli"])
 def test_the_entry_points_sit_on_top(name: str) -> None:
     assert layer_of(name) == len(LAYERS) - 1

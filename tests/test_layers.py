@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import mla
-from mla.errors import InvalidInputError, UnsupportedError
+from mla.core.errors import InvalidInputError, UnsupportedError
 from mla.layers import MLAAttention, deepseek_softmax_scale, yarn_mscale
 from mla.providers import emulated_provider
-from mla.reference import causal_visible
+from mla.tools.reference import causal_visible
 
 # (seq_len, new tokens), decodes first: a decode, a verify of 3, prefills with context 23 and
 # 1 and one without.

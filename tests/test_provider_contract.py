@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from mla import EngineLimits, KVCacheSpec, MLABackend, MLADims
-from mla.capabilities import ALL_CONTRACTS, REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
+from mla.core.capabilities import ALL_CONTRACTS, REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
+from mla.core.errors import InvalidInputError, UnsupportedError
+from mla.core.platform import Platform, simulated_platform
+from mla.core.support import Support
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
 from mla.decode.gluon import GluonDecode
-from mla.errors import InvalidInputError, UnsupportedError
-from mla.platform import Platform, simulated_platform
 from mla.providers import KernelProvider, emulated_provider, get_provider
 from mla.providers.base import CONTRACT_METHODS
-from mla.quant import ScaleBuffer
-from mla.support import Support
+from mla.providers.quant import ScaleBuffer
 from mla.testing import DecodeCase, compare_to_reference, make_decode_inputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

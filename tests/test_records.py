@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mla
-from mla.context import DecodeContext
+from mla.core.context import DecodeContext
 from mla.testing import simulated_decode_context
 
 REJECTIONS: list[tuple[str, Callable[[], object], str]] = [

@@ -22,8 +22,8 @@ from mla import (
     prefill_context,
     simulated_platform,
 )
-from mla.capabilities import REFERENCE_CAPABILITIES, PagedKernel, ProviderCapabilities
-from mla.context import DecodeContext, PrefillContext
+from mla.core.capabilities import REFERENCE_CAPABILITIES, PagedKernel, ProviderCapabilities
+from mla.core.context import DecodeContext, PrefillContext
 from mla.providers.aiter.capabilities import AITER_GET_BLOCK_N_FP8_KEYS
 from mla.testing import (
     emulated_provider,

@@ -11,14 +11,14 @@ import attrs
 import pytest
 
 import mla.providers
-from mla import cli
-from mla.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
-from mla.platform import Platform, simulated_platform
+from mla.core.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
+from mla.core.platform import Platform, simulated_platform
+from mla.core.support import Support
 from mla.providers import emulation_capabilities, get_provider
 from mla.providers.aiter import AiterProvider
 from mla.providers.aiter.capabilities import aiter_capabilities
 from mla.providers.base import KernelProvider
-from mla.support import Support
+from mla.tools import cli
 
 SHIPPED = attrs.evolve(REFERENCE_CAPABILITIES, provider="fake", contracts=frozenset({Contract.PAGED_DECODE}))
 

@@ -16,18 +16,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mla.errors import PlanMismatchError
+from mla.core.errors import PlanMismatchError
 from mla.providers import TorchProvider
 from mla.providers.calls import ExpandPagesCall, MergeStatesCall, WriteKVCall
-from mla.reference import causal_visible, merge_reference
-from mla.schedule import SplitKVSchedule
-from mla.transforms import (
+from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.transforms import (
     HeadPadding,
     HeadPadMode,
     gather_row_page_table,
     qlen_padding_maps,
     verify_row_lengths,
 )
+from mla.tools.reference import causal_visible, merge_reference
 
 SETTINGS = settings(max_examples=40, deadline=None)
 META = torch.device("meta")

@@ -24,8 +24,8 @@ import torch
 
 import mla
 from mla.providers.base import KernelProvider
-from mla.reference import reference_decode, reference_prefill
 from mla.testing import compare_to_reference, emulated_provider
+from mla.tools.reference import reference_decode, reference_prefill
 
 NAN = math.nan
 
@@ -390,7 +390,10 @@ def test_prefill_nan_in_one_request_stays_in_its_later_rows(
 
 def _fp8_reference(clean: list[torch.Tensor], cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference on the inputs the fp8 prefill computes with (per-tensor fp8 rounding)."""
-    rounded = [mla.quant.dequantize(*mla.quant.quantize_per_tensor(x, torch.float8_e4m3fn)) for x in clean]
+    rounded = [
+        mla.providers.quant.dequantize(*mla.providers.quant.quantize_per_tensor(x, torch.float8_e4m3fn))
+        for x in clean
+    ]
     return reference_prefill(*rounded, cu, cu, softmax_scale=48**-0.5)
 
 

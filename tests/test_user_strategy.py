@@ -12,10 +12,10 @@ import torch
 
 import mla
 from mla import Contract, DecodeStrategy, Resolver, StrategyKind
-from mla.context import DecodeContext
+from mla.core.context import DecodeContext
+from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan
 from mla.strategy import StrategySetup
-from mla.support import ReasonCollector
 from mla.testing import (
     DecodeCase,
     check_decode_strategy,

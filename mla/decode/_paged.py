@@ -7,9 +7,10 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.capabilities import Contract, ProviderCapabilities
-from mla.config import dtype_name
-from mla.context import DecodeContext
+from mla.core.capabilities import Contract, ProviderCapabilities
+from mla.core.config import dtype_name
+from mla.core.context import DecodeContext
+from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
 from mla.providers.calls import (
     DecodeSchedule,
@@ -17,9 +18,8 @@ from mla.providers.calls import (
     PagedDecodeCall,
     PlanDecodeScheduleCall,
 )
+from mla.providers.transforms import HeadPadding, qlen_padding_maps
 from mla.strategy import StrategyKind, StrategySetup, require_dtype, require_latent_dims
-from mla.support import ReasonCollector
-from mla.transforms import HeadPadding, qlen_padding_maps
 
 
 @attrs.frozen(eq=False)

@@ -7,13 +7,13 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.capabilities import Contract
-from mla.context import DecodeContext
+from mla.core.capabilities import Contract
+from mla.core.context import DecodeContext
+from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
 from mla.providers.calls import SmallHeadDecodeCall
+from mla.providers.transforms import gather_row_page_table, verify_row_lengths
 from mla.strategy import StrategyKind, StrategySetup, require_dtype, require_latent_dims
-from mla.support import ReasonCollector
-from mla.transforms import gather_row_page_table, verify_row_lengths
 
 
 @attrs.frozen(eq=False)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from mla.capabilities import Contract
-from mla.context import DecodeContext
+from mla.core.capabilities import Contract
+from mla.core.context import DecodeContext
+from mla.core.support import ReasonCollector
 from mla.decode._paged import PagedDecode
-from mla.support import ReasonCollector
 
 
 class PaddedAsmPersistent(PagedDecode):

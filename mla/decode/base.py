@@ -8,8 +8,9 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.config import GraphMode
-from mla.context import DecodeContext
+from mla.core.config import GraphMode
+from mla.core.context import DecodeContext
+from mla.core.validate import check_cache_scale
 from mla.providers.calls import ExpandPagesCall
 from mla.strategy import (
     GraphSupport,
@@ -20,7 +21,6 @@ from mla.strategy import (
     check_cache,
     check_tensor,
 )
-from mla.validate import check_cache_scale
 
 
 @attrs.frozen(eq=False)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from mla.context import DecodeContext
+from mla.core.context import DecodeContext
+from mla.core.support import ReasonCollector
 from mla.decode._small_head import SmallHeadDecode
 from mla.strategy import StrategySetup
-from mla.support import ReasonCollector
 
 
 class GluonDecode(SmallHeadDecode):

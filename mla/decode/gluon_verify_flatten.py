@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from mla.context import DecodeContext
+from mla.core.context import DecodeContext
+from mla.core.support import ReasonCollector
 from mla.decode._small_head import SmallHeadDecode
-from mla.support import ReasonCollector
 
 
 class GluonVerifyFlatten(SmallHeadDecode):

@@ -11,13 +11,19 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from mla.backend import MLABackend, MLAMetadata, StepInputs
-from mla.config import EngineLimits, KVCacheSpec, MLADims
+from mla.core.config import EngineLimits, KVCacheSpec, MLADims
+from mla.core.errors import InvalidInputError
+from mla.core.validate import (
+    check_block_ids,
+    check_indptr,
+    check_paged_requests,
+    require_index,
+    require_tensor,
+)
 from mla.distributed.combine import all_gather_into, combine_decode_states
 from mla.distributed.layout import DCPLayout
-from mla.errors import InvalidInputError
+from mla.engine.backend import MLABackend, MLAMetadata, StepInputs
 from mla.prefill.base import ContextExpander
-from mla.validate import check_block_ids, check_indptr, check_paged_requests, require_index, require_tensor
 
 
 @attrs.frozen(eq=False)
@@ -40,7 +46,7 @@ class ContextGather:
 class DCPMetadata:
     """One step under decode context parallelism, on one rank (from :meth:`DecodeContextParallel.build`).
 
-    The counts are the global step's, as in :class:`~mla.backend.MLAMetadata`.
+    The counts are the global step's, as in :class:`~mla.engine.backend.MLAMetadata`.
     """
 
     num_decodes: int
@@ -64,7 +70,7 @@ class DecodeContextParallel:
 
     Built once per rank with the rank's own head geometry (``dims.num_heads`` = heads this rank
     serves), the cache spec of the rank's local cache and the engine's global limits. It owns two
-    :class:`~mla.backend.MLABackend`: one decodes this rank's shard (``num_heads * W`` heads when
+    :class:`~mla.engine.backend.MLABackend`: one decodes this rank's shard (``num_heads * W`` heads when
     ``split_heads``; one qlen-1 request per decode row, up to ``max_num_seqs * max_decode_qlen``;
     keys up to the largest local share of ``max_model_len``), one prefills over the gathered
     context. ``backend_options`` (``model_dtype``, ``provider``, ``platform``, ``device``,
@@ -76,7 +82,7 @@ class DecodeContextParallel:
     heads and outputs are reduce-scattered back. Otherwise every rank holds the same heads and
     outputs are all-reduced.
 
-    The engine's step (:class:`~mla.backend.StepInputs`) keeps global ``seq_lens`` and positions;
+    The engine's step (:class:`~mla.engine.backend.StepInputs`) keeps global ``seq_lens`` and positions;
     its ``block_table`` holds the block ids of the sharded caches (the same on every rank).
     """
 
@@ -149,7 +155,7 @@ class DecodeContextParallel:
         Host work on ``query_start_loc_cpu`` and ``seq_lens_cpu`` (``seq_lens`` is copied from
         the device when the host copy is missing); block ids are read on the device, and checked
         on the host only with ``validate="full"``. Every rank runs the same checks on the same
-        global values, so a bad step raises :class:`~mla.errors.InvalidInputError` on every rank
+        global values, so a bad step raises :class:`~mla.core.errors.InvalidInputError` on every rank
         (a malformed step, or a block table too narrow for rank 0's share of a request).
         """
         qsl = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from mla.errors import InvalidInputError
+from mla.core.errors import InvalidInputError
 
 
 @attrs.frozen

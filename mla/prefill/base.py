@@ -9,10 +9,10 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.context import PrefillContext
-from mla.errors import InvalidInputError
+from mla.core.context import PrefillContext
+from mla.core.errors import InvalidInputError
+from mla.core.validate import check_cache_scale, require_tensor
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
-from mla.validate import check_cache_scale, require_tensor
 
 ContextExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """Engine callback turning cached latent rows ``[n, L+R]`` (model dtype) into MHA-form

@@ -7,13 +7,13 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.capabilities import Contract
-from mla.config import is_fp8
-from mla.context import PrefillContext
+from mla.core.capabilities import Contract
+from mla.core.config import is_fp8
+from mla.core.context import PrefillContext
+from mla.core.support import ReasonCollector
 from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
 from mla.providers.calls import MergeStatesCall, VarlenPrefillCall
 from mla.strategy import StrategyKind, require_dtype
-from mla.support import ReasonCollector
 
 
 class FlashVarlen(PrefillStrategy):

@@ -6,13 +6,13 @@ from typing import ClassVar
 
 import torch
 
-from mla.capabilities import Contract
-from mla.context import PrefillContext
+from mla.core.capabilities import Contract
+from mla.core.context import PrefillContext
+from mla.core.support import ReasonCollector
 from mla.prefill.base import ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.providers.calls import Fp8PrefillCall, Fp8PrefillPlanCall
-from mla.quant import quantize_per_tensor
+from mla.providers.quant import quantize_per_tensor
 from mla.strategy import StrategyKind
-from mla.support import ReasonCollector
 
 
 class Fp8PersistentPrefill(PrefillStrategy):

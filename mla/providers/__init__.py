@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from mla.capabilities import ProviderCapabilities
-from mla.errors import InvalidInputError, ProviderUnavailableError
-from mla.platform import Platform, simulated_platform
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.errors import InvalidInputError, ProviderUnavailableError
+from mla.core.platform import Platform, simulated_platform
 from mla.providers.aiter.capabilities import with_native_h24
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider

@@ -3,7 +3,7 @@
 A provider implements kernel contracts as methods that take the contract's call record
 (:mod:`mla.providers.calls`, where shapes, dtypes and shared conventions are documented) and
 write into the caller's outputs. Every contract method has a default that raises
-:class:`~mla.errors.UnsupportedError`, so ``ProviderCapabilities.contracts`` is the one
+:class:`~mla.core.errors.UnsupportedError`, so ``ProviderCapabilities.contracts`` is the one
 declaration of what a provider implements: a provider overrides exactly the methods of the
 contracts it lists.
 """
@@ -15,9 +15,10 @@ from typing import ClassVar, NoReturn
 
 import torch
 
-from mla.capabilities import Contract, ProviderCapabilities
-from mla.errors import UnsupportedError
-from mla.platform import Platform
+from mla.core.capabilities import Contract, ProviderCapabilities
+from mla.core.errors import UnsupportedError
+from mla.core.platform import Platform
+from mla.core.support import Support
 from mla.providers.calls import (
     DecodeSchedule,
     DecodeScheduleBuffersCall,
@@ -31,7 +32,6 @@ from mla.providers.calls import (
     VarlenPrefillCall,
     WriteKVCall,
 )
-from mla.support import Support
 
 CONTRACT_METHODS: dict[Contract, tuple[str, ...]] = {
     Contract.PAGED_DECODE: ("paged_mqa_decode",),

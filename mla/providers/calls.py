@@ -28,7 +28,7 @@ from typing import Protocol
 import attrs
 import torch
 
-from mla.platform import Platform
+from mla.core.platform import Platform
 
 
 class DecodeSchedule(Protocol):
@@ -36,7 +36,7 @@ class DecodeSchedule(Protocol):
     ``decode_schedule_buffers`` and re-planned in place by ``plan_decode_schedule`` each step.
 
     Each provider takes only its own schedule type and raises
-    :class:`~mla.errors.PlanMismatchError` for another one, or for a step that does not fit.
+    :class:`~mla.core.errors.PlanMismatchError` for another one, or for a step that does not fit.
     """
 
     @property

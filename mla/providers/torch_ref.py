@@ -19,9 +19,10 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.capabilities import REFERENCE_CAPABILITIES, ProviderCapabilities
-from mla.errors import PlanMismatchError
-from mla.platform import Platform
+from mla.core.capabilities import REFERENCE_CAPABILITIES, ProviderCapabilities
+from mla.core.errors import PlanMismatchError
+from mla.core.platform import Platform
+from mla.core.support import Support
 from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
@@ -35,8 +36,7 @@ from mla.providers.calls import (
     VarlenPrefillCall,
     WriteKVCall,
 )
-from mla.schedule import SplitKVSchedule
-from mla.support import Support
+from mla.providers.split_kv import SplitKVSchedule
 
 _CHUNK_ELEMENTS = 1 << 24
 """Upper bound on gathered elements per vectorized chunk (bounds host/device memory)."""

@@ -11,11 +11,11 @@ Users run it on their own strategy subclass; the project's own strategy tests us
             continue
         result.assert_passed()
 
-A decode check builds an :class:`~mla.backend.MLABackend` sized for the case, forces the
+A decode check builds an :class:`~mla.engine.backend.MLABackend` sized for the case, forces the
 strategy (the resolver runs the same ``supports`` checks as automatic selection), builds the
 step's metadata, poisons the caller outputs with NaN, runs ``impl.forward_decode`` with an LSE
 tensor and again with ``lse=None`` (the production default) and compares both to
-:func:`mla.reference.reference_decode` (float64). Inputs are random, never zeros; cache blocks
+:func:`mla.tools.reference.reference_decode` (float64). Inputs are random, never zeros; cache blocks
 are a random permutation, so a strategy that assumes contiguous blocks fails. Prefill checks run
 through :func:`mla.mla_prefill` or the backend (optionally with cached context expanded by a
 random up-projection and merged by LSE).

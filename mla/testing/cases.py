@@ -12,7 +12,7 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.config import FLOAT_DTYPES, MLADims, dtype_name, is_fp8
+from mla.core.config import FLOAT_DTYPES, MLADims, dtype_name, is_fp8
 
 DEFAULT_FP8_KV_SCALE = 0.05
 """Per-tensor dequant scale of generated fp8 caches (values ``N(0, 1)`` stored as ``x / 0.05``)."""

@@ -9,19 +9,19 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.api import mla_prefill
-from mla.config import EngineLimits, KVCacheSpec
+from mla.core.config import EngineLimits, KVCacheSpec
+from mla.core.errors import UnsupportedError
+from mla.core.explain import Explanation
+from mla.core.platform import Platform
+from mla.core.support import Reason, Support
 from mla.decode.base import DecodeStrategy
-from mla.errors import UnsupportedError
-from mla.explain import Explanation
-from mla.platform import Platform
+from mla.engine.api import mla_prefill
+from mla.engine.registry import AnyStrategy, Registry
 from mla.prefill.base import PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider
-from mla.quant import dequantize
-from mla.registry import AnyStrategy, Registry
+from mla.providers.quant import dequantize
 from mla.strategy import StrategySetup
-from mla.support import Reason, Support
 from mla.testing.cases import DecodeCase, PrefillCase
 from mla.testing.compare import TOLERANCES, Comparison, compare_to_reference, poisoned_empty, tolerance_for
 from mla.testing.contexts import as_platform, decode_case_backend, device_for, prefill_case_backend

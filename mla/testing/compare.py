@@ -15,7 +15,7 @@ import attrs
 import torch
 import torch.utils.deterministic as det
 
-from mla.config import dtype_name
+from mla.core.config import dtype_name
 
 TOLERANCES: Mapping[torch.dtype, float] = {
     torch.float32: 1e-5,

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from mla.backend import MLABackend
-from mla.capabilities import ProviderCapabilities
-from mla.config import EngineLimits, KVCacheSpec, MLADims
-from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.config import EngineLimits, KVCacheSpec, MLADims
+from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.core.platform import Knobs, Platform, simulated_platform
+from mla.core.support import Support
 from mla.decode.base import DecodeStrategy
-from mla.platform import Knobs, Platform, simulated_platform
+from mla.engine.backend import MLABackend
+from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.engine.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
 from mla.providers import emulated_provider, resolve_provider
 from mla.providers.base import KernelProvider
-from mla.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.resolver import Resolver
 from mla.strategy import Phase
-from mla.support import Support
 from mla.testing.cases import DecodeCase, PrefillCase
 
 

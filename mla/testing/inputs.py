@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from mla.backend import StepInputs
-from mla.config import is_fp8
-from mla.reference import reference_decode, reference_prefill
+from mla.core.config import is_fp8
+from mla.engine.backend import StepInputs
 from mla.testing.cases import DecodeCase, PrefillCase
+from mla.tools.reference import reference_decode, reference_prefill
 
 
 def _paged_table(

@@ -1,5 +1,5 @@
 """Helpers of the aiter provider tests: build a backend on the (fake) aiter provider, run a step,
-and compare it to the float64 reference (mla.reference via mla.testing)."""
+and compare it to the float64 reference (mla.tools.reference via mla.testing)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ import attrs
 import torch
 
 from mla import Knobs, MLABackend, simulated_platform
-from mla.capabilities import ProviderCapabilities
-from mla.config import is_fp8
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.config import is_fp8
 from mla.decode.base import DecodeStrategy
 from mla.prefill.base import PrefillStrategy
 from mla.providers.aiter import AiterProvider
 from mla.providers.aiter.capabilities import ARCH_FP8
-from mla.quant import dequantize, quantize_per_tensor
-from mla.reference import reference_decode
+from mla.providers.quant import dequantize, quantize_per_tensor
 from mla.testing import (
     Comparison,
     DecodeCase,
@@ -26,6 +25,7 @@ from mla.testing import (
     prefill_case_backend,
     rounded_inputs,
 )
+from mla.tools.reference import reference_decode
 
 LATENT = {"kv_lora_rank": 512, "rope_dim": 64}
 """aiter's decode kernels take 576-wide rows (512 + 64); the fake enforces it."""

@@ -20,8 +20,8 @@ from mla.providers.calls import (
     VarlenPrefillCall,
 )
 from mla.providers.torch_ref import TorchProvider
-from mla.reference import reference_prefill
 from mla.testing import compare_to_reference, make_decode_inputs
+from mla.tools.reference import reference_prefill
 
 
 def test_persistent_fp8_decode_uses_one_geometry_from_sizing_to_run(fake_aiter) -> None:

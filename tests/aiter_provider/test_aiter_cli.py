@@ -7,8 +7,8 @@ import json
 import pytest
 
 import mla.providers
-from mla.cli import main
 from mla.providers.aiter import AiterProvider
+from mla.tools.cli import main
 
 pytestmark = pytest.mark.skipif(
     bool(AiterProvider().availability()), reason="aiter runs here: the no-aiter explanations do not apply"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from aiter_cases import fake_provider
 
-from mla.platform import simulated_platform
+from mla.core.platform import simulated_platform
 from mla.providers.aiter import AiterProvider
 from mla.providers.aiter.capabilities import aiter_capabilities
 

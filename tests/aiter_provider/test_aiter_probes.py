@@ -17,8 +17,8 @@ from mla import (
     UnsupportedError,
     prefill_context,
 )
-from mla.capabilities import Contract
-from mla.platform import simulated_platform
+from mla.core.capabilities import Contract
+from mla.core.platform import simulated_platform
 from mla.prefill.flash_varlen import FlashVarlen
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 from mla.providers.aiter import AiterProvider

@@ -100,9 +100,9 @@ def test_paged_decode_variants(
     heads, qlens, lens, block = case
     from mla.providers.gluon.decode import paged_decode
     from mla.providers.gluon.planner import BLOCK_M, launch_config, schedule_units
+    from mla.providers.split_kv import SplitKVSchedule
     from mla.providers.triton.decode import num_sms
     from mla.providers.triton.schedule import plan_split_kv
-    from mla.schedule import SplitKVSchedule
 
     data = _case(heads, qlens, lens, block, kv_dtype, seed=heads + len(variant))
     q = data[0]

@@ -9,8 +9,8 @@ import attrs
 import pytest
 import torch
 
-from mla.capabilities import Contract
-from mla.platform import simulated_platform
+from mla.core.capabilities import Contract
+from mla.core.platform import simulated_platform
 from mla.providers import auto_order, get_provider
 from mla.providers.calls import PagedDecodeCall, WriteKVCall
 from mla.providers.gluon import GluonProvider
@@ -152,7 +152,7 @@ def test_kernel_note_names_the_kernel_and_the_reason() -> None:
 
 
 def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> None:
-    from mla.cli import main
+    from mla.tools.cli import main
 
     main(["explain", "--provider", "gluon", "--arch", "sm90", "--heads", "16", "--kv-dtype", "fp8"])
     text = capsys.readouterr().out
@@ -167,7 +167,7 @@ def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> No
 def test_launcher_rejects_cases_the_kernels_do_not_take(
     rank: int, rope: int, q_dtype: torch.dtype, kv_dtype: torch.dtype
 ) -> None:
-    from mla.errors import InvalidInputError
+    from mla.core.errors import InvalidInputError
     from mla.providers.gluon.decode import launch_gluon_decode
     from mla.providers.gluon.planner import GluonLaunchConfig
 

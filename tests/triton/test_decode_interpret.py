@@ -16,12 +16,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from mla.capabilities import Contract
+from mla.core.capabilities import Contract
+from mla.core.platform import simulated_platform
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
-from mla.platform import simulated_platform
 from mla.providers import get_provider
 from mla.providers.calls import (
     ExpandPagesCall,
@@ -31,11 +31,11 @@ from mla.providers.calls import (
     SmallHeadDecodeCall,
     WriteKVCall,
 )
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode import paged_decode
 from mla.providers.triton.schedule import DecodeLaunchConfig, allocate_schedule, decode_launch_config
-from mla.schedule import SplitKVSchedule
 from mla.testing import DecodeCase, check_decode_strategy
 
 pytestmark = pytest.mark.interpret

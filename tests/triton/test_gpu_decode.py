@@ -12,21 +12,21 @@ import math
 import pytest
 import torch
 
-from mla.backend import MLABackend, StepInputs
-from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
+from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
+from mla.core.platform import detect_platform
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
-from mla.platform import detect_platform
+from mla.engine.backend import MLABackend, StepInputs
 from mla.providers import get_provider
 from mla.providers.base import KernelProvider
 from mla.providers.calls import WriteKVCall
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
-from mla.reference import reference_decode
 from mla.testing import DecodeCase, assert_matches_reference, check_decode_strategy
+from mla.tools.reference import reference_decode
 
 pytestmark = pytest.mark.gpu
 

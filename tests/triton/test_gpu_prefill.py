@@ -1,6 +1,6 @@
 """GPU tests of the Triton prefill kernels (varlen bf16/fp16 and fp8 persistent) at 192/128.
 
-Compared with :func:`mla.reference.reference_prefill` (float64; the fp8 kernels against the
+Compared with :func:`mla.tools.reference.reference_prefill` (float64; the fp8 kernels against the
 reference on their dequantized inputs). Outputs are poisoned with NaN before each run.
 """
 
@@ -13,10 +13,10 @@ import torch
 
 import mla
 from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
+from mla.providers.quant import quantize_per_tensor
 from mla.providers.triton.fp8_prefill import build_fp8_prefill_plan, fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import varlen_attention_fwd
-from mla.quant import quantize_per_tensor
-from mla.reference import reference_prefill
+from mla.tools.reference import reference_prefill
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """The Triton prefill kernels in the CPU interpreter (``TRITON_INTERPRET=1``, set by conftest).
 
 Tiny shapes, fp16/fp32 inputs (the interpreter computes bf16 dots wrongly), compared with
-:func:`mla.reference.reference_prefill` in float64. The fp8 kernel runs here too: the
+:func:`mla.tools.reference.reference_prefill` in float64. The fp8 kernel runs here too: the
 interpreter's ``tl.dot`` on fp8 operands is exact (checked for e4m3fn and e5m2), so the fp8
 tests compare with the reference on the dequantized inputs. Outputs start as NaN.
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from mla import PREFILL_STRATEGIES, PrefillStrategy
-from mla.errors import InvalidInputError, PlanMismatchError
-from mla.quant import quantize_per_tensor
-from mla.reference import causal_visible, reference_prefill
+from mla.core.errors import InvalidInputError, PlanMismatchError
+from mla.providers.quant import quantize_per_tensor
+from mla.tools.reference import causal_visible, reference_prefill
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU", allow_module_level=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from mla.capabilities import ALL_CONTRACTS, Contract, PagedKernel, ProviderCapabilities
+from mla.core.capabilities import ALL_CONTRACTS, Contract, PagedKernel, ProviderCapabilities
 
 _BF16 = frozenset({torch.bfloat16})
 

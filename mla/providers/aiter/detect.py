@@ -16,7 +16,7 @@ from types import ModuleType
 
 import attrs
 
-from mla.support import Reason, Support
+from mla.core.support import Reason, Support
 
 AMD_DISTRIBUTION = "amd-aiter"
 """AMD aiter's distribution name on PyPI (``pip install amd-aiter``)."""

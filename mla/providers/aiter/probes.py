@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from mla.config import dtype_name
+from mla.core.config import dtype_name
 
 GLUON_MODULES: tuple[tuple[str, str], ...] = (
     ("aiter.ops.triton.gluon.mla_gluon", "mla_gluon"),

@@ -34,10 +34,11 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from mla.capabilities import Contract, ProviderCapabilities
-from mla.config import FP8_DTYPES, dtype_name, is_fp8
-from mla.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError
-from mla.platform import Platform
+from mla.core.capabilities import Contract, ProviderCapabilities
+from mla.core.config import FP8_DTYPES, dtype_name, is_fp8
+from mla.core.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError
+from mla.core.platform import Platform
+from mla.core.support import Support
 from mla.providers.aiter.capabilities import (
     AITER_FP8_PREFILL_DIMS,
     AITER_FP8_PREFILL_HEADS,
@@ -79,10 +80,9 @@ from mla.providers.calls import (
     VarlenPrefillCall,
     WriteKVCall,
 )
+from mla.providers.quant import dequantize, quantize_per_tensor
 from mla.providers.torch_ref import TorchProvider
-from mla.quant import dequantize, quantize_per_tensor
-from mla.support import Support
-from mla.transforms import HeadPadding
+from mla.providers.transforms import HeadPadding
 
 
 def _fp8_kernel_heads(heads: int) -> int:

@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 import torch
 
-from mla.config import dtype_name
-from mla.errors import PlanMismatchError
+from mla.core.config import dtype_name
+from mla.core.errors import PlanMismatchError
 
 BufferSpec = tuple[Any, torch.dtype]
 """One ``(shape, dtype)`` pair as aiter's ``*_info_v1`` functions return them."""

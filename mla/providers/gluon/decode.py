@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.errors import InvalidInputError, PlanMismatchError
+from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.planner import (
@@ -25,8 +25,8 @@ from mla.providers.gluon.planner import (
     launch_config,
 )
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.decode import launch_merge, num_sms
-from mla.schedule import SplitKVSchedule
 
 LOG2E = 1.4426950408889634
 
@@ -184,7 +184,7 @@ def launch_gluon_decode(
 
 def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
     """Paged MQA decode on the Gluon kernels (the ``paged-decode`` contract; ``call.schedule``
-    selects the planned split-KV path and must be a :class:`~mla.schedule.SplitKVSchedule`).
+    selects the planned split-KV path and must be a :class:`~mla.providers.split_kv.SplitKVSchedule`).
     ``config`` overrides the launch heuristic (benchmarks)."""
     schedule = call.schedule
     if schedule is not None and not isinstance(schedule, SplitKVSchedule):

@@ -2,7 +2,7 @@
 """Gluon (Hopper) paged MQA decode kernel for MLA: 64-row q tile, shared-memory KV ring, wgmma.
 
 One kernel serves every decode contract of the provider (paged decode, non-persistent or on a
-planned :class:`~mla.schedule.SplitKVSchedule`, and the small-head decode with one qlen-1
+planned :class:`~mla.providers.split_kv.SplitKVSchedule`, and the small-head decode with one qlen-1
 request per row). A program owns one work item (request, KV range ``[lo, hi)``) and
 ``BLOCK_M = 64`` packed query rows (``row = qi·H + head``; more rows run as several row blocks).
 

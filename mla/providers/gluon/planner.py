@@ -30,7 +30,7 @@ Splits are sized in whole waves (a program in a mostly empty second wave costs a
 * non-persistent: the split count ``k`` minimises ``ceil(P·k / slots) / k`` for
   ``P = requests × row blocks`` programs, capped at ``MAX_SPLITS`` and at one split per
   ``MIN_SPLIT_TOKENS`` tokens;
-* persistent (planned :class:`~mla.schedule.SplitKVSchedule`): the planner's unit count is the
+* persistent (planned :class:`~mla.providers.split_kv.SplitKVSchedule`): the planner's unit count is the
   largest power of two <= ``num_sms / row_blocks``, so power-of-two batches and lengths are cut
   into equal items (the Triton provider's device planner fills the schedule).
 """

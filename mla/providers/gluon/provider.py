@@ -22,8 +22,9 @@ from typing import ClassVar
 import attrs
 import torch
 
-from mla.capabilities import Contract, ProviderCapabilities
-from mla.platform import Platform
+from mla.core.capabilities import Contract, ProviderCapabilities
+from mla.core.platform import Platform
+from mla.core.support import Support
 from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
@@ -45,9 +46,8 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     schedule_units,
 )
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton import TritonProvider
-from mla.schedule import SplitKVSchedule
-from mla.support import Support
 
 HOPPER_MODULE = "triton.experimental.gluon.language.nvidia.hopper"
 """The Gluon module whose wgmma/TMA/mbarrier builtins the kernels use."""

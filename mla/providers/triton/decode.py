@@ -6,7 +6,7 @@ One kernel serves every decode contract of the provider:
 * ``paged_decode``: asm-style paged decode (``q [T, H, L+R]``, ``qo_indptr`` with qlen >= 1,
   right-aligned causal rows), either *non-persistent* (the kernel splits each request's KV into
   ``num_splits`` equal ranges by the heuristic in :mod:`.schedule`) or *persistent* (work items
-  from a planned :class:`~mla.schedule.SplitKVSchedule`);
+  from a planned :class:`~mla.providers.split_kv.SplitKVSchedule`);
 * the small-head (Gluon-style) decode in :mod:`.small_head`, where every row of q is its own
   qlen-1 request (``UNIT_QLEN``).
 
@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.errors import PlanMismatchError
+from mla.core.errors import PlanMismatchError
 from mla.providers.calls import PagedDecodeCall
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
-from mla.schedule import SplitKVSchedule
 
 LOG2E = 1.4426950408889634
 
@@ -554,7 +554,7 @@ def num_sms(device: torch.device) -> int:
 
 def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = None) -> None:
     """Paged MQA decode (the ``paged-decode`` contract; ``call.schedule`` selects the persistent
-    path, which takes a :class:`~mla.schedule.SplitKVSchedule`). ``config`` overrides the
+    path, which takes a :class:`~mla.providers.split_kv.SplitKVSchedule`). ``config`` overrides the
     heuristic (benchmarks)."""
     schedule = call.schedule
     if schedule is not None and not isinstance(schedule, SplitKVSchedule):

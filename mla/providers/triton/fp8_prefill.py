@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.config import FP8_DTYPES
-from mla.errors import InvalidInputError, PlanMismatchError
+from mla.core.config import FP8_DTYPES
+from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import Fp8PrefillCall
 from mla.providers.triton.prefill import (
     LOG2E,

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.errors import InvalidInputError
+from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
 
 LOG2E = 1.4426950408889634

@@ -20,9 +20,10 @@ from typing import ClassVar
 import torch
 import triton
 
-from mla.capabilities import ALL_CONTRACTS, Contract, ProviderCapabilities
-from mla.errors import PlanMismatchError
-from mla.platform import Platform
+from mla.core.capabilities import ALL_CONTRACTS, Contract, ProviderCapabilities
+from mla.core.errors import PlanMismatchError
+from mla.core.platform import Platform
+from mla.core.support import Support
 from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
@@ -36,14 +37,13 @@ from mla.providers.calls import (
     VarlenPrefillCall,
     WriteKVCall,
 )
+from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.decode import paged_decode
 from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import varlen_attention_fwd
 from mla.providers.triton.schedule import allocate_schedule, plan_split_kv
 from mla.providers.triton.small_head import small_head_decode
 from mla.providers.triton.utils import expand_page_indices, merge_states, write_kv
-from mla.schedule import SplitKVSchedule
-from mla.support import Support
 
 _FLOATS = frozenset({torch.bfloat16, torch.float16, torch.float32})
 

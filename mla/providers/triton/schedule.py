@@ -8,7 +8,7 @@ Two things live here:
   the non-persistent split count. No run-time autotuning: each distinct answer is one compiled
   specialisation, and the table below keeps them few (three row tiles × two cache widths).
 * :func:`plan_split_kv`: a one-program Triton kernel that fills a
-  :class:`~mla.schedule.SplitKVSchedule` with exactly the semantics of
+  :class:`~mla.providers.split_kv.SplitKVSchedule` with exactly the semantics of
   :meth:`SplitKVSchedule.plan` (the torch reference), without a host sync, so a captured decode
   graph stays valid when the schedule is re-planned in place.
 
@@ -59,8 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.errors import PlanMismatchError
-from mla.schedule import SplitKVSchedule
+from mla.core.errors import PlanMismatchError
+from mla.providers.split_kv import SplitKVSchedule
 
 MIN_SPLIT_TOKENS = 256
 """Smallest KV range a split is given (non-persistent) and the persistent planner's min chunk."""

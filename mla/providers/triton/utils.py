@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.errors import InvalidInputError
+from mla.core.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall, MergeStatesCall, WriteKVCall
 
 

@@ -1,7 +1,7 @@
 """Typed errors raised by mla.
 
 Every error names the argument or decision that failed and, where a resolver was involved,
-carries its :class:`~mla.explain.Explanation` so the caller sees every candidate's reasons.
+carries its :class:`~mla.core.explain.Explanation` so the caller sees every candidate's reasons.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 if TYPE_CHECKING:
-    from mla.explain import Explanation
+    from mla.core.explain import Explanation
 
 
 class MLAError(Exception):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.config import is_fp8
+from mla.core.config import is_fp8
 
 
 def _attend(

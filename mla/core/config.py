@@ -1,7 +1,7 @@
 """Static configuration records: model dims, KV-cache spec, engine limits.
 
 All are frozen attrs records, validated on construction and hashable, so they can live inside a
-:class:`~mla.context.DecodeContext` and key caches.
+:class:`~mla.core.context.DecodeContext` and key caches.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import attrs
 import torch
 
-from mla.errors import InvalidInputError, input_validator
+from mla.core.errors import InvalidInputError, input_validator
 
 FP8_DTYPES: frozenset[torch.dtype] = frozenset(
     {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}

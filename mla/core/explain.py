@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from mla.support import Reason
+from mla.core.support import Reason
 
 ContextValue = str | int | bool
 """A context field's value: numbers and flags keep their type (JSON numbers and booleans)."""

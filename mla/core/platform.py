@@ -13,7 +13,7 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.errors import InvalidInputError, input_validator
+from mla.core.errors import InvalidInputError, input_validator
 
 SmallHeadMode = Literal["auto", "gluon", "asm"]
 Fp8PrefillMode = Literal["auto", "on", "off"]

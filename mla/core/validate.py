@@ -13,8 +13,8 @@ from typing import Literal
 
 import torch
 
-from mla.config import FP8_DTYPES, dtype_name, is_fp8
-from mla.errors import InvalidInputError
+from mla.core.config import FP8_DTYPES, dtype_name, is_fp8
+from mla.core.errors import InvalidInputError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

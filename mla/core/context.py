@@ -9,11 +9,11 @@ from __future__ import annotations
 import attrs
 import torch
 
-from mla.capabilities import ProviderCapabilities
-from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8
-from mla.errors import input_validator
-from mla.platform import Platform
-from mla.support import Support
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8
+from mla.core.errors import input_validator
+from mla.core.platform import Platform
+from mla.core.support import Support
 
 _AT_LEAST_ONE = input_validator(attrs.validators.ge(1), ">= 1")
 

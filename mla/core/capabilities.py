@@ -15,7 +15,7 @@ import enum
 import attrs
 import torch
 
-from mla.config import FP8_DTYPES
+from mla.core.config import FP8_DTYPES
 
 
 class Contract(enum.Enum):

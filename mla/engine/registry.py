@@ -8,12 +8,12 @@ from typing import TypeVar
 
 import attrs
 
+from mla.core.errors import UnsupportedError
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
-from mla.errors import UnsupportedError
 from mla.prefill.base import PrefillStrategy
 from mla.prefill.flash_varlen import FlashVarlen
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill

@@ -4,7 +4,7 @@ An engine compiles its model with ``torch.compile(fullgraph=True)``; attention i
 per call in the graph, as vLLM's ``unified_mla_attention_with_output`` is, so the engine can split
 piecewise CUDA graphs there or capture the whole compiled step.
 
-Plans never cross the op boundary. Each :class:`~mla.backend.MLABackend` registers itself here
+Plans never cross the op boundary. Each :class:`~mla.engine.backend.MLABackend` registers itself here
 under an integer handle; ``MetadataBuilder.build`` records the step's metadata as the backend's
 *current* metadata, and the ops take ``backend_id`` and run the current plan (the pattern of
 vLLM's forward context). So the compiled graph holds only tensors and ints: it is the same graph
@@ -40,7 +40,7 @@ from typing import Generic, Protocol, TypeVar
 import attrs
 import torch
 
-from mla.errors import InvalidInputError
+from mla.core.errors import InvalidInputError
 from mla.prefill.base import ContextExpander
 from mla.providers.base import KernelProvider
 from mla.providers.calls import WriteKVCall
@@ -222,9 +222,7 @@ def _write_kv_impl(
     kv_scale: torch.Tensor | None,
     provider_id: int,
 ) -> None:
-    call = WriteKVCall(
-        kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping, kv_scale=kv_scale
-    )
+    call = WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping, kv_scale=kv_scale)
     _PROVIDERS.get(provider_id).write_kv(call)
 
 

@@ -8,8 +8,8 @@
   when a strategy fits, 2 when none does (``chosen`` is ``null`` in ``--json``); with an
   unavailable provider nothing can run here, and the output says what it would choose if it
   were available.
-* ``mla demo``: a serving loop through :class:`~mla.backend.MLABackend` checked against the
-  reference math (:mod:`mla.demo`). Exit code 0 when every step is within tolerance, 1 when one
+* ``mla demo``: a serving loop through :class:`~mla.engine.backend.MLABackend` checked against the
+  reference math (:mod:`mla.tools.demo`). Exit code 0 when every step is within tolerance, 1 when one
   is not, 2 when the configuration cannot be served here.
 """
 
@@ -27,14 +27,12 @@ import attrs
 import torch
 
 import mla
-from mla.capabilities import ProviderCapabilities
-from mla.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8, normalize_dtype
-from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
-from mla.demo import DemoConfig, StepRecord, run_demo
-from mla.demo_dcp import run_dcp_demo
-from mla.errors import InvalidInputError, MLAError, ProviderUnavailableError, UnsupportedError
-from mla.explain import Explanation
-from mla.platform import (
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8, normalize_dtype
+from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.core.errors import InvalidInputError, MLAError, ProviderUnavailableError, UnsupportedError
+from mla.core.explain import Explanation
+from mla.core.platform import (
     FP8_PREFILL_MODES,
     KNOWN_ARCHS,
     SMALL_HEAD_MODES,
@@ -44,6 +42,9 @@ from mla.platform import (
     normalize_arch,
     simulated_platform,
 )
+from mla.core.support import Support
+from mla.engine.registry import DEFAULT_REGISTRY, Registry
+from mla.engine.resolver import Resolver
 from mla.providers import (
     PROVIDER_MODULES,
     auto_order,
@@ -55,10 +56,9 @@ from mla.providers import (
 from mla.providers.aiter.capabilities import with_native_h24
 from mla.providers.base import KernelProvider
 from mla.providers.torch_ref import TorchProvider
-from mla.registry import DEFAULT_REGISTRY, Registry
-from mla.resolver import Resolver
 from mla.strategy import Phase
-from mla.support import Support
+from mla.tools.demo import DemoConfig, StepRecord, run_demo
+from mla.tools.demo_dcp import run_dcp_demo
 
 _DEMO_DEFAULTS = DemoConfig()
 
@@ -603,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve mixed steps through the backend, checked against the reference",
         description="A serving loop through MLABackend on random latent data: prefills with and "
         "without cached context, decodes, speculative verifies, CUDA-graph padding. Every step "
-        "is checked against mla.reference; exit code 1 when one misses its tolerance.",
+        "is checked against mla.tools.reference; exit code 1 when one misses its tolerance.",
     )
     demo.add_argument("--provider", choices=providers, default="auto")
     demo.add_argument("--steps", type=positive_int, default=_DEMO_DEFAULTS.steps)

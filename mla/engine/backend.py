@@ -20,21 +20,12 @@ import itertools
 import attrs
 import torch
 
-from mla import ops
-from mla.capabilities import ProviderCapabilities
-from mla.config import FLOAT_DTYPES, EngineLimits, KVCacheSpec, MLADims, dtype_name, normalize_dtype
-from mla.context import DecodeContext, PrefillContext, decode_context, prefill_context
-from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
-from mla.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError, UnsupportedError
-from mla.platform import Platform, resolve_platform
-from mla.prefill.base import ContextChunk, ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
-from mla.providers import resolve_provider
-from mla.providers.base import KernelProvider
-from mla.quant import ScaleBuffer
-from mla.registry import AnyStrategy
-from mla.resolver import Decision, Resolver
-from mla.strategy import Phase, StrategySetup
-from mla.validate import (
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.config import FLOAT_DTYPES, EngineLimits, KVCacheSpec, MLADims, dtype_name, normalize_dtype
+from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.core.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError, UnsupportedError
+from mla.core.platform import Platform, resolve_platform
+from mla.core.validate import (
     ValidateMode,
     check_block_ids,
     check_cache_scale,
@@ -50,6 +41,15 @@ from mla.validate import (
     require_validate_mode,
     used_cache_blocks,
 )
+from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.engine import ops
+from mla.engine.registry import AnyStrategy
+from mla.engine.resolver import Decision, Resolver
+from mla.prefill.base import ContextChunk, ContextExpander, PrefillBatch, PrefillPlan, PrefillStrategy
+from mla.providers import resolve_provider
+from mla.providers.base import KernelProvider
+from mla.providers.quant import ScaleBuffer
+from mla.strategy import Phase, StrategySetup
 
 
 @attrs.frozen(eq=False)
@@ -111,11 +111,11 @@ class MLABackend:
     through the same checks. A provider that cannot run here raises
     :class:`ProviderUnavailableError` (an :class:`UnsupportedError`) with its reasons.
 
-    ``validate`` (see :data:`mla.validate.ValidateMode`): ``"fast"`` never copies device data to
+    ``validate`` (see :data:`mla.core.validate.ValidateMode`): ``"fast"`` never copies device data to
     the host in ``builder.build``; ``"full"`` adds the host checks of every block id and checks
     that the device ``query_start_loc``/``seq_lens`` equal their host copies.
 
-    The backend registers itself with the custom ops (:mod:`mla.ops`) under ``op_id``;
+    The backend registers itself with the custom ops (:mod:`mla.engine.ops`) under ``op_id``;
     ``builder.build`` makes the step's metadata the backend's ``current_metadata``, which the
     ops run.
     """
@@ -379,7 +379,7 @@ class MLABackend:
 
         A tensor (0-d or one element, float, on the backend's device) is used as is (converted
         to float32 when needed), so a captured graph reads its current value; a float is written
-        into the backend's :class:`~mla.quant.ScaleBuffer`.
+        into the backend's :class:`~mla.providers.quant.ScaleBuffer`.
         """
         if isinstance(kv_scale, torch.Tensor):
             check_kv_scale(kv_scale, self.device)
@@ -704,7 +704,7 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class AttentionImpl:
-    """Runs decode, prefill and the KV write through the custom ops of :mod:`mla.ops`.
+    """Runs decode, prefill and the KV write through the custom ops of :mod:`mla.engine.ops`.
 
     Each method checks its inputs, then calls one op with the backend's handle; the op runs the
     backend's current plan. Eager calls also check that ``metadata`` is the current step's

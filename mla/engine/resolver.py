@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import attrs
 
-from mla.config import dtype_name
-from mla.context import DecodeContext, PrefillContext
-from mla.errors import UnsupportedError
-from mla.explain import Candidate, ContextValue, Explanation
-from mla.preference import decode_order, prefill_order
-from mla.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.core.config import dtype_name
+from mla.core.context import DecodeContext, PrefillContext
+from mla.core.errors import UnsupportedError
+from mla.core.explain import Candidate, ContextValue, Explanation
+from mla.core.support import Support
+from mla.engine.preference import decode_order, prefill_order
+from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
 from mla.strategy import Phase, Strategy
-from mla.support import Support
 
 Context = DecodeContext | PrefillContext
 

@@ -1,4 +1,4 @@
-"""``mla demo``: a small serving loop that drives :class:`~mla.backend.MLABackend` and checks it.
+"""``mla demo``: a small serving loop that drives :class:`~mla.engine.backend.MLABackend` and checks it.
 
 The loop plays the engine's part on random latent data: requests arrive (some with a cached
 prefix), their prompts are prefilled in chunks under a token budget (later chunks carry cached
@@ -7,7 +7,7 @@ or as speculative verifies of 2..``max_decode_qlen`` tokens with random acceptan
 steps are sometimes padded the way CUDA-graph capture pads them (requests with ``seq_len`` 0 and
 extra query rows). Each step's new latent rows go into a paged cache with randomly allocated
 blocks through the provider's ``write_kv``; outputs are poisoned with NaN before the run and
-compared afterwards with :mod:`mla.reference` (float64), so an unwritten row fails the step.
+compared afterwards with :mod:`mla.tools.reference` (float64), so an unwritten row fails the step.
 
 ``run_demo(DemoConfig(...)) -> DemoReport`` is the API; ``mla demo`` renders the report.
 """
@@ -23,17 +23,17 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from mla.backend import MLABackend, MLAMetadata, StepInputs
-from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name, is_fp8, normalize_dtype
-from mla.errors import InvalidInputError
-from mla.platform import Platform, detect_platform, simulated_platform
+from mla.core.config import EngineLimits, KVCacheSpec, MLADims, dtype_name, is_fp8, normalize_dtype
+from mla.core.errors import InvalidInputError
+from mla.core.platform import Platform, detect_platform, simulated_platform
+from mla.engine.backend import MLABackend, MLAMetadata, StepInputs
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 from mla.providers import emulation_capabilities, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.providers.calls import WriteKVCall
+from mla.providers.quant import dequantize, quantize_per_tensor
 from mla.providers.torch_ref import TorchProvider
-from mla.quant import dequantize, quantize_per_tensor
-from mla.reference import reference_decode, reference_prefill
+from mla.tools.reference import reference_decode, reference_prefill
 
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-5,
@@ -57,7 +57,7 @@ class DemoConfig:
     """What the demo serves. The defaults finish in seconds on a 2-core CPU with the torch
     provider: DeepSeek's latent dims (512 + 64, prefill 128 + 64 / 128) at 16 heads, short
     sequences and the smallest context-chunk workspace, so cached context is merged over several
-    chunks. Raises :class:`~mla.errors.InvalidInputError` for sizes the loop cannot serve."""
+    chunks. Raises :class:`~mla.core.errors.InvalidInputError` for sizes the loop cannot serve."""
 
     provider: str | KernelProvider = "auto"
     """``auto`` (the best available provider: torch on a CPU), ``torch``, ``triton``, ``aiter``,
@@ -94,7 +94,7 @@ class DemoConfig:
     dcp: int = attrs.field(default=1, validator=_positive)
     """Decode context parallelism: serve with this many processes (gloo on a CPU, NCCL on GPUs),
     each holding a token shard of the cache and ``heads / dcp`` of the heads, and check every
-    step against the single-process backend (:mod:`mla.demo_dcp`)."""
+    step against the single-process backend (:mod:`mla.tools.demo_dcp`)."""
     dcp_interleave: int = attrs.field(default=1, validator=_positive)
     """Tokens per rank per round of the sharded cache (vLLM's interleave size)."""
 
@@ -241,7 +241,9 @@ class DemoReport:
                 f"{failure.rel_error:.3e}, lse err {failure.lse_error:.3e}"
             )
         verdict = "PASSED" if self.passed else "FAILED"
-        lines.append(f"{verdict}: every step checked against mla.reference in {self.wall_seconds:.1f} s")
+        lines.append(
+            f"{verdict}: every step checked against mla.tools.reference in {self.wall_seconds:.1f} s"
+        )
         return "\n".join(lines)
 
 
@@ -679,7 +681,7 @@ class ServingLoop:
         self._on_prefill(index, name, (q, k, v), out, lse)
         return name, self._record(self.prefill_tally, index, name, tokens, (out, lse), (ref_out, ref_lse))
 
-    # -- hooks for loops that check more per step (mla.demo_dcp) ---------------------------
+    # -- hooks for loops that check more per step (mla.tools.demo_dcp) ---------------------------
 
     def _on_step(self, sched: ScheduledStep, inputs: StepInputs, latent: torch.Tensor) -> None:
         """After the step's rows (``latent [T, L+R]``) are written and its metadata built."""
@@ -732,18 +734,19 @@ class ServingLoop:
 
 
 def run_demo(config: DemoConfig, progress: Callable[[StepRecord], None] | None = None) -> DemoReport:
-    """Serve ``config.steps`` mixed steps through :class:`~mla.backend.MLABackend`, checking each
-    against :mod:`mla.reference`.
+    """Serve ``config.steps`` mixed steps through :class:`~mla.engine.backend.MLABackend`, checking each
+    against :mod:`mla.tools.reference`.
 
-    Raises :class:`~mla.errors.UnsupportedError` when the backend cannot serve the configuration
+    Raises :class:`~mla.core.errors.UnsupportedError` when the backend cannot serve the configuration
     (e.g. a decode qlen within ``max_decode_qlen`` that no strategy supports) and
-    :class:`~mla.errors.ProviderUnavailableError` for a provider that cannot run here.
+    :class:`~mla.core.errors.ProviderUnavailableError` for a provider that cannot run here.
     Tolerance misses do not raise: they are in :attr:`DemoReport.failures`. One process:
-    ``config.dcp > 1`` is :func:`mla.demo_dcp.run_dcp_demo`'s (which builds on this module).
+    ``config.dcp > 1`` is :func:`mla.tools.demo_dcp.run_dcp_demo`'s (which builds on this module).
     """
     if config.dcp > 1:
         raise InvalidInputError(
-            "config.dcp", f"run_demo serves one process; use mla.demo_dcp.run_dcp_demo for dcp={config.dcp}"
+            "config.dcp",
+            f"run_demo serves one process; use mla.tools.demo_dcp.run_dcp_demo for dcp={config.dcp}",
         )
     start = time.perf_counter()
     loop = ServingLoop(config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from mla.errors import InvalidInputError
+from mla.core.errors import InvalidInputError
 
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

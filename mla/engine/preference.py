@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mla.context import DecodeContext, PrefillContext
+from mla.core.context import DecodeContext, PrefillContext
 from mla.strategy import StrategyKind
 
 Registration = tuple[str, int, StrategyKind, bool]

@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mla.backend import StepInputs
-from mla.config import KVCacheSpec
-from mla.demo import (
+from mla.core.config import KVCacheSpec
+from mla.distributed import DCPMetadata, DecodeContextParallel
+from mla.engine.backend import StepInputs
+from mla.prefill.fp8_persistent import Fp8PersistentPrefill
+from mla.tools.demo import (
     DemoConfig,
     DemoReport,
     LatentUpProjection,
@@ -39,8 +41,6 @@ from mla.demo import (
     StepRecord,
     _PhaseTally,
 )
-from mla.distributed import DCPMetadata, DecodeContextParallel
-from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 
 FP8_PREFILL_TOLERANCE = 0.1
 """The fp8 prefill quantizes q/k/v per tensor; a rank's tensor holds only its heads, so its
@@ -247,7 +247,7 @@ def _merge(reports: dict[int, DemoReport], wall: float) -> DemoReport:
 
 
 def run_dcp_demo(config: DemoConfig, progress: Callable[[StepRecord], None] | None = None) -> DemoReport:
-    """:func:`mla.demo.run_demo` over ``config.dcp`` processes (see the module docstring).
+    """:func:`mla.tools.demo.run_demo` over ``config.dcp`` processes (see the module docstring).
 
     A configuration the backend cannot serve raises here, before any process starts; a rank
     that fails otherwise raises :class:`RuntimeError` with its traceback.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from mla.errors import PlanMismatchError
+from mla.core.errors import PlanMismatchError
 
 WORK_FIELDS = 4
 """Columns of ``work_info``: request (``-1`` = idle item), kv_start, kv_end, split ordinal."""

@@ -6,7 +6,7 @@ cached per (shapes, dtypes, device, scale, provider, strategy, platform, validat
 (:data:`PLAN_CACHE_SIZE` entries per function), so a repeated call costs the kernels plus a
 small constant: no re-resolution, no buffer allocation, and for decode no device-to-host copy.
 :func:`write_kv` writes new latent rows into the paged cache. Engines use
-:class:`~mla.backend.MLABackend` instead, which sizes buffers from the engine limits.
+:class:`~mla.engine.backend.MLABackend` instead, which sizes buffers from the engine limits.
 """
 
 from __future__ import annotations
@@ -18,19 +18,11 @@ from typing import Generic, Literal, TypeVar, overload
 import attrs
 import torch
 
-from mla import ops
-from mla.backend import MLABackend, StepInputs
-from mla.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
-from mla.context import PrefillContext, prefill_context
-from mla.errors import InvalidInputError
-from mla.platform import Platform, resolve_platform
-from mla.prefill.base import PrefillBatch, PrefillStrategy
-from mla.providers import require_available, resolve_provider
-from mla.providers.base import KernelProvider
-from mla.registry import AnyStrategy
-from mla.resolver import Resolver
-from mla.strategy import Phase, StrategySetup
-from mla.validate import (
+from mla.core.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
+from mla.core.context import PrefillContext, prefill_context
+from mla.core.errors import InvalidInputError
+from mla.core.platform import Platform, resolve_platform
+from mla.core.validate import (
     ValidateMode,
     check_block_ids,
     check_cache_scale,
@@ -47,6 +39,14 @@ from mla.validate import (
     require_tensor,
     require_validate_mode,
 )
+from mla.engine import ops
+from mla.engine.backend import MLABackend, StepInputs
+from mla.engine.registry import AnyStrategy
+from mla.engine.resolver import Resolver
+from mla.prefill.base import PrefillBatch, PrefillStrategy
+from mla.providers import require_available, resolve_provider
+from mla.providers.base import KernelProvider
+from mla.strategy import Phase, StrategySetup
 
 PLAN_CACHE_SIZE = 16
 """Cached plans per functional entry point (least recently used evicted first)."""
