@@ -24,6 +24,9 @@ part "decode benchmark"
 timeout 240 python3 benchmarks/decode.py --no-torch --json "$OUT/decode.json" --plot "$OUT/decode-h200.png" \
   --vllm-decode .peers/vllm_triton_decode_attention.py 2>&1 | tee "$OUT/decode.log" | tail -44
 
+part "host overhead (mla_decode, builder.build)"
+timeout 60 python3 benchmarks/overhead.py 2>&1 | tee "$OUT/overhead.log" | tail -12
+
 part "prefill benchmark"
 timeout 75 python3 benchmarks/prefill.py --check 2>&1 | tee "$OUT/prefill.log" | tail -16
 
