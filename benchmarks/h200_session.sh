@@ -6,6 +6,11 @@
 # limit so one slow part cannot starve the others; logs go to $OUT (or /tmp/mla-h200).
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+# The GPU machine installs nothing from a registry: the test extra's pure-Python wheels the image
+# lacks (allpairspy) travel in .whl/ (pip download --no-deps -d .whl allpairspy) and go on the path.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
+fi
 OUT="${OUT:-/tmp/mla-h200}"
 mkdir -p "$OUT"
 part() { echo; echo "=== $1 ==="; }
