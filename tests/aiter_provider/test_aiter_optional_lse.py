@@ -14,9 +14,9 @@ import pytest
 import torch
 from aiter_cases import decode_backend, decode_case, fake_provider
 
-import mla.providers.aiter.provider as aiter_provider
 from mla import AsmNonPersistent, GluonDecode, PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
+from mla.providers.aiter import decode_calls
 from mla.testing import DecodeCase, compare_to_reference, make_decode_inputs
 
 FALLBACKS = ("reference_decode_lse", "reference_small_head_lse")
@@ -41,13 +41,13 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Replace the provider's reference LSE passes with counting wrappers; returns the call log."""
     log: list[str] = []
     for name in FALLBACKS:
-        original: Callable[..., None] = getattr(aiter_provider, name)
+        original: Callable[..., None] = getattr(decode_calls, name)
 
         def spy(*args: Any, _name: str = name, _original: Callable[..., None] = original, **kw: Any) -> None:
             log.append(_name)
             _original(*args, **kw)
 
-        monkeypatch.setattr(aiter_provider, name, spy)
+        monkeypatch.setattr(decode_calls, name, spy)
     return log
 
 
