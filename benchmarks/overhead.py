@@ -91,7 +91,8 @@ def run_shape(
     call_us = _wall_us(call, calls=calls, rounds=rounds, sync=sync)
     sync_call_us = _wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
     # The kernels alone: the cached plan's run (what every call launches after planning).
-    plans = [e for e in mla.engine.api.DECODE_PLANS._entries.values() if e.backend.device.type == dev.type]
+    cached = mla.engine.plan_cache.DECODE_PLANS._entries.values()
+    plans = [e for e in cached if e.backend.device.type == dev.type]
     backend = plans[-1].backend
 
     def kernels() -> None:

@@ -2,34 +2,27 @@
 
 :func:`mla_decode` and :func:`mla_prefill` validate their inputs, resolve the strategy (or check
 the forced one) and run it. The plan (a backend or strategy with its persistent buffers) is
-cached per (shapes, dtypes, device, scale, provider, strategy, platform, validate) in a small LRU
-(:data:`PLAN_CACHE_SIZE` entries per function), so a repeated call costs the kernels plus a
-small constant: no re-resolution, no buffer allocation, and for decode no device-to-host copy.
+cached per (shapes, dtypes, device, scale, provider, strategy, platform, validate) in a small
+LRU (:data:`~mla.engine.plan_cache.PLAN_CACHE_SIZE` entries per function), so a repeated call
+costs the kernels plus a small constant: no re-resolution, no buffer allocation, and for decode
+no device-to-host copy.
 :func:`write_kv` writes new latent rows into the paged cache. Engines use
 :class:`~mla.engine.backend.MLABackend` instead, which sizes buffers from the engine limits.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable
-from typing import Generic, Literal, TypeVar, overload
+from typing import Literal, overload
 
-import attrs
 import torch
 
 from mla.core.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
-from mla.core.context import PrefillContext, prefill_context
 from mla.core.errors import InvalidInputError
 from mla.core.platform import Platform, resolve_platform
 from mla.core.validate import (
     ValidateMode,
-    check_block_ids,
     check_cache_scale,
     check_indptr,
-    check_paged_requests,
-    check_slots,
-    check_write_kv,
     require_bool,
     require_float,
     require_index,
@@ -40,65 +33,17 @@ from mla.core.validate import (
     require_validate_mode,
 )
 from mla.engine import ops
-from mla.engine.backend import MLABackend, StepInputs
+from mla.engine.backend import MLABackend
+from mla.engine.checks import check_kv_write, check_paged_step
+from mla.engine.plan_cache import DECODE_PLANS, PREFILL_PLANS, DecodeEntry, available_provider, prefill_entry
 from mla.engine.registry import AnyStrategy
 from mla.engine.resolver import Resolver
-from mla.prefill.base import PrefillBatch, PrefillStrategy
-from mla.providers import require_available, resolve_provider
+from mla.engine.step import StepInputs
+from mla.prefill.base import PrefillBatch
 from mla.providers.base import KernelProvider
-from mla.strategy import Phase, StrategySetup
+from mla.strategy import Phase
 
-PLAN_CACHE_SIZE = 16
-"""Cached plans per functional entry point (least recently used evicted first)."""
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-class PlanCache(Generic[K, V]):
-    """A bounded least-recently-used map from plan keys to plans."""
-
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._entries: OrderedDict[K, V] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: K) -> V | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: K, value: V) -> None:
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-def _provider(provider: str | KernelProvider, platform: Platform) -> KernelProvider:
-    """The provider object for ``provider``; :class:`ProviderUnavailableError` (an
-    :class:`UnsupportedError`) with its reasons when it cannot run here."""
-    prov = resolve_provider(provider, platform)
-    require_available(prov)
-    return prov
-
-
-@attrs.frozen(eq=False)
-class _DecodeEntry:
-    backend: MLABackend
-    unit_qsl_cpu: torch.Tensor
-    """int64 ``[B+1]`` ``0..B`` on the host (one token per request)."""
-    unit_qsl: torch.Tensor
-    """The same on the device."""
-
-
-DECODE_PLANS: PlanCache[tuple[object, ...], _DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)
+__all__ = ["mla_decode", "mla_prefill", "write_kv"]
 
 
 @overload
@@ -249,13 +194,7 @@ def mla_decode(
                 f"got {query_start_loc.numel()}",
             )
         qsl_cpu = query_start_loc.cpu().to(torch.int64)
-        check_indptr("query_start_loc", qsl_cpu, total=num_tokens)
-        if int(qsl_cpu[-1]) != num_tokens:
-            raise InvalidInputError(
-                "query_start_loc",
-                f"ends at {int(qsl_cpu[-1])} but q has {num_tokens} rows; every row of q must belong "
-                "to a request (add the requests to query_start_loc, or slice q)",
-            )
+        _require_indptr_of_rows("query_start_loc", qsl_cpu, num_tokens, "q")
         qlens = qsl_cpu[1:] - qsl_cpu[:-1]
         max_qlen = max(1, int(qlens.max()) if qlens.numel() else 1)
     else:
@@ -303,7 +242,7 @@ def mla_decode(
             KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks),
             limits,
             model_dtype=q.dtype,
-            provider=_provider(provider, plat),
+            provider=available_provider(provider, plat),
             platform=plat,
             device=q.device,
             decode_strategy=forced,
@@ -311,7 +250,7 @@ def mla_decode(
             validate=mode,
         )
         unit = torch.arange(num_requests + 1, dtype=torch.int64)
-        entry = _DecodeEntry(backend, unit, unit.to(device=q.device, dtype=torch.int32))
+        entry = DecodeEntry(backend, unit, unit.to(device=q.device, dtype=torch.int32))
         DECODE_PLANS.put(key, entry)
     backend = entry.backend
     if qsl_cpu is None:
@@ -323,17 +262,13 @@ def mla_decode(
     seq_cpu = None
     if mode == "full":
         seq_cpu = seq_lens.cpu().to(torch.int64)
-        check_paged_requests(
+        check_paged_step(
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
-            block_table_shape=tuple(block_table.shape),
-            block_size=block_size,
-        )
-        check_block_ids(
-            seq_lens_cpu=seq_cpu,
-            block_table_cpu=block_table.cpu(),
+            block_table=block_table,
             block_size=block_size,
             num_blocks=num_blocks,
+            block_ids=True,
         )
     step = StepInputs(
         query_start_loc_cpu=qsl_cpu,
@@ -349,6 +284,18 @@ def mla_decode(
     return (out, lse) if return_lse and lse is not None else out
 
 
+def _require_indptr_of_rows(name: str, indptr_cpu: torch.Tensor, rows: int, rows_of: str) -> None:
+    """``indptr_cpu`` (int64 on the host) is a valid indptr ending at ``rows``: every row of
+    ``rows_of`` belongs to a request."""
+    check_indptr(name, indptr_cpu, total=rows)
+    if int(indptr_cpu[-1]) != rows:
+        raise InvalidInputError(
+            name,
+            f"ends at {int(indptr_cpu[-1])} but {rows_of} has {rows} rows; every row of {rows_of} must "
+            f"belong to a request (add the missing requests to {name}, or slice {rows_of})",
+        )
+
+
 def _require_output(
     name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> None:
@@ -359,15 +306,6 @@ def _require_output(
         raise InvalidInputError(name, f"expected dtype {dtype_name(dtype)}, got {dtype_name(value.dtype)}")
     if value.device != device:
         raise InvalidInputError(name, f"is on {value.device} but q is on {device}; move it to {device}")
-
-
-@attrs.frozen(eq=False)
-class _PrefillEntry:
-    context: PrefillContext
-    runner: PrefillStrategy
-
-
-PREFILL_PLANS: PlanCache[tuple[object, ...], _PrefillEntry] = PlanCache(PLAN_CACHE_SIZE)
 
 
 @overload
@@ -469,18 +407,8 @@ def mla_prefill(
         _require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
-    check_indptr("cu_seqlens_q", cu_q_cpu, total=num_tokens)
-    check_indptr("cu_seqlens_k", cu_k_cpu, total=k.shape[0])
-    for name, indptr, rows, rows_of in (
-        ("cu_seqlens_q", cu_q_cpu, num_tokens, "q"),
-        ("cu_seqlens_k", cu_k_cpu, k.shape[0], "k"),
-    ):
-        if int(indptr[-1]) != rows:
-            raise InvalidInputError(
-                name,
-                f"ends at {int(indptr[-1])} but {rows_of} has {rows} rows; every row must belong to a "
-                f"request (add the missing requests to {name}, or slice {rows_of})",
-            )
+    _require_indptr_of_rows("cu_seqlens_q", cu_q_cpu, num_tokens, "q")
+    _require_indptr_of_rows("cu_seqlens_k", cu_k_cpu, k.shape[0], "k")
     if cu_q_cpu.numel() != cu_k_cpu.numel():
         raise InvalidInputError(
             "cu_seqlens_k", f"has {cu_k_cpu.numel()} entries, cu_seqlens_q {cu_q_cpu.numel()}"
@@ -496,7 +424,7 @@ def mla_prefill(
     )  # fmt: skip
     entry = PREFILL_PLANS.get(key)
     if entry is None:
-        entry = _prefill_entry(q, v, lens_q.numel(), softmax_scale, provider, strategy, platform)
+        entry = prefill_entry(q, v, lens_q.numel(), softmax_scale, provider, strategy, platform)
         PREFILL_PLANS.put(key, entry)
     batch = PrefillBatch(
         context=entry.context,
@@ -517,52 +445,6 @@ def mla_prefill(
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     entry.runner.run(plan, q, k, v, out=out, lse=lse)
     return (out, lse) if return_lse else out
-
-
-def _prefill_entry(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    num_requests: int,
-    softmax_scale: float,
-    provider: str | KernelProvider,
-    strategy: str | AnyStrategy | None,
-    platform: Platform | str | None,
-) -> _PrefillEntry:
-    num_tokens, num_heads, qk_dim = q.shape
-    plat = resolve_platform(platform, q.device)
-    prov = _provider(provider, plat)
-    caps = prov.capabilities(plat)
-    rope = min(64, qk_dim - 1) if qk_dim > 1 else 0
-    dims = MLADims(
-        num_heads=num_heads,
-        qk_nope_head_dim=max(1, qk_dim - rope),
-        qk_rope_head_dim=max(1, rope),
-        v_head_dim=v.shape[-1],
-        softmax_scale=softmax_scale,
-    )
-    ctx = prefill_context(
-        dims=dims,
-        cache=KVCacheSpec(1, q.dtype),
-        q_dtype=q.dtype,
-        platform=plat,
-        capabilities=caps,
-        availability=prov.availability(),
-        has_chunked_context=False,
-    )
-    decision = Resolver().resolve(ctx, force=strategy)
-    cls = decision.strategy
-    assert issubclass(cls, PrefillStrategy)
-    setup = StrategySetup(
-        dims=dims,
-        cache=KVCacheSpec(1, q.dtype),
-        limits=EngineLimits(max(1, num_requests), max(1, v.shape[0]), max(1, num_tokens)),
-        q_dtype=q.dtype,
-        platform=plat,
-        provider=prov,
-        capabilities=caps,
-        device=q.device,
-    )
-    return _PrefillEntry(ctx, cls(setup))
 
 
 def write_kv(
@@ -588,10 +470,8 @@ def write_kv(
     ``mla::write_kv``. Raises :class:`InvalidInputError` naming the bad argument.
     """
     mode = require_validate_mode(validate)
-    check_write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale)
-    if mode == "full":
-        check_slots(slot_mapping.cpu(), num_blocks=kv_cache.shape[0], block_size=kv_cache.shape[1])
-    prov = _provider(provider, resolve_platform(platform, kv_cache.device))
+    check_kv_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, mode)
+    prov = available_provider(provider, resolve_platform(platform, kv_cache.device))
     scale: torch.Tensor | None
     if isinstance(kv_scale, torch.Tensor):
         scale = kv_scale.reshape(1).to(torch.float32)

@@ -1,0 +1,116 @@
+"""The attention impl: checks each call's tensors and runs the backend's current plan through
+the custom ops of :mod:`mla.engine.ops`."""
+
+from __future__ import annotations
+
+import torch
+
+from mla.core.errors import InvalidInputError
+from mla.core.validate import check_cache_scale
+from mla.engine import ops
+from mla.engine.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
+from mla.engine.state import BackendState
+from mla.engine.step import MLAMetadata
+from mla.prefill.base import ContextExpander
+
+
+class AttentionImpl:
+    """Runs decode, prefill and the KV write through the custom ops of :mod:`mla.engine.ops`.
+
+    Each method checks its inputs, then calls one op with the backend's handle; the op runs the
+    backend's current plan. Eager calls also check that ``metadata`` is the current step's
+    (:class:`PlanMismatchError` otherwise). Under ``torch.compile`` the metadata argument is not
+    read, so the compiled graph neither guards on it nor changes from step to step.
+    """
+
+    def __init__(self, backend: BackendState) -> None:
+        self.backend = backend
+
+    def forward_decode(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """q ``[num_decode_tokens, H, L+R]``; writes out ``[.., H, L]`` and, when given, lse
+        ``[.., H]`` float32. ``lse=None`` (plain decode; the LSE is only needed to merge states,
+        e.g. under decode context parallelism) lets the provider skip computing it.
+        ``kv_scale`` (fp8 cache) is a float or a one-element device tensor; kernels read it on
+        the device, so a captured graph replays with the tensor's current value."""
+        be = self.backend
+        if not torch.compiler.is_compiling():
+            require_instance("metadata", metadata, MLAMetadata)
+            be.check_current(metadata, "decode")
+        require_tensors(q=q, kv_cache=kv_cache, out=out)
+        require_on_q_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
+        check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
+        ops.decode(q, kv_cache, out, lse, be.kv_scale_tensor(kv_scale), be.op_id)
+
+    def forward_prefill(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_cache: torch.Tensor | None = None,
+        kv_scale: float | torch.Tensor | None = None,
+        expand_context: ContextExpander | ops.ContextExpanderHandle | None = None,
+    ) -> None:
+        """q/k ``[num_prefill_tokens, H, Dqk]``, v ``[.., H, Dv]``; writes out ``[.., H, Dv]``.
+
+        ``expand_context``: the engine's latent -> (k, v) callback, or (required under
+        ``torch.compile``) its handle from :func:`mla.register_context_expander`.
+        """
+        be = self.backend
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            require_instance("metadata", metadata, MLAMetadata)
+            be.check_current(metadata, "prefill")
+        require_tensors(q=q, k=k, v=v, out=out)
+        require_on_q_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
+        if kv_cache is None and kv_scale is not None:
+            raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
+        check_cache_scale(kv_scale, be.cache.dtype, device=q.device, required=False)
+        if lse is None:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        scale = be.kv_scale_tensor(kv_scale)
+        if expand_context is None or isinstance(expand_context, ops.ContextExpanderHandle):
+            expander_id = 0 if expand_context is None else expand_context.id
+            ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, expander_id)
+            return
+        if compiling:
+            raise InvalidInputError(
+                "expand_context",
+                "under torch.compile pass a handle: register the callback once with "
+                "mla.register_context_expander(fn) (e.g. at layer init) and pass the handle",
+            )
+        handle = ops.register_context_expander(expand_context)
+        try:
+            ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, handle.id)
+        finally:
+            handle.release()
+
+    def write_kv(
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        kv_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Write the step's new latent rows ``kv_c [N, L]`` and rope rows ``k_pe [N, R]`` into
+        ``kv_cache [blocks, block_size, L+R]`` at flat slots ``slot_mapping [N]`` (negative
+        slots are skipped, and slots outside the cache too; ``validate="full"`` rejects those
+        and shared slots on the host; vLLM's ``concat_and_cache_mla`` argument order). fp8
+        caches store ``value / kv_scale``."""
+        be = self.backend
+        check_kv_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, be.validate)
+        ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, be.kv_scale_tensor(kv_scale), be.provider_id)

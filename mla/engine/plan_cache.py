@@ -1,0 +1,134 @@
+"""The functional API's plan caches (a small LRU per entry point, keyed by the call's shapes,
+dtypes, device, scale, provider, strategy, platform and validate mode) and the prefill entries."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+import attrs
+import torch
+
+from mla.core.config import EngineLimits, KVCacheSpec, MLADims
+from mla.core.context import PrefillContext, prefill_context
+from mla.core.platform import Platform, resolve_platform
+from mla.engine.backend import MLABackend
+from mla.engine.registry import AnyStrategy
+from mla.engine.resolver import Resolver
+from mla.prefill.base import PrefillStrategy
+from mla.providers import require_available, resolve_provider
+from mla.providers.base import KernelProvider
+from mla.strategy import StrategySetup
+
+PLAN_CACHE_SIZE = 16
+"""Cached plans per functional entry point (least recently used evicted first)."""
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class PlanCache(Generic[K, V]):
+    """A bounded least-recently-used map from plan keys to plans."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: K, value: V) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@attrs.frozen(eq=False)
+class DecodeEntry:
+    """A cached decode plan: a backend sized for the call's shapes, and its unit indptr."""
+
+    backend: MLABackend
+    unit_qsl_cpu: torch.Tensor
+    """int64 ``[B+1]`` ``0..B`` on the host (one token per request)."""
+    unit_qsl: torch.Tensor
+    """The same on the device."""
+
+
+DECODE_PLANS: PlanCache[tuple[object, ...], DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)
+
+
+@attrs.frozen(eq=False)
+class PrefillEntry:
+    """A cached prefill plan: the call's context and the strategy that runs it."""
+
+    context: PrefillContext
+    runner: PrefillStrategy
+
+
+PREFILL_PLANS: PlanCache[tuple[object, ...], PrefillEntry] = PlanCache(PLAN_CACHE_SIZE)
+
+
+def available_provider(provider: str | KernelProvider, platform: Platform) -> KernelProvider:
+    """The provider object for ``provider``; :class:`ProviderUnavailableError` (an
+    :class:`UnsupportedError`) with its reasons when it cannot run here."""
+    prov = resolve_provider(provider, platform)
+    require_available(prov)
+    return prov
+
+
+def prefill_entry(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    num_requests: int,
+    softmax_scale: float,
+    provider: str | KernelProvider,
+    strategy: str | AnyStrategy | None,
+    platform: Platform | str | None,
+) -> PrefillEntry:
+    """A prefill plan for ``q``/``v``'s shapes: the resolved (or forced) strategy, allocated."""
+    num_tokens, num_heads, qk_dim = q.shape
+    plat = resolve_platform(platform, q.device)
+    prov = available_provider(provider, plat)
+    caps = prov.capabilities(plat)
+    rope = min(64, qk_dim - 1) if qk_dim > 1 else 0
+    dims = MLADims(
+        num_heads=num_heads,
+        qk_nope_head_dim=max(1, qk_dim - rope),
+        qk_rope_head_dim=max(1, rope),
+        v_head_dim=v.shape[-1],
+        softmax_scale=softmax_scale,
+    )
+    ctx = prefill_context(
+        dims=dims,
+        cache=KVCacheSpec(1, q.dtype),
+        q_dtype=q.dtype,
+        platform=plat,
+        capabilities=caps,
+        availability=prov.availability(),
+        has_chunked_context=False,
+    )
+    decision = Resolver().resolve(ctx, force=strategy)
+    cls = decision.strategy
+    assert issubclass(cls, PrefillStrategy)
+    setup = StrategySetup(
+        dims=dims,
+        cache=KVCacheSpec(1, q.dtype),
+        limits=EngineLimits(max(1, num_requests), max(1, v.shape[0]), max(1, num_tokens)),
+        q_dtype=q.dtype,
+        platform=plat,
+        provider=prov,
+        capabilities=caps,
+        device=q.device,
+    )
+    return PrefillEntry(ctx, cls(setup))

@@ -1,0 +1,312 @@
+"""The backend's state: provider, resolver, strategies and their persistent buffers, and what
+the custom ops run (:class:`BackendState`, the base of :class:`~mla.engine.backend.MLABackend`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from mla.core.capabilities import ProviderCapabilities
+from mla.core.config import FLOAT_DTYPES, EngineLimits, KVCacheSpec, MLADims, dtype_name, normalize_dtype
+from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
+from mla.core.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError, UnsupportedError
+from mla.core.platform import Platform, resolve_platform
+from mla.core.validate import ValidateMode, check_kv_scale, require_int, require_validate_mode
+from mla.decode.base import DecodeIndexBuffers, DecodeStrategy
+from mla.engine import ops
+from mla.engine.checks import require_instance
+from mla.engine.registry import AnyStrategy
+from mla.engine.resolver import Decision, Resolver
+from mla.engine.step import MLAMetadata
+from mla.prefill.base import ContextExpander, PrefillStrategy
+from mla.providers import resolve_provider
+from mla.providers.base import KernelProvider
+from mla.providers.quant import ScaleBuffer
+from mla.strategy import Phase, StrategySetup
+
+S = TypeVar("S", DecodeStrategy, PrefillStrategy)
+
+
+def default_context_chunk_tokens(limits: EngineLimits, block_size: int) -> int:
+    """vLLM's chunked-context workspace: ``min(max(8*max_model_len, 4*max_num_seqs*block), 64K)``
+    tokens, at least ``max_num_seqs * block_size``."""
+    size = min(max(8 * limits.max_model_len, 4 * limits.max_num_seqs * block_size), 64 * 1024)
+    return max(size, limits.max_num_seqs * block_size)
+
+
+class BackendState:
+    """What an :class:`~mla.engine.backend.MLABackend` owns and runs, without its builder/impl
+    pair (they read this state; see that class for the contract of the arguments)."""
+
+    def __init__(
+        self,
+        dims: MLADims,
+        cache: KVCacheSpec,
+        limits: EngineLimits,
+        *,
+        model_dtype: torch.dtype = torch.bfloat16,
+        provider: str | KernelProvider = "auto",
+        platform: Platform | str | None = None,
+        device: torch.device | str | None = None,
+        resolver: Resolver | None = None,
+        decode_strategy: str | AnyStrategy | None = None,
+        prefill_strategy: str | AnyStrategy | None = None,
+        preallocate: bool = True,
+        context_chunk_tokens: int | None = None,
+        validate: ValidateMode = "fast",
+    ) -> None:
+        require_instance("dims", dims, MLADims)
+        require_instance("cache", cache, KVCacheSpec)
+        require_instance("limits", limits, EngineLimits)
+        model_dtype = normalize_dtype(model_dtype, argument="model_dtype")
+        if model_dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(
+                "model_dtype", f"{dtype_name(model_dtype)} is not a model dtype; use bf16, fp16 or fp32"
+            )
+        if device is not None and not isinstance(device, torch.device | str):
+            raise InvalidInputError("device", f"expected a torch.device or str, got {type(device).__name__}")
+        try:
+            torch_device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInputError("device", f"{device!r} is not a torch device: {exc}") from None
+        self.platform = resolve_platform(platform, torch_device)
+        self.device = torch_device or torch.device("cuda" if self.platform.is_gpu else "cpu")
+        self.dims, self.cache, self.limits, self.model_dtype = dims, cache, limits, model_dtype
+        self.validate: ValidateMode = require_validate_mode(validate)
+        self.provider = resolve_provider(provider, self.platform)
+        self.capabilities: ProviderCapabilities = self.provider.capabilities(self.platform)
+        if resolver is not None and not isinstance(resolver, Resolver):
+            raise InvalidInputError("resolver", f"expected an mla.Resolver, got {type(resolver).__name__}")
+        self.resolver = resolver or Resolver()
+        self.force_decode: AnyStrategy | None = (
+            None
+            if decode_strategy is None
+            else self.resolver.forced_strategy(decode_strategy, Phase.DECODE, argument="decode_strategy")
+        )
+        self.force_prefill: AnyStrategy | None = (
+            None
+            if prefill_strategy is None
+            else self.resolver.forced_strategy(prefill_strategy, Phase.PREFILL, argument="prefill_strategy")
+        )
+        if context_chunk_tokens is not None:
+            require_int("context_chunk_tokens", context_chunk_tokens, minimum=1)
+        self.context_chunk_tokens = context_chunk_tokens or default_context_chunk_tokens(
+            limits, cache.block_size
+        )
+        if self.context_chunk_tokens < limits.max_num_seqs * cache.block_size:
+            # Each request's chunk is at least one block, so a smaller workspace overflows.
+            raise InvalidInputError(
+                "context_chunk_tokens",
+                f"{self.context_chunk_tokens} < max_num_seqs * block_size = "
+                f"{limits.max_num_seqs * cache.block_size}; every request needs one block per chunk",
+            )
+        self.setup = StrategySetup(
+            dims=dims,
+            cache=cache,
+            limits=limits,
+            q_dtype=model_dtype,
+            platform=self.platform,
+            provider=self.provider,
+            capabilities=self.capabilities,
+            device=self.device,
+        )
+        self.index_buffers = DecodeIndexBuffers.allocate(self.setup)
+        self.decode_strategies: dict[str, DecodeStrategy] = {}
+        self.prefill_strategies: dict[str, PrefillStrategy] = {}
+        self.late_allocations: list[str] = []
+        """Strategies first allocated after init (a step the init-time enumeration missed)."""
+        self.initialized = False
+        """Set when init is done: strategies allocated from then on are late allocations."""
+        if preallocate:
+            self._preallocate()
+        self.current_metadata: MLAMetadata | None = None
+        """The metadata of the step being run (set by ``builder.build``)."""
+        self.kv_scale_buffer = ScaleBuffer.allocate(self.device)
+        self.op_id = ops.register_runner(self)
+        self.provider_id = ops.provider_handle(self.provider)
+        self.initialized = True
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(provider={self.provider.name!r}, arch={self.platform.arch!r}, "
+            f"heads={self.dims.num_heads}, decode={sorted(self.decode_strategies)}, "
+            f"prefill={sorted(self.prefill_strategies)})"
+        )
+
+    # -- contexts and decisions --------------------------------------------------------------
+
+    def decode_context(self, *, max_qlen: int, uniform_qlen: bool) -> DecodeContext:
+        return decode_context(
+            dims=self.dims,
+            cache=self.cache,
+            q_dtype=self.model_dtype,
+            platform=self.platform,
+            capabilities=self.capabilities,
+            availability=self.provider.availability(),
+            limits=self.limits,
+            max_qlen=max_qlen,
+            uniform_qlen=uniform_qlen,
+        )
+
+    def prefill_context(self, *, has_chunked_context: bool) -> PrefillContext:
+        return prefill_context(
+            dims=self.dims,
+            cache=self.cache,
+            q_dtype=self.model_dtype,
+            platform=self.platform,
+            capabilities=self.capabilities,
+            availability=self.provider.availability(),
+            has_chunked_context=has_chunked_context,
+        )
+
+    def _preallocate(self) -> None:
+        """Resolve every decode shape the limits allow and the prefill cases; allocate."""
+        for qlen, uniform in itertools.product(range(1, self.limits.max_decode_qlen + 1), (True, False)):
+            ctx = self.decode_context(max_qlen=qlen, uniform_qlen=uniform)
+            try:
+                decision = self.resolver.resolve(ctx, force=self.force_decode)
+            except UnsupportedError as exc:
+                raise self._unsupported(exc, "decode", qlen) from exc
+            self.decode_strategy(decision)
+        for chunked in (False, True):
+            try:
+                decision = self.resolver.resolve(
+                    self.prefill_context(has_chunked_context=chunked), force=self.force_prefill
+                )
+            except UnsupportedError as exc:
+                raise self._unsupported(exc, "prefill", 0) from exc
+            self.prefill_strategy(decision)
+
+    def _unsupported(self, exc: UnsupportedError, phase: str, qlen: int) -> UnsupportedError:
+        """The error of a failed init-time resolution, leading with its real cause."""
+        availability = self.provider.availability()
+        if not availability:
+            return ProviderUnavailableError(
+                f"provider: {self.provider.name!r} cannot run here: {availability}; pass "
+                "provider='auto' (the best provider that runs here) or another provider",
+                exc.explanation,
+            )
+        forced = self.force_decode if phase == "decode" else self.force_prefill
+        what = (
+            f"forced {phase} strategy {forced.NAME!r} does not support"
+            if forced is not None
+            else f"no {phase} strategy supports"
+        )
+        where = f"{self.capabilities.provider!r} ({self.platform.arch})"
+        if qlen > 1:
+            return UnsupportedError(
+                f"the engine limits allow decode qlen {qlen} (max_decode_qlen "
+                f"{self.limits.max_decode_qlen}), which {what} on {where}; lower the speculative "
+                f"token count (max_decode_qlen <= {qlen - 1}) or pick another provider",
+                exc.explanation,
+            )
+        return UnsupportedError(
+            f"{'the ' if forced is not None else ''}{what} this model on provider {where}: "
+            f"{self.dims.num_heads} heads, {dtype_name(self.model_dtype)} queries, "
+            f"{dtype_name(self.cache.dtype)} KV cache; see every candidate's reasons below",
+            exc.explanation,
+        )
+
+    def decode_strategy(self, decision: Decision | str) -> DecodeStrategy:
+        """The backend's instance of a decode strategy (allocated on first use)."""
+
+        def make(cls: AnyStrategy) -> DecodeStrategy:
+            assert issubclass(cls, DecodeStrategy)
+            return cls(self.setup, self.index_buffers)
+
+        return self._strategy(decision, self.decode_strategies, make)
+
+    def prefill_strategy(self, decision: Decision | str) -> PrefillStrategy:
+        """The backend's instance of a prefill strategy (allocated on first use)."""
+
+        def make(cls: AnyStrategy) -> PrefillStrategy:
+            assert issubclass(cls, PrefillStrategy)
+            return cls(self.setup)
+
+        return self._strategy(decision, self.prefill_strategies, make)
+
+    def _strategy(
+        self, decision: Decision | str, allocated: dict[str, S], make: Callable[[AnyStrategy], S]
+    ) -> S:
+        name = decision if isinstance(decision, str) else decision.name
+        if name not in allocated:
+            cls = decision.strategy if isinstance(decision, Decision) else self.resolver.registry.get(name)
+            if self.initialized:
+                self.late_allocations.append(name)
+            allocated[name] = make(cls)
+        return allocated[name]
+
+    # -- what the custom ops run -------------------------------------------------------------
+
+    def run_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+    ) -> None:
+        """Run the current step's decode plan (the body of ``mla::decode``)."""
+        plan = self._current("decode").decode
+        assert plan is not None
+        strategy = self.decode_strategy(plan.strategy)
+        strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
+
+    def run_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+        expand_context: ContextExpander | None,
+    ) -> None:
+        """Run the current step's prefill plan (the body of ``mla::prefill``)."""
+        plan = self._current("prefill").prefill
+        assert plan is not None
+        strategy = self.prefill_strategy(plan.strategy)
+        strategy.run(
+            plan,
+            q,
+            k,
+            v,
+            out=out,
+            lse=lse,
+            kv_cache=kv_cache,
+            kv_scale=kv_scale,
+            expand_context=expand_context,
+        )
+
+    def _current(self, phase: str) -> MLAMetadata:
+        metadata = self.current_metadata
+        if metadata is None:
+            raise InvalidInputError("metadata", "no step was built yet: call builder.build(step) first")
+        if getattr(metadata, phase) is None:
+            raise InvalidInputError("metadata", f"this step has no {phase} requests")
+        return metadata
+
+    def check_current(self, metadata: MLAMetadata, phase: str) -> None:
+        """Eager calls: ``metadata`` must be the current step's (the ops run the current plan)."""
+        if metadata is not self.current_metadata:
+            raise PlanMismatchError(
+                "metadata is not this backend's current metadata: builder.build was called for "
+                "another step since (the ops run the most recently built plan); run each step's "
+                "layers before building the next step"
+            )
+        self._current(phase)
+
+    def kv_scale_tensor(self, kv_scale: float | torch.Tensor | None) -> torch.Tensor | None:
+        """``kv_scale`` as the float32 ``[1]`` device tensor the ops take (``None`` stays).
+
+        A tensor (0-d or one element, float, on the backend's device) is used as is (converted
+        to float32 when needed), so a captured graph reads its current value; a float is written
+        into the backend's :class:`~mla.providers.quant.ScaleBuffer`.
+        """
+        if isinstance(kv_scale, torch.Tensor):
+            check_kv_scale(kv_scale, self.device)
+        return self.kv_scale_buffer.tensor(kv_scale)

@@ -1,0 +1,48 @@
+"""One engine step's inputs (:class:`StepInputs`) and the metadata planned for it (:class:`MLAMetadata`)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from mla.decode.base import DecodePlan
+from mla.engine.resolver import Decision
+from mla.prefill.base import PrefillPlan
+
+
+@attrs.frozen(eq=False)
+class StepInputs:
+    """One engine step, decode requests first (vLLM's reordered batch).
+
+    ``num_decode_tokens`` may exceed ``query_start_loc[num_decodes]`` in a decode-only step: the
+    extra rows are CUDA-graph padding. Requests with ``seq_len == 0`` are graph-padding requests.
+    """
+
+    query_start_loc_cpu: torch.Tensor
+    """int ``[B+1]`` on the host."""
+    query_start_loc: torch.Tensor
+    """int32 ``[B+1]`` on the device."""
+    seq_lens: torch.Tensor
+    """int32 ``[B]`` on the device (KV length including the new tokens)."""
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks]`` on the device."""
+    num_decodes: int
+    num_decode_tokens: int
+    seq_lens_cpu: torch.Tensor | None = None
+    """Host copy of ``seq_lens``. When omitted, a decode-only step plans its page indices on the
+    device (no copy, work sized by the block table); a step with prefills (or
+    ``validate="full"``) copies ``seq_lens`` from the device."""
+
+
+@attrs.frozen(eq=False)
+class MLAMetadata:
+    """Everything the impl needs for one step: each phase's decision and plan."""
+
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    decode: DecodePlan | None
+    prefill: PrefillPlan | None
+    decode_decision: Decision | None
+    prefill_decision: Decision | None
