@@ -14,7 +14,7 @@ import mla
 from mla.core.errors import ProviderUnavailableError
 from mla.core.platform import FP8_PREFILL_ENV, SMALL_HEAD_MODE_ENV
 from mla.strategy import Phase
-from mla.tools import cli
+from mla.tools import cli, cli_info
 
 # (arch, heads, qlen, max decode qlen, kv dtype, small-head mode) -> chosen decode strategy.
 DECODE_TABLE = [
@@ -181,7 +181,7 @@ def test_unavailable_provider_says_why_and_what_it_would_choose(
     def missing(name: str) -> mla.KernelProvider:
         raise ProviderUnavailableError(f"provider: {name!r} cannot be imported here: no ROCm")
 
-    monkeypatch.setattr(cli, "get_provider", missing)
+    monkeypatch.setattr(cli_info, "get_provider", missing)
     code, out = run_cli(capsys, *decode_args("gfx950", 8, 1, 1, "bf16", "auto"))  # default: aiter on gfx
     assert code == cli.EXIT_UNSUPPORTED
     assert "provider aiter: not available here" in out
@@ -195,7 +195,7 @@ def test_import_failure_of_any_kind_is_a_reason(
     def broken(name: str) -> mla.KernelProvider:
         raise AttributeError("module 'mla.providers.aiter' has no attribute 'AiterProvider'")
 
-    monkeypatch.setattr(cli, "get_provider", broken)
+    monkeypatch.setattr(cli_info, "get_provider", broken)
     code, payload = run_json(capsys, *decode_args("gfx942", 16, 1, 1, "bf16", "auto"), "--provider", "aiter")
     assert code == cli.EXIT_UNSUPPORTED
     assert payload["provider"]["available"] is False
@@ -299,14 +299,14 @@ def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_info_survives_a_broken_provider(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = cli.get_provider
+    real = cli_info.get_provider
 
     def flaky(name: str) -> mla.KernelProvider:
         if name == "aiter":
             raise RuntimeError("Get GPU arch from rocminfo failed")
         return real(name)
 
-    monkeypatch.setattr(cli, "get_provider", flaky)
+    monkeypatch.setattr(cli_info, "get_provider", flaky)
     code, payload = run_json(capsys, "info")
     assert code == cli.EXIT_OK
     aiter = {p["name"]: p for p in payload["providers"]}["aiter"]
@@ -390,7 +390,7 @@ def test_availability_reasons_are_said_once(
     def missing(name: str) -> mla.KernelProvider:
         raise ProviderUnavailableError(f"provider: {name!r} cannot be imported here: no ROCm")
 
-    monkeypatch.setattr(cli, "get_provider", missing)
+    monkeypatch.setattr(cli_info, "get_provider", missing)
     code, out = run_cli(capsys, *decode_args("gfx950", 12, 3, 4, "bf16", "auto"))
     assert code == cli.EXIT_UNSUPPORTED
     assert out.count("no ROCm") == 1
