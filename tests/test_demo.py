@@ -13,8 +13,9 @@ from mla.core.errors import InvalidInputError, UnsupportedError
 from mla.providers.calls import PagedDecodeCall, VarlenPrefillCall
 from mla.providers.torch_ref import TorchProvider
 from mla.tools import cli
-from mla.tools.demo import DemoConfig, DemoReport, StepRecord, run_demo
+from mla.tools.demo import run_demo
 from mla.tools.demo_dcp import run_dcp_demo
+from mla.tools.demo_records import DemoConfig, DemoReport, StepRecord
 
 # Small latent dims keep each run to a fraction of a second on a CPU; the loop is the same.
 SMALL = DemoConfig(

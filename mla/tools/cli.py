@@ -28,8 +28,9 @@ from mla.engine.registry import DEFAULT_REGISTRY
 from mla.providers import provider_names
 from mla.tools.cli_explain import explain_case, render_explain
 from mla.tools.cli_info import dump_json, info_payload, provider_view, render_info
-from mla.tools.demo import DemoConfig, StepRecord, run_demo
+from mla.tools.demo import run_demo
 from mla.tools.demo_dcp import run_dcp_demo
+from mla.tools.demo_records import DemoConfig, StepRecord
 
 _DEMO_DEFAULTS = DemoConfig()
 

@@ -30,14 +30,13 @@ from mla.core.config import KVCacheSpec
 from mla.distributed import DCPMetadata, DecodeContextParallel
 from mla.engine.backend import StepInputs
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
-from mla.tools.demo import (
+from mla.tools.demo import LatentUpProjection, ServingLoop
+from mla.tools.demo_records import (
     DemoConfig,
     DemoReport,
-    LatentUpProjection,
     PhaseStats,
     Request,
     ScheduledStep,
-    ServingLoop,
     StepRecord,
     _PhaseTally,
 )
