@@ -29,10 +29,8 @@ def decode_fn(
     cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    max_seq_len: int,
     softmax_scale: float,
     out: torch.Tensor,
-    num_sms: int,
 ) -> Callable[[], None]:
     """One qlen-1 decode step as ``TritonMLAImpl.forward_mqa`` runs it: q ``[B, H, 576]``, cache
     ``[num_blocks, page, 576]`` (bf16), ``block_table [B, pages]`` page ids, out ``[B, H, 512]``.

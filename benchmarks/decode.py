@@ -257,17 +257,14 @@ class Problem:
         return run
 
     def vllm_fn(self, module: Any) -> Callable[[], None]:
-        s = self.shape
         return _vllm.decode_fn(
             module,
             q=self.q,
             cache=self.cache,
             block_table=self.block_table,
             seq_lens=self.kv_indptr[1:] - self.kv_indptr[:-1],
-            max_seq_len=s.seq,
             softmax_scale=SCALE,
             out=self.out,
-            num_sms=num_sms(self.q.device),
         )
 
     def small_head_call(self) -> SmallHeadDecodeCall:
