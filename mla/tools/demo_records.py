@@ -9,7 +9,7 @@ from collections import Counter
 import attrs
 import torch
 
-from mla.core.errors import InvalidInputError
+from mla.core.errors import InvalidInputError, input_validator
 from mla.providers.base import KernelProvider
 
 TOLERANCES: dict[torch.dtype, float] = {
@@ -24,9 +24,7 @@ FP8_KV_SCALE = 1.0 / 32.0
 """Per-tensor dequant scale of an fp8 demo cache: unit-normal latents stay inside e4m3's range."""
 
 
-def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise InvalidInputError(attribute.name, f"must be > 0, got {value}")
+_positive = input_validator(attrs.validators.gt(0), "> 0")
 
 
 @attrs.frozen
