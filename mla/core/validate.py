@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Sequence
 from typing import Literal
 
+import attrs
 import torch
 
 from mla.core.config import FP8_DTYPES, dtype_name, is_fp8
@@ -132,20 +134,27 @@ def require_same_device(reference: tuple[str, torch.Tensor], *others: tuple[str,
 
 def check_indptr(name: str, indptr_cpu: torch.Tensor, *, total: int | None = None) -> None:
     """``indptr`` starts at 0, never decreases and (if given) ends at most at ``total``."""
-    if indptr_cpu.numel() == 0:
+    check_indptr_values(name, indptr_cpu.tolist(), total=total)
+
+
+def check_indptr_values(name: str, values: Sequence[int], *, total: int | None = None) -> list[int]:
+    """:func:`check_indptr` on the host values (one ``.tolist()`` of the tensor); returns the
+    steps ``values[i+1] - values[i]`` (the per-request counts)."""
+    if not values:
         raise InvalidInputError(name, "expected at least one entry ([B+1] with B >= 0)")
-    if int(indptr_cpu[0]) != 0:
-        raise InvalidInputError(name, f"must start at 0, got {int(indptr_cpu[0])}")
-    steps = indptr_cpu[1:] - indptr_cpu[:-1]
-    if bool((steps < 0).any()):
-        bad = int(torch.nonzero(steps < 0)[0, 0])
+    if values[0] != 0:
+        raise InvalidInputError(name, f"must start at 0, got {values[0]}")
+    steps = list(map(operator.sub, values[1:], values[:-1]))
+    if steps and min(steps) < 0:
+        bad = next(i for i, step in enumerate(steps) if step < 0)
         raise InvalidInputError(
             name,
-            f"must be non-decreasing (monotonic); entry {bad + 1} ({int(indptr_cpu[bad + 1])}) "
-            f"< entry {bad} ({int(indptr_cpu[bad])})",
+            f"must be non-decreasing (monotonic); entry {bad + 1} ({values[bad + 1]}) "
+            f"< entry {bad} ({values[bad]})",
         )
-    if total is not None and int(indptr_cpu[-1]) > total:
-        raise InvalidInputError(name, f"ends at {int(indptr_cpu[-1])} but there are only {total} rows")
+    if total is not None and values[-1] > total:
+        raise InvalidInputError(name, f"ends at {values[-1]} but there are only {total} rows")
+    return steps
 
 
 ValidateMode = Literal["fast", "full"]
@@ -181,23 +190,95 @@ def check_paged_requests(
     """The paged-KV rules the host can check: seq_len covers the query, the block table has a
     row per request and enough columns for every seq_len. ``seq_len == 0`` marks a
     graph-padding request (any qlen, no keys)."""
-    qlens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-    lens = seq_lens_cpu.to(torch.int64)
-    if lens.numel() != qlens.numel():
+    qsl = query_start_loc_cpu.tolist()
+    check_paged_request_values(
+        query_lens=list(map(operator.sub, qsl[1:], qsl[:-1])),
+        seq_lens=seq_lens_cpu.tolist(),
+        block_table_shape=block_table_shape,
+        block_size=block_size,
+        max_model_len=max_model_len,
+    )
+
+
+@attrs.frozen(eq=False)
+class HostLengths:
+    """A step's per-request query lengths and seq_lens as Python ints, with the ranges the
+    host rules need: each list is reduced once per step, not once per rule (a reduction over
+    a list costs about as much as one Python line per ten entries; a torch op on a small host
+    tensor costs more than the whole list)."""
+
+    query_lens: list[int]
+    seq_lens: list[int] | None
+    """``None`` when the host does not know the lengths."""
+    min_query: int
+    max_query: int
+    min_seq: int
+    """0 without host ``seq_lens`` (as are ``max_seq`` and ``total_seq``)."""
+    max_seq: int
+    total_seq: int
+
+    @classmethod
+    def of(cls, query_lens: list[int], seq_lens: list[int] | None) -> HostLengths:
+        lo_q, hi_q = (min(query_lens), max(query_lens)) if query_lens else (0, 0)
+        lo_s = hi_s = total = 0
+        if seq_lens:
+            lo_s, hi_s, total = min(seq_lens), max(seq_lens), sum(seq_lens)
+        return cls(query_lens, seq_lens, lo_q, hi_q, lo_s, hi_s, total)
+
+    @classmethod
+    def from_indptr(cls, query_start_loc: list[int], seq_lens: list[int] | None) -> HostLengths:
+        return cls.of(list(map(operator.sub, query_start_loc[1:], query_start_loc[:-1])), seq_lens)
+
+    def first(self, count: int) -> HostLengths:
+        """The lengths of the first ``count`` requests."""
+        if count == len(self.query_lens):
+            return self
+        lens = None if self.seq_lens is None else self.seq_lens[:count]
+        return HostLengths.of(self.query_lens[:count], lens)
+
+
+def check_paged_request_values(
+    *,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_table_shape: tuple[int, ...],
+    block_size: int,
+    max_model_len: int | None = None,
+    lengths: HostLengths | None = None,
+) -> None:
+    """:func:`check_paged_requests` on host values (each request's query length and seq_len):
+    a few comparisons of their ranges (``lengths``, computed when not given) on the fast path,
+    a per-request scan only to name a failure."""
+    if len(seq_lens) != len(query_lens):
         raise InvalidInputError(
-            "seq_lens", f"has {lens.numel()} entries but query_start_loc describes {qlens.numel()} requests"
+            "seq_lens",
+            f"has {len(seq_lens)} entries but query_start_loc describes {len(query_lens)} requests",
         )
-    if lens.numel() == 0:
+    if not seq_lens:
         return
-    needed = (lens + block_size - 1) // block_size
+    if lengths is None:
+        lengths = HostLengths.of(list(query_lens), list(seq_lens))
+    shortest, longest = lengths.min_seq, lengths.max_seq
     width = block_table_shape[1]
-    # One fused test on the fast path; the detailed rules below only name the failure.
+    # A request needs ceil(len / bs) <= width blocks, i.e. len <= width * bs.
     if (
-        bool(((lens < 0) | ((lens > 0) & (lens < qlens)) | (needed > width)).any())
-        or block_table_shape[0] < lens.numel()
-        or (max_model_len is not None and int(lens.max()) > max_model_len)
+        shortest < 0
+        or longest > width * block_size
+        or block_table_shape[0] < len(seq_lens)
+        or (max_model_len is not None and longest > max_model_len)
+        or (
+            shortest < lengths.max_query and any(0 < s < q for s, q in zip(seq_lens, query_lens, strict=True))
+        )
     ):
-        _explain_paged_requests(qlens, lens, needed, block_table_shape, block_size, max_model_len)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        _explain_paged_requests(
+            torch.tensor(query_lens, dtype=torch.int64),
+            lens,
+            (lens + block_size - 1) // block_size,
+            block_table_shape,
+            block_size,
+            max_model_len,
+        )
 
 
 def _explain_paged_requests(

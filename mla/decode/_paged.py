@@ -58,6 +58,26 @@ class PagedWorkspace:
     lse_kernel: torch.Tensor
     """``[max_kernel_rows + 1, Hk]`` float32; the last row is the ``-inf`` sink."""
     schedule: DecodeSchedule | None
+    _views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+
+    def views(
+        self, num_requests: int, rows: int, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qo_indptr[:B+1]``, ``source_index[:rows]``, ``source_keep[:rows]`` and
+        ``kernel_row[:T]`` (each view made once per size: slicing is a torch op)."""
+        key = (num_requests, rows, num_tokens)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = (
+                self.qo_indptr[: num_requests + 1],
+                self.source_index[:rows],
+                self.source_keep[:rows],
+                self.kernel_row[:num_tokens],
+            )
+        qo, source, keep, row = views
+        return qo, source, keep, row
 
 
 def max_kernel_qlen(caps: ProviderCapabilities, max_decode_qlen: int) -> int:
@@ -141,24 +161,26 @@ class PagedDecode(DecodeStrategy):
     def build_metadata(self, batch: DecodeBatch) -> PagedPlan:
         setup, ws = self.setup, self.workspace
         ctx = batch.context
-        kv_indptr, _ = self.index_buffers.fill(setup, batch)
         num_requests, num_tokens = batch.num_requests, batch.num_tokens
         kernel_qlen = ctx.kernel_qlen
         qlen_padded = kernel_qlen != ctx.max_qlen
-        qo_indptr = ws.qo_indptr[: num_requests + 1]
+        lengths = batch.lengths
+        uniform_rows = qlen_padded or lengths.min_query == kernel_qlen == lengths.max_query
         if qlen_padded:
+            kv_indptr, _ = self.index_buffers.fill(setup, batch)
             maps = qlen_padding_maps(batch.query_start_loc_cpu, num_tokens, kernel_qlen)
             rows = maps.num_kernel_rows
+            qo_indptr, source_index, source_keep, kernel_row = ws.views(num_requests, rows, num_tokens)
             qo_indptr.copy_(maps.qo_indptr, non_blocking=True)
             source = maps.source_token
-            ws.source_index[:rows].copy_(torch.clamp(source, min=0), non_blocking=True)
-            ws.source_keep[:rows].copy_((source >= 0).to(setup.q_dtype), non_blocking=True)
-            ws.kernel_row[:num_tokens].copy_(maps.kernel_row, non_blocking=True)
+            source_index.copy_(torch.clamp(source, min=0), non_blocking=True)
+            source_keep.copy_((source >= 0).to(setup.q_dtype), non_blocking=True)
+            kernel_row.copy_(maps.kernel_row, non_blocking=True)
         else:
             rows = num_tokens
-            qo_indptr.copy_(batch.query_start_loc.to(torch.int32))
-        qo_steps = batch.query_start_loc_cpu[1:] - batch.query_start_loc_cpu[:-1]
-        uniform_rows = qlen_padded or bool((qo_steps == kernel_qlen).all())
+            qo_indptr, source_index, source_keep, kernel_row = ws.views(num_requests, rows, num_tokens)
+            # The kernel rows are the caller's: the fill's launch copies query_start_loc too.
+            kv_indptr, _ = self.index_buffers.fill(setup, batch, qo_indptr=qo_indptr)
         geometry = self.base_geometry(
             batch, kernel_heads=ws.padding.kernel_heads, kernel_qlen=kernel_qlen, num_kernel_rows=rows
         )
@@ -180,11 +202,16 @@ class PagedDecode(DecodeStrategy):
             self.index_buffers.kv_indices,
             qo_indptr=qo_indptr,
             qlen_padded=qlen_padded,
-            source_index=ws.source_index[:rows],
-            source_keep=ws.source_keep[:rows],
-            kernel_row=ws.kernel_row[:num_tokens],
+            source_index=source_index,
+            source_keep=source_keep,
+            kernel_row=kernel_row,
             schedule=ws.schedule,
         )
+
+    def capturable_build(self, plan: DecodePlan) -> bool:
+        """Without qlen padding the build is device work only (the padding maps are copied
+        from the host)."""
+        return isinstance(plan, PagedPlan) and not plan.qlen_padded
 
     def launch(
         self,
@@ -207,10 +234,10 @@ class PagedDecode(DecodeStrategy):
             and out.is_contiguous()
             and (geo.kernel_qlen == 1 or self.PERSISTENT)
         )
-        o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
         if direct:
             q_kernel, o_target, lse_target = q, out, lse
         else:
+            o_kernel, lse_kernel = ws.o_kernel[: rows + 1], ws.lse_kernel[: rows + 1]
             q_kernel = ws.q_kernel[:rows]
             if plan.qlen_padded and padding.kernel_heads == padding.num_heads:
                 torch.index_select(q, 0, plan.source_index, out=q_kernel)
@@ -241,9 +268,10 @@ class PagedDecode(DecodeStrategy):
         )
         owned = geo.num_owned_tokens
         if direct:
-            out[owned:].zero_()
-            if lse is not None:
-                lse[owned:].fill_(float("-inf"))
+            if owned < geo.num_tokens:  # graph-padding rows
+                out[owned:].zero_()
+                if lse is not None:
+                    lse[owned:].fill_(float("-inf"))
             return
         # The sink row: caller rows no request owns read zeros and -inf.
         o_kernel[rows].zero_()

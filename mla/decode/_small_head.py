@@ -79,8 +79,8 @@ class SmallHeadDecode(DecodeStrategy):
         geometry = self.base_geometry(
             batch, kernel_heads=batch.context.num_heads, kernel_qlen=1, num_kernel_rows=num_tokens
         )
-        qlens = batch.query_start_loc_cpu[1:] - batch.query_start_loc_cpu[:-1]
-        if num_tokens == batch.num_requests and bool((qlens == 1).all()):
+        lengths = batch.lengths
+        if num_tokens == batch.num_requests and lengths.min_query == 1 == lengths.max_query:
             # One token per request: each row's window is its whole request, kv_indices as is.
             return SmallHeadPlan(
                 self.NAME,
@@ -114,6 +114,11 @@ class SmallHeadDecode(DecodeStrategy):
             row_indptr=row_indptr,
             page_table=ws.row_page_table,
         )
+
+    def capturable_build(self, plan: DecodePlan) -> bool:
+        """One token per request: the build is the page-index fill alone (the verify rows'
+        windows are planned on the host)."""
+        return isinstance(plan, SmallHeadPlan) and plan.page_table is plan.kv_indices
 
     def launch(
         self,

@@ -10,8 +10,8 @@ import torch
 
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
-from mla.core.validate import check_cache_scale
-from mla.providers.calls import ExpandPagesCall
+from mla.core.validate import HostLengths, check_cache_scale
+from mla.providers.calls import FillPagesCall
 from mla.strategy import (
     GraphSupport,
     Phase,
@@ -23,12 +23,25 @@ from mla.strategy import (
 )
 
 
+def _host_values(batch: DecodeBatch) -> list[int]:
+    values: list[int] = batch.query_start_loc_cpu.tolist()
+    return values
+
+
+def _host_lengths(batch: DecodeBatch) -> HostLengths:
+    lens = None if batch.seq_lens_cpu is None else batch.seq_lens_cpu.tolist()
+    return HostLengths.from_indptr(batch.query_start_loc_list, lens)
+
+
 @attrs.frozen(eq=False)
 class DecodeBatch:
     """The decode part of one step, as the builder hands it to ``build_metadata``.
 
     Requests are ordered as in the engine's batch; rows of q past ``query_start_loc[-1]`` and
     requests with ``seq_len == 0`` are graph padding (their output rows are zero, LSE ``-inf``).
+    The host tensors also come as Python ints (``query_start_loc_list``, ``lengths``): the
+    builder passes what it checked, and host rules in ``build_metadata`` should use them (a
+    torch op on a small host tensor costs more than a reduction over the whole list).
     """
 
     context: DecodeContext
@@ -36,8 +49,8 @@ class DecodeBatch:
     """int ``[B+1]`` on the host."""
     seq_lens_cpu: torch.Tensor | None
     """int ``[B]`` on the host: KV length including the new tokens. ``None`` when the engine
-    passed no host copy: the page indices are then planned on the device (no copy), and a
-    strategy that needs host lengths calls :meth:`host_seq_lens`."""
+    passed no host copy: the page indices are then planned on the device by the block table's
+    capacity (no copy), and a strategy that needs host lengths calls :meth:`host_seq_lens`."""
     query_start_loc: torch.Tensor
     """int32 ``[B+1]`` on the device."""
     seq_lens: torch.Tensor
@@ -50,6 +63,11 @@ class DecodeBatch:
     """Cache blocks the requests' block-table rows read (the largest block id used, plus one)
     when the builder read the block table on the host (``validate="full"``), else 0: ``run``
     refuses a ``kv_cache`` with fewer blocks."""
+    query_start_loc_list: list[int] = attrs.field(default=attrs.Factory(_host_values, takes_self=True))
+    """``query_start_loc_cpu`` as Python ints (read from the tensor when not given)."""
+    lengths: HostLengths = attrs.field(default=attrs.Factory(_host_lengths, takes_self=True))
+    """Query lengths and host seq_lens as Python ints with their ranges (computed from the
+    host tensors when not given)."""
 
     @property
     def num_requests(self) -> int:
@@ -62,12 +80,12 @@ class DecodeBatch:
     @property
     def max_seq_len(self) -> int | None:
         """The batch's longest KV length when known on the host, else ``None``."""
-        lens = self.seq_lens_cpu
-        return int(lens.max()) if lens is not None and lens.numel() else None
+        lengths = self.lengths
+        return lengths.max_seq if lengths.seq_lens else None
 
     @property
     def num_owned_tokens(self) -> int:
-        return int(self.query_start_loc_cpu[-1])
+        return self.query_start_loc_list[-1]
 
 
 @attrs.frozen
@@ -110,7 +128,8 @@ class DecodeIndexBuffers:
     """int32 ``[max_num_seqs + 1]``."""
     kv_indices: torch.Tensor
     """int32 ``[max_num_seqs * max_model_len + 1]``; the last entry is a scratch slot that the
-    device-side fill writes its masked-off lanes to."""
+    device-side fill may write its masked-off lanes to."""
+    _views: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     @classmethod
     def allocate(cls, setup: StrategySetup) -> DecodeIndexBuffers:
@@ -122,59 +141,52 @@ class DecodeIndexBuffers:
             ),
         )
 
-    def fill(self, setup: StrategySetup, batch: DecodeBatch) -> tuple[torch.Tensor, int | None]:
-        """Write this step's kv_indptr and flat indices; return the indptr view and the total
-        token count (``None`` when it is known only on the device).
+    def fill(
+        self, setup: StrategySetup, batch: DecodeBatch, *, qo_indptr: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int | None]:
+        """Write this step's kv_indptr and flat indices from the device ``seq_lens`` (one
+        :meth:`~mla.providers.base.KernelProvider.fill_page_indices`: one kernel on the Triton
+        provider, no host-to-device copy, no sync), and copy ``batch.query_start_loc`` into
+        ``qo_indptr`` when given (same launch); return the indptr view and the total token
+        count (``None`` when it is known only on the device).
 
-        With host lengths: the indptr is summed on the host and the provider expands exactly
-        the batch's tokens. Without: :meth:`fill_on_device`.
+        Work is sized by the batch's longest length when the host knows it, else by the block
+        table's capacity ``min(max_blocks * block_size, max_model_len)`` (static, so the fill
+        can be captured in a CUDA graph). Lengths are clamped to that bound and block ids to
+        the cache (when ``KVCacheSpec.num_blocks`` is known), so bad input cannot make a kernel
+        read outside the cache; ``validate="full"`` rejects such input on the host instead.
         """
-        if batch.seq_lens_cpu is None:
-            return self.fill_on_device(setup, batch), None
-        lens = batch.seq_lens_cpu.to(torch.int64)
-        indptr_cpu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
-        indptr_cpu[1:] = torch.cumsum(lens, 0)
-        total = int(indptr_cpu[-1])
-        indptr = self.kv_indptr[: lens.numel() + 1]
-        indptr.copy_(indptr_cpu, non_blocking=True)
-        setup.provider.expand_page_indices(
-            ExpandPagesCall(
-                block_table=batch.block_table,
+        num_requests, table = batch.num_requests, batch.block_table
+        bs = setup.cache.block_size
+        indptr = self.indptr_view(num_requests)
+        bound = min(table.shape[1] * bs, setup.limits.max_model_len)
+        lengths, total = batch.lengths, None
+        if lengths.seq_lens:
+            if lengths.min_seq >= 0 and lengths.max_seq <= bound:
+                bound, total = lengths.max_seq, lengths.total_seq
+            else:
+                total = sum(min(max(length, 0), bound) for length in lengths.seq_lens)
+        setup.provider.fill_page_indices(
+            FillPagesCall(
+                seq_lens=batch.seq_lens,
+                block_table=table,
                 kv_indptr=indptr,
-                out=self.kv_indices,
-                block_size=setup.cache.block_size,
-                num_tokens=total,
+                kv_indices=self.kv_indices,
+                block_size=bs,
+                max_len=bound,
+                num_blocks=setup.cache.num_blocks,
+                query_start_loc=None if qo_indptr is None else batch.query_start_loc,
+                qo_indptr=qo_indptr,
             )
         )
         return indptr, total
 
-    def fill_on_device(self, setup: StrategySetup, batch: DecodeBatch) -> torch.Tensor:
-        """Plan the page indices from the device ``seq_lens`` alone: no host copy, no sync.
-
-        Work is sized by the block table (``B x min(max_blocks * block_size, max_model_len)``
-        lanes), not by the data. Lengths are clamped to that capacity and block ids to the
-        cache (when ``KVCacheSpec.num_blocks`` is known), so bad input cannot make a kernel read
-        outside the cache; ``validate="full"`` rejects such input on the host instead.
-        """
-        bs, table = setup.cache.block_size, batch.block_table
-        num_requests = batch.num_requests
-        capacity = min(table.shape[1] * bs, setup.limits.max_model_len)
-        lens = torch.clamp(batch.seq_lens.to(torch.int64), 0, capacity)
-        indptr = self.kv_indptr[: num_requests + 1]
-        indptr[1:].copy_(torch.cumsum(lens, 0))
-        position = torch.arange(capacity, device=table.device)
-        tokens = table.index_select(1, position // bs).to(torch.int64)
-        if setup.cache.num_blocks is not None:
-            tokens.clamp_(0, setup.cache.num_blocks - 1)
-        tokens = tokens * bs + position % bs
-        scratch = self.kv_indices.numel() - 1
-        dest = torch.where(
-            position[None, :] < lens[:, None],
-            indptr[:-1, None].to(torch.int64) + position[None, :],
-            scratch,
-        )
-        self.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))
-        return indptr
+    def indptr_view(self, num_requests: int) -> torch.Tensor:
+        """``kv_indptr[: num_requests + 1]`` (the view is made once per size)."""
+        view = self._views.get(num_requests)
+        if view is None:
+            view = self._views[num_requests] = self.kv_indptr[: num_requests + 1]
+        return view
 
 
 class DecodeStrategy(Strategy[DecodeContext]):
@@ -198,6 +210,13 @@ class DecodeStrategy(Strategy[DecodeContext]):
     @abc.abstractmethod
     def build_metadata(self, batch: DecodeBatch) -> DecodePlan:
         """Host side, once per step: fill persistent buffers, return the plan."""
+
+    def capturable_build(self, plan: DecodePlan) -> bool:
+        """Whether rebuilding ``plan``'s step (same host inputs, no host ``seq_lens``) is device
+        work only, with nothing copied from host memory and nothing read back: then a CUDA
+        graph can capture build and run together (the functional API's replay path does).
+        ``False`` unless a strategy knows better."""
+        return False
 
     @abc.abstractmethod
     def launch(

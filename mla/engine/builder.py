@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from mla.core.context import DecodeContext
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_indptr, require_index, require_int, used_cache_blocks
-from mla.decode.base import DecodeBatch, DecodePlan
+from mla.core.validate import HostLengths, check_indptr_values, require_index, require_int, used_cache_blocks
+from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
 from mla.engine.checks import check_paged_step, require_instance
 from mla.engine.resolver import Decision
 from mla.engine.state import BackendState
@@ -31,33 +32,49 @@ class MetadataBuilder:
 
     def __init__(self, backend: BackendState) -> None:
         self.backend = backend
+        self._decode_choices: dict[tuple[int, bool, int], tuple[DecodeContext, Decision, DecodeStrategy]] = {}
 
     def build(self, step: StepInputs) -> MLAMetadata:
-        """Plan one step and make it the backend's current metadata (also returned)."""
+        """Plan one step and make it the backend's current metadata (also returned).
+
+        The host copies are read once each (``.tolist()``) and checked as Python ints; a
+        decode-only step then costs a few Python lines, one page-index fill on the device (one
+        kernel on the Triton provider) and the strategy's own planning, and (per decode shape)
+        one cached resolution.
+        """
         be = self.backend
         full = be.validate == "full"
         require_instance("step", step, StepInputs)
-        qsl_cpu = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
-        device_inputs = (
-            ("query_start_loc", require_index("query_start_loc", step.query_start_loc, ndim=1)),
-            ("seq_lens", require_index("seq_lens", step.seq_lens, ndim=1)),
-            ("block_table", require_index("block_table", step.block_table, ndim=2)),
-        )
-        for name, tensor in device_inputs:
-            if tensor.device.type != be.device.type:
+        qsl_host = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1)
+        qsl_dev = require_index("query_start_loc", step.query_start_loc, ndim=1)
+        seq_lens = require_index("seq_lens", step.seq_lens, ndim=1)
+        block_table = require_index("block_table", step.block_table, ndim=2)
+        device_type = be.device.type
+        for name, tensor in (
+            ("query_start_loc", qsl_dev),
+            ("seq_lens", seq_lens),
+            ("block_table", block_table),
+        ):
+            if tensor.device.type != device_type:
                 raise InvalidInputError(
                     name, f"is on {tensor.device} but the backend runs on {be.device}; move it there"
                 )
-        seq_lens, block_table = step.seq_lens, step.block_table
         num_decodes = require_int("num_decodes", step.num_decodes, minimum=0)
         num_decode_tokens = require_int("num_decode_tokens", step.num_decode_tokens, minimum=0)
-        num_requests = qsl_cpu.numel() - 1
-        check_indptr("query_start_loc", qsl_cpu)
-        if step.query_start_loc.numel() != qsl_cpu.numel():
+        qsl: list[int] = qsl_host.tolist()
+        seq_host = step.seq_lens_cpu
+        lens: list[int] | None = None
+        if seq_host is not None:
+            lens = require_index("seq_lens_cpu", seq_host, ndim=1).tolist()
+        lengths = HostLengths.from_indptr(qsl, lens)
+        if not qsl or qsl[0] != 0 or lengths.min_query < 0:
+            check_indptr_values("query_start_loc", qsl)  # raises, naming the bad entry
+        num_requests = len(qsl) - 1
+        if qsl_dev.numel() != num_requests + 1:
             raise InvalidInputError(
                 "query_start_loc",
-                f"has {step.query_start_loc.numel()} entries but query_start_loc_cpu has "
-                f"{qsl_cpu.numel()}; pass the same indptr on the device and on the host",
+                f"has {qsl_dev.numel()} entries but query_start_loc_cpu has "
+                f"{num_requests + 1}; pass the same indptr on the device and on the host",
             )
         if num_decodes > num_requests:
             raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {num_decodes}")
@@ -77,26 +94,26 @@ class MetadataBuilder:
                 "block_table", f"has {block_table.shape[0]} rows for {num_requests} requests"
             )
         num_prefills = num_requests - num_decodes
-        seq_cpu = step.seq_lens_cpu
-        if seq_cpu is not None:
-            seq_cpu = require_index("seq_lens_cpu", seq_cpu, ndim=1).to(torch.int64)
         if full:
-            self._cross_check(step, qsl_cpu, seq_cpu)
-        if seq_cpu is None and (full or num_prefills):
-            seq_cpu = seq_lens.cpu().to(torch.int64)
+            self._cross_check(step, qsl, lens)
+        if lens is None and (full or num_prefills):
+            lens = seq_lens.tolist()
+            lengths = HostLengths.of(lengths.query_lens, lens)
         table_cpu: torch.Tensor | None = None
-        if seq_cpu is not None:
+        if lens is not None:
             table_cpu = check_paged_step(
-                query_start_loc_cpu=qsl_cpu,
-                seq_lens_cpu=seq_cpu,
+                query_lens=lengths.query_lens,
+                seq_lens=lens,
                 block_table=block_table,
                 block_size=be.cache.block_size,
                 num_blocks=be.cache.num_blocks or (1 << 62),
                 max_model_len=be.limits.max_model_len,
                 block_ids=full,
+                lengths=lengths,
             )
-        self._check_limits(qsl_cpu, num_decodes)
-        owned_decode_tokens = int(qsl_cpu[num_decodes])
+        decode_lengths = lengths.first(num_decodes)
+        self._check_limits(decode_lengths, qsl[-1])
+        owned_decode_tokens = qsl[num_decodes]
         if num_decode_tokens < owned_decode_tokens or (
             num_prefills and num_decode_tokens != owned_decode_tokens
         ):
@@ -114,18 +131,19 @@ class MetadataBuilder:
         decode_decision = prefill_decision = None
         if num_decodes:
             decode_decision, decode_plan = self._build_decode(
-                step, qsl_cpu, seq_cpu, table_cpu, num_decodes, num_decode_tokens
+                step, qsl, decode_lengths, table_cpu, num_decodes, num_decode_tokens
             )
         if num_prefills:
-            assert seq_cpu is not None
+            assert lens is not None
+            qsl_cpu = torch.tensor(qsl, dtype=torch.int64)
             prefill_decision, prefill_plan = self._build_prefill(
-                step, qsl_cpu, seq_cpu, table_cpu, num_decodes
+                step, qsl_cpu, torch.tensor(lens, dtype=torch.int64), table_cpu, num_decodes
             )
         metadata = MLAMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
-            num_prefill_tokens=int(qsl_cpu[-1]) - owned_decode_tokens,
+            num_prefill_tokens=qsl[-1] - owned_decode_tokens,
             decode=decode_plan,
             prefill=prefill_plan,
             decode_decision=decode_decision,
@@ -134,23 +152,20 @@ class MetadataBuilder:
         be.current_metadata = metadata
         return metadata
 
-    def _check_limits(self, qsl_cpu: torch.Tensor, num_decodes: int) -> None:
+    def _check_limits(self, decode: HostLengths, total: int) -> None:
         """The step's decode qlens and token count are within the limits the backend was sized
         (and its strategies allocated) for (host rules on ``query_start_loc_cpu``)."""
         limits = self.backend.limits
-        qlens = qsl_cpu[1:] - qsl_cpu[:-1]
-        decode_qlens = qlens[:num_decodes]
-        if decode_qlens.numel() and int(decode_qlens.max()) > limits.max_decode_qlen:
-            b = int(torch.argmax(decode_qlens))
+        if decode.query_lens and decode.max_query > limits.max_decode_qlen:
+            b = decode.query_lens.index(decode.max_query)
             raise InvalidInputError(
                 "query_start_loc",
-                f"decode request {b} has {int(decode_qlens[b])} query tokens > max_decode_qlen "
+                f"decode request {b} has {decode.max_query} query tokens > max_decode_qlen "
                 f"{limits.max_decode_qlen}. Decode requests (qlen <= max_decode_qlen: one token, or "
                 "a speculative verify) come first in the batch and num_decodes counts them; a "
                 "prefill placed before the decodes, a num_decodes that is too large, or more "
                 "speculative tokens than EngineLimits.max_decode_qlen allows look like this",
             )
-        total = int(qsl_cpu[-1])
         if total > limits.max_num_batched_tokens:
             raise InvalidInputError(
                 "query_start_loc",
@@ -158,66 +173,87 @@ class MetadataBuilder:
                 f"{limits.max_num_batched_tokens}; split the step or raise the limit",
             )
 
-    def _cross_check(self, step: StepInputs, qsl_cpu: torch.Tensor, seq_cpu: torch.Tensor | None) -> None:
+    def _cross_check(self, step: StepInputs, qsl: list[int], lens: list[int] | None) -> None:
         """``validate="full"``: the device tensors hold what their host copies say (one
         device-to-host copy each)."""
-        device_qsl = step.query_start_loc.cpu().to(torch.int64)
-        if not torch.equal(device_qsl, qsl_cpu):
+        device_qsl = step.query_start_loc.tolist()
+        if device_qsl != qsl:
             raise InvalidInputError(
                 "query_start_loc",
-                f"the device copy {device_qsl.tolist()} differs from query_start_loc_cpu "
-                f"{qsl_cpu.tolist()}; pass the same indptr on both sides",
+                f"the device copy {device_qsl} differs from query_start_loc_cpu "
+                f"{qsl}; pass the same indptr on both sides",
             )
-        if seq_cpu is not None:
-            device_lens = step.seq_lens.cpu().to(torch.int64)
-            if not torch.equal(device_lens, seq_cpu):
+        if lens is not None:
+            device_lens = step.seq_lens.tolist()
+            if device_lens != lens:
                 raise InvalidInputError(
                     "seq_lens",
-                    f"the device copy {device_lens.tolist()} differs from seq_lens_cpu "
-                    f"{seq_cpu.tolist()}; pass the same lengths on both sides",
+                    f"the device copy {device_lens} differs from seq_lens_cpu "
+                    f"{lens}; pass the same lengths on both sides",
                 )
+
+    def _decode_choice(self, max_qlen: int, uniform: bool) -> tuple[DecodeContext, Decision, DecodeStrategy]:
+        """The context, decision and strategy instance of a decode shape (resolved once per
+        shape and registry version)."""
+        be = self.backend
+        key = (max_qlen, uniform, be.resolver.registry.version)
+        choice = self._decode_choices.get(key)
+        if choice is None:
+            ctx = be.decode_context(max_qlen=max_qlen, uniform_qlen=uniform)
+            decision = be.resolver.resolve(ctx, force=be.force_decode)
+            choice = self._decode_choices[key] = (ctx, decision, be.decode_strategy(decision))
+        return choice
 
     def _build_decode(
         self,
         step: StepInputs,
-        qsl_cpu: torch.Tensor,
-        seq_cpu: torch.Tensor | None,
+        qsl: list[int],
+        lengths: HostLengths,
         table_cpu: torch.Tensor | None,
         nd: int,
         num_tokens: int,
     ) -> tuple[Decision, DecodePlan]:
         be = self.backend
-        qsl = qsl_cpu[: nd + 1]
-        qlens = qsl[1:] - qsl[:-1]
-        max_qlen = max(1, int(qlens.max()))
-        lens = None if seq_cpu is None else seq_cpu[:nd]
-        if bool((qlens == max_qlen).all()):
+        whole = nd == len(qsl) - 1
+        if not whole:
+            qsl = qsl[: nd + 1]
+        lens = lengths.seq_lens
+        max_qlen = max(1, lengths.max_query)
+        if lengths.min_query == max_qlen:
             uniform = True
         elif lens is None:
             # Without host lengths the graph-padding requests cannot be told apart.
             uniform = False
         else:
-            real = lens > 0
-            padded_qlens = qlens[~real]
-            uniform = bool((qlens[real] == max_qlen).all()) and bool(
-                ((padded_qlens == 0) | (padded_qlens == max_qlen)).all()
+            uniform = all(
+                q == max_qlen if length > 0 else q in (0, max_qlen)
+                for q, length in zip(lengths.query_lens, lens, strict=True)
             )
-        ctx = be.decode_context(max_qlen=max_qlen, uniform_qlen=uniform)
-        decision = be.resolver.resolve(ctx, force=be.force_decode)
-        strategy = be.decode_strategy(decision)
+        ctx, decision, strategy = self._decode_choice(max_qlen, uniform)
+        qsl_host, seq_host = step.query_start_loc_cpu, step.seq_lens_cpu
+        if lens is not None and seq_host is None:
+            seq_host = torch.tensor(lens, dtype=torch.int64)
+        table, qsl_dev, seq_dev = step.block_table, step.query_start_loc, step.seq_lens
+        if not whole:
+            qsl_host, qsl_dev, seq_dev = qsl_host[: nd + 1], qsl_dev[: nd + 1], seq_dev[:nd]
+            seq_host = None if seq_host is None else seq_host[:nd]
+        if table.shape[0] != nd:
+            table = table[:nd]
         batch = DecodeBatch(
             context=ctx,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=lens,
-            query_start_loc=step.query_start_loc[: nd + 1],
-            seq_lens=step.seq_lens[:nd],
-            block_table=step.block_table[:nd],
+            query_start_loc_cpu=qsl_host,
+            seq_lens_cpu=seq_host,
+            query_start_loc=qsl_dev,
+            seq_lens=seq_dev,
+            block_table=table,
             num_tokens=num_tokens,
             cache_blocks=(
                 0
                 if table_cpu is None or lens is None
-                else used_cache_blocks(table_cpu[:nd], lens, be.cache.block_size)
+                else used_cache_blocks(table_cpu[:nd], torch.tensor(lens), be.cache.block_size)
             ),
+            query_start_loc_list=qsl,
+            lengths=lengths,
         )
         return decision, strategy.build_metadata(batch)
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mla.core.errors import InvalidInputError
 from mla.core.validate import (
+    HostLengths,
     ValidateMode,
     check_block_ids,
-    check_paged_requests,
+    check_paged_request_values,
     check_slots,
     check_write_kv,
     require_same_device,
@@ -35,28 +38,35 @@ def require_on_q_device(q: torch.Tensor, **others: object) -> None:
 
 def check_paged_step(
     *,
-    query_start_loc_cpu: torch.Tensor,
-    seq_lens_cpu: torch.Tensor,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
     block_table: torch.Tensor,
     block_size: int,
     num_blocks: int,
     max_model_len: int | None = None,
     block_ids: bool,
+    lengths: HostLengths | None = None,
 ) -> torch.Tensor | None:
-    """The host rules of a paged step's requests; with ``block_ids`` (``validate="full"``) also
-    every block id, reading ``block_table`` on the host. Returns that host table (else ``None``)."""
-    check_paged_requests(
-        query_start_loc_cpu=query_start_loc_cpu,
-        seq_lens_cpu=seq_lens_cpu,
+    """The host rules of a paged step's requests (on host values: each request's query length
+    and seq_len, with their ``lengths`` when the caller has them); with ``block_ids``
+    (``validate="full"``) also every block id, reading ``block_table`` on the host. Returns
+    that host table (else ``None``)."""
+    check_paged_request_values(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
         block_table_shape=tuple(block_table.shape),
         block_size=block_size,
         max_model_len=max_model_len,
+        lengths=lengths,
     )
     if not block_ids:
         return None
     table_cpu = block_table.cpu()
     check_block_ids(
-        seq_lens_cpu=seq_lens_cpu, block_table_cpu=table_cpu, block_size=block_size, num_blocks=num_blocks
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        block_table_cpu=table_cpu,
+        block_size=block_size,
+        num_blocks=num_blocks,
     )
     return table_cpu
 

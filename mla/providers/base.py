@@ -23,6 +23,7 @@ from mla.providers.calls import (
     DecodeSchedule,
     DecodeScheduleBuffersCall,
     ExpandPagesCall,
+    FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
     MergeStatesCall,
@@ -32,6 +33,7 @@ from mla.providers.calls import (
     VarlenPrefillCall,
     WriteKVCall,
 )
+from mla.providers.transforms import fill_page_indices
 
 CONTRACT_METHODS: dict[Contract, tuple[str, ...]] = {
     Contract.PAGED_DECODE: ("paged_mqa_decode",),
@@ -137,6 +139,15 @@ class KernelProvider(abc.ABC):
     def expand_page_indices(self, call: ExpandPagesCall) -> None:
         """Block table to flat per-token cache row ids."""
         self._unsupported(Contract.EXPAND_PAGES, "expand_page_indices")
+
+    def fill_page_indices(self, call: FillPagesCall) -> None:
+        """A step's ``kv_indptr`` and flat page indices from the device lengths (no host sync).
+
+        The default runs :func:`~mla.providers.transforms.fill_page_indices` (about a dozen
+        torch ops, any device); a provider overrides it with one fused kernel (the Triton
+        provider does), since the builder calls it every decode step.
+        """
+        fill_page_indices(call)
 
     def write_kv(self, call: WriteKVCall) -> None:
         """Write new tokens' latent + rope rows into the paged cache."""

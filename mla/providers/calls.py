@@ -264,6 +264,43 @@ class ExpandPagesCall:
 
 
 @attrs.frozen(kw_only=True, eq=False)
+class FillPagesCall:
+    """A step's page indices planned from the device lengths (part of contract
+    ``expand-pages``; :meth:`KernelProvider.fill_page_indices` has a torch default, a provider
+    may fuse it into one kernel). With ``len_b = clamp(seq_lens[b], 0, max_len)``:
+
+    * ``kv_indptr[0] = 0``, ``kv_indptr[b+1] = len_0 + ... + len_b``;
+    * ``kv_indices[kv_indptr[b] + t] = blk * bs + t % bs`` for ``t < len_b``, where ``blk`` is
+      ``block_table[b, t // bs]``, clamped to ``[0, num_blocks)`` when ``num_blocks`` is given.
+
+    Entries of ``kv_indices`` past ``kv_indptr[B]`` are unspecified (the last entry of the
+    buffer may be written as scratch). No host sync; the work is sized by ``max_len``.
+    """
+
+    seq_lens: torch.Tensor
+    """int32/int64 ``[B]`` on the device."""
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks]``, last dim contiguous."""
+    kv_indptr: torch.Tensor
+    """int32 ``[B+1]`` (written)."""
+    kv_indices: torch.Tensor
+    """int32, at least ``B * max_len + 1`` long (written)."""
+    block_size: int
+    """``bs``, the cache block size in tokens."""
+    max_len: int
+    """Bound on each request's length, ``<= max_blocks * bs``: a static bound (the block
+    table's capacity, the engine's ``max_model_len``) or the step's longest length when the
+    host knows it."""
+    num_blocks: int | None
+    """Blocks in the cache, when known (block ids are clamped into it: memory-safe)."""
+    query_start_loc: torch.Tensor | None = None
+    """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's
+    own copy of the query indptr), or ``None``."""
+    qo_indptr: torch.Tensor | None = None
+    """int32 ``[B+1]`` (written when ``query_start_loc`` is given)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class WriteKVCall:
     """Write new tokens' ``[kv_c | k_pe]`` rows into the paged cache (contract ``kv-write``);
     an fp8 cache stores ``value / kv_scale``."""
@@ -285,6 +322,7 @@ __all__ = [
     "DecodeSchedule",
     "DecodeScheduleBuffersCall",
     "ExpandPagesCall",
+    "FillPagesCall",
     "Fp8PrefillCall",
     "Fp8PrefillPlanCall",
     "MergeStatesCall",

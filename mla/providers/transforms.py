@@ -21,6 +21,8 @@ import enum
 import attrs
 import torch
 
+from mla.providers.calls import FillPagesCall
+
 
 class HeadPadMode(enum.Enum):
     NONE = "none"
@@ -157,3 +159,32 @@ def gather_row_page_table(
     offset = pos - row_indptr[row]
     req = torch.clamp(row_request[row], min=0)
     out[:total].copy_(kv_indices[kv_indptr[req] + offset])
+
+
+def fill_page_indices(call: FillPagesCall) -> None:
+    """The torch form of :class:`~mla.providers.calls.FillPagesCall` (any device, no host sync).
+
+    Work is ``B x max_len`` lanes; the lanes past each request's length scatter into the last
+    entry of ``kv_indices`` (scratch).
+    """
+    bs, table, max_len = call.block_size, call.block_table, call.max_len
+    indptr = call.kv_indptr
+    lens = torch.clamp(call.seq_lens.to(torch.int64), 0, max_len)
+    indptr[:1].zero_()
+    indptr[1:].copy_(torch.cumsum(lens, 0))
+    if call.query_start_loc is not None and call.qo_indptr is not None:
+        call.qo_indptr.copy_(call.query_start_loc)
+    if max_len == 0 or lens.numel() == 0:
+        return
+    position = torch.arange(max_len, device=table.device)
+    tokens = table.index_select(1, position // bs).to(torch.int64)
+    if call.num_blocks is not None:
+        tokens.clamp_(0, call.num_blocks - 1)
+    tokens = tokens * bs + position % bs
+    scratch = call.kv_indices.numel() - 1
+    dest = torch.where(
+        position[None, :] < lens[:, None],
+        indptr[:-1, None].to(torch.int64) + position[None, :],
+        scratch,
+    )
+    call.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))

@@ -29,6 +29,7 @@ from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
     ExpandPagesCall,
+    FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
     MergeStatesCall,
@@ -220,6 +221,9 @@ class GluonProvider(KernelProvider):
 
     def expand_page_indices(self, call: ExpandPagesCall) -> None:
         self._triton.expand_page_indices(call)
+
+    def fill_page_indices(self, call: FillPagesCall) -> None:
+        self._triton.fill_page_indices(call)
 
     def write_kv(self, call: WriteKVCall) -> None:
         self._triton.write_kv(call)

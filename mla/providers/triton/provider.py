@@ -28,6 +28,7 @@ from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
     ExpandPagesCall,
+    FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
     MergeStatesCall,
@@ -43,7 +44,7 @@ from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import varlen_attention_fwd
 from mla.providers.triton.schedule import allocate_schedule, plan_split_kv
 from mla.providers.triton.small_head import small_head_decode
-from mla.providers.triton.utils import expand_page_indices, merge_states, write_kv
+from mla.providers.triton.utils import expand_page_indices, fill_page_indices, merge_states, write_kv
 
 _FLOATS = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
@@ -189,6 +190,9 @@ class TritonProvider(KernelProvider):
 
     def expand_page_indices(self, call: ExpandPagesCall) -> None:
         expand_page_indices(call)
+
+    def fill_page_indices(self, call: FillPagesCall) -> None:
+        fill_page_indices(call)
 
     def write_kv(self, call: WriteKVCall) -> None:
         write_kv(call)

@@ -1,5 +1,5 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""Triton utility kernels: LSE state merge, page-index expansion, KV-cache write.
+"""Triton utility kernels: LSE state merge, page-index expansion and planning, KV-cache write.
 
 Each launcher is graph-capturable: grids come from tensor shapes and host ints
 (``num_tokens``), never from tensor values.
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from mla.core.errors import InvalidInputError
-from mla.providers.calls import ExpandPagesCall, MergeStatesCall, WriteKVCall
+from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
 
 
 @triton.jit
@@ -170,6 +170,89 @@ def expand_page_indices(call: ExpandPagesCall) -> None:
         max(1, num_requests.bit_length()),
         BLOCK_SIZE=block_size,
         BLOCK=block,
+        num_warps=4,
+    )
+
+
+@triton.jit(do_not_specialize=["num_requests", "stride_bt", "max_len", "num_blocks"])
+def _fill_page_indices_kernel(
+    seq_lens_ptr,
+    block_table_ptr,
+    kv_indptr_ptr,
+    out_ptr,
+    num_requests,
+    stride_bt,
+    max_len,
+    num_blocks,
+    qsl_ptr,
+    qo_ptr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    CLAMP_BLOCKS: tl.constexpr,
+    COPY_QO: tl.constexpr,
+):
+    """Program (request ``b``, chunk ``c``): sum the clamped lengths of requests ``< b`` (its
+    start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids of tokens
+    ``c*BLOCK .. (c+1)*BLOCK`` of request ``b``; chunk 0 also copies ``qsl[b+1]`` to
+    ``qo[b+1]`` (``COPY_QO``)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    start = tl.zeros([], dtype=tl.int64)
+    for b0 in range(0, b, BLOCK_B):
+        prior = b0 + offs_b
+        lens = tl.load(seq_lens_ptr + prior, mask=prior < b, other=0).to(tl.int64)
+        start += tl.sum(tl.minimum(tl.maximum(lens, 0), max_len), 0)
+    length = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b).to(tl.int64), 0), max_len)
+    if c == 0:
+        tl.store(kv_indptr_ptr + b + 1, (start + length).to(tl.int32))
+        if b == 0:
+            tl.store(kv_indptr_ptr, start.to(tl.int32))
+        if COPY_QO:
+            tl.store(qo_ptr + b + 1, tl.load(qsl_ptr + b + 1).to(tl.int32))
+            if b == 0:
+                tl.store(qo_ptr, tl.load(qsl_ptr).to(tl.int32))
+    t = c * BLOCK + tl.arange(0, BLOCK)
+    ok = t < length
+    block = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=ok, other=0)
+    block = block.to(tl.int64)
+    if CLAMP_BLOCKS:
+        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+    tl.store(out_ptr + start + t, (block * BLOCK_SIZE + t % BLOCK_SIZE).to(tl.int32), mask=ok)
+
+
+def fill_page_indices(call: FillPagesCall) -> None:
+    """:class:`~mla.providers.calls.FillPagesCall` as one launch: a program per (request,
+    ``BLOCK`` tokens of ``max_len``), each summing the lengths before its request itself (no
+    second pass, no host sync), with the ``qo_indptr`` copy folded in."""
+    block_table, seq_lens = call.block_table, call.seq_lens
+    num_requests = seq_lens.numel()
+    copy_qo = call.query_start_loc is not None and call.qo_indptr is not None
+    if num_requests == 0:
+        call.kv_indptr[:1].zero_()
+        if call.query_start_loc is not None and call.qo_indptr is not None:
+            call.qo_indptr.copy_(call.query_start_loc)
+        return
+    if block_table.stride(-1) != 1:
+        raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
+    block = 1024
+    _fill_page_indices_kernel[(num_requests, max(1, triton.cdiv(call.max_len, block)))](
+        seq_lens,
+        block_table,
+        call.kv_indptr,
+        call.kv_indices,
+        num_requests,
+        block_table.stride(0),
+        call.max_len,
+        call.num_blocks or 1,
+        call.query_start_loc if copy_qo else seq_lens,
+        call.qo_indptr if copy_qo else seq_lens,
+        BLOCK_SIZE=call.block_size,
+        BLOCK=block,
+        BLOCK_B=128,
+        CLAMP_BLOCKS=call.num_blocks is not None,
+        COPY_QO=copy_qo,
         num_warps=4,
     )
 
