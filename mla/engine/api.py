@@ -12,16 +12,15 @@ no device-to-host copy.
 
 from __future__ import annotations
 
+import operator
 from typing import Literal, overload
 
 import torch
 
-from mla.core.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
 from mla.core.errors import InvalidInputError
 from mla.core.platform import Platform, resolve_platform
 from mla.core.validate import (
     ValidateMode,
-    check_cache_scale,
     check_indptr,
     require_bool,
     require_float,
@@ -32,16 +31,24 @@ from mla.core.validate import (
     require_tensor,
     require_validate_mode,
 )
-from mla.engine import ops
-from mla.engine.backend import MLABackend
-from mla.engine.checks import check_kv_write, check_paged_step
+from mla.engine import decode_graphs, ops
+from mla.engine.checks import check_kv_write
+from mla.engine.decode_call import (
+    DECODE_CALLS,
+    DecodeCall,
+    check_decode_call,
+    check_scale_value,
+    decode_signature,
+    new_entry,
+    query_start_values,
+    require_output,
+    run_step,
+)
+from mla.engine.decode_graphs import GraphReplay, tensor_key
 from mla.engine.plan_cache import DECODE_PLANS, PREFILL_PLANS, DecodeEntry, available_provider, prefill_entry
 from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Resolver
-from mla.engine.step import StepInputs
 from mla.prefill.base import PrefillBatch
 from mla.providers.base import KernelProvider
-from mla.strategy import Phase
 
 __all__ = ["mla_decode", "mla_prefill", "write_kv"]
 
@@ -64,6 +71,7 @@ def mla_decode(
     lse: torch.Tensor | None = ...,
     return_lse: Literal[True] = ...,
     validate: ValidateMode = ...,
+    graph: GraphReplay = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -85,6 +93,7 @@ def mla_decode(
     lse: None = ...,
     return_lse: Literal[False],
     validate: ValidateMode = ...,
+    graph: GraphReplay = ...,
 ) -> torch.Tensor: ...
 
 
@@ -105,6 +114,7 @@ def mla_decode(
     lse: torch.Tensor | None = None,
     return_lse: bool = True,
     validate: ValidateMode = "fast",
+    graph: GraphReplay = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Absorbed MLA decode over a paged latent cache.
 
@@ -139,6 +149,24 @@ def mla_decode(
             ``block_table`` or ``seq_lens`` to the host: lengths past the block table and
             out-of-range block ids are clamped on the device (memory-safe, not an error).
             ``"full"`` (debug) copies them and raises on any bad length or block id.
+        graph: ``"auto"`` (default) replays repeated calls from a CUDA graph on a CUDA device
+            (below); ``"off"`` always runs eagerly (``mla.engine.decode_graphs.GRAPH_REPLAY =
+            False`` turns replay off for every call).
+
+    Repeated calls: the plan (strategy and persistent buffers) is cached per shapes, dtypes,
+    device, scale, provider, strategy, platform and validate mode, and the argument checks per
+    signature, so a repeated call re-checks only values that can change (a float
+    ``kv_scale``, the ``query_start_loc`` indptr). On a CUDA device, with ``out`` given (and
+    ``lse`` too unless ``return_lse=False``) and ``validate="fast"``, the second call on the
+    same tensors (data pointers and strides of q, kv_cache, block_table, seq_lens,
+    query_start_loc, out, lse and a ``kv_scale`` tensor; the same ``query_start_loc`` values)
+    also captures the step (metadata build and kernels, sized by the block table, never by the
+    data) in a :class:`torch.cuda.CUDAGraph` kept with the plan
+    (:data:`~mla.engine.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls replay it:
+    one launch, reading the tensors' current values and the current ``kv_scale`` (a float is
+    written to a device buffer the graph reads). Calls run eagerly while the current stream is
+    capturing (the caller's own graph records them), under ``torch.compile``, with
+    ``validate="full"``, without ``out``, and when the strategy's build needs host data.
 
     Returns:
         ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32 natural log)``, or ``out``
@@ -148,140 +176,116 @@ def mla_decode(
         InvalidInputError: bad shapes, dtypes, devices (or, with ``validate="full"``, values).
         UnsupportedError: no strategy (or not the forced one) supports the case.
     """
-    mode = require_validate_mode(validate)
-    require_tensor("q", q, ndim=3)
-    require_tensor("kv_cache", kv_cache, ndim=3)
-    require_index("block_table", block_table, ndim=2)
-    require_index("seq_lens", seq_lens, ndim=1)
-    require_float("q", q)
-    require_float("kv_cache", kv_cache, allow_fp8=True)
-    tensors = [("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)]
+    signature: tuple[object, ...] | None = None
+    call = None
+    try:
+        signature = decode_signature(
+            q, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, kv_lora_rank, kv_scale,
+            provider, strategy, platform, out, lse, return_lse, validate, graph,
+        )  # fmt: skip
+        call = DECODE_CALLS.get(signature)
+    except (AttributeError, TypeError):  # not tensors, unhashable options: the checks name them
+        signature = None
+    if call is None:
+        call = check_decode_call(
+            q, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, kv_lora_rank, kv_scale,
+            provider, strategy, platform, out, lse, return_lse, validate, graph,
+        )  # fmt: skip
+        if signature is not None:
+            DECODE_CALLS.put(signature, call)
+    elif call.scale_on_host:
+        assert kv_scale is not None
+        check_scale_value(kv_scale)
+    num_tokens, num_requests = call.num_tokens, call.num_requests
+    qsl_values: list[int] | None = None
+    max_qlen = 1
     if query_start_loc is not None:
-        require_index("query_start_loc", query_start_loc, ndim=1)
-        if query_start_loc.device.type != "cpu":
-            tensors.append(("query_start_loc", query_start_loc))
-    require_same_device(("q", q), *tensors)
-    softmax_scale = require_softmax_scale(softmax_scale)
-    kv_lora_rank = require_int("kv_lora_rank", kv_lora_rank, minimum=1)
-    require_bool("return_lse", return_lse)
-    num_tokens, num_heads, width = q.shape
-    cache_width = kv_cache.shape[-1]
-    if cache_width <= kv_lora_rank:
-        raise InvalidInputError(
-            "kv_cache",
-            f"last dim {cache_width} must be kv_lora_rank ({kv_lora_rank}) + rope dim (> 0); pass "
-            "the latent cache [num_blocks, block_size, kv_lora_rank + rope] (or the model's kv_lora_rank)",
-        )
-    if width != cache_width:
-        raise InvalidInputError(
-            "q",
-            f"last dim {width} must equal kv_cache's last dim {cache_width} (kv_lora_rank "
-            f"{kv_lora_rank} + rope {cache_width - kv_lora_rank}): pass the absorbed query "
-            "[q_nope @ W_UK^T | q_pe]",
-        )
-    check_cache_scale(kv_scale, kv_cache.dtype, device=q.device)
-    if out is not None:
-        _require_output("out", out, (num_tokens, num_heads, kv_lora_rank), q.dtype, q.device)
-    if lse is not None:
-        _require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
-    num_requests = seq_lens.numel()
-    qsl_cpu = None
-    if query_start_loc is not None:
-        if query_start_loc.numel() != num_requests + 1:
-            raise InvalidInputError(
-                "query_start_loc",
-                f"expected {num_requests + 1} entries for {num_requests} requests, "
-                f"got {query_start_loc.numel()}",
-            )
-        qsl_cpu = query_start_loc.cpu().to(torch.int64)
-        _require_indptr_of_rows("query_start_loc", qsl_cpu, num_tokens, "q")
-        qlens = qsl_cpu[1:] - qsl_cpu[:-1]
-        max_qlen = max(1, int(qlens.max()) if qlens.numel() else 1)
-    else:
-        if num_tokens != num_requests:
-            raise InvalidInputError(
-                "q",
-                f"has {num_tokens} rows for {num_requests} single-token requests (query_start_loc=None); "
-                "pass query_start_loc for multi-token requests, or one row per request",
-            )
-        max_qlen = 1
+        qsl_cpu, qsl_values = query_start_values(call, query_start_loc)
+        if num_requests:
+            max_qlen = max(1, *map(operator.sub, qsl_values[1:], qsl_values[:-1]))
     if out is None:
-        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+        out = torch.empty(num_tokens, call.num_heads, call.kv_lora_rank, dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, call.num_heads, dtype=torch.float32, device=q.device)
+    result = (out, lse) if return_lse and lse is not None else out
     if num_requests == 0:
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
-        return (out, lse) if return_lse and lse is not None else out
-    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
-    max_decode_qlen = max(max_qlen, -(-num_tokens // num_requests))
-    key = (
-        tuple(q.shape), q.dtype, q.device, tuple(kv_cache.shape), kv_cache.dtype,
-        tuple(block_table.shape), max_decode_qlen, softmax_scale, kv_lora_rank,
-        provider, strategy, platform, mode,
-    )  # fmt: skip
+        return result
+    key = (call.base_key, max(max_qlen, -(-num_tokens // num_requests)))
     entry = DECODE_PLANS.get(key)
     if entry is None:
-        plat = resolve_platform(platform, q.device)
-        forced = None if strategy is None else Resolver().forced_strategy(strategy, Phase.DECODE)
-        dims = MLADims(
-            num_heads=num_heads,
-            kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=width - kv_lora_rank,
-            softmax_scale=softmax_scale,
-        )
-        limits = EngineLimits(
-            max_num_seqs=num_requests,
-            max_model_len=max(1, block_table.shape[1] * block_size),
-            max_num_batched_tokens=max(1, num_tokens),
-            max_decode_qlen=max_decode_qlen,
-        )
-        backend = MLABackend(
-            dims,
-            KVCacheSpec(block_size, kv_cache.dtype, num_blocks=num_blocks),
-            limits,
-            model_dtype=q.dtype,
-            provider=available_provider(provider, plat),
-            platform=plat,
-            device=q.device,
-            decode_strategy=forced,
-            preallocate=False,
-            validate=mode,
-        )
-        unit = torch.arange(num_requests + 1, dtype=torch.int64)
-        entry = DecodeEntry(backend, unit, unit.to(device=q.device, dtype=torch.int32))
+        entry = new_entry(call, q, kv_cache, block_table, softmax_scale, key[1], provider, strategy, platform)
         DECODE_PLANS.put(key, entry)
     backend = entry.backend
-    if qsl_cpu is None:
+    scale = backend.kv_scale_tensor(kv_scale)
+    if call.replay and decode_graphs.replay_allowed(q):
+        graph_key = (
+            call, tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
+            tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(),
+            None if query_start_loc is None else (tensor_key(query_start_loc), tuple(qsl_values or ())),
+        )  # fmt: skip
+        state = entry.graphs.get(graph_key)
+        if isinstance(state, decode_graphs.CapturedCall):
+            state.graph.replay()
+            return result
+        if state is None:
+            entry.graphs.put(graph_key, decode_graphs.SEEN)
+        elif state is decode_graphs.SEEN:
+            _capture(
+                entry, graph_key, call, q, kv_cache, block_table, seq_lens, query_start_loc, out, lse, scale
+            )
+            return result
+    if query_start_loc is None:
         qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
-    elif query_start_loc is not None and query_start_loc.device == q.device:
-        qsl = query_start_loc.to(torch.int32)
+    elif query_start_loc.device == q.device:
+        qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
     else:
         qsl = qsl_cpu.to(device=q.device, dtype=torch.int32, non_blocking=True)
-    seq_cpu = None
-    if mode == "full":
-        seq_cpu = seq_lens.cpu().to(torch.int64)
-        check_paged_step(
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_cpu,
-            block_table=block_table,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            block_ids=True,
-        )
-    step = StepInputs(
-        query_start_loc_cpu=qsl_cpu,
-        query_start_loc=qsl,
-        seq_lens=seq_lens.to(torch.int32),
-        seq_lens_cpu=seq_cpu,
-        block_table=block_table.to(torch.int32),
-        num_decodes=num_requests,
-        num_decode_tokens=num_tokens,
-    )
-    backend.builder.build(step)
-    backend.run_decode(q, kv_cache, out, lse, backend.kv_scale_tensor(kv_scale))
-    return (out, lse) if return_lse and lse is not None else out
+    run_step(call, backend, q, kv_cache, block_table, seq_lens, qsl_cpu, qsl, out, lse, scale)
+    return result
+
+
+def _capture(
+    entry: DecodeEntry,
+    graph_key: tuple[object, ...],
+    call: DecodeCall,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    scale: torch.Tensor | None,
+) -> None:
+    """Run the call eagerly (its result; every kernel compiled), then capture the same step
+    into a graph for the following calls (or mark it eager when its build needs host data)."""
+    backend = entry.backend
+    keep: tuple[torch.Tensor, ...] = ()
+    if query_start_loc is None:
+        qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
+    else:
+        qsl_cpu = query_start_loc.cpu()
+        if query_start_loc.device.type == "cpu":  # the graph reads a device copy it owns
+            qsl = qsl_cpu.to(device=q.device, dtype=torch.int32)
+            keep = (qsl,)
+        else:
+            qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
+
+    def step() -> None:
+        run_step(call, backend, q, kv_cache, block_table, seq_lens, qsl_cpu, qsl, out, lse, scale)
+
+    step()
+    metadata = backend.current_metadata
+    plan = None if metadata is None else metadata.decode
+    state: decode_graphs.GraphState = decode_graphs.EAGER
+    if plan is not None and backend.decode_strategy(plan.strategy).capturable_build(plan):
+        state = decode_graphs.capture_or_mark(step, q.device)
+        if isinstance(state, decode_graphs.CapturedCall):
+            state.keep = keep
+    entry.graphs.put(graph_key, state)
 
 
 def _require_indptr_of_rows(name: str, indptr_cpu: torch.Tensor, rows: int, rows_of: str) -> None:
@@ -294,18 +298,6 @@ def _require_indptr_of_rows(name: str, indptr_cpu: torch.Tensor, rows: int, rows
             f"ends at {int(indptr_cpu[-1])} but {rows_of} has {rows} rows; every row of {rows_of} must "
             f"belong to a request (add the missing requests to {name}, or slice {rows_of})",
         )
-
-
-def _require_output(
-    name: str, tensor: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> None:
-    value = require_tensor(name, tensor, ndim=len(shape))
-    if tuple(value.shape) != shape:
-        raise InvalidInputError(name, f"expected shape {shape}, got {tuple(value.shape)}")
-    if value.dtype != dtype:
-        raise InvalidInputError(name, f"expected dtype {dtype_name(dtype)}, got {dtype_name(value.dtype)}")
-    if value.device != device:
-        raise InvalidInputError(name, f"is on {value.device} but q is on {device}; move it to {device}")
 
 
 @overload
@@ -402,9 +394,9 @@ def mla_prefill(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidInputError("k", f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if out is not None:
-        _require_output("out", out, (num_tokens, num_heads, v.shape[-1]), q.dtype, q.device)
+        require_output("out", out, (num_tokens, num_heads, v.shape[-1]), q.dtype, q.device)
     if lse is not None:
-        _require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
+        require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
     _require_indptr_of_rows("cu_seqlens_q", cu_q_cpu, num_tokens, "q")

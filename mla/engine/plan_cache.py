@@ -14,6 +14,7 @@ from mla.core.config import EngineLimits, KVCacheSpec, MLADims
 from mla.core.context import PrefillContext, prefill_context
 from mla.core.platform import Platform, resolve_platform
 from mla.engine.backend import MLABackend
+from mla.engine.decode_graphs import GRAPHS_PER_PLAN, GraphState
 from mla.engine.registry import AnyStrategy
 from mla.engine.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
@@ -56,13 +57,18 @@ class PlanCache(Generic[K, V]):
 
 @attrs.frozen(eq=False)
 class DecodeEntry:
-    """A cached decode plan: a backend sized for the call's shapes, and its unit indptr."""
+    """A cached decode plan: a backend sized for the call's shapes, its unit indptr and the
+    CUDA graphs of its repeated calls (:mod:`mla.engine.decode_graphs`)."""
 
     backend: MLABackend
     unit_qsl_cpu: torch.Tensor
     """int64 ``[B+1]`` ``0..B`` on the host (one token per request)."""
     unit_qsl: torch.Tensor
     """The same on the device."""
+    graphs: PlanCache[Hashable, GraphState] = attrs.field(factory=lambda: PlanCache(GRAPHS_PER_PLAN))
+    """Per call key (tensors' data pointers and strides, host ``query_start_loc`` values,
+    ``kv_scale`` tensor): seen once, captured, or eager-only; at most
+    :data:`~mla.engine.decode_graphs.GRAPHS_PER_PLAN`."""
 
 
 DECODE_PLANS: PlanCache[tuple[object, ...], DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)
