@@ -14,6 +14,14 @@ Per shape it prints:
 * ``build``: ``backend.builder.build(step)`` host time with the engine's host copies passed
   (the issue's bound at B=128: 60 us), and ``d2h``: device-to-host copies it made (counted with
   ``torch.cuda.set_sync_debug_mode("warn")``'s warnings; 0 expected).
+* ``ops``: aten ops dispatched by one build / one repeated call (a ``TorchDispatchMode``; a
+  CUDA-graph replay dispatches none), and ``launches`` (GPU only): host-side launch calls
+  recorded by the torch profiler (``cudaLaunchKernel``, ``cuLaunchKernel*``,
+  ``cudaGraphLaunch``, ``cudaMemcpyAsync``, ``cudaMemsetAsync``) / kernels that ran on the device.
+
+``mla_decode`` is called with ``out=`` and ``return_lse=False`` on the same tensors every call,
+so from the third call on it replays the CUDA graph it captured on the second
+(:mod:`mla.engine.decode_graphs`); ``--no-graph`` measures the eager path instead.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,8 +74,54 @@ def _count_syncs(fn: Callable[[], Any]) -> int | str:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(fn: Callable[[], Any]) -> int:
+    """Aten ops one call of ``fn`` dispatches (after a warm-up call)."""
+    fn()
+    with _OpCount() as counter:
+        fn()
+    return counter.count
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def _count_launches(fn: Callable[[], Any]) -> str:
+    """``host launch calls / device kernels`` of one call of ``fn`` (GPU only)."""
+    if not torch.cuda.is_available():
+        return "n/a"
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    host = sum(1 for e in events if e.name.startswith(_LAUNCHES))
+    device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return f"{host}/{device}"
+
+
 def run_shape(
-    *, batch: int, block: int, heads: int, seq_len: int, rank: int, rope: int, device: str, provider: str
+    *,
+    batch: int,
+    block: int,
+    heads: int,
+    seq_len: int,
+    rank: int,
+    rope: int,
+    device: str,
+    provider: str,
+    graph: str,
 ) -> dict[str, Any]:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -81,7 +136,12 @@ def run_shape(
     lens_cpu = torch.full((batch,), seq_len, dtype=torch.int32)
     seq_lens = lens_cpu.to(dev)
     scale = (rank + rope) ** -0.5
-    args: dict[str, Any] = {"softmax_scale": scale, "kv_lora_rank": rank, "provider": provider}
+    args: dict[str, Any] = {
+        "softmax_scale": scale,
+        "kv_lora_rank": rank,
+        "provider": provider,
+        "graph": graph,
+    }
     out = torch.empty(batch, heads, rank, dtype=dtype, device=dev)
 
     def call() -> None:
@@ -131,6 +191,10 @@ def run_shape(
         "build us": round(build_us, 1),
         "build d2h": _count_syncs(lambda: engine.builder.build(step)),
         "call d2h": _count_syncs(call),
+        "build ops": _count_ops(lambda: engine.builder.build(step)),
+        "build launches": _count_launches(lambda: engine.builder.build(step)),
+        "call ops": _count_ops(call),
+        "call launches": _count_launches(call),
     }
 
 
@@ -141,6 +205,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--provider", default="auto")
     parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--no-graph", action="store_true", help="mla_decode(graph='off'): the eager path")
     args = parser.parse_args()
     gpu = args.device.startswith("cuda")
     if gpu:
@@ -152,7 +217,15 @@ def main() -> None:
         dims = {"heads": 4, "rank": 64, "rope": 16, "seq_len": args.seq_len or 64}
         title = "mla_decode / builder.build host overhead (CPU smoke run, tiny shapes)"
     rows = [
-        run_shape(batch=b, block=blk, device=args.device, provider=args.provider, **dims) for b, blk in shapes
+        run_shape(
+            batch=b,
+            block=blk,
+            device=args.device,
+            provider=args.provider,
+            graph="off" if args.no_graph else "auto",
+            **dims,
+        )
+        for b, blk in shapes
     ]
     print_table(rows, title=title)
 

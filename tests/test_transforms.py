@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from mla.core.errors import PlanMismatchError
 from mla.providers import TorchProvider
-from mla.providers.calls import ExpandPagesCall, MergeStatesCall, WriteKVCall
+from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.transforms import (
     HeadPadding,
@@ -279,6 +279,103 @@ def test_expand_page_indices_without_host_reads() -> None:
             out=torch.empty(64, dtype=torch.int32, device=META),
             block_size=16,
             num_tokens=40,
+        )
+    )
+
+
+def _fill_expected(
+    table: torch.Tensor, seq_lens: list[int], block_size: int, max_len: int, num_blocks: int | None
+) -> tuple[list[int], list[int]]:
+    """:class:`FillPagesCall`'s definition, spelled out: (kv_indptr, kv_indices[:total])."""
+    indptr, indices = [0], []
+    for r, raw in enumerate(seq_lens):
+        length = min(max(raw, 0), max_len)
+        for t in range(length):
+            block = int(table[r, t // block_size])
+            if num_blocks is not None:
+                block = min(max(block, 0), num_blocks - 1)
+            indices.append(block * block_size + t % block_size)
+        indptr.append(indptr[-1] + length)
+    return indptr, indices
+
+
+def fill_case(
+    block_size: int, seq_lens: list[int], seed: int, num_blocks: int | None
+) -> tuple[FillPagesCall, torch.Tensor, int]:
+    """A fill call over a random table (ids -3..40, some outside ``num_blocks``), with lengths
+    from -2 up past the table's capacity, and its query indptr to copy."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(1, -(-max(*seq_lens, 1) // block_size))
+    max_len = max(0, min(width * block_size, max(seq_lens) - 3))
+    table = torch.randint(-3, 40, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    qsl = torch.randint(0, 3, (len(seq_lens) + 1,), generator=gen).cumsum(0)
+    qsl[0] = 0
+    call = FillPagesCall(
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        block_table=table,
+        kv_indptr=torch.full((len(seq_lens) + 1,), 77, dtype=torch.int32),
+        kv_indices=torch.full((len(seq_lens) * max_len + 1,), -9, dtype=torch.int32),
+        block_size=block_size,
+        max_len=max_len,
+        num_blocks=num_blocks,
+        query_start_loc=qsl,
+        qo_indptr=torch.full((len(seq_lens) + 1,), -5, dtype=torch.int32),
+    )
+    return call, qsl, max_len
+
+
+def check_fill(call: FillPagesCall, qsl: torch.Tensor, seq_lens: list[int], max_len: int) -> None:
+    indptr, indices = _fill_expected(call.block_table, seq_lens, call.block_size, max_len, call.num_blocks)
+    assert call.kv_indptr.tolist() == indptr
+    assert call.kv_indices[: indptr[-1]].tolist() == indices
+    assert call.qo_indptr is not None
+    assert call.qo_indptr.tolist() == qsl.tolist()
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_blocks", [None, 25])
+@settings(max_examples=20, deadline=None)
+@given(seq_lens=st.lists(st.integers(-2, 90), min_size=1, max_size=6), seed=st.integers(0, 1000))
+def test_fill_page_indices_default(
+    block_size: int, num_blocks: int | None, seq_lens: list[int], seed: int
+) -> None:
+    call, qsl, max_len = fill_case(block_size, seq_lens, seed, num_blocks)
+    TorchProvider().fill_page_indices(call)
+    check_fill(call, qsl, seq_lens, max_len)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_blocks", [None, 25])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[5], [0, 17, -2, 90, 33], [40] * 130, [1, 1024, 0, 3000, 7]],
+    ids=["one", "mixed", "130-requests", "long"],
+)
+def test_fill_page_indices_triton_kernel(
+    block_size: int, num_blocks: int | None, seq_lens: list[int]
+) -> None:
+    """The Triton provider's one-launch fill (interpreted on a CPU): the same definition,
+    including more requests than one prefix block (128) and several token chunks (1024)."""
+    pytest.importorskip("triton")
+    from mla.providers.triton import TritonProvider
+
+    call, qsl, max_len = fill_case(block_size, seq_lens, 3, num_blocks)
+    TritonProvider().fill_page_indices(call)
+    check_fill(call, qsl, seq_lens, max_len)
+
+
+def test_fill_page_indices_without_host_reads() -> None:
+    TorchProvider().fill_page_indices(
+        FillPagesCall(
+            seq_lens=torch.empty(4, dtype=torch.int32, device=META),
+            block_table=torch.empty(4, 3, dtype=torch.int32, device=META),
+            kv_indptr=torch.empty(5, dtype=torch.int32, device=META),
+            kv_indices=torch.empty(4 * 48 + 1, dtype=torch.int32, device=META),
+            block_size=16,
+            max_len=48,
+            num_blocks=12,
+            query_start_loc=torch.empty(5, dtype=torch.int32, device=META),
+            qo_indptr=torch.empty(5, dtype=torch.int32, device=META),
         )
     )
 

@@ -221,10 +221,14 @@ def mla_decode(
     backend = entry.backend
     scale = backend.kv_scale_tensor(kv_scale)
     if call.replay and decode_graphs.replay_allowed(q):
+        # A host query_start_loc is keyed by its values (the graph reads its own device copy),
+        # a device one also by its address (the graph reads it).
+        qsl_key = None
+        if qsl_values is not None:
+            qsl_key = (None if call.host_qsl else tensor_key(query_start_loc), tuple(qsl_values))
         graph_key = (
             call, tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
-            tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(),
-            None if query_start_loc is None else (tensor_key(query_start_loc), tuple(qsl_values or ())),
+            tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(), qsl_key,
         )  # fmt: skip
         state = entry.graphs.get(graph_key)
         if isinstance(state, decode_graphs.CapturedCall):

@@ -82,11 +82,17 @@ def require_graph_replay(value: object) -> GraphReplay:
 
 
 def replay_allowed(q: torch.Tensor) -> bool:
-    """The per-call conditions on the device and the stream (see the module docstring)."""
+    """The per-call conditions (see the module docstring): replay on, and
+    :func:`device_allows_replay`."""
+    return GRAPH_REPLAY and device_allows_replay(q)
+
+
+def device_allows_replay(q: torch.Tensor) -> bool:
+    """q is on the current CUDA device, whose current stream is not capturing, outside
+    ``torch.compile`` tracing."""
     device = q.device
     return (
-        GRAPH_REPLAY
-        and device.type == "cuda"
+        device.type == "cuda"
         and device.index == torch.cuda.current_device()
         and not torch.cuda.is_current_stream_capturing()
         and not torch.compiler.is_compiling()

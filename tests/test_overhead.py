@@ -1,0 +1,599 @@
+"""The host cost of the engine path: what a decode build dispatches, and ``mla_decode``'s
+repeated-call fast path (checks cached per signature, CUDA-graph replay of repeated calls).
+
+On a CPU the replay machinery runs with two stand-ins (the ``replay_on_cpu`` fixture): the
+device check allows replay, and ``capture`` returns a :class:`StepGraph` whose ``replay()``
+re-runs the captured step. That checks the selection logic, the per-plan LRU, the fallbacks,
+and that a replayed step reads the caller's tensors and the ``kv_scale`` buffer when it runs
+(nothing baked in at capture). The ``gpu`` tests capture and replay real graphs.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mla
+from mla.engine import decode_graphs
+from mla.engine.plan_cache import DECODE_PLANS, DecodeEntry
+from mla.testing import assert_matches_reference, emulated_provider
+from mla.tools.reference import reference_decode
+
+RANK, ROPE, HEADS = 64, 16, 4
+BLOCK, NUM_BLOCKS = 16, 24
+SCALE = 0.125
+ARGS: dict[str, Any] = {"softmax_scale": SCALE, "kv_lora_rank": RANK, "provider": "torch"}
+
+
+class StepGraph:
+    """A stand-in for a captured CUDA graph: ``replay()`` runs the captured step again."""
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.step = step
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.step()
+
+
+@pytest.fixture
+def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepGraph]]:
+    """Replay allowed on the CPU; every capture recorded (in order) as a :class:`StepGraph`."""
+    captured: list[StepGraph] = []
+
+    def capture(step: Callable[[], None], device: torch.device) -> StepGraph:
+        captured.append(StepGraph(step))
+        return captured[-1]
+
+    monkeypatch.setattr(decode_graphs, "device_allows_replay", lambda q: True)
+    monkeypatch.setattr(decode_graphs, "capture", capture)
+    DECODE_PLANS.clear()
+    yield captured
+    DECODE_PLANS.clear()
+
+
+class Inputs:
+    """One decode batch on the CPU (``batch`` single-token requests) with its outputs."""
+
+    def __init__(self, batch: int = 3, seed: int = 0, kv_dtype: torch.dtype = torch.float32) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.q = torch.randn(batch, HEADS, RANK + ROPE, generator=gen)
+        values = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE, generator=gen)
+        self.cache = (values / 0.05).clamp(-448, 448).to(kv_dtype) if kv_dtype.itemsize == 1 else values
+        self.table = torch.randperm(NUM_BLOCKS, generator=gen)[: batch * 3].view(batch, 3).to(torch.int32)
+        self.seq_lens = torch.randint(1, 3 * BLOCK + 1, (batch,), generator=gen, dtype=torch.int32)
+        self.out = torch.full((batch, HEADS, RANK), math.nan)
+        self.lse = torch.full((batch, HEADS), math.nan)
+
+    def refill(self, seed: int) -> None:
+        """New values in the same tensors (what an engine loop does between steps)."""
+        gen = torch.Generator().manual_seed(seed)
+        self.q.copy_(torch.randn(self.q.shape, generator=gen))
+        self.seq_lens.copy_(torch.randint(1, 3 * BLOCK + 1, self.seq_lens.shape, generator=gen))
+        self.table.copy_(torch.randperm(NUM_BLOCKS, generator=gen)[: self.table.numel()].view_as(self.table))
+        self.out.fill_(math.nan)
+        self.lse.fill_(math.nan)
+
+    def decode(self, **options: Any) -> Any:
+        args = {**ARGS, "out": self.out, "lse": self.lse, **options}
+        return mla.mla_decode(self.q, self.cache, self.table, self.seq_lens, **args)
+
+    def check(self, context: str, kv_scale: float | None = None) -> None:
+        ref = reference_decode(
+            self.q,
+            self.cache,
+            self.table,
+            self.seq_lens,
+            softmax_scale=SCALE,
+            kv_lora_rank=RANK,
+            kv_scale=kv_scale,
+        )
+        assert_matches_reference(self.out, self.lse, *ref, context=context)
+
+
+def only_entry() -> DecodeEntry:
+    entries = list(DECODE_PLANS._entries.values())
+    assert len(entries) == 1
+    return entries[0]
+
+
+def states() -> list[object]:
+    return list(only_entry().graphs._entries.values())
+
+
+# -- replay selection -----------------------------------------------------------------------------
+
+
+def test_second_call_captures_and_later_calls_replay_current_values(replay_on_cpu: list[StepGraph]) -> None:
+    data = Inputs()
+    data.decode()
+    assert states() == [decode_graphs.SEEN]
+    assert replay_on_cpu == []
+    data.check("first call (eager)")
+    data.refill(1)
+    data.decode()
+    assert len(replay_on_cpu) == 1
+    assert isinstance(states()[0], decode_graphs.CapturedCall)
+    data.check("second call (eager, then captured)")
+    for seed in (2, 3):
+        data.refill(seed)
+        got = data.decode()
+        assert got == (data.out, data.lse)
+        data.check(f"replay with seed {seed}")
+    assert len(replay_on_cpu) == 1
+    assert replay_on_cpu[0].replays == 2
+
+
+def test_return_lse_false_replays_into_out_alone(replay_on_cpu: list[StepGraph]) -> None:
+    data = Inputs()
+    for seed in range(3):
+        data.refill(seed)
+        got = data.decode(lse=None, return_lse=False)
+        assert got is data.out
+        ref = reference_decode(
+            data.q, data.cache, data.table, data.seq_lens, softmax_scale=SCALE, kv_lora_rank=RANK
+        )
+        torch.testing.assert_close(data.out.double(), ref[0], rtol=1e-4, atol=1e-4)
+    assert replay_on_cpu[0].replays == 1
+
+
+def test_a_new_float_kv_scale_is_read_by_the_replay(replay_on_cpu: list[StepGraph]) -> None:
+    data = Inputs(kv_dtype=torch.float8_e4m3fn)
+    for scale in (0.05, 0.05, 0.02, 0.08):
+        data.decode(kv_scale=scale)
+        data.check(f"kv_scale {scale}", kv_scale=scale)
+    assert len(replay_on_cpu) == 1
+    assert replay_on_cpu[0].replays == 2
+
+
+def test_a_kv_scale_tensor_updated_in_place_is_read_by_the_replay(replay_on_cpu: list[StepGraph]) -> None:
+    data = Inputs(kv_dtype=torch.float8_e4m3fn)
+    scale = torch.tensor([0.05])
+    for value in (0.05, 0.05, 0.03, 0.07):
+        scale.fill_(value)
+        data.decode(kv_scale=scale)
+        data.check(f"kv_scale tensor {value}", kv_scale=value)
+    assert replay_on_cpu[0].replays == 2
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"out": None},
+        {"lse": None},
+        {"validate": "full"},
+        {"graph": "off"},
+    ],
+    ids=["no-out", "no-lse-but-wanted", "validate-full", "graph-off"],
+)
+def test_calls_that_cannot_replay_run_eagerly(
+    replay_on_cpu: list[StepGraph], options: dict[str, Any]
+) -> None:
+    data = Inputs()
+    for seed in range(3):
+        data.refill(seed)
+        got = data.decode(**options)
+        out, lse = got
+        ref = reference_decode(
+            data.q, data.cache, data.table, data.seq_lens, softmax_scale=SCALE, kv_lora_rank=RANK
+        )
+        assert_matches_reference(out, lse, *ref, context=f"{options} seed {seed}")
+    assert replay_on_cpu == []
+    assert states() == []
+
+
+def test_the_process_wide_switch_turns_replay_off(
+    replay_on_cpu: list[StepGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_graphs, "GRAPH_REPLAY", False)
+    data = Inputs()
+    for _ in range(3):
+        data.decode()
+    assert replay_on_cpu == []
+    assert states() == []
+
+
+def test_a_cpu_device_never_replays() -> None:
+    DECODE_PLANS.clear()
+    data = Inputs()
+    for seed in range(3):
+        data.refill(seed)
+        data.decode()
+        data.check(f"cpu seed {seed}")
+    assert states() == []
+
+
+def test_each_tensor_set_gets_its_own_graph_and_the_lru_is_bounded(replay_on_cpu: list[StepGraph]) -> None:
+    data = Inputs()
+    outs = [torch.empty_like(data.out) for _ in range(decode_graphs.GRAPHS_PER_PLAN + 2)]
+    for out in outs:
+        for _ in range(2):
+            data.decode(out=out)
+    assert len(replay_on_cpu) == len(outs)
+    assert len(only_entry().graphs) == decode_graphs.GRAPHS_PER_PLAN
+    data.decode(out=outs[-1])
+    assert replay_on_cpu[-1].replays == 1
+    data.decode(out=outs[0])  # evicted: seen again, not replayed
+    assert replay_on_cpu[0].replays == 0
+    assert states()[-1] is decode_graphs.SEEN
+
+
+def test_query_start_loc_values_key_the_graph(replay_on_cpu: list[StepGraph]) -> None:
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(4, HEADS, RANK + ROPE, generator=gen)
+    cache = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE, generator=gen)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    seq_lens = torch.tensor([20, 33], dtype=torch.int32)
+    out, lse = torch.empty(4, HEADS, RANK), torch.empty(4, HEADS)
+    for round_ in range(3):
+        for indptr in ([0, 1, 4], [0, 3, 4]):
+            qsl = torch.tensor(indptr, dtype=torch.int32)
+            mla.mla_decode(q, cache, table, seq_lens, query_start_loc=qsl, out=out, lse=lse, **ARGS)
+            ref = reference_decode(q, cache, table, seq_lens, qsl, softmax_scale=SCALE, kv_lora_rank=RANK)
+            assert_matches_reference(out, lse, *ref, context=f"{indptr} round {round_}")
+    assert [graph.replays for graph in replay_on_cpu] == [1, 1]
+
+
+def test_a_build_that_needs_host_data_is_never_captured(replay_on_cpu: list[StepGraph]) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(4, HEADS, RANK + ROPE, generator=gen)
+    cache = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE, generator=gen)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    seq_lens = torch.tensor([20, 33], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
+    out, lse = torch.empty(4, HEADS, RANK), torch.empty(4, HEADS)
+    for _ in range(3):
+        mla.mla_decode(
+            q,
+            cache,
+            table,
+            seq_lens,
+            query_start_loc=qsl,
+            out=out,
+            lse=lse,
+            strategy="gluon-verify-flatten",
+            **ARGS,
+        )
+        ref = reference_decode(q, cache, table, seq_lens, qsl, softmax_scale=SCALE, kv_lora_rank=RANK)
+        assert_matches_reference(out, lse, *ref, context="verify-flatten")
+    assert replay_on_cpu == []
+    assert states() == [decode_graphs.EAGER]
+
+
+def test_a_failed_capture_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts: list[int] = []
+
+    def failing(step: Callable[[], None], device: torch.device) -> StepGraph:
+        attempts.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode_graphs, "device_allows_replay", lambda q: True)
+    monkeypatch.setattr(decode_graphs, "capture", failing)
+    DECODE_PLANS.clear()
+    data = Inputs()
+    data.decode()
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        data.decode()
+    for seed in range(2):
+        data.refill(seed)
+        data.decode()
+        data.check(f"eager after a failed capture, seed {seed}")
+    assert attempts == [1]
+    assert states() == [decode_graphs.EAGER]
+
+
+# -- cached checks --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [
+        ({"graph": "always"}, "graph"),
+        ({"return_lse": 1}, "return_lse"),
+        ({"kv_lora_rank": 64.0}, "kv_lora_rank"),
+        ({"softmax_scale": math.nan}, "softmax_scale"),
+        ({"out": torch.empty(3, HEADS, RANK + 1)}, "out"),
+    ],
+)
+def test_a_repeated_signature_never_skips_a_check_it_did_not_pass(
+    options: dict[str, Any], argument: str
+) -> None:
+    data = Inputs()
+    for _ in range(2):
+        data.decode()
+        with pytest.raises(mla.InvalidInputError) as info:
+            data.decode(**options)
+        assert info.value.argument == argument
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, 0.0])
+def test_a_repeated_call_checks_its_float_kv_scale_value(bad: float) -> None:
+    data = Inputs(kv_dtype=torch.float8_e4m3fn)
+    data.decode(kv_scale=0.05)
+    with pytest.raises(mla.InvalidInputError) as info:
+        data.decode(kv_scale=bad)
+    assert info.value.argument == "kv_scale"
+    with pytest.raises(mla.InvalidInputError):
+        data.decode(kv_scale=torch.tensor([bad]))
+
+
+def test_a_repeated_call_checks_its_query_start_loc_values() -> None:
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(4, HEADS, RANK + ROPE, generator=gen)
+    cache = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE, generator=gen)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    seq_lens = torch.tensor([20, 33], dtype=torch.int32)
+    mla.mla_decode(q, cache, table, seq_lens, query_start_loc=torch.tensor([0, 1, 4]), **ARGS)
+    for bad, match in (([0, 3, 2], "monotonic"), ([0, 1, 3], "q has 4 rows"), ([1, 2, 4], "start at 0")):
+        with pytest.raises(mla.InvalidInputError, match=match) as info:
+            mla.mla_decode(q, cache, table, seq_lens, query_start_loc=torch.tensor(bad), **ARGS)
+        assert info.value.argument == "query_start_loc"
+
+
+# -- what a build dispatches ----------------------------------------------------------------------
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops, except while ``paused`` (inside a provider call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.paused:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+PROVIDER_METHODS = (
+    "fill_page_indices",
+    "expand_page_indices",
+    "plan_decode_schedule",
+    "paged_mqa_decode",
+    "small_head_decode",
+)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "provider_calls"),
+    [
+        ("asm-non-persistent", {"fill_page_indices": 1}),
+        ("asm-padded-persistent", {"fill_page_indices": 1, "plan_decode_schedule": 1}),
+        ("gluon-decode", {"fill_page_indices": 1}),
+    ],
+)
+def test_a_decode_build_with_host_copies_is_provider_calls_only(
+    strategy: str, provider_calls: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode-only B=128 build with the engine's host copies: no torch op of its own (the
+    host rules run on Python ints), one fused page-index fill (plus the schedule planner for a
+    persistent strategy)."""
+    batch, max_len = 128, 64
+    backend = mla.MLABackend(
+        mla.MLADims(HEADS, RANK, ROPE, softmax_scale=SCALE),
+        mla.KVCacheSpec(BLOCK, torch.float32, num_blocks=batch * max_len // BLOCK),
+        mla.EngineLimits(batch, max_len, batch),
+        model_dtype=torch.float32,
+        provider="torch",
+        platform="cpu",
+        decode_strategy=strategy,
+    )
+    counter = OpCounter()
+    calls: collections.Counter[str] = collections.Counter()
+    for name in PROVIDER_METHODS:
+        method = getattr(backend.provider, name)
+
+        def counted(call: Any, _method: Any = method, _name: str = name) -> Any:
+            calls[_name] += 1
+            counter.paused += 1
+            try:
+                return _method(call)
+            finally:
+                counter.paused -= 1
+
+        monkeypatch.setattr(backend.provider, name, counted)
+    lens = torch.randint(1, max_len + 1, (batch,), dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    step = mla.StepInputs(
+        query_start_loc_cpu=qsl,
+        query_start_loc=qsl.clone(),
+        seq_lens=lens.clone(),
+        seq_lens_cpu=lens,
+        block_table=torch.randperm(batch * max_len // BLOCK, dtype=torch.int32).view(batch, -1),
+        num_decodes=batch,
+        num_decode_tokens=batch,
+    )
+    backend.builder.build(step)
+    calls.clear()
+    with counter:
+        metadata = backend.builder.build(step)
+    assert metadata.decode is not None
+    assert metadata.decode.strategy == strategy
+    assert dict(counter.ops) == {}
+    assert dict(calls) == provider_calls
+    expected = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    assert torch.equal(metadata.decode.kv_indptr, expected)
+
+
+def test_capturable_build_declarations() -> None:
+    def plan_of(
+        strategy: str, qlen: int, provider: str | mla.KernelProvider = "torch", platform: str = "cpu"
+    ) -> tuple[bool, str]:
+        emulated = platform != "cpu"  # aiter's record: 512/64 latent dims, bf16
+        dims = mla.MLADims(8, 512, 64, softmax_scale=SCALE) if emulated else mla.MLADims(HEADS, RANK, ROPE)
+        dtype = torch.bfloat16 if emulated else torch.float32
+        backend = mla.MLABackend(
+            dims,
+            mla.KVCacheSpec(BLOCK, dtype, num_blocks=NUM_BLOCKS),
+            mla.EngineLimits(2, 48, 2 * qlen, max_decode_qlen=qlen),
+            model_dtype=dtype,
+            provider=provider,
+            platform=platform,
+            decode_strategy=strategy,
+            preallocate=False,
+        )
+        qsl = torch.arange(0, 2 * qlen + 1, qlen, dtype=torch.int32)
+        step = mla.StepInputs(
+            query_start_loc_cpu=qsl,
+            query_start_loc=qsl,
+            seq_lens=torch.tensor([20, 33], dtype=torch.int32),
+            block_table=torch.arange(6, dtype=torch.int32).view(2, 3),
+            num_decodes=2,
+            num_decode_tokens=2 * qlen,
+        )
+        plan = backend.builder.build(step).decode
+        assert plan is not None
+        return backend.decode_strategy(plan.strategy).capturable_build(plan), plan.strategy
+
+    assert plan_of("asm-non-persistent", 1) == (True, "asm-non-persistent")
+    assert plan_of("asm-padded-persistent", 2) == (True, "asm-padded-persistent")
+    assert plan_of("gluon-decode", 1) == (True, "gluon-decode")
+    assert plan_of("gluon-verify-flatten", 2) == (False, "gluon-verify-flatten")
+    # aiter's kernel qlen 4 for a qlen-3 step: the padding maps come from the host.
+    aiter = emulated_provider("aiter", "gfx950")
+    assert plan_of("asm-padded-persistent", 3, aiter, "gfx950") == (False, "asm-padded-persistent")
+
+
+# -- GPU: real graphs -----------------------------------------------------------------------------
+
+
+def _gpu_providers() -> list[str]:
+    names = ["torch"]
+    for name in ("triton", "gluon"):
+        if name not in mla.provider_names():
+            continue
+        try:
+            if mla.get_provider(name).availability():
+                names.append(name)
+        except mla.ProviderUnavailableError:
+            continue
+    return names
+
+
+class GpuInputs:
+    """A bf16 batch on the GPU (H16, block 16) with static outputs."""
+
+    def __init__(self, provider: str, kv_dtype: torch.dtype = torch.bfloat16, batch: int = 4) -> None:
+        self.provider, self.batch = provider, batch
+        self.num_blocks, self.width = batch * 8, 8
+        gen = torch.Generator().manual_seed(11)
+        values = torch.randn(self.num_blocks, 16, 576, generator=gen)
+        self.cache = (values if kv_dtype.itemsize > 1 else values.clamp(-400, 400)).to(kv_dtype).cuda()
+        self.q = torch.randn(batch, 16, 576, generator=gen).to(torch.bfloat16).cuda()
+        self.table = torch.empty(batch, self.width, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.empty(batch, dtype=torch.int32, device="cuda")
+        self.out = torch.empty(batch, 16, 512, dtype=torch.bfloat16, device="cuda")
+        self.lse = torch.empty(batch, 16, device="cuda")
+        self.refill(0)
+
+    def refill(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.q.copy_(torch.randn(self.q.shape, generator=gen).to(torch.bfloat16))
+        self.seq_lens.copy_(torch.randint(1, self.width * 16 + 1, (self.batch,), generator=gen))
+        perm = torch.randperm(self.num_blocks, generator=gen)[: self.table.numel()]
+        self.table.copy_(perm.view_as(self.table))
+        self.out.fill_(math.nan)
+        self.lse.fill_(math.nan)
+
+    def decode(self, **options: Any) -> None:
+        args: dict[str, Any] = {
+            "softmax_scale": 0.07,
+            "provider": self.provider,
+            "out": self.out,
+            "lse": self.lse,
+        }
+        args.update(options)
+        mla.mla_decode(self.q, self.cache, self.table, self.seq_lens, **args)
+
+    def check(self, context: str, kv_scale: float | None = None) -> None:
+        torch.cuda.synchronize()
+        ref = reference_decode(
+            self.q, self.cache, self.table, self.seq_lens, softmax_scale=0.07, kv_scale=kv_scale
+        )
+        assert_matches_reference(self.out, self.lse, *ref, context=context)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+def test_gpu_replay_matches_eager_with_new_values_in_the_same_tensors(provider: str) -> None:
+    DECODE_PLANS.clear()
+    data = GpuInputs(provider)
+    data.decode()
+    data.decode()
+    data.check(f"{provider} capture call")
+    captured = [s for s in states() if isinstance(s, decode_graphs.CapturedCall)]
+    assert len(captured) == 1, states()
+    for seed in (1, 2, 3):
+        data.refill(seed)
+        data.decode()
+        data.check(f"{provider} replay seed {seed}")
+        replayed_out, replayed_lse = data.out.clone(), data.lse.clone()
+        data.decode(graph="off")
+        torch.cuda.synchronize()
+        torch.testing.assert_close(replayed_out, data.out, rtol=0, atol=0)
+        torch.testing.assert_close(replayed_lse, data.lse, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+def test_gpu_replay_reads_the_current_kv_scale(provider: str) -> None:
+    DECODE_PLANS.clear()
+    data = GpuInputs(provider, torch.float8_e4m3fn)
+    for value in (0.02, 0.02, 0.005, 0.05):
+        data.decode(kv_scale=value)
+        data.check(f"{provider} float kv_scale {value}", kv_scale=value)
+    scale = torch.full((1,), 0.02, device="cuda")
+    for value in (0.02, 0.02, 0.01, 0.04):
+        scale.fill_(value)
+        data.decode(kv_scale=scale)
+        data.check(f"{provider} device kv_scale {value}", kv_scale=value)
+    assert sum(isinstance(s, decode_graphs.CapturedCall) for s in states()) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+def test_gpu_calls_inside_a_callers_capture_run_eagerly(provider: str) -> None:
+    DECODE_PLANS.clear()
+    data = GpuInputs(provider)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        data.decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        data.decode()
+    assert not any(isinstance(s, decode_graphs.CapturedCall) for s in states())
+    for seed in (1, 2):
+        data.refill(seed)
+        graph.replay()
+        data.check(f"{provider} caller's graph, seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", _gpu_providers())
+def test_gpu_replayed_mla_decode_does_not_sync(provider: str) -> None:
+    DECODE_PLANS.clear()
+    data = GpuInputs(provider, batch=128)
+    for _ in range(2):  # seen, then captured
+        data.decode(lse=None, return_lse=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            data.decode(lse=None, return_lse=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    ref = reference_decode(data.q, data.cache, data.table, data.seq_lens, softmax_scale=0.07)
+    torch.testing.assert_close(data.out.double(), ref[0], rtol=2e-2, atol=2e-2)
+    assert any(isinstance(s, decode_graphs.CapturedCall) for s in states())
