@@ -91,7 +91,7 @@ class SplitKVSchedule:
         chunk = torch.clamp((total + self.num_units - 1) // self.num_units, min=self.min_chunk)
         splits = torch.clamp((kv_len + chunk - 1) // chunk, min=1)
         ends = torch.cumsum(splits, 0)
-        self.split_indptr[0] = 0
+        self.split_indptr[:1].zero_()  # a device fill: assigning a Python 0 copies from the host
         self.split_indptr[1 : batch_size + 1].copy_(ends)
         work = torch.arange(self.max_work, device=indptr.device)
         req = torch.searchsorted(ends, work, right=True)

@@ -424,7 +424,7 @@ def fp8_prefill_fwd(call: Fp8PrefillCall, *, config: AttentionLaunchConfig | Non
     cfg = config or choose_fp8_config(q.device, qk_dim, v_dim, plan.tile_q)
     if cfg.block_m != plan.tile_q:
         raise InvalidInputError("config", f"block_m {cfg.block_m} must equal the plan's tile_q {plan.tile_q}")
-    blocks = HeadDimBlocks.for_dims(qk_dim, v_dim)
+    blocks = HeadDimBlocks.for_dims(qk_dim, v_dim, min_k=32)  # fp8 dots reduce over >= 32
     slots = max(plan.num_slots, 1)
     part_out = torch.empty(slots, plan.tile_q, num_heads, v_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(slots, plan.tile_q, num_heads, dtype=torch.float32, device=q.device)

@@ -333,10 +333,12 @@ class HeadDimBlocks:
     block_v: int
 
     @classmethod
-    def for_dims(cls, qk_dim: int, v_dim: int) -> HeadDimBlocks:
-        block_a = max(16, 1 << (qk_dim.bit_length() - 1))
+    def for_dims(cls, qk_dim: int, v_dim: int, *, min_k: int = 16) -> HeadDimBlocks:
+        """``min_k``: the smallest dot reduction width the kernel's operand dtype allows (16 for
+        16-bit operands, 32 for fp8 on sm_90); narrower head-dim pieces are padded (masked)."""
+        block_a = max(min_k, 1 << (qk_dim.bit_length() - 1))
         rest = qk_dim - block_a
-        block_b = max(16, triton.next_power_of_2(rest)) if rest > 0 else 0
+        block_b = max(min_k, triton.next_power_of_2(rest)) if rest > 0 else 0
         return cls(block_a, block_b, max(16, triton.next_power_of_2(v_dim)))
 
 
