@@ -583,7 +583,7 @@ def test_compiled_decode_step_replays_in_a_cuda_graph_after_rebuild(provider: st
             q, cache_after, step.block_table, step.seq_lens, step.query_start_loc, softmax_scale=0.07
         )
         torch.testing.assert_close(
-            graph_attention.double(), ref[0], rtol=3e-2, atol=3e-2, msg=lambda m: f"{label}: {m}"
+            graph_attention.double().cpu(), ref[0].cpu(), rtol=3e-2, atol=3e-2, msg=lambda m: f"{label}: {m}"
         )
         lse = torch.full((G_SEQS, G_HEADS), math.nan, device="cuda")
         backend.impl.forward_decode(backend.current_metadata, q, cache_after, out=attention, lse=lse)
