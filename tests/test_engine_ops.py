@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from gpu_providers import gpu_providers
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -498,19 +499,6 @@ def test_mla_prefill_reuses_its_plan_and_accepts_outputs() -> None:
 # -- GPU: compiled steps in CUDA graphs, no syncs in builds ---------------------------------------
 
 
-def _gpu_providers() -> list[str]:
-    names = ["torch"]
-    for name in ("triton", "gluon"):
-        if name not in mla.provider_names():
-            continue
-        try:
-            if mla.get_provider(name).availability():
-                names.append(name)
-        except mla.ProviderUnavailableError:
-            continue
-    return names
-
-
 G_HEADS, G_BLOCK, G_SEQS, G_MAX_LEN, G_HIDDEN = 16, 64, 4, 1024, 256
 
 
@@ -558,7 +546,7 @@ def _step_slots(step: mla.StepInputs) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 def test_compiled_decode_step_replays_in_a_cuda_graph_after_rebuild(provider: str) -> None:
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -626,7 +614,7 @@ def test_compiled_decode_step_replays_in_a_cuda_graph_after_rebuild(provider: st
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 def test_decode_graph_replays_with_the_current_device_kv_scale(provider: str) -> None:
     fp8 = torch.float8_e4m3fn
     backend = _gpu_backend(provider, fp8)
@@ -671,7 +659,7 @@ def test_decode_graph_replays_with_the_current_device_kv_scale(provider: str) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 @pytest.mark.parametrize("block", [1, 64])
 def test_builds_and_mla_decode_do_not_sync(provider: str, block: int) -> None:
     """``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronizing call (a

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_providers import gpu_providers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
@@ -472,19 +473,6 @@ def test_capturable_build_declarations() -> None:
 # -- GPU: real graphs -----------------------------------------------------------------------------
 
 
-def _gpu_providers() -> list[str]:
-    names = ["torch"]
-    for name in ("triton", "gluon"):
-        if name not in mla.provider_names():
-            continue
-        try:
-            if mla.get_provider(name).availability():
-                names.append(name)
-        except mla.ProviderUnavailableError:
-            continue
-    return names
-
-
 class GpuInputs:
     """A bf16 batch on the GPU (H16, block 16) with static outputs."""
 
@@ -529,7 +517,7 @@ class GpuInputs:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 def test_gpu_replay_matches_eager_with_new_values_in_the_same_tensors(provider: str) -> None:
     DECODE_PLANS.clear()
     data = GpuInputs(provider)
@@ -550,7 +538,7 @@ def test_gpu_replay_matches_eager_with_new_values_in_the_same_tensors(provider: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 def test_gpu_replay_reads_the_current_kv_scale(provider: str) -> None:
     DECODE_PLANS.clear()
     data = GpuInputs(provider, torch.float8_e4m3fn)
@@ -566,7 +554,7 @@ def test_gpu_replay_reads_the_current_kv_scale(provider: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 def test_gpu_calls_inside_a_callers_capture_run_eagerly(provider: str) -> None:
     DECODE_PLANS.clear()
     data = GpuInputs(provider)
@@ -586,7 +574,7 @@ def test_gpu_calls_inside_a_callers_capture_run_eagerly(provider: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", _gpu_providers())
+@pytest.mark.parametrize("provider", gpu_providers())
 def test_gpu_replayed_mla_decode_does_not_sync(provider: str) -> None:
     DECODE_PLANS.clear()
     data = GpuInputs(provider, batch=128)
