@@ -157,6 +157,19 @@ def check_indptr_values(name: str, values: Sequence[int], *, total: int | None =
     return steps
 
 
+def require_indptr_of_rows(name: str, values: Sequence[int], rows: int, rows_of: str) -> list[int]:
+    """:func:`check_indptr_values` ending exactly at ``rows``: every row of ``rows_of`` belongs
+    to a request. Returns the per-request counts."""
+    steps = check_indptr_values(name, values, total=rows)
+    if values[-1] != rows:
+        raise InvalidInputError(
+            name,
+            f"ends at {values[-1]} but {rows_of} has {rows} rows; every row of {rows_of} must "
+            f"belong to a request (add the missing requests to {name}, or slice {rows_of})",
+        )
+    return steps
+
+
 ValidateMode = Literal["fast", "full"]
 """How much input checking the engine path does.
 
@@ -171,12 +184,16 @@ used block id against the cache.
 VALIDATE_MODES: tuple[str, ...] = ("fast", "full")
 
 
+def require_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``; :class:`InvalidInputError` naming ``name`` otherwise."""
+    if isinstance(value, str) and value in choices:
+        return value
+    expected = " or ".join(repr(choice) for choice in choices)
+    raise InvalidInputError(name, f"expected {expected}, got {value!r}")
+
+
 def require_validate_mode(value: object) -> ValidateMode:
-    if value == "fast":
-        return "fast"
-    if value == "full":
-        return "full"
-    raise InvalidInputError("validate", f"expected 'fast' or 'full', got {value!r}")
+    return "full" if require_choice("validate", value, VALIDATE_MODES) == "full" else "fast"
 
 
 def check_paged_requests(

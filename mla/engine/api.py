@@ -21,10 +21,10 @@ from mla.core.errors import InvalidInputError
 from mla.core.platform import Platform, resolve_platform
 from mla.core.validate import (
     ValidateMode,
-    check_indptr,
     require_bool,
     require_float,
     require_index,
+    require_indptr_of_rows,
     require_int,
     require_same_device,
     require_softmax_scale,
@@ -292,18 +292,6 @@ def _capture(
     entry.graphs.put(graph_key, state)
 
 
-def _require_indptr_of_rows(name: str, indptr_cpu: torch.Tensor, rows: int, rows_of: str) -> None:
-    """``indptr_cpu`` (int64 on the host) is a valid indptr ending at ``rows``: every row of
-    ``rows_of`` belongs to a request."""
-    check_indptr(name, indptr_cpu, total=rows)
-    if int(indptr_cpu[-1]) != rows:
-        raise InvalidInputError(
-            name,
-            f"ends at {int(indptr_cpu[-1])} but {rows_of} has {rows} rows; every row of {rows_of} must "
-            f"belong to a request (add the missing requests to {name}, or slice {rows_of})",
-        )
-
-
 @overload
 def mla_prefill(
     q: torch.Tensor,
@@ -403,8 +391,8 @@ def mla_prefill(
         require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
-    _require_indptr_of_rows("cu_seqlens_q", cu_q_cpu, num_tokens, "q")
-    _require_indptr_of_rows("cu_seqlens_k", cu_k_cpu, k.shape[0], "k")
+    require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), num_tokens, "q")
+    require_indptr_of_rows("cu_seqlens_k", cu_k_cpu.tolist(), k.shape[0], "k")
     if cu_q_cpu.numel() != cu_k_cpu.numel():
         raise InvalidInputError(
             "cu_seqlens_k", f"has {cu_k_cpu.numel()} entries, cu_seqlens_q {cu_q_cpu.numel()}"

@@ -21,10 +21,10 @@ from mla.core.platform import Platform, resolve_platform
 from mla.core.validate import (
     ValidateMode,
     check_cache_scale,
-    check_indptr_values,
     require_bool,
     require_float,
     require_index,
+    require_indptr_of_rows,
     require_int,
     require_same_device,
     require_scale,
@@ -216,13 +216,7 @@ def query_start_values(call: DecodeCall, query_start_loc: torch.Tensor) -> tuple
     its values, checked: an indptr whose last entry is q's row count."""
     host = query_start_loc if call.host_qsl else query_start_loc.cpu()
     values: list[int] = host.tolist()
-    check_indptr_values("query_start_loc", values, total=call.num_tokens)
-    if values[-1] != call.num_tokens:
-        raise InvalidInputError(
-            "query_start_loc",
-            f"ends at {values[-1]} but q has {call.num_tokens} rows; every row of q must "
-            "belong to a request (add the missing requests to query_start_loc, or slice q)",
-        )
+    require_indptr_of_rows("query_start_loc", values, call.num_tokens, "q")
     return host, values
 
 

@@ -33,7 +33,7 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.core.errors import InvalidInputError
+from mla.core.validate import require_choice
 
 GraphReplay = Literal["auto", "off"]
 """``mla_decode(graph=...)``: ``"auto"`` replays repeated calls from a CUDA graph where it can;
@@ -74,11 +74,7 @@ GraphState = CapturedCall | _Marker
 
 
 def require_graph_replay(value: object) -> GraphReplay:
-    if value == "auto":
-        return "auto"
-    if value == "off":
-        return "off"
-    raise InvalidInputError("graph", f"expected 'auto' or 'off', got {value!r}")
+    return "off" if require_choice("graph", value, ("auto", "off")) == "off" else "auto"
 
 
 def replay_allowed(q: torch.Tensor) -> bool:
