@@ -375,7 +375,7 @@ def mla_decode_kernel(
     async_copy.wait_group(0)
 
     # -- epilogue --------------------------------------------------------------------------------
-    has_keys = l_i > 0.0
+    has_keys = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
     safe_l = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
     inv = gl.convert_layout(v_scale / safe_l, gl.SliceLayout(1, o_layout))
