@@ -254,11 +254,93 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         torch.cuda.empty_cache()
 
 
+def kernel_times(fn: Any, reps: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel ``fn`` launches (µs, from the torch profiler over
+    ``reps`` replays of a CUDA graph of ``fn``)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    sums: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.split("(")[0][:28]
+            sums[name] = sums.get(name, 0.0) + event.device_time / reps
+    return sums
+
+
+def breakdown(rows: list[dict[str, Any]]) -> None:
+    """Per shape and launch variant: graph-replay time and each kernel's device time."""
+    from decode import Shape
+
+    dev = torch.device("cuda")
+    shapes = [
+        Shape("mem", 16, 1, 64, 4096), Shape("mem", 16, 1, 128, 4096), Shape("long", 16, 1, 1, 65536),
+        Shape("page1", 16, 1, 16, 4096, block=1), Shape("verify", 16, 2, 64, 4096),
+        Shape("verify", 16, 4, 64, 4096), Shape("compute", 128, 1, 64, 4096),
+    ]  # fmt: skip
+    for shape in shapes:
+        prob = Problem(shape, dev)
+        auto = launch_config(
+            batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
+            num_sms=num_sms(dev), kv_elem_size=2, persistent=False,
+        )  # fmt: skip
+        sched = SplitKVSchedule.allocate(
+            max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
+            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen), device=dev,
+            min_chunk=256,
+        )  # fmt: skip
+        plan_split_kv(sched, prob.kv_indptr, shape.batch)
+        variants: list[tuple[str, Any, Any]] = [
+            (f"np auto k{auto.num_splits} t{auto.row_tile}", auto, None),
+            ("pers", None, sched),
+        ]
+        extra = {1: (32, 64, 256), 16: (4, 8, 16), 64: (1, 4)}.get(shape.batch, (1,))
+        variants += [(f"np k{k}", attrs.evolve(auto, num_splits=k), None) for k in extra]
+        for name, cfg, sc in variants:
+
+            def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:
+                gd.paged_decode(p.paged_call(schedule=sc), config=cfg)
+
+            try:
+                eo, _ = prob.check(run)
+                us = bench_graph_us(run) if eo <= 1e-2 else math.nan
+                kernels = kernel_times(run)
+            except Exception as exc:
+                eo, us, kernels = math.inf, math.nan, {}
+                print("breakdown error", name, type(exc).__name__, str(exc)[-300:], flush=True)
+            bw, fl = prob.metrics(us)
+            parts = " ".join(f"{k}={v:.1f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))
+            rows.append(
+                {"shape": label(shape), "variant": name, "o_err": eo, "us": us, "TB/s": bw,
+                 "TFLOP/s": fl, "kernels us": parts}
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+        del prob
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="checks, then the launch-config sweep only")
+    ap.add_argument("--breakdown", action="store_true", help="only the per-kernel time breakdown")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.breakdown:
+        rows: list[dict[str, Any]] = []
+        breakdown(rows)
+        print_table(rows, title="per-kernel breakdown (graph replay)")
+        return
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     log: list[dict[str, Any]] = []
     ok = checks(log)
