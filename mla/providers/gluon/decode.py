@@ -5,7 +5,7 @@ Contracts (same as the Triton provider's, see :mod:`mla.providers.base`): q ``[T
 ``[N_tok, L+R]`` (16-bit, or fp8 with a per-tensor scale given as a one-element float32 device
 tensor), ``kv_indptr``/``kv_indices``/``qo_indptr`` int32 on the device, out ``[T, H, L]``,
 lse ``[T, H]`` fp32 or ``None`` (not written). Split-KV partials are combined by the Triton
-provider's reduce kernel (:func:`mla.providers.triton.decode.launch_merge`). Everything is
+provider's reduce kernel (:func:`mla.providers.triton.merge.launch_merge`). Everything is
 graph-capturable: grids come from shapes and Python ints.
 """
 
@@ -26,7 +26,8 @@ from mla.providers.gluon.planner import (
 )
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.split_kv import SplitKVSchedule
-from mla.providers.triton.decode import launch_merge, num_sms
+from mla.providers.triton.decode import num_sms
+from mla.providers.triton.merge import launch_merge
 
 LOG2E = 1.4426950408889634
 
@@ -179,6 +180,7 @@ def launch_gluon_decode(
         num_requests=num_requests,
         max_qlen=max_qlen,
         num_splits=num_splits if mode == MODE_SPLIT else None,
+        num_sms=num_sms(out.device),
     )
 
 

@@ -18,8 +18,9 @@ padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows by flat token id, c
 fp8 and widened to the dot dtype in registers; the per-tensor scale (read from its device tensor)
 is folded into the score scale and the output. Work items covering a whole request write
 ``out``/``lse`` directly; split items write fp32 partials (normalised o, natural-log lse) that
-:func:`_merge_splits_kernel` combines. With ``lse=None`` (``WRITE_LSE`` off) neither kernel
-stores the final LSE; the split partials keep theirs, which the reduce needs for ``out``.
+:func:`~mla.providers.triton.merge.launch_merge` combines. With ``lse=None`` (``WRITE_LSE``
+off) neither kernel stores the final LSE; the split partials keep theirs, which the reduce needs
+for ``out``.
 
 Rows with no visible key produce ``o = 0``, ``lse = -inf``. Everything here is graph-capturable:
 grids come from shapes and Python ints, never from tensor values.
@@ -34,6 +35,7 @@ import triton.language as tl
 from mla.core.errors import PlanMismatchError
 from mla.providers.calls import PagedDecodeCall
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.merge import launch_merge
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
 
 LOG2E = 1.4426950408889634
@@ -42,12 +44,6 @@ _MODE_SPLIT = 0
 """Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
 _MODE_SCHEDULED = 1
 """Persistent: program ``work`` reads item ``work`` of the schedule's ``work_info``."""
-
-MERGE_BLOCK_S = 64
-"""Split partials the reduce reads per step (64, not 16: a one-request decode split 256 ways
-spent 13 µs in the reduce's dependent load chain at 16; H200, 2026-11-29)."""
-MERGE_BLOCK_D = 64
-"""Latent lanes per reduce program (the grid's third axis is ``ceil(L / MERGE_BLOCK_D)``)."""
 
 
 @triton.jit
@@ -264,91 +260,6 @@ def _mla_decode_kernel(
         tl.store(part_lse_ptr + wk * stride_pl_w + qi * stride_pl_q + head, lse, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    part_o_ptr,
-    part_lse_ptr,
-    out_ptr,
-    lse_ptr,
-    qo_indptr_ptr,
-    split_indptr_ptr,
-    num_splits,
-    max_qlen,
-    stride_po_w,
-    stride_po_q,
-    stride_po_h,
-    stride_pl_w,
-    stride_pl_q,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_lse_h,
-    L: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MODE: tl.constexpr,
-    UNIT_QLEN: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):
-    """Program (request·qlen + query row, head, value chunk): LSE-merge the request's split
-    partials, ``BLOCK_S`` splits per step (max pass, then weighted-sum pass); the merged LSE is
-    stored only with ``WRITE_LSE``."""
-    req = tl.program_id(0) // max_qlen
-    qi = tl.program_id(0) % max_qlen
-    head = tl.program_id(1)
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = tl.load(qo_indptr_ptr + req)
-        qlen = tl.load(qo_indptr_ptr + req + 1) - q_start
-    if qi >= qlen:
-        return
-    if MODE == 0:
-        s0 = req * num_splits
-        s1 = s0 + num_splits
-    else:
-        s0 = tl.load(split_indptr_ptr + req)
-        s1 = tl.load(split_indptr_ptr + req + 1)
-        if s1 - s0 == 1:
-            return  # the decode kernel wrote this request directly
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    lse_base = part_lse_ptr + qi * stride_pl_q + head
-    top = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    for c in range(s0, s1, BLOCK_S):
-        split = c + offs_s
-        top = tl.maximum(
-            top, tl.max(tl.load(lse_base + split * stride_pl_w, mask=split < s1, other=float("-inf")), 0)
-        )
-    top_use = tl.where(top == float("-inf"), 0.0, top)
-    denom = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    o_base = part_o_ptr + qi * stride_po_q + head * stride_po_h
-    for c in range(s0, s1, BLOCK_S):
-        split = c + offs_s
-        lse_s = tl.load(lse_base + split * stride_pl_w, mask=split < s1, other=float("-inf"))
-        weight = tl.math.exp(lse_s - top_use)
-        live = weight > 0.0
-        o_s = tl.load(
-            o_base + split[:, None] * stride_po_w + offs_d[None, :],
-            mask=live[:, None] & (offs_d[None, :] < L),
-            other=0.0,
-        )
-        acc += tl.sum(o_s * weight[:, None], 0)
-        denom += tl.sum(weight, 0)
-    has_keys = denom != 0.0
-    safe = tl.where(has_keys, denom, 1.0)
-    token = (q_start + qi).to(tl.int64)
-    o_ptrs = out_ptr + token * stride_o_t + head * stride_o_h + offs_d
-    tl.store(o_ptrs, (acc / safe).to(out_ptr.dtype.element_ty), mask=offs_d < L)
-    if WRITE_LSE and tl.program_id(2) == 0:
-        tl.store(
-            lse_ptr + token * stride_lse_t + head * stride_lse_h,
-            tl.where(has_keys, top + tl.log(safe), float("-inf")),
-        )
-
-
 def _dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """Operand dtype of the tensor-core dots and its precision mode.
 
@@ -486,62 +397,7 @@ def launch_decode(
         num_requests=num_requests,
         max_qlen=max_qlen,
         num_splits=num_splits if mode == _MODE_SPLIT else None,
-    )
-
-
-def launch_merge(
-    *,
-    part_o: torch.Tensor,
-    part_lse: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    qo_indptr: torch.Tensor | None,
-    split_indptr: torch.Tensor,
-    num_requests: int,
-    max_qlen: int,
-    num_splits: int | None,
-) -> None:
-    """LSE-merge split-KV partials into ``out`` (and ``lse`` unless ``None``).
-
-    ``part_o [W, max_qlen, H, L]`` fp32 normalised partial outputs and ``part_lse [W, max_qlen, H]``
-    natural-log partial LSEs of ``W`` work items. ``num_splits`` set: request ``b`` owns items
-    ``b·num_splits ..`` (non-persistent); ``None``: items ``split_indptr[b] .. split_indptr[b+1]``
-    of a planned schedule, where a request with one item was written directly and is skipped.
-    ``qo_indptr is None`` means request ``b`` is query row ``b`` (qlen 1). Shared with the Gluon
-    provider, whose kernel writes partials in this layout.
-    """
-    heads, rank = part_o.shape[2], part_o.shape[3]
-    unit_qlen = qo_indptr is None
-    qo = split_indptr if qo_indptr is None else qo_indptr
-    write_lse = lse is not None
-    lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
-    mode = _MODE_SPLIT if num_splits is not None else _MODE_SCHEDULED
-    block_d = min(MERGE_BLOCK_D, max(16, triton.next_power_of_2(rank)))
-    _merge_splits_kernel[(num_requests * max_qlen, heads, triton.cdiv(rank, block_d))](
-        part_o,
-        part_lse,
-        out,
-        lse_arg,
-        qo,
-        split_indptr,
-        num_splits or 1,
-        max_qlen,
-        part_o.stride(0),
-        part_o.stride(1),
-        part_o.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse_arg.stride(0),
-        lse_arg.stride(1),
-        L=rank,
-        BLOCK_S=MERGE_BLOCK_S,
-        BLOCK_D=block_d,
-        MODE=mode,
-        UNIT_QLEN=unit_qlen,
-        WRITE_LSE=write_lse,
-        num_warps=4,
+        num_sms=num_sms(out.device),
     )
 
 
@@ -589,4 +445,4 @@ def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = N
     )
 
 
-__all__ = ["launch_decode", "launch_merge", "num_sms", "paged_decode"]
+__all__ = ["launch_decode", "num_sms", "paged_decode"]
