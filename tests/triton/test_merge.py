@@ -16,11 +16,14 @@ pytest.importorskip("triton")
 
 from mla.providers.triton.merge import MAX_BLOCK_S_SCHEDULED, MERGE_TILE, launch_merge, merge_tiles
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def reference_merge(
     part_o: torch.Tensor, part_lse: torch.Tensor, owners: list[range]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 merge of items ``owners[b]`` into row ``b`` (qlen 1): ``[B, H, L]``, ``[B, H]``."""
+    part_o, part_lse = part_o.cpu(), part_lse.cpu()
     outs, lses = [], []
     for items in owners:
         lse = part_lse[list(items), 0].double()  # [S, H]
@@ -43,24 +46,24 @@ def partials(
     part_lse = torch.randn(work, 1, heads, generator=gen) * 3
     part_o[::empty_every] = 0.0
     part_lse[::empty_every] = -math.inf
-    return part_o, part_lse
+    return part_o.to(DEVICE), part_lse.to(DEVICE)
 
 
 @pytest.mark.parametrize(("batch", "splits"), [(3, 1), (4, 2), (2, 5), (1, 70)], ids=str)
 def test_non_persistent_merge_matches_float64(batch: int, splits: int) -> None:
     heads, rank = 3, 48
     part_o, part_lse = partials(batch * splits, heads, rank, empty_every=3, seed=splits)
-    out = torch.full((batch, heads, rank), math.nan)
-    lse = torch.full((batch, heads), math.nan)
-    indptr = torch.arange(batch + 1, dtype=torch.int32)
+    out = torch.full((batch, heads, rank), math.nan, device=DEVICE)
+    lse = torch.full((batch, heads), math.nan, device=DEVICE)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     launch_merge(
         part_o=part_o, part_lse=part_lse, out=out, lse=lse, qo_indptr=indptr, split_indptr=indptr,
         num_requests=batch, max_qlen=1, num_splits=splits, num_sms=2,
     )  # fmt: skip
     owners = [range(b * splits, (b + 1) * splits) for b in range(batch)]
     ref_o, ref_lse = reference_merge(part_o, part_lse, owners)
-    torch.testing.assert_close(out.double(), ref_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu().double(), ref_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_scheduled_merge_skips_direct_requests_and_crosses_steps() -> None:
@@ -68,12 +71,12 @@ def test_scheduled_merge_skips_direct_requests_and_crosses_steps() -> None:
     more items than one step of the kernel, request 2 only empty items (o = 0, lse = -inf)."""
     heads, rank = 2, 32
     counts = [1, MAX_BLOCK_S_SCHEDULED + 3, 2]
-    split_indptr = torch.tensor([0, 1, 1 + counts[1], sum(counts)], dtype=torch.int32)
+    split_indptr = torch.tensor([0, 1, 1 + counts[1], sum(counts)], dtype=torch.int32, device=DEVICE)
     part_o, part_lse = partials(sum(counts), heads, rank, empty_every=5, seed=7)
     part_o[-2:] = 0.0
     part_lse[-2:] = -math.inf
-    out = torch.full((3, heads, rank), math.nan)
-    lse = torch.full((3, heads), math.nan)
+    out = torch.full((3, heads, rank), math.nan, device=DEVICE)
+    lse = torch.full((3, heads), math.nan, device=DEVICE)
     launch_merge(
         part_o=part_o, part_lse=part_lse, out=out, lse=lse, qo_indptr=None, split_indptr=split_indptr,
         num_requests=3, max_qlen=1, num_splits=None, num_sms=2,
@@ -82,8 +85,8 @@ def test_scheduled_merge_skips_direct_requests_and_crosses_steps() -> None:
     assert lse[0].isnan().all()
     owners = [range(1, 1 + counts[1]), range(1 + counts[1], sum(counts))]
     ref_o, ref_lse = reference_merge(part_o, part_lse, owners)
-    torch.testing.assert_close(out[1:].double(), ref_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse[1:].double(), ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1:].cpu().double(), ref_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[1:].cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
     assert (out[2] == 0).all()
     assert (lse[2] == -math.inf).all()
 
@@ -91,9 +94,9 @@ def test_scheduled_merge_skips_direct_requests_and_crosses_steps() -> None:
 def test_a_nan_partial_shows_in_its_row_only() -> None:
     heads, rank, splits = 2, 16, 3
     part_o, part_lse = partials(2 * splits, heads, rank, empty_every=10, seed=3)
-    part_lse[1, 0, 1] = math.nan  # request 0, head 1: a key its rows see is NaN
-    out = torch.full((2, heads, rank), math.nan)
-    indptr = torch.arange(3, dtype=torch.int32)
+    part_lse[1, 0, 1] = math.nan  # (on the device)  # request 0, head 1: a key its rows see is NaN
+    out = torch.full((2, heads, rank), math.nan, device=DEVICE)
+    indptr = torch.arange(3, dtype=torch.int32, device=DEVICE)
     launch_merge(
         part_o=part_o, part_lse=part_lse, out=out, lse=None, qo_indptr=indptr, split_indptr=indptr,
         num_requests=2, max_qlen=1, num_splits=splits, num_sms=2,
@@ -103,19 +106,25 @@ def test_a_nan_partial_shows_in_its_row_only() -> None:
     assert out[1].isfinite().all()
 
 
-# (rows, heads, rank, splits, SMs) -> (BLOCK_S, BLOCK_D)
+# (requests, qlen, heads, rank, splits, SMs) -> (BLOCK_S, BLOCK_D)
 MERGE_TILES = {
-    (64, 16, 512, 2, 132): (2, 512),  # H16 B64 2-way: 1024 programs of the whole latent row
-    (1, 16, 512, 128, 132): (128, 64),  # B1 128-way: 16 x 8 programs, 64 lanes each
-    (16, 16, 512, 8, 132): (8, 256),
-    (64, 128, 512, None, 132): (16, 512),  # a planned schedule: 64 splits a step, capped by the tile
-    (2, 3, 48, 70, 2): (128, 64),
+    (64, 1, 16, 512, 2, 132): (2, 512),  # H16 B64 2-way: 1024 programs of the whole latent row
+    (1, 1, 16, 512, 128, 132): (128, 64),  # B1 128-way: 16 x 8 programs, 64 lanes each
+    (16, 1, 16, 512, 8, 132): (8, 256),
+    (64, 4, 16, 512, 2, 132): (2, 512),
+    (64, 1, 128, 512, None, 132): (8, 512),  # a planned schedule: ~2 x 132 / 64 splits a step
+    (1, 1, 16, 512, None, 132): (64, 64),  # one request: the most splits a step
+    (2, 1, 3, 48, 70, 2): (128, 64),
 }
 
 
 @pytest.mark.parametrize(("args", "expected"), MERGE_TILES.items(), ids=str)
-def test_merge_tiles_golden(args: tuple[int, int, int, int | None, int], expected: tuple[int, int]) -> None:
-    rows, heads, rank, splits, sms = args
-    block_s, block_d = merge_tiles(rows=rows, heads=heads, rank=rank, num_splits=splits, num_sms=sms)
+def test_merge_tiles_golden(
+    args: tuple[int, int, int, int, int | None, int], expected: tuple[int, int]
+) -> None:
+    requests, qlen, heads, rank, splits, sms = args
+    block_s, block_d = merge_tiles(
+        num_requests=requests, max_qlen=qlen, heads=heads, rank=rank, num_splits=splits, num_sms=sms
+    )
     assert (block_s, block_d) == expected
     assert block_s * block_d <= MERGE_TILE

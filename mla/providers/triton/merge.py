@@ -28,7 +28,9 @@ MERGE_TILE = 8192
 MIN_BLOCK_D = 64
 """Narrowest latent chunk a program merges (more programs for small batches)."""
 MAX_BLOCK_S_SCHEDULED = 64
-"""Splits per step of a planned schedule (its split counts are known only on the device)."""
+"""Most splits per step of a planned schedule. Its split counts are known only on the device:
+the planner spreads about ``num_sms`` items over the requests, so a step takes
+``2·num_sms / requests`` splits (a power of two, at most this)."""
 
 
 @triton.jit
@@ -114,18 +116,25 @@ def _merge_splits_kernel(
         )
 
 
-def merge_tiles(*, rows: int, heads: int, rank: int, num_splits: int | None, num_sms: int) -> tuple[int, int]:
-    """``(BLOCK_S, BLOCK_D)`` of a reduce over ``rows`` query rows × ``heads`` heads.
+def merge_tiles(
+    *, num_requests: int, max_qlen: int, heads: int, rank: int, num_splits: int | None, num_sms: int
+) -> tuple[int, int]:
+    """``(BLOCK_S, BLOCK_D)`` of a reduce over ``num_requests × max_qlen`` query rows × ``heads``.
 
     ``BLOCK_D`` is the latent width (rounded up to a power of two), halved down to
     :data:`MIN_BLOCK_D` while the grid has fewer than two programs per SM; ``BLOCK_S`` is the
-    split count (a power of two, ``num_splits=None``: a planned schedule's
+    split count (a power of two; ``num_splits=None``, a planned schedule: see
     :data:`MAX_BLOCK_S_SCHEDULED`) capped so one step holds :data:`MERGE_TILE` values.
     """
+    rows = num_requests * max_qlen
     block_d = max(16, triton.next_power_of_2(rank))
     while block_d > MIN_BLOCK_D and rows * heads * triton.cdiv(rank, block_d) < 2 * num_sms:
         block_d //= 2
-    wanted = MAX_BLOCK_S_SCHEDULED if num_splits is None else triton.next_power_of_2(max(1, num_splits))
+    if num_splits is None:
+        expected = -(-2 * num_sms // max(1, num_requests))
+        wanted = min(MAX_BLOCK_S_SCHEDULED, triton.next_power_of_2(expected))
+    else:
+        wanted = triton.next_power_of_2(max(1, num_splits))
     return max(1, min(wanted, MERGE_TILE // block_d)), block_d
 
 
@@ -157,7 +166,10 @@ def launch_merge(
     qo = split_indptr if qo_indptr is None else qo_indptr
     write_lse = lse is not None
     lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
-    block_s, block_d = merge_tiles(rows=rows, heads=heads, rank=rank, num_splits=num_splits, num_sms=num_sms)
+    block_s, block_d = merge_tiles(
+        num_requests=num_requests, max_qlen=max_qlen, heads=heads, rank=rank, num_splits=num_splits,
+        num_sms=num_sms,
+    )  # fmt: skip
     _merge_splits_kernel[(rows, heads, triton.cdiv(rank, block_d))](
         part_o,
         part_lse,
