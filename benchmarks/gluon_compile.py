@@ -56,9 +56,7 @@ def compile_variant(
     sig.update(dict.fromkeys(ints, "i32"))
     sig["sm_scale_log2"] = "fp32"
     if rows:
-        del sig["kv_scale_ptr"]
-        for k in ("KV_FP8", "OVERLAP"):
-            del constexprs[k]
+        del constexprs["OVERLAP"]
         rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": rows, **rest}
         constexprs["num_warps"] = 4

@@ -32,6 +32,7 @@ from mla.providers.gluon import decode as gd
 from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
+from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode import num_sms
 from mla.providers.triton.schedule import plan_split_kv
 
@@ -279,7 +280,7 @@ def kernel_times(fn: Any, reps: int = 20) -> dict[str, float]:
     return sums
 
 
-def breakdown(rows: list[dict[str, Any]]) -> None:
+def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
     """Per shape and launch variant: graph-replay time and each kernel's device time."""
     from decode import Shape
 
@@ -288,17 +289,22 @@ def breakdown(rows: list[dict[str, Any]]) -> None:
         Shape("mem", 16, 1, 64, 4096), Shape("mem", 16, 1, 128, 4096), Shape("long", 16, 1, 1, 65536),
         Shape("page1", 16, 1, 16, 4096, block=1), Shape("verify", 16, 2, 64, 4096),
         Shape("verify", 16, 4, 64, 4096), Shape("compute", 128, 1, 64, 4096),
+        Shape("mem", 16, 1, 128, 8192), Shape("fp8", 16, 1, 128, 8192, kv="fp8"),
+        Shape("fp8", 16, 2, 64, 4096, kv="fp8"), Shape("fp8", 16, 1, 1, 65536, kv="fp8"),
     ]  # fmt: skip
+    if only:
+        shapes = [s for s in shapes if s.name in only]
     for shape in shapes:
         prob = Problem(shape, dev)
+        kv_elem = prob.cache.element_size()
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), kv_elem_size=2, persistent=False,
+            num_sms=num_sms(dev), kv_elem_size=kv_elem, persistent=False,
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
-            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen), device=dev,
-            min_chunk=256,
+            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen, kv_elem_size=kv_elem),
+            device=dev, min_chunk=256,
         )  # fmt: skip
         plan_split_kv(sched, prob.kv_indptr, shape.batch)
         variants: list[tuple[str, Any, Any]] = [
@@ -307,10 +313,18 @@ def breakdown(rows: list[dict[str, Any]]) -> None:
         ]
         extra = {1: (32, 64, 256), 16: (4, 8, 16), 64: (1, 4)}.get(shape.batch, (1,))
         variants += [(f"np k{k}", attrs.evolve(auto, num_splits=k), None) for k in extra]
+        if shape.kv == "fp8":
+            variants += [
+                ("np stages 2", attrs.evolve(auto, num_stages=2), None),
+                ("triton provider", None, "triton"),
+            ]
         for name, cfg, sc in variants:
 
             def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:
-                gd.paged_decode(p.paged_call(schedule=sc), config=cfg)
+                if sc == "triton":
+                    TritonProvider().paged_mqa_decode(p.paged_call())
+                else:
+                    gd.paged_decode(p.paged_call(schedule=sc), config=cfg)
 
             try:
                 eo, _ = prob.check(run)
@@ -334,11 +348,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="checks, then the launch-config sweep only")
     ap.add_argument("--breakdown", action="store_true", help="only the per-kernel time breakdown")
+    ap.add_argument("--only", nargs="*", default=[], help="breakdown: only these shape names (mem, fp8, ...)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.breakdown:
         rows: list[dict[str, Any]] = []
-        breakdown(rows)
+        breakdown(rows, args.only)
         print_table(rows, title="per-kernel breakdown (graph replay)")
         return
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)

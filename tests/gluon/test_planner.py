@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from mla.providers.gluon.planner import (
     BLOCK_M,
+    FP8_FEW_ROWS_STAGES,
+    FP8_ON_GLUON,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     GluonLaunchConfig,
@@ -44,8 +46,10 @@ def test_launch_config_examples() -> None:
     # 24 and 32 rows take the 32-row tile, 33 rows the 64-row kernel.
     assert _cfg(batch=8, rows=24, max_seqlen_k=512).row_tile == 32
     assert _cfg(batch=8, rows=33, max_seqlen_k=512).row_tile == BLOCK_M
-    # fp8 caches always run the 64-row kernel (the few-rows kernel is 16-bit only).
-    assert _cfg(batch=8, rows=16, max_seqlen_k=512, kv_elem_size=1).row_tile == BLOCK_M
+    # fp8 caches take the few-rows kernel with a three-stage ring up to 32 rows, else 64 rows.
+    fp8 = _cfg(batch=8, rows=16, max_seqlen_k=512, kv_elem_size=1)
+    assert (fp8.row_tile, fp8.num_stages) == (16, FP8_FEW_ROWS_STAGES)
+    assert _cfg(batch=8, rows=48, max_seqlen_k=512, kv_elem_size=1).row_tile == BLOCK_M
     # One long request is cut into MAX_SPLITS pieces.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536).num_splits == MAX_SPLITS
     # 128 heads are two 64-row blocks: 128 programs already fill the wave.
@@ -91,4 +95,9 @@ def test_kernel_choice_and_reasons() -> None:
     assert "differs" in why
     kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64)
     assert kernel == "triton"
+    assert "fp8" in why
+    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64, rows=33)
+    assert kernel == "triton"
+    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64, rows=32)
+    assert kernel == ("gluon" if FP8_ON_GLUON else "triton")
     assert "fp8" in why

@@ -156,7 +156,10 @@ def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> No
 
     main(["explain", "--provider", "gluon", "--arch", "sm90", "--heads", "16", "--kv-dtype", "fp8"])
     text = capsys.readouterr().out
-    assert "provider gluon: decode runs on the Triton provider's decode kernel: fp8 cache" in text
+    assert (
+        "provider gluon: decode runs on the Gluon few-rows kernel up to 32 heads x qlen rows and on "
+        "the Triton provider's decode kernel above (fp8 cache" in text
+    )
 
 
 @pytest.mark.parametrize(

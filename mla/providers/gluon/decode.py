@@ -133,10 +133,9 @@ def launch_gluon_decode(
         softmax_scale * LOG2E,
     )
     if config.row_tile != BLOCK_M:
-        if kv_fp8:
-            raise InvalidInputError("config", "the few-rows kernel takes 16-bit caches only; use row_tile=64")
         mla_decode_rows_kernel[(num_work * row_blocks,)](
             *common,
+            scale_arg,
             *strides,
             H=heads,
             L=rank,
@@ -148,6 +147,7 @@ def launch_gluon_decode(
             MODE=mode,
             UNIT_QLEN=unit_qlen,
             WRITE_LSE=write_lse,
+            KV_FP8=kv_fp8,
             num_warps=4,
         )
     else:

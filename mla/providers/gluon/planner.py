@@ -73,26 +73,32 @@ class GluonLaunchConfig:
     """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
     row_tile: int = BLOCK_M
     """Packed query rows per program: 64 (the 64-row kernel of :mod:`.kernels`) or 16/32 (the
-    transposed few-rows kernel of :mod:`.transposed`, 16-bit caches only)."""
+    transposed few-rows kernel of :mod:`.transposed`)."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
 
 
-FP8_ON_GLUON = False
-"""Whether fp8 caches run on the Gluon kernel. Off: on the H200 (2026-12-01, H16 q1 B128 S8192)
-the Gluon fp8 path (fp8 ring widened to bf16 in shared memory) took 635 µs against 514 µs for
-the Triton provider's register-widening kernel, so fp8 decodes use the Triton kernel."""
+FP8_ON_GLUON = True
+"""Whether fp8 caches run on the Gluon kernels where they are measured faster: the transposed
+few-rows kernel (heads × qlen <= :data:`FEW_ROWS_MAX`), with an fp8 ring widened once per tile
+to fp16. Above that the 64-row kernel's fp8 path (635 µs at H16 q1 B128 S8192 on the H200,
+2026-12-01) lost to the Triton provider's kernel (514 µs), so those run on the Triton kernel."""
+FP8_FEW_ROWS_STAGES = 3
+"""KV ring depth of the few-rows kernel on fp8 caches (a 64-token fp8 tile is 36 KB: three fit
+beside the widened 72 KB tile and the query tile in 222 KB of shared memory at 32 rows)."""
 
 
 def decode_kernel(
-    *, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int
+    *, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, rows: int | None = None
 ) -> tuple[str, str]:
-    """Which kernel serves a decode: ``("gluon", why)`` or ``("triton", why)``.
+    """Which kernel serves a decode of ``rows`` = heads × qlen packed rows: ``("gluon", why)``
+    or ``("triton", why)``.
 
-    The Gluon kernel is built for 16-bit queries, a cache of the query's dtype (or fp8 e4m3 /
-    e5m2 when :data:`FP8_ON_GLUON`) and the 512 + 64 latent/rope split; everything else runs
-    on the Triton provider's decode kernel.
+    The Gluon kernels are built for 16-bit queries, a cache of the query's dtype (or fp8 e4m3 /
+    e5m2 when :data:`FP8_ON_GLUON`, on the few-rows kernel: ``rows`` <= :data:`FEW_ROWS_MAX`;
+    ``rows=None`` means unknown, and fp8 then reads as the Triton kernel's) and the 512 + 64
+    latent/rope split; everything else runs on the Triton provider's decode kernel.
     """
     if (kv_lora_rank, rope_dim) != (SUPPORTED_LATENT, SUPPORTED_ROPE):
         return "triton", (
@@ -102,9 +108,12 @@ def decode_kernel(
     if q_dtype not in (torch.bfloat16, torch.float16):
         return "triton", f"query dtype {q_dtype}: the Gluon kernel takes bf16/fp16 queries"
     if kv_dtype in FP8_KV_DTYPES:
-        if FP8_ON_GLUON:
-            return "gluon", "fp8 cache on the Gluon kernel"
-        return "triton", "fp8 cache: the Triton kernel measured faster on the H200 (514 vs 635 µs)"
+        if FP8_ON_GLUON and rows is not None and rows <= FEW_ROWS_MAX:
+            return "gluon", f"fp8 cache, {rows} heads x qlen rows: the Gluon few-rows kernel"
+        return "triton", (
+            f"fp8 cache above {FEW_ROWS_MAX} heads x qlen rows: the Triton kernel measured faster "
+            "on the H200 than the Gluon 64-row fp8 path (514 vs 635 us)"
+        )
     if kv_dtype != q_dtype:
         return "triton", f"cache dtype {kv_dtype} differs from the query dtype {q_dtype}"
     return "gluon", "16-bit cache, 512+64 dims"
@@ -128,10 +137,11 @@ def launch_config(
     """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows.
 
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
-    ``kv_elem_size`` (1 for fp8) is accepted so the table can differ per cache width; today
-    both widths use the same tile.
+    ``kv_elem_size`` 1 (fp8) deepens the few-rows kernel's ring to :data:`FP8_FEW_ROWS_STAGES`.
     """
-    tile = GluonLaunchConfig(row_tile=few_rows_tile(rows, kv_elem_size=kv_elem_size))
+    row_tile = few_rows_tile(rows, kv_elem_size=kv_elem_size)
+    stages = FP8_FEW_ROWS_STAGES if kv_elem_size == 1 and row_tile != BLOCK_M else 2
+    tile = GluonLaunchConfig(row_tile=row_tile, num_stages=stages)
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
@@ -140,9 +150,10 @@ def launch_config(
 
 
 def few_rows_tile(rows: int, *, kv_elem_size: int) -> int:
-    """The row tile for ``rows`` packed rows: 16 or 32 (transposed kernel) when they fit and
-    the cache is 16-bit, else 64."""
-    if kv_elem_size == 2 and rows <= FEW_ROWS_MAX:
+    """The row tile for ``rows`` packed rows: 16 or 32 (transposed kernel) when they fit, else
+    64. ``kv_elem_size`` is 2 (16-bit cache) or 1 (fp8, on the few-rows kernel only when
+    :data:`FP8_ON_GLUON`)."""
+    if rows <= FEW_ROWS_MAX and (kv_elem_size == 2 or FP8_ON_GLUON):
         return 16 if rows <= 16 else 32
     return BLOCK_M
 
@@ -157,6 +168,8 @@ def schedule_units(*, num_sms: int, rows: int, kv_elem_size: int = 2) -> int:
 
 __all__ = [
     "BLOCK_M",
+    "FEW_ROWS_MAX",
+    "FP8_FEW_ROWS_STAGES",
     "FP8_KV_DTYPES",
     "FP8_ON_GLUON",
     "MAX_SPLITS",

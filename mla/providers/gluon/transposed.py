@@ -16,7 +16,14 @@ quarter of the MMA work, no cross-warpgroup exchange (one warpgroup of 4 warps h
 ``Oᵀ`` accumulator: 64 or 128 registers per thread), and room left for the KV ring. The token
 ids, the cp.async KV ring, the work items (non-persistent splits, planned schedule, unit-qlen
 rows) and the outputs (direct, or fp32 partials for the split reduce) are those of
-:mod:`.kernels`; 16-bit caches only.
+:mod:`.kernels`.
+
+fp8 caches (``KV_FP8``) are gathered as fp8 into a deeper ring (a 64-token fp8 tile is 36 KB,
+so three stages fit beside the widened tile) and each tile is widened once into a bf16/fp16
+tile in shared memory that both MMAs read; the per-tensor scale, read on the device from a
+one-element float32 tensor, is folded into the score scale and the output. With an fp8 cache
+the MMAs run in fp16 (fp8 widens to fp16 in one conversion per two values and fp16 holds every
+fp8 value exactly); the query is rounded to fp16, as in the Triton provider's fp8 path.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _issue_ids, _issue_tile
+from mla.providers.gluon.kernels import _issue_ids, _issue_tile, _mma_operands
 
 
 @gluon.jit
@@ -56,6 +63,7 @@ def mla_decode_rows_kernel(
     lse_ptr,
     part_o_ptr,
     part_lse_ptr,
+    kv_scale_ptr,
     num_splits,
     stride_qn_t,
     stride_qn_h,
@@ -82,23 +90,33 @@ def mla_decode_rows_kernel(
     MODE: gl.constexpr,
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
+    KV_FP8: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "one warpgroup")
     gl.static_assert(BLOCK_N == 64, "the KV tile is the wgmma M dimension (64 rows per warpgroup)")
-    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    # The MMA operand dtype: the query's, or fp16 for fp8 caches (fp8 -> fp16 is one conversion
+    # per two values, fp16 holds every fp8 value exactly; the query is rounded to fp16).
+    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_nope_ptr.dtype.element_ty
 
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 16]
     )
     ot_layout: gl.constexpr = st_layout
-    lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    # fp8 rows are gathered 16 elements (16 bytes) per thread.
+    lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
+    ring_smem: gl.constexpr = (
+        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2) if KV_FP8 else mma_smem
+    )
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
     pid = gl.program_id(0)
@@ -129,12 +147,25 @@ def mla_decode_rows_kernel(
         q_start = gl.load(qo_indptr_ptr + req)
         qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
 
+    qk_scale = sm_scale_log2
+    v_scale = 1.0
+    if KV_FP8:
+        kv_scale = gl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
+        v_scale = kv_scale
+
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_smem_layout)
-    lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
-    rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
+    if KV_FP8:
+        lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
+        rope_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R], mma_smem)
+    else:
+        lat_wide = lat_ring
+        rope_wide = rope_ring
 
     index_base = kv_indices_ptr + kv_start
     for j in gl.static_range(2 * NUM_STAGES - 1):
@@ -150,24 +181,24 @@ def mla_decode_rows_kernel(
         async_copy.commit_group()
 
     # -- the NR query rows -----------------------------------------------------------------------
-    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, lat_ld))
+    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, q_ld))
     tok_q = (q_start + qi_q).to(gl.int64)
-    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, lat_ld))
+    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
     qn = gl.load(
         q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
         mask=ok_q[:, None],
         other=0.0,
     )
-    q_nope_smem.store(qn)
-    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, rope_ld))
+    q_nope_smem.store(qn.to(dtype))
+    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, qr_ld))
     tok_r = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
     qp = gl.load(
         q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
         mask=ok_r[:, None],
         other=0.0,
     )
-    q_pe_smem.store(qp)
+    q_pe_smem.store(qp.to(dtype))
 
     _qi, _hd, _ok, row_limit = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
@@ -189,10 +220,10 @@ def mla_decode_rows_kernel(
         _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
         async_copy.commit_group()
         async_copy.wait_group(NUM_STAGES - 1)
-        fence_async_shared()
-        gl.thread_barrier()
-        k_lat = lat_ring.index(t % NUM_STAGES)
-        k_rope = rope_ring.index(t % NUM_STAGES)
+        k_lat, k_rope = _mma_operands(
+            lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, KV_FP8,
+            lat_ld, rope_ld, dtype,
+        )  # fmt: skip
 
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
@@ -200,7 +231,7 @@ def mla_decode_rows_kernel(
 
         n = t * BLOCK_N + lo + offs_n
         visible = (n < hi)[:, None] & (n[:, None] < row_limit[None, :])
-        sc = gl.where(visible, sc * sm_scale_log2, float("-inf"))
+        sc = gl.where(visible, sc * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
@@ -219,7 +250,7 @@ def mla_decode_rows_kernel(
     has_keys = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
     safe_l = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
-    o = acc * (1.0 / safe_l)[None, :]
+    o = acc * (v_scale / safe_l)[None, :]
     qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, ot_layout))
     cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, ot_layout))
     if direct:
