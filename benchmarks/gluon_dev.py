@@ -303,7 +303,9 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
-            num_units=schedule_units(num_sms=num_sms(dev), rows=shape.heads * shape.qlen, kv_elem_size=kv_elem),
+            num_units=schedule_units(
+                num_sms=num_sms(dev), rows=shape.heads * shape.qlen, kv_elem_size=kv_elem
+            ),
             device=dev, min_chunk=256,
         )  # fmt: skip
         plan_split_kv(sched, prob.kv_indptr, shape.batch)
