@@ -320,6 +320,8 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("np stages 2", attrs.evolve(auto, num_stages=2), None),
                 ("triton provider", None, "triton"),
             ]
+        if shape.batch == 1:
+            variants.append(("np auto, reduce d32", auto, "d32"))
         for name, cfg, sc in variants:
 
             def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:
