@@ -59,7 +59,7 @@ def compile_variant(
         del constexprs["OVERLAP"]
         rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": rows, **rest}
-        constexprs["num_warps"] = 4
+        constexprs["num_warps"] = 8 if rows == 64 else 4
     for k, _v in constexprs.items():
         sig[k] = "constexpr"
     names = list(sig)
@@ -71,7 +71,7 @@ def compile_variant(
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    warps = 4 if rows else 8
+    warps = 4 if rows and rows < 64 else 8
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -82,7 +82,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--sass", action="store_true")
     ap.add_argument("--overlap", action="store_true")
-    ap.add_argument("--rows", type=int, default=0, help="compile the transposed kernel for NR rows")
+    ap.add_argument(
+        "--rows", type=int, default=0, help="compile the transposed kernel for NR rows (64: on 8 warps)"
+    )
     args = ap.parse_args()
     k = compile_variant(
         fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap, rows=args.rows

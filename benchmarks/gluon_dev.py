@@ -232,7 +232,7 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         )  # fmt: skip
         plan_split_kv(sched, prob.kv_indptr, shape.batch)
         for name, cfg, sc in [
-            ("64-row np", attrs.evolve(auto, row_tile=64), None),
+            ("64-row np", attrs.evolve(auto, row_tile=64, transposed=False), None),
             (f"{auto.row_tile}-row np", auto, None),
             (f"{auto.row_tile}-row pers", None, sched),
         ]:
@@ -322,6 +322,10 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
             ]
         if shape.batch == 1:
             variants.append(("np auto, reduce d32", auto, "d32"))
+        if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
+            t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2)
+            variants += [("t64 np", t64, None)]
+            variants += [(f"t64 np k{k}", attrs.evolve(t64, num_splits=k), None) for k in (1, 2, 4)]
         for name, cfg, sc in variants:
 
             def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:

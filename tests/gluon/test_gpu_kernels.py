@@ -125,9 +125,11 @@ def test_paged_decode_variants(
         )  # fmt: skip
         plan_split_kv(schedule, data[2], len(lens))
     elif variant == "row64":
-        config = attrs.evolve(auto, row_tile=BLOCK_M, num_splits=2, num_stages=2)
+        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2)
     elif variant == "overlap":
-        config = attrs.evolve(auto, row_tile=BLOCK_M, block_n=32, num_stages=4, overlap=True)
+        config = attrs.evolve(
+            auto, row_tile=BLOCK_M, transposed=False, block_n=32, num_stages=4, overlap=True
+        )
     paged_decode(_call(data, qlens, lens, out, lse, schedule), config=config)
     torch.cuda.synchronize()
     if lse is None:

@@ -16,6 +16,7 @@ from mla.providers.gluon.planner import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     GluonLaunchConfig,
+    check_config,
     decode_kernel,
     launch_config,
     schedule_units,
@@ -101,3 +102,34 @@ def test_kernel_choice_and_reasons() -> None:
     kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64, rows=32)
     assert kernel == ("gluon" if FP8_ON_GLUON else "triton")
     assert "fp8" in why
+
+
+@pytest.mark.parametrize(
+    ("config", "fp8"),
+    [
+        (GluonLaunchConfig(row_tile=16, transposed=False), False),  # the 64-row kernel takes 64 only
+        (GluonLaunchConfig(row_tile=64, transposed=True), True),  # fp8 ring + 64 rows: no room
+        (GluonLaunchConfig(row_tile=48), False),
+        (GluonLaunchConfig(row_tile=16, block_n=32), False),
+        (GluonLaunchConfig(row_tile=32, num_stages=3, overlap=True), False),
+    ],
+    ids=["64-row-kernel-16-rows", "transposed-64-fp8", "48-rows", "transposed-block32", "transposed-overlap"],
+)
+def test_check_config_rejects_launches_the_kernels_cannot_run(config: GluonLaunchConfig, fp8: bool) -> None:
+    from mla.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="config"):
+        check_config(config, kv_fp8=fp8)
+
+
+def test_check_config_accepts_the_kernels_tiles() -> None:
+    for config, fp8 in [
+        (GluonLaunchConfig(), False),
+        (GluonLaunchConfig(), True),
+        (GluonLaunchConfig(row_tile=16), True),
+        (GluonLaunchConfig(row_tile=32, num_stages=3), True),
+        (GluonLaunchConfig(row_tile=64, transposed=True), False),
+    ]:
+        check_config(config, kv_fp8=fp8)
+    assert GluonLaunchConfig(row_tile=32).transposed
+    assert not GluonLaunchConfig().transposed

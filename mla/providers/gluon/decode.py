@@ -21,6 +21,7 @@ from mla.providers.gluon.planner import (
     FP8_KV_DTYPES,
     NUM_WARPS,
     GluonLaunchConfig,
+    check_config,
     decode_kernel,
     launch_config,
 )
@@ -71,6 +72,7 @@ def launch_gluon_decode(
         return
     row_blocks = config.row_blocks(rows)
     kv_fp8 = kv_cache.element_size() == 1
+    check_config(config, kv_fp8=kv_fp8)
     if kv_fp8 and kv_scale is None:
         raise InvalidInputError("kv_scale", "an fp8 cache needs its per-tensor scale (float32 [1] tensor)")
     scale_arg = kv_scale if kv_scale is not None else out.new_empty(1, dtype=torch.float32)
@@ -132,7 +134,7 @@ def launch_gluon_decode(
         part_lse.stride(1),
         softmax_scale * LOG2E,
     )
-    if config.row_tile != BLOCK_M:
+    if config.transposed:
         mla_decode_rows_kernel[(num_work * row_blocks,)](
             *common,
             scale_arg,
@@ -148,7 +150,7 @@ def launch_gluon_decode(
             UNIT_QLEN=unit_qlen,
             WRITE_LSE=write_lse,
             KV_FP8=kv_fp8,
-            num_warps=4,
+            num_warps=4 if config.row_tile < BLOCK_M else 8,
         )
     else:
         mla_decode_kernel[(num_work * row_blocks,)](

@@ -40,6 +40,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from mla.core.errors import InvalidInputError
+
 MIN_SPLIT_TOKENS = 256
 """Smallest KV range a split is given (non-persistent) and the persistent planner's min chunk."""
 MAX_SPLITS = 128
@@ -72,8 +74,13 @@ class GluonLaunchConfig:
     overlap: bool = False
     """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
     row_tile: int = BLOCK_M
-    """Packed query rows per program: 64 (the 64-row kernel of :mod:`.kernels`) or 16/32 (the
-    transposed few-rows kernel of :mod:`.transposed`)."""
+    """Packed query rows per program: 16, 32 or 64."""
+    transposed: bool = attrs.field(
+        default=attrs.Factory(lambda self: self.row_tile != BLOCK_M, takes_self=True)
+    )
+    """Run the transposed few-rows kernel of :mod:`.transposed` (rows as the MMA N dimension; 64
+    rows on two warpgroups) instead of the 64-row kernel of :mod:`.kernels`. Default: exactly
+    when ``row_tile`` is below 64 (the 64-row kernel takes only 64)."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
@@ -149,6 +156,27 @@ def launch_config(
     return attrs.evolve(tile, num_splits=splits)
 
 
+def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
+    """Raise :class:`InvalidInputError` (argument ``config``) for a launch the kernels cannot
+    run: the transposed kernel takes 16, 32 or 64 rows (fp8: 16 or 32, shared memory), 64-token
+    tiles and no overlap; the 64-row kernel takes 64 rows."""
+    if config.transposed:
+        tiles = (16, 32) if kv_fp8 else (16, 32, BLOCK_M)
+        if config.row_tile not in tiles or config.block_n != 64 or config.overlap:
+            raise InvalidInputError(
+                "config",
+                f"the transposed kernel takes row_tile in {tiles}, block_n=64 and overlap=False "
+                f"(got row_tile={config.row_tile}, block_n={config.block_n}, overlap={config.overlap}); "
+                "or set transposed=False for the 64-row kernel",
+            )
+    elif config.row_tile != BLOCK_M:
+        raise InvalidInputError(
+            "config",
+            f"the 64-row kernel takes row_tile={BLOCK_M} (got {config.row_tile}); set transposed=True "
+            "for 16 or 32 rows",
+        )
+
+
 def few_rows_tile(rows: int, *, kv_elem_size: int) -> int:
     """The row tile for ``rows`` packed rows: 16 or 32 (transposed kernel) when they fit, else
     64. ``kv_elem_size`` is 2 (16-bit cache) or 1 (fp8, on the few-rows kernel only when
@@ -176,6 +204,7 @@ __all__ = [
     "MIN_SPLIT_TOKENS",
     "NUM_WARPS",
     "GluonLaunchConfig",
+    "check_config",
     "decode_kernel",
     "launch_config",
     "schedule_units",

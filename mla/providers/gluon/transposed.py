@@ -1,10 +1,11 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""Gluon MLA decode for few query rows (heads × qlen <= 32): transposed MMAs on one warpgroup.
+"""Gluon MLA decode for few query rows (heads × qlen <= 64): transposed MMAs, rows as the N dim.
 
 A 64-row query tile wastes most of its MMA rows when a request has 16 (or 32) packed rows, and
 with the query as the wgmma A operand every KV tile re-reads the whole 64×576 query tile from
 shared memory. This kernel computes the transposed products instead, so the few query rows are
-the MMA N dimension (``NR`` = 16 or 32) and the KV tile is the M dimension:
+the MMA N dimension (``NR`` = 16 or 32 on one warpgroup, 64 on two warpgroups that each own 32
+of the rows) and the KV tile is the M dimension:
 
 * ``Sᵀ [BLOCK_N, NR] = K [BLOCK_N, 576] · Qᵀ`` (A = the K tile, K-major; B = the ``NR``-row query
   tile, 18 or 36 KB of shared memory);
@@ -93,15 +94,18 @@ def mla_decode_rows_kernel(
     KV_FP8: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    gl.static_assert(num_warps == 4, "one warpgroup")
+    gl.static_assert(num_warps == 4 or num_warps == 8, "one or two warpgroups")  # noqa: PLR1714 (constexprs)
     gl.static_assert(BLOCK_N == 64, "the KV tile is the wgmma M dimension (64 rows per warpgroup)")
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
     # The MMA operand dtype: the query's, or fp16 for fp8 caches (fp8 -> fp16 is one conversion
     # per two values, fp16 holds every fp8 value exactly; the query is rounded to fp16).
     dtype: gl.constexpr = gl.float16 if KV_FP8 else q_nope_ptr.dtype.element_ty
 
+    # Two warpgroups (8 warps) each own half of the NR query rows (the N dimension of both
+    # products): both read the whole K tile, neither needs the other's softmax statistics.
+    WARPGROUPS: gl.constexpr = num_warps // 4
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 16]
+        version=[3, 0], warps_per_cta=[4, WARPGROUPS], instr_shape=[16, NR // WARPGROUPS, 16]
     )
     ot_layout: gl.constexpr = st_layout
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
