@@ -32,7 +32,7 @@ from mla.providers.gluon import decode as gd
 from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
-from mla.providers.triton import TritonProvider, merge
+from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode import num_sms
 from mla.providers.triton.schedule import plan_split_kv
 
@@ -320,8 +320,6 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("np stages 2", attrs.evolve(auto, num_stages=2), None),
                 ("triton provider", None, "triton"),
             ]
-        if shape.batch == 1:
-            variants.append(("np auto, reduce d32", auto, "d32"))
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
             t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2)
             variants += [("t64 np", t64, None)]
@@ -331,12 +329,6 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
             def run(p: Problem = prob, cfg: Any = cfg, sc: Any = sc) -> None:
                 if sc == "triton":
                     TritonProvider().paged_mqa_decode(p.paged_call())
-                elif sc == "d32":  # the reduce's narrowest latent chunk at 32 lanes
-                    saved, merge.MIN_BLOCK_D = merge.MIN_BLOCK_D, 32
-                    try:
-                        gd.paged_decode(p.paged_call(), config=cfg)
-                    finally:
-                        merge.MIN_BLOCK_D = saved
                 else:
                     gd.paged_decode(p.paged_call(schedule=sc), config=cfg)
 

@@ -81,12 +81,14 @@ CASES = [
     (5, [8, 1], [2000, 9], 16),
 ]
 # Every case on the launch heuristic's own choice; the other launch variants on the cases that
-# reach them (16 rows: few-rows kernel; 32 rows; 36 rows: the 64-row kernel).
+# reach them (16 rows: few-rows kernel; 32 rows; 36 rows: the 64-row kernel; t64: the
+# transposed kernel on two warpgroups).
 RUNS = (
     [(case, "auto") for case in CASES]
     + [(CASES[0], v) for v in ("splits3", "schedule", "row64", "overlap", "no_lse")]
     + [(CASES[2], v) for v in ("splits3", "schedule", "no_lse")]
-    + [(CASES[3], v) for v in ("schedule", "no_lse")]
+    + [(CASES[3], v) for v in ("schedule", "no_lse", "t64")]
+    + [(CASES[4], "t64")]
 )
 
 
@@ -126,6 +128,10 @@ def test_paged_decode_variants(
         plan_split_kv(schedule, data[2], len(lens))
     elif variant == "row64":
         config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2)
+    elif variant == "t64":
+        if kv_dtype == FP8:
+            pytest.skip("the 64-row transposed kernel takes 16-bit caches (check_config)")
+        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=True, num_stages=2)
     elif variant == "overlap":
         config = attrs.evolve(
             auto, row_tile=BLOCK_M, transposed=False, block_n=32, num_stages=4, overlap=True

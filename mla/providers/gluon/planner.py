@@ -25,6 +25,13 @@ query tile from shared memory for QKᵀ in both warpgroups (144 KB per tile, the
 besides the softmax's cross-warpgroup exchanges, so the largest tile that fits (64 tokens, two
 stages) wins, and the software-pipelined loop (``overlap``) does not pay it back.
 
+The transposed kernel on two warpgroups (64 rows, each warpgroup owning 32) was measured
+against the 64-row kernel on 2026-12-01 (``gluon_dev.py --breakdown``, kernel µs): verify q4
+H16 B64 S4096 118.3 against 106.8, H128 q1 B64 S4096 223.7 against 197.4: both warpgroups read
+the whole K tile for QKᵀ and Vᵀ for PV (about 350 KB of shared memory per tile against 280 KB),
+so 33–64 rows stay on the 64-row kernel; ``GluonLaunchConfig(row_tile=64, transposed=True)``
+selects it explicitly.
+
 Splits are sized in whole waves (a program in a mostly empty second wave costs a full one):
 
 * non-persistent: the split count ``k`` minimises ``ceil(P·k / slots) / k`` for
