@@ -98,9 +98,10 @@ FP8_ON_GLUON = True
 few-rows kernel (heads × qlen <= :data:`FEW_ROWS_MAX`), with an fp8 ring widened once per tile
 to fp16. Above that the 64-row kernel's fp8 path (635 µs at H16 q1 B128 S8192 on the H200,
 2026-12-01) lost to the Triton provider's kernel (514 µs), so those run on the Triton kernel."""
-FP8_FEW_ROWS_STAGES = 3
-"""KV ring depth of the few-rows kernel on fp8 caches (a 64-token fp8 tile is 36 KB: three fit
-beside the widened 72 KB tile and the query tile in 222 KB of shared memory at 32 rows)."""
+FP8_FEW_ROWS_STAGES = 1
+"""KV ring depth of the few-rows kernel on fp8 caches: one fp8 slot (36 KB) in flight beside two
+widened fp16 tiles (144 KB), the one the MMAs read and the next one being widened (201 KB of
+shared memory at 16 rows, 221 KB at 32)."""
 
 
 def decode_kernel(

@@ -19,10 +19,13 @@ ids, the cp.async KV ring, the work items (non-persistent splits, planned schedu
 rows) and the outputs (direct, or fp32 partials for the split reduce) are those of
 :mod:`.kernels`.
 
-fp8 caches (``KV_FP8``) are gathered as fp8 into a deeper ring (a 64-token fp8 tile is 36 KB,
-so three stages fit beside the widened tile) and each tile is widened once into a bf16/fp16
-tile in shared memory that both MMAs read; the per-tensor scale, read on the device from a
-one-element float32 tensor, is folded into the score scale and the output. With an fp8 cache
+fp8 caches (``KV_FP8``) are gathered as fp8 (a 64-token tile is 36 KB) into one ring slot and
+widened once per tile into one of two fp16 tiles in shared memory that both MMAs read. The
+loop is software-pipelined: while the QKᵀ of tile t runs on the tensor cores, the warps widen
+tile t+1 (already landed) into the other buffer and start the load of tile t+2 into the freed
+slot, so widening overlaps the MMAs and the load of a tile overlaps the softmax and PV of the
+one before. The per-tensor scale, read on the device from a one-element float32 tensor, is
+folded into the score scale and the output. With an fp8 cache
 the MMAs run in fp16 (fp8 widens to fp16 in one conversion per two values and fp16 holds every
 fp8 value exactly); the query is rounded to fp16, as in the Triton provider's fp8 path.
 """
@@ -115,7 +118,10 @@ def mla_decode_rows_kernel(
     rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
+    # fp8: one ring slot (the tile in flight) and two widened tiles (the one the MMAs read, the
+    # next one being widened); token ids run four tiles ahead.
+    RING: gl.constexpr = 1 if KV_FP8 else NUM_STAGES
+    ID_SLOTS: gl.constexpr = 4 if KV_FP8 else 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
     ring_smem: gl.constexpr = (
@@ -161,23 +167,23 @@ def mla_decode_rows_kernel(
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_smem_layout)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [RING, BLOCK_N, L], ring_smem)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [RING, BLOCK_N, R], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
     if KV_FP8:
-        lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
-        rope_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R], mma_smem)
+        lat_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
+        rope_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], mma_smem)
     else:
         lat_wide = lat_ring
         rope_wide = rope_ring
 
     index_base = kv_indices_ptr + kv_start
-    for j in gl.static_range(2 * NUM_STAGES - 1):
+    for j in gl.static_range(ID_SLOTS if KV_FP8 else 2 * NUM_STAGES - 1):
         _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
-    for st in gl.static_range(NUM_STAGES - 1):
+    for st in gl.static_range(1 if KV_FP8 else NUM_STAGES - 1):
         _issue_tile(
             kv_ptr, idx_ring, st, lo, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
             L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
@@ -212,25 +218,56 @@ def mla_decode_rows_kernel(
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    for t in range(n_tiles):
-        # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
-        gl.thread_barrier()
-        ahead = t + NUM_STAGES - 1
+    if KV_FP8:
+        # Tile 0 widened before the loop (its fence and barrier also publish the query tile),
+        # tile 1 in flight.
+        async_copy.wait_group(0)
+        _mma_operands(
+            lat_ring, rope_ring, lat_wide, rope_wide, 0, 1, 2, BLOCK_N, True, lat_ld, rope_ld, dtype
+        )  # fmt: skip
         _issue_tile(
-            kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
-            lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+            kv_ptr, idx_ring, 1, lo, hi, stride_kv, lat_ring.index(0), rope_ring.index(0),
             L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
         )  # fmt: skip
-        _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
         async_copy.commit_group()
-        async_copy.wait_group(NUM_STAGES - 1)
-        k_lat, k_rope = _mma_operands(
-            lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, KV_FP8,
-            lat_ld, rope_ld, dtype,
-        )  # fmt: skip
-
-        sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
+    for t in range(n_tiles):
+        if KV_FP8:
+            # QKᵀ of tile t runs on the tensor cores while the warps widen tile t+1 into the
+            # other buffer and refill the ring with tile t+2.
+            k_lat = lat_wide.index(t % 2)
+            k_rope = rope_wide.index(t % 2)
+            sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
+            if t + 1 < n_tiles:
+                async_copy.wait_group(0)
+                _mma_operands(
+                    lat_ring, rope_ring, lat_wide, rope_wide, t + 1, 1, 2, BLOCK_N, True,
+                    lat_ld, rope_ld, dtype,
+                )  # fmt: skip
+                _issue_tile(
+                    kv_ptr, idx_ring, t + 2, lo, hi, stride_kv, lat_ring.index(0), rope_ring.index(0),
+                    L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+                )  # fmt: skip
+                _issue_ids(index_base, idx_ring, t + 4, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+                async_copy.commit_group()
+        else:
+            # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
+            gl.thread_barrier()
+            ahead = t + NUM_STAGES - 1
+            _issue_tile(
+                kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
+                lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+                L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            )  # fmt: skip
+            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+            async_copy.commit_group()
+            async_copy.wait_group(NUM_STAGES - 1)
+            k_lat, k_rope = _mma_operands(
+                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, False,
+                lat_ld, rope_ld, dtype,
+            )  # fmt: skip
+            sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
         n = t * BLOCK_N + lo + offs_n
