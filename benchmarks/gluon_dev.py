@@ -350,13 +350,28 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+def run_once(kv: str) -> None:
+    """H16 q1 B128 S8192 on the provider's own launch, twice (the first compiles): a target for
+    a profiler, e.g. ``ncu --kernel-name regex:mla_decode --launch-skip 1 --launch-count 1``."""
+    from decode import Shape
+
+    prob = Problem(Shape("fp8" if kv == "fp8" else "mem", 16, 1, 128, 8192, kv=kv), torch.device("cuda"))
+    for _ in range(2):
+        gd.paged_decode(prob.paged_call())
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="checks, then the launch-config sweep only")
     ap.add_argument("--breakdown", action="store_true", help="only the per-kernel time breakdown")
     ap.add_argument("--only", nargs="*", default=[], help="breakdown: only these shape names (mem, fp8, ...)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--once", choices=["bf16", "fp8"], help="one shape, launched twice, for a profiler")
     args = ap.parse_args()
+    if args.once:
+        run_once(args.once)
+        return
     if args.breakdown:
         rows: list[dict[str, Any]] = []
         breakdown(rows, args.only)
