@@ -12,8 +12,10 @@ Per shape it prints:
 * ``overhead = call - kernel`` (the issue's bound: 30 us on the H200).
 * ``sync call``: the same with a synchronize after every call (host work no longer hidden).
 * ``build``: ``backend.builder.build(step)`` host time with the engine's host copies passed
-  (the issue's bound at B=128: 60 us), and ``d2h``: device-to-host copies it made (counted with
-  ``torch.cuda.set_sync_debug_mode("warn")``'s warnings; 0 expected).
+  (the issue's bound at B=128: 60 us; the last line says how many of the Triton fill's launches
+  took :mod:`mla.providers.triton.launch_cache`'s cached path), and ``d2h``: device-to-host
+  copies it made (counted with ``torch.cuda.set_sync_debug_mode("warn")``'s warnings; 0
+  expected).
 * ``ops``: aten ops dispatched by one build / one repeated call (a ``TorchDispatchMode``; a
   CUDA-graph replay dispatches none), and ``launches`` (GPU only): host-side launch calls
   recorded by the torch profiler (``cudaLaunchKernel``, ``cuLaunchKernel*``,
@@ -251,6 +253,21 @@ def main() -> None:
         for b, blk in shapes
     ]
     print_table(rows, title=title)
+    print_launch_cache()
+
+
+def print_launch_cache() -> None:
+    """How the Triton fill and planner launches went (cached or through ``kernel[grid]``)."""
+    try:
+        from mla.providers.triton import schedule, utils
+    except ImportError:
+        return
+    fill, plan = utils.FILL_LAUNCH, schedule.PLAN_LAUNCH
+    print(
+        f"launch cache (MLA_TRITON_LAUNCH_CACHE=0 turns it off): active={fill.active}; fill "
+        f"{fill.fast_launches} cached / {fill.slow_launches} through Triton; planner "
+        f"{plan.fast_launches} / {plan.slow_launches}"
+    )
 
 
 if __name__ == "__main__":

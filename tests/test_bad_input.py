@@ -904,6 +904,9 @@ def test_builder_rejects(argument: str, change: Callable[[], dict[str, Any]], ma
     values = change()
     built = values.pop("step") if "step" in values else step(**values)
     expect_invalid(argument, lambda: backend.builder.build(built), match)
+    # After a valid step (the builder's one-expression check has seen good inputs) too.
+    backend.builder.build(step())
+    expect_invalid(argument, lambda: backend.builder.build(built), match)
     assert backend.late_allocations == []
 
 

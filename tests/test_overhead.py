@@ -11,16 +11,21 @@ and that a replayed step reads the caller's tensors and the ``kv_scale`` buffer 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from gpu_providers import gpu_providers
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
+from mla.core.validate import HostLengths
 from mla.engine import decode_graphs
 from mla.engine.plan_cache import DECODE_PLANS, DecodeEntry
 from mla.testing import assert_matches_reference, emulated_provider
@@ -429,6 +434,46 @@ def test_a_decode_build_with_host_copies_is_provider_calls_only(
     assert dict(calls) == provider_calls
     expected = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
     assert torch.equal(metadata.decode.kv_indptr, expected)
+
+
+@st.composite
+def indptrs(draw: st.DrawFn) -> list[int]:
+    """Query indptrs: uniform (qlen 0..4, up to 6 requests), one entry off uniform, arbitrary."""
+    kind = draw(st.sampled_from(["uniform", "nearly uniform", "arbitrary"]))
+    if kind == "arbitrary":
+        return draw(st.lists(st.integers(-2, 9), min_size=1, max_size=8))
+    qlen, count = draw(st.integers(0, 4)), draw(st.integers(0, 6))
+    qsl = [qlen * i for i in range(count + 1)]
+    if kind == "nearly uniform":
+        qsl[draw(st.integers(0, count))] += draw(st.integers(-2, 2))
+    return qsl
+
+
+@given(qsl=indptrs(), with_lens=st.booleans())
+def test_the_uniform_indptr_shortcut_finds_what_the_general_path_finds(
+    qsl: list[int], with_lens: bool
+) -> None:
+    """The builder's host lengths (a list comparison for a uniform indptr within the limits)
+    equal :meth:`HostLengths.from_indptr`'s on every indptr."""
+    builder = shortcut_backend().builder
+    lens = [7 * i + 3 for i in range(len(qsl) - 1)] if with_lens else None
+    got = builder._host_lengths(qsl, lens)
+    want = HostLengths.from_indptr(qsl, lens)
+    assert attrs.astuple(got, recurse=False) == attrs.astuple(want, recurse=False)
+
+
+@functools.cache
+def shortcut_backend() -> mla.MLABackend:
+    """Limits 5 requests and qlen 3: the indptrs above include uniform ones beyond each."""
+    return mla.MLABackend(
+        mla.MLADims(HEADS, RANK, ROPE, softmax_scale=SCALE),
+        mla.KVCacheSpec(BLOCK, torch.float32, num_blocks=NUM_BLOCKS),
+        mla.EngineLimits(5, 64, 32, max_decode_qlen=3),
+        model_dtype=torch.float32,
+        provider="torch",
+        platform="cpu",
+        preallocate=False,
+    )
 
 
 def test_capturable_build_declarations() -> None:

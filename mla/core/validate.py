@@ -235,8 +235,19 @@ class HostLengths:
     total_seq: int
 
     @classmethod
-    def of(cls, query_lens: list[int], seq_lens: list[int] | None) -> HostLengths:
-        lo_q, hi_q = (min(query_lens), max(query_lens)) if query_lens else (0, 0)
+    def of(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int] | None,
+        *,
+        query_range: tuple[int, int] | None = None,
+    ) -> HostLengths:
+        """The ranges of ``query_lens`` and ``seq_lens``; ``query_range`` (min, max) when the
+        caller knows it already (a uniform step)."""
+        if query_range is not None:
+            lo_q, hi_q = query_range
+        else:
+            lo_q, hi_q = (min(query_lens), max(query_lens)) if query_lens else (0, 0)
         lo_s = hi_s = total = 0
         if seq_lens:
             lo_s, hi_s, total = min(seq_lens), max(seq_lens), sum(seq_lens)

@@ -71,7 +71,7 @@ class DecodeBatch:
 
     @property
     def num_requests(self) -> int:
-        return int(self.seq_lens.numel())
+        return self.seq_lens.numel()
 
     def host_seq_lens(self) -> torch.Tensor:
         """``seq_lens`` on the host: the engine's copy, else one device-to-host copy."""
@@ -206,6 +206,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
         super().__init__(setup)
         self.index_buffers = index_buffers or DecodeIndexBuffers.allocate(setup)
+        self._last_geometry: tuple[tuple[int, ...], DecodeGeometry] | None = None
 
     @abc.abstractmethod
     def build_metadata(self, batch: DecodeBatch) -> DecodePlan:
@@ -277,21 +278,41 @@ class DecodeStrategy(Strategy[DecodeContext]):
     def base_geometry(
         self, batch: DecodeBatch, *, kernel_heads: int, kernel_qlen: int, num_kernel_rows: int
     ) -> DecodeGeometry:
+        """The plan geometry of ``batch``: the previous build's record when every value is the
+        same (steps of one batch size under CUDA graphs, where ``max_seqlen_k`` is the static
+        bound), else a new one."""
         ctx = batch.context
-        return DecodeGeometry(
+        values = (
+            ctx.num_heads,
+            kernel_heads,
+            batch.num_requests,
+            batch.num_tokens,
+            batch.num_owned_tokens,
+            ctx.max_qlen,
+            kernel_qlen,
+            num_kernel_rows,
+            self.max_seqlen_k(batch),
+            batch.cache_blocks,
+        )
+        last = self._last_geometry
+        if last is not None and last[0] == values:
+            return last[1]
+        geometry = DecodeGeometry(
             num_heads=ctx.num_heads,
             kernel_heads=kernel_heads,
-            num_requests=batch.num_requests,
+            num_requests=values[2],
             num_tokens=batch.num_tokens,
-            num_owned_tokens=batch.num_owned_tokens,
+            num_owned_tokens=values[4],
             max_qlen=ctx.max_qlen,
             kernel_qlen=kernel_qlen,
             num_kernel_rows=num_kernel_rows,
             q_dtype=self.setup.q_dtype,
             kv_dtype=self.setup.cache.dtype,
-            max_seqlen_k=self.max_seqlen_k(batch),
+            max_seqlen_k=values[8],
             cache_blocks=batch.cache_blocks,
         )
+        self._last_geometry = (values, geometry)
+        return geometry
 
     def max_seqlen_k(self, batch: DecodeBatch) -> int:
         """The KV-length bound the kernels are launched with: the engine's ``max_model_len``

@@ -4,16 +4,27 @@ cached context into workspace-sized chunks."""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from mla.core.context import DecodeContext
 from mla.core.errors import InvalidInputError
-from mla.core.validate import HostLengths, check_indptr_values, require_index, require_int, used_cache_blocks
+from mla.core.validate import (
+    INDEX_DTYPES,
+    HostLengths,
+    check_indptr_values,
+    check_paged_request_values,
+    require_index,
+    require_int,
+    used_cache_blocks,
+)
 from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
 from mla.engine.checks import check_paged_step, require_instance
 from mla.engine.resolver import Decision
 from mla.engine.state import BackendState
 from mla.engine.step import MLAMetadata, StepInputs
 from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
+
+_INDEX = frozenset(INDEX_DTYPES)
 
 
 class MetadataBuilder:
@@ -33,6 +44,10 @@ class MetadataBuilder:
     def __init__(self, backend: BackendState) -> None:
         self.backend = backend
         self._decode_choices: dict[tuple[int, bool, int], tuple[DecodeContext, Decision, DecodeStrategy]] = {}
+        self._devices: set[torch.device] = set()
+        """Devices of the backend's type seen on the step's device tensors."""
+        self._uniform_indptrs: dict[int, list[int]] = {}
+        """Per qlen ``q``: ``[0, q, 2q, ..., q * max_num_seqs]`` (a uniform step's indptr)."""
 
     def build(self, step: StepInputs) -> MLAMetadata:
         """Plan one step and make it the backend's current metadata (also returned).
@@ -44,29 +59,45 @@ class MetadataBuilder:
         """
         be = self.backend
         full = be.validate == "full"
-        require_instance("step", step, StepInputs)
-        qsl_host = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1)
-        qsl_dev = require_index("query_start_loc", step.query_start_loc, ndim=1)
-        seq_lens = require_index("seq_lens", step.seq_lens, ndim=1)
-        block_table = require_index("block_table", step.block_table, ndim=2)
-        device_type = be.device.type
-        for name, tensor in (
-            ("query_start_loc", qsl_dev),
-            ("seq_lens", seq_lens),
-            ("block_table", block_table),
-        ):
-            if tensor.device.type != device_type:
-                raise InvalidInputError(
-                    name, f"is on {tensor.device} but the backend runs on {be.device}; move it there"
-                )
-        num_decodes = require_int("num_decodes", step.num_decodes, minimum=0)
-        num_decode_tokens = require_int("num_decode_tokens", step.num_decode_tokens, minimum=0)
-        qsl: list[int] = qsl_host.tolist()
+        if type(step) is not StepInputs:
+            require_instance("step", step, StepInputs)  # (a subclass passes)
+        qsl_host, qsl_dev = step.query_start_loc_cpu, step.query_start_loc
+        seq_lens, block_table = step.seq_lens, step.block_table
         seq_host = step.seq_lens_cpu
-        lens: list[int] | None = None
-        if seq_host is not None:
-            lens = require_index("seq_lens_cpu", seq_host, ndim=1).tolist()
-        lengths = HostLengths.from_indptr(qsl, lens)
+        num_decodes, num_decode_tokens = step.num_decodes, step.num_decode_tokens
+        # The argument checks as one expression over the usual types (an index dtype, the
+        # dims, a device of the backend's type); anything else takes the checks one by one,
+        # which name the first bad argument.
+        ok = self._devices
+        if not (
+            type(qsl_host) is Tensor
+            and type(qsl_dev) is Tensor
+            and type(seq_lens) is Tensor
+            and type(block_table) is Tensor
+            and (
+                seq_host is None
+                or (type(seq_host) is Tensor and seq_host.dtype in _INDEX and seq_host.dim() == 1)
+            )
+            and qsl_host.dtype in _INDEX
+            and qsl_dev.dtype in _INDEX
+            and seq_lens.dtype in _INDEX
+            and block_table.dtype in _INDEX
+            and qsl_host.dim() == 1
+            and qsl_dev.dim() == 1
+            and seq_lens.dim() == 1
+            and block_table.dim() == 2
+            and qsl_dev.device in ok
+            and seq_lens.device in ok
+            and block_table.device in ok
+            and type(num_decodes) is int
+            and type(num_decode_tokens) is int
+            and num_decodes >= 0
+            and num_decode_tokens >= 0
+        ):
+            num_decodes, num_decode_tokens = self._check_arguments(step)
+        qsl: list[int] = qsl_host.tolist()
+        lens: list[int] | None = None if seq_host is None else seq_host.tolist()
+        lengths = self._host_lengths(qsl, lens)
         if not qsl or qsl[0] != 0 or lengths.min_query < 0:
             check_indptr_values("query_start_loc", qsl)  # raises, naming the bad entry
         num_requests = len(qsl) - 1
@@ -100,7 +131,16 @@ class MetadataBuilder:
             lens = seq_lens.tolist()
             lengths = HostLengths.of(lengths.query_lens, lens)
         table_cpu: torch.Tensor | None = None
-        if lens is not None:
+        if lens is not None and not full:
+            check_paged_request_values(
+                query_lens=lengths.query_lens,
+                seq_lens=lens,
+                block_table_shape=block_table.shape,
+                block_size=be.cache.block_size,
+                max_model_len=be.limits.max_model_len,
+                lengths=lengths,
+            )
+        elif lens is not None:
             table_cpu = check_paged_step(
                 query_lens=lengths.query_lens,
                 seq_lens=lens,
@@ -108,11 +148,13 @@ class MetadataBuilder:
                 block_size=be.cache.block_size,
                 num_blocks=be.cache.num_blocks or (1 << 62),
                 max_model_len=be.limits.max_model_len,
-                block_ids=full,
+                block_ids=True,
                 lengths=lengths,
             )
-        decode_lengths = lengths.first(num_decodes)
-        self._check_limits(decode_lengths, qsl[-1])
+        decode_lengths = lengths if num_decodes == num_requests else lengths.first(num_decodes)
+        limits = be.limits
+        if decode_lengths.max_query > limits.max_decode_qlen or qsl[-1] > limits.max_num_batched_tokens:
+            self._check_limits(decode_lengths, qsl[-1])  # raises, naming the limit
         owned_decode_tokens = qsl[num_decodes]
         if num_decode_tokens < owned_decode_tokens or (
             num_prefills and num_decode_tokens != owned_decode_tokens
@@ -122,10 +164,10 @@ class MetadataBuilder:
                 f"got {num_decode_tokens}; the decode requests own {owned_decode_tokens} "
                 "tokens (extra graph-padding rows are allowed only in decode-only steps)",
             )
-        if num_decode_tokens > be.limits.max_decode_tokens:
+        if num_decode_tokens > limits.max_decode_tokens:
             raise InvalidInputError(
                 "num_decode_tokens",
-                f"{num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {be.limits.max_decode_tokens}",
+                f"{num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {limits.max_decode_tokens}",
             )
         decode_plan = prefill_plan = None
         decode_decision = prefill_decision = None
@@ -151,6 +193,48 @@ class MetadataBuilder:
         )
         be.current_metadata = metadata
         return metadata
+
+    def _check_arguments(self, step: StepInputs) -> tuple[int, int]:
+        """The argument checks one by one, in order (each raises naming its argument); returns
+        ``num_decodes`` and ``num_decode_tokens``. Devices that pass join the fast check's set."""
+        be = self.backend
+        require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1)
+        qsl_dev = require_index("query_start_loc", step.query_start_loc, ndim=1)
+        seq_lens = require_index("seq_lens", step.seq_lens, ndim=1)
+        block_table = require_index("block_table", step.block_table, ndim=2)
+        device_type = be.device.type
+        for name, tensor in (
+            ("query_start_loc", qsl_dev),
+            ("seq_lens", seq_lens),
+            ("block_table", block_table),
+        ):
+            if tensor.device.type != device_type:
+                raise InvalidInputError(
+                    name, f"is on {tensor.device} but the backend runs on {be.device}; move it there"
+                )
+            self._devices.add(tensor.device)
+        num_decodes = require_int("num_decodes", step.num_decodes, minimum=0)
+        num_decode_tokens = require_int("num_decode_tokens", step.num_decode_tokens, minimum=0)
+        if step.seq_lens_cpu is not None:
+            require_index("seq_lens_cpu", step.seq_lens_cpu, ndim=1)
+        return num_decodes, num_decode_tokens
+
+    def _host_lengths(self, qsl: list[int], lens: list[int] | None) -> HostLengths:
+        """:meth:`HostLengths.from_indptr`, with the ranges of a uniform indptr (every request
+        ``q <= max_decode_qlen`` tokens, the decode steps' usual shape) found by one list
+        comparison instead of a pass per reduction."""
+        count = len(qsl) - 1
+        limits = self.backend.limits
+        if 0 < count <= limits.max_num_seqs and qsl[0] == 0:
+            qlen, rest = divmod(qsl[-1], count)
+            if rest == 0 and 0 < qlen <= limits.max_decode_qlen:
+                uniform = self._uniform_indptrs.get(qlen)
+                if uniform is None:
+                    uniform = list(range(0, qlen * limits.max_num_seqs + 1, qlen))
+                    self._uniform_indptrs[qlen] = uniform
+                if qsl == uniform[: count + 1]:
+                    return HostLengths.of([qlen] * count, lens, query_range=(qlen, qlen))
+        return HostLengths.from_indptr(qsl, lens)
 
     def _check_limits(self, decode: HostLengths, total: int) -> None:
         """The step's decode qlens and token count are within the limits the backend was sized

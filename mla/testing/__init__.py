@@ -29,7 +29,9 @@ on its dequantized inputs, so the tolerance stays tight.
 Modules: :mod:`~mla.testing.compare` (tolerances, comparison, NaN poisoning),
 :mod:`~mla.testing.cases` (case records and generators), :mod:`~mla.testing.inputs` (input
 builders), :mod:`~mla.testing.contexts` (context, backend and registry factories),
-:mod:`~mla.testing.check` (check runners).
+:mod:`~mla.testing.check` (check runners), :mod:`~mla.testing.triton_driver` (a stand-in
+Triton driver: Triton's launch path on a machine without a GPU, launches recorded; imported on
+its own, it needs Triton).
 """
 
 from mla.providers import emulated_provider

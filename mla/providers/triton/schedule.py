@@ -61,6 +61,7 @@ import triton.language as tl
 
 from mla.core.errors import PlanMismatchError
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.launch_cache import LaunchCache
 
 MIN_SPLIT_TOKENS = 256
 """Smallest KV range a split is given (non-persistent) and the persistent planner's min chunk."""
@@ -217,16 +218,22 @@ def _plan_split_kv_kernel(
     tl.store(chunk_ptr, chunk)
 
 
+PLAN_LAUNCH = LaunchCache(_plan_split_kv_kernel)
+"""The planner's launches (a persistent decode build's second launch): :mod:`.launch_cache`."""
+
+
 def plan_split_kv(schedule: SplitKVSchedule, kv_indptr: torch.Tensor, batch_size: int) -> None:
     """Fill ``schedule`` for requests ``0 .. batch_size-1`` of ``kv_indptr`` (int32, device).
 
-    Same result as :meth:`SplitKVSchedule.plan`; one program, no host sync.
+    Same result as :meth:`SplitKVSchedule.plan`; one program, no host sync, launched through
+    :data:`PLAN_LAUNCH`.
     """
     if batch_size > schedule.max_batch:
         raise PlanMismatchError(
             f"batch_size {batch_size} exceeds the {schedule.max_batch} requests the schedule was sized for"
         )
-    _plan_split_kv_kernel[(1,)](
+    PLAN_LAUNCH.launch(
+        (1,),
         kv_indptr,
         schedule.work_info,
         schedule.split_indptr,

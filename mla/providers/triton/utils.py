@@ -13,6 +13,7 @@ import triton.language as tl
 
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
+from mla.providers.triton.launch_cache import LaunchCache
 
 
 @triton.jit
@@ -174,7 +175,12 @@ def expand_page_indices(call: ExpandPagesCall) -> None:
     )
 
 
-@triton.jit(do_not_specialize=["num_requests", "stride_bt", "max_len", "num_blocks"])
+FILL_DO_NOT_SPECIALIZE = ("num_requests", "stride_bt", "max_len", "num_blocks")
+"""The fill kernel's int arguments that change per step: not specialized on (one compiled
+kernel for every batch size and bound)."""
+
+
+@triton.jit(do_not_specialize=FILL_DO_NOT_SPECIALIZE)
 def _fill_page_indices_kernel(
     seq_lens_ptr,
     block_table_ptr,
@@ -222,10 +228,16 @@ def _fill_page_indices_kernel(
     tl.store(out_ptr + start + t, (block * BLOCK_SIZE + t % BLOCK_SIZE).to(tl.int32), mask=ok)
 
 
+FILL_LAUNCH = LaunchCache(_fill_page_indices_kernel)
+"""The fill's launches: through the compiled kernel after the first of each specialization
+(:mod:`.launch_cache`), since a decode build is this one launch."""
+
+
 def fill_page_indices(call: FillPagesCall) -> None:
     """:class:`~mla.providers.calls.FillPagesCall` as one launch: a program per (request,
     ``BLOCK`` tokens of ``max_len``), each summing the lengths before its request itself (no
-    second pass, no host sync), with the ``qo_indptr`` copy folded in."""
+    second pass, no host sync), with the ``qo_indptr`` copy folded in; launched through
+    :data:`FILL_LAUNCH`."""
     block_table, seq_lens = call.block_table, call.seq_lens
     num_requests = seq_lens.numel()
     copy_qo = call.query_start_loc is not None and call.qo_indptr is not None
@@ -237,7 +249,8 @@ def fill_page_indices(call: FillPagesCall) -> None:
     if block_table.stride(-1) != 1:
         raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
     block = 1024
-    _fill_page_indices_kernel[(num_requests, max(1, triton.cdiv(call.max_len, block)))](
+    FILL_LAUNCH.launch(
+        (num_requests, max(1, -(-call.max_len // block))),
         seq_lens,
         block_table,
         call.kv_indptr,

@@ -1,0 +1,315 @@
+"""The cached Triton launch (:mod:`mla.providers.triton.launch_cache`) on a CPU.
+
+Triton's own host path runs here against a stand-in driver (:mod:`mla.testing.triton_driver`)
+whose launcher records launches and whose "compiler" makes one stand-in kernel per Triton cache
+key. So for every call the test knows the compiled kernel Triton's ``kernel[grid](...)`` picks
+and the arguments it hands the launcher, and checks that the cached launch picks the same
+kernel with the same arguments. ``tests/triton/test_gpu_launch_cache.py`` checks the written
+indices on a GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton import knobs  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from mla.providers.triton import launch_cache, schedule, utils  # noqa: E402
+from mla.providers.triton.launch_cache import LaunchCache, arg_key, make_binder  # noqa: E402
+from mla.testing.triton_driver import Launch, StandInDriver, stand_in_driver  # noqa: E402
+
+needs_verified_triton = pytest.mark.skipif(
+    launch_cache.triton_version() not in launch_cache.VERIFIED_VERSIONS,
+    reason="the cached path is off for this Triton version (its fallback is tested below)",
+)
+
+
+def fresh_fill_kernel() -> JITFunction:
+    """The fill kernel as a new ``JITFunction`` (the module's own is interpreted on a CPU)."""
+    return JITFunction(utils._fill_page_indices_kernel.fn, do_not_specialize=utils.FILL_DO_NOT_SPECIALIZE)
+
+
+@pytest.fixture
+def driver() -> Iterator[StandInDriver]:
+    with stand_in_driver(compile_kernels=False) as stand_in:
+        yield stand_in
+
+
+def same_launch(a: Launch, b: Launch) -> bool:
+    """Same grid, stream, compiled function and arguments (tensors by identity)."""
+    if (a.grid, a.stream, a.function) != (b.grid, b.stream, b.function) or len(a.args) != len(b.args):
+        return False
+    return all(
+        x is y if isinstance(x, torch.Tensor) else type(x) is type(y) and x == y
+        for x, y in zip(a.args, b.args, strict=True)
+    )
+
+
+def fill_args(
+    batch: int,
+    *,
+    offset: int = 0,
+    lens_dtype: torch.dtype = torch.int32,
+    max_len: int = 64,
+    num_blocks: int | None = 512,
+    block_size: int = 16,
+    copy_qo: bool = True,
+) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
+    """``(grid, args, kwargs)`` of one fill launch; ``offset`` elements shift the tensors' start
+    (an offset of 1 makes them 4 or 8 bytes off 16-byte alignment)."""
+    width = min(-(-max(max_len, 1) // block_size), 64)  # (nothing reads the memory)
+    seq_lens = torch.zeros(batch + offset, dtype=lens_dtype)[offset:]
+    table = torch.zeros(batch * width + offset, dtype=torch.int32)[offset:].view(batch, width)
+    indptr = torch.zeros(batch + 1 + offset, dtype=torch.int32)[offset:]
+    indices = torch.zeros(batch * 64 + 1, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    qo = torch.zeros(batch + 1, dtype=torch.int32)
+    args = (
+        seq_lens,
+        table,
+        indptr,
+        indices,
+        batch,
+        width,
+        max_len,
+        num_blocks or 1,
+        qsl if copy_qo else seq_lens,
+    )
+    args += (qo if copy_qo else seq_lens,)
+    kwargs = {
+        "BLOCK_SIZE": block_size,
+        "BLOCK": 1024,
+        "BLOCK_B": 128,
+        "CLAMP_BLOCKS": num_blocks is not None,
+        "COPY_QO": copy_qo,
+        "num_warps": 4,
+    }
+    return (batch, max(1, -(-max_len // 1024))), args, kwargs
+
+
+FILL_CASES: list[dict[str, Any]] = [
+    {"batch": 128},
+    {"batch": 128},
+    {"batch": 1},
+    {"batch": 17, "max_len": 1},
+    {"batch": 16, "max_len": 17},
+    {"batch": 3, "offset": 1},
+    {"batch": 3, "offset": 4},
+    {"batch": 5, "lens_dtype": torch.int64},
+    {"batch": 5, "lens_dtype": torch.int64, "offset": 1},
+    {"batch": 2, "num_blocks": None},
+    {"batch": 2, "num_blocks": 1},
+    {"batch": 2, "max_len": 1 << 31},
+    {"batch": 7, "block_size": 1},
+    {"batch": 7, "block_size": 64, "copy_qo": False},
+    {"batch": 128},
+]
+
+
+@needs_verified_triton
+def test_cached_fill_launches_tritons_kernel_with_the_same_arguments(driver: StandInDriver) -> None:
+    kernel = fresh_fill_kernel()
+    cache = LaunchCache(kernel)
+    assert cache.active
+    for case in FILL_CASES * 2:
+        grid, args, kwargs = fill_args(**case)
+        cache.launch(grid, *args, **kwargs)
+        cached = driver.launches[-1]
+        kernel[grid](*args, **kwargs)
+        assert same_launch(cached, driver.launches[-1]), case
+    # One launch through Triton per specialization, every other one cached: the cases make 8
+    # kernels (int32 lens aligned/not, int64 lens aligned/not, no clamp, an i64 max_len, block
+    # sizes 1 and 64), and the cache's keys split them no further.
+    assert len(kernel.device_caches[0][0]) == 8
+    assert cache.slow_launches == 8
+    assert cache.fast_launches == 2 * len(FILL_CASES) - 8
+
+
+@needs_verified_triton
+def test_cached_launch_follows_the_current_device_and_binds_like_triton(driver: StandInDriver) -> None:
+    kernel = fresh_fill_kernel()
+    cache = LaunchCache(kernel)
+    grid, args, kwargs = fill_args(4)
+    cache.launch(grid, *args, **kwargs)
+    cache.launch(grid, *args, **kwargs)
+    assert driver.launches[-1].stream == 1000
+    driver.device = 1
+    cache.launch(grid, *args, **kwargs)
+    cache.launch(grid, *args, **kwargs)
+    assert driver.launches[-1].stream == 1001
+    device_1 = driver.launches[-1]
+    kernel[grid](*args, **kwargs)
+    assert same_launch(device_1, driver.launches[-1])
+    assert (cache.slow_launches, cache.fast_launches) == (2, 2)
+    # Constexprs passed positionally bind to the same parameters (same key, cached).
+    constexprs = tuple(v for k, v in kwargs.items() if k != "num_warps")
+    cache.launch(grid, *args, *constexprs, num_warps=4)
+    assert same_launch(driver.launches[-1], device_1)
+    assert cache.fast_launches == 3
+    # Another launch option is another key.
+    cache.launch(grid, *args, **{**kwargs, "num_warps": 8})
+    assert cache.slow_launches == 3
+
+
+@needs_verified_triton
+def test_the_planner_launch_is_cached(driver: StandInDriver) -> None:
+    kernel = JITFunction(schedule._plan_split_kv_kernel.fn)
+    cache = LaunchCache(kernel)
+    buffers = [torch.zeros(n, dtype=torch.int32) for n in (129, 4 * 1024, 129, 1)]
+    for batch in (128, 1, 64, 128, 1, 17):
+        args = (*buffers, batch, 1024, 128, 256)
+        cache.launch((1,), *args, BLOCK=128, num_warps=4)
+        cached = driver.launches[-1]
+        kernel[(1,)](*args, BLOCK=128, num_warps=4)
+        assert same_launch(cached, driver.launches[-1])
+    # batch_size is specialized: 128 and 64 (multiples of 16), 1, and 17 are three keys.
+    assert (cache.slow_launches, cache.fast_launches) == (3, 3)
+
+
+class Sixteen(enum.IntEnum):
+    VALUE = 16
+
+
+@needs_verified_triton
+@pytest.mark.parametrize(
+    "case",
+    [
+        "launch hook",
+        "plain launch hook",
+        "pre-run hook",
+        "unkeyed argument",
+        "callable grid",
+        "four-dimensional grid",
+        "global values",
+        "disabled",
+    ],
+)
+def test_fallbacks_launch_through_triton(
+    case: str, driver: StandInDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = fresh_fill_kernel()
+    grid, args, kwargs = fill_args(4)
+    launch_grid: Any = grid
+    seen: list[object] = []
+    if case == "launch hook":
+        knobs.runtime.launch_enter_hook.add(seen.append)
+    elif case == "plain launch hook":
+        monkeypatch.setattr(knobs.runtime, "launch_exit_hook", seen.append)
+    elif case == "pre-run hook":
+        kernel.add_pre_run_hook(lambda *a, **k: seen.append(a))
+    elif case == "unkeyed argument":
+        args = (*args[:4], Sixteen.VALUE, *args[5:])
+    elif case == "callable grid":
+        launch_grid = lambda meta: grid  # noqa: E731
+    elif case == "four-dimensional grid":
+        launch_grid = (*grid, 1, 1)  # Triton launches the first three
+    elif case == "global values":
+        kernel.used_global_vals = {("G", 0): (1, {"G": 1})}
+    else:
+        monkeypatch.setattr(launch_cache, "ENABLED", False)
+    try:
+        cache = LaunchCache(kernel)
+        for _ in range(3):
+            cache.launch(launch_grid, *args, **kwargs)
+            assert driver.launches[-1].grid == (*grid, 1)
+    finally:
+        if case == "launch hook":
+            knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert (cache.slow_launches, cache.fast_launches) == (3, 0)
+    if case == "pre-run hook":
+        assert len(seen) == 3
+
+
+def test_another_triton_version_or_an_interpreted_kernel_is_never_cached(
+    driver: StandInDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launch_cache, "triton_version", lambda: (3, 2))
+    cache = LaunchCache(fresh_fill_kernel())
+    assert not cache.active
+    grid, args, kwargs = fill_args(4)
+    for _ in range(2):
+        cache.launch(grid, *args, **kwargs)
+    assert (cache.slow_launches, cache.fast_launches) == (2, 0)
+    assert len(driver.launches) == 2
+    monkeypatch.undo()
+    if knobs.runtime.interpret:
+        assert not utils.FILL_LAUNCH.active
+        assert not schedule.PLAN_LAUNCH.active
+
+
+@needs_verified_triton
+def test_a_missing_argument_raises_tritons_error(driver: StandInDriver) -> None:
+    kernel = fresh_fill_kernel()
+    cache = LaunchCache(kernel)
+    grid, args, kwargs = fill_args(4)
+    del kwargs["BLOCK"]
+    with pytest.raises(TypeError, match="BLOCK"):
+        cache.launch(grid, *args, **kwargs)
+    assert driver.launches == []
+
+
+# -- the key against Triton's own specialization ---------------------------------------------------
+
+
+def key_values() -> list[object]:
+    ints = [0, 1, 2, 15, 16, 17, -1, -16, -17, 1 << 31, (1 << 31) - 1, -(1 << 31), -(1 << 31) - 1]
+    ints += [1 << 32, (1 << 63) - 1, 1 << 63, (1 << 64) - 16, -(1 << 63)]
+    base = torch.zeros(64, dtype=torch.int32)
+    tensors = [base, base[1:], base[4:], torch.zeros(8, dtype=torch.int64)[1:], torch.zeros(8)]
+    tensors.append(torch.zeros(8, dtype=torch.bfloat16)[8:])
+    return [*ints, *tensors, 1.5, True, False, None]
+
+
+@pytest.mark.parametrize(
+    ("kind", "align"),
+    [(launch_cache._SPECIALIZED, True), (launch_cache._SPECIALIZED, False), (launch_cache._PLAIN, True)],
+)
+def test_equal_keys_mean_equal_triton_specializations(kind: int, align: bool) -> None:
+    """The key is at least as fine as Triton's specialization of the argument."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    values = key_values()
+    specialize = kind == launch_cache._SPECIALIZED
+    specs = [native(BaseBackend, v, False, specialize, align) for v in values]
+    keys = [arg_key(v, kind, align) for v in values]
+    for (a, key_a, spec_a), (b, key_b, spec_b) in itertools.combinations(
+        zip(values, keys, specs, strict=True), 2
+    ):
+        if key_a == key_b and type(key_a) is type(key_b):
+            assert spec_a == spec_b, (a, b, key_a)
+
+
+def test_the_generated_binder_computes_arg_key() -> None:
+    plan = (
+        ("x_ptr", launch_cache._SPECIALIZED, True, launch_cache._MISSING),
+        ("n", launch_cache._PLAIN, True, launch_cache._MISSING),
+        ("unaligned", launch_cache._SPECIALIZED, False, launch_cache._MISSING),
+        ("BLOCK", launch_cache._CONSTEXPR, True, 64),
+    )
+    bind = make_binder(plan)
+    values = key_values()
+    for x, n, u in itertools.product(values, repeat=3):
+        keys, bound, options = bind(x, n, u, num_warps=2)
+        expected = tuple(
+            arg_key(v, kind, align) for v, (_, kind, align, _) in zip((x, n, u, 64), plan, strict=True)
+        )
+        assert keys == expected
+        assert bound == (x, n, u, 64) or any(isinstance(v, torch.Tensor) for v in (x, n, u))
+        assert options == {"num_warps": 2}
+    assert bind(1, 2, 3, BLOCK=True)[0][3] == (bool, True)
+    with pytest.raises(launch_cache.UnkeyedArgumentError):
+        bind(Sixteen.VALUE, 1, 1)
+    with pytest.raises(launch_cache.UnkeyedArgumentError):
+        bind(1 << 64, 1, 1)
+    with pytest.raises(TypeError):
+        bind(1, 2)
