@@ -93,6 +93,26 @@ def _issue_tile(
 
 
 @gluon.jit
+def _refill_ring(
+    kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ID_SLOTS: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
+):  # fmt: skip
+    """At tile ``t``: wait until every warp is past the MMAs that read the ring slot of tile
+    ``t - 1``, then refill that slot with tile ``t + NUM_STAGES - 1`` and fetch the token ids
+    ``NUM_STAGES`` tiles further (one cp.async group)."""
+    gl.thread_barrier()
+    ahead = t + NUM_STAGES - 1
+    _issue_tile(
+        kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
+        lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
+        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD,
+    )  # fmt: skip
+    _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, ID_LD)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _mma_operands(
     lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
     BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
@@ -321,15 +341,10 @@ def mla_decode_kernel(
             v_cur = lat_wide.index(t % WIDE_STAGES) if KV_FP8 else lat_ring.index(t % NUM_STAGES)
             acc = warpgroup_mma(p_op, v_cur, acc, is_async=True)
             # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled.
-            gl.thread_barrier()
-            ahead = t + NUM_STAGES - 1
-            _issue_tile(
-                kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
-                lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-                L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            _refill_ring(
+                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+                L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
-            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
-            async_copy.commit_group()
             async_copy.wait_group(NUM_STAGES - 2)
             # Tile t+1 (zero rows past the last tile: its scores are never used).
             k_lat, k_rope = _mma_operands(
@@ -341,16 +356,10 @@ def mla_decode_kernel(
         sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
     else:
         for t in range(n_tiles):
-            # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
-            gl.thread_barrier()
-            ahead = t + NUM_STAGES - 1
-            _issue_tile(
-                kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
-                lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-                L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            _refill_ring(
+                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+                L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
-            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
-            async_copy.commit_group()
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
                 lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _issue_ids, _issue_tile, _mma_operands
+from mla.providers.gluon.kernels import _issue_ids, _issue_tile, _mma_operands, _refill_ring
 
 
 @gluon.jit
@@ -251,16 +251,10 @@ def mla_decode_rows_kernel(
                 _issue_ids(index_base, idx_ring, t + 4, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
                 async_copy.commit_group()
         else:
-            # Every warp is past the MMAs of tile t-1, so its ring slot can be refilled.
-            gl.thread_barrier()
-            ahead = t + NUM_STAGES - 1
-            _issue_tile(
-                kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
-                lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-                L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            _refill_ring(
+                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+                L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
-            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
-            async_copy.commit_group()
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
                 lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, False,
