@@ -35,7 +35,7 @@ import triton.language as tl
 from mla.core.errors import PlanMismatchError
 from mla.providers.calls import PagedDecodeCall
 from mla.providers.split_kv import SplitKVSchedule
-from mla.providers.triton.merge import launch_merge
+from mla.providers.triton.merge import launch_merge, request_rows
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
 
 LOG2E = 1.4426950408889634
@@ -177,12 +177,7 @@ def _mla_decode_kernel(
         hi = tl.load(work_info_ptr + work * 4 + 2) - kv_start
         direct = (tl.load(split_indptr_ptr + req + 1) - tl.load(split_indptr_ptr + req)) == 1
 
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = tl.load(qo_indptr_ptr + req)
-        qlen = tl.load(qo_indptr_ptr + req + 1) - q_start
+    q_start, qlen = request_rows(qo_indptr_ptr, req, UNIT_QLEN)
 
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     qi = rows // H

@@ -34,6 +34,19 @@ the planner spreads about ``num_sms`` items over the requests, so a step takes
 
 
 @triton.jit
+def request_rows(qo_indptr_ptr, req, UNIT_QLEN: tl.constexpr):
+    """``(q_start, qlen)`` of request ``req``: from ``qo_indptr``, or row ``req`` alone when
+    ``UNIT_QLEN`` (every row its own qlen-1 request). Shared with the decode kernel."""
+    if UNIT_QLEN:
+        q_start = req
+        qlen = 1
+    else:
+        q_start = tl.load(qo_indptr_ptr + req)
+        qlen = tl.load(qo_indptr_ptr + req + 1) - q_start
+    return q_start, qlen
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_o_ptr,
     part_lse_ptr,
@@ -64,12 +77,7 @@ def _merge_splits_kernel(
     req = tl.program_id(0) // max_qlen
     qi = tl.program_id(0) % max_qlen
     head = tl.program_id(1)
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = tl.load(qo_indptr_ptr + req)
-        qlen = tl.load(qo_indptr_ptr + req + 1) - q_start
+    q_start, qlen = request_rows(qo_indptr_ptr, req, UNIT_QLEN)
     if qi >= qlen:
         return
     if SCHEDULED:
@@ -198,4 +206,4 @@ def launch_merge(
     )
 
 
-__all__ = ["MERGE_TILE", "launch_merge", "merge_tiles"]
+__all__ = ["MERGE_TILE", "launch_merge", "merge_tiles", "request_rows"]
