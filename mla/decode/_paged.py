@@ -128,6 +128,10 @@ class PagedDecode(DecodeStrategy):
             lse_kernel=torch.zeros(rows + 1, heads, dtype=torch.float32, device=dev),
             schedule=schedule,
         )
+        self._schedule_call: PlanDecodeScheduleCall | None = None
+        """The previous build's planner call (its fields are shapes and buffers: reused while
+        they are the same)."""
+        self._last_plan: PagedPlan | None = None
 
     @classmethod
     def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
@@ -159,15 +163,18 @@ class PagedDecode(DecodeStrategy):
         )
 
     def build_metadata(self, batch: DecodeBatch) -> PagedPlan:
+        """Fill the page indices (and the qlen-padding maps, the persistent schedule) for
+        ``batch``; the plan record is the previous build's when nothing it holds changed (its
+        buffers now hold this step's values)."""
         setup, ws = self.setup, self.workspace
         ctx = batch.context
-        num_requests, num_tokens = batch.num_requests, batch.num_tokens
+        num_requests, num_tokens = batch.seq_lens.numel(), batch.num_tokens
         kernel_qlen = ctx.kernel_qlen
         qlen_padded = kernel_qlen != ctx.max_qlen
         lengths = batch.lengths
         uniform_rows = qlen_padded or lengths.min_query == kernel_qlen == lengths.max_query
         if qlen_padded:
-            kv_indptr, _ = self.index_buffers.fill(setup, batch)
+            kv_indptr = self.index_buffers.fill_indptr(setup, batch)
             maps = qlen_padding_maps(batch.query_start_loc_cpu, num_tokens, kernel_qlen)
             rows = maps.num_kernel_rows
             qo_indptr, source_index, source_keep, kernel_row = ws.views(num_requests, rows, num_tokens)
@@ -180,13 +187,21 @@ class PagedDecode(DecodeStrategy):
             rows = num_tokens
             qo_indptr, source_index, source_keep, kernel_row = ws.views(num_requests, rows, num_tokens)
             # The kernel rows are the caller's: the fill's launch copies query_start_loc too.
-            kv_indptr, _ = self.index_buffers.fill(setup, batch, qo_indptr=qo_indptr)
+            kv_indptr = self.index_buffers.fill_indptr(setup, batch, qo_indptr=qo_indptr)
         geometry = self.base_geometry(
             batch, kernel_heads=ws.padding.kernel_heads, kernel_qlen=kernel_qlen, num_kernel_rows=rows
         )
         if ws.schedule is not None:
-            setup.provider.plan_decode_schedule(
-                PlanDecodeScheduleCall(
+            call = self._schedule_call
+            if not (
+                call is not None
+                and call.qo_indptr is qo_indptr
+                and call.kv_indptr is kv_indptr
+                and call.batch_size == num_requests
+                and call.kernel_qlen == kernel_qlen
+                and call.uniform_qlen == uniform_rows
+            ):
+                call = self._schedule_call = PlanDecodeScheduleCall(
                     schedule=ws.schedule,
                     qo_indptr=qo_indptr,
                     kv_indptr=kv_indptr,
@@ -194,8 +209,20 @@ class PagedDecode(DecodeStrategy):
                     kernel_qlen=kernel_qlen,
                     uniform_qlen=uniform_rows,
                 )
-            )
-        return PagedPlan(
+            setup.provider.plan_decode_schedule(call)
+        plan = self._last_plan
+        if (
+            plan is not None
+            and plan.geometry is geometry
+            and plan.kv_indptr is kv_indptr
+            and plan.qo_indptr is qo_indptr
+            and plan.qlen_padded == qlen_padded
+            and plan.source_index is source_index
+            and plan.source_keep is source_keep
+            and plan.kernel_row is kernel_row
+        ):
+            return plan
+        plan = self._last_plan = PagedPlan(
             self.NAME,
             geometry,
             kv_indptr,
@@ -207,6 +234,7 @@ class PagedDecode(DecodeStrategy):
             kernel_row=kernel_row,
             schedule=ws.schedule,
         )
+        return plan
 
     def capturable_build(self, plan: DecodePlan) -> bool:
         """Without qlen padding the build is device work only (the padding maps are copied
