@@ -175,8 +175,8 @@ class DecodeIndexBuffers:
         indptr = self._views.get(num_requests)
         if indptr is None:
             indptr = self.indptr_view(num_requests)
-        bs = setup.cache.block_size
-        bound = min(table.shape[1] * bs, setup.limits.max_model_len)
+        bs, max_model_len = setup.cache.block_size, setup.limits.max_model_len
+        bound = min(table.shape[1] * bs, max_model_len)
         lengths = batch.lengths
         if lengths.seq_lens and lengths.min_seq >= 0 and lengths.max_seq <= bound:
             bound = lengths.max_seq
