@@ -10,6 +10,7 @@ import torch
 from mla.core.capabilities import Contract, ProviderCapabilities
 from mla.core.config import dtype_name
 from mla.core.context import DecodeContext
+from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
 from mla.providers.calls import (
@@ -39,6 +40,10 @@ class PagedPlan(DecodePlan):
     """int64 ``[T]`` (view): kernel row per caller row, ``Tk`` = the zero sink row."""
     schedule: DecodeSchedule | None
     """The provider's persistent schedule buffers, planned for this step (``None``: not persistent)."""
+
+
+_PAGED_PLAN = fast_constructor(PagedPlan)
+"""A build's plan record (:mod:`mla.core.records`)."""
 
 
 @attrs.define
@@ -132,6 +137,8 @@ class PagedDecode(DecodeStrategy):
         """The previous build's planner call (its fields are shapes and buffers: reused while
         they are the same)."""
         self._last_plan: PagedPlan | None = None
+        self._kernel_qlen: tuple[DecodeContext, int] | None = None
+        """The last context's ``kernel_qlen`` (contexts are cached per decode shape)."""
 
     @classmethod
     def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
@@ -169,7 +176,12 @@ class PagedDecode(DecodeStrategy):
         setup, ws = self.setup, self.workspace
         ctx = batch.context
         num_requests, num_tokens = batch.seq_lens.numel(), batch.num_tokens
-        kernel_qlen = ctx.kernel_qlen
+        known = self._kernel_qlen
+        if known is not None and known[0] is ctx:
+            kernel_qlen = known[1]
+        else:
+            kernel_qlen = ctx.kernel_qlen
+            self._kernel_qlen = (ctx, kernel_qlen)
         qlen_padded = kernel_qlen != ctx.max_qlen
         lengths = batch.lengths
         uniform_rows = qlen_padded or lengths.min_query == kernel_qlen == lengths.max_query
@@ -222,11 +234,11 @@ class PagedDecode(DecodeStrategy):
             and plan.kernel_row is kernel_row
         ):
             return plan
-        plan = self._last_plan = PagedPlan(
-            self.NAME,
-            geometry,
-            kv_indptr,
-            self.index_buffers.kv_indices,
+        plan = self._last_plan = _PAGED_PLAN(
+            strategy=self.NAME,
+            geometry=geometry,
+            kv_indptr=kv_indptr,
+            kv_indices=self.index_buffers.kv_indices,
             qo_indptr=qo_indptr,
             qlen_padded=qlen_padded,
             source_index=source_index,

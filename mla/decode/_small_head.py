@@ -9,6 +9,7 @@ import torch
 
 from mla.core.capabilities import Contract
 from mla.core.context import DecodeContext
+from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
 from mla.providers.calls import SmallHeadDecodeCall
@@ -24,6 +25,10 @@ class SmallHeadPlan(DecodePlan):
     """int32 ``[T+1]`` view of a persistent buffer."""
     page_table: torch.Tensor
     """int32 flat token ids (a persistent buffer; ``kv_indices`` itself when rows = requests)."""
+
+
+_SMALL_HEAD_PLAN = fast_constructor(SmallHeadPlan)
+"""A build's plan record (:mod:`mla.core.records`)."""
 
 
 @attrs.define
@@ -90,11 +95,11 @@ class SmallHeadDecode(DecodeStrategy):
             plan = self._last_plan
             if plan is None or plan.geometry is not geometry or plan.kv_indptr is not kv_indptr:
                 kv_indices = self.index_buffers.kv_indices
-                plan = self._last_plan = SmallHeadPlan(
-                    self.NAME,
-                    geometry,
-                    kv_indptr,
-                    kv_indices,
+                plan = self._last_plan = _SMALL_HEAD_PLAN(
+                    strategy=self.NAME,
+                    geometry=geometry,
+                    kv_indptr=kv_indptr,
+                    kv_indices=kv_indices,
                     row_indptr=kv_indptr,
                     page_table=kv_indices,
                 )

@@ -10,6 +10,7 @@ import torch
 
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
+from mla.core.records import fast_constructor
 from mla.core.validate import HostLengths, check_cache_scale
 from mla.providers.calls import FillPagesCall
 from mla.strategy import (
@@ -109,6 +110,11 @@ class DecodeGeometry:
     """The ``kv_cache`` must have at least this many blocks (:attr:`DecodeBatch.cache_blocks`)."""
 
 
+_DECODE_GEOMETRY = fast_constructor(DecodeGeometry)
+_FILL_PAGES_CALL = fast_constructor(FillPagesCall)
+"""The build's records (:mod:`mla.core.records`: values a build computed, every field passed)."""
+
+
 @attrs.frozen(eq=False)
 class DecodePlan(PlanBase):
     """Base decode plan: geometry plus the flat page indices every decode kernel reads."""
@@ -181,7 +187,7 @@ class DecodeIndexBuffers:
         if lengths.seq_lens and lengths.min_seq >= 0 and lengths.max_seq <= bound:
             bound = lengths.max_seq
         setup.provider.fill_page_indices(
-            FillPagesCall(
+            _FILL_PAGES_CALL(
                 seq_lens=seq_lens,
                 block_table=table,
                 kv_indptr=indptr,
@@ -313,19 +319,19 @@ class DecodeStrategy(Strategy[DecodeContext]):
             return last[1]
         heads, _, requests, tokens, owned, max_qlen, _, _, max_seqlen_k, cache_blocks = values
         setup = self.setup
-        geometry = DecodeGeometry(
-            heads,
-            kernel_heads,
-            requests,
-            tokens,
-            owned,
-            max_qlen,
-            kernel_qlen,
-            num_kernel_rows,
-            setup.q_dtype,
-            setup.cache.dtype,
-            max_seqlen_k,
-            cache_blocks,
+        geometry = _DECODE_GEOMETRY(
+            num_heads=heads,
+            kernel_heads=kernel_heads,
+            num_requests=requests,
+            num_tokens=tokens,
+            num_owned_tokens=owned,
+            max_qlen=max_qlen,
+            kernel_qlen=kernel_qlen,
+            num_kernel_rows=num_kernel_rows,
+            q_dtype=setup.q_dtype,
+            kv_dtype=setup.cache.dtype,
+            max_seqlen_k=max_seqlen_k,
+            cache_blocks=cache_blocks,
         )
         self._last_geometry = (values, geometry)
         return geometry

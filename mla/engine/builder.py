@@ -8,6 +8,7 @@ from torch import Tensor
 
 from mla.core.context import DecodeContext
 from mla.core.errors import InvalidInputError
+from mla.core.records import fast_constructor
 from mla.core.validate import (
     INDEX_DTYPES,
     HostLengths,
@@ -25,6 +26,10 @@ from mla.engine.step import MLAMetadata, StepInputs
 from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
 
 _INDEX = frozenset(INDEX_DTYPES)
+_DECODE_BATCH = fast_constructor(DecodeBatch)
+_HOST_LENGTHS = fast_constructor(HostLengths)
+_METADATA = fast_constructor(MLAMetadata)
+"""The build's records (:mod:`mla.core.records`: values the build checked, every field passed)."""
 
 
 class MetadataBuilder:
@@ -191,15 +196,15 @@ class MetadataBuilder:
             prefill_decision, prefill_plan = self._build_prefill(
                 step, qsl_cpu, torch.tensor(lens, dtype=torch.int64), table_cpu, num_decodes
             )
-        metadata = MLAMetadata(
-            num_decodes,
-            num_decode_tokens,
-            num_prefills,
-            qsl[-1] - owned_decode_tokens,  # num_prefill_tokens
-            decode_plan,
-            prefill_plan,
-            decode_decision,
-            prefill_decision,
+        metadata = _METADATA(
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            num_prefill_tokens=qsl[-1] - owned_decode_tokens,
+            decode=decode_plan,
+            prefill=prefill_plan,
+            decode_decision=decode_decision,
+            prefill_decision=prefill_decision,
         )
         be.current_metadata = metadata
         return metadata
@@ -253,9 +258,12 @@ class MetadataBuilder:
                 return HostLengths.from_indptr(qsl, lens)
             self._last_uniform = (list(qsl), qlen)
         query_lens = [qlen] * (len(qsl) - 1)
+        lo = hi = 0
         if lens:
-            return HostLengths(query_lens, lens, qlen, qlen, min(lens), max(lens))
-        return HostLengths(query_lens, lens, qlen, qlen, 0, 0)
+            lo, hi = min(lens), max(lens)
+        return _HOST_LENGTHS(
+            query_lens=query_lens, seq_lens=lens, min_query=qlen, max_query=qlen, min_seq=lo, max_seq=hi
+        )
 
     def _check_limits(self, decode: HostLengths, total: int) -> None:
         """The step's decode qlens and token count are within the limits the backend was sized
@@ -352,9 +360,17 @@ class MetadataBuilder:
             cache_blocks = used_cache_blocks(
                 table_cpu[:nd], torch.tensor(lens), self.backend.cache.block_size
             )
-        # DecodeBatch's fields in order (positional: the hot path).
-        batch = DecodeBatch(
-            ctx, qsl_host, seq_host, qsl_dev, seq_dev, table, num_tokens, cache_blocks, qsl, lengths
+        batch = _DECODE_BATCH(
+            context=ctx,
+            query_start_loc_cpu=qsl_host,
+            seq_lens_cpu=seq_host,
+            query_start_loc=qsl_dev,
+            seq_lens=seq_dev,
+            block_table=table,
+            num_tokens=num_tokens,
+            cache_blocks=cache_blocks,
+            query_start_loc_list=qsl,
+            lengths=lengths,
         )
         return decision, strategy.build_metadata(batch)
 

@@ -96,6 +96,8 @@ def _runtime() -> tuple[Any, Any, Any] | None:
         getattr(knobs, "HookChain", None), type
     ):
         return None
+    if not hasattr(driver, "_active"):
+        return None
     return JITFunction, driver, knobs
 
 
@@ -163,9 +165,10 @@ def arg_key(value: object, kind: int, align: bool) -> Hashable:
 
 def _arg_expr(name: str, kind: int, align: bool) -> str:
     """Python expression of :func:`arg_key` for one parameter, with the common tensor and int
-    cases inline (no call)."""
+    cases inline (no call); a constexpr's ``(type, value)`` as two elements of the key (a
+    constexpr's position in the key is fixed)."""
     if kind == _CONSTEXPR:
-        return f"(type({name}), {name})"
+        return f"type({name}), {name}"
     aligned = f"{name}.data_ptr() & 15 == 0" if align else "False"
     width = f"(0 if {_I32_MIN} <= {name} <= {_I32_MAX} else _lc_width({name}))"
     int_part = width if kind == _PLAIN else f"({width}, {name} == 1, {name} & 15 == 0)"
@@ -189,8 +192,9 @@ def make_launcher(
     Generated once per kernel (as Triton generates its own binder): binding is Python's own,
     every argument's key part (:func:`arg_key`, with the tensor and int cases inline) and the
     launch are one frame, and the key is one flat tuple ``(device, part per parameter...,
-    (option, value) pairs..., fn.debug, runtime debug, instrumentation mode)``. A missing or
-    repeated argument raises ``TypeError`` naming it, as Triton does."""
+    (option, value) pairs..., fn.debug, runtime debug, instrumentation mode)`` (a constexpr's
+    part is two elements, its type and value). A missing or repeated argument raises
+    ``TypeError`` naming it, as Triton does."""
     _, driver, knobs = runtime
     namespace: dict[str, Any] = {
         "_lc_Tensor": torch.Tensor,
@@ -225,7 +229,9 @@ def _lc_launch({", ".join(["_lc_grid", *params, "**_lc_options"])}):
         or not (_lc_exit is None or (type(_lc_exit) is _lc_HookChain and not _lc_exit.calls))
     ):
         return _lc_cache._slow(_lc_grid, ({values}), _lc_options, None)
-    _lc_active = _lc_driver.active
+    _lc_active = _lc_driver._active
+    if _lc_active is None:
+        _lc_active = _lc_driver.active
     _lc_device = _lc_active.get_current_device()
     try:
         _lc_k = (
