@@ -3,6 +3,7 @@
     python benchmarks/build_host.py                      # B 1/64/128 x block 1/64, H16, S4096
     python benchmarks/build_host.py --launch triton      # with the Triton fill's host launch path
     python benchmarks/build_host.py --profile            # plus a cProfile of 2000 builds per shape
+    python benchmarks/build_host.py --vary               # plus steps whose seq_lens change
 
 The backend runs on the CPU with the torch provider, and the provider's device calls of a
 decode build (``fill_page_indices``, ``plan_decode_schedule``) are replaced by no-ops, so what is
@@ -14,7 +15,10 @@ of a Triton launch short of the driver call itself; ``MLA_TRITON_LAUNCH_CACHE=0`
 without :mod:`mla.providers.triton.launch_cache`. Decode-only steps of single-token requests
 with the engine's host copies passed (``query_start_loc_cpu``, ``seq_lens_cpu``),
 ``validate="fast"``, as in ``benchmarks/overhead.py``.
-Each number is the median over rounds of the per-build time of back-to-back builds.
+Each number is the median over rounds of the per-build time of back-to-back builds of one step
+(``build us``); ``--vary`` adds ``vary us``: builds alternating between two steps of the same
+shape whose ``seq_lens`` differ (values and tensors), as an engine's consecutive decode steps
+do, so nothing a build reuses from the previous one can depend on unchanged lengths.
 
 On the H200 ``benchmarks/overhead.py`` times the same build with the real fill launch.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import os
 import pstats
 import statistics
@@ -43,9 +48,17 @@ STUBBED = ("fill_page_indices", "plan_decode_schedule")
 
 
 def make_build(
-    *, batch: int, block: int, heads: int, seq_len: int, strategy: str | None, launch: str = "stub"
+    *,
+    batch: int,
+    block: int,
+    heads: int,
+    seq_len: int,
+    strategy: str | None,
+    launch: str = "stub",
+    vary: bool = False,
 ) -> Any:
-    """A zero-argument callable running one build of a decode-only step, and its backend."""
+    """A zero-argument callable running one build of a decode-only step, and its backend;
+    ``vary``: each call builds the other of two steps whose ``seq_lens`` differ."""
     rank, rope = 512, 64
     blocks_per_seq = -(-seq_len // block)
     num_blocks = batch * blocks_per_seq
@@ -71,16 +84,22 @@ def make_build(
     table = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).to(torch.int32)
     lens = torch.full((batch,), seq_len, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    step = mla.StepInputs(
-        query_start_loc_cpu=qsl,
-        query_start_loc=qsl.clone(),
-        seq_lens=lens.clone(),
-        seq_lens_cpu=lens,
-        block_table=table,
-        num_decodes=batch,
-        num_decode_tokens=batch,
-    )
-    return lambda: backend.builder.build(step), backend
+    steps = [
+        mla.StepInputs(
+            query_start_loc_cpu=qsl.clone(),
+            query_start_loc=qsl.clone(),
+            seq_lens=lens.clone(),
+            seq_lens_cpu=lens,
+            block_table=table,
+            num_decodes=batch,
+            num_decode_tokens=batch,
+        )
+        for lens in (lens, torch.randint(seq_len // 2, seq_len, (batch,), generator=gen, dtype=torch.int32))
+    ]
+    if not vary:
+        return lambda: backend.builder.build(steps[0]), backend
+    turn = itertools.cycle(steps)
+    return lambda: backend.builder.build(next(turn)), backend
 
 
 def time_us(fn: Any, *, calls: int, rounds: int) -> float:
@@ -109,6 +128,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of 2000 builds per shape")
+    parser.add_argument("--vary", action="store_true", help="also time steps whose seq_lens change")
     args = parser.parse_args()
     if args.launch == "triton":
         from mla.testing.triton_driver import stand_in_driver
@@ -134,14 +154,24 @@ def run(args: argparse.Namespace, driver: Any) -> None:
             if driver is not None:
                 driver.record = False  # launch records would pile up
             metadata = build()
-            rows.append(
-                {
-                    "B": batch,
-                    "block": block,
-                    "strategy": metadata.decode.strategy if metadata.decode is not None else "-",
-                    "build us": round(time_us(build, calls=args.calls, rounds=args.rounds), 1),
-                }
-            )
+            row = {
+                "B": batch,
+                "block": block,
+                "strategy": metadata.decode.strategy if metadata.decode is not None else "-",
+                "build us": round(time_us(build, calls=args.calls, rounds=args.rounds), 1),
+            }
+            if args.vary:
+                varied, _ = make_build(
+                    batch=batch,
+                    block=block,
+                    heads=16,
+                    seq_len=args.seq_len,
+                    strategy=args.strategy,
+                    launch=args.launch,
+                    vary=True,
+                )
+                row["vary us"] = round(time_us(varied, calls=args.calls, rounds=args.rounds), 1)
+            rows.append(row)
             if args.profile:
                 profiler = cProfile.Profile()
                 profiler.enable()

@@ -462,6 +462,75 @@ def test_the_uniform_indptr_shortcut_finds_what_the_general_path_finds(
     assert attrs.astuple(got, recurse=False) == attrs.astuple(want, recurse=False)
 
 
+def test_the_previous_uniform_indptr_is_matched_only_by_an_equal_one() -> None:
+    """The builder remembers the last uniform indptr; a repeated one, another one and a
+    non-uniform one each get :meth:`HostLengths.from_indptr`'s lengths."""
+    builder = shortcut_backend().builder
+    for qsl, lens in (
+        ([0, 2, 4, 6], [5, 6, 7]),
+        ([0, 2, 4, 6], [9, 3, 8]),
+        ([0, 2, 4, 6], None),
+        ([0, 1, 2, 3], [2, 2, 2]),
+        ([0, 2, 4, 5], [4, 4, 4]),
+        ([0, 2, 4, 6], [-1, 3, 4]),
+        ([0, 1, 2, 3], []),
+    ):
+        got = builder._host_lengths(qsl, lens)
+        assert attrs.astuple(got, recurse=False) == attrs.astuple(
+            HostLengths.from_indptr(qsl, lens), recurse=False
+        )
+        assert got.total_seq == sum(lens or [])
+
+
+@pytest.mark.parametrize("strategy", ["asm-non-persistent", "asm-padded-persistent", "gluon-decode"])
+@pytest.mark.parametrize("graph_mode", ["none", "full"])
+def test_a_build_reuses_its_plan_record_only_while_nothing_in_it_changed(
+    strategy: str, graph_mode: str
+) -> None:
+    """Builds of one shape share the plan record while its geometry holds (the KV bound is the
+    batch's longest sequence without graphs, max_model_len with them); the metadata is new
+    every build (stale metadata is refused by identity); the buffers hold the latest step."""
+    max_len = 64
+    backend = mla.MLABackend(
+        mla.MLADims(HEADS, RANK, ROPE, softmax_scale=SCALE),
+        mla.KVCacheSpec(BLOCK, torch.float32, num_blocks=NUM_BLOCKS),
+        mla.EngineLimits(6, max_len, 16, graph_mode=graph_mode),
+        model_dtype=torch.float32,
+        provider="torch",
+        platform="cpu",
+        decode_strategy=strategy,
+    )
+    table = torch.arange(NUM_BLOCKS, dtype=torch.int32)[:24].view(6, 4)
+
+    def build(lens: list[int]) -> mla.MLAMetadata:
+        qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        step = mla.StepInputs(
+            query_start_loc_cpu=qsl,
+            query_start_loc=qsl.clone(),
+            seq_lens=seq.clone(),
+            seq_lens_cpu=seq,
+            block_table=table[: len(lens)],
+            num_decodes=len(lens),
+            num_decode_tokens=len(lens),
+        )
+        return backend.builder.build(step)
+
+    first, again, longer, fewer = build([5, 9, 3]), build([5, 9, 3]), build([6, 40, 4]), build([7, 2])
+    plans = [m.decode for m in (first, again, longer, fewer)]
+    assert all(p is not None for p in plans)
+    assert len({id(m) for m in (first, again, longer, fewer)}) == 4
+    assert plans[1] is plans[0]
+    assert (plans[2] is plans[0]) == (graph_mode == "full")
+    assert plans[3] is not plans[0]
+    bound = [p.geometry.max_seqlen_k for p in plans if p is not None]
+    assert bound == ([max_len] * 4 if graph_mode == "full" else [9, 9, 40, 7])
+    assert [p.geometry.num_requests for p in plans if p is not None] == [3, 3, 3, 2]
+    last = plans[3]
+    assert last is not None
+    assert last.kv_indptr.tolist() == [0, 7, 9]
+
+
 @functools.cache
 def shortcut_backend() -> mla.MLABackend:
     """Limits 5 requests and qlen 3: the indptrs above include uniform ones beyond each."""

@@ -44,3 +44,144 @@ def test_decode_context_rejects_counts_below_one(field: str) -> None:
     assert isinstance(ctx, DecodeContext)
     with pytest.raises(mla.InvalidInputError, match=f"^{field}: must be >= 1, got 0"):
         attrs.evolve(ctx, **{field: 0})
+
+
+# -- fast constructors (mla.core.records) ----------------------------------------------------------
+
+
+def _hot_records() -> list[tuple[type, dict[str, object]]]:
+    """The records a decode build makes through fast constructors, with field values."""
+    from mla.core.validate import HostLengths
+    from mla.decode._paged import PagedPlan
+    from mla.decode._small_head import SmallHeadPlan
+    from mla.decode.base import DecodeBatch, DecodeGeometry
+    from mla.engine.step import MLAMetadata
+    from mla.providers.calls import FillPagesCall
+
+    t = torch.arange(5, dtype=torch.int32)
+    lengths = HostLengths([1, 1], [3, 4], 1, 1, 3, 4)
+    geometry = DecodeGeometry(4, 16, 2, 2, 2, 1, 1, 2, torch.float16, torch.float16, 4, 0)
+    plan = {"strategy": "s", "geometry": geometry, "kv_indptr": t, "kv_indices": t}
+    return [
+        (HostLengths, attrs.asdict(lengths, recurse=False)),
+        (DecodeGeometry, attrs.asdict(geometry, recurse=False)),
+        (
+            DecodeBatch,
+            {
+                "context": simulated_decode_context(),
+                "query_start_loc_cpu": t[:3],
+                "seq_lens_cpu": t[:2],
+                "query_start_loc": t[:3],
+                "seq_lens": t[:2],
+                "block_table": t.view(5, 1),
+                "num_tokens": 2,
+                "cache_blocks": 0,
+                "query_start_loc_list": [0, 1, 2],
+                "lengths": lengths,
+            },
+        ),
+        (
+            FillPagesCall,
+            {
+                "seq_lens": t,
+                "block_table": t.view(5, 1),
+                "kv_indptr": t,
+                "kv_indices": t,
+                "block_size": 16,
+                "max_len": 4,
+                "num_blocks": None,
+                "query_start_loc": None,
+                "qo_indptr": None,
+            },
+        ),
+        (SmallHeadPlan, {**plan, "row_indptr": t, "page_table": t}),
+        (
+            PagedPlan,
+            {
+                **plan,
+                "qo_indptr": t,
+                "qlen_padded": False,
+                "source_index": t,
+                "source_keep": t,
+                "kernel_row": t,
+                "schedule": None,
+            },
+        ),
+        (
+            MLAMetadata,
+            {
+                "num_decodes": 2,
+                "num_decode_tokens": 2,
+                "num_prefills": 0,
+                "num_prefill_tokens": 0,
+                "decode": None,
+                "prefill": None,
+                "decode_decision": None,
+                "prefill_decision": None,
+            },
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("cls", "values"), _hot_records(), ids=lambda v: getattr(v, "__name__", ""))
+def test_a_fast_constructor_builds_what_the_public_one_builds(cls: type, values: dict[str, object]) -> None:
+    from mla.core.records import fast_constructor
+
+    make = fast_constructor(cls)
+    fast, public = make(**values), cls(**values)
+    assert type(fast) is cls
+    assert all(getattr(fast, f.name) is getattr(public, f.name) for f in attrs.fields(cls))
+    assert make(*values.values()).__class__ is cls  # in field order too
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        fast.x = 1
+    with pytest.raises(TypeError, match="missing"):  # defaults are not applied
+        make(**dict(list(values.items())[:-1]))
+
+
+@attrs.frozen
+class _Validated:
+    x: int = attrs.field(validator=attrs.validators.ge(0))
+
+
+@attrs.frozen
+class _Converted:
+    x: int = attrs.field(converter=int)
+
+
+@attrs.frozen
+class _PostInit:
+    x: int
+
+    def __attrs_post_init__(self) -> None:
+        pass
+
+
+@attrs.frozen
+class _Derived:
+    x: int
+    y: int = attrs.field(init=False, default=0)
+
+
+@attrs.frozen(cache_hash=True)
+class _CachedHash:
+    x: int
+
+
+@attrs.define
+class _Mutable:
+    x: int
+
+
+@attrs.frozen(slots=False)
+class _Unslotted:
+    x: int
+
+
+@pytest.mark.parametrize(
+    "cls", [_Validated, _Converted, _PostInit, _Derived, _CachedHash, _Mutable, _Unslotted, DecodeContext]
+)
+def test_a_fast_constructor_refuses_a_record_whose_init_does_more(cls: type) -> None:
+    from mla.core.records import fast_constructor
+
+    with pytest.raises(TypeError, match=cls.__name__):
+        fast_constructor(cls)

@@ -222,7 +222,8 @@ class HostLengths:
     """A step's per-request query lengths and seq_lens as Python ints, with the ranges the
     host rules need: each list is reduced once per step, not once per rule (a reduction over
     a list costs about as much as one Python line per ten entries; a torch op on a small host
-    tensor costs more than the whole list)."""
+    tensor costs more than the whole list). The sum of ``seq_lens``, which no host rule needs,
+    is computed when read (:attr:`total_seq`)."""
 
     query_lens: list[int]
     seq_lens: list[int] | None
@@ -232,7 +233,11 @@ class HostLengths:
     min_seq: int
     """0 without host ``seq_lens`` (as are ``max_seq`` and ``total_seq``)."""
     max_seq: int
-    total_seq: int
+
+    @property
+    def total_seq(self) -> int:
+        """The sum of ``seq_lens`` (0 without host ``seq_lens``), summed on each read."""
+        return sum(self.seq_lens) if self.seq_lens else 0
 
     @classmethod
     def of(
@@ -248,10 +253,9 @@ class HostLengths:
             lo_q, hi_q = query_range
         else:
             lo_q, hi_q = (min(query_lens), max(query_lens)) if query_lens else (0, 0)
-        lo_s = hi_s = total = 0
         if seq_lens:
-            lo_s, hi_s, total = min(seq_lens), max(seq_lens), sum(seq_lens)
-        return cls(query_lens, seq_lens, lo_q, hi_q, lo_s, hi_s, total)
+            return cls(query_lens, seq_lens, lo_q, hi_q, min(seq_lens), max(seq_lens))
+        return cls(query_lens, seq_lens, lo_q, hi_q, 0, 0)
 
     @classmethod
     def from_indptr(cls, query_start_loc: list[int], seq_lens: list[int] | None) -> HostLengths:

@@ -10,6 +10,7 @@ import torch
 from mla.core.capabilities import Contract, ProviderCapabilities
 from mla.core.config import dtype_name
 from mla.core.context import DecodeContext
+from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
 from mla.providers.calls import (
@@ -39,6 +40,10 @@ class PagedPlan(DecodePlan):
     """int64 ``[T]`` (view): kernel row per caller row, ``Tk`` = the zero sink row."""
     schedule: DecodeSchedule | None
     """The provider's persistent schedule buffers, planned for this step (``None``: not persistent)."""
+
+
+_PAGED_PLAN = fast_constructor(PagedPlan)
+"""A build's plan record (:mod:`mla.core.records`)."""
 
 
 @attrs.define
@@ -128,6 +133,12 @@ class PagedDecode(DecodeStrategy):
             lse_kernel=torch.zeros(rows + 1, heads, dtype=torch.float32, device=dev),
             schedule=schedule,
         )
+        self._schedule_call: PlanDecodeScheduleCall | None = None
+        """The previous build's planner call (its fields are shapes and buffers: reused while
+        they are the same)."""
+        self._last_plan: PagedPlan | None = None
+        self._kernel_qlen: tuple[DecodeContext, int] | None = None
+        """The last context's ``kernel_qlen`` (contexts are cached per decode shape)."""
 
     @classmethod
     def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
@@ -159,15 +170,23 @@ class PagedDecode(DecodeStrategy):
         )
 
     def build_metadata(self, batch: DecodeBatch) -> PagedPlan:
+        """Fill the page indices (and the qlen-padding maps, the persistent schedule) for
+        ``batch``; the plan record is the previous build's when nothing it holds changed (its
+        buffers now hold this step's values)."""
         setup, ws = self.setup, self.workspace
         ctx = batch.context
-        num_requests, num_tokens = batch.num_requests, batch.num_tokens
-        kernel_qlen = ctx.kernel_qlen
+        num_requests, num_tokens = batch.seq_lens.numel(), batch.num_tokens
+        known = self._kernel_qlen
+        if known is not None and known[0] is ctx:
+            kernel_qlen = known[1]
+        else:
+            kernel_qlen = ctx.kernel_qlen
+            self._kernel_qlen = (ctx, kernel_qlen)
         qlen_padded = kernel_qlen != ctx.max_qlen
         lengths = batch.lengths
         uniform_rows = qlen_padded or lengths.min_query == kernel_qlen == lengths.max_query
         if qlen_padded:
-            kv_indptr, _ = self.index_buffers.fill(setup, batch)
+            kv_indptr = self.index_buffers.fill_indptr(setup, batch)
             maps = qlen_padding_maps(batch.query_start_loc_cpu, num_tokens, kernel_qlen)
             rows = maps.num_kernel_rows
             qo_indptr, source_index, source_keep, kernel_row = ws.views(num_requests, rows, num_tokens)
@@ -180,13 +199,21 @@ class PagedDecode(DecodeStrategy):
             rows = num_tokens
             qo_indptr, source_index, source_keep, kernel_row = ws.views(num_requests, rows, num_tokens)
             # The kernel rows are the caller's: the fill's launch copies query_start_loc too.
-            kv_indptr, _ = self.index_buffers.fill(setup, batch, qo_indptr=qo_indptr)
+            kv_indptr = self.index_buffers.fill_indptr(setup, batch, qo_indptr=qo_indptr)
         geometry = self.base_geometry(
             batch, kernel_heads=ws.padding.kernel_heads, kernel_qlen=kernel_qlen, num_kernel_rows=rows
         )
         if ws.schedule is not None:
-            setup.provider.plan_decode_schedule(
-                PlanDecodeScheduleCall(
+            call = self._schedule_call
+            if not (
+                call is not None
+                and call.qo_indptr is qo_indptr
+                and call.kv_indptr is kv_indptr
+                and call.batch_size == num_requests
+                and call.kernel_qlen == kernel_qlen
+                and call.uniform_qlen == uniform_rows
+            ):
+                call = self._schedule_call = PlanDecodeScheduleCall(
                     schedule=ws.schedule,
                     qo_indptr=qo_indptr,
                     kv_indptr=kv_indptr,
@@ -194,12 +221,24 @@ class PagedDecode(DecodeStrategy):
                     kernel_qlen=kernel_qlen,
                     uniform_qlen=uniform_rows,
                 )
-            )
-        return PagedPlan(
-            self.NAME,
-            geometry,
-            kv_indptr,
-            self.index_buffers.kv_indices,
+            setup.provider.plan_decode_schedule(call)
+        plan = self._last_plan
+        if (
+            plan is not None
+            and plan.geometry is geometry
+            and plan.kv_indptr is kv_indptr
+            and plan.qo_indptr is qo_indptr
+            and plan.qlen_padded == qlen_padded
+            and plan.source_index is source_index
+            and plan.source_keep is source_keep
+            and plan.kernel_row is kernel_row
+        ):
+            return plan
+        plan = self._last_plan = _PAGED_PLAN(
+            strategy=self.NAME,
+            geometry=geometry,
+            kv_indptr=kv_indptr,
+            kv_indices=self.index_buffers.kv_indices,
             qo_indptr=qo_indptr,
             qlen_padded=qlen_padded,
             source_index=source_index,
@@ -207,6 +246,7 @@ class PagedDecode(DecodeStrategy):
             kernel_row=kernel_row,
             schedule=ws.schedule,
         )
+        return plan
 
     def capturable_build(self, plan: DecodePlan) -> bool:
         """Without qlen padding the build is device work only (the padding maps are copied

@@ -9,6 +9,7 @@ import torch
 
 from mla.core.capabilities import Contract
 from mla.core.context import DecodeContext
+from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
 from mla.providers.calls import SmallHeadDecodeCall
@@ -24,6 +25,10 @@ class SmallHeadPlan(DecodePlan):
     """int32 ``[T+1]`` view of a persistent buffer."""
     page_table: torch.Tensor
     """int32 flat token ids (a persistent buffer; ``kv_indices`` itself when rows = requests)."""
+
+
+_SMALL_HEAD_PLAN = fast_constructor(SmallHeadPlan)
+"""A build's plan record (:mod:`mla.core.records`)."""
 
 
 @attrs.define
@@ -52,6 +57,8 @@ class SmallHeadDecode(DecodeStrategy):
             row_request=torch.zeros(tokens, dtype=torch.int32, device=dev),
             row_page_table=torch.zeros(rows * setup.limits.max_model_len, dtype=torch.int32, device=dev),
         )
+        self._last_plan: SmallHeadPlan | None = None
+        """The previous one-token-per-request plan (reused while its geometry and views are the same)."""
 
     @classmethod
     def max_rows(cls, setup: StrategySetup) -> int:
@@ -73,23 +80,30 @@ class SmallHeadDecode(DecodeStrategy):
         require_latent_dims(ctx, reasons, kernel)
 
     def build_metadata(self, batch: DecodeBatch) -> SmallHeadPlan:
+        """Fill the page indices (and, for multi-token requests, each row's window) for
+        ``batch``; a one-token-per-request plan record is the previous build's when nothing it
+        holds changed (its buffers now hold this step's values)."""
         setup = self.setup
-        kv_indptr, _ = self.index_buffers.fill(setup, batch)
+        kv_indptr = self.index_buffers.fill_indptr(setup, batch)
         num_tokens = batch.num_tokens
         geometry = self.base_geometry(
-            batch, kernel_heads=batch.context.num_heads, kernel_qlen=1, num_kernel_rows=num_tokens
+            batch, kernel_heads=batch.context.dims.num_heads, kernel_qlen=1, num_kernel_rows=num_tokens
         )
         lengths = batch.lengths
-        if num_tokens == batch.num_requests and lengths.min_query == 1 == lengths.max_query:
+        if num_tokens == geometry.num_requests and lengths.min_query == 1 == lengths.max_query:
             # One token per request: each row's window is its whole request, kv_indices as is.
-            return SmallHeadPlan(
-                self.NAME,
-                geometry,
-                kv_indptr,
-                self.index_buffers.kv_indices,
-                row_indptr=kv_indptr,
-                page_table=self.index_buffers.kv_indices,
-            )
+            plan = self._last_plan
+            if plan is None or plan.geometry is not geometry or plan.kv_indptr is not kv_indptr:
+                kv_indices = self.index_buffers.kv_indices
+                plan = self._last_plan = _SMALL_HEAD_PLAN(
+                    strategy=self.NAME,
+                    geometry=geometry,
+                    kv_indptr=kv_indptr,
+                    kv_indices=kv_indices,
+                    row_indptr=kv_indptr,
+                    page_table=kv_indices,
+                )
+            return plan
         request, window = verify_row_lengths(batch.query_start_loc_cpu, batch.host_seq_lens(), num_tokens)
         indptr_cpu = torch.zeros(num_tokens + 1, dtype=torch.int32)
         indptr_cpu[1:] = torch.cumsum(window, 0)

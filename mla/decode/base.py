@@ -10,6 +10,7 @@ import torch
 
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
+from mla.core.records import fast_constructor
 from mla.core.validate import HostLengths, check_cache_scale
 from mla.providers.calls import FillPagesCall
 from mla.strategy import (
@@ -109,6 +110,11 @@ class DecodeGeometry:
     """The ``kv_cache`` must have at least this many blocks (:attr:`DecodeBatch.cache_blocks`)."""
 
 
+_DECODE_GEOMETRY = fast_constructor(DecodeGeometry)
+_FILL_PAGES_CALL = fast_constructor(FillPagesCall)
+"""The build's records (:mod:`mla.core.records`: values a build computed, every field passed)."""
+
+
 @attrs.frozen(eq=False)
 class DecodePlan(PlanBase):
     """Base decode plan: geometry plus the flat page indices every decode kernel reads."""
@@ -148,7 +154,7 @@ class DecodeIndexBuffers:
         :meth:`~mla.providers.base.KernelProvider.fill_page_indices`: one kernel on the Triton
         provider, no host-to-device copy, no sync), and copy ``batch.query_start_loc`` into
         ``qo_indptr`` when given (same launch); return the indptr view and the total token
-        count (``None`` when it is known only on the device).
+        count (``None`` when it is known only on the device; :meth:`fill_indptr` skips it).
 
         Work is sized by the batch's longest length when the host knows it, else by the block
         table's capacity ``min(max_blocks * block_size, max_model_len)`` (static, so the fill
@@ -156,19 +162,33 @@ class DecodeIndexBuffers:
         the cache (when ``KVCacheSpec.num_blocks`` is known), so bad input cannot make a kernel
         read outside the cache; ``validate="full"`` rejects such input on the host instead.
         """
-        num_requests, table = batch.num_requests, batch.block_table
-        bs = setup.cache.block_size
-        indptr = self.indptr_view(num_requests)
-        bound = min(table.shape[1] * bs, setup.limits.max_model_len)
-        lengths, total = batch.lengths, None
-        if lengths.seq_lens:
-            if lengths.min_seq >= 0 and lengths.max_seq <= bound:
-                bound, total = lengths.max_seq, lengths.total_seq
-            else:
-                total = sum(min(max(length, 0), bound) for length in lengths.seq_lens)
+        indptr = self.fill_indptr(setup, batch, qo_indptr=qo_indptr)
+        lengths = batch.lengths
+        if not lengths.seq_lens:
+            return indptr, None
+        bound = min(batch.block_table.shape[1] * setup.cache.block_size, setup.limits.max_model_len)
+        if lengths.min_seq >= 0 and lengths.max_seq <= bound:
+            return indptr, lengths.total_seq
+        return indptr, sum(min(max(length, 0), bound) for length in lengths.seq_lens)
+
+    def fill_indptr(
+        self, setup: StrategySetup, batch: DecodeBatch, *, qo_indptr: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`fill` without the total token count (what a build needs): returns the
+        ``kv_indptr`` view."""
+        table, seq_lens = batch.block_table, batch.seq_lens
+        num_requests = seq_lens.numel()
+        indptr = self._views.get(num_requests)
+        if indptr is None:
+            indptr = self.indptr_view(num_requests)
+        bs, max_model_len = setup.cache.block_size, setup.limits.max_model_len
+        bound = min(table.shape[1] * bs, max_model_len)
+        lengths = batch.lengths
+        if lengths.seq_lens and lengths.min_seq >= 0 and lengths.max_seq <= bound:
+            bound = lengths.max_seq
         setup.provider.fill_page_indices(
-            FillPagesCall(
-                seq_lens=batch.seq_lens,
+            _FILL_PAGES_CALL(
+                seq_lens=seq_lens,
                 block_table=table,
                 kv_indptr=indptr,
                 kv_indices=self.kv_indices,
@@ -179,7 +199,7 @@ class DecodeIndexBuffers:
                 qo_indptr=qo_indptr,
             )
         )
-        return indptr, total
+        return indptr
 
     def indptr_view(self, num_requests: int) -> torch.Tensor:
         """``kv_indptr[: num_requests + 1]`` (the view is made once per size)."""
@@ -283,11 +303,11 @@ class DecodeStrategy(Strategy[DecodeContext]):
         bound), else a new one."""
         ctx = batch.context
         values = (
-            ctx.num_heads,
+            ctx.dims.num_heads,
             kernel_heads,
-            batch.num_requests,
+            batch.seq_lens.numel(),
             batch.num_tokens,
-            batch.num_owned_tokens,
+            batch.query_start_loc_list[-1],
             ctx.max_qlen,
             kernel_qlen,
             num_kernel_rows,
@@ -297,19 +317,21 @@ class DecodeStrategy(Strategy[DecodeContext]):
         last = self._last_geometry
         if last is not None and last[0] == values:
             return last[1]
-        geometry = DecodeGeometry(
-            num_heads=ctx.num_heads,
+        heads, _, requests, tokens, owned, max_qlen, _, _, max_seqlen_k, cache_blocks = values
+        setup = self.setup
+        geometry = _DECODE_GEOMETRY(
+            num_heads=heads,
             kernel_heads=kernel_heads,
-            num_requests=values[2],
-            num_tokens=batch.num_tokens,
-            num_owned_tokens=values[4],
-            max_qlen=ctx.max_qlen,
+            num_requests=requests,
+            num_tokens=tokens,
+            num_owned_tokens=owned,
+            max_qlen=max_qlen,
             kernel_qlen=kernel_qlen,
             num_kernel_rows=num_kernel_rows,
-            q_dtype=self.setup.q_dtype,
-            kv_dtype=self.setup.cache.dtype,
-            max_seqlen_k=values[8],
-            cache_blocks=batch.cache_blocks,
+            q_dtype=setup.q_dtype,
+            kv_dtype=setup.cache.dtype,
+            max_seqlen_k=max_seqlen_k,
+            cache_blocks=cache_blocks,
         )
         self._last_geometry = (values, geometry)
         return geometry
@@ -320,7 +342,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
         ``NONE``: a captured step stays valid as sequences grow), else the batch's longest
         sequence when the host knows it, so work follows the batch, not the limits."""
         limits = self.setup.limits
-        longest = batch.max_seq_len
-        if limits.graph_mode is not GraphMode.NONE or longest is None:
+        lengths = batch.lengths
+        if limits.graph_mode is not GraphMode.NONE or not lengths.seq_lens:
             return limits.max_model_len
-        return max(1, min(longest, limits.max_model_len))
+        return max(1, min(lengths.max_seq, limits.max_model_len))

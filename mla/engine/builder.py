@@ -8,6 +8,7 @@ from torch import Tensor
 
 from mla.core.context import DecodeContext
 from mla.core.errors import InvalidInputError
+from mla.core.records import fast_constructor
 from mla.core.validate import (
     INDEX_DTYPES,
     HostLengths,
@@ -25,6 +26,10 @@ from mla.engine.step import MLAMetadata, StepInputs
 from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
 
 _INDEX = frozenset(INDEX_DTYPES)
+_DECODE_BATCH = fast_constructor(DecodeBatch)
+_HOST_LENGTHS = fast_constructor(HostLengths)
+_METADATA = fast_constructor(MLAMetadata)
+"""The build's records (:mod:`mla.core.records`: values the build checked, every field passed)."""
 
 
 class MetadataBuilder:
@@ -48,6 +53,8 @@ class MetadataBuilder:
         """Devices of the backend's type seen on the step's device tensors."""
         self._uniform_indptrs: dict[int, list[int]] = {}
         """Per qlen ``q``: ``[0, q, 2q, ..., q * max_num_seqs]`` (a uniform step's indptr)."""
+        self._last_uniform: tuple[list[int], int] | None = None
+        """The last uniform indptr seen (a copy) and its qlen."""
 
     def build(self, step: StepInputs) -> MLAMetadata:
         """Plan one step and make it the backend's current metadata (also returned).
@@ -109,10 +116,11 @@ class MetadataBuilder:
             )
         if num_decodes > num_requests:
             raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {num_decodes}")
-        if num_requests > be.limits.max_num_seqs:
+        limits = be.limits
+        if num_requests > limits.max_num_seqs:
             raise InvalidInputError(
                 "query_start_loc",
-                f"{num_requests} requests exceed max_num_seqs {be.limits.max_num_seqs}; split the "
+                f"{num_requests} requests exceed max_num_seqs {limits.max_num_seqs}; split the "
                 "step or build the backend with a larger EngineLimits.max_num_seqs",
             )
         if seq_lens.numel() != num_requests:
@@ -120,10 +128,9 @@ class MetadataBuilder:
                 "seq_lens",
                 f"has {seq_lens.numel()} entries but query_start_loc describes {num_requests} requests",
             )
-        if block_table.shape[0] < num_requests:
-            raise InvalidInputError(
-                "block_table", f"has {block_table.shape[0]} rows for {num_requests} requests"
-            )
+        table_shape = block_table.shape
+        if table_shape[0] < num_requests:
+            raise InvalidInputError("block_table", f"has {table_shape[0]} rows for {num_requests} requests")
         num_prefills = num_requests - num_decodes
         if full:
             self._cross_check(step, qsl, lens)
@@ -131,28 +138,36 @@ class MetadataBuilder:
             lens = seq_lens.tolist()
             lengths = HostLengths.of(lengths.query_lens, lens)
         table_cpu: torch.Tensor | None = None
-        if lens is not None and not full:
-            check_paged_request_values(
-                query_lens=lengths.query_lens,
-                seq_lens=lens,
-                block_table_shape=block_table.shape,
-                block_size=be.cache.block_size,
-                max_model_len=be.limits.max_model_len,
-                lengths=lengths,
-            )
-        elif lens is not None:
+        block_size = be.cache.block_size
+        if full and lens is not None:
             table_cpu = check_paged_step(
                 query_lens=lengths.query_lens,
                 seq_lens=lens,
                 block_table=block_table,
-                block_size=be.cache.block_size,
+                block_size=block_size,
                 num_blocks=be.cache.num_blocks or (1 << 62),
-                max_model_len=be.limits.max_model_len,
+                max_model_len=limits.max_model_len,
                 block_ids=True,
                 lengths=lengths,
             )
+        elif lens is not None and not (
+            # check_paged_request_values's rules on the ranges (the call runs them all and
+            # names the failure)
+            len(lens) == num_requests
+            and lengths.min_seq >= 0
+            and lengths.min_seq >= lengths.max_query
+            and lengths.max_seq <= table_shape[1] * block_size
+            and lengths.max_seq <= limits.max_model_len
+        ):
+            check_paged_request_values(
+                query_lens=lengths.query_lens,
+                seq_lens=lens,
+                block_table_shape=table_shape,
+                block_size=block_size,
+                max_model_len=limits.max_model_len,
+                lengths=lengths,
+            )
         decode_lengths = lengths if num_decodes == num_requests else lengths.first(num_decodes)
-        limits = be.limits
         if decode_lengths.max_query > limits.max_decode_qlen or qsl[-1] > limits.max_num_batched_tokens:
             self._check_limits(decode_lengths, qsl[-1])  # raises, naming the limit
         owned_decode_tokens = qsl[num_decodes]
@@ -164,7 +179,7 @@ class MetadataBuilder:
                 f"got {num_decode_tokens}; the decode requests own {owned_decode_tokens} "
                 "tokens (extra graph-padding rows are allowed only in decode-only steps)",
             )
-        if num_decode_tokens > limits.max_decode_tokens:
+        if num_decode_tokens > limits.max_num_seqs * limits.max_decode_qlen:
             raise InvalidInputError(
                 "num_decode_tokens",
                 f"{num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {limits.max_decode_tokens}",
@@ -173,7 +188,7 @@ class MetadataBuilder:
         decode_decision = prefill_decision = None
         if num_decodes:
             decode_decision, decode_plan = self._build_decode(
-                step, qsl, decode_lengths, table_cpu, num_decodes, num_decode_tokens
+                step, qsl, decode_lengths, table_cpu, table_shape[0], num_decodes, num_decode_tokens
             )
         if num_prefills:
             assert lens is not None
@@ -181,7 +196,7 @@ class MetadataBuilder:
             prefill_decision, prefill_plan = self._build_prefill(
                 step, qsl_cpu, torch.tensor(lens, dtype=torch.int64), table_cpu, num_decodes
             )
-        metadata = MLAMetadata(
+        metadata = _METADATA(
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
@@ -222,19 +237,33 @@ class MetadataBuilder:
     def _host_lengths(self, qsl: list[int], lens: list[int] | None) -> HostLengths:
         """:meth:`HostLengths.from_indptr`, with the ranges of a uniform indptr (every request
         ``q <= max_decode_qlen`` tokens, the decode steps' usual shape) found by one list
-        comparison instead of a pass per reduction."""
-        count = len(qsl) - 1
-        limits = self.backend.limits
-        if 0 < count <= limits.max_num_seqs and qsl[0] == 0:
+        comparison instead of a pass per reduction: with the previous uniform indptr first (a
+        step of the same shape), else with the uniform prefix of its qlen."""
+        last = self._last_uniform
+        if last is not None and qsl == last[0]:
+            qlen = last[1]
+        else:
+            count = len(qsl) - 1
+            limits = self.backend.limits
+            if not (0 < count <= limits.max_num_seqs and qsl[0] == 0):
+                return HostLengths.from_indptr(qsl, lens)
             qlen, rest = divmod(qsl[-1], count)
-            if rest == 0 and 0 < qlen <= limits.max_decode_qlen:
-                uniform = self._uniform_indptrs.get(qlen)
-                if uniform is None:
-                    uniform = list(range(0, qlen * limits.max_num_seqs + 1, qlen))
-                    self._uniform_indptrs[qlen] = uniform
-                if qsl == uniform[: count + 1]:
-                    return HostLengths.of([qlen] * count, lens, query_range=(qlen, qlen))
-        return HostLengths.from_indptr(qsl, lens)
+            if rest or not 0 < qlen <= limits.max_decode_qlen:
+                return HostLengths.from_indptr(qsl, lens)
+            uniform = self._uniform_indptrs.get(qlen)
+            if uniform is None:
+                uniform = list(range(0, qlen * limits.max_num_seqs + 1, qlen))
+                self._uniform_indptrs[qlen] = uniform
+            if qsl != uniform[: count + 1]:
+                return HostLengths.from_indptr(qsl, lens)
+            self._last_uniform = (list(qsl), qlen)
+        query_lens = [qlen] * (len(qsl) - 1)
+        lo = hi = 0
+        if lens:
+            lo, hi = min(lens), max(lens)
+        return _HOST_LENGTHS(
+            query_lens=query_lens, seq_lens=lens, min_query=qlen, max_query=qlen, min_seq=lo, max_seq=hi
+        )
 
     def _check_limits(self, decode: HostLengths, total: int) -> None:
         """The step's decode qlens and token count are within the limits the backend was sized
@@ -294,10 +323,13 @@ class MetadataBuilder:
         qsl: list[int],
         lengths: HostLengths,
         table_cpu: torch.Tensor | None,
+        table_rows: int,
         nd: int,
         num_tokens: int,
     ) -> tuple[Decision, DecodePlan]:
-        be = self.backend
+        """The decode part of a checked step (its first ``nd`` requests, ``num_tokens`` rows;
+        ``lengths`` theirs, ``table_rows`` the block table's rows) planned by the strategy
+        of its shape."""
         whole = nd == len(qsl) - 1
         if not whole:
             qsl = qsl[: nd + 1]
@@ -321,9 +353,14 @@ class MetadataBuilder:
         if not whole:
             qsl_host, qsl_dev, seq_dev = qsl_host[: nd + 1], qsl_dev[: nd + 1], seq_dev[:nd]
             seq_host = None if seq_host is None else seq_host[:nd]
-        if table.shape[0] != nd:
+        if table_rows != nd:
             table = table[:nd]
-        batch = DecodeBatch(
+        cache_blocks = 0
+        if table_cpu is not None and lens is not None:
+            cache_blocks = used_cache_blocks(
+                table_cpu[:nd], torch.tensor(lens), self.backend.cache.block_size
+            )
+        batch = _DECODE_BATCH(
             context=ctx,
             query_start_loc_cpu=qsl_host,
             seq_lens_cpu=seq_host,
@@ -331,11 +368,7 @@ class MetadataBuilder:
             seq_lens=seq_dev,
             block_table=table,
             num_tokens=num_tokens,
-            cache_blocks=(
-                0
-                if table_cpu is None or lens is None
-                else used_cache_blocks(table_cpu[:nd], torch.tensor(lens), be.cache.block_size)
-            ),
+            cache_blocks=cache_blocks,
             query_start_loc_list=qsl,
             lengths=lengths,
         )

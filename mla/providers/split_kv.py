@@ -43,11 +43,13 @@ class SplitKVSchedule:
 
     @property
     def max_work(self) -> int:
-        return int(self.work_info.shape[0])
+        work: int = self.work_info.shape[0]
+        return work
 
     @property
     def max_batch(self) -> int:
-        return int(self.split_indptr.shape[0]) - 1
+        rows: int = self.split_indptr.shape[0]
+        return rows - 1
 
     @classmethod
     def allocate(

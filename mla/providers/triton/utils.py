@@ -238,33 +238,35 @@ def fill_page_indices(call: FillPagesCall) -> None:
     ``BLOCK`` tokens of ``max_len``), each summing the lengths before its request itself (no
     second pass, no host sync), with the ``qo_indptr`` copy folded in; launched through
     :data:`FILL_LAUNCH`."""
-    block_table, seq_lens = call.block_table, call.seq_lens
+    block_table, seq_lens, qsl, qo = call.block_table, call.seq_lens, call.query_start_loc, call.qo_indptr
     num_requests = seq_lens.numel()
-    copy_qo = call.query_start_loc is not None and call.qo_indptr is not None
+    copy_qo = qsl is not None and qo is not None
     if num_requests == 0:
         call.kv_indptr[:1].zero_()
-        if call.query_start_loc is not None and call.qo_indptr is not None:
-            call.qo_indptr.copy_(call.query_start_loc)
+        if qsl is not None and qo is not None:
+            qo.copy_(qsl)
         return
-    if block_table.stride(-1) != 1:
+    strides = block_table.stride()
+    if strides[-1] != 1:
         raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
-    block = 1024
+    block, max_len, num_blocks = 1024, call.max_len, call.num_blocks
+    chunks = -(-max_len // block)
     FILL_LAUNCH.launch(
-        (num_requests, max(1, -(-call.max_len // block))),
+        (num_requests, chunks if chunks > 1 else 1),
         seq_lens,
         block_table,
         call.kv_indptr,
         call.kv_indices,
         num_requests,
-        block_table.stride(0),
-        call.max_len,
-        call.num_blocks or 1,
-        call.query_start_loc if copy_qo else seq_lens,
-        call.qo_indptr if copy_qo else seq_lens,
+        strides[0],
+        max_len,
+        num_blocks or 1,
+        qsl if copy_qo else seq_lens,
+        qo if copy_qo else seq_lens,
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
         BLOCK_B=128,
-        CLAMP_BLOCKS=call.num_blocks is not None,
+        CLAMP_BLOCKS=num_blocks is not None,
         COPY_QO=copy_qo,
         num_warps=4,
     )
