@@ -143,14 +143,15 @@ def run(args: argparse.Namespace, driver: Any) -> None:
     rows = []
     for batch in (1, 64, 128):
         for block in (1, 64):
-            build, backend = make_build(
-                batch=batch,
-                block=block,
-                heads=16,
-                seq_len=args.seq_len,
-                strategy=args.strategy,
-                launch=args.launch,
-            )
+            shape = {
+                "batch": batch,
+                "block": block,
+                "heads": 16,
+                "seq_len": args.seq_len,
+                "strategy": args.strategy,
+                "launch": args.launch,
+            }
+            build, backend = make_build(**shape)
             if driver is not None:
                 driver.record = False  # launch records would pile up
             metadata = build()
@@ -161,15 +162,7 @@ def run(args: argparse.Namespace, driver: Any) -> None:
                 "build us": round(time_us(build, calls=args.calls, rounds=args.rounds), 1),
             }
             if args.vary:
-                varied, _ = make_build(
-                    batch=batch,
-                    block=block,
-                    heads=16,
-                    seq_len=args.seq_len,
-                    strategy=args.strategy,
-                    launch=args.launch,
-                    vary=True,
-                )
+                varied, _ = make_build(**shape, vary=True)
                 row["vary us"] = round(time_us(varied, calls=args.calls, rounds=args.rounds), 1)
             rows.append(row)
             if args.profile:
