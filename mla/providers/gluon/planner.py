@@ -1,11 +1,13 @@
 """Launch heuristic and split-KV planning of the Gluon MLA decode (pure Python, CPU-testable).
 
-The kernel (:mod:`.kernels`) always runs a 64-row query tile (heads × qlen packed, padded) on
-8 warps, one program per SM: its shared memory (query tile 72 KB, a two-stage ring of 64-token
-bf16 KV tiles 144 KB, the token-id ring; 221 KB in all) and 209 registers × 256 threads leave
-room for one resident program (compiler report for sm_90, ``benchmarks/gluon_compile.py``). So a
-wave is ``num_sms`` programs, and rows above 64 run as ``ceil(rows / 64)`` row blocks over the
-same KV range (adjacent programs, so the second read of a tile hits L2).
+Two kernels: up to :data:`FEW_ROWS_MAX` packed rows (heads × qlen) run on the transposed
+few-rows kernel (:mod:`.transposed`, 16- or 32-row tiles on one warpgroup), more on the 64-row
+kernel (:mod:`.kernels`, 8 warps). Either fills the shared memory of an SM (the 64-row kernel:
+query tile 72 KB, a two-stage ring of 64-token bf16 KV tiles 144 KB, the token-id ring; 221 KB
+in all; the few-rows kernel 165–222 KB), so one program is resident per SM (compiler report for
+sm_90, ``benchmarks/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the
+tile run as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
+the second read of a tile hits L2).
 
 Tile shape (H200, 2026-12-01, ``benchmarks/gluon_dev.py --sweep``, graph replay, µs):
 
