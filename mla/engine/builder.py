@@ -53,8 +53,6 @@ class MetadataBuilder:
         """Devices of the backend's type seen on the step's device tensors."""
         self._uniform_indptrs: dict[int, list[int]] = {}
         """Per qlen ``q``: ``[0, q, 2q, ..., q * max_num_seqs]`` (a uniform step's indptr)."""
-        self._last_uniform: tuple[list[int], int] | None = None
-        """The last uniform indptr seen (a copy) and its qlen."""
 
     def build(self, step: StepInputs) -> MLAMetadata:
         """Plan one step and make it the backend's current metadata (also returned).
@@ -150,15 +148,7 @@ class MetadataBuilder:
                 block_ids=True,
                 lengths=lengths,
             )
-        elif lens is not None and not (
-            # check_paged_request_values's rules on the ranges (the call runs them all and
-            # names the failure)
-            len(lens) == num_requests
-            and lengths.min_seq >= 0
-            and lengths.min_seq >= lengths.max_query
-            and lengths.max_seq <= table_shape[1] * block_size
-            and lengths.max_seq <= limits.max_model_len
-        ):
+        elif lens is not None:
             check_paged_request_values(
                 query_lens=lengths.query_lens,
                 seq_lens=lens,
@@ -168,8 +158,7 @@ class MetadataBuilder:
                 lengths=lengths,
             )
         decode_lengths = lengths if num_decodes == num_requests else lengths.first(num_decodes)
-        if decode_lengths.max_query > limits.max_decode_qlen or qsl[-1] > limits.max_num_batched_tokens:
-            self._check_limits(decode_lengths, qsl[-1])  # raises, naming the limit
+        self._check_limits(decode_lengths, qsl[-1])
         owned_decode_tokens = qsl[num_decodes]
         if num_decode_tokens < owned_decode_tokens or (
             num_prefills and num_decode_tokens != owned_decode_tokens
@@ -179,7 +168,7 @@ class MetadataBuilder:
                 f"got {num_decode_tokens}; the decode requests own {owned_decode_tokens} "
                 "tokens (extra graph-padding rows are allowed only in decode-only steps)",
             )
-        if num_decode_tokens > limits.max_num_seqs * limits.max_decode_qlen:
+        if num_decode_tokens > limits.max_decode_tokens:
             raise InvalidInputError(
                 "num_decode_tokens",
                 f"{num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {limits.max_decode_tokens}",
@@ -188,7 +177,7 @@ class MetadataBuilder:
         decode_decision = prefill_decision = None
         if num_decodes:
             decode_decision, decode_plan = self._build_decode(
-                step, qsl, decode_lengths, table_cpu, table_shape[0], num_decodes, num_decode_tokens
+                step, qsl, decode_lengths, table_cpu, num_decodes, num_decode_tokens
             )
         if num_prefills:
             assert lens is not None
@@ -237,26 +226,20 @@ class MetadataBuilder:
     def _host_lengths(self, qsl: list[int], lens: list[int] | None) -> HostLengths:
         """:meth:`HostLengths.from_indptr`, with the ranges of a uniform indptr (every request
         ``q <= max_decode_qlen`` tokens, the decode steps' usual shape) found by one list
-        comparison instead of a pass per reduction: with the previous uniform indptr first (a
-        step of the same shape), else with the uniform prefix of its qlen."""
-        last = self._last_uniform
-        if last is not None and qsl == last[0]:
-            qlen = last[1]
-        else:
-            count = len(qsl) - 1
-            limits = self.backend.limits
-            if not (0 < count <= limits.max_num_seqs and qsl[0] == 0):
-                return HostLengths.from_indptr(qsl, lens)
-            qlen, rest = divmod(qsl[-1], count)
-            if rest or not 0 < qlen <= limits.max_decode_qlen:
-                return HostLengths.from_indptr(qsl, lens)
-            uniform = self._uniform_indptrs.get(qlen)
-            if uniform is None:
-                uniform = list(range(0, qlen * limits.max_num_seqs + 1, qlen))
-                self._uniform_indptrs[qlen] = uniform
-            if qsl != uniform[: count + 1]:
-                return HostLengths.from_indptr(qsl, lens)
-            self._last_uniform = (list(qsl), qlen)
+        comparison with the uniform prefix of its qlen instead of a pass per reduction."""
+        count = len(qsl) - 1
+        limits = self.backend.limits
+        if not (0 < count <= limits.max_num_seqs and qsl[0] == 0):
+            return HostLengths.from_indptr(qsl, lens)
+        qlen, rest = divmod(qsl[-1], count)
+        if rest or not 0 < qlen <= limits.max_decode_qlen:
+            return HostLengths.from_indptr(qsl, lens)
+        uniform = self._uniform_indptrs.get(qlen)
+        if uniform is None:
+            uniform = list(range(0, qlen * limits.max_num_seqs + 1, qlen))
+            self._uniform_indptrs[qlen] = uniform
+        if qsl != uniform[: count + 1]:
+            return HostLengths.from_indptr(qsl, lens)
         query_lens = [qlen] * (len(qsl) - 1)
         lo = hi = 0
         if lens:
@@ -323,12 +306,11 @@ class MetadataBuilder:
         qsl: list[int],
         lengths: HostLengths,
         table_cpu: torch.Tensor | None,
-        table_rows: int,
         nd: int,
         num_tokens: int,
     ) -> tuple[Decision, DecodePlan]:
         """The decode part of a checked step (its first ``nd`` requests, ``num_tokens`` rows;
-        ``lengths`` theirs, ``table_rows`` the block table's rows) planned by the strategy
+        ``lengths`` theirs) planned by the strategy
         of its shape."""
         whole = nd == len(qsl) - 1
         if not whole:
@@ -353,7 +335,7 @@ class MetadataBuilder:
         if not whole:
             qsl_host, qsl_dev, seq_dev = qsl_host[: nd + 1], qsl_dev[: nd + 1], seq_dev[:nd]
             seq_host = None if seq_host is None else seq_host[:nd]
-        if table_rows != nd:
+        if table.shape[0] != nd:
             table = table[:nd]
         cache_blocks = 0
         if table_cpu is not None and lens is not None:
