@@ -133,12 +133,7 @@ class PagedDecode(DecodeStrategy):
             lse_kernel=torch.zeros(rows + 1, heads, dtype=torch.float32, device=dev),
             schedule=schedule,
         )
-        self._schedule_call: PlanDecodeScheduleCall | None = None
-        """The previous build's planner call (its fields are shapes and buffers: reused while
-        they are the same)."""
         self._last_plan: PagedPlan | None = None
-        self._kernel_qlen: tuple[DecodeContext, int] | None = None
-        """The last context's ``kernel_qlen`` (contexts are cached per decode shape)."""
 
     @classmethod
     def check(cls, ctx: DecodeContext, reasons: ReasonCollector) -> None:
@@ -175,13 +170,8 @@ class PagedDecode(DecodeStrategy):
         buffers now hold this step's values)."""
         setup, ws = self.setup, self.workspace
         ctx = batch.context
-        num_requests, num_tokens = batch.seq_lens.numel(), batch.num_tokens
-        known = self._kernel_qlen
-        if known is not None and known[0] is ctx:
-            kernel_qlen = known[1]
-        else:
-            kernel_qlen = ctx.kernel_qlen
-            self._kernel_qlen = (ctx, kernel_qlen)
+        num_requests, num_tokens = batch.num_requests, batch.num_tokens
+        kernel_qlen = ctx.kernel_qlen
         qlen_padded = kernel_qlen != ctx.max_qlen
         lengths = batch.lengths
         uniform_rows = qlen_padded or lengths.min_query == kernel_qlen == lengths.max_query
@@ -204,16 +194,8 @@ class PagedDecode(DecodeStrategy):
             batch, kernel_heads=ws.padding.kernel_heads, kernel_qlen=kernel_qlen, num_kernel_rows=rows
         )
         if ws.schedule is not None:
-            call = self._schedule_call
-            if not (
-                call is not None
-                and call.qo_indptr is qo_indptr
-                and call.kv_indptr is kv_indptr
-                and call.batch_size == num_requests
-                and call.kernel_qlen == kernel_qlen
-                and call.uniform_qlen == uniform_rows
-            ):
-                call = self._schedule_call = PlanDecodeScheduleCall(
+            setup.provider.plan_decode_schedule(
+                PlanDecodeScheduleCall(
                     schedule=ws.schedule,
                     qo_indptr=qo_indptr,
                     kv_indptr=kv_indptr,
@@ -221,7 +203,7 @@ class PagedDecode(DecodeStrategy):
                     kernel_qlen=kernel_qlen,
                     uniform_qlen=uniform_rows,
                 )
-            setup.provider.plan_decode_schedule(call)
+            )
         plan = self._last_plan
         if (
             plan is not None

@@ -87,10 +87,10 @@ class SmallHeadDecode(DecodeStrategy):
         kv_indptr = self.index_buffers.fill_indptr(setup, batch)
         num_tokens = batch.num_tokens
         geometry = self.base_geometry(
-            batch, kernel_heads=batch.context.dims.num_heads, kernel_qlen=1, num_kernel_rows=num_tokens
+            batch, kernel_heads=batch.context.num_heads, kernel_qlen=1, num_kernel_rows=num_tokens
         )
         lengths = batch.lengths
-        if num_tokens == geometry.num_requests and lengths.min_query == 1 == lengths.max_query:
+        if num_tokens == batch.num_requests and lengths.min_query == 1 == lengths.max_query:
             # One token per request: each row's window is its whole request, kv_indices as is.
             plan = self._last_plan
             if plan is None or plan.geometry is not geometry or plan.kv_indptr is not kv_indptr:

@@ -166,7 +166,7 @@ class DecodeIndexBuffers:
         lengths = batch.lengths
         if not lengths.seq_lens:
             return indptr, None
-        bound = min(batch.block_table.shape[1] * setup.cache.block_size, setup.limits.max_model_len)
+        bound = self.kv_bound(setup, batch)
         if lengths.min_seq >= 0 and lengths.max_seq <= bound:
             return indptr, lengths.total_seq
         return indptr, sum(min(max(length, 0), bound) for length in lengths.seq_lens)
@@ -176,23 +176,18 @@ class DecodeIndexBuffers:
     ) -> torch.Tensor:
         """:meth:`fill` without the total token count (what a build needs): returns the
         ``kv_indptr`` view."""
-        table, seq_lens = batch.block_table, batch.seq_lens
-        num_requests = seq_lens.numel()
-        indptr = self._views.get(num_requests)
-        if indptr is None:
-            indptr = self.indptr_view(num_requests)
-        bs, max_model_len = setup.cache.block_size, setup.limits.max_model_len
-        bound = min(table.shape[1] * bs, max_model_len)
+        indptr = self.indptr_view(batch.num_requests)
+        bound = self.kv_bound(setup, batch)
         lengths = batch.lengths
         if lengths.seq_lens and lengths.min_seq >= 0 and lengths.max_seq <= bound:
             bound = lengths.max_seq
         setup.provider.fill_page_indices(
             _FILL_PAGES_CALL(
-                seq_lens=seq_lens,
-                block_table=table,
+                seq_lens=batch.seq_lens,
+                block_table=batch.block_table,
                 kv_indptr=indptr,
                 kv_indices=self.kv_indices,
-                block_size=bs,
+                block_size=setup.cache.block_size,
                 max_len=bound,
                 num_blocks=setup.cache.num_blocks,
                 query_start_loc=None if qo_indptr is None else batch.query_start_loc,
@@ -200,6 +195,12 @@ class DecodeIndexBuffers:
             )
         )
         return indptr
+
+    @staticmethod
+    def kv_bound(setup: StrategySetup, batch: DecodeBatch) -> int:
+        """The most KV positions a request of ``batch`` can have: its block table's capacity,
+        capped by ``max_model_len``."""
+        return min(batch.block_table.shape[1] * setup.cache.block_size, setup.limits.max_model_len)
 
     def indptr_view(self, num_requests: int) -> torch.Tensor:
         """``kv_indptr[: num_requests + 1]`` (the view is made once per size)."""
@@ -303,11 +304,11 @@ class DecodeStrategy(Strategy[DecodeContext]):
         bound), else a new one."""
         ctx = batch.context
         values = (
-            ctx.dims.num_heads,
+            ctx.num_heads,
             kernel_heads,
-            batch.seq_lens.numel(),
+            batch.num_requests,
             batch.num_tokens,
-            batch.query_start_loc_list[-1],
+            batch.num_owned_tokens,
             ctx.max_qlen,
             kernel_qlen,
             num_kernel_rows,
@@ -342,7 +343,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
         ``NONE``: a captured step stays valid as sequences grow), else the batch's longest
         sequence when the host knows it, so work follows the batch, not the limits."""
         limits = self.setup.limits
-        lengths = batch.lengths
-        if limits.graph_mode is not GraphMode.NONE or not lengths.seq_lens:
+        longest = batch.max_seq_len
+        if limits.graph_mode is not GraphMode.NONE or longest is None:
             return limits.max_model_len
-        return max(1, min(lengths.max_seq, limits.max_model_len))
+        return max(1, min(longest, limits.max_model_len))

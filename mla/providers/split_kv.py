@@ -43,13 +43,11 @@ class SplitKVSchedule:
 
     @property
     def max_work(self) -> int:
-        work: int = self.work_info.shape[0]
-        return work
+        return int(self.work_info.shape[0])
 
     @property
     def max_batch(self) -> int:
-        rows: int = self.split_indptr.shape[0]
-        return rows - 1
+        return int(self.split_indptr.shape[0]) - 1
 
     @classmethod
     def allocate(
