@@ -18,7 +18,9 @@ cache and query element sizes apart so an fp8 cache counts 1 byte per KV element
 
 from __future__ import annotations
 
+import cProfile
 import math
+import pstats
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,3 +151,25 @@ def print_table(rows: Sequence[dict[str, Any]], *, title: str | None = None) -> 
 def gpu_name() -> str:
     """The CUDA device name, or ``"cpu"``."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def print_profile(
+    fn: Callable[[], Any],
+    label: str,
+    *,
+    calls: int,
+    top: int = 20,
+    sync: Callable[[], None] = lambda: None,
+) -> None:
+    """cProfile of ``calls`` calls of ``fn`` (after one warm-up call): the ``top`` functions
+    with the most own time, printed under ``label``."""
+    profiler = cProfile.Profile()
+    fn()
+    sync()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    sync()
+    print(f"-- {label} ({calls} calls; times are totals)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)

@@ -26,10 +26,8 @@ On the H200 ``benchmarks/overhead.py`` times the same build with the real fill l
 from __future__ import annotations
 
 import argparse
-import cProfile
 import itertools
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -39,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import print_table
+from _common import print_profile, print_table
 
 import mla
 
@@ -166,13 +164,7 @@ def run(args: argparse.Namespace, driver: Any) -> None:
                 row["vary us"] = round(time_us(varied, calls=args.calls, rounds=args.rounds), 1)
             rows.append(row)
             if args.profile:
-                profiler = cProfile.Profile()
-                profiler.enable()
-                for _ in range(2000):
-                    build()
-                profiler.disable()
-                print(f"-- builder.build profile, B{batch} block {block} (2000 builds; totals)")
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+                print_profile(build, f"builder.build, B{batch} block {block}", calls=2000, top=25)
             del backend
     what = "Triton launch path, stand-in driver" if args.launch == "triton" else "device calls stubbed out"
     print_table(rows, title=f"builder.build host time (CPU, {what})")

@@ -29,9 +29,7 @@ so from the third call on it replays the CUDA graph it captured on the second
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import bench_graph_us, gpu_name, print_table
+from _common import bench_graph_us, gpu_name, print_profile, print_table
 
 import mla
 
@@ -113,20 +111,6 @@ def _count_launches(fn: Callable[[], Any]) -> str:
     host = sum(1 for e in events if e.name.startswith(_LAUNCHES))
     device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     return f"{host}/{device}"
-
-
-def _print_build_profile(build: Callable[[], Any], label: str, sync: Callable[[], None]) -> None:
-    """cProfile of 500 builds: the 20 functions with the most own time."""
-    profiler = cProfile.Profile()
-    build()
-    sync()
-    profiler.enable()
-    for _ in range(500):
-        build()
-    profiler.disable()
-    sync()
-    print(f"-- builder.build profile, {label} (500 builds; times are totals)")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 
 
 def run_shape(
@@ -199,7 +183,9 @@ def run_shape(
     )
     build_us = _wall_us(lambda: engine.builder.build(step), calls=calls, rounds=rounds, sync=sync)
     if profile_build:
-        _print_build_profile(lambda: engine.builder.build(step), f"B{batch} block {block}", sync)
+        print_profile(
+            lambda: engine.builder.build(step), f"builder.build, B{batch} block {block}", calls=500, sync=sync
+        )
     return {
         "B": batch,
         "block": block,
