@@ -21,6 +21,8 @@ from __future__ import annotations
 import cProfile
 import math
 import pstats
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -173,3 +175,20 @@ def print_profile(
     sync()
     print(f"-- {label} ({calls} calls; times are totals)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+def wall_us(
+    fn: Callable[[], Any], *, calls: int, rounds: int, sync: Callable[[], None] = lambda: None
+) -> float:
+    """Median over ``rounds`` of the per-call wall time (µs) of ``calls`` back-to-back calls of
+    ``fn`` ending in one ``sync()`` (after one warm-up call)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+    return statistics.median(times)

@@ -28,16 +28,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import print_profile, print_table
+from _common import print_profile, print_table, wall_us
 
 import mla
 
@@ -100,17 +98,6 @@ def make_build(
     return lambda: backend.builder.build(next(turn)), backend
 
 
-def time_us(fn: Any, *, calls: int, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) * 1e6 / calls)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -157,11 +144,11 @@ def run(args: argparse.Namespace, driver: Any) -> None:
                 "B": batch,
                 "block": block,
                 "strategy": metadata.decode.strategy if metadata.decode is not None else "-",
-                "build us": round(time_us(build, calls=args.calls, rounds=args.rounds), 1),
+                "build us": round(wall_us(build, calls=args.calls, rounds=args.rounds), 1),
             }
             if args.vary:
                 varied, _ = make_build(**shape, vary=True)
-                row["vary us"] = round(time_us(varied, calls=args.calls, rounds=args.rounds), 1)
+                row["vary us"] = round(wall_us(varied, calls=args.calls, rounds=args.rounds), 1)
             rows.append(row)
             if args.profile:
                 print_profile(build, f"builder.build, B{batch} block {block}", calls=2000, top=25)

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -42,23 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import bench_graph_us, gpu_name, print_profile, print_table
+from _common import bench_graph_us, gpu_name, print_profile, print_table, wall_us
 
 import mla
-
-
-def _wall_us(fn: Callable[[], Any], *, calls: int, rounds: int, sync: Callable[[], None]) -> float:
-    """Median over rounds of the per-call wall time of ``calls`` back-to-back calls."""
-    fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e6 / calls)
-    return statistics.median(times)
 
 
 def _count_syncs(fn: Callable[[], Any]) -> int | str:
@@ -151,8 +135,8 @@ def run_shape(
         mla.mla_decode(q, cache, table, seq_lens, out=out, return_lse=False, **args)
 
     calls, rounds = (200, 7) if gpu else (5, 3)
-    call_us = _wall_us(call, calls=calls, rounds=rounds, sync=sync)
-    sync_call_us = _wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
+    call_us = wall_us(call, calls=calls, rounds=rounds, sync=sync)
+    sync_call_us = wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
     # The kernels alone: the cached plan's run (what every call launches after planning).
     cached = mla.engine.plan_cache.DECODE_PLANS._entries.values()
     plans = [e for e in cached if e.backend.device.type == dev.type]
@@ -161,7 +145,7 @@ def run_shape(
     def kernels() -> None:
         backend.run_decode(q, cache, out, None, None)
 
-    kernel_us = bench_graph_us(kernels) if gpu else _wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
+    kernel_us = bench_graph_us(kernels) if gpu else wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
 
     engine = mla.MLABackend(
         mla.MLADims(heads, rank, rope, softmax_scale=scale),
@@ -181,7 +165,7 @@ def run_shape(
         num_decodes=batch,
         num_decode_tokens=batch,
     )
-    build_us = _wall_us(lambda: engine.builder.build(step), calls=calls, rounds=rounds, sync=sync)
+    build_us = wall_us(lambda: engine.builder.build(step), calls=calls, rounds=rounds, sync=sync)
     if profile_build:
         print_profile(
             lambda: engine.builder.build(step), f"builder.build, B{batch} block {block}", calls=500, sync=sync
