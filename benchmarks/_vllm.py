@@ -1,11 +1,14 @@
 """vLLM's Triton MLA decode (``triton_decode_attention.py``), called as vLLM's TRITON_MLA backend
 calls it, for side-by-side timing. The file is not part of this repository: pass its path with
-``--vllm-decode`` (a local copy of vllm/v1/attention/ops/triton_decode_attention.py).
+``--vllm-decode`` (a local copy of vllm/v1/attention/ops/triton_decode_attention.py, or of the
+older vllm/attention/ops/triton_decode_attention.py; a file importing ``vllm.platforms`` needs
+that import replaced by ``is_hip_ = False`` to load without vLLM).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from types import ModuleType
 
@@ -44,10 +47,15 @@ def decode_fn(
     logits = torch.empty(batch, heads, splits, rank + 1, dtype=torch.float32, device=q.device)
     lse = torch.zeros(batch, heads, dtype=q.dtype, device=q.device)
 
+    # vLLM's signature changed over time: older files take no ``lse`` (between ``o`` and the
+    # block table), newer ones may take ``is_mla``; call whichever this file has.
+    params = inspect.signature(module.decode_attention_fwd).parameters
+    head = (q, k_buffer, v_buffer, out, lse) if "lse" in params else (q, k_buffer, v_buffer, out)
+    extra = {"is_mla": True} if "is_mla" in params else {}
+
     def run() -> None:
         module.decode_attention_fwd(
-            q, k_buffer, v_buffer, out, lse, block_table, seq_lens, logits, splits, softmax_scale,
-            cache.shape[1], is_mla=True,
-        )  # fmt: skip
+            *head, block_table, seq_lens, logits, splits, softmax_scale, cache.shape[1], **extra
+        )
 
     return run
