@@ -24,7 +24,7 @@ from triton import knobs  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from mla.providers.triton import launch_cache, schedule, utils  # noqa: E402
-from mla.providers.triton.launch_cache import LaunchCache, arg_key, make_binder  # noqa: E402
+from mla.providers.triton.launch_cache import LaunchCache, arg_key  # noqa: E402
 from mla.testing.triton_driver import Launch, StandInDriver, stand_in_driver  # noqa: E402
 
 needs_verified_triton = pytest.mark.skipif(
@@ -289,27 +289,46 @@ def test_equal_keys_mean_equal_triton_specializations(kind: int, align: bool) ->
             assert spec_a == spec_b, (a, b, key_a)
 
 
-def test_the_generated_binder_computes_arg_key() -> None:
+def _keyed(x_ptr, n, unaligned, BLOCK: triton.language.constexpr = 64):  # type: ignore[no-untyped-def]
+    """A kernel signature for the key test (never compiled: the stand-in driver's kernels)."""
+
+
+@needs_verified_triton
+def test_the_generated_launch_keys_each_argument_by_arg_key(driver: StandInDriver) -> None:
+    """The generated launch's key: the device, each parameter's :func:`arg_key` (defaults
+    applied, constexprs by type and value), the options, then the debug and instrumentation
+    settings; arguments it does not key and unhashable options go through Triton uncached."""
+
+    kernel = JITFunction(_keyed, do_not_specialize=["n"], do_not_specialize_on_alignment=["unaligned"])
+    cache = LaunchCache(kernel)
+    assert cache.active
     plan = (
-        ("x_ptr", launch_cache._SPECIALIZED, True, launch_cache._MISSING),
-        ("n", launch_cache._PLAIN, True, launch_cache._MISSING),
-        ("unaligned", launch_cache._SPECIALIZED, False, launch_cache._MISSING),
-        ("BLOCK", launch_cache._CONSTEXPR, True, 64),
+        (launch_cache._SPECIALIZED, True),
+        (launch_cache._PLAIN, True),
+        (launch_cache._SPECIALIZED, False),
     )
-    bind = make_binder(plan)
-    values = key_values()
+    base = torch.zeros(64, dtype=torch.int32)
+    values: list[object] = [0, 1, 16, 17, 1 << 40, base, base[1:], 1.5, True, None]
     for x, n, u in itertools.product(values, repeat=3):
-        keys, bound, options = bind(x, n, u, num_warps=2)
-        expected = tuple(
-            arg_key(v, kind, align) for v, (_, kind, align, _) in zip((x, n, u, 64), plan, strict=True)
-        )
-        assert keys == expected
-        assert bound == (x, n, u, 64) or any(isinstance(v, torch.Tensor) for v in (x, n, u))
-        assert options == {"num_warps": 2}
-    assert bind(1, 2, 3, BLOCK=True)[0][3] == (bool, True)
-    with pytest.raises(launch_cache.UnkeyedArgumentError):
-        bind(Sixteen.VALUE, 1, 1)
-    with pytest.raises(launch_cache.UnkeyedArgumentError):
-        bind(1 << 64, 1, 1)
-    with pytest.raises(TypeError):
-        bind(1, 2)
+        cache.clear()
+        cache.launch((1,), x, n, u, num_warps=2)
+        (key,) = cache._entries
+        parts = tuple(arg_key(v, kind, align) for v, (kind, align) in zip((x, n, u), plan, strict=True))
+        settings = (kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        assert key == (0, *parts, int, 64, ("num_warps", 2), *settings)
+        cache.launch((1,), x, n, u, num_warps=2)
+        assert driver.launches[-1].args == (x, n, u, 64)
+    slow = cache.slow_launches
+    cache.launch((1,), base, 1, 1, BLOCK=True)
+    assert any(key[4:6] == (bool, True) for key in cache._entries)  # another key than int 1
+    cache.launch((1,), Sixteen.VALUE, 1, 1)  # not keyed: through Triton
+    with pytest.raises(TypeError, match="unhashable"):  # through Triton, which raises
+        cache.launch((1,), 1, 2, 3, BLOCK=[64])
+    with pytest.raises(OverflowError):  # likewise
+        cache.launch((1,), 1 << 64, 1, 1)
+    assert cache.slow_launches == slow + 4
+    assert len(cache._entries) == 2
+    with pytest.raises(TypeError, match="unaligned"):
+        cache.launch((1,), 1, 2)
+    with pytest.raises(TypeError, match="multiple values"):
+        cache.launch((1,), 1, 2, 3, n=2)

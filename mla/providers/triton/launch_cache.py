@@ -11,22 +11,23 @@ directly on later calls with the same specialization::
     _FILL = LaunchCache(_fill_page_indices_kernel)
     _FILL.launch(grid, seq_lens, block_table, ..., BLOCK=1024, num_warps=4)
 
-Contract: :meth:`LaunchCache.launch` takes what ``kernel[grid](...)`` takes (``grid`` a tuple of
+Contract: :attr:`LaunchCache.launch` takes what ``kernel[grid](...)`` takes (``grid`` a tuple of
 1-3 ints, the kernel's parameters positionally or by name, launch options such as
 ``num_warps`` by name) and launches the same compiled kernel with the same arguments on the
-current device and stream.
+current device and stream; a missing or repeated argument raises ``TypeError`` naming it, as
+Triton does.
 
 How: the first call with a given key goes through ``kernel[grid](...)`` (compiling if needed),
 which returns the :class:`~triton.compiler.CompiledKernel` it launched; that kernel is stored
 under the key, and a later call with the same key calls its launcher the way ``JITFunction.run``
-does. The key is at least as fine as Triton's own: per argument the facts Triton specializes on
-(an int's width class i32/i64/u64, whether it is 1 and whether it is a multiple of 16, unless
-the parameter is in ``do_not_specialize``; a tensor's dtype and whether its address is 16-byte
-aligned; the type and value of a constexpr; a float or bool by type), plus the launch options,
-the debug and instrumentation settings and the current device. Two calls with the same key
-therefore get the same compiled kernel from Triton, so the cached one is the one Triton would
-launch. Values that are not specialized on (an int's value, a tensor's address) are passed
-through on every call.
+does, from one generated function per kernel (:func:`make_launcher`). The key is at least as
+fine as Triton's own: per argument the facts Triton specializes on (an int's width class
+i32/i64/u64, whether it is 1 and whether it is a multiple of 16, unless the parameter is in
+``do_not_specialize``; a tensor's dtype and whether its address is 16-byte aligned; the type and
+value of a constexpr; a float or bool by type), plus the launch options, the debug and
+instrumentation settings and the current device. Two calls with the same key therefore get the
+same compiled kernel from Triton, so the cached one is the one Triton would launch. Values that
+are not specialized on (an int's value, a tensor's address) are passed through on every call.
 
 Limits (each one sends the call through ``kernel[grid](...)``, so nothing changes but the cost):
 
@@ -36,8 +37,8 @@ Limits (each one sends the call through ``kernel[grid](...)``, so nothing change
 * the interpreter (``TRITON_INTERPRET=1``: the kernel is not a ``JITFunction``);
 * kernels with pre-run hooks or global values (Triton re-checks those per call), launch
   enter/exit hooks set in ``triton.knobs`` (profilers), arguments of other types (numpy
-  scalars, tuples, descriptors), unhashable constexprs or options, missing arguments, a grid
-  that is not a tuple of 1-3 sizes;
+  scalars, tuples, descriptors), unhashable constexprs or options, a grid that is not a tuple
+  of 1-3 sizes;
 * ``MLA_TRITON_LAUNCH_CACHE=0`` in the environment when this module is imported.
 
 The cache holds one entry per key (a few per call site: the keys differ only in alignment,
@@ -91,7 +92,11 @@ def _runtime() -> tuple[Any, Any, Any] | None:
     runtime = knobs.runtime
     if not all(hasattr(runtime, name) for name in ("debug", "launch_enter_hook", "launch_exit_hook")):
         return None
-    if not hasattr(knobs.compilation, "instrumentation_mode"):
+    if not hasattr(knobs.compilation, "instrumentation_mode") or not isinstance(
+        getattr(knobs, "HookChain", None), type
+    ):
+        return None
+    if not hasattr(driver, "_active"):
         return None
     return JITFunction, driver, knobs
 
@@ -145,7 +150,7 @@ def int_width(value: int) -> int:
 def arg_key(value: object, kind: int, align: bool) -> Hashable:
     """The part of the cache key for one argument: what Triton specializes a parameter of
     ``kind`` on (see the module docstring). Raises :class:`UnkeyedArgumentError` for a type
-    this module does not key. (The generated binder inlines the tensor and int cases.)"""
+    this module does not key. (The generated launch inlines the tensor and int cases.)"""
     if kind == _CONSTEXPR:
         return (type(value), value)
     if type(value) is int:
@@ -160,9 +165,10 @@ def arg_key(value: object, kind: int, align: bool) -> Hashable:
 
 def _arg_expr(name: str, kind: int, align: bool) -> str:
     """Python expression of :func:`arg_key` for one parameter, with the common tensor and int
-    cases inline (no call)."""
+    cases inline (no call); a constexpr's ``(type, value)`` as two elements of the key (a
+    constexpr's position in the key is fixed)."""
     if kind == _CONSTEXPR:
-        return f"(type({name}), {name})"
+        return f"type({name}), {name}"
     aligned = f"{name}.data_ptr() & 15 == 0" if align else "False"
     width = f"(0 if {_I32_MIN} <= {name} <= {_I32_MAX} else _lc_width({name}))"
     int_part = width if kind == _PLAIN else f"({width}, {name} == 1, {name} & 15 == 0)"
@@ -172,18 +178,36 @@ def _arg_expr(name: str, kind: int, align: bool) -> str:
     )
 
 
-def make_binder(plan: tuple[tuple[str, int, bool, object], ...]) -> Callable[..., Any]:
-    """A function taking the kernel's arguments as ``kernel[grid](...)`` does (positionally or
-    by name, defaults applied, launch options as extra keywords) and returning ``(arg_keys,
-    values, options)``: the per-argument key parts, every parameter's value in order and the
-    options dict. Generated once per kernel (as Triton generates its own binder), so binding is
-    Python's own and the key costs a few attribute reads per tensor. Raises ``TypeError`` for
-    a missing or repeated argument and :class:`UnkeyedArgumentError` for an argument it does
-    not key."""
+def make_launcher(
+    plan: tuple[tuple[str, int, bool, object], ...],
+    cache: LaunchCache,
+    runtime: tuple[Any, Any, Any],
+) -> Callable[..., None]:
+    """The fast launch of ``cache``'s kernel: a function taking ``(grid, *args, **kwargs)`` as
+    ``kernel[grid](...)`` does (the kernel's parameters positionally or by name, defaults
+    applied, launch options as extra keywords) that launches through the cached compiled kernel
+    of the call's key, or hands the call to ``cache``'s Triton path (:meth:`LaunchCache._slow`)
+    when a limit of the module docstring applies or the key is new.
+
+    Generated once per kernel (as Triton generates its own binder): binding is Python's own,
+    every argument's key part (:func:`arg_key`, with the tensor and int cases inline) and the
+    launch are one frame, and the key is one flat tuple ``(device, part per parameter...,
+    (option, value) pairs..., fn.debug, runtime debug, instrumentation mode)`` (a constexpr's
+    part is two elements, its type and value). A missing or repeated argument raises
+    ``TypeError`` naming it, as Triton does."""
+    _, driver, knobs = runtime
     namespace: dict[str, Any] = {
         "_lc_Tensor": torch.Tensor,
         "_lc_width": int_width,
         "_lc_key": arg_key,
+        "_lc_Unkeyed": UnkeyedArgumentError,
+        "_lc_HookChain": knobs.HookChain,
+        "_lc_cache": cache,
+        "_lc_entries": cache._entries,
+        "_lc_fn": cache.fn,
+        "_lc_driver": driver,
+        "_lc_rt": knobs.runtime,
+        "_lc_compilation": knobs.compilation,
     }
     params = []
     for i, (name, _, _, default) in enumerate(plan):
@@ -192,92 +216,80 @@ def make_binder(plan: tuple[tuple[str, int, bool, object], ...]) -> Callable[...
         else:
             namespace[f"_lc_default_{i}"] = default
             params.append(f"{name}=_lc_default_{i}")
-    keys = ", ".join(_arg_expr(name, kind, align) for name, kind, align, _ in plan)
-    values = ", ".join(name for name, _, _, _ in plan)
-    source = (
-        f"def _lc_bind({', '.join([*params, '**_lc_options'])}):\n"
-        f"    return ({keys},), ({values},), _lc_options\n"
+    keys = "".join(f"{_arg_expr(name, kind, align)}, " for name, kind, align, _ in plan)
+    values = "".join(f"{name}, " for name, _, _, _ in plan)
+    source = f"""\
+def _lc_launch({", ".join(["_lc_grid", *params, "**_lc_options"])}):
+    _lc_enter, _lc_exit = _lc_rt.launch_enter_hook, _lc_rt.launch_exit_hook
+    if (
+        type(_lc_grid) is not tuple
+        or not 0 < len(_lc_grid) <= 3
+        or _lc_fn.pre_run_hooks
+        or not (_lc_enter is None or (type(_lc_enter) is _lc_HookChain and not _lc_enter.calls))
+        or not (_lc_exit is None or (type(_lc_exit) is _lc_HookChain and not _lc_exit.calls))
+    ):
+        return _lc_cache._slow(_lc_grid, ({values}), _lc_options, None)
+    _lc_active = _lc_driver._active
+    if _lc_active is None:
+        _lc_active = _lc_driver.active
+    _lc_device = _lc_active.get_current_device()
+    try:
+        _lc_k = (
+            _lc_device, {keys}*_lc_options.items(),
+            _lc_fn.debug, _lc_rt.debug, _lc_compilation.instrumentation_mode,
+        )
+        _lc_entry = _lc_entries.get(_lc_k)
+    except (TypeError, _lc_Unkeyed):
+        return _lc_cache._slow(_lc_grid, ({values}), _lc_options, None)
+    if _lc_entry is None:
+        return _lc_cache._slow(_lc_grid, ({values}), _lc_options, _lc_k)
+    if len(_lc_grid) == 1:
+        _lc_g0, _lc_g1, _lc_g2 = _lc_grid[0], 1, 1
+    elif len(_lc_grid) == 2:
+        _lc_g0, _lc_g1, _lc_g2 = _lc_grid[0], _lc_grid[1], 1
+    else:
+        _lc_g0, _lc_g1, _lc_g2 = _lc_grid
+    _lc_entry[0](
+        _lc_g0, _lc_g1, _lc_g2, _lc_active.get_current_stream(_lc_device),
+        _lc_entry[1], _lc_entry[2], None, None, None, {values}
     )
-    exec(compile(source, f"<launch binder of {len(plan)} parameters>", "exec"), namespace)
-    binder: Callable[..., Any] = namespace["_lc_bind"]
-    return binder
+    _lc_cache.fast_launches += 1
+"""
+    exec(compile(source, f"<cached launch of {len(plan)} parameters>", "exec"), namespace)
+    launcher: Callable[..., None] = namespace["_lc_launch"]
+    return launcher
 
 
 class LaunchCache:
     """Launches one ``@triton.jit`` kernel, through its compiled kernel once one is known for
     the call's specialization (see the module docstring for the contract and the limits).
 
-    ``fast_launches`` and ``slow_launches`` count the launches of each kind (for tests and
-    benchmarks)."""
+    :attr:`launch` is ``fn[grid](*args, **kwargs)``: the generated fast launch
+    (:func:`make_launcher`) when the installed Triton and the kernel allow it (:attr:`active`),
+    else a plain call through Triton. ``fast_launches`` and ``slow_launches`` count the launches
+    of each kind (for tests and benchmarks)."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         runtime = _runtime() if ENABLED else None
-        self._runtime = runtime
         plan = None if runtime is None else _param_plan(fn, runtime[0])
-        self._bind = None if plan is None else make_binder(plan)
         self._entries: dict[tuple[Hashable, ...], tuple[Any, Any, Any]] = {}
         self.fast_launches = 0
         self.slow_launches = 0
-
-    @property
-    def active(self) -> bool:
+        self.active = plan is not None and runtime is not None
         """Whether launches can take the cached path (version, runtime and kernel checks passed)."""
-        return self._bind is not None
+        self.launch: Callable[..., None] = (
+            self._through_triton if plan is None or runtime is None else make_launcher(plan, self, runtime)
+        )
+        """``launch(grid, *args, **kwargs)``: ``fn[grid](*args, **kwargs)``, through the cached
+        compiled kernel when possible."""
 
     def clear(self) -> None:
         """Forget every cached compiled kernel (the next launch of each key goes through Triton)."""
         self._entries.clear()
 
-    def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        """``fn[grid](*args, **kwargs)``, through the cached compiled kernel when possible."""
-        bind, runtime, fn = self._bind, self._runtime, self.fn
-        if bind is None or runtime is None or fn.pre_run_hooks or type(grid) is not tuple:
-            self._slow(grid, args, kwargs, None)
-            return
-        size = len(grid)
-        _, driver, knobs = runtime
-        rt = knobs.runtime
-        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-        # Triton 3.6's hooks are chains that call nothing until a hook is added (a profiler):
-        # then, or for any other hook object, Triton's path runs them.
-        if not (
-            0 < size <= 3
-            and (enter is None or getattr(enter, "calls", None) == [])
-            and (leave is None or getattr(leave, "calls", None) == [])
-        ):
-            self._slow(grid, args, kwargs, None)
-            return
-        device = driver.active.get_current_device()
-        try:
-            arg_keys, values, options = bind(*args, **kwargs)
-            key = (
-                device,
-                arg_keys,
-                tuple(options.items()),
-                fn.debug,
-                rt.debug,
-                knobs.compilation.instrumentation_mode,
-            )
-            entry = self._entries.get(key)
-        except (TypeError, UnkeyedArgumentError):
-            # A missing or repeated argument (Triton raises its own error), an argument or an
-            # unhashable constexpr/option this module does not key.
-            self._slow(grid, args, kwargs, None)
-            return
-        if entry is None:
-            self._slow(grid, args, kwargs, key)
-            return
-        run, function, packed_metadata = entry
-        if size == 1:
-            grid_0, grid_1, grid_2 = grid[0], 1, 1
-        elif size == 2:
-            grid_0, grid_1, grid_2 = grid[0], grid[1], 1
-        else:
-            grid_0, grid_1, grid_2 = grid
-        stream = driver.active.get_current_stream(device)
-        run(grid_0, grid_1, grid_2, stream, function, packed_metadata, None, None, None, *values)
-        self.fast_launches += 1
+    def _through_triton(self, grid: Any, *args: Any, **kwargs: Any) -> None:
+        self._slow(grid, args, kwargs, None)
 
     def _slow(
         self,
