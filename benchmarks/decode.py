@@ -3,6 +3,7 @@
     python benchmarks/decode.py --vllm-decode PATH --plot docs/img/decode-h200.png --json OUT.json
     python benchmarks/decode.py --quick    # a smoke run: two small shapes
     python benchmarks/decode.py --sweep    # also time alternative Triton launch configs
+    python benchmarks/decode.py --only long verify --no-torch   # some cases of the matrix
 
 Every implementation is first checked against the torch reference provider on a slice of its
 requests (relative Frobenius error of o, max |Δlse|), then timed as CUDA-graph replays of one
@@ -521,6 +522,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="two small shapes only")
+    parser.add_argument(
+        "--only", nargs="+", metavar="CASE", help="only these cases of the matrix (mem, long, fp8, ...)"
+    )
     parser.add_argument("--sweep", action="store_true", help="also time alternative Triton launch configs")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     parser.add_argument("--json", help="write all rows to this file")
@@ -540,7 +544,13 @@ def main() -> None:
             vllm = _vllm.load(args.vllm_decode)
         else:
             print(f"# note: {args.vllm_decode} does not exist: the vllm column is skipped", flush=True)
-    rows, notes = run_matrix(QUICK if args.quick else MATRIX, with_torch=not args.no_torch, vllm=vllm)
+    shapes = QUICK if args.quick else MATRIX
+    if args.only:
+        names = {s.name for s in shapes}
+        if unknown := set(args.only) - names:
+            parser.error(f"--only: no case named {sorted(unknown)} (cases: {sorted(names)})")
+        shapes = [s for s in shapes if s.name in args.only]
+    rows, notes = run_matrix(shapes, with_torch=not args.no_torch, vllm=vllm)
     sweep = run_sweep() if args.sweep else []
     if args.json:
         with open(args.json, "w") as f:
