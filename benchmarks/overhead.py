@@ -46,18 +46,21 @@ import mla
 
 
 def _count_syncs(fn: Callable[[], Any]) -> int | str:
-    """Synchronizing calls (device-to-host copies, .item(), blocking copies) made by ``fn``."""
+    """Synchronizing calls (device-to-host copies, .item(), blocking copies) made by ``fn``: the
+    warnings of torch's sync debug mode. The mode is switched on outside the recording, because
+    the first switch of a process warns once itself ("Synchronization debug mode is a prototype
+    feature ...", which an earlier version of this count took for a copy of the first shape)."""
     if not torch.cuda.is_available():
         return "n/a"
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 class _OpCount(TorchDispatchMode):
