@@ -14,7 +14,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from mla.providers.triton.merge import MAX_BLOCK_S_SCHEDULED, MERGE_TILE, launch_merge, merge_tiles
+from mla.core.errors import PlanMismatchError
+from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.merge import (
+    MAX_BLOCK_S_SCHEDULED,
+    MERGE_TILE,
+    launch_merge,
+    merge_tiles,
+    split_work,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -128,3 +136,29 @@ def test_merge_tiles_golden(
     )
     assert (block_s, block_d) == expected
     assert block_s * block_d <= MERGE_TILE
+
+
+def test_split_work_sizes_the_non_persistent_partials_and_rejects_a_schedule_of_another_geometry() -> None:
+    """Non-persistent: ``requests × splits`` items with fp32 partials in the reduce's layout (one-
+    element stand-ins at one split); a planned schedule lends its buffers only to the geometry
+    it was allocated for."""
+    out = torch.empty(6, 4, 32)
+    indptr = torch.zeros(4, dtype=torch.int32)
+    common = {"num_requests": 3, "max_qlen": 2, "heads": 4, "rank": 32, "kv_indptr": indptr, "out": out}
+    num_work, part_o, part_lse, work_info, split_indptr = split_work(schedule=None, num_splits=5, **common)
+    assert num_work == 15
+    assert part_o.shape == (15, 2, 4, 32)
+    assert part_lse.shape == (15, 2, 4)
+    assert part_o.dtype == part_lse.dtype == torch.float32
+    assert work_info is indptr
+    assert split_indptr is indptr
+    _, part_o, part_lse, _, _ = split_work(schedule=None, num_splits=1, **common)
+    assert part_o.numel() == part_lse.numel() == 1
+    schedule = SplitKVSchedule.allocate(
+        max_batch=3, max_kernel_qlen=2, kernel_heads=4, kv_lora_rank=32, num_units=8, device=out.device
+    )
+    num_work, part_o, _, work_info, split_indptr = split_work(schedule=schedule, num_splits=1, **common)
+    assert (num_work, part_o, work_info) == (schedule.max_work, schedule.partial_o, schedule.work_info)
+    assert split_indptr is schedule.split_indptr
+    with pytest.raises(PlanMismatchError, match="another geometry"):
+        split_work(schedule=schedule, num_splits=1, **{**common, "max_qlen": 3})

@@ -28,7 +28,7 @@ from mla.providers.gluon.planner import (
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.decode import num_sms
-from mla.providers.triton.merge import launch_merge
+from mla.providers.triton.merge import launch_merge, split_work
 
 LOG2E = 1.4426950408889634
 
@@ -80,28 +80,11 @@ def launch_gluon_decode(
     lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
     unit_qlen = qo_indptr is None
     qo = kv_indptr if qo_indptr is None else qo_indptr
-    if schedule is None:
-        mode, num_splits = MODE_SPLIT, config.num_splits
-        num_work = num_requests * num_splits
-        if num_splits > 1:
-            part_o = torch.empty(num_work, max_qlen, heads, rank, dtype=torch.float32, device=out.device)
-            part_lse = torch.empty(num_work, max_qlen, heads, dtype=torch.float32, device=out.device)
-        else:
-            part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
-            part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
-        work_info, split_indptr = kv_indptr, kv_indptr
-    else:
-        mode, num_splits = MODE_SCHEDULED, 1
-        num_work = schedule.max_work
-        part_o, part_lse = schedule.partial_o, schedule.partial_lse
-        if part_o.shape[1] < max_qlen or part_o.shape[2] != heads or part_o.shape[3] != rank:
-            raise InvalidInputError(
-                "schedule",
-                f"partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
-                f"qlen {max_qlen} x {heads} heads x rank {rank}; allocate them with "
-                "decode_schedule_buffers for this kernel's heads and max qlen",
-            )
-        work_info, split_indptr = schedule.work_info, schedule.split_indptr
+    mode, num_splits = (MODE_SPLIT, config.num_splits) if schedule is None else (MODE_SCHEDULED, 1)
+    num_work, part_o, part_lse, work_info, split_indptr = split_work(
+        schedule=schedule, num_splits=num_splits, num_requests=num_requests, max_qlen=max_qlen,
+        heads=heads, rank=rank, kv_indptr=kv_indptr, out=out,
+    )  # fmt: skip
     common = (
         q_nope,
         q_pe,
@@ -134,41 +117,20 @@ def launch_gluon_decode(
         part_lse.stride(1),
         softmax_scale * LOG2E,
     )
+    constexprs = {
+        "H": heads, "L": rank, "R": rope, "BLOCK_N": config.block_n, "NUM_STAGES": config.num_stages,
+        "ROW_BLOCKS": row_blocks, "MODE": mode, "UNIT_QLEN": unit_qlen, "WRITE_LSE": write_lse,
+        "KV_FP8": kv_fp8,
+    }  # fmt: skip
+    grid = (num_work * row_blocks,)
     if config.transposed:
-        mla_decode_rows_kernel[(num_work * row_blocks,)](
-            *common,
-            scale_arg,
-            *strides,
-            H=heads,
-            L=rank,
-            R=rope,
-            NR=config.row_tile,
-            BLOCK_N=config.block_n,
-            NUM_STAGES=config.num_stages,
-            ROW_BLOCKS=row_blocks,
-            MODE=mode,
-            UNIT_QLEN=unit_qlen,
-            WRITE_LSE=write_lse,
-            KV_FP8=kv_fp8,
+        mla_decode_rows_kernel[grid](
+            *common, scale_arg, *strides, **constexprs, NR=config.row_tile,
             num_warps=4 if config.row_tile < BLOCK_M else 8,
-        )
+        )  # fmt: skip
     else:
-        mla_decode_kernel[(num_work * row_blocks,)](
-            *common,
-            scale_arg,
-            *strides,
-            H=heads,
-            L=rank,
-            R=rope,
-            BLOCK_N=config.block_n,
-            NUM_STAGES=config.num_stages,
-            ROW_BLOCKS=row_blocks,
-            MODE=mode,
-            UNIT_QLEN=unit_qlen,
-            WRITE_LSE=write_lse,
-            KV_FP8=kv_fp8,
-            OVERLAP=config.overlap,
-            num_warps=NUM_WARPS,
+        mla_decode_kernel[grid](
+            *common, scale_arg, *strides, **constexprs, OVERLAP=config.overlap, num_warps=NUM_WARPS
         )
     if mode == MODE_SPLIT and num_splits == 1:
         return

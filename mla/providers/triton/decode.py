@@ -35,7 +35,7 @@ import triton.language as tl
 from mla.core.errors import PlanMismatchError
 from mla.providers.calls import PagedDecodeCall
 from mla.providers.split_kv import SplitKVSchedule
-from mla.providers.triton.merge import launch_merge, request_rows
+from mla.providers.triton.merge import launch_merge, request_rows, split_work
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
 
 LOG2E = 1.4426950408889634
@@ -311,27 +311,11 @@ def launch_decode(
     write_lse = lse is not None
     lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
     scale_arg = kv_scale if kv_scale is not None else lse_arg
-    if schedule is None:
-        mode, num_splits = _MODE_SPLIT, config.num_splits
-        num_work = num_requests * num_splits
-        if num_splits > 1:
-            part_o = torch.empty(num_work, max_qlen, heads, rank, dtype=torch.float32, device=out.device)
-            part_lse = torch.empty(num_work, max_qlen, heads, dtype=torch.float32, device=out.device)
-        else:
-            part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
-            part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
-        work_info, split_indptr = kv_indptr, kv_indptr
-    else:
-        mode, num_splits = _MODE_SCHEDULED, 1
-        num_work = schedule.max_work
-        part_o, part_lse = schedule.partial_o, schedule.partial_lse
-        if part_o.shape[1] < max_qlen or part_o.shape[2] != heads or part_o.shape[3] != rank:
-            raise PlanMismatchError(
-                f"schedule: partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
-                f"qlen {max_qlen} x {heads} heads x rank {rank}; allocate them with "
-                "decode_schedule_buffers for this kernel's heads and max qlen",
-            )
-        work_info, split_indptr = schedule.work_info, schedule.split_indptr
+    mode, num_splits = (_MODE_SPLIT, config.num_splits) if schedule is None else (_MODE_SCHEDULED, 1)
+    num_work, part_o, part_lse, work_info, split_indptr = split_work(
+        schedule=schedule, num_splits=num_splits, num_requests=num_requests, max_qlen=max_qlen,
+        heads=heads, rank=rank, kv_indptr=kv_indptr, out=out,
+    )  # fmt: skip
     _mla_decode_kernel[(num_work * row_blocks,)](
         q_nope,
         q_pe,

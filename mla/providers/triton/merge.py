@@ -3,7 +3,8 @@
 
 Shared by the Triton and Gluon decode kernels, which write partials in one layout:
 ``part_o [W, max_qlen, H, L]`` (normalised partial outputs) and ``part_lse [W, max_qlen, H]``
-(natural-log partial LSEs) of ``W`` work items.
+(natural-log partial LSEs) of ``W`` work items; :func:`split_work` gives a launch its work items
+and partial buffers.
 
 A program owns one query row of one head and ``BLOCK_D`` latent lanes, and merges the request's
 splits in one pass, ``BLOCK_S`` splits per step, with a running maximum (the loads of a step do
@@ -22,6 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mla.core.errors import PlanMismatchError
+from mla.providers.split_kv import SplitKVSchedule
 
 MERGE_TILE = 8192
 """fp32 elements of one ``[BLOCK_S, BLOCK_D]`` step (32 KB: 64 registers a thread on 4 warps)."""
@@ -124,6 +128,44 @@ def _merge_splits_kernel(
         )
 
 
+def split_work(
+    *,
+    schedule: SplitKVSchedule | None,
+    num_splits: int,
+    num_requests: int,
+    max_qlen: int,
+    heads: int,
+    rank: int,
+    kv_indptr: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(num_work, part_o, part_lse, work_info, split_indptr)`` of one decode launch.
+
+    ``schedule is None`` (non-persistent): ``num_requests * num_splits`` items, fresh fp32
+    partial buffers when ``num_splits > 1`` (one-element stand-ins otherwise: every item writes
+    its request's output directly), and ``kv_indptr`` as the unused schedule pointers. A planned
+    ``schedule``: its ``max_work`` items, work list and partial buffers, which must hold
+    ``max_qlen`` rows of ``heads`` heads and ``rank`` lanes (:class:`PlanMismatchError`
+    otherwise)."""
+    if schedule is None:
+        num_work = num_requests * num_splits
+        if num_splits > 1:
+            part_o = torch.empty(num_work, max_qlen, heads, rank, dtype=torch.float32, device=out.device)
+            part_lse = torch.empty(num_work, max_qlen, heads, dtype=torch.float32, device=out.device)
+        else:
+            part_o = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+            part_lse = out.new_empty(1, 1, 1, dtype=torch.float32)
+        return num_work, part_o, part_lse, kv_indptr, kv_indptr
+    part_o = schedule.partial_o
+    if part_o.shape[1] < max_qlen or part_o.shape[2] != heads or part_o.shape[3] != rank:
+        raise PlanMismatchError(
+            f"schedule: partial buffers {tuple(part_o.shape)} were allocated for another geometry than "
+            f"qlen {max_qlen} x {heads} heads x rank {rank}; allocate them with "
+            "decode_schedule_buffers for this kernel's heads and max qlen"
+        )
+    return schedule.max_work, part_o, schedule.partial_lse, schedule.work_info, schedule.split_indptr
+
+
 def merge_tiles(
     *, num_requests: int, max_qlen: int, heads: int, rank: int, num_splits: int | None, num_sms: int
 ) -> tuple[int, int]:
@@ -206,4 +248,4 @@ def launch_merge(
     )
 
 
-__all__ = ["MERGE_TILE", "launch_merge", "merge_tiles", "request_rows"]
+__all__ = ["MERGE_TILE", "launch_merge", "merge_tiles", "request_rows", "split_work"]
