@@ -51,6 +51,50 @@ MODE_SCHEDULED = 1
 
 
 @gluon.jit
+def _work_range(
+    req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
+    MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """``(kv_start, kv_len, lo, hi, direct, q_start, qlen)`` of work item ``work`` of request
+    ``req``: the request's KV span, the item's key range ``[lo, hi)`` (its split of
+    ``num_splits`` tile-aligned chunks, or the schedule's ``work_info`` row), whether it covers
+    the whole request (output written directly), and the request's query rows (from
+    ``qo_indptr``, or row ``req`` alone with ``UNIT_QLEN``). Shared by both Gluon kernels."""
+    kv_start = gl.load(kv_indptr_ptr + req)
+    kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+    if MODE == 0:
+        split = work % num_splits
+        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, kv_len)
+        direct = num_splits == 1
+    else:
+        lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
+        hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
+        direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
+    if UNIT_QLEN:
+        q_start = req
+        qlen = 1
+    else:
+        q_start = gl.load(qo_indptr_ptr + req)
+        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
+    return kv_start, kv_len, lo, hi, direct, q_start, qlen
+
+
+@gluon.jit
+def _scales(sm_scale_log2, kv_scale_ptr, KV_FP8: gl.constexpr):
+    """``(qk_scale, v_scale)``: the score scale (log2 domain) and the output scale, with an fp8
+    cache's per-tensor scale read on the device and folded into both."""
+    qk_scale = sm_scale_log2
+    v_scale = 1.0
+    if KV_FP8:
+        kv_scale = gl.load(kv_scale_ptr)
+        qk_scale = qk_scale * kv_scale
+        v_scale = kv_scale
+    return qk_scale, v_scale
+
+
+@gluon.jit
 def _row_info(rb, qlen, kv_len, H: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """Query row ordinal, head, validity and causal key limit of the 64 packed rows (``layout``)."""
     rows = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
@@ -226,35 +270,15 @@ def mla_decode_kernel(
     work = pid // ROW_BLOCKS
     if MODE == 0:
         req = work // num_splits
-        split = work % num_splits
-        kv_start = gl.load(kv_indptr_ptr + req)
-        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
-        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, kv_len)
-        direct = num_splits == 1
     else:
         req = gl.load(work_info_ptr + work * 4)
         if req < 0:
             return
-        kv_start = gl.load(kv_indptr_ptr + req)
-        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
-        lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
-        hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
-        direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = gl.load(qo_indptr_ptr + req)
-        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
-
-    qk_scale = sm_scale_log2
-    v_scale = 1.0
-    if KV_FP8:
-        kv_scale = gl.load(kv_scale_ptr)
-        qk_scale = qk_scale * kv_scale
-        v_scale = kv_scale
+    kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
+        MODE, UNIT_QLEN, BLOCK_N,
+    )  # fmt: skip
+    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8)
 
     # -- shared memory ---------------------------------------------------------------------------
     q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)

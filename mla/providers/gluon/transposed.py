@@ -41,7 +41,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _issue_ids, _issue_tile, _mma_operands, _refill_ring
+from mla.providers.gluon.kernels import (
+    _issue_ids,
+    _issue_tile,
+    _mma_operands,
+    _refill_ring,
+    _scales,
+    _work_range,
+)
 
 
 @gluon.jit
@@ -134,35 +141,15 @@ def mla_decode_rows_kernel(
     work = pid // ROW_BLOCKS
     if MODE == 0:
         req = work // num_splits
-        split = work % num_splits
-        kv_start = gl.load(kv_indptr_ptr + req)
-        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
-        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = gl.minimum(lo + chunk, kv_len)
-        direct = num_splits == 1
     else:
         req = gl.load(work_info_ptr + work * 4)
         if req < 0:
             return
-        kv_start = gl.load(kv_indptr_ptr + req)
-        kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
-        lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
-        hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
-        direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = gl.load(qo_indptr_ptr + req)
-        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
-
-    qk_scale = sm_scale_log2
-    v_scale = 1.0
-    if KV_FP8:
-        kv_scale = gl.load(kv_scale_ptr)
-        qk_scale = qk_scale * kv_scale
-        v_scale = kv_scale
+    kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
+        MODE, UNIT_QLEN, BLOCK_N,
+    )  # fmt: skip
+    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8)
 
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
