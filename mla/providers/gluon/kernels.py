@@ -20,8 +20,8 @@ Per program (8 warps = two warpgroups):
   64×512 fp32 output (128 registers per thread) and computes half of the score columns; the
   row max/sum of the online softmax (exp2 domain, fp32) cross the warpgroups through shared
   memory (compiler-generated reductions), and P reaches the PV MMA as a register operand;
-* fp8 caches (``KV_FP8``) are gathered as fp8 (half the bytes) into an fp8 ring and widened,
-  16 rows at a time, into one bf16/fp16 tile in shared memory that the MMAs read (Hopper's fp8
+* fp8 caches (``KV_FP8``) are gathered as fp8 (half the bytes) into an unswizzled fp8 ring and
+  widened, 16 rows at a time and 8 values per thread (no bank conflicts), into one bf16/fp16 tile in shared memory that the MMAs read (Hopper's fp8
   wgmma needs both operands K-major, which V in the row-major tile is not). The per-tensor scale
   is read on the device from a one-element float32 tensor and folded into the score scale and
   the output, so a captured graph sees updates.
@@ -255,13 +255,17 @@ def mla_decode_kernel(
     # fp8 rows are gathered 16 elements (16 bytes) per thread.
     lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
     rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
-    kv_elem_bits: gl.constexpr = 8 if KV_FP8 else 16
+    # The fp8 ring is unswizzled (no MMA reads it) and is widened 8 values per thread, so the
+    # reads (8 bytes) and the fp16 writes (16 bytes, one 128-byte swizzle chunk) are free of
+    # bank conflicts.
+    wlat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    wrope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ring_smem: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128 if kv_elem_bits == 16 else 64, element_bitwidth=kv_elem_bits, rank=2
+    ring_smem: gl.constexpr = (
+        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]) if KV_FP8 else mma_smem
     )
 
     # -- the work item ---------------------------------------------------------------------------
@@ -344,7 +348,7 @@ def mla_decode_kernel(
         async_copy.wait_group(NUM_STAGES - 2)
         k_lat, k_rope = _mma_operands(
             lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
-            lat_ld, rope_ld, dtype,
+            wlat_ld, wrope_ld, dtype,
         )  # fmt: skip
         sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -373,7 +377,7 @@ def mla_decode_kernel(
             # Tile t+1 (zero rows past the last tile: its scores are never used).
             k_lat, k_rope = _mma_operands(
                 lat_ring, rope_ring, lat_wide, rope_wide, t + 1, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
-                lat_ld, rope_ld, dtype,
+                wlat_ld, wrope_ld, dtype,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -387,7 +391,7 @@ def mla_decode_kernel(
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
                 lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
-                lat_ld, rope_ld, dtype,
+                wlat_ld, wrope_ld, dtype,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)

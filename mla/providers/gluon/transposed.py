@@ -19,12 +19,13 @@ ids, the cp.async KV ring, the work items (non-persistent splits, planned schedu
 rows) and the outputs (direct, or fp32 partials for the split reduce) are those of
 :mod:`.kernels`.
 
-fp8 caches (``KV_FP8``) are gathered as fp8 (a 64-token tile is 36 KB) into one ring slot and
-widened once per tile into one of two fp16 tiles in shared memory that both MMAs read. The
-loop is software-pipelined: while the QKᵀ of tile t runs on the tensor cores, the warps widen
-tile t+1 (already landed) into the other buffer and start the load of tile t+2 into the freed
-slot, so widening overlaps the MMAs and the load of a tile overlaps the softmax and PV of the
-one before. The per-tensor scale, read on the device from a one-element float32 tensor, is
+fp8 caches (``KV_FP8``) are gathered as fp8 (a 64-token tile is 36 KB) into a ring of
+``NUM_STAGES`` unswizzled slots and widened once per tile into one fp16 tile in shared memory
+that both MMAs read. A slot is refilled with the tile ``NUM_STAGES`` ahead as soon as its tile
+is widened. The widening moves 8 values per thread so that neither its reads nor its writes
+into the 128-byte-swizzled fp16 tile conflict on a bank: with 16 values per thread (two
+conflicting 16-byte writes and a 64-byte-swizzled ring) it took a quarter of the kernel's time.
+The per-tensor scale, read on the device from a one-element float32 tensor, is
 folded into the score scale and the output. With an fp8 cache
 the MMAs run in fp16 (fp8 widens to fp16 in one conversion per two values and fp16 holds every
 fp8 value exactly); the query is rounded to fp16, as in the Triton provider's fp8 path.
@@ -123,16 +124,20 @@ def mla_decode_rows_kernel(
     # fp8 rows are gathered 16 elements (16 bytes) per thread.
     lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
     rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
+    # The fp8 ring is unswizzled (no MMA reads it) and is widened 8 values per thread, so the
+    # reads (8 bytes) and the fp16 writes (16 bytes, one 128-byte swizzle chunk) are free of
+    # bank conflicts.
+    wlat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    wrope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    # fp8: one ring slot (the tile in flight) and two widened tiles (the one the MMAs read, the
-    # next one being widened); token ids run four tiles ahead.
-    RING: gl.constexpr = 1 if KV_FP8 else NUM_STAGES
-    ID_SLOTS: gl.constexpr = 4 if KV_FP8 else 2 * NUM_STAGES
+    # fp8: a ring of NUM_STAGES fp8 slots, all in flight while one widened fp16 tile feeds the
+    # MMAs (a slot is refilled as soon as its tile is widened); token ids run a ring ahead.
+    ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
     ring_smem: gl.constexpr = (
-        gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2) if KV_FP8 else mma_smem
+        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]) if KV_FP8 else mma_smem
     )
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
@@ -154,23 +159,25 @@ def mla_decode_rows_kernel(
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_smem_layout)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [RING, BLOCK_N, L], ring_smem)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [RING, BLOCK_N, R], ring_smem)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
     if KV_FP8:
-        lat_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
-        rope_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], mma_smem)
+        lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
+        rope_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R], mma_smem)
     else:
         lat_wide = lat_ring
         rope_wide = rope_ring
 
     index_base = kv_indices_ptr + kv_start
+    # fp8 refills a slot right after widening its tile, so all NUM_STAGES tiles start in flight.
+    AHEAD: gl.constexpr = NUM_STAGES if KV_FP8 else NUM_STAGES - 1
     for j in gl.static_range(ID_SLOTS if KV_FP8 else 2 * NUM_STAGES - 1):
         _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
-    for st in gl.static_range(1 if KV_FP8 else NUM_STAGES - 1):
+    for st in gl.static_range(AHEAD):
         _issue_tile(
             kv_ptr, idx_ring, st, lo, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
             L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
@@ -205,38 +212,23 @@ def mla_decode_rows_kernel(
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    if KV_FP8:
-        # Tile 0 widened before the loop (its fence and barrier also publish the query tile),
-        # tile 1 in flight.
-        async_copy.wait_group(0)
-        _mma_operands(
-            lat_ring, rope_ring, lat_wide, rope_wide, 0, 1, 2, BLOCK_N, True, lat_ld, rope_ld, dtype
-        )  # fmt: skip
-        _issue_tile(
-            kv_ptr, idx_ring, 1, lo, hi, stride_kv, lat_ring.index(0), rope_ring.index(0),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
-        )  # fmt: skip
-        async_copy.commit_group()
     for t in range(n_tiles):
         if KV_FP8:
-            # QKᵀ of tile t runs on the tensor cores while the warps widen tile t+1 into the
-            # other buffer and refill the ring with tile t+2.
-            k_lat = lat_wide.index(t % 2)
-            k_rope = rope_wide.index(t % 2)
-            sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
-            if t + 1 < n_tiles:
-                async_copy.wait_group(0)
-                _mma_operands(
-                    lat_ring, rope_ring, lat_wide, rope_wide, t + 1, 1, 2, BLOCK_N, True,
-                    lat_ld, rope_ld, dtype,
-                )  # fmt: skip
-                _issue_tile(
-                    kv_ptr, idx_ring, t + 2, lo, hi, stride_kv, lat_ring.index(0), rope_ring.index(0),
-                    L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
-                )  # fmt: skip
-                _issue_ids(index_base, idx_ring, t + 4, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
-                async_copy.commit_group()
+            # Tile t landed (tiles t+1 .. t+NUM_STAGES-1 still in flight): widen it (the barrier
+            # inside also tells that every warp is past the last tile's PV), then refill its slot
+            # with tile t+NUM_STAGES, whose ids came with tile t, and fetch the ids a ring further.
+            async_copy.wait_group(NUM_STAGES - 1)
+            k_lat, k_rope = _mma_operands(
+                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, True,
+                wlat_ld, wrope_ld, dtype,
+            )  # fmt: skip
+            ahead = t + NUM_STAGES
+            _issue_tile(
+                kv_ptr, idx_ring, ahead, lo, hi, stride_kv, lat_ring.index(t % NUM_STAGES),
+                rope_ring.index(t % NUM_STAGES), L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            )  # fmt: skip
+            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+            async_copy.commit_group()
         else:
             _refill_ring(
                 kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
@@ -245,10 +237,10 @@ def mla_decode_rows_kernel(
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
                 lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, False,
-                lat_ld, rope_ld, dtype,
+                wlat_ld, wrope_ld, dtype,
             )  # fmt: skip
-            sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
         n = t * BLOCK_N + lo + offs_n
