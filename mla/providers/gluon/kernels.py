@@ -21,10 +21,11 @@ Per program (8 warps = two warpgroups):
   row max/sum of the online softmax (exp2 domain, fp32) cross the warpgroups through shared
   memory (compiler-generated reductions), and P reaches the PV MMA as a register operand;
 * fp8 caches (``KV_FP8``) are gathered as fp8 (half the bytes) into an unswizzled fp8 ring and
-  widened, 16 rows at a time and 8 values per thread (no bank conflicts), into one bf16/fp16 tile in shared memory that the MMAs read (Hopper's fp8
-  wgmma needs both operands K-major, which V in the row-major tile is not). The per-tensor scale
-  is read on the device from a one-element float32 tensor and folded into the score scale and
-  the output, so a captured graph sees updates.
+  widened, 16 rows at a time and 8 values per thread (no bank conflicts), into one bf16/fp16
+  tile in shared memory that the MMAs read (Hopper's fp8 wgmma needs both operands K-major,
+  which V in the row-major tile is not). The per-tensor scale is read on the device from a
+  one-element float32 tensor and folded into the score scale and the output, so a captured
+  graph sees updates.
 
 Work items covering a whole request write ``out``/``lse`` directly; split items write fp32
 partials (normalised o, natural-log lse) for the Triton provider's split reduce. Rows with no
