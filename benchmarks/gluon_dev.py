@@ -134,8 +134,7 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
         if splits:
             auto = launch_config(
                 batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
-                num_sms=num_sms(c["q"].device),
-                kv_elem_size=c["cache"].element_size(), persistent=False,
+                num_sms=num_sms(c["q"].device), persistent=False,
             )  # fmt: skip
             config = attrs.evolve(auto, num_splits=int(splits))
     gd.paged_decode(
@@ -223,7 +222,7 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         prob = Problem(shape, dev)
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), kv_elem_size=2, persistent=False,
+            num_sms=num_sms(dev), persistent=False,
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
@@ -296,15 +295,14 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         shapes = [s for s in shapes if s.name in only]
     for shape in shapes:
         prob = Problem(shape, dev)
-        kv_elem = prob.cache.element_size()
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), kv_elem_size=kv_elem, persistent=False,
+            num_sms=num_sms(dev), persistent=False,
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
             num_units=schedule_units(
-                num_sms=num_sms(dev), rows=shape.heads * shape.qlen, kv_elem_size=kv_elem
+                num_sms=num_sms(dev), rows=shape.heads * shape.qlen
             ),
             device=dev, min_chunk=256,
         )  # fmt: skip

@@ -111,9 +111,9 @@ def test_paged_decode_variants(
     ref_out, ref_lse = _reference(data, qlens, lens)
     out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
     lse = None if variant == "no_lse" else torch.full((q.shape[0], heads), math.nan, device="cuda")
-    rows, kv_elem = heads * max(qlens), data[1].element_size()
+    rows = heads * max(qlens)
     auto = launch_config(
-        batch=len(lens), rows=rows, max_seqlen_k=max(lens), num_sms=num_sms(q.device), kv_elem_size=kv_elem,
+        batch=len(lens), rows=rows, max_seqlen_k=max(lens), num_sms=num_sms(q.device),
         persistent=False,
     )  # fmt: skip
     schedule, config = None, None
@@ -122,7 +122,7 @@ def test_paged_decode_variants(
     elif variant == "schedule":
         schedule = SplitKVSchedule.allocate(
             max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads, kv_lora_rank=RANK,
-            num_units=schedule_units(num_sms=num_sms(q.device), rows=rows, kv_elem_size=kv_elem),
+            num_units=schedule_units(num_sms=num_sms(q.device), rows=rows),
             device=q.device, min_chunk=256,
         )  # fmt: skip
         plan_split_kv(schedule, data[2], len(lens))

@@ -11,8 +11,6 @@ from hypothesis import strategies as st
 
 from mla.providers.gluon.planner import (
     BLOCK_M,
-    FP8_FEW_ROWS_STAGES,
-    FP8_ON_GLUON,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     GluonLaunchConfig,
@@ -38,7 +36,7 @@ def test_wave_splits_is_the_smallest_best_split(programs: int, slots: int, cap: 
 
 
 def _cfg(**kw: object) -> GluonLaunchConfig:
-    return launch_config(**{"num_sms": 132, "kv_elem_size": 2, "persistent": False, **kw})  # type: ignore[arg-type]
+    return launch_config(**{"num_sms": 132, "persistent": False, **kw})  # type: ignore[arg-type]
 
 
 def test_launch_config_examples() -> None:
@@ -47,10 +45,6 @@ def test_launch_config_examples() -> None:
     # 24 and 32 rows take the 32-row tile, 33 rows the 64-row kernel.
     assert _cfg(batch=8, rows=24, max_seqlen_k=512).row_tile == 32
     assert _cfg(batch=8, rows=33, max_seqlen_k=512).row_tile == BLOCK_M
-    # fp8 caches take the few-rows kernel with a three-stage ring up to 32 rows, else 64 rows.
-    fp8 = _cfg(batch=8, rows=16, max_seqlen_k=512, kv_elem_size=1)
-    assert (fp8.row_tile, fp8.num_stages) == (16, FP8_FEW_ROWS_STAGES)
-    assert _cfg(batch=8, rows=48, max_seqlen_k=512, kv_elem_size=1).row_tile == BLOCK_M
     # One long request is cut into MAX_SPLITS pieces.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536).num_splits == MAX_SPLITS
     # 128 heads are two 64-row blocks: 128 programs already fill the wave.
@@ -63,9 +57,7 @@ def test_launch_config_examples() -> None:
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
 def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int, sms: int) -> None:
-    cfg = launch_config(
-        batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, kv_elem_size=2, persistent=False
-    )
+    cfg = launch_config(batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=False)
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
     assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)
@@ -78,7 +70,7 @@ def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int,
 )
 def test_schedule_units_is_a_power_of_two_per_wave(sms: int, rows: int, units: int) -> None:
     assert schedule_units(num_sms=sms, rows=rows) == units
-    assert schedule_units(num_sms=sms, rows=rows, kv_elem_size=1) <= units
+    assert schedule_units(num_sms=sms, rows=rows) <= units
 
 
 def test_kernel_choice_and_reasons() -> None:
@@ -94,14 +86,13 @@ def test_kernel_choice_and_reasons() -> None:
     kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp16, kv_lora_rank=512, rope_dim=64)
     assert kernel == "triton"
     assert "differs" in why
-    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64)
+    for cache in (fp8, torch.float8_e5m2):
+        kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=cache, kv_lora_rank=512, rope_dim=64)
+        assert kernel == "gluon"
+        assert "fp8" in why
+    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=576, rope_dim=64)
     assert kernel == "triton"
-    assert "fp8" in why
-    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64, rows=33)
-    assert kernel == "triton"
-    kernel, why = decode_kernel(q_dtype=bf16, kv_dtype=fp8, kv_lora_rank=512, rope_dim=64, rows=32)
-    assert kernel == ("gluon" if FP8_ON_GLUON else "triton")
-    assert "fp8" in why
+    assert "512+64" in why
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.planner import (
     BLOCK_M,
-    FP8_KV_DTYPES,
     NUM_WARPS,
     GluonLaunchConfig,
     check_config,
@@ -65,7 +64,7 @@ def launch_gluon_decode(
     kernel, why = decode_kernel(
         q_dtype=q_nope.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope
     )
-    if kernel != "gluon" and not (kv_cache.dtype in FP8_KV_DTYPES and (rank, rope) == (512, 64)):
+    if kernel != "gluon":
         raise InvalidInputError("q", f"not a Gluon kernel case ({why}); run it on the Triton provider")
     rows = heads * max_qlen
     if num_requests == 0 or rows == 0:
@@ -164,7 +163,6 @@ def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = No
             rows=q.shape[1] * call.max_qlen,
             max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(q.device),
-            kv_elem_size=call.kv_cache.element_size(),
             persistent=schedule is not None,
         )
     launch_gluon_decode(
@@ -195,7 +193,6 @@ def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | 
             rows=call.q_nope.shape[1],
             max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(call.q_nope.device),
-            kv_elem_size=call.kv_cache.element_size(),
             persistent=False,
         )
     launch_gluon_decode(

@@ -77,7 +77,11 @@ class GluonLaunchConfig:
     block_n: int = 64
     """KV tokens per tile (the wgmma N of QKᵀ and K of PV)."""
     num_stages: int = 2
-    """Depth of the shared-memory KV ring (tiles in flight = ``num_stages - 1``)."""
+    """Depth of the shared-memory KV ring (16-bit caches: tiles in flight = ``num_stages - 1``;
+    the few-rows kernel's fp8 ring refills a slot once its tile is widened into the one fp16
+    tile, so all ``num_stages`` fp8 tiles are in flight). Two stages fill the shared memory of
+    the 16-bit kernels; on fp8, three measured within 1% of two (H200, 2026-12-01: 285.8 against
+    287.6 µs at H16 q1 B128 S8192, 91.9 against 88.8 µs at q2 B64 S4096)."""
     num_splits: int = 1
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
     overlap: bool = False
@@ -95,29 +99,16 @@ class GluonLaunchConfig:
         return -(-rows // self.row_tile)
 
 
-FP8_ON_GLUON = True
-"""Whether fp8 caches run on the Gluon kernels where they are measured faster: the transposed
-few-rows kernel (heads × qlen <= :data:`FEW_ROWS_MAX`), with an fp8 ring widened once per tile
-to fp16. Above that the 64-row kernel's fp8 path (635 µs at H16 q1 B128 S8192 on the H200,
-2026-12-01) lost to the Triton provider's kernel (514 µs), so those run on the Triton kernel."""
-FP8_FEW_ROWS_STAGES = 2
-"""KV ring depth of the few-rows kernel on fp8 caches: two fp8 slots (36 KB each) beside one
-widened fp16 tile (72 KB), 165 KB of shared memory at 16 rows, 186 KB at 32; a slot is refilled
-as soon as its tile is widened. Three slots measured within 1% (H200, 2026-12-01: 285.8 against
-287.6 µs at H16 q1 B128 S8192, 91.9 against 88.8 µs at q2 B64 S4096): the per-tile work, not
-the bytes in flight, sets the fp8 pace."""
-
-
 def decode_kernel(
-    *, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int, rows: int | None = None
+    *, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int
 ) -> tuple[str, str]:
-    """Which kernel serves a decode of ``rows`` = heads × qlen packed rows: ``("gluon", why)``
-    or ``("triton", why)``.
+    """Which kernel serves a decode: ``("gluon", why)`` or ``("triton", why)``.
 
-    The Gluon kernels are built for 16-bit queries, a cache of the query's dtype (or fp8 e4m3 /
-    e5m2 when :data:`FP8_ON_GLUON`, on the few-rows kernel: ``rows`` <= :data:`FEW_ROWS_MAX`;
-    ``rows=None`` means unknown, and fp8 then reads as the Triton kernel's) and the 512 + 64
-    latent/rope split; everything else runs on the Triton provider's decode kernel.
+    The Gluon kernels are built for 16-bit queries, a cache of the query's dtype or fp8 (e4m3 /
+    e5m2, widened to fp16 in shared memory) and the 512 + 64 latent/rope split; everything else
+    runs on the Triton provider's decode kernel. Both Gluon kernels measured faster on fp8 than
+    the Triton kernel (H200, 2026-12-01, kernel µs: H16 q1 B128 S8192 286 against 514, H16 q4
+    B64 S4096 157 against 472, H128 q1 B64 S4096 302 against 912).
     """
     if (kv_lora_rank, rope_dim) != (SUPPORTED_LATENT, SUPPORTED_ROPE):
         return "triton", (
@@ -127,12 +118,7 @@ def decode_kernel(
     if q_dtype not in (torch.bfloat16, torch.float16):
         return "triton", f"query dtype {q_dtype}: the Gluon kernel takes bf16/fp16 queries"
     if kv_dtype in FP8_KV_DTYPES:
-        if FP8_ON_GLUON and rows is not None and rows <= FEW_ROWS_MAX:
-            return "gluon", f"fp8 cache, {rows} heads x qlen rows: the Gluon few-rows kernel"
-        return "triton", (
-            f"fp8 cache above {FEW_ROWS_MAX} heads x qlen rows: the Triton kernel measured faster "
-            "on the H200 than the Gluon 64-row fp8 path (514 vs 635 us)"
-        )
+        return "gluon", f"fp8 cache ({kv_dtype}), widened to fp16 in shared memory, 512+64 dims"
     if kv_dtype != q_dtype:
         return "triton", f"cache dtype {kv_dtype} differs from the query dtype {q_dtype}"
     return "gluon", "16-bit cache, 512+64 dims"
@@ -151,16 +137,14 @@ def wave_splits(programs: int, *, slots: int, cap: int) -> int:
 
 
 def launch_config(
-    *, batch: int, rows: int, max_seqlen_k: int, num_sms: int, kv_elem_size: int, persistent: bool
+    *, batch: int, rows: int, max_seqlen_k: int, num_sms: int, persistent: bool
 ) -> GluonLaunchConfig:
-    """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows.
+    """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows
+    (the same for 16-bit and fp8 caches).
 
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
-    ``kv_elem_size`` 1 (fp8) deepens the few-rows kernel's ring to :data:`FP8_FEW_ROWS_STAGES`.
     """
-    row_tile = few_rows_tile(rows, kv_elem_size=kv_elem_size)
-    stages = FP8_FEW_ROWS_STAGES if kv_elem_size == 1 and row_tile != BLOCK_M else 2
-    tile = GluonLaunchConfig(row_tile=row_tile, num_stages=stages)
+    tile = GluonLaunchConfig(row_tile=few_rows_tile(rows))
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
@@ -189,19 +173,17 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
         )
 
 
-def few_rows_tile(rows: int, *, kv_elem_size: int) -> int:
-    """The row tile for ``rows`` packed rows: 16 or 32 (transposed kernel) when they fit, else
-    64. ``kv_elem_size`` is 2 (16-bit cache) or 1 (fp8, on the few-rows kernel only when
-    :data:`FP8_ON_GLUON`)."""
-    if rows <= FEW_ROWS_MAX and (kv_elem_size == 2 or FP8_ON_GLUON):
+def few_rows_tile(rows: int) -> int:
+    """The row tile for ``rows`` packed rows: 16 or 32 (transposed kernel) when they fit, else 64."""
+    if rows <= FEW_ROWS_MAX:
         return 16 if rows <= 16 else 32
     return BLOCK_M
 
 
-def schedule_units(*, num_sms: int, rows: int, kv_elem_size: int = 2) -> int:
+def schedule_units(*, num_sms: int, rows: int) -> int:
     """Work items the persistent planner aims for: the largest power of two <= ``num_sms``
     divided by the row blocks of ``rows``."""
-    tile = few_rows_tile(max(rows, 1), kv_elem_size=kv_elem_size)
+    tile = few_rows_tile(max(rows, 1))
     per_wave = max(1, num_sms // (-(-max(rows, 1) // tile)))
     return 1 << (per_wave.bit_length() - 1)
 
@@ -209,9 +191,7 @@ def schedule_units(*, num_sms: int, rows: int, kv_elem_size: int = 2) -> int:
 __all__ = [
     "BLOCK_M",
     "FEW_ROWS_MAX",
-    "FP8_FEW_ROWS_STAGES",
     "FP8_KV_DTYPES",
-    "FP8_ON_GLUON",
     "MAX_SPLITS",
     "MIN_SPLIT_TOKENS",
     "NUM_WARPS",

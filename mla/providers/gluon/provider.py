@@ -41,7 +41,6 @@ from mla.providers.calls import (
 )
 from mla.providers.gluon.planner import (
     FEW_ROWS_MAX,
-    FP8_ON_GLUON,
     MIN_SPLIT_TOKENS,
     SUPPORTED_ROPE,
     decode_kernel,
@@ -127,13 +126,8 @@ class GluonProvider(KernelProvider):
         probes["gluon_hopper_module"] = HOPPER_MODULE
         probes["decode_kernels"] = (
             f"Gluon 64-row tile (wgmma, cp.async KV ring) above {FEW_ROWS_MAX} heads x qlen rows, "
-            f"transposed few-rows kernel up to {FEW_ROWS_MAX}; Triton decode kernel for "
-            f"other latent/rope dims than 512+64, fp32 queries, mixed 16-bit dtypes"
-            + (
-                f" and fp8 caches above {FEW_ROWS_MAX} rows (measured faster)"
-                if FP8_ON_GLUON
-                else " and fp8 caches (measured faster)"
-            )
+            f"transposed few-rows kernel up to {FEW_ROWS_MAX}, 16-bit or fp8 caches; Triton decode "
+            "kernel for other latent/rope dims than 512+64, fp32 queries, mixed 16-bit dtypes"
         )
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
         return probes
@@ -152,29 +146,20 @@ class GluonProvider(KernelProvider):
         kernel, why = decode_kernel(
             q_dtype=q_dtype, kv_dtype=kv_dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim
         )
-        few, _few_why = decode_kernel(
-            q_dtype=q_dtype, kv_dtype=kv_dtype, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rows=1
-        )
-        if few != kernel:
-            return (
-                f"decode runs on the Gluon few-rows kernel up to {FEW_ROWS_MAX} heads x qlen rows "
-                f"and on the Triton provider's decode kernel above ({why})"
-            )
         where = "the Gluon kernels" if kernel == "gluon" else "the Triton provider's decode kernel"
         return f"decode runs on {where}: {why}"
 
     # -- decode -----------------------------------------------------------------------------
 
-    def _on_gluon(self, q: torch.Tensor, kv_cache: torch.Tensor, rank: int, rope: int, rows: int) -> bool:
+    def _on_gluon(self, q: torch.Tensor, kv_cache: torch.Tensor, rank: int, rope: int) -> bool:
         kernel, _why = decode_kernel(
-            q_dtype=q.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope, rows=rows
+            q_dtype=q.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope
         )
         return kernel == "gluon"
 
     def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
         rank = call.out.shape[-1]
-        rows = call.q.shape[1] * call.max_qlen
-        if self._on_gluon(call.q, call.kv_cache, rank, call.q.shape[-1] - rank, rows):
+        if self._on_gluon(call.q, call.kv_cache, rank, call.q.shape[-1] - rank):
             from mla.providers.gluon.decode import paged_decode  # noqa: PLC0415 (kernels load lazily)
 
             paged_decode(call)
@@ -187,7 +172,6 @@ class GluonProvider(KernelProvider):
             kv_dtype=call.kv_dtype,
             kv_lora_rank=call.kv_lora_rank,
             rope_dim=SUPPORTED_ROPE,
-            rows=call.kernel_heads * call.max_kernel_qlen,
         )
         if kernel == "triton":
             # Sized for the Triton kernel that will run it (same schedule type).
@@ -200,7 +184,6 @@ class GluonProvider(KernelProvider):
             num_units=schedule_units(
                 num_sms=call.platform.num_compute_units,
                 rows=call.kernel_heads * call.max_kernel_qlen,
-                kv_elem_size=call.kv_dtype.itemsize,
             ),
             device=call.device,
             min_chunk=MIN_SPLIT_TOKENS,
@@ -212,7 +195,7 @@ class GluonProvider(KernelProvider):
 
     def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
         rank = call.out.shape[-1]
-        if self._on_gluon(call.q_nope, call.kv_cache, rank, call.q_pe.shape[-1], call.q_nope.shape[1]):
+        if self._on_gluon(call.q_nope, call.kv_cache, rank, call.q_pe.shape[-1]):
             from mla.providers.gluon.decode import small_head_decode  # noqa: PLC0415 (kernels load lazily)
 
             small_head_decode(call)
