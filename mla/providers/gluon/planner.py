@@ -19,8 +19,11 @@ H16 q1 B128 S8192 bf16     **368**      532         641         1089
 H16 q1 B1 S65536 bf16      **38**       49          57          85
 H16 q4 B64 S4096 bf16      **199**      239         264         379
 H128 q1 B64 S4096 bf16     **197**      279         330         553
-H16 q1 B128 S8192 fp8      **635**      848 (s6)    951         1361
+H16 q1 B128 S8192 fp8 (*)  **635**      848 (s6)    951         1361
 =========================  ===========  ==========  ==========  ==========
+
+(*) before the fp8 widening lost its shared-memory bank conflicts (the same case takes 286 µs
+since; ``docs/performance.md``).
 
 Time grows with the number of tiles, not with the bytes: every tile re-reads the whole 64×576
 query tile from shared memory for QKᵀ in both warpgroups (144 KB per tile, the wgmma A operand)
