@@ -25,6 +25,7 @@ pytestmark = pytest.mark.gpu
 
 RANK, ROPE, SCALE = 512, 64, 0.0721
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,7 +39,7 @@ def _case(heads: int, qlens: list[int], lens: list[int], block: int, kv_dtype: t
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-max(n, 1) // block) for n in lens]
     nblocks = sum(pages) + 2
-    scale = 0.05 if kv_dtype == FP8 else None
+    scale = 0.05 if kv_dtype.itemsize == 1 else None
     cache = (torch.randn(nblocks, block, RANK + ROPE, generator=gen) / (scale or 1.0)).clamp(-448, 448)
     cache = cache.to(kv_dtype).cuda().view(-1, RANK + ROPE)
     perm = torch.randperm(nblocks, generator=gen)
@@ -92,7 +93,7 @@ RUNS = (
 )
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8, E5M2], ids=["bf16", "fp8", "e5m2"])
 @pytest.mark.parametrize(
     ("case", "variant"), RUNS, ids=[f"h{c[0]}-q{max(c[1])}-bs{c[3]}-{v}" for c, v in RUNS]
 )
@@ -129,7 +130,7 @@ def test_paged_decode_variants(
     elif variant == "row64":
         config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2)
     elif variant == "t64":
-        if kv_dtype == FP8:
+        if kv_dtype.itemsize == 1:
             pytest.skip("the 64-row transposed kernel takes 16-bit caches (check_config)")
         config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=True, num_stages=2)
     elif variant == "overlap":

@@ -83,8 +83,8 @@ class GluonLaunchConfig:
     """Depth of the shared-memory KV ring (16-bit caches: tiles in flight = ``num_stages - 1``;
     the few-rows kernel's fp8 ring refills a slot once its tile is widened into the one fp16
     tile, so all ``num_stages`` fp8 tiles are in flight). Two stages fill the shared memory of
-    the 16-bit kernels; on fp8, three measured within 1% of two (H200, 2026-12-01: 285.8 against
-    287.6 µs at H16 q1 B128 S8192, 91.9 against 88.8 µs at q2 B64 S4096)."""
+    the 16-bit kernels; on fp8, three measured no better than two (H200, 2026-12-01, kernel µs:
+    285.8 against 287.6 at H16 q1 B128 S8192, 91.9 against 88.8 at q2 B64 S4096)."""
     num_splits: int = 1
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
     overlap: bool = False
