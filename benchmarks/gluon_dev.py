@@ -315,7 +315,7 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         variants += [(f"np k{k}", attrs.evolve(auto, num_splits=k), None) for k in extra]
         if shape.kv == "fp8":
             variants += [
-                ("np stages 2", attrs.evolve(auto, num_stages=2), None),
+                ("np stages 3", attrs.evolve(auto, num_stages=3), None),
                 ("triton provider", None, "triton"),
             ]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
