@@ -103,8 +103,22 @@ def test_kernel_choice_and_reasons() -> None:
         (GluonLaunchConfig(row_tile=48), False),
         (GluonLaunchConfig(row_tile=16, block_n=32), False),
         (GluonLaunchConfig(row_tile=32, num_stages=3, overlap=True), False),
+        (GluonLaunchConfig(pingpong=True), True),
+        (GluonLaunchConfig(row_tile=32, pingpong=True), False),
+        (GluonLaunchConfig(pingpong=True, num_stages=3), False),
+        (GluonLaunchConfig(pingpong=True, block_n=32), False),
     ],
-    ids=["64-row-kernel-16-rows", "transposed-64-fp8", "48-rows", "transposed-block32", "transposed-overlap"],
+    ids=[
+        "64-row-kernel-16-rows",
+        "transposed-64-fp8",
+        "48-rows",
+        "transposed-block32",
+        "transposed-overlap",
+        "pingpong-fp8",
+        "pingpong-32-rows",
+        "pingpong-3-stages",
+        "pingpong-block32",
+    ],
 )
 def test_check_config_rejects_launches_the_kernels_cannot_run(config: GluonLaunchConfig, fp8: bool) -> None:
     from mla.core.errors import InvalidInputError
@@ -120,6 +134,7 @@ def test_check_config_accepts_the_kernels_tiles() -> None:
         (GluonLaunchConfig(row_tile=16), True),
         (GluonLaunchConfig(row_tile=32, num_stages=3), True),
         (GluonLaunchConfig(row_tile=64, transposed=True), False),
+        (GluonLaunchConfig(pingpong=True), False),
     ]:
         check_config(config, kv_fp8=fp8)
     assert GluonLaunchConfig(row_tile=32).transposed

@@ -1,0 +1,376 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Gluon (Hopper) MLA decode for 64 packed query rows, two MMA warpgroups in ping-pong.
+
+The 64-row kernel of :mod:`.kernels` splits every product of a KV tile across its two
+warpgroups, so both read the whole 64×576 query tile for QKᵀ of every tile and the tile's
+QKᵀ, softmax and PV run one after another. Here (the split FlashMLA uses on Hopper) the
+warpgroups take **alternate 64-token tiles** for QKᵀ and the softmax, and both add every
+tile's ``P·V`` into the half of the 64×512 output they own:
+
+* warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``: ``S = q·Kᵀ`` (N = 64: the query tile is read
+  once per tile), the online softmax against the running row max left by the other warpgroup's
+  tile ``t - 1`` (in shared memory), then ``P`` (16-bit), the rescale ``alpha`` and the new row
+  max into shared memory, announced on ``p_ready[t % 2]``;
+* both warpgroups rescale their 64×256 fp32 output half by ``alpha`` and add ``P·V_t`` over
+  their 256 columns: the owner with ``P`` from registers, the other with ``P`` from shared
+  memory, after the announcement. While one warpgroup runs its softmax, the other runs MMAs.
+
+One ``P`` buffer suffices: the warpgroup that overwrites it with ``P_{t+1}`` is the one that
+read ``P_t`` from it (and waited for that MMA), and the owner of ``t`` reads ``P_t`` from
+registers. Each warpgroup keeps its own partial row sum, rescaled by the same ``alpha`` sequence;
+the two are added at the end. A **loader** warpgroup (the default partition, so the MMA
+partitions' reductions stay within warps) gathers the KV tiles by token id with ``cp.async``
+into a two-stage ring (``ready[s]``: one arrival per loader thread; ``empty[s]``: both MMA
+warpgroups done with the tile).
+
+16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
+outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.providers.gluon.kernels import _row_info, _work_range
+
+LOADER_WARPS = gl.constexpr(4)
+"""Warps of the loader, the default partition (the launch's ``num_warps``)."""
+MMA_REGS = gl.constexpr(232)
+"""Registers per MMA-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128."""
+
+
+@gluon.jit
+def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+    """Flat token ids of tile ``t``'s rows (``ROWS``: the row slice of the copy layout) and
+    their validity (``< hi``; id 0 past it)."""
+    n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
+    return gl.load(index_base + n, mask=n < hi, other=0), n < hi
+
+
+@gluon.jit
+def _loader(
+    kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, ready, empty,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The loader partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES`` once
+    both MMA warpgroups released it; each thread's copies arrive on ``ready[s]`` when they land.
+    Token ids are loaded one tile ahead. The copy layout puts 8 threads on each 128-byte row
+    segment (one swizzle line: no bank conflicts) and 4 rows on each thread, so the ids and
+    addresses fit the few registers this partition keeps."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, ld)
+    cols = gl.arange(0, L, layout=gl.SliceLayout(0, ld))
+    cr = gl.arange(0, R, layout=gl.SliceLayout(0, ld))
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
+    for t in range(n_tiles):
+        s = t % NUM_STAGES
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, rows)
+        mbarrier.wait(empty.index(s), (t // NUM_STAGES) & 1)
+        base = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
+        async_copy.async_copy_global_to_shared(lat_ring.index(s), base + cols[None, :], mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(rope_ring.index(s), base + L + cr[None, :], mask=ok[:, None])
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        ids, ok = nids, nok
+
+
+@gluon.jit
+def _add_other_tile(
+    lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t,
+    W: gl.constexpr, COLS: gl.constexpr, NUM_STAGES: gl.constexpr,
+    S_ROWS: gl.constexpr, O_ROWS: gl.constexpr,
+):  # fmt: skip
+    """Add tile ``t`` of the other warpgroup to this one's output columns: wait for its ``P``,
+    rescale by its ``alpha``, ``acc += P·V_t``; release the ring slot. Returns the output, the
+    rescaled partial row sum and the running row max after tile ``t``."""
+    s = t % NUM_STAGES
+    mbarrier.wait(p_ready.index(t % 2), (t // 2) & 1)
+    fence_async_shared()
+    alpha_o = alpha_smem.load(O_ROWS)
+    l_i = l_i * alpha_smem.load(S_ROWS)
+    m_i = m_smem.load(S_ROWS)
+    acc = acc * alpha_o[:, None]
+    acc = warpgroup_mma(p_smem, lat_ring.index(s).slice(W * COLS, COLS, dim=1), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(s))
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _mma_warpgroup(
+    q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+    ready, empty, p_ready, l_ready,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
+    stride_pl_w, stride_pl_q, qk_scale,
+    W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+):  # fmt: skip
+    """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
+    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and, for
+    ``W == 0``, the LSE)."""
+    BLOCK_M: gl.constexpr = 64
+    COLS: gl.constexpr = L // 2
+    dtype: gl.constexpr = q_nope_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # The partition reads its arguments before anything of it writes shared memory.
+    gl.thread_barrier()
+
+    _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([BLOCK_M, COLS], gl.float32, layout=o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    for t in range(W, n_tiles, 2):
+        s = t % NUM_STAGES
+        mbarrier.wait(ready.index(s), (t // NUM_STAGES) & 1)
+        fence_async_shared()
+        k_lat = lat_ring.index(s)
+        sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_pe_smem, rope_ring.index(s).permute((1, 0)), sc, is_async=True)
+        if t >= 1:
+            # The other warpgroup's tile t - 1 (its running max is this tile's starting point).
+            acc, l_i, m_i = _add_other_tile(
+                lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t - 1,
+                W, COLS, NUM_STAGES, s_rows, o_rows,
+            )  # fmt: skip
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        n = t * BLOCK_N + lo + offs_n
+        visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p16 = p.to(dtype)
+        # This warpgroup's reads of the previous P, alpha and row max are done (it waited for
+        # its P·V of tile t - 1), and the other warpgroup reads them only after p_ready.
+        p_smem.store(p16)
+        alpha_smem.store(alpha)
+        m_smem.store(m_new)
+        fence_async_shared()
+        gl.thread_barrier()
+        # alpha in the output's row layout, read back before the announcement lets the other
+        # warpgroup (the owner of tile t + 1) overwrite it.
+        alpha_o = alpha_smem.load(o_rows)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(t % 2))
+        acc = acc * alpha_o[:, None]
+        v = k_lat.slice(W * COLS, COLS, dim=1)
+        acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s))
+    # The other warpgroup's last tile, when it comes after this warpgroup's last one.
+    last = n_tiles - 1
+    if (last >= 0) & (last % 2 != W):
+        acc, l_i, m_i = _add_other_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, last,
+            W, COLS, NUM_STAGES, s_rows, o_rows,
+        )  # fmt: skip
+
+    # -- epilogue: the two partial row sums, then this warpgroup's output columns ---------------
+    l_smem.index(W).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(l_ready)
+    mbarrier.wait(l_ready, 0)
+    l_tot = l_smem.index(0).load(o_rows) + l_smem.index(1).load(o_rows)
+    has_keys = l_tot != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
+    safe_l = gl.where(has_keys, l_tot, 1.0)
+    o = acc / safe_l[:, None]
+    qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, o_rows)
+    cols_o = W * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, o_layout))
+    if W == 0:
+        l_s = l_smem.index(0).load(s_rows) + l_smem.index(1).load(s_rows)
+        m_fin = m_smem.load(s_rows)
+        ok_l = l_s != 0.0
+        lse = gl.where(ok_l, (m_fin + gl.log2(gl.where(ok_l, l_s, 1.0))) * 0.6931471805599453, float("-inf"))
+        qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
+    if direct:
+        tok_o = (q_start + qi_o).to(gl.int64)
+        o_ptrs = out_ptr + tok_o[:, None] * stride_o_t + head_o[:, None] * stride_o_h + cols_o[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[:, None])
+        if W == 0 and WRITE_LSE:
+            tok_s = (q_start + qi_s).to(gl.int64)
+            gl.store(lse_ptr + tok_s * stride_lse_t + head_s * stride_lse_h, lse, mask=ok_s)
+    else:
+        wk = work.to(gl.int64)
+        po_ptrs = part_o_ptr + wk * stride_po_w + qi_o[:, None] * stride_po_q + head_o[:, None] * stride_po_h
+        gl.store(po_ptrs + cols_o[None, :], o, mask=ok_o[:, None])
+        if W == 0:
+            gl.store(part_lse_ptr + wk * stride_pl_w + qi_s * stride_pl_q + head_s, lse, mask=ok_s)
+
+
+# ``num_splits`` is never specialised (as in :mod:`.kernels`).
+@gluon.jit(do_not_specialize=["num_splits"])
+def mla_decode_pingpong_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    qo_indptr_ptr,
+    work_info_ptr,
+    split_indptr_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    kv_scale_ptr,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    sm_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    ROW_BLOCKS: gl.constexpr,
+    MODE: gl.constexpr,
+    UNIT_QLEN: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 64
+    gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
+    gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ N of one warpgroup)")
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    # -- the work item (as in the 64-row kernel) -----------------------------------------------
+    pid = gl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    work = pid // ROW_BLOCKS
+    if MODE == 0:
+        req = work // num_splits
+    else:
+        req = gl.load(work_info_ptr + work * 4)
+        if req < 0:
+            return
+    kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
+        MODE, UNIT_QLEN, BLOCK_N,
+    )  # fmt: skip
+
+    # -- shared memory and barriers --------------------------------------------------------------
+    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
+    lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
+    rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], mma_smem)
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+    mbarrier.init(l_ready, count=2)
+    # Every ring slot starts free (both MMA warpgroups' arrivals of phase 0).
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.arrive(empty.index(i), count=2)
+    # The running row max before the first tile (read if warpgroup 1 has no tile to follow).
+    m_smem.store(
+        gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    )
+
+    # -- the query tile (by the 4 loader warps, 128 columns at a time) ---------------------------
+    Q_CHUNK: gl.constexpr = 128
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, q_ld))
+    q_rows = (q_start + qi_q).to(gl.int64) * stride_qn_t + head_q * stride_qn_h
+    cols_q = gl.arange(0, Q_CHUNK, layout=gl.SliceLayout(0, q_ld))
+    for c in gl.static_range(L // Q_CHUNK):
+        qn = gl.load(
+            q_nope_ptr + q_rows[:, None] + (c * Q_CHUNK + cols_q)[None, :], mask=ok_q[:, None], other=0.0
+        )
+        q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1).store(qn)
+    qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, qr_ld))
+    tok_r = (q_start + qi_r).to(gl.int64)
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
+    qp = gl.load(
+        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
+        mask=ok_r[:, None],
+        other=0.0,
+    )
+    q_pe_smem.store(qp)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize(
+        [
+            (
+                _loader,
+                (
+                    kv_ptr, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring, rope_ring, ready, empty,
+                    L, R, BLOCK_N, NUM_STAGES,
+                ),
+            ),
+            (
+                _mma_warpgroup,
+                (
+                    q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+                    ready, empty, p_ready, l_ready,
+                    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work,
+                    direct, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q,
+                    stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2,
+                    0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE,
+                ),
+            ),
+            (
+                _mma_warpgroup,
+                (
+                    q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+                    ready, empty, p_ready, l_ready,
+                    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work,
+                    direct, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q,
+                    stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2,
+                    1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE,
+                ),
+            ),
+        ],
+        [4, 4],
+        [MMA_REGS, MMA_REGS],
+    )  # fmt: skip
+
+
+__all__ = ["mla_decode_pingpong_kernel"]
