@@ -83,15 +83,24 @@ def _loader(
 
 
 @gluon.jit
+def _slot(t, hi, NUM_STAGES: gl.constexpr):
+    """Ring slot of tile ``t``. With two stages and alternate tiles a warpgroup's own tiles all
+    land in one slot; the compiler then folds the slot and keeps a wgmma descriptor per K step
+    live across the loop (register spills). ``hi // (hi + 1)`` (0, as ``hi >= 0``) keeps the
+    slot a run-time value."""
+    return (t + hi // (hi + 1)) % NUM_STAGES
+
+
+@gluon.jit
 def _add_other_tile(
-    lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t,
+    lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t, hi,
     W: gl.constexpr, COLS: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_ROWS: gl.constexpr, O_ROWS: gl.constexpr,
 ):  # fmt: skip
     """Add tile ``t`` of the other warpgroup to this one's output columns: wait for its ``P``,
     rescale by its ``alpha``, ``acc += P·V_t``; release the ring slot. Returns the output, the
     rescaled partial row sum and the running row max after tile ``t``."""
-    s = t % NUM_STAGES
+    s = _slot(t, hi, NUM_STAGES)
     mbarrier.wait(p_ready.index(t % 2), (t // 2) & 1)
     fence_async_shared()
     alpha_o = alpha_smem.load(O_ROWS)
@@ -140,7 +149,7 @@ def _mma_warpgroup(
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(W, n_tiles, 2):
-        s = t % NUM_STAGES
+        s = _slot(t, hi, NUM_STAGES)
         mbarrier.wait(ready.index(s), (t // NUM_STAGES) & 1)
         fence_async_shared()
         k_lat = lat_ring.index(s)
@@ -149,7 +158,7 @@ def _mma_warpgroup(
         if t >= 1:
             # The other warpgroup's tile t - 1 (its running max is this tile's starting point).
             acc, l_i, m_i = _add_other_tile(
-                lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t - 1,
+                lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t - 1, hi,
                 W, COLS, NUM_STAGES, s_rows, o_rows,
             )  # fmt: skip
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
@@ -184,7 +193,7 @@ def _mma_warpgroup(
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != W):
         acc, l_i, m_i = _add_other_tile(
-            lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, last,
+            lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, last, hi,
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
 
