@@ -1,0 +1,118 @@
+"""The Gluon decode launch path on a CPU: every kernel variant compiled for sm_90, every launch
+recorded.
+
+Gluon kernels have no interpreter, so the GPU tests are the only ones that run them; this test
+runs everything up to the driver call on a machine without a GPU: ``launch_gluon_decode``
+(arguments, constexprs, grid), Triton's compiler for sm_90 (a variant that does not compile,
+or that needs more shared memory than an H100/H200 has, fails here), and the split reduce's
+launch. The stand-in driver of :mod:`mla.testing.triton_driver` records the launches instead of
+making them. It runs in a subprocess because the test session interprets Triton
+(``TRITON_INTERPRET=1``), which cannot compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from mla.providers.gluon.decode import launch_gluon_decode
+    from mla.providers.gluon.planner import GluonLaunchConfig
+    from mla.providers.split_kv import SplitKVSchedule
+    from mla.testing.triton_driver import stand_in_driver
+
+    RANK, ROPE = 512, 64
+
+    def launch(heads, qlens, lens, fp8, config, scheduled=False):
+        tokens = sum(qlens)
+        q = torch.zeros(tokens, heads, RANK + ROPE, dtype=torch.bfloat16)
+        cache = torch.zeros(sum(lens) + 64, RANK + ROPE,
+                            dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        schedule = None
+        if scheduled:
+            schedule = SplitKVSchedule.allocate(
+                max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads,
+                kv_lora_rank=RANK, num_units=8, device=torch.device("cpu"))
+        launch_gluon_decode(
+            q_nope=q[..., :RANK], q_pe=q[..., RANK:], kv_cache=cache,
+            kv_indptr=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+            kv_indices=torch.zeros(sum(lens), dtype=torch.int32),
+            qo_indptr=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),
+            num_requests=len(lens), max_qlen=max(qlens), softmax_scale=0.07,
+            kv_scale=torch.ones(1) if fp8 else None,
+            out=torch.zeros(tokens, heads, RANK, dtype=torch.bfloat16),
+            lse=torch.zeros(tokens, heads), config=config, schedule=schedule)
+
+    cases = {
+        "few16-bf16-split2": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16, num_splits=2)),
+        "few32-fp8-direct": (16, [2, 2], [300, 70], True, GluonLaunchConfig(row_tile=32)),
+        "few16-fp8-split3": (8, [1, 1, 1], [900, 5, 64], True, GluonLaunchConfig(row_tile=16, num_splits=3)),
+        "row64-bf16-direct": (16, [4, 4], [300, 70], False, GluonLaunchConfig()),
+        "row64-fp8-split2": (128, [1, 1], [300, 70], True, GluonLaunchConfig(num_splits=2)),
+        "t64-bf16-direct": (16, [4], [300], False, GluonLaunchConfig(row_tile=64, transposed=True)),
+        "few16-bf16-scheduled": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16), True),
+    }
+    out = {}
+    with stand_in_driver(compile_kernels=True) as driver:
+        for name, args in cases.items():
+            driver.launches.clear()
+            launch(*args)
+            out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[str, list[list[object]]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, list[list[object]]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+DECODE_ROWS, DECODE_64, MERGE = "mla_decode_rows_kernel", "mla_decode_kernel", "_merge_splits_kernel"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        # 2 requests x 2 splits, one 16-row block; the reduce runs (split launches).
+        ("few16-bf16-split2", [DECODE_ROWS, MERGE]),
+        # 2 requests x 32 rows (16 heads x qlen 2), one split: written directly, no reduce.
+        ("few32-fp8-direct", [DECODE_ROWS]),
+        ("few16-fp8-split3", [DECODE_ROWS, MERGE]),
+        ("row64-bf16-direct", [DECODE_64]),
+        ("row64-fp8-split2", [DECODE_64, MERGE]),
+        ("t64-bf16-direct", [DECODE_ROWS]),
+        # The planned schedule always launches the reduce (it skips requests with one item).
+        ("few16-bf16-scheduled", [DECODE_ROWS, MERGE]),
+    ],
+)
+def test_every_gluon_variant_compiles_and_launches(
+    launches: dict[str, list[list[object]]], case: str, expected: list[str]
+) -> None:
+    assert [name for name, _grid in launches[case]] == expected
+
+
+def test_decode_grids_are_work_items_times_row_blocks(launches: dict[str, list[list[object]]]) -> None:
+    # One program per (work item, row block): requests x splits for the split launches.
+    assert launches["few16-bf16-split2"][0][1] == [2 * 2 * 1, 1, 1]
+    assert launches["few32-fp8-direct"][0][1] == [2, 1, 1]
+    assert launches["few16-fp8-split3"][0][1] == [3 * 3, 1, 1]
+    assert launches["row64-bf16-direct"][0][1] == [2, 1, 1]
+    # 128 heads are two 64-row blocks per work item.
+    assert launches["row64-fp8-split2"][0][1] == [2 * 2 * 2, 1, 1]
