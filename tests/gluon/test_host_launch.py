@@ -61,7 +61,9 @@ SCRIPT = textwrap.dedent(
         "row64-fp8-split2": (128, [1, 1], [300, 70], True, GluonLaunchConfig(num_splits=2)),
         "t64-bf16-direct": (16, [4], [300], False, GluonLaunchConfig(row_tile=64, transposed=True)),
         "few16-bf16-scheduled": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16), True),
-        "pingpong-bf16-split2": (16, [4, 4], [300, 70], False, GluonLaunchConfig(pingpong=True, num_splits=2)),
+        "pingpong-bf16-split2": (
+            16, [4, 4], [300, 70], False, GluonLaunchConfig(pingpong=True, num_splits=2)
+        ),
     }
     out = {}
     with stand_in_driver(compile_kernels=True) as driver:
