@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.triton.merge import request_rows
+
 MODE_SPLIT = 0
 """Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
 MODE_SCHEDULED = 1
@@ -73,12 +75,7 @@ def _work_range(
         lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
         hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
         direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = gl.load(qo_indptr_ptr + req)
-        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
+    q_start, qlen = request_rows(qo_indptr_ptr, req, UNIT_QLEN)
     return kv_start, kv_len, lo, hi, direct, q_start, qlen
 
 
