@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.triton.merge import request_rows
+
 MODE_SPLIT = 0
 """Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
 MODE_SCHEDULED = 1
@@ -73,12 +75,7 @@ def _work_range(
         lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
         hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
         direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
-    if UNIT_QLEN:
-        q_start = req
-        qlen = 1
-    else:
-        q_start = gl.load(qo_indptr_ptr + req)
-        qlen = gl.load(qo_indptr_ptr + req + 1) - q_start
+    q_start, qlen = request_rows(qo_indptr_ptr, req, UNIT_QLEN)
     return kv_start, kv_len, lo, hi, direct, q_start, qlen
 
 
@@ -160,23 +157,27 @@ def _refill_ring(
 @gluon.jit
 def _mma_operands(
     lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
-    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
-    dtype: gl.constexpr,
+    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr, dtype: gl.constexpr,
 ):  # fmt: skip
     """The shared-memory K tile of tile ``t`` for the MMAs, after its cp.async group completed.
 
     16-bit caches: the ring slot itself. fp8: the slot widened, 16 rows at a time, into wide
-    buffer ``t % WIDE_STAGES``. Ends with the proxy fence and barrier the MMAs need.
+    buffer ``t % WIDE_STAGES``, 8 values per thread (8-byte reads of the unswizzled fp8 slot,
+    one 16-byte chunk of the 128-byte-swizzled tile written per thread: no bank conflicts).
+    Ends with the proxy fence and barrier the MMAs need.
     """
     stage = t % NUM_STAGES
     if KV_FP8:
         gl.thread_barrier()
+        warps: gl.constexpr = gl.num_warps()
+        lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
+        rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
         slot = t % WIDE_STAGES
         WIDEN_ROWS: gl.constexpr = 16
         for c in gl.static_range(BLOCK_N // WIDEN_ROWS):
-            x = lat_ring.index(stage).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(LAT_LD)
+            x = lat_ring.index(stage).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(lat_ld)
             lat_wide.index(slot).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(dtype))
-        xr = rope_ring.index(stage).load(ROPE_LD)
+        xr = rope_ring.index(stage).load(rope_ld)
         rope_wide.index(slot).store(xr.to(dtype))
         k_lat = lat_wide.index(slot)
         k_rope = rope_wide.index(slot)
@@ -186,6 +187,26 @@ def _mma_operands(
     fence_async_shared()
     gl.thread_barrier()
     return k_lat, k_rope
+
+
+@gluon.jit
+def _take_tile(
+    kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
+    NEXT: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr, ID_SLOTS: gl.constexpr, KV_FP8: gl.constexpr,
+    LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr, dtype: gl.constexpr,
+):  # fmt: skip
+    """At tile ``t``: refill the ring (:func:`_refill_ring`), wait until tile ``t + NEXT`` landed
+    and return its MMA operands (:func:`_mma_operands`). ``NEXT`` is 0, or 1 for a loop that
+    issues the QKᵀ of the next tile beside the PV of this one."""
+    _refill_ring(
+        kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD,
+    )  # fmt: skip
+    async_copy.wait_group(NUM_STAGES - 1 - NEXT)
+    return _mma_operands(
+        lat_ring, rope_ring, lat_wide, rope_wide, t + NEXT, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8, dtype
+    )
 
 
 # ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
@@ -256,11 +277,6 @@ def mla_decode_kernel(
     # fp8 rows are gathered 16 elements (16 bytes) per thread.
     lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
     rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
-    # The fp8 ring is unswizzled (no MMA reads it) and is widened 8 values per thread, so the
-    # reads (8 bytes) and the fp16 writes (16 bytes, one 128-byte swizzle chunk) are free of
-    # bank conflicts.
-    wlat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    wrope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
@@ -348,9 +364,8 @@ def mla_decode_kernel(
         # waited together, so the tensor cores see both while the ring streams tiles ahead.
         async_copy.wait_group(NUM_STAGES - 2)
         k_lat, k_rope = _mma_operands(
-            lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
-            wlat_ld, wrope_ld, dtype,
-        )  # fmt: skip
+            lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8, dtype
+        )
         sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
         acc = warpgroup_mma_init(acc)
@@ -369,30 +384,20 @@ def mla_decode_kernel(
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             v_cur = lat_wide.index(t % WIDE_STAGES) if KV_FP8 else lat_ring.index(t % NUM_STAGES)
             acc = warpgroup_mma(p_op, v_cur, acc, is_async=True)
-            # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled.
-            _refill_ring(
-                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
-                L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, lat_ld, rope_ld, id_ld,
-            )  # fmt: skip
-            async_copy.wait_group(NUM_STAGES - 2)
-            # Tile t+1 (zero rows past the last tile: its scores are never used).
-            k_lat, k_rope = _mma_operands(
-                lat_ring, rope_ring, lat_wide, rope_wide, t + 1, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
-                wlat_ld, wrope_ld, dtype,
+            # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled;
+            # then tile t+1 (zero rows past the last tile: its scores are never used).
+            k_lat, k_rope = _take_tile(
+                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
+                1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld, dtype,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
         sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
     else:
         for t in range(n_tiles):
-            _refill_ring(
-                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
-                L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, lat_ld, rope_ld, id_ld,
-            )  # fmt: skip
-            async_copy.wait_group(NUM_STAGES - 1)
-            k_lat, k_rope = _mma_operands(
-                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8,
-                wlat_ld, wrope_ld, dtype,
+            k_lat, k_rope = _take_tile(
+                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
+                0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld, dtype,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)

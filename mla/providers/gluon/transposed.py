@@ -46,8 +46,8 @@ from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
     _mma_operands,
-    _refill_ring,
     _scales,
+    _take_tile,
     _work_range,
 )
 
@@ -124,11 +124,6 @@ def mla_decode_rows_kernel(
     # fp8 rows are gathered 16 elements (16 bytes) per thread.
     lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
     rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
-    # The fp8 ring is unswizzled (no MMA reads it) and is widened 8 values per thread, so the
-    # reads (8 bytes) and the fp16 writes (16 bytes, one 128-byte swizzle chunk) are free of
-    # bank conflicts.
-    wlat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    wrope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # fp8: a ring of NUM_STAGES fp8 slots, all in flight while one widened fp16 tile feeds the
@@ -219,9 +214,8 @@ def mla_decode_rows_kernel(
             # with tile t+NUM_STAGES, whose ids came with tile t, and fetch the ids a ring further.
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
-                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, True,
-                wlat_ld, wrope_ld, dtype,
-            )  # fmt: skip
+                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, True, dtype
+            )
             ahead = t + NUM_STAGES
             _issue_tile(
                 kv_ptr, idx_ring, ahead, lo, hi, stride_kv, lat_ring.index(t % NUM_STAGES),
@@ -230,14 +224,9 @@ def mla_decode_rows_kernel(
             _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
             async_copy.commit_group()
         else:
-            _refill_ring(
-                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
-                L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, lat_ld, rope_ld, id_ld,
-            )  # fmt: skip
-            async_copy.wait_group(NUM_STAGES - 1)
-            k_lat, k_rope = _mma_operands(
-                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, False,
-                wlat_ld, wrope_ld, dtype,
+            k_lat, k_rope = _take_tile(
+                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
+                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld, dtype,
             )  # fmt: skip
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)

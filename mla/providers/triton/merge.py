@@ -40,7 +40,8 @@ the planner spreads about ``num_sms`` items over the requests, so a step takes
 @triton.jit
 def request_rows(qo_indptr_ptr, req, UNIT_QLEN: tl.constexpr):
     """``(q_start, qlen)`` of request ``req``: from ``qo_indptr``, or row ``req`` alone when
-    ``UNIT_QLEN`` (every row its own qlen-1 request). Shared with the decode kernel."""
+    ``UNIT_QLEN`` (every row its own qlen-1 request). Shared with the decode kernels (Triton and
+    Gluon)."""
     if UNIT_QLEN:
         q_start = req
         qlen = 1
