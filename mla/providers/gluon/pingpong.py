@@ -18,10 +18,19 @@ tile's ``P·V`` into the half of the 64×512 output they own:
 One ``P`` buffer suffices: the warpgroup that overwrites it with ``P_{t+1}`` is the one that
 read ``P_t`` from it (and waited for that MMA), and the owner of ``t`` reads ``P_t`` from
 registers. Each warpgroup keeps its own partial row sum, rescaled by the same ``alpha`` sequence;
-the two are added at the end. A **loader** warpgroup (the default partition, so the MMA
-partitions' reductions stay within warps) gathers the KV tiles by token id with ``cp.async``
-into a two-stage ring (``ready[s]``: one arrival per loader thread; ``empty[s]``: both MMA
-warpgroups done with the tile).
+the two are added at the end. While a warpgroup runs the softmax of its tile ``t`` the
+``P·V`` of the other's tile ``t - 1`` is in flight (the first tile is peeled off the loop, which
+then has no branch: ptxas serialises wgmma around branches that touch the accumulators).
+
+A **loader** warpgroup (the default partition, so the MMA partitions' reductions stay within
+warps) gathers the KV tiles by token id with ``cp.async`` into a two-stage ring. A slot is
+released and refilled **by halves**: warpgroup ``w`` frees latent columns
+``[256·w, 256·(w+1))`` (the second half with the rope part) when its ``P·V`` is done
+(``empty[s·2 + w]``), and the loader refills the half the tile's owner frees first, first.
+Each 128-column chunk lands on its own barrier (``ready[s·CHUNKS + c]``: one arrival per loader
+thread), and ``QKᵀ`` runs chunk by chunk as they land, starting with the owner's half. Without
+the halves and chunks both MMA warpgroups spent most of their time waiting for whole tiles
+(H200, 2026-12-01, kernel µs: H128 q1 B64 S4096 174 → 161, verify H16 q4 B64 S4096 104 → 97).
 
 16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
 outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
@@ -43,6 +52,10 @@ from mla.providers.gluon.kernels import _row_info, _work_range
 
 LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
+CHUNK = gl.constexpr(128)
+"""Latent columns per ``ready`` barrier: QKᵀ of a tile starts when its first chunk lands."""
+CHUNKS = gl.constexpr(4)
+"""Chunks per 512-wide latent row (the second half's last one also brings the rope part)."""
 MMA_REGS = gl.constexpr(232)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128."""
 
@@ -56,29 +69,61 @@ def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _load_half(
+    kv_row, ok, lat_slot, rope_slot, ready, empty, s, phase,
+    HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr, LD: gl.constexpr,
+):  # fmt: skip
+    """Once its last reader released it, fill one half of ring slot ``s``: latent columns
+    ``[HALF·L/2, (HALF+1)·L/2)`` (and, for ``HALF == 1``, the rope part) for the rows ``kv_row``
+    (``[BLOCK_N, 1]`` pointers to each token's row); each ``CHUNK`` of columns arrives on its
+    own ``ready`` barrier."""
+    mbarrier.wait(empty.index(s * 2 + HALF), phase)
+    for i in gl.static_range(CHUNKS // 2):
+        _load_chunk(kv_row, ok, lat_slot, rope_slot, ready, s, HALF * (CHUNKS // 2) + i, L, R, LD)
+
+
+@gluon.jit
+def _load_chunk(
+    kv_row, ok, lat_slot, rope_slot, ready, s, C: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    LD: gl.constexpr,
+):  # fmt: skip
+    """Chunk ``C`` of a tile (the last one with the rope part) into ring slot ``s``, announced
+    on ``ready[s·CHUNKS + C]`` when this thread's copies land."""
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, LD))
+    dst = lat_slot.slice(C * CHUNK, CHUNK, dim=1)
+    async_copy.async_copy_global_to_shared(dst, kv_row + (C * CHUNK + cols)[None, :], mask=ok[:, None])
+    if C == CHUNKS - 1:
+        cr = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
+        async_copy.async_copy_global_to_shared(rope_slot, kv_row + (L + cr)[None, :], mask=ok[:, None])
+    async_copy.mbarrier_arrive(ready.index(s * CHUNKS + C), increment_count=False)
+
+
+@gluon.jit
 def _loader(
     kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES`` once
-    both MMA warpgroups released it; each thread's copies arrive on ``ready[s]`` when they land.
-    Token ids are loaded one tile ahead. The copy layout puts 8 threads on each 128-byte row
-    segment (one swizzle line: no bank conflicts) and 4 rows on each thread, so the ids and
-    addresses fit the few registers this partition keeps."""
+    """The loader partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES``, half
+    by half as the MMA warpgroups release them (the half its owner frees first, first). Token
+    ids are loaded one tile ahead. The copy layout puts 8 threads on each 128-byte row segment
+    (one swizzle line: no bank conflicts) and 4 rows on each thread, so the ids and addresses
+    fit the few registers this partition keeps."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
-    cols = gl.arange(0, L, layout=gl.SliceLayout(0, ld))
-    cr = gl.arange(0, R, layout=gl.SliceLayout(0, ld))
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
     for t in range(n_tiles):
         s = t % NUM_STAGES
+        phase = (t // NUM_STAGES) & 1
         nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, rows)
-        mbarrier.wait(empty.index(s), (t // NUM_STAGES) & 1)
-        base = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
-        async_copy.async_copy_global_to_shared(lat_ring.index(s), base + cols[None, :], mask=ok[:, None])
-        async_copy.async_copy_global_to_shared(rope_ring.index(s), base + L + cr[None, :], mask=ok[:, None])
-        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        kv_row = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
+        lat, rope = lat_ring.index(s), rope_ring.index(s)
+        if t % 2 == 0:
+            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld)
+            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld)
+        else:
+            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld)
+            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld)
         ids, ok = nids, nok
 
 
@@ -92,25 +137,103 @@ def _slot(t, hi, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _add_other_tile(
-    lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t, hi,
+def _scores(
+    q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi,
+    W: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Issue ``S = q·Kᵀ`` for tile ``t`` (asynchronous), chunk by chunk as the columns land,
+    starting with the half warpgroup ``W`` itself released (the one the loader refilled first)."""
+    s = _slot(t, hi, NUM_STAGES)
+    phase = (t // NUM_STAGES) & 1
+    lat = lat_ring.index(s)
+    sc = s_zero
+    for i in gl.static_range(CHUNKS):
+        # (the chunk index is written inline: a name assigned in the loop would be a run-time value)
+        sc = _chunk_scores(
+            q_nope_smem, q_pe_smem, lat, rope_ring.index(s), ready, sc, s, phase,
+            (i + W * (CHUNKS // 2)) % CHUNKS, i > 0,
+        )  # fmt: skip
+    return sc
+
+
+@gluon.jit
+def _chunk_scores(
+    q_nope_smem, q_pe_smem, lat, rope, ready, sc, s, phase, C: gl.constexpr, USE_ACC: gl.constexpr
+):  # fmt: skip
+    """Wait for chunk ``C`` of ring slot ``s`` and issue its part of ``S = q·Kᵀ``."""
+    mbarrier.wait(ready.index(s * CHUNKS + C), phase)
+    fence_async_shared()
+    k = lat.slice(C * CHUNK, CHUNK, dim=1).permute((1, 0))
+    sc = warpgroup_mma(q_nope_smem.slice(C * CHUNK, CHUNK, dim=1), k, sc, use_acc=USE_ACC, is_async=True)
+    if C == CHUNKS - 1:
+        sc = warpgroup_mma(q_pe_smem, rope.permute((1, 0)), sc, is_async=True)
+    return sc
+
+
+@gluon.jit
+def _add_own_tile(
+    lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, p, alpha, m_i, t, hi,
+    W: gl.constexpr, COLS: gl.constexpr, NUM_STAGES: gl.constexpr, O_ROWS: gl.constexpr,
+    P_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """Publish this warpgroup's tile ``t`` (``P``, ``alpha`` and the row max into shared memory,
+    announced on ``p_ready``), then ``acc = alpha·acc + P·V_t`` over this warpgroup's columns
+    with ``P`` from registers; release the ring slot."""
+    p16 = p.to(p_smem.dtype)
+    # This warpgroup's reads of the previous P, alpha and row max are done (it waited for its
+    # P·V of tile t - 1), and the other warpgroup reads them only after p_ready.
+    p_smem.store(p16)
+    alpha_smem.store(alpha)
+    m_smem.store(m_i)
+    fence_async_shared()
+    gl.thread_barrier()
+    # alpha in the output's row layout, read back before the announcement lets the other
+    # warpgroup (the owner of tile t + 1) overwrite it.
+    alpha_o = alpha_smem.load(O_ROWS)
+    gl.thread_barrier()
+    mbarrier.arrive(p_ready.index(t % 2))
+    acc = acc * alpha_o[:, None]
+    s = _slot(t, hi, NUM_STAGES)
+    v = lat_ring.index(s).slice(W * COLS, COLS, dim=1)
+    acc = warpgroup_mma(gl.convert_layout(p16, P_LAYOUT), v, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(s * 2 + W))
+    return acc
+
+
+@gluon.jit
+def _issue_other_tile(
+    lat_ring, p_smem, m_smem, alpha_smem, p_ready, acc, l_i, t, hi,
     W: gl.constexpr, COLS: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_ROWS: gl.constexpr, O_ROWS: gl.constexpr,
 ):  # fmt: skip
-    """Add tile ``t`` of the other warpgroup to this one's output columns: wait for its ``P``,
-    rescale by its ``alpha``, ``acc += P·V_t``; release the ring slot. Returns the output, the
-    rescaled partial row sum and the running row max after tile ``t``."""
-    s = _slot(t, hi, NUM_STAGES)
+    """Start adding tile ``t`` of the other warpgroup to this one's output columns: wait for its
+    ``P``, rescale by its ``alpha``, issue ``acc += P·V_t`` (asynchronous: the caller waits, then
+    releases the ring slot). Returns the in-flight output, the rescaled partial row sum and the
+    running row max after tile ``t``."""
     mbarrier.wait(p_ready.index(t % 2), (t // 2) & 1)
     fence_async_shared()
     alpha_o = alpha_smem.load(O_ROWS)
     l_i = l_i * alpha_smem.load(S_ROWS)
     m_i = m_smem.load(S_ROWS)
     acc = acc * alpha_o[:, None]
-    acc = warpgroup_mma(p_smem, lat_ring.index(s).slice(W * COLS, COLS, dim=1), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(s))
+    v = lat_ring.index(_slot(t, hi, NUM_STAGES)).slice(W * COLS, COLS, dim=1)
+    acc = warpgroup_mma(p_smem, v, acc, is_async=True)
     return acc, l_i, m_i
+
+
+@gluon.jit
+def _softmax(sc, m_i, l_i, n, hi, row_limit, qk_scale):
+    """The online softmax of one tile's scores ``sc`` (``[64, BLOCK_N]`` fp32; ``n``: the tiles'
+    token positions): returns ``P`` (fp32, exp2 domain), ``alpha`` (the rescale of what came
+    before), the new row max and row sum."""
+    visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+    sc = gl.where(visible, sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(sc - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -128,7 +251,6 @@ def _mma_warpgroup(
     ``W == 0``, the LSE)."""
     BLOCK_M: gl.constexpr = 64
     COLS: gl.constexpr = L // 2
-    dtype: gl.constexpr = q_nope_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -148,54 +270,42 @@ def _mma_warpgroup(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    for t in range(W, n_tiles, 2):
-        s = _slot(t, hi, NUM_STAGES)
-        mbarrier.wait(ready.index(s), (t // NUM_STAGES) & 1)
-        fence_async_shared()
-        k_lat = lat_ring.index(s)
-        sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_pe_smem, rope_ring.index(s).permute((1, 0)), sc, is_async=True)
-        if t >= 1:
-            # The other warpgroup's tile t - 1 (its running max is this tile's starting point).
-            acc, l_i, m_i = _add_other_tile(
-                lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, t - 1, hi,
-                W, COLS, NUM_STAGES, s_rows, o_rows,
+    if W == 0:  # noqa: SIM102 (W is a constexpr: this if is resolved at compile time)
+        # Tile 0 has no tile before it: peeled, so the loop below has no branch (ptxas then
+        # serialises no wgmma to protect the accumulators).
+        if n_tiles > 0:
+            sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            p, alpha, m_i, l_i = _softmax(scores, m_i, l_i, lo + offs_n, hi, row_limit, qk_scale)
+            acc = _add_own_tile(
+                lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, p, alpha, m_i, 0, hi,
+                W, COLS, NUM_STAGES, o_rows, p_layout,
             )  # fmt: skip
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        n = t * BLOCK_N + lo + offs_n
-        visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
-        sc = gl.where(visible, sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p16 = p.to(dtype)
-        # This warpgroup's reads of the previous P, alpha and row max are done (it waited for
-        # its P·V of tile t - 1), and the other warpgroup reads them only after p_ready.
-        p_smem.store(p16)
-        alpha_smem.store(alpha)
-        m_smem.store(m_new)
-        fence_async_shared()
-        gl.thread_barrier()
-        # alpha in the output's row layout, read back before the announcement lets the other
-        # warpgroup (the owner of tile t + 1) overwrite it.
-        alpha_o = alpha_smem.load(o_rows)
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(t % 2))
-        acc = acc * alpha_o[:, None]
-        v = k_lat.slice(W * COLS, COLS, dim=1)
-        acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v, acc, is_async=True)
+    for t in range(2 - W, n_tiles, 2):
+        sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi, W, NUM_STAGES)
+        # The other warpgroup's tile t - 1 (its running max is this tile's starting point): its
+        # P·V runs while this tile's softmax does; its ring slot is released once it is done.
+        acc, l_i, m_i = _issue_other_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, p_ready, acc, l_i, t - 1, hi,
+            W, COLS, NUM_STAGES, s_rows, o_rows,
+        )  # fmt: skip
+        scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        p, alpha, m_i, l_i = _softmax(scores, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s))
+        mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
+        acc = _add_own_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, p, alpha, m_i, t, hi,
+            W, COLS, NUM_STAGES, o_rows, p_layout,
+        )  # fmt: skip
     # The other warpgroup's last tile, when it comes after this warpgroup's last one.
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != W):
-        acc, l_i, m_i = _add_other_tile(
-            lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, l_i, last, hi,
+        acc, l_i, m_i = _issue_other_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, p_ready, acc, l_i, last, hi,
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(_slot(last, hi, NUM_STAGES) * 2 + W))
 
     # -- epilogue: the two partial row sums, then this warpgroup's output columns ---------------
     l_smem.index(W).store(l_i)
@@ -303,19 +413,22 @@ def mla_decode_pingpong_kernel(
     m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # ready[s·CHUNKS + c]: chunk c of slot s landed (one arrival per loader thread);
+    # empty[s·2 + w]: warpgroup w is done with half w of slot s (its P·V columns).
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * 2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
+    for i in gl.static_range(NUM_STAGES * CHUNKS):
         mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(NUM_STAGES * 2):
+        mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
     mbarrier.init(l_ready, count=2)
     # Every ring slot starts free (both MMA warpgroups' arrivals of phase 0).
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.arrive(empty.index(i), count=2)
+    for i in gl.static_range(NUM_STAGES * 2):
+        mbarrier.arrive(empty.index(i))
     # The running row max before the first tile (read if warpgroup 1 has no tile to follow).
     m_smem.store(
         gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
