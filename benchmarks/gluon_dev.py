@@ -134,7 +134,7 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
         if splits:
             auto = launch_config(
                 batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
-                num_sms=num_sms(c["q"].device), persistent=False, kv_fp8=c["fp8"],
+                num_sms=num_sms(c["q"].device), persistent=False,
             )  # fmt: skip
             config = attrs.evolve(auto, num_splits=int(splits))
     gd.paged_decode(
@@ -222,7 +222,7 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         prob = Problem(shape, dev)
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), persistent=False, kv_fp8=shape.kv == "fp8",
+            num_sms=num_sms(dev), persistent=False,
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
@@ -297,7 +297,7 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         prob = Problem(shape, dev)
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), persistent=False, kv_fp8=shape.kv == "fp8",
+            num_sms=num_sms(dev), persistent=False,
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,

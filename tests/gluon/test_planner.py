@@ -36,7 +36,7 @@ def test_wave_splits_is_the_smallest_best_split(programs: int, slots: int, cap: 
 
 
 def _cfg(**kw: object) -> GluonLaunchConfig:
-    return launch_config(**{"num_sms": 132, "persistent": False, "kv_fp8": False, **kw})  # type: ignore[arg-type]
+    return launch_config(**{"num_sms": 132, "persistent": False, **kw})  # type: ignore[arg-type]
 
 
 def test_launch_config_examples() -> None:
@@ -45,10 +45,6 @@ def test_launch_config_examples() -> None:
     # 24 and 32 rows take the 32-row tile, 33 rows the 64-row kernel.
     assert _cfg(batch=8, rows=24, max_seqlen_k=512).row_tile == 32
     assert _cfg(batch=8, rows=33, max_seqlen_k=512).row_tile == BLOCK_M
-    # 64-row tiles run on the ping-pong kernel for 16-bit caches, on the 64-row kernel for fp8.
-    assert _cfg(batch=8, rows=33, max_seqlen_k=512).pingpong
-    assert not _cfg(batch=8, rows=33, max_seqlen_k=512, kv_fp8=True).pingpong
-    assert not _cfg(batch=8, rows=32, max_seqlen_k=512).pingpong
     # One long request is cut into MAX_SPLITS pieces.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536).num_splits == MAX_SPLITS
     # 128 heads are two 64-row blocks: 128 programs already fill the wave.
@@ -59,12 +55,11 @@ def test_launch_config_examples() -> None:
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
 
 
-@given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264), st.booleans())
-def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int, sms: int, fp8: bool) -> None:
-    cfg = launch_config(
-        batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=False, kv_fp8=fp8
-    )
-    check_config(cfg, kv_fp8=fp8)  # the heuristic only picks launches the kernels take
+@given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
+def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int, sms: int) -> None:
+    cfg = launch_config(batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=False)
+    for fp8 in (False, True):
+        check_config(cfg, kv_fp8=fp8)  # the heuristic picks only launches the kernels take
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
     assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)

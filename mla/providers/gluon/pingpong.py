@@ -9,18 +9,19 @@ tile's ``P·V`` into the half of the 64×512 output they own:
 
 * warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``: ``S = q·Kᵀ`` (N = 64: the query tile is read
   once per tile), the online softmax against the running row max left by the other warpgroup's
-  tile ``t - 1`` (in shared memory), then ``P`` (16-bit), the rescale ``alpha`` and the new row
-  max into shared memory, announced on ``p_ready[t % 2]``;
+  tile ``t - 1`` (in shared memory), then ``P`` (16-bit), the rescale ``alpha``, the new row
+  max and row sum into shared memory, announced on ``p_ready[t % 2]``;
 * both warpgroups rescale their 64×256 fp32 output half by ``alpha`` and add ``P·V_t`` over
   their 256 columns: the owner with ``P`` from registers, the other with ``P`` from shared
   memory, after the announcement. While one warpgroup runs its softmax, the other runs MMAs.
 
 One ``P`` buffer suffices: the warpgroup that overwrites it with ``P_{t+1}`` is the one that
 read ``P_t`` from it (and waited for that MMA), and the owner of ``t`` reads ``P_t`` from
-registers. Each warpgroup keeps its own partial row sum, rescaled by the same ``alpha`` sequence;
-the two are added at the end. While a warpgroup runs the softmax of its tile ``t`` the
-``P·V`` of the other's tile ``t - 1`` is in flight (the first tile is peeled off the loop, which
-then has no branch: ptxas serialises wgmma around branches that touch the accumulators).
+registers. The running row sum travels with the row max (each tile's owner publishes both), so
+after the last tile both warpgroups hold the final ones and exchange nothing more. While a
+warpgroup runs the softmax of its tile ``t`` the ``P·V`` of the other's tile ``t - 1`` is in
+flight (the first tile is peeled off the loop, which then has no branch: ptxas serialises wgmma
+around branches that touch the accumulators).
 
 A **loader** warpgroup (the default partition, so the MMA partitions' reductions stay within
 warps) gathers the KV tiles by token id with ``cp.async`` into a two-stage ring. A slot is
@@ -31,6 +32,13 @@ Each 128-column chunk lands on its own barrier (``ready[s·CHUNKS + c]``: one ar
 thread), and ``QKᵀ`` runs chunk by chunk as they land, starting with the owner's half. Without
 the halves and chunks both MMA warpgroups spent most of their time waiting for whole tiles
 (H200, 2026-12-01, kernel µs: H128 q1 B64 S4096 174 → 161, verify H16 q4 B64 S4096 104 → 97).
+
+Selected by ``GluonLaunchConfig(pingpong=True)``; the launch heuristic does not pick it yet:
+compute-sanitizer's racecheck reports hazards between one MMA warpgroup's stores of the row max
+and the other's loads after the ``p_ready`` wait (and on the compiler's buffer for the
+partitions' arguments), although every such access is ordered by a ``p_ready`` phase, the GPU
+tests pass and memcheck is clean; ``benchmarks/ws_mbarrier_probe.py`` (the same hand-off,
+phases reused, in 40 lines) reports none, so the cause is not known.
 
 16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
 outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
@@ -172,24 +180,27 @@ def _chunk_scores(
 
 @gluon.jit
 def _add_own_tile(
-    lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, p, alpha, m_i, t, hi,
+    lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i, t, hi,
     W: gl.constexpr, COLS: gl.constexpr, NUM_STAGES: gl.constexpr, O_ROWS: gl.constexpr,
     P_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    """Publish this warpgroup's tile ``t`` (``P``, ``alpha`` and the row max into shared memory,
-    announced on ``p_ready``), then ``acc = alpha·acc + P·V_t`` over this warpgroup's columns
-    with ``P`` from registers; release the ring slot."""
+    """Publish this warpgroup's tile ``t`` (``P``, ``alpha``, the running row max and row sum
+    into shared memory, announced on ``p_ready``), then ``acc = alpha·acc + P·V_t`` over this
+    warpgroup's columns with ``P`` from registers; release the ring slot. Returns the output and
+    the running row sum in the output's row layout."""
     p16 = p.to(p_smem.dtype)
     # This warpgroup's reads of the previous P, alpha and row max are done (it waited for its
     # P·V of tile t - 1), and the other warpgroup reads them only after p_ready.
     p_smem.store(p16)
     alpha_smem.store(alpha)
     m_smem.store(m_i)
+    l_smem.store(l_i)
     fence_async_shared()
     gl.thread_barrier()
-    # alpha in the output's row layout, read back before the announcement lets the other
-    # warpgroup (the owner of tile t + 1) overwrite it.
+    # alpha and the row sum in the output's row layout, read back before the announcement lets
+    # the other warpgroup (the owner of tile t + 1) overwrite them.
     alpha_o = alpha_smem.load(O_ROWS)
+    l_o = l_smem.load(O_ROWS)
     gl.thread_barrier()
     mbarrier.arrive(p_ready.index(t % 2))
     acc = acc * alpha_o[:, None]
@@ -198,28 +209,29 @@ def _add_own_tile(
     acc = warpgroup_mma(gl.convert_layout(p16, P_LAYOUT), v, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(s * 2 + W))
-    return acc
+    return acc, l_o
 
 
 @gluon.jit
 def _issue_other_tile(
-    lat_ring, p_smem, m_smem, alpha_smem, p_ready, acc, l_i, t, hi,
+    lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, acc, t, hi,
     W: gl.constexpr, COLS: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_ROWS: gl.constexpr, O_ROWS: gl.constexpr,
 ):  # fmt: skip
     """Start adding tile ``t`` of the other warpgroup to this one's output columns: wait for its
     ``P``, rescale by its ``alpha``, issue ``acc += P·V_t`` (asynchronous: the caller waits, then
-    releases the ring slot). Returns the in-flight output, the rescaled partial row sum and the
-    running row max after tile ``t``."""
+    releases the ring slot). Returns the in-flight output, the running row sum after tile ``t``
+    (in the score and the output row layouts) and the running row max."""
     mbarrier.wait(p_ready.index(t % 2), (t // 2) & 1)
     fence_async_shared()
     alpha_o = alpha_smem.load(O_ROWS)
-    l_i = l_i * alpha_smem.load(S_ROWS)
+    l_i = l_smem.load(S_ROWS)
+    l_o = l_smem.load(O_ROWS)
     m_i = m_smem.load(S_ROWS)
     acc = acc * alpha_o[:, None]
     v = lat_ring.index(_slot(t, hi, NUM_STAGES)).slice(W * COLS, COLS, dim=1)
     acc = warpgroup_mma(p_smem, v, acc, is_async=True)
-    return acc, l_i, m_i
+    return acc, l_i, l_o, m_i
 
 
 @gluon.jit
@@ -239,7 +251,7 @@ def _softmax(sc, m_i, l_i, n, hi, row_limit, qk_scale):
 @gluon.jit
 def _mma_warpgroup(
     q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
-    ready, empty, p_ready, l_ready,
+    ready, empty, p_ready,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
     stride_pl_w, stride_pl_q, qk_scale,
@@ -269,6 +281,7 @@ def _mma_warpgroup(
     acc = gl.zeros([BLOCK_M, COLS], gl.float32, layout=o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    l_o = gl.zeros([BLOCK_M], gl.float32, layout=o_rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     if W == 0:  # noqa: SIM102 (W is a constexpr: this if is resolved at compile time)
         # Tile 0 has no tile before it: peeled, so the loop below has no branch (ptxas then
@@ -277,52 +290,46 @@ def _mma_warpgroup(
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             p, alpha, m_i, l_i = _softmax(scores, m_i, l_i, lo + offs_n, hi, row_limit, qk_scale)
-            acc = _add_own_tile(
-                lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, p, alpha, m_i, 0, hi,
-                W, COLS, NUM_STAGES, o_rows, p_layout,
+            acc, l_o = _add_own_tile(
+                lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
+                0, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
             )  # fmt: skip
     for t in range(2 - W, n_tiles, 2):
         sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi, W, NUM_STAGES)
         # The other warpgroup's tile t - 1 (its running max is this tile's starting point): its
         # P·V runs while this tile's softmax does; its ring slot is released once it is done.
-        acc, l_i, m_i = _issue_other_tile(
-            lat_ring, p_smem, m_smem, alpha_smem, p_ready, acc, l_i, t - 1, hi,
+        acc, l_i, l_o, m_i = _issue_other_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, acc, t - 1, hi,
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
         p, alpha, m_i, l_i = _softmax(scores, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
-        acc = _add_own_tile(
-            lat_ring, p_smem, m_smem, alpha_smem, p_ready, empty, acc, p, alpha, m_i, t, hi,
-            W, COLS, NUM_STAGES, o_rows, p_layout,
+        acc, l_o = _add_own_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
+            t, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
         )  # fmt: skip
     # The other warpgroup's last tile, when it comes after this warpgroup's last one.
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != W):
-        acc, l_i, m_i = _issue_other_tile(
-            lat_ring, p_smem, m_smem, alpha_smem, p_ready, acc, l_i, last, hi,
+        acc, l_i, l_o, m_i = _issue_other_tile(
+            lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, acc, last, hi,
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(last, hi, NUM_STAGES) * 2 + W))
 
-    # -- epilogue: the two partial row sums, then this warpgroup's output columns ---------------
-    l_smem.index(W).store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(l_ready)
-    mbarrier.wait(l_ready, 0)
-    l_tot = l_smem.index(0).load(o_rows) + l_smem.index(1).load(o_rows)
-    has_keys = l_tot != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
-    safe_l = gl.where(has_keys, l_tot, 1.0)
+    # -- epilogue: this warpgroup's output columns (the row sum and max after the last tile are
+    # in registers: its own, or read with the other warpgroup's last P) ------------------------
+    has_keys = l_o != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
+    safe_l = gl.where(has_keys, l_o, 1.0)
     o = acc / safe_l[:, None]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, o_rows)
     cols_o = W * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, o_layout))
     if W == 0:
-        l_s = l_smem.index(0).load(s_rows) + l_smem.index(1).load(s_rows)
-        m_fin = m_smem.load(s_rows)
-        ok_l = l_s != 0.0
-        lse = gl.where(ok_l, (m_fin + gl.log2(gl.where(ok_l, l_s, 1.0))) * 0.6931471805599453, float("-inf"))
+        ok_l = l_i != 0.0
+        lse = gl.where(ok_l, (m_i + gl.log2(gl.where(ok_l, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
@@ -412,27 +419,21 @@ def mla_decode_pingpong_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], mma_smem)
     m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
-    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     # ready[s·CHUNKS + c]: chunk c of slot s landed (one arrival per loader thread);
     # empty[s·2 + w]: warpgroup w is done with half w of slot s (its P·V columns).
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * 2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES * CHUNKS):
         mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
     for i in gl.static_range(NUM_STAGES * 2):
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
-    mbarrier.init(l_ready, count=2)
     # Every ring slot starts free (both MMA warpgroups' arrivals of phase 0).
     for i in gl.static_range(NUM_STAGES * 2):
         mbarrier.arrive(empty.index(i))
-    # The running row max before the first tile (read if warpgroup 1 has no tile to follow).
-    m_smem.store(
-        gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    )
 
     # -- the query tile (by the 4 loader warps, 128 columns at a time) ---------------------------
     Q_CHUNK: gl.constexpr = 128
@@ -471,7 +472,7 @@ def mla_decode_pingpong_kernel(
                 _mma_warpgroup,
                 (
                     q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
-                    ready, empty, p_ready, l_ready,
+                    ready, empty, p_ready,
                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work,
                     direct, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q,
                     stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2,
@@ -482,7 +483,7 @@ def mla_decode_pingpong_kernel(
                 _mma_warpgroup,
                 (
                     q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
-                    ready, empty, p_ready, l_ready,
+                    ready, empty, p_ready,
                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work,
                     direct, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q,
                     stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2,
