@@ -22,6 +22,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla.providers.gluon.kernels import mla_decode_kernel
+from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 
 
@@ -34,6 +35,7 @@ def compile_variant(
     mode: int = 0,
     overlap: bool = False,
     rows: int = 0,
+    pingpong: bool = False,
 ):
     kv = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {
@@ -60,18 +62,21 @@ def compile_variant(
         rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": rows, **rest}
         constexprs["num_warps"] = 8 if rows == 64 else 4
+    if pingpong:
+        del constexprs["OVERLAP"], constexprs["KV_FP8"]
+        constexprs["num_warps"] = 4
     for k, _v in constexprs.items():
         sig[k] = "constexpr"
     names = list(sig)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs if k in sig}
     attrs.update({(names.index(k),): [["tt.divisibility", 16]] for k in ints if k.startswith("stride")})
     src = GluonASTSource(
-        mla_decode_rows_kernel if rows else mla_decode_kernel,
+        mla_decode_pingpong_kernel if pingpong else mla_decode_rows_kernel if rows else mla_decode_kernel,
         signature=sig,
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    warps = 4 if rows and rows < 64 else 8
+    warps = 4 if pingpong or (rows and rows < 64) else 8
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -85,9 +90,15 @@ def main() -> None:
     ap.add_argument(
         "--rows", type=int, default=0, help="compile the transposed kernel for NR rows (64: on 8 warps)"
     )
+    ap.add_argument("--pingpong", action="store_true", help="the 64-row ping-pong kernel (16-bit caches)")
     args = ap.parse_args()
     k = compile_variant(
-        fp8=args.fp8, block_n=args.block_n, stages=args.stages, overlap=args.overlap, rows=args.rows
+        fp8=args.fp8,
+        block_n=args.block_n,
+        stages=args.stages,
+        overlap=args.overlap,
+        rows=args.rows,
+        pingpong=args.pingpong,
     )
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")

@@ -88,8 +88,9 @@ RUNS = (
     [(case, "auto") for case in CASES]
     + [(CASES[0], v) for v in ("splits3", "schedule", "row64", "overlap", "no_lse")]
     + [(CASES[2], v) for v in ("splits3", "schedule", "no_lse")]
-    + [(CASES[3], v) for v in ("schedule", "no_lse", "t64")]
-    + [(CASES[4], "t64")]
+    + [(CASES[3], v) for v in ("schedule", "no_lse", "t64", "pingpong")]
+    + [(CASES[4], v) for v in ("t64", "pingpong")]
+    + [(CASES[5], "pingpong"), (CASES[0], "pingpong")]
 )
 
 
@@ -133,6 +134,10 @@ def test_paged_decode_variants(
         if kv_dtype.itemsize == 1:
             pytest.skip("the 64-row transposed kernel takes 16-bit caches (check_config)")
         config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=True, num_stages=2)
+    elif variant == "pingpong":
+        if kv_dtype.itemsize == 1:
+            pytest.skip("the ping-pong kernel takes 16-bit caches (check_config)")
+        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_stages=2, pingpong=True)
     elif variant == "overlap":
         config = attrs.evolve(
             auto, row_tile=BLOCK_M, transposed=False, block_n=32, num_stages=4, overlap=True

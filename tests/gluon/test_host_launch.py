@@ -61,6 +61,9 @@ SCRIPT = textwrap.dedent(
         "row64-fp8-split2": (128, [1, 1], [300, 70], True, GluonLaunchConfig(num_splits=2)),
         "t64-bf16-direct": (16, [4], [300], False, GluonLaunchConfig(row_tile=64, transposed=True)),
         "few16-bf16-scheduled": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16), True),
+        "pingpong-bf16-split2": (
+            16, [4, 4], [300, 70], False, GluonLaunchConfig(pingpong=True, num_splits=2)
+        ),
     }
     out = {}
     with stand_in_driver(compile_kernels=True) as driver:
@@ -100,6 +103,7 @@ DECODE_ROWS, DECODE_64, MERGE = "mla_decode_rows_kernel", "mla_decode_kernel", "
         ("t64-bf16-direct", [DECODE_ROWS]),
         # The planned schedule always launches the reduce (it skips requests with one item).
         ("few16-bf16-scheduled", [DECODE_ROWS, MERGE]),
+        ("pingpong-bf16-split2", ["mla_decode_pingpong_kernel", MERGE]),
     ],
 )
 def test_every_gluon_variant_compiles_and_launches(

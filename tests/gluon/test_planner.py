@@ -58,6 +58,8 @@ def test_launch_config_examples() -> None:
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
 def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int, sms: int) -> None:
     cfg = launch_config(batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=False)
+    for fp8 in (False, True):
+        check_config(cfg, kv_fp8=fp8)  # the heuristic picks only launches the kernels take
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
     assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)
@@ -103,8 +105,22 @@ def test_kernel_choice_and_reasons() -> None:
         (GluonLaunchConfig(row_tile=48), False),
         (GluonLaunchConfig(row_tile=16, block_n=32), False),
         (GluonLaunchConfig(row_tile=32, num_stages=3, overlap=True), False),
+        (GluonLaunchConfig(pingpong=True), True),
+        (GluonLaunchConfig(row_tile=32, pingpong=True), False),
+        (GluonLaunchConfig(pingpong=True, num_stages=3), False),
+        (GluonLaunchConfig(pingpong=True, block_n=32), False),
     ],
-    ids=["64-row-kernel-16-rows", "transposed-64-fp8", "48-rows", "transposed-block32", "transposed-overlap"],
+    ids=[
+        "64-row-kernel-16-rows",
+        "transposed-64-fp8",
+        "48-rows",
+        "transposed-block32",
+        "transposed-overlap",
+        "pingpong-fp8",
+        "pingpong-32-rows",
+        "pingpong-3-stages",
+        "pingpong-block32",
+    ],
 )
 def test_check_config_rejects_launches_the_kernels_cannot_run(config: GluonLaunchConfig, fp8: bool) -> None:
     from mla.core.errors import InvalidInputError
@@ -120,6 +136,7 @@ def test_check_config_accepts_the_kernels_tiles() -> None:
         (GluonLaunchConfig(row_tile=16), True),
         (GluonLaunchConfig(row_tile=32, num_stages=3), True),
         (GluonLaunchConfig(row_tile=64, transposed=True), False),
+        (GluonLaunchConfig(pingpong=True), False),
     ]:
         check_config(config, kv_fp8=fp8)
     assert GluonLaunchConfig(row_tile=32).transposed

@@ -16,6 +16,7 @@ import torch
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
+from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.planner import (
     BLOCK_M,
     NUM_WARPS,
@@ -127,6 +128,9 @@ def launch_gluon_decode(
             *common, scale_arg, *strides, **constexprs, NR=config.row_tile,
             num_warps=4 if config.row_tile < BLOCK_M else 8,
         )  # fmt: skip
+    elif config.pingpong:
+        del constexprs["KV_FP8"]
+        mla_decode_pingpong_kernel[grid](*common, scale_arg, *strides, **constexprs, num_warps=4)
     else:
         mla_decode_kernel[grid](
             *common, scale_arg, *strides, **constexprs, OVERLAP=config.overlap, num_warps=NUM_WARPS
