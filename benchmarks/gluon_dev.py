@@ -288,7 +288,8 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         Shape("mem", 16, 1, 64, 4096), Shape("mem", 16, 1, 128, 4096), Shape("long", 16, 1, 1, 65536),
         Shape("page1", 16, 1, 16, 4096, block=1), Shape("verify", 16, 2, 64, 4096),
         Shape("verify", 16, 4, 64, 4096), Shape("compute", 128, 1, 64, 4096),
-        Shape("mem", 16, 1, 128, 8192), Shape("fp8", 16, 1, 128, 8192, kv="fp8"),
+        Shape("verify", 16, 8, 64, 4096), Shape("mem", 16, 1, 128, 8192),
+        Shape("fp8", 16, 1, 128, 8192, kv="fp8"),
         Shape("fp8", 16, 2, 64, 4096, kv="fp8"), Shape("fp8", 16, 1, 1, 65536, kv="fp8"),
     ]  # fmt: skip
     if only:
@@ -319,6 +320,7 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("triton provider", None, "triton"),
             ]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
+            variants += [("pingpong np", attrs.evolve(auto, pingpong=True), None)]
             t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2)
             variants += [("t64 np", t64, None)]
             variants += [(f"t64 np k{k}", attrs.evolve(t64, num_splits=k), None) for k in (1, 2, 4)]
