@@ -250,17 +250,20 @@ def _softmax(sc, m_i, l_i, n, hi, row_limit, qk_scale):
 
 @gluon.jit
 def _mma_warpgroup(
-    q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
-    ready, empty, p_ready,
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
-    stride_pl_w, stride_pl_q, qk_scale,
-    W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
+    args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
     tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and, for
-    ``W == 0``, the LSE)."""
+    ``W == 0``, the LSE). ``args``: the kernel's buffers, barriers, work item and strides (one
+    tuple for both warpgroups)."""
+    (
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+        ready, empty, p_ready,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
+        stride_pl_w, stride_pl_q, qk_scale,
+    ) = args  # fmt: skip
     BLOCK_M: gl.constexpr = 64
     COLS: gl.constexpr = L // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -459,6 +462,13 @@ def mla_decode_pingpong_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    mma_args = (
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+        ready, empty, p_ready,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
+        stride_pl_w, stride_pl_q, sm_scale_log2,
+    )  # fmt: skip
     gl.warp_specialize(
         [
             (
@@ -468,28 +478,8 @@ def mla_decode_pingpong_kernel(
                     L, R, BLOCK_N, NUM_STAGES,
                 ),
             ),
-            (
-                _mma_warpgroup,
-                (
-                    q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
-                    ready, empty, p_ready,
-                    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work,
-                    direct, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q,
-                    stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2,
-                    0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE,
-                ),
-            ),
-            (
-                _mma_warpgroup,
-                (
-                    q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
-                    ready, empty, p_ready,
-                    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work,
-                    direct, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q,
-                    stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2,
-                    1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE,
-                ),
-            ),
+            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
         ],
         [4, 4],
         [MMA_REGS, MMA_REGS],
