@@ -321,6 +321,10 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
             ]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
             variants += [("pingpong np", attrs.evolve(auto, pingpong=True), None)]
+            # 32-row tiles on the few-rows kernel: two row blocks per request read the same KV
+            # (the second read from L2), so one split can fill the SMs without a reduce.
+            t32 = attrs.evolve(auto, row_tile=32, transposed=True, num_stages=2)
+            variants += [(f"t32 np k{k}", attrs.evolve(t32, num_splits=k), None) for k in (1, 2)]
             t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2)
             variants += [("t64 np", t64, None)]
             variants += [(f"t64 np k{k}", attrs.evolve(t64, num_splits=k), None) for k in (1, 2, 4)]
