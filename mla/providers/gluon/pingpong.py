@@ -192,15 +192,15 @@ def _add_own_tile(
     # This warpgroup's reads of the previous P, alpha and row max are done (it waited for its
     # P·V of tile t - 1), and the other warpgroup reads them only after p_ready.
     p_smem.store(p16)
-    alpha_smem.store(alpha)
-    m_smem.store(m_i)
-    l_smem.store(l_i)
+    alpha_smem.index(W).store(alpha)
+    m_smem.index(W).store(m_i)
+    l_smem.index(W).store(l_i)
     fence_async_shared()
     gl.thread_barrier()
     # alpha and the row sum in the output's row layout, read back before the announcement lets
     # the other warpgroup (the owner of tile t + 1) overwrite them.
-    alpha_o = alpha_smem.load(O_ROWS)
-    l_o = l_smem.load(O_ROWS)
+    alpha_o = alpha_smem.index(W).load(O_ROWS)
+    l_o = l_smem.index(W).load(O_ROWS)
     gl.thread_barrier()
     mbarrier.arrive(p_ready.index(t % 2))
     acc = acc * alpha_o[:, None]
@@ -224,10 +224,10 @@ def _issue_other_tile(
     (in the score and the output row layouts) and the running row max."""
     mbarrier.wait(p_ready.index(t % 2), (t // 2) & 1)
     fence_async_shared()
-    alpha_o = alpha_smem.load(O_ROWS)
-    l_i = l_smem.load(S_ROWS)
-    l_o = l_smem.load(O_ROWS)
-    m_i = m_smem.load(S_ROWS)
+    alpha_o = alpha_smem.index(1 - W).load(O_ROWS)
+    l_i = l_smem.index(1 - W).load(S_ROWS)
+    l_o = l_smem.index(1 - W).load(O_ROWS)
+    m_i = m_smem.index(1 - W).load(S_ROWS)
     acc = acc * alpha_o[:, None]
     v = lat_ring.index(_slot(t, hi, NUM_STAGES)).slice(W * COLS, COLS, dim=1)
     acc = warpgroup_mma(p_smem, v, acc, is_async=True)
@@ -420,9 +420,11 @@ def mla_decode_pingpong_kernel(
     lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
     rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], mma_smem)
-    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
-    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
-    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
+    # The row max, rescale and row sum of a tile, one buffer per publishing warpgroup (each
+    # buffer has one writer and one reader).
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
     # ready[s·CHUNKS + c]: chunk c of slot s landed (one arrival per loader thread);
     # empty[s·2 + w]: warpgroup w is done with half w of slot s (its P·V columns).
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
