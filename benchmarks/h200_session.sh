@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_session.sh bench       # demo, decode (plot), host overhead, prefill (~5 min)
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
+#   bash benchmarks/h200_session.sh pingpong    # racecheck of the opt-in ping-pong kernel and the probes (~2 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -65,12 +66,24 @@ sanitizer)
       2>&1 | tee "$OUT/sanitizer_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed"
   done
   ;;
+pingpong)
+  part "compute-sanitizer racecheck: the ping-pong kernel"
+  timeout 150 compute-sanitizer --tool racecheck python3 -m pytest -q -p no:cacheprovider \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-pingpong-bf16]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h128-q2-bs64-pingpong-bf16]" \
+    2>&1 | tee "$OUT/sanitizer_pingpong.log" | grep -v "^=========     at " | grep -E "RACECHECK SUMMARY|Race reported|Access|passed|failed" | head -30
+  part "racecheck probes of the warpgroup hand-off"
+  for mode in "handoff 4" "alternate 6"; do
+    timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py $mode 2>&1 \
+      | grep -E "RACECHECK SUMMARY|Race reported|probe"
+  done
+  ;;
 breakdown)
   part "per-kernel breakdown"
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong" >&2
   exit 2
   ;;
 esac
