@@ -93,6 +93,37 @@ def _scales(sm_scale_log2, kv_scale_ptr, KV_FP8: gl.constexpr):
 
 
 @gluon.jit
+def _online_softmax(sc, m_i, l_i, n, hi, row_limit, qk_scale, AXIS: gl.constexpr):
+    """One tile's step of the online softmax (exp2 domain, fp32). ``sc``: raw scores with the
+    keys along ``AXIS`` (1: ``[rows, keys]``; 0: the transposed kernel's ``[keys, rows]``);
+    ``n``: the keys' positions; keys at ``>= hi`` or past a row's causal ``row_limit`` are
+    masked. Returns ``P``, ``alpha`` (the rescale of what came before), the new row max and
+    row sum."""
+    keys = gl.expand_dims(n, 1 - AXIS)
+    visible = (keys < hi) & (keys < gl.expand_dims(row_limit, AXIS))
+    sc = gl.where(visible, sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, AXIS))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(sc - gl.expand_dims(m_use, AXIS))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, AXIS)
+
+
+@gluon.jit
+def _safe_sum(l_i):
+    """The row sum to divide the output by: 1 for a row that saw no key (its output stays 0); a
+    NaN sum (a key the row sees is NaN) stays NaN."""
+    return gl.where(l_i != 0.0, l_i, 1.0)
+
+
+@gluon.jit
+def _row_lse(m_i, l_i):
+    """A row's natural-log LSE from its running max (log2 domain) and sum; ``-inf`` for a row
+    that saw no key."""
+    return gl.where(l_i != 0.0, (m_i + gl.log2(_safe_sum(l_i))) * 0.6931471805599453, float("-inf"))
+
+
+@gluon.jit
 def _row_info(rb, qlen, kv_len, H: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """Query row ordinal, head, validity and causal key limit of the 64 packed rows (``layout``)."""
     rows = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
@@ -371,15 +402,9 @@ def mla_decode_kernel(
         acc = warpgroup_mma_init(acc)
         for t in range(n_tiles):
             sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
-            n = t * BLOCK_N + lo + offs_n
-            visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
-            sc = gl.where(visible, sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _online_softmax(
+                sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 1
+            )
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             v_cur = lat_wide.index(t % WIDE_STAGES) if KV_FP8 else lat_ring.index(t % NUM_STAGES)
@@ -402,15 +427,9 @@ def mla_decode_kernel(
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            n = t * BLOCK_N + lo + offs_n
-            visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
-            sc = gl.where(visible, sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _online_softmax(
+                sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 1
+            )
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, k_lat, acc, is_async=True)
@@ -418,10 +437,8 @@ def mla_decode_kernel(
     async_copy.wait_group(0)
 
     # -- epilogue --------------------------------------------------------------------------------
-    has_keys = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
-    safe_l = gl.where(has_keys, l_i, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
-    inv = gl.convert_layout(v_scale / safe_l, gl.SliceLayout(1, o_layout))
+    lse = _row_lse(m_i, l_i)
+    inv = gl.convert_layout(v_scale / _safe_sum(l_i), gl.SliceLayout(1, o_layout))
     o = acc * inv[:, None]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, L, layout=gl.SliceLayout(0, o_layout))

@@ -37,8 +37,9 @@ Selected by ``GluonLaunchConfig(pingpong=True)``; the launch heuristic does not 
 compute-sanitizer's racecheck reports hazards between one MMA warpgroup's stores of the row max
 and the other's loads after the ``p_ready`` wait (and on the compiler's buffer for the
 partitions' arguments), although every such access is ordered by a ``p_ready`` phase, the GPU
-tests pass and memcheck is clean; ``benchmarks/ws_mbarrier_probe.py`` (the same hand-off,
-phases reused, in 40 lines) reports none, so the cause is not known.
+tests pass and memcheck is clean. ``benchmarks/ws_mbarrier_probe.py`` reproduces the
+argument-buffer report with a correct kernel that hands a vector over the same way, but not the
+row-max one, so its cause is not known.
 
 16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
 outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
@@ -56,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _row_info, _work_range
+from mla.providers.gluon.kernels import _online_softmax, _row_info, _row_lse, _safe_sum, _work_range
 
 LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
@@ -235,20 +236,6 @@ def _issue_other_tile(
 
 
 @gluon.jit
-def _softmax(sc, m_i, l_i, n, hi, row_limit, qk_scale):
-    """The online softmax of one tile's scores ``sc`` (``[64, BLOCK_N]`` fp32; ``n``: the tiles'
-    token positions): returns ``P`` (fp32, exp2 domain), ``alpha`` (the rescale of what came
-    before), the new row max and row sum."""
-    visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
-    sc = gl.where(visible, sc * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, 1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(sc - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
 def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
@@ -292,7 +279,7 @@ def _mma_warpgroup(
         if n_tiles > 0:
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _softmax(scores, m_i, l_i, lo + offs_n, hi, row_limit, qk_scale)
+            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, lo + offs_n, hi, row_limit, qk_scale, 1)
             acc, l_o = _add_own_tile(
                 lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
                 0, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
@@ -306,7 +293,9 @@ def _mma_warpgroup(
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-        p, alpha, m_i, l_i = _softmax(scores, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale)
+        p, alpha, m_i, l_i = _online_softmax(
+            scores, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 1
+        )
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
         acc, l_o = _add_own_tile(
@@ -325,14 +314,11 @@ def _mma_warpgroup(
 
     # -- epilogue: this warpgroup's output columns (the row sum and max after the last tile are
     # in registers: its own, or read with the other warpgroup's last P) ------------------------
-    has_keys = l_o != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
-    safe_l = gl.where(has_keys, l_o, 1.0)
-    o = acc / safe_l[:, None]
+    o = acc / _safe_sum(l_o)[:, None]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, o_rows)
     cols_o = W * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, o_layout))
     if W == 0:
-        ok_l = l_i != 0.0
-        lse = gl.where(ok_l, (m_i + gl.log2(gl.where(ok_l, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = _row_lse(m_i, l_i)
         qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
@@ -395,6 +381,7 @@ def mla_decode_pingpong_kernel(
     BLOCK_M: gl.constexpr = 64
     gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ N of one warpgroup)")
+    gl.static_assert(L == CHUNK * CHUNKS, "the latent row is CHUNKS chunks of CHUNK columns")
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])

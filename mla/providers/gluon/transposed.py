@@ -46,6 +46,9 @@ from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
     _mma_operands,
+    _online_softmax,
+    _row_lse,
+    _safe_sum,
     _scales,
     _take_tile,
     _work_range,
@@ -232,15 +235,9 @@ def mla_decode_rows_kernel(
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
-        n = t * BLOCK_N + lo + offs_n
-        visible = (n < hi)[:, None] & (n[:, None] < row_limit[None, :])
-        sc = gl.where(visible, sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[None, :])
-        l_i = l_i * alpha + gl.sum(p, 0)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(
+            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
+        )
         acc = acc * alpha[None, :]
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -250,10 +247,8 @@ def mla_decode_rows_kernel(
     async_copy.wait_group(0)
 
     # -- epilogue --------------------------------------------------------------------------------
-    has_keys = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
-    safe_l = gl.where(has_keys, l_i, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
-    o = acc * (v_scale / safe_l)[None, :]
+    lse = _row_lse(m_i, l_i)
+    o = acc * (v_scale / _safe_sum(l_i))[None, :]
     qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, ot_layout))
     cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, ot_layout))
     if direct:
