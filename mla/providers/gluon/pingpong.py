@@ -241,8 +241,8 @@ def _mma_warpgroup(
     NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
-    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and, for
-    ``W == 0``, the LSE). ``args``: the kernel's buffers, barriers, work item and strides (one
+    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the LSE,
+    when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work item and strides (one
     tuple for both warpgroups)."""
     (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
@@ -305,34 +305,34 @@ def _mma_warpgroup(
     # The other warpgroup's last tile, when it comes after this warpgroup's last one.
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != W):
-        acc, l_i, l_o, m_i = _issue_other_tile(
+        acc, _l_i, l_o, _m_i = _issue_other_tile(
             lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, acc, last, hi,
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(last, hi, NUM_STAGES) * 2 + W))
 
-    # -- epilogue: this warpgroup's output columns (the row sum and max after the last tile are
-    # in registers: its own, or read with the other warpgroup's last P) ------------------------
+    # -- epilogue: this warpgroup's output columns; the LSE by the warpgroup that owns the last
+    # tile (its row max and row sum in registers are the final ones; warpgroup 0 when there is
+    # no tile) -----------------------------------------------------------------------------------
     o = acc / _safe_sum(l_o)[:, None]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, o_rows)
     cols_o = W * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, o_layout))
-    if W == 0:
-        lse = _row_lse(m_i, l_i)
-        qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
+    lse = _row_lse(m_i, l_i)
+    qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
+    ok_s = ok_s & (gl.maximum(last, 0) % 2 == W)
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
         o_ptrs = out_ptr + tok_o[:, None] * stride_o_t + head_o[:, None] * stride_o_h + cols_o[None, :]
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[:, None])
-        if W == 0 and WRITE_LSE:
+        if WRITE_LSE:
             tok_s = (q_start + qi_s).to(gl.int64)
             gl.store(lse_ptr + tok_s * stride_lse_t + head_s * stride_lse_h, lse, mask=ok_s)
     else:
         wk = work.to(gl.int64)
         po_ptrs = part_o_ptr + wk * stride_po_w + qi_o[:, None] * stride_po_q + head_o[:, None] * stride_po_h
         gl.store(po_ptrs + cols_o[None, :], o, mask=ok_o[:, None])
-        if W == 0:
-            gl.store(part_lse_ptr + wk * stride_pl_w + qi_s * stride_pl_q + head_s, lse, mask=ok_s)
+        gl.store(part_lse_ptr + wk * stride_pl_w + qi_s * stride_pl_q + head_s, lse, mask=ok_s)
 
 
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
