@@ -241,9 +241,9 @@ def _mma_warpgroup(
     NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
-    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the LSE,
-    when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work item and strides (one
-    tuple for both warpgroups)."""
+    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the
+    LSE, when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work
+    item and strides (one tuple for both warpgroups)."""
     (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
