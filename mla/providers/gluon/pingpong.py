@@ -193,15 +193,15 @@ def _add_own_tile(
     # This warpgroup's reads of the previous P, alpha and row max are done (it waited for its
     # P·V of tile t - 1), and the other warpgroup reads them only after p_ready.
     p_smem.store(p16)
-    alpha_smem.store(alpha)
-    m_smem.store(m_i)
-    l_smem.store(l_i)
+    alpha_smem.index(W).store(alpha)
+    m_smem.index(W).store(m_i)
+    l_smem.index(W).store(l_i)
     fence_async_shared()
     gl.thread_barrier()
     # alpha and the row sum in the output's row layout, read back before the announcement lets
     # the other warpgroup (the owner of tile t + 1) overwrite them.
-    alpha_o = alpha_smem.load(O_ROWS)
-    l_o = l_smem.load(O_ROWS)
+    alpha_o = alpha_smem.index(W).load(O_ROWS)
+    l_o = l_smem.index(W).load(O_ROWS)
     gl.thread_barrier()
     mbarrier.arrive(p_ready.index(t % 2))
     acc = acc * alpha_o[:, None]
@@ -225,10 +225,10 @@ def _issue_other_tile(
     (in the score and the output row layouts) and the running row max."""
     mbarrier.wait(p_ready.index(t % 2), (t // 2) & 1)
     fence_async_shared()
-    alpha_o = alpha_smem.load(O_ROWS)
-    l_i = l_smem.load(S_ROWS)
-    l_o = l_smem.load(O_ROWS)
-    m_i = m_smem.load(S_ROWS)
+    alpha_o = alpha_smem.index(1 - W).load(O_ROWS)
+    l_i = l_smem.index(1 - W).load(S_ROWS)
+    l_o = l_smem.index(1 - W).load(O_ROWS)
+    m_i = m_smem.index(1 - W).load(S_ROWS)
     acc = acc * alpha_o[:, None]
     v = lat_ring.index(_slot(t, hi, NUM_STAGES)).slice(W * COLS, COLS, dim=1)
     acc = warpgroup_mma(p_smem, v, acc, is_async=True)
@@ -241,9 +241,9 @@ def _mma_warpgroup(
     NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
-    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and, for
-    ``W == 0``, the LSE). ``args``: the kernel's buffers, barriers, work item and strides (one
-    tuple for both warpgroups)."""
+    tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the
+    LSE, when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work
+    item and strides (one tuple for both warpgroups)."""
     (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
@@ -305,34 +305,34 @@ def _mma_warpgroup(
     # The other warpgroup's last tile, when it comes after this warpgroup's last one.
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != W):
-        acc, l_i, l_o, m_i = _issue_other_tile(
+        acc, _l_i, l_o, _m_i = _issue_other_tile(
             lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, acc, last, hi,
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(last, hi, NUM_STAGES) * 2 + W))
 
-    # -- epilogue: this warpgroup's output columns (the row sum and max after the last tile are
-    # in registers: its own, or read with the other warpgroup's last P) ------------------------
+    # -- epilogue: this warpgroup's output columns; the LSE by the warpgroup that owns the last
+    # tile (its row max and row sum in registers are the final ones; warpgroup 0 when there is
+    # no tile) -----------------------------------------------------------------------------------
     o = acc / _safe_sum(l_o)[:, None]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, BLOCK_M, o_rows)
     cols_o = W * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, o_layout))
-    if W == 0:
-        lse = _row_lse(m_i, l_i)
-        qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
+    lse = _row_lse(m_i, l_i)
+    qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
+    ok_s = ok_s & (gl.maximum(last, 0) % 2 == W)
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
         o_ptrs = out_ptr + tok_o[:, None] * stride_o_t + head_o[:, None] * stride_o_h + cols_o[None, :]
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[:, None])
-        if W == 0 and WRITE_LSE:
+        if WRITE_LSE:
             tok_s = (q_start + qi_s).to(gl.int64)
             gl.store(lse_ptr + tok_s * stride_lse_t + head_s * stride_lse_h, lse, mask=ok_s)
     else:
         wk = work.to(gl.int64)
         po_ptrs = part_o_ptr + wk * stride_po_w + qi_o[:, None] * stride_po_q + head_o[:, None] * stride_po_h
         gl.store(po_ptrs + cols_o[None, :], o, mask=ok_o[:, None])
-        if W == 0:
-            gl.store(part_lse_ptr + wk * stride_pl_w + qi_s * stride_pl_q + head_s, lse, mask=ok_s)
+        gl.store(part_lse_ptr + wk * stride_pl_w + qi_s * stride_pl_q + head_s, lse, mask=ok_s)
 
 
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
@@ -407,9 +407,11 @@ def mla_decode_pingpong_kernel(
     lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
     rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], mma_smem)
-    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
-    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
-    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
+    # The row max, rescale and row sum of a tile, one buffer per publishing warpgroup (each
+    # buffer has one writer and one reader).
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
     # ready[s·CHUNKS + c]: chunk c of slot s landed (one arrival per loader thread);
     # empty[s·2 + w]: warpgroup w is done with half w of slot s (its P·V columns).
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
