@@ -12,8 +12,9 @@ the graph, as an engine plans once per step for all layers). ``do_bench`` (media
 printed beside it. Rows: ``<provider> np|pers|small`` are the provider's ``paged_mqa_decode``
 (non-persistent / planned schedule) and ``small_head_decode``; ``gluon-kernel`` is the Gluon
 kernel called directly where the provider routes the case to the Triton kernel (fp8);
-``gluon-pingpong`` is the opt-in ping-pong kernel (``GluonLaunchConfig(pingpong=True)``, 64-row
-launches on 16-bit caches), which the provider does not pick; ``vllm`` is
+``gluon-64row`` is the provider's launch with the 64-row kernel in place of the ping-pong
+kernel it picks for 64-row tiles of 16-bit caches (``GluonLaunchConfig(pingpong=False)``);
+``vllm`` is
 vLLM's ``decode_attention_fwd`` (qlen 1, 16-bit caches; skipped with a note without
 ``--vllm-decode``). Metrics follow FlashMLA: bytes = KV read once + q read + o written; FLOPs =
 2·s_q·Σs_k·h·(576+512). ``copy%`` is the bandwidth over the measured 4.25 TB/s device copy.
@@ -259,8 +260,8 @@ class Problem:
 
         return run
 
-    def gluon_pingpong_fn(self) -> Callable[[], None]:
-        """The Gluon provider's own launch with the opt-in ping-pong kernel for its 64-row tiles."""
+    def gluon_row64_fn(self) -> Callable[[], None]:
+        """The Gluon provider's own launch with the 64-row kernel instead of the ping-pong kernel."""
         from mla.providers.gluon.decode import paged_decode as gluon_decode
         from mla.providers.gluon.planner import launch_config
 
@@ -268,8 +269,9 @@ class Problem:
         config = launch_config(
             batch=call.qo_indptr.numel() - 1, rows=call.q.shape[1] * call.max_qlen,
             max_seqlen_k=call.max_seqlen_k, num_sms=num_sms(self.q.device), persistent=False,
+            kv_fp8=False,
         )  # fmt: skip
-        config = attrs.evolve(config, pingpong=True)
+        config = attrs.evolve(config, pingpong=False)
 
         def run() -> None:
             gluon_decode(call, config=config)
@@ -363,7 +365,7 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
         if name == "gluon" and shape.kv == "fp8":
             impls.append(("gluon-kernel np", prob.gluon_kernel_fn(), True))
         if name == "gluon" and shape.kv == "bf16" and shape.heads * shape.qlen > 32:
-            impls.append(("gluon-pingpong np", prob.gluon_pingpong_fn(), True))
+            impls.append(("gluon-64row np", prob.gluon_row64_fn(), True))
     if vllm is None:
         notes.append(f"{label(shape)}: vllm skipped (no --vllm-decode file)")
     elif shape.qlen != 1 or shape.kv != "bf16":

@@ -135,6 +135,7 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
             auto = launch_config(
                 batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
                 num_sms=num_sms(c["q"].device), persistent=False,
+                kv_fp8=c["cache"].element_size() == 1,
             )  # fmt: skip
             config = attrs.evolve(auto, num_splits=int(splits))
     gd.paged_decode(
@@ -222,7 +223,7 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         prob = Problem(shape, dev)
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), persistent=False,
+            num_sms=num_sms(dev), persistent=False, kv_fp8=shape.kv == "fp8",
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
@@ -298,7 +299,7 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
         prob = Problem(shape, dev)
         auto = launch_config(
             batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq,
-            num_sms=num_sms(dev), persistent=False,
+            num_sms=num_sms(dev), persistent=False, kv_fp8=shape.kv == "fp8",
         )  # fmt: skip
         sched = SplitKVSchedule.allocate(
             max_batch=shape.batch, max_kernel_qlen=shape.qlen, kernel_heads=shape.heads, kv_lora_rank=RANK,
@@ -320,7 +321,7 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("triton provider", None, "triton"),
             ]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
-            variants += [("pingpong np", attrs.evolve(auto, pingpong=True), None)]
+            variants += [("64-row np", attrs.evolve(auto, pingpong=False), None)]
             # 32-row tiles on the few-rows kernel: two row blocks per request read the same KV
             # (the second read from L2), so one split can fill the SMs without a reduce.
             t32 = attrs.evolve(auto, row_tile=32, transposed=True, num_stages=2)

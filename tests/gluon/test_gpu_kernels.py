@@ -82,14 +82,14 @@ CASES = [
     (5, [8, 1], [2000, 9], 16),
 ]
 # Every case on the launch heuristic's own choice; the other launch variants on the cases that
-# reach them (16 rows: few-rows kernel; 32 rows; 36 rows: the 64-row kernel; t64: the
-# transposed kernel on two warpgroups).
+# reach them (16 rows: few-rows kernel; 32 rows; 36 rows: 64-row tiles, the ping-pong kernel on
+# 16-bit caches; row64: the 64-row kernel; t64: the transposed kernel on two warpgroups).
 RUNS = (
     [(case, "auto") for case in CASES]
     + [(CASES[0], v) for v in ("splits3", "schedule", "row64", "overlap", "no_lse")]
     + [(CASES[2], v) for v in ("splits3", "schedule", "no_lse")]
-    + [(CASES[3], v) for v in ("schedule", "no_lse", "t64", "pingpong")]
-    + [(CASES[4], v) for v in ("t64", "pingpong")]
+    + [(CASES[3], v) for v in ("schedule", "no_lse", "t64", "row64", "pingpong")]
+    + [(CASES[4], v) for v in ("t64", "row64", "pingpong")]
     + [(CASES[5], "pingpong"), (CASES[0], "pingpong")]
 )
 
@@ -116,7 +116,7 @@ def test_paged_decode_variants(
     rows = heads * max(qlens)
     auto = launch_config(
         batch=len(lens), rows=rows, max_seqlen_k=max(lens), num_sms=num_sms(q.device),
-        persistent=False,
+        persistent=False, kv_fp8=kv_dtype.itemsize == 1,
     )  # fmt: skip
     schedule, config = None, None
     if variant == "splits3":
@@ -129,18 +129,26 @@ def test_paged_decode_variants(
         )  # fmt: skip
         plan_split_kv(schedule, data[2], len(lens))
     elif variant == "row64":
-        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2)
+        config = attrs.evolve(
+            auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2, pingpong=False
+        )
     elif variant == "t64":
         if kv_dtype.itemsize == 1:
             pytest.skip("the 64-row transposed kernel takes 16-bit caches (check_config)")
-        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=True, num_stages=2)
+        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=True, num_stages=2, pingpong=False)
     elif variant == "pingpong":
         if kv_dtype.itemsize == 1:
             pytest.skip("the ping-pong kernel takes 16-bit caches (check_config)")
         config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_stages=2, pingpong=True)
     elif variant == "overlap":
         config = attrs.evolve(
-            auto, row_tile=BLOCK_M, transposed=False, block_n=32, num_stages=4, overlap=True
+            auto,
+            row_tile=BLOCK_M,
+            transposed=False,
+            block_n=32,
+            num_stages=4,
+            overlap=True,
+            pingpong=False,
         )
     paged_decode(_call(data, qlens, lens, out, lse, schedule), config=config)
     torch.cuda.synchronize()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -36,7 +37,7 @@ def test_wave_splits_is_the_smallest_best_split(programs: int, slots: int, cap: 
 
 
 def _cfg(**kw: object) -> GluonLaunchConfig:
-    return launch_config(**{"num_sms": 132, "persistent": False, **kw})  # type: ignore[arg-type]
+    return launch_config(**{"num_sms": 132, "persistent": False, "kv_fp8": False, **kw})  # type: ignore[arg-type]
 
 
 def test_launch_config_examples() -> None:
@@ -51,15 +52,28 @@ def test_launch_config_examples() -> None:
     big = _cfg(batch=64, rows=128, max_seqlen_k=4096)
     assert big.row_blocks(128) == 2
     assert big.num_splits == 1
+    # 64-row tiles run on the ping-pong kernel for 16-bit caches, on the 64-row kernel for fp8.
+    assert big.pingpong
+    assert not _cfg(batch=64, rows=128, max_seqlen_k=4096, kv_fp8=True).pingpong
+    assert not _cfg(batch=64, rows=16, max_seqlen_k=4096).pingpong
     # Persistent launches take their splits from the schedule.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
 
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
 def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int, sms: int) -> None:
-    cfg = launch_config(batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=False)
-    for fp8 in (False, True):
-        check_config(cfg, kv_fp8=fp8)  # the heuristic picks only launches the kernels take
+    configs = {
+        fp8: launch_config(
+            batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=False, kv_fp8=fp8
+        )
+        for fp8 in (False, True)
+    }
+    for fp8, config in configs.items():
+        check_config(config, kv_fp8=fp8)  # the heuristic picks only launches the kernels take
+    # The cache dtype picks the 64-row kernel, never the tiles or the splits.
+    assert attrs.evolve(configs[False], pingpong=False) == configs[True]
+    cfg = configs[False]
+    assert cfg.pingpong == (cfg.row_tile == BLOCK_M)
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
     assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)

@@ -168,6 +168,7 @@ def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = No
             max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(q.device),
             persistent=schedule is not None,
+            kv_fp8=call.kv_cache.element_size() == 1,
         )
     launch_gluon_decode(
         q_nope=q[..., :rank],
@@ -198,6 +199,7 @@ def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | 
             max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(call.q_nope.device),
             persistent=False,
+            kv_fp8=call.kv_cache.element_size() == 1,
         )
     launch_gluon_decode(
         q_nope=_last_dim_contiguous(call.q_nope),

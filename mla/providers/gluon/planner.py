@@ -1,12 +1,14 @@
 """Launch heuristic and split-KV planning of the Gluon MLA decode (pure Python, CPU-testable).
 
-Two kernels: up to :data:`FEW_ROWS_MAX` packed rows (heads × qlen) run on the transposed
-few-rows kernel (:mod:`.transposed`, 16- or 32-row tiles on one warpgroup), more on the 64-row
-kernel (:mod:`.kernels`, 8 warps). Either fills the shared memory of an SM (the 64-row kernel:
-query tile 72 KB, a two-stage ring of 64-token bf16 KV tiles 144 KB, the token-id ring; 221 KB
-in all; the few-rows kernel 165–222 KB), so one program is resident per SM (compiler report for
-sm_90, ``benchmarks/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the
-tile run as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
+Up to :data:`FEW_ROWS_MAX` packed rows (heads × qlen) run on the transposed few-rows kernel
+(:mod:`.transposed`, 16- or 32-row tiles on one warpgroup), more in 64-row tiles: on the
+ping-pong kernel (:mod:`.pingpong`, a loader warpgroup and two MMA warpgroups taking alternate
+KV tiles) for 16-bit caches, on the 64-row kernel (:mod:`.kernels`, 8 warps) for fp8 caches.
+Each fills the shared memory of an SM (the 64-row kernel: query tile 72 KB, a two-stage ring of
+64-token bf16 KV tiles 144 KB, the token-id ring; 221 KB in all; the ping-pong kernel 231 KB;
+the few-rows kernel 165–222 KB), so one program is resident per SM (compiler report for sm_90,
+``benchmarks/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the tile run
+as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
 the second read of a tile hits L2).
 
 Tile shape (H200, 2026-12-01, ``benchmarks/gluon_dev.py --sweep``, graph replay, µs):
@@ -99,12 +101,11 @@ class GluonLaunchConfig:
     when ``row_tile`` is below 64 (the 64-row kernel takes only 64)."""
     pingpong: bool = False
     """Run 64 rows on the ping-pong kernel of :mod:`.pingpong` (two MMA warpgroups taking
-    alternate KV tiles, a loader warpgroup; 16-bit caches, 64-token tiles, two stages). Faster
-    than the 64-row kernel on every 64-row case measured (H200, 2026-12-01, kernel µs: H128 q1
-    B64 S4096 160 against 198, verify H16 q4 B64 S4096 93 against 104, H64 q1 B64 S4096 98
-    against 110, verify H16 q8 B64 S4096 161 against 196) and it passes the GPU tests, but
-    compute-sanitizer's racecheck reports hazards on its shared-memory hand-offs between the
-    warpgroups that are not explained yet, so :func:`launch_config` does not pick it."""
+    alternate KV tiles, a loader warpgroup; 16-bit caches, 64-token tiles, two stages) instead of
+    the 64-row kernel of :mod:`.kernels`. :func:`launch_config` picks it for every 16-bit launch
+    of 64-row tiles: it was faster on every 64-row case measured (H200, 2026-12-01, graph µs:
+    H128 q1 B64 S4096 153 against 196, verify H16 q4 B64 S4096 102 against 114, H64 q1 B64
+    S4096 103 against 112, verify H16 q8 B64 S4096 156 against 197)."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
@@ -148,14 +149,16 @@ def wave_splits(programs: int, *, slots: int, cap: int) -> int:
 
 
 def launch_config(
-    *, batch: int, rows: int, max_seqlen_k: int, num_sms: int, persistent: bool
+    *, batch: int, rows: int, max_seqlen_k: int, num_sms: int, persistent: bool, kv_fp8: bool
 ) -> GluonLaunchConfig:
-    """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows
-    (the same for 16-bit and fp8 caches).
+    """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows.
 
-    Persistent launches take their splits from the schedule (``num_splits`` stays 1).
+    Tiles and splits are the same for 16-bit and fp8 caches; 64-row tiles of a 16-bit cache
+    (``kv_fp8=False``) run on the ping-pong kernel. Persistent launches take their splits from
+    the schedule (``num_splits`` stays 1).
     """
-    tile = GluonLaunchConfig(row_tile=few_rows_tile(rows))
+    row_tile = few_rows_tile(rows)
+    tile = GluonLaunchConfig(row_tile=row_tile, pingpong=row_tile == BLOCK_M and not kv_fp8)
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
