@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_session.sh bench       # demo, decode (plot), host overhead, prefill (~5 min)
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
-#   bash benchmarks/h200_session.sh pingpong    # racecheck of the opt-in ping-pong kernel and the probes (~2 min)
+#   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.

@@ -33,13 +33,15 @@ thread), and ``QKᵀ`` runs chunk by chunk as they land, starting with the owner
 the halves and chunks both MMA warpgroups spent most of their time waiting for whole tiles
 (H200, 2026-12-01, kernel µs: H128 q1 B64 S4096 174 → 161, verify H16 q4 B64 S4096 104 → 97).
 
-Selected by ``GluonLaunchConfig(pingpong=True)``; the launch heuristic does not pick it yet:
-compute-sanitizer's racecheck reports hazards between one MMA warpgroup's stores of the row max
-and the other's loads after the ``p_ready`` wait (and on the compiler's buffer for the
-partitions' arguments), although every such access is ordered by a ``p_ready`` phase, the GPU
-tests pass and memcheck is clean. ``benchmarks/ws_mbarrier_probe.py`` reproduces the
-argument-buffer report with a correct kernel that hands a vector over the same way, but not the
-row-max one, so its cause is not known.
+Each MMA warpgroup publishes its row max, rescale and row sum in a buffer of its own (one writer,
+one reader), and the LSE is written by the warpgroup that owns the last tile, whose running max
+and sum are the final ones. With both, compute-sanitizer's racecheck flags none of the kernel's
+buffers; it still flags the start-up hand-off that Triton generates for ``gl.warp_specialize``
+(the partitions' state and arguments, ordered by full-CTA barriers in the PTX; a 60-line probe,
+``benchmarks/ws_mbarrier_probe.py``, shows the same reports).
+
+Selected by ``GluonLaunchConfig(pingpong=True)``, which :func:`.planner.launch_config` picks for
+every 64-row tile of a 16-bit cache.
 
 16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
 outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
