@@ -67,6 +67,9 @@ CHUNK = gl.constexpr(128)
 """Latent columns per ``ready`` barrier: QKᵀ of a tile starts when its first chunk lands."""
 CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row (the second half's last one also brings the rope part)."""
+Q_ASYNC = gl.constexpr(True)
+"""Load the query tile with ``cp.async`` (every piece in flight at once) instead of through
+registers, 128 columns at a time."""
 MMA_REGS = gl.constexpr(232)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128."""
 
@@ -436,20 +439,28 @@ def mla_decode_pingpong_kernel(
     qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, q_ld))
     q_rows = (q_start + qi_q).to(gl.int64) * stride_qn_t + head_q * stride_qn_h
     cols_q = gl.arange(0, Q_CHUNK, layout=gl.SliceLayout(0, q_ld))
-    for c in gl.static_range(L // Q_CHUNK):
-        qn = gl.load(
-            q_nope_ptr + q_rows[:, None] + (c * Q_CHUNK + cols_q)[None, :], mask=ok_q[:, None], other=0.0
-        )
-        q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1).store(qn)
     qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, qr_ld))
     tok_r = (q_start + qi_r).to(gl.int64)
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp = gl.load(
-        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
-        mask=ok_r[:, None],
-        other=0.0,
-    )
-    q_pe_smem.store(qp)
+    qp_ptrs = q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :]
+    if Q_ASYNC:
+        # All five pieces in flight at once (masked rows are filled with zeros).
+        for c in gl.static_range(L // Q_CHUNK):
+            async_copy.async_copy_global_to_shared(
+                q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1),
+                q_nope_ptr + q_rows[:, None] + (c * Q_CHUNK + cols_q)[None, :],
+                mask=ok_q[:, None],
+            )
+        async_copy.async_copy_global_to_shared(q_pe_smem, qp_ptrs, mask=ok_r[:, None])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+    else:
+        for c in gl.static_range(L // Q_CHUNK):
+            qn = gl.load(
+                q_nope_ptr + q_rows[:, None] + (c * Q_CHUNK + cols_q)[None, :], mask=ok_q[:, None], other=0.0
+            )
+            q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1).store(qn)
+        q_pe_smem.store(gl.load(qp_ptrs, mask=ok_r[:, None], other=0.0))
     fence_async_shared()
     gl.thread_barrier()
 
