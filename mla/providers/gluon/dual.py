@@ -20,9 +20,18 @@ fp16 tile, which nothing writes any more) and warpgroup 0 merges them into its o
 the outputs: the request's rows directly, or fp32 partials for the split reduce.
 
 Shared memory (16 rows): query 18 KB, fp8 ring 54 KB, two fp16 tiles 144 KB, ``P`` 4 KB.
-fp8 caches and 16 rows only (the fp16 output accumulator is 64 registers per thread; at 32 rows
+fp8 caches and 16 rows only (the fp32 output accumulator is 64 registers per thread; at 32 rows
 the merge would hold two 128-register accumulators). Work items, masking, NaN rules, scales and
 outputs are those of :mod:`.transposed`.
+
+Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
+against the few-rows kernel in the same run): B128 S8192 256.0 against 291.2 (bf16 on the
+few-rows kernel: 279.0), B64 S4096 74.5 against 83.6, B1 S65536 27.1 against 27.8. Tried in
+the same session and no faster: waiting for each half-tile just before widening it (256.0),
+8 loader warps (265.8). The GPU tests of its variants pass and memcheck reports 0 errors, but
+compute-sanitizer's racecheck flags the end-of-loop merge (warpgroup 1's stores of its
+output, row max and row sum against warpgroup 0's loads after the ``merged`` wait, besides the
+``gl.warp_specialize`` start-up), so it is selected only by ``GluonLaunchConfig(dual=True)``.
 """
 
 from __future__ import annotations
