@@ -14,7 +14,8 @@ printed beside it. Rows: ``<provider> np|pers|small`` are the provider's ``paged
 kernel called directly where the provider routes the case to the Triton kernel (fp8);
 ``gluon-64row`` is the provider's launch with the 64-row kernel in place of the ping-pong
 kernel it picks for 64-row tiles of 16-bit caches (``GluonLaunchConfig(pingpong=False)``);
-``vllm`` is
+``gluon-dual`` is the opt-in dual-chain kernel on fp8 caches of 16 rows
+(``GluonLaunchConfig(dual=True)``); ``vllm`` is
 vLLM's ``decode_attention_fwd`` (qlen 1, 16-bit caches; skipped with a note without
 ``--vllm-decode``). Metrics follow FlashMLA: bytes = KV read once + q read + o written; FLOPs =
 2·s_q·Σs_k·h·(576+512). ``copy%`` is the bandwidth over the measured 4.25 TB/s device copy.
@@ -278,6 +279,24 @@ class Problem:
 
         return run
 
+    def gluon_dual_fn(self) -> Callable[[], None]:
+        """The Gluon provider's own launch with the opt-in dual-chain kernel (16 rows, fp8)."""
+        from mla.providers.gluon.decode import paged_decode as gluon_decode
+        from mla.providers.gluon.planner import launch_config
+
+        call = self.paged_call()
+        config = launch_config(
+            batch=call.qo_indptr.numel() - 1, rows=call.q.shape[1] * call.max_qlen,
+            max_seqlen_k=call.max_seqlen_k, num_sms=num_sms(self.q.device), persistent=False,
+            kv_fp8=True,
+        )  # fmt: skip
+        config = attrs.evolve(config, dual=True)
+
+        def run() -> None:
+            gluon_decode(call, config=config)
+
+        return run
+
     def vllm_fn(self, module: Any) -> Callable[[], None]:
         return _vllm.decode_fn(
             module,
@@ -366,6 +385,8 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
             impls.append(("gluon-kernel np", prob.gluon_kernel_fn(), True))
         if name == "gluon" and shape.kv == "bf16" and shape.heads * shape.qlen > 32:
             impls.append(("gluon-64row np", prob.gluon_row64_fn(), True))
+        if name == "gluon" and shape.kv == "fp8" and shape.heads * shape.qlen <= 16:
+            impls.append(("gluon-dual np", prob.gluon_dual_fn(), True))
     if vllm is None:
         notes.append(f"{label(shape)}: vllm skipped (no --vllm-decode file)")
     elif shape.qlen != 1 or shape.kv != "bf16":

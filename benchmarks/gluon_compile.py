@@ -1,6 +1,7 @@
 """Compile the Gluon decode kernel for sm_90 without a GPU and print its resource report.
 
     python benchmarks/gluon_compile.py [--fp8] [--block-n 64] [--stages 2] [--sass]
+        [--rows 16|32|64] [--pingpong] [--dual]
 
 Prints registers, spills, shared memory and counts of the key SASS instructions (HGMMA,
 LDGSTS, LDL/STL) so a variant can be judged before it costs device time.
@@ -21,6 +22,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mla.providers.gluon.dual import mla_decode_dual_kernel
 from mla.providers.gluon.kernels import mla_decode_kernel
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
@@ -36,6 +38,7 @@ def compile_variant(
     overlap: bool = False,
     rows: int = 0,
     pingpong: bool = False,
+    dual: bool = False,
 ):
     kv = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {
@@ -65,18 +68,28 @@ def compile_variant(
     if pingpong:
         del constexprs["OVERLAP"], constexprs["KV_FP8"]
         constexprs["num_warps"] = 4
+    if dual:
+        del constexprs["OVERLAP"], constexprs["KV_FP8"], constexprs["NUM_STAGES"]
+        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
+        constexprs = {"H": heads, "L": 512, "R": 64, "NR": 16, **rest, "num_warps": 4}
     for k, _v in constexprs.items():
         sig[k] = "constexpr"
     names = list(sig)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs if k in sig}
     attrs.update({(names.index(k),): [["tt.divisibility", 16]] for k in ints if k.startswith("stride")})
     src = GluonASTSource(
-        mla_decode_pingpong_kernel if pingpong else mla_decode_rows_kernel if rows else mla_decode_kernel,
+        mla_decode_dual_kernel
+        if dual
+        else mla_decode_pingpong_kernel
+        if pingpong
+        else mla_decode_rows_kernel
+        if rows
+        else mla_decode_kernel,
         signature=sig,
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    warps = 4 if pingpong or (rows and rows < 64) else 8
+    warps = 4 if pingpong or dual or (rows and rows < 64) else 8
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -91,14 +104,16 @@ def main() -> None:
         "--rows", type=int, default=0, help="compile the transposed kernel for NR rows (64: on 8 warps)"
     )
     ap.add_argument("--pingpong", action="store_true", help="the 64-row ping-pong kernel (16-bit caches)")
+    ap.add_argument("--dual", action="store_true", help="the dual-chain kernel (16 rows, fp8; implies --fp8)")
     args = ap.parse_args()
     k = compile_variant(
-        fp8=args.fp8,
+        fp8=args.fp8 or args.dual,
         block_n=args.block_n,
         stages=args.stages,
         overlap=args.overlap,
         rows=args.rows,
         pingpong=args.pingpong,
+        dual=args.dual,
     )
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")

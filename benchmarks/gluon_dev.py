@@ -129,6 +129,12 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
         plan_split_kv(sched, c["kv_indptr"], batch)
     elif variant == "np64":
         config = GluonLaunchConfig(num_splits=2)
+    elif variant.startswith("dual"):
+        auto = launch_config(
+            batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
+            num_sms=num_sms(c["q"].device), persistent=False, kv_fp8=True,
+        )  # fmt: skip
+        config = attrs.evolve(auto, dual=True, num_splits=int(variant[4:] or auto.num_splits))
     elif variant.startswith("np"):
         splits = variant[2:]
         if splits:
@@ -185,6 +191,8 @@ def checks(log: list[dict[str, Any]]) -> bool:
             variants = ["np", "np1", "np3", "sched"] + (["small"] if max(qlens) == 1 else [])
             if heads * max(qlens) <= 32:
                 variants.append("np64")
+            if fp8 and heads * max(qlens) <= 16:
+                variants += ["dual", "dual1", "dual3"]
             for v in variants:
                 for with_lse in (True, False) if v == "np" else (True,):
                     kv = "fp8" if fp8 else "bf16"
@@ -320,6 +328,8 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("np stages 3", attrs.evolve(auto, num_stages=3), None),
                 ("triton provider", None, "triton"),
             ]
+            if shape.heads * shape.qlen <= 16:
+                variants += [("dual np", attrs.evolve(auto, dual=True), None)]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
             variants += [("64-row np", attrs.evolve(auto, pingpong=False), None)]
             # 32-row tiles on the few-rows kernel: two row blocks per request read the same KV

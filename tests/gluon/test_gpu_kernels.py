@@ -83,7 +83,8 @@ CASES = [
 ]
 # Every case on the launch heuristic's own choice; the other launch variants on the cases that
 # reach them (16 rows: few-rows kernel; 32 rows; 36 rows: 64-row tiles, the ping-pong kernel on
-# 16-bit caches; row64: the 64-row kernel; t64: the transposed kernel on two warpgroups).
+# 16-bit caches; row64: the 64-row kernel; t64: the transposed kernel on two warpgroups; dual:
+# the dual-chain kernel, 16 rows of an fp8 cache).
 RUNS = (
     [(case, "auto") for case in CASES]
     + [(CASES[0], v) for v in ("splits3", "schedule", "row64", "overlap", "no_lse")]
@@ -91,6 +92,8 @@ RUNS = (
     + [(CASES[3], v) for v in ("schedule", "no_lse", "t64", "row64", "pingpong")]
     + [(CASES[4], v) for v in ("t64", "row64", "pingpong")]
     + [(CASES[5], "pingpong"), (CASES[0], "pingpong")]
+    + [(CASES[0], v) for v in ("dual", "dual-splits3", "dual-schedule")]
+    + [(CASES[1], "dual")]
 )
 
 
@@ -140,6 +143,18 @@ def test_paged_decode_variants(
         if kv_dtype.itemsize == 1:
             pytest.skip("the ping-pong kernel takes 16-bit caches (check_config)")
         config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_stages=2, pingpong=True)
+    elif variant.startswith("dual"):
+        if kv_dtype.itemsize != 1:
+            pytest.skip("the dual-chain kernel takes fp8 caches (check_config)")
+        config = attrs.evolve(auto, dual=True, num_splits=3 if variant == "dual-splits3" else auto.num_splits)
+        if variant == "dual-schedule":
+            schedule = SplitKVSchedule.allocate(
+                max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads, kv_lora_rank=RANK,
+                num_units=schedule_units(num_sms=num_sms(q.device), rows=rows),
+                device=q.device, min_chunk=256,
+            )  # fmt: skip
+            plan_split_kv(schedule, data[2], len(lens))
+            config = attrs.evolve(config, num_splits=1)
     elif variant == "overlap":
         config = attrs.evolve(
             auto,

@@ -64,6 +64,13 @@ SCRIPT = textwrap.dedent(
         "pingpong-bf16-split2": (
             16, [4, 4], [300, 70], False, GluonLaunchConfig(pingpong=True, num_splits=2)
         ),
+        "dual-fp8-direct": (16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, dual=True)),
+        "dual-fp8-split3": (
+            8, [1, 1, 1], [900, 5, 64], True, GluonLaunchConfig(row_tile=16, dual=True, num_splits=3)
+        ),
+        "dual-fp8-scheduled": (
+            16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, dual=True), True
+        ),
     }
     out = {}
     with stand_in_driver(compile_kernels=True) as driver:
@@ -88,6 +95,7 @@ def launches() -> dict[str, list[list[object]]]:
 
 
 DECODE_ROWS, DECODE_64, MERGE = "mla_decode_rows_kernel", "mla_decode_kernel", "_merge_splits_kernel"
+DUAL = "mla_decode_dual_kernel"
 
 
 @pytest.mark.parametrize(
@@ -104,6 +112,9 @@ DECODE_ROWS, DECODE_64, MERGE = "mla_decode_rows_kernel", "mla_decode_kernel", "
         # The planned schedule always launches the reduce (it skips requests with one item).
         ("few16-bf16-scheduled", [DECODE_ROWS, MERGE]),
         ("pingpong-bf16-split2", ["mla_decode_pingpong_kernel", MERGE]),
+        ("dual-fp8-direct", [DUAL]),
+        ("dual-fp8-split3", [DUAL, MERGE]),
+        ("dual-fp8-scheduled", [DUAL, MERGE]),
     ],
 )
 def test_every_gluon_variant_compiles_and_launches(
@@ -120,3 +131,4 @@ def test_decode_grids_are_work_items_times_row_blocks(launches: dict[str, list[l
     assert launches["row64-bf16-direct"][0][1] == [2, 1, 1]
     # 128 heads are two 64-row blocks per work item.
     assert launches["row64-fp8-split2"][0][1] == [2 * 2 * 2, 1, 1]
+    assert launches["dual-fp8-split3"][0][1] == [3 * 3, 1, 1]

@@ -123,6 +123,10 @@ def test_kernel_choice_and_reasons() -> None:
         (GluonLaunchConfig(row_tile=32, pingpong=True), False),
         (GluonLaunchConfig(pingpong=True, num_stages=3), False),
         (GluonLaunchConfig(pingpong=True, block_n=32), False),
+        (GluonLaunchConfig(row_tile=16, dual=True), False),
+        (GluonLaunchConfig(row_tile=32, dual=True), True),
+        (GluonLaunchConfig(dual=True), True),
+        (GluonLaunchConfig(row_tile=16, dual=True, pingpong=True), True),
     ],
     ids=[
         "64-row-kernel-16-rows",
@@ -134,6 +138,10 @@ def test_kernel_choice_and_reasons() -> None:
         "pingpong-32-rows",
         "pingpong-3-stages",
         "pingpong-block32",
+        "dual-bf16",
+        "dual-32-rows",
+        "dual-64-rows",
+        "dual-and-pingpong",
     ],
 )
 def test_check_config_rejects_launches_the_kernels_cannot_run(config: GluonLaunchConfig, fp8: bool) -> None:
@@ -151,6 +159,7 @@ def test_check_config_accepts_the_kernels_tiles() -> None:
         (GluonLaunchConfig(row_tile=32, num_stages=3), True),
         (GluonLaunchConfig(row_tile=64, transposed=True), False),
         (GluonLaunchConfig(pingpong=True), False),
+        (GluonLaunchConfig(row_tile=16, dual=True), True),
     ]:
         check_config(config, kv_fp8=fp8)
     assert GluonLaunchConfig(row_tile=32).transposed

@@ -15,6 +15,7 @@ import torch
 
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
+from mla.providers.gluon.dual import mla_decode_dual_kernel
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.planner import (
@@ -123,7 +124,12 @@ def launch_gluon_decode(
         "KV_FP8": kv_fp8,
     }  # fmt: skip
     grid = (num_work * row_blocks,)
-    if config.transposed:
+    if config.dual:
+        del constexprs["KV_FP8"], constexprs["NUM_STAGES"]
+        mla_decode_dual_kernel[grid](
+            *common, scale_arg, *strides, **constexprs, NR=config.row_tile, num_warps=4
+        )
+    elif config.transposed:
         mla_decode_rows_kernel[grid](
             *common, scale_arg, *strides, **constexprs, NR=config.row_tile,
             num_warps=4 if config.row_tile < BLOCK_M else 8,

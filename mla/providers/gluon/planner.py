@@ -107,6 +107,14 @@ class GluonLaunchConfig:
     H128 q1 B64 S4096 153 against 196, verify H16 q4 B64 S4096 102 against 114, H64 q1 B64
     S4096 103 against 112, verify H16 q8 B64 S4096 156 against 197)."""
 
+    dual: bool = False
+    """Run 16 rows of an fp8 cache on the dual-chain kernel of :mod:`.dual` (a loader
+    warpgroup that gathers and widens the tiles, two MMA warpgroups taking alternate tiles with
+    a running output each, merged at the end) instead of the few-rows kernel. Faster on the
+    H200 (2026-12-01, graph µs, H16 q1: B128 S8192 256 against 291, B64 S4096 75 against 84),
+    but compute-sanitizer's racecheck flags its end-of-loop merge between the warpgroups, so
+    :func:`launch_config` does not pick it."""
+
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
 
@@ -170,7 +178,19 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
     """Raise :class:`InvalidInputError` (argument ``config``) for a launch the kernels cannot
     run: the transposed kernel takes 16, 32 or 64 rows (fp8: 16 or 32, shared memory), 64-token
     tiles and no overlap; the 64-row kernel takes 64 rows; the ping-pong kernel 64 rows of a
-    16-bit cache in 64-token tiles, two stages, no overlap."""
+    16-bit cache in 64-token tiles, two stages, no overlap; the dual-chain kernel 16 rows of an
+    fp8 cache in 64-token tiles, no overlap (it has its own fp8 ring: ``num_stages`` is unused)."""
+    if config.dual:
+        dual_shape = (config.row_tile, config.transposed, config.block_n, config.overlap, config.pingpong)
+        if not kv_fp8 or dual_shape != (16, True, 64, False, False):
+            raise InvalidInputError(
+                "config",
+                "the dual-chain kernel takes an fp8 cache, row_tile=16, transposed=True, block_n=64, "
+                f"overlap=False and pingpong=False (got fp8={kv_fp8}, row_tile={config.row_tile}, "
+                f"transposed={config.transposed}, block_n={config.block_n}, overlap={config.overlap}, "
+                f"pingpong={config.pingpong}); or set dual=False",
+            )
+        return
     if config.pingpong:
         shape = (config.row_tile, config.transposed, config.block_n, config.num_stages, config.overlap)
         if kv_fp8 or shape != (BLOCK_M, False, 64, 2, False):

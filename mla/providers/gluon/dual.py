@@ -1,0 +1,393 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Gluon MLA decode of 16 query rows on an fp8 cache, two MMA chains per SM.
+
+On the few-rows kernel of :mod:`.transposed` one warpgroup gathers, widens and multiplies every
+fp8 tile in series, so an fp8 tile (half the bytes of a bf16 one) takes as long as a bf16 tile:
+the chain of that one warpgroup, not the memory, sets the pace. Here the chain is split three
+ways, with the products of :mod:`.transposed` (the 16 rows as the MMA N dimension):
+
+* a **loader** warpgroup (the default partition) gathers the fp8 cache rows by token id with
+  ``cp.async`` into a ring of :data:`SLOTS` half-tile slots (:data:`HALF` tokens each; 1.5
+  tiles in flight), widens each 64-token tile into the fp16 tile of the warpgroup that owns it
+  (announced on ``ready[w]``) and refills each half-slot as soon as it is widened;
+* two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``):
+  ``Sᵀ = K·Qᵀ``, the online softmax and ``Oᵀ += Vᵀ·Pᵀ`` with a running max, sum and output of
+  their own, then release their fp16 tile (``empty[w]``). Nothing passes between them until
+  the end, so the two chains overlap fully.
+
+At the end warpgroup 1 leaves its output, row max and row sum in shared memory (over its own
+fp16 tile, which nothing writes any more) and warpgroup 0 merges them into its own and writes
+the outputs: the request's rows directly, or fp32 partials for the split reduce.
+
+Shared memory (16 rows): query 18 KB, fp8 ring 54 KB, two fp16 tiles 144 KB, ``P`` 4 KB.
+fp8 caches and 16 rows only (the fp32 output accumulator is 64 registers per thread; at 32 rows
+the merge would hold two 128-register accumulators). Work items, masking, NaN rules, scales and
+outputs are those of :mod:`.transposed`.
+
+Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
+against the few-rows kernel in the same run): B128 S8192 256.0 against 291.2 (bf16 on the
+few-rows kernel: 279.0), B64 S4096 74.5 against 83.6, B1 S65536 27.1 against 27.8. Tried in
+the same session and no faster: waiting for each half-tile just before widening it (256.0),
+8 loader warps (265.8). The GPU tests of its variants pass and memcheck reports 0 errors, but
+compute-sanitizer's racecheck flags the end-of-loop merge (warpgroup 1's stores of its
+output, row max and row sum against warpgroup 0's loads after the ``merged`` wait, besides the
+``gl.warp_specialize`` start-up), so it is selected only by ``GluonLaunchConfig(dual=True)``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.providers.gluon.kernels import _online_softmax, _row_lse, _safe_sum, _scales, _work_range
+from mla.providers.gluon.transposed import _rows
+
+LOADER_WARPS = gl.constexpr(4)
+"""Warps of the loader, the default partition (the launch's ``num_warps``)."""
+HALF = gl.constexpr(32)
+"""Tokens per fp8 ring slot: half a 64-token tile."""
+SLOTS = gl.constexpr(3)
+"""fp8 half-tile slots (what fits beside two fp16 tiles): 1.5 tiles in flight."""
+MMA_REGS = gl.constexpr(192)
+"""Registers per MMA-warpgroup thread (``setmaxnreg``): output 64, the merge another 64."""
+WIDEN_ROWS = gl.constexpr(16)
+"""Rows widened per step: 8 values per loader thread, no bank conflicts (as in :mod:`.kernels`)."""
+
+
+@gluon.jit
+def _half_ids(index_base, lo, hi, h, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr):
+    """Token ids of half-tile ``h`` in the row slices of the latent and rope copy layouts, and
+    their validity (``< hi``; id 0 past it)."""
+    n = lo + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LAT_LD))
+    nr = lo + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, ROPE_LD))
+    return (
+        gl.load(index_base + n, mask=n < hi, other=0),
+        n < hi,
+        gl.load(index_base + nr, mask=nr < hi, other=0),
+        nr < hi,
+    )
+
+
+@gluon.jit
+def _issue_half(
+    kv_ptr, ids, ok, idr, okr, stride_kv, h, n_halves, lat_ring, rope_ring,
+    L: gl.constexpr, R: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
+):  # fmt: skip
+    """cp.async half-tile ``h`` (when it exists) into slot ``h % SLOTS`` (rows past ``hi``
+    zero-filled), then close one copy group either way, so the groups count half-tiles."""
+    if h < n_halves:
+        slot = h % SLOTS
+        cols = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
+        ptrs = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv + cols[None, :]
+        async_copy.async_copy_global_to_shared(lat_ring.index(slot), ptrs, mask=ok[:, None])
+        cr = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
+        ptr_r = kv_ptr + idr.to(gl.int64)[:, None] * stride_kv + L + cr[None, :]
+        async_copy.async_copy_global_to_shared(rope_ring.index(slot), ptr_r, mask=okr[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _widen_half(lat_ring, rope_ring, lat_wide, rope_wide, h, FIRST: gl.constexpr):
+    """Widen half-tile ``h`` (slot ``h % SLOTS``) into rows ``[0, HALF)`` (``FIRST``) or
+    ``[HALF, 2·HALF)`` of an fp16 tile: 8-byte reads of the unswizzled fp8 slot, one 16-byte
+    chunk of the 128-byte-swizzled fp16 tile written per thread."""
+    lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    slot = h % SLOTS
+    row0: gl.constexpr = 0 if FIRST else HALF
+    for c in gl.static_range(HALF // WIDEN_ROWS):
+        x = lat_ring.index(slot).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(lat_ld)
+        lat_wide.slice(row0 + c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(lat_wide.dtype))
+    xr = rope_ring.index(slot).load(rope_ld)
+    rope_wide.slice(row0, HALF, dim=0).store(xr.to(rope_wide.dtype))
+
+
+@gluon.jit
+def _loader(
+    kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide, ready, empty,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The loader partition: half-tiles of ``[lo, hi)`` into the fp8 ring (:data:`SLOTS` in
+    flight), each tile ``t`` widened into fp16 tile ``t % 2`` once its owner released it, each
+    half-slot refilled as soon as it is widened. Token ids run one tile ahead of the copies."""
+    # cp.async moves 16 bytes (16 fp8 values) per thread.
+    lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LOADER_WARPS, 1], [1, 0])
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOADER_WARPS, 1], [1, 0])
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    n_halves = 2 * n_tiles
+    for j in gl.static_range(SLOTS):
+        ids, ok, idr, okr = _half_ids(index_base, lo, hi, j, lat_ld, rope_ld)
+        _issue_half(
+            kv_ptr, ids, ok, idr, okr, stride_kv, j, n_halves, lat_ring, rope_ring, L, R, lat_ld, rope_ld
+        )
+    # The ids of the two half-tiles the first iteration refills (3 and 4).
+    ids_a, ok_a, idr_a, okr_a = _half_ids(index_base, lo, hi, SLOTS, lat_ld, rope_ld)
+    ids_b, ok_b, idr_b, okr_b = _half_ids(index_base, lo, hi, SLOTS + 1, lat_ld, rope_ld)
+    for t in range(n_tiles):
+        w = t % 2
+        # The next iteration's ids, in flight while this tile is widened.
+        nids_a, nok_a, nidr_a, nokr_a = _half_ids(index_base, lo, hi, 2 * t + SLOTS + 2, lat_ld, rope_ld)
+        nids_b, nok_b, nidr_b, nokr_b = _half_ids(index_base, lo, hi, 2 * t + SLOTS + 3, lat_ld, rope_ld)
+        # Half-tiles 2t and 2t+1 landed (copy groups: all but the newest, half-tile 2t+2), on
+        # every thread, and tile t's owner is done with its fp16 tile (tile t - 2).
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        mbarrier.wait(empty.index(w), (t // 2) & 1)
+        lat_w = lat_wide.index(w)
+        rope_w = rope_wide.index(w)
+        _widen_half(lat_ring, rope_ring, lat_w, rope_w, 2 * t, True)
+        gl.thread_barrier()
+        _issue_half(
+            kv_ptr, ids_a, ok_a, idr_a, okr_a, stride_kv, 2 * t + SLOTS, n_halves, lat_ring, rope_ring,
+            L, R, lat_ld, rope_ld,
+        )  # fmt: skip
+        _widen_half(lat_ring, rope_ring, lat_w, rope_w, 2 * t + 1, False)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(w))
+        _issue_half(
+            kv_ptr, ids_b, ok_b, idr_b, okr_b, stride_kv, 2 * t + SLOTS + 1, n_halves, lat_ring, rope_ring,
+            L, R, lat_ld, rope_ld,
+        )  # fmt: skip
+        ids_a, ok_a, idr_a, okr_a = nids_a, nok_a, nidr_a, nokr_a
+        ids_b, ok_b, idr_b, okr_b = nids_b, nok_b, nidr_b, nokr_b
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _mma_warpgroup(
+    args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, NR: gl.constexpr, BLOCK_N: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+):  # fmt: skip
+    """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` on fp16 tile ``W`` (``Sᵀ = K·Qᵀ``, the online
+    softmax, ``Oᵀ += Vᵀ·Pᵀ``), then the merge: warpgroup 1 leaves its output, row max and row
+    sum in shared memory, warpgroup 0 merges them and writes the outputs. ``args``: the
+    kernel's buffers, barriers, work item and strides (one tuple for both warpgroups)."""
+    (
+        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, m_x, l_x, ready, empty, merged,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
+        stride_pl_w, stride_pl_q, qk_scale, v_scale,
+    ) = args  # fmt: skip
+    # The partition reads its arguments before anything of it writes shared memory.
+    gl.thread_barrier()
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 16]
+    )
+    rows_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    _qi, _hd, _ok, row_limit = _rows(rb, qlen, kv_len, H, NR, rows_layout)
+    m_i = gl.full([NR], float("-inf"), gl.float32, layout=rows_layout)
+    l_i = gl.zeros([NR], gl.float32, layout=rows_layout)
+    acc = gl.zeros([L, NR], gl.float32, layout=st_layout)
+    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    k_lat = lat_wide.index(W)
+    k_rope = rope_wide.index(W)
+    p_w = p_smem.index(W)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    for t in range(W, n_tiles, 2):
+        mbarrier.wait(ready.index(W), (t // 2) & 1)
+        fence_async_shared()
+        sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        p, alpha, m_i, l_i = _online_softmax(
+            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
+        )
+        acc = acc * alpha[None, :]
+        p_w.store(p.to(p_w.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(k_lat.permute((1, 0)), p_w, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # Every warp of this warpgroup is past the PV that read the tile (and P).
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(W))
+
+    # Warpgroup 1's output goes over its own fp16 tile: the loader writes that tile only for
+    # odd tiles, and this warpgroup has taken the last of them.
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    acc_x = lat_wide._reinterpret(gl.float32, [2, L, 2 * NR], plain).index(1).slice(0, NR, dim=1)
+    if W == 1:
+        acc_x.store(acc)
+        m_x.store(m_i)
+        l_x.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(merged)
+    else:
+        mbarrier.wait(merged, 0)
+        m_1 = m_x.load(rows_layout)
+        l_1 = l_x.load(rows_layout)
+        m_new = gl.maximum(m_i, m_1)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a_0 = gl.exp2(m_i - m_use)
+        a_1 = gl.exp2(m_1 - m_use)
+        acc = acc * a_0[None, :] + acc_x.load(st_layout) * a_1[None, :]
+        l_i = l_i * a_0 + l_1 * a_1
+        m_i = m_new
+
+        # -- epilogue (as in :mod:`.transposed`) -----------------------------------------------
+        lse = _row_lse(m_i, l_i)
+        o = acc * (v_scale / _safe_sum(l_i))[None, :]
+        qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, rows_layout)
+        cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
+        if direct:
+            tok_o = (q_start + qi_o).to(gl.int64)
+            o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
+            gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[None, :])
+            if WRITE_LSE:
+                gl.store(lse_ptr + tok_o * stride_lse_t + head_o * stride_lse_h, lse, mask=ok_o)
+        else:
+            wk = work.to(gl.int64)
+            base = part_o_ptr + wk * stride_po_w + qi_o * stride_po_q + head_o * stride_po_h
+            gl.store(base[None, :] + cols_o[:, None], o, mask=ok_o[None, :])
+            gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
+
+
+# ``num_splits`` is never specialised (as in :mod:`.kernels`).
+@gluon.jit(do_not_specialize=["num_splits"])
+def mla_decode_dual_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    qo_indptr_ptr,
+    work_info_ptr,
+    split_indptr_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    kv_scale_ptr,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    sm_scale_log2,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    NR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    ROW_BLOCKS: gl.constexpr,
+    MODE: gl.constexpr,
+    UNIT_QLEN: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
+    gl.static_assert(NR == 16, "16 rows (the merge holds two 512x16 fp32 outputs)")
+    gl.static_assert(BLOCK_N == 2 * HALF, "64-token tiles, two half-tile slots each")
+    gl.static_assert(kv_ptr.dtype.element_ty.primitive_bitwidth == 8, "fp8 caches")
+    kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    # The MMAs run in fp16: fp8 widens to fp16 exactly; the query is rounded to fp16.
+    dtype: gl.constexpr = gl.float16
+    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
+    # The fp8 ring is never an MMA operand: unswizzled, so the widening reads it conflict-free.
+    ring_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    # -- the work item (as in the 64-row kernel) -----------------------------------------------
+    pid = gl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    work = pid // ROW_BLOCKS
+    if MODE == 0:
+        req = work // num_splits
+    else:
+        req = gl.load(work_info_ptr + work * 4)
+        if req < 0:
+            return
+    kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
+        MODE, UNIT_QLEN, BLOCK_N,
+    )  # fmt: skip
+    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, True)
+
+    # -- shared memory and barriers --------------------------------------------------------------
+    q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [SLOTS, HALF, L], ring_smem)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [SLOTS, HALF, R], ring_smem)
+    lat_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
+    rope_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], mma_smem)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
+    m_x = gl.allocate_shared_memory(gl.float32, [NR], vec_smem)
+    l_x = gl.allocate_shared_memory(gl.float32, [NR], vec_smem)
+    # ready[w] / empty[w]: fp16 tile w widened / released by its warpgroup; merged: warpgroup
+    # 1's output is in shared memory.
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(merged, count=1)
+    # Both fp16 tiles start free (phase 0 of each "empty" barrier completes).
+    for i in gl.static_range(2):
+        mbarrier.arrive(empty.index(i))
+
+    # -- the NR query rows, rounded to fp16 (by the loader warps) --------------------------------
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, q_ld))
+    tok_q = (q_start + qi_q).to(gl.int64)
+    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
+    qn = gl.load(
+        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
+        mask=ok_q[:, None],
+        other=0.0,
+    )
+    q_nope_smem.store(qn.to(dtype))
+    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, qr_ld))
+    tok_r = (q_start + qi_r).to(gl.int64)
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
+    qp = gl.load(
+        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
+        mask=ok_r[:, None],
+        other=0.0,
+    )
+    q_pe_smem.store(qp.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    mma_args = (
+        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, m_x, l_x, ready, empty, merged,
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
+        stride_pl_w, stride_pl_q, qk_scale, v_scale,
+    )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (
+                _loader,
+                (
+                    kv_ptr, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide,
+                    rope_wide, ready, empty, L, R, BLOCK_N,
+                ),
+            ),
+            (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, NR, BLOCK_N, WRITE_LSE)),
+        ],
+        [4, 4],
+        [MMA_REGS, MMA_REGS],
+    )  # fmt: skip
