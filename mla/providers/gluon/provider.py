@@ -125,9 +125,10 @@ class GluonProvider(KernelProvider):
         probes = self._triton.describe_probes()
         probes["gluon_hopper_module"] = HOPPER_MODULE
         probes["decode_kernels"] = (
-            f"Gluon 64-row tile (wgmma, cp.async KV ring) above {FEW_ROWS_MAX} heads x qlen rows, "
-            f"transposed few-rows kernel up to {FEW_ROWS_MAX}, 16-bit or fp8 caches; Triton decode "
-            "kernel for other latent/rope dims than 512+64, fp32 queries, mixed 16-bit dtypes"
+            f"Gluon 64-row tiles above {FEW_ROWS_MAX} heads x qlen rows (ping-pong kernel: loader "
+            "and two MMA warpgroups, 16-bit caches; 64-row kernel: fp8 caches), transposed few-rows "
+            f"kernel up to {FEW_ROWS_MAX} (16-bit or fp8); Triton decode kernel for other latent/rope "
+            "dims than 512+64, fp32 queries, mixed 16-bit dtypes"
         )
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
         return probes
