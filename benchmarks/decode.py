@@ -261,8 +261,10 @@ class Problem:
 
         return run
 
-    def gluon_row64_fn(self) -> Callable[[], None]:
-        """The Gluon provider's own launch with the 64-row kernel instead of the ping-pong kernel."""
+    def gluon_variant_fn(self, **overrides: bool) -> Callable[[], None]:
+        """The Gluon provider's own launch configuration with ``overrides`` applied: e.g.
+        ``pingpong=False`` (the 64-row kernel instead of the ping-pong kernel) or ``dual=True``
+        (the opt-in dual-chain kernel for 16 rows of an fp8 cache)."""
         from mla.providers.gluon.decode import paged_decode as gluon_decode
         from mla.providers.gluon.planner import launch_config
 
@@ -270,27 +272,9 @@ class Problem:
         config = launch_config(
             batch=call.qo_indptr.numel() - 1, rows=call.q.shape[1] * call.max_qlen,
             max_seqlen_k=call.max_seqlen_k, num_sms=num_sms(self.q.device), persistent=False,
-            kv_fp8=False,
+            kv_fp8=self.shape.kv == "fp8",
         )  # fmt: skip
-        config = attrs.evolve(config, pingpong=False)
-
-        def run() -> None:
-            gluon_decode(call, config=config)
-
-        return run
-
-    def gluon_dual_fn(self) -> Callable[[], None]:
-        """The Gluon provider's own launch with the opt-in dual-chain kernel (16 rows, fp8)."""
-        from mla.providers.gluon.decode import paged_decode as gluon_decode
-        from mla.providers.gluon.planner import launch_config
-
-        call = self.paged_call()
-        config = launch_config(
-            batch=call.qo_indptr.numel() - 1, rows=call.q.shape[1] * call.max_qlen,
-            max_seqlen_k=call.max_seqlen_k, num_sms=num_sms(self.q.device), persistent=False,
-            kv_fp8=True,
-        )  # fmt: skip
-        config = attrs.evolve(config, dual=True)
+        config = attrs.evolve(config, **overrides)
 
         def run() -> None:
             gluon_decode(call, config=config)
@@ -384,9 +368,9 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
         if name == "gluon" and shape.kv == "fp8":
             impls.append(("gluon-kernel np", prob.gluon_kernel_fn(), True))
         if name == "gluon" and shape.kv == "bf16" and shape.heads * shape.qlen > 32:
-            impls.append(("gluon-64row np", prob.gluon_row64_fn(), True))
+            impls.append(("gluon-64row np", prob.gluon_variant_fn(pingpong=False), True))
         if name == "gluon" and shape.kv == "fp8" and shape.heads * shape.qlen <= 16:
-            impls.append(("gluon-dual np", prob.gluon_dual_fn(), True))
+            impls.append(("gluon-dual np", prob.gluon_variant_fn(dual=True), True))
     if vllm is None:
         notes.append(f"{label(shape)}: vllm skipped (no --vllm-decode file)")
     elif shape.qlen != 1 or shape.kv != "bf16":

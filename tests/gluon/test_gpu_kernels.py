@@ -122,15 +122,15 @@ def test_paged_decode_variants(
         persistent=False, kv_fp8=kv_dtype.itemsize == 1,
     )  # fmt: skip
     schedule, config = None, None
-    if variant == "splits3":
-        config = attrs.evolve(auto, num_splits=3)
-    elif variant == "schedule":
+    if variant.endswith("schedule"):
         schedule = SplitKVSchedule.allocate(
             max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads, kv_lora_rank=RANK,
             num_units=schedule_units(num_sms=num_sms(q.device), rows=rows),
             device=q.device, min_chunk=256,
         )  # fmt: skip
         plan_split_kv(schedule, data[2], len(lens))
+    if variant == "splits3":
+        config = attrs.evolve(auto, num_splits=3)
     elif variant == "row64":
         config = attrs.evolve(
             auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2, pingpong=False
@@ -146,15 +146,8 @@ def test_paged_decode_variants(
     elif variant.startswith("dual"):
         if kv_dtype.itemsize != 1:
             pytest.skip("the dual-chain kernel takes fp8 caches (check_config)")
-        config = attrs.evolve(auto, dual=True, num_splits=3 if variant == "dual-splits3" else auto.num_splits)
-        if variant == "dual-schedule":
-            schedule = SplitKVSchedule.allocate(
-                max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads, kv_lora_rank=RANK,
-                num_units=schedule_units(num_sms=num_sms(q.device), rows=rows),
-                device=q.device, min_chunk=256,
-            )  # fmt: skip
-            plan_split_kv(schedule, data[2], len(lens))
-            config = attrs.evolve(config, num_splits=1)
+        splits = {"dual-splits3": 3, "dual-schedule": 1}.get(variant, auto.num_splits)
+        config = attrs.evolve(auto, dual=True, num_splits=splits)
     elif variant == "overlap":
         config = attrs.evolve(
             auto,

@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _online_softmax, _row_lse, _safe_sum, _scales, _work_range
-from mla.providers.gluon.transposed import _rows
+from mla.providers.gluon.kernels import _online_softmax, _scales, _work_range
+from mla.providers.gluon.transposed import _query_rows_to_smem, _rows, _store_rows_output
 
 LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
@@ -231,24 +231,15 @@ def _mma_warpgroup(
         a_1 = gl.exp2(m_1 - m_use)
         acc = acc * a_0[None, :] + acc_x.load(st_layout) * a_1[None, :]
         l_i = l_i * a_0 + l_1 * a_1
-        m_i = m_new
 
-        # -- epilogue (as in :mod:`.transposed`) -----------------------------------------------
-        lse = _row_lse(m_i, l_i)
-        o = acc * (v_scale / _safe_sum(l_i))[None, :]
-        qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, rows_layout)
-        cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
-        if direct:
-            tok_o = (q_start + qi_o).to(gl.int64)
-            o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
-            gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[None, :])
-            if WRITE_LSE:
-                gl.store(lse_ptr + tok_o * stride_lse_t + head_o * stride_lse_h, lse, mask=ok_o)
-        else:
-            wk = work.to(gl.int64)
-            base = part_o_ptr + wk * stride_po_w + qi_o * stride_po_q + head_o * stride_po_h
-            gl.store(base[None, :] + cols_o[:, None], o, mask=ok_o[None, :])
-            gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
+        outs = (
+            out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+            stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
+        )  # fmt: skip
+        _store_rows_output(
+            acc, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE,
+            st_layout,
+        )  # fmt: skip
 
 
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
@@ -347,26 +338,10 @@ def mla_decode_dual_kernel(
         mbarrier.arrive(empty.index(i))
 
     # -- the NR query rows, rounded to fp16 (by the loader warps) --------------------------------
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, q_ld))
-    tok_q = (q_start + qi_q).to(gl.int64)
-    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
-    qn = gl.load(
-        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
-        mask=ok_q[:, None],
-        other=0.0,
-    )
-    q_nope_smem.store(qn.to(dtype))
-    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, qr_ld))
-    tok_r = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp = gl.load(
-        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
-        mask=ok_r[:, None],
-        other=0.0,
-    )
-    q_pe_smem.store(qp.to(dtype))
+    _query_rows_to_smem(
+        q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R,
+    )  # fmt: skip
     fence_async_shared()
     gl.thread_barrier()
 

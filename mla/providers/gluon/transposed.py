@@ -64,6 +64,68 @@ def _rows(rb, qlen, kv_len, H: gl.constexpr, NR: gl.constexpr, layout: gl.conste
     return qi, head, qi < qlen, kv_len - qlen + qi + 1
 
 
+@gluon.jit
+def _query_rows_to_smem(
+    q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+):  # fmt: skip
+    """Store the ``NR`` packed query rows into shared memory in the buffers' dtype (the MMA
+    operand dtype; rows past ``qlen`` are zeros), by every warp of the caller."""
+    warps: gl.constexpr = gl.num_warps()
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, q_ld))
+    tok_q = (q_start + qi_q).to(gl.int64)
+    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
+    qn = gl.load(
+        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
+        mask=ok_q[:, None],
+        other=0.0,
+    )
+    q_nope_smem.store(qn.to(q_nope_smem.dtype))
+    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, qr_ld))
+    tok_r = (q_start + qi_r).to(gl.int64)
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
+    qp = gl.load(
+        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
+        mask=ok_r[:, None],
+        other=0.0,
+    )
+    q_pe_smem.store(qp.to(q_pe_smem.dtype))
+
+
+@gluon.jit
+def _store_rows_output(
+    acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs,
+    H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, WRITE_LSE: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """Write the transposed output ``acc`` (``[L, NR]`` fp32 in ``LAYOUT``, unnormalised) and
+    the LSE from the running max ``m_i`` and sum ``l_i``: the request's rows directly, or fp32
+    partials of work item ``work`` for the split reduce. ``outs``: the output pointers and
+    strides, in the kernels' argument order."""
+    (
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+        stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
+    ) = outs  # fmt: skip
+    lse = _row_lse(m_i, l_i)
+    o = acc * (v_scale / _safe_sum(l_i))[None, :]
+    qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, LAYOUT))
+    cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, LAYOUT))
+    if direct:
+        tok_o = (q_start + qi_o).to(gl.int64)
+        o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[None, :])
+        if WRITE_LSE:
+            gl.store(lse_ptr + tok_o * stride_lse_t + head_o * stride_lse_h, lse, mask=ok_o)
+    else:
+        wk = work.to(gl.int64)
+        base = part_o_ptr + wk * stride_po_w + qi_o * stride_po_q + head_o * stride_po_h
+        gl.store(base[None, :] + cols_o[:, None], o, mask=ok_o[None, :])
+        gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
+
+
 @gluon.jit(do_not_specialize=["num_splits"])
 def mla_decode_rows_kernel(
     q_nope_ptr,
@@ -183,24 +245,10 @@ def mla_decode_rows_kernel(
         async_copy.commit_group()
 
     # -- the NR query rows -----------------------------------------------------------------------
-    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, q_ld))
-    tok_q = (q_start + qi_q).to(gl.int64)
-    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
-    qn = gl.load(
-        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
-        mask=ok_q[:, None],
-        other=0.0,
-    )
-    q_nope_smem.store(qn.to(dtype))
-    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, qr_ld))
-    tok_r = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp = gl.load(
-        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
-        mask=ok_r[:, None],
-        other=0.0,
-    )
-    q_pe_smem.store(qp.to(dtype))
+    _query_rows_to_smem(
+        q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R,
+    )  # fmt: skip
 
     _qi, _hd, _ok, row_limit = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
@@ -247,18 +295,10 @@ def mla_decode_rows_kernel(
     async_copy.wait_group(0)
 
     # -- epilogue --------------------------------------------------------------------------------
-    lse = _row_lse(m_i, l_i)
-    o = acc * (v_scale / _safe_sum(l_i))[None, :]
-    qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, ot_layout))
-    cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, ot_layout))
-    if direct:
-        tok_o = (q_start + qi_o).to(gl.int64)
-        o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
-        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[None, :])
-        if WRITE_LSE:
-            gl.store(lse_ptr + tok_o * stride_lse_t + head_o * stride_lse_h, lse, mask=ok_o)
-    else:
-        wk = work.to(gl.int64)
-        base = part_o_ptr + wk * stride_po_w + qi_o * stride_po_q + head_o * stride_po_h
-        gl.store(base[None, :] + cols_o[:, None], o, mask=ok_o[None, :])
-        gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
+    outs = (
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+        stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
+    )  # fmt: skip
+    _store_rows_output(
+        acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE, ot_layout
+    )
