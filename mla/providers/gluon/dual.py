@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _online_softmax, _scales, _work_range
-from mla.providers.gluon.transposed import _query_rows_to_smem, _rows, _store_rows_output
+from mla.providers.gluon.kernels import _online_softmax, _query_to_smem, _row_info, _scales, _work_range
+from mla.providers.gluon.transposed import _store_rows_output
 
 LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
@@ -182,7 +182,7 @@ def _mma_warpgroup(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 16]
     )
     rows_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    _qi, _hd, _ok, row_limit = _rows(rb, qlen, kv_len, H, NR, rows_layout)
+    _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, NR, rows_layout)
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=rows_layout)
     l_i = gl.zeros([NR], gl.float32, layout=rows_layout)
     acc = gl.zeros([L, NR], gl.float32, layout=st_layout)
@@ -338,7 +338,7 @@ def mla_decode_dual_kernel(
         mbarrier.arrive(empty.index(i))
 
     # -- the NR query rows, rounded to fp16 (by the loader warps) --------------------------------
-    _query_rows_to_smem(
+    _query_to_smem(
         q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R,
     )  # fmt: skip

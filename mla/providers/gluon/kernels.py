@@ -125,13 +125,46 @@ def _row_lse(m_i, l_i):
 
 @gluon.jit
 def _row_info(rb, qlen, kv_len, H: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """Query row ordinal, head, validity and causal key limit of the 64 packed rows (``layout``)."""
+    """Query row ordinal, head, validity and causal key limit of the ``BLOCK_M`` packed rows of
+    row block ``rb`` (heads × qlen, head fastest; in ``layout``)."""
     rows = rb * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     qi = rows // H
     head = rows % H
     row_ok = qi < qlen
     row_limit = kv_len - qlen + qi + 1
     return qi, head, row_ok, row_limit
+
+
+@gluon.jit
+def _query_to_smem(
+    q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    H: gl.constexpr, ROWS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+):  # fmt: skip
+    """Store the ``ROWS`` packed query rows of row block ``rb`` into shared memory in the
+    buffers' dtype (the MMA operand dtype; rows past ``qlen`` are zeros), by every warp of the
+    caller. Shared by the 64-row, few-rows and dual-chain kernels."""
+    warps: gl.constexpr = gl.num_warps()
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+    qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, ROWS, gl.SliceLayout(1, q_ld))
+    tok_q = (q_start + qi_q).to(gl.int64)
+    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
+    qn = gl.load(
+        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
+        mask=ok_q[:, None],
+        other=0.0,
+    )
+    q_nope_smem.store(qn.to(q_nope_smem.dtype))
+    qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, ROWS, gl.SliceLayout(1, qr_ld))
+    tok_r = (q_start + qi_r).to(gl.int64)
+    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
+    qp = gl.load(
+        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
+        mask=ok_r[:, None],
+        other=0.0,
+    )
+    q_pe_smem.store(qp.to(q_pe_smem.dtype))
 
 
 @gluon.jit
@@ -363,24 +396,10 @@ def mla_decode_kernel(
         async_copy.commit_group()
 
     # -- the query tile (while the first KV tiles are in flight) --------------------------------
-    qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, q_ld))
-    tok_q = (q_start + qi_q).to(gl.int64)
-    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
-    qn = gl.load(
-        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
-        mask=ok_q[:, None],
-        other=0.0,
-    )
-    q_nope_smem.store(qn)
-    qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, qr_ld))
-    tok_qr = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp = gl.load(
-        q_pe_ptr + tok_qr[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
-        mask=ok_r[:, None],
-        other=0.0,
-    )
-    q_pe_smem.store(qp)
+    _query_to_smem(
+        q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, BLOCK_M, L, R,
+    )  # fmt: skip
 
     _qi_s, _head_s, _ok_s, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))

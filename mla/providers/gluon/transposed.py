@@ -47,52 +47,14 @@ from mla.providers.gluon.kernels import (
     _issue_tile,
     _mma_operands,
     _online_softmax,
+    _query_to_smem,
+    _row_info,
     _row_lse,
     _safe_sum,
     _scales,
     _take_tile,
     _work_range,
 )
-
-
-@gluon.jit
-def _rows(rb, qlen, kv_len, H: gl.constexpr, NR: gl.constexpr, layout: gl.constexpr):
-    """Query row ordinal, head, validity and causal key limit of the ``NR`` packed rows."""
-    rows = rb * NR + gl.arange(0, NR, layout=layout)
-    qi = rows // H
-    head = rows % H
-    return qi, head, qi < qlen, kv_len - qlen + qi + 1
-
-
-@gluon.jit
-def _query_rows_to_smem(
-    q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
-    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
-    H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-):  # fmt: skip
-    """Store the ``NR`` packed query rows into shared memory in the buffers' dtype (the MMA
-    operand dtype; rows past ``qlen`` are zeros), by every warp of the caller."""
-    warps: gl.constexpr = gl.num_warps()
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
-    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
-    qi_q, head_q, ok_q, _lim_q = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, q_ld))
-    tok_q = (q_start + qi_q).to(gl.int64)
-    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
-    qn = gl.load(
-        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
-        mask=ok_q[:, None],
-        other=0.0,
-    )
-    q_nope_smem.store(qn.to(q_nope_smem.dtype))
-    qi_r, head_r, ok_r, _lim_r = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(1, qr_ld))
-    tok_r = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp = gl.load(
-        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
-        mask=ok_r[:, None],
-        other=0.0,
-    )
-    q_pe_smem.store(qp.to(q_pe_smem.dtype))
 
 
 @gluon.jit
@@ -111,7 +73,7 @@ def _store_rows_output(
     ) = outs  # fmt: skip
     lse = _row_lse(m_i, l_i)
     o = acc * (v_scale / _safe_sum(l_i))[None, :]
-    qi_o, head_o, ok_o, _lim_o = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, LAYOUT))
+    qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, LAYOUT))
     cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, LAYOUT))
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
@@ -245,12 +207,12 @@ def mla_decode_rows_kernel(
         async_copy.commit_group()
 
     # -- the NR query rows -----------------------------------------------------------------------
-    _query_rows_to_smem(
+    _query_to_smem(
         q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R,
     )  # fmt: skip
 
-    _qi, _hd, _ok, row_limit = _rows(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
+    _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
     l_i = gl.zeros([NR], gl.float32, layout=gl.SliceLayout(0, st_layout))
     acc = gl.zeros([L, NR], gl.float32, layout=ot_layout)
