@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
+#   bash benchmarks/h200_session.sh dual        # the opt-in dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -78,12 +79,28 @@ pingpong)
       | grep -E "RACECHECK SUMMARY|Race reported|probe"
   done
   ;;
+dual)
+  part "GPU tests: the dual-chain kernel's variants"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/gluon/test_gpu_kernels.py -k dual \
+    2>&1 | tee "$OUT/dual_tests.log" | summary
+  for tool in memcheck racecheck; do
+    part "compute-sanitizer $tool: the dual-chain kernel"
+    timeout 100 compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider \
+      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-fp8]" \
+      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-splits3-fp8]" \
+      2>&1 | tee "$OUT/sanitizer_dual_$tool.log" | grep -v "^=========     at " \
+      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
+  done
+  part "fp8 timing (few-rows kernel against dual np)"
+  timeout 200 python3 benchmarks/gluon_dev.py --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
+    | grep -v "^{" | tail -20
+  ;;
 breakdown)
   part "per-kernel breakdown"
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual" >&2
   exit 2
   ;;
 esac
