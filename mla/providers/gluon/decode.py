@@ -34,6 +34,11 @@ from mla.providers.triton.merge import launch_merge, split_work
 LOG2E = 1.4426950408889634
 
 
+def _is_fp8(kv_cache: torch.Tensor) -> bool:
+    """Whether the cache is one of the fp8 formats the kernels widen (one byte per element)."""
+    return kv_cache.element_size() == 1
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -72,7 +77,7 @@ def launch_gluon_decode(
     if num_requests == 0 or rows == 0:
         return
     row_blocks = config.row_blocks(rows)
-    kv_fp8 = kv_cache.element_size() == 1
+    kv_fp8 = _is_fp8(kv_cache)
     check_config(config, kv_fp8=kv_fp8)
     if kv_fp8 and kv_scale is None:
         raise InvalidInputError("kv_scale", "an fp8 cache needs its per-tensor scale (float32 [1] tensor)")
@@ -174,7 +179,7 @@ def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = No
             max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(q.device),
             persistent=schedule is not None,
-            kv_fp8=call.kv_cache.element_size() == 1,
+            kv_fp8=_is_fp8(call.kv_cache),
         )
     launch_gluon_decode(
         q_nope=q[..., :rank],
@@ -205,7 +210,7 @@ def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | 
             max_seqlen_k=call.max_seqlen_k,
             num_sms=num_sms(call.q_nope.device),
             persistent=False,
-            kv_fp8=call.kv_cache.element_size() == 1,
+            kv_fp8=_is_fp8(call.kv_cache),
         )
     launch_gluon_decode(
         q_nope=_last_dim_contiguous(call.q_nope),

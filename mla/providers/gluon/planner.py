@@ -181,26 +181,18 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
     16-bit cache in 64-token tiles, two stages, no overlap; the dual-chain kernel 16 rows of an
     fp8 cache in 64-token tiles, no overlap (it has its own fp8 ring: ``num_stages`` is unused)."""
     if config.dual:
-        dual_shape = (config.row_tile, config.transposed, config.block_n, config.overlap, config.pingpong)
-        if not kv_fp8 or dual_shape != (16, True, 64, False, False):
-            raise InvalidInputError(
-                "config",
-                "the dual-chain kernel takes an fp8 cache, row_tile=16, transposed=True, block_n=64, "
-                f"overlap=False and pingpong=False (got fp8={kv_fp8}, row_tile={config.row_tile}, "
-                f"transposed={config.transposed}, block_n={config.block_n}, overlap={config.overlap}, "
-                f"pingpong={config.pingpong}); or set dual=False",
-            )
+        _require_fixed_shape(
+            config, kv_fp8, kernel="dual-chain", flag="dual", fp8_cache=True,
+            shape={"row_tile": 16, "transposed": True, "block_n": 64, "overlap": False, "pingpong": False},
+        )  # fmt: skip
         return
     if config.pingpong:
-        shape = (config.row_tile, config.transposed, config.block_n, config.num_stages, config.overlap)
-        if kv_fp8 or shape != (BLOCK_M, False, 64, 2, False):
-            raise InvalidInputError(
-                "config",
-                "the ping-pong kernel takes a 16-bit cache, row_tile=64, transposed=False, block_n=64, "
-                f"num_stages=2 and overlap=False (got fp8={kv_fp8}, row_tile={config.row_tile}, "
-                f"transposed={config.transposed}, block_n={config.block_n}, "
-                f"num_stages={config.num_stages}, overlap={config.overlap}); or set pingpong=False",
-            )
+        _require_fixed_shape(
+            config, kv_fp8, kernel="ping-pong", flag="pingpong", fp8_cache=False,
+            shape={
+                "row_tile": BLOCK_M, "transposed": False, "block_n": 64, "num_stages": 2, "overlap": False,
+            },
+        )  # fmt: skip
         return
     if config.transposed:
         tiles = (16, 32) if kv_fp8 else (16, 32, BLOCK_M)
@@ -216,6 +208,28 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
             "config",
             f"the 64-row kernel takes row_tile={BLOCK_M} (got {config.row_tile}); set transposed=True "
             "for 16 or 32 rows",
+        )
+
+
+def _require_fixed_shape(
+    config: GluonLaunchConfig,
+    kv_fp8: bool,
+    *,
+    kernel: str,
+    flag: str,
+    fp8_cache: bool,
+    shape: dict[str, object],
+) -> None:
+    """Raise :class:`InvalidInputError` unless ``config`` has exactly the fields of ``shape`` and
+    the cache is fp8 exactly when ``fp8_cache`` (a kernel built for one launch shape)."""
+    got = {name: getattr(config, name) for name in shape}
+    if kv_fp8 != fp8_cache or got != shape:
+        cache = "an fp8 cache" if fp8_cache else "a 16-bit cache"
+        wanted = ", ".join(f"{name}={value}" for name, value in shape.items())
+        seen = ", ".join(f"{name}={value}" for name, value in got.items())
+        raise InvalidInputError(
+            "config",
+            f"the {kernel} kernel takes {cache} and {wanted} (got fp8={kv_fp8}, {seen}); or set {flag}=False",
         )
 
 
