@@ -46,7 +46,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _online_softmax, _query_to_smem, _row_info, _scales, _work_range
+from mla.providers.gluon.kernels import (
+    _online_softmax,
+    _query_to_smem,
+    _row_info,
+    _scales,
+    _widen,
+    _work_item,
+    _work_range,
+)
 from mla.providers.gluon.transposed import _store_rows_output
 
 LOADER_WARPS = gl.constexpr(4)
@@ -57,8 +65,6 @@ SLOTS = gl.constexpr(3)
 """fp8 half-tile slots (what fits beside two fp16 tiles): 1.5 tiles in flight."""
 MMA_REGS = gl.constexpr(192)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): output 64, the merge another 64."""
-WIDEN_ROWS = gl.constexpr(16)
-"""Rows widened per step: 8 values per loader thread, no bank conflicts (as in :mod:`.kernels`)."""
 
 
 @gluon.jit
@@ -96,17 +102,10 @@ def _issue_half(
 @gluon.jit
 def _widen_half(lat_ring, rope_ring, lat_wide, rope_wide, h, FIRST: gl.constexpr):
     """Widen half-tile ``h`` (slot ``h % SLOTS``) into rows ``[0, HALF)`` (``FIRST``) or
-    ``[HALF, 2·HALF)`` of an fp16 tile: 8-byte reads of the unswizzled fp8 slot, one 16-byte
-    chunk of the 128-byte-swizzled fp16 tile written per thread."""
-    lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    ``[HALF, 2·HALF)`` of an fp16 tile (:func:`~.kernels._widen`)."""
     slot = h % SLOTS
     row0: gl.constexpr = 0 if FIRST else HALF
-    for c in gl.static_range(HALF // WIDEN_ROWS):
-        x = lat_ring.index(slot).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(lat_ld)
-        lat_wide.slice(row0 + c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(lat_wide.dtype))
-    xr = rope_ring.index(slot).load(rope_ld)
-    rope_wide.slice(row0, HALF, dim=0).store(xr.to(rope_wide.dtype))
+    _widen(lat_ring, rope_ring, slot, lat_wide, rope_wide, row0, HALF, LOADER_WARPS)
 
 
 @gluon.jit
@@ -169,12 +168,11 @@ def _mma_warpgroup(
     """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` on fp16 tile ``W`` (``Sᵀ = K·Qᵀ``, the online
     softmax, ``Oᵀ += Vᵀ·Pᵀ``), then the merge: warpgroup 1 leaves its output, row max and row
     sum in shared memory, warpgroup 0 merges them and writes the outputs. ``args``: the
-    kernel's buffers, barriers, work item and strides (one tuple for both warpgroups)."""
+    kernel's buffers, barriers, output pointers and strides (``outs``) and work item (one tuple
+    for both warpgroups)."""
     (
         q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, m_x, l_x, ready, empty, merged,
-        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
-        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
-        stride_pl_w, stride_pl_q, qk_scale, v_scale,
+        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     ) = args  # fmt: skip
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
@@ -231,11 +229,6 @@ def _mma_warpgroup(
         a_1 = gl.exp2(m_1 - m_use)
         acc = acc * a_0[None, :] + acc_x.load(st_layout) * a_1[None, :]
         l_i = l_i * a_0 + l_1 * a_1
-
-        outs = (
-            out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-            stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
-        )  # fmt: skip
         _store_rows_output(
             acc, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE,
             st_layout,
@@ -299,13 +292,8 @@ def mla_decode_dual_kernel(
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
-    pid = gl.program_id(0)
-    rb = pid % ROW_BLOCKS
-    work = pid // ROW_BLOCKS
-    if MODE == 0:
-        req = work // num_splits
-    else:
-        req = gl.load(work_info_ptr + work * 4)
+    rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
+    if MODE != 0:  # noqa: SIM102 (MODE is a constexpr: this if is resolved at compile time)
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
@@ -345,11 +333,14 @@ def mla_decode_dual_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    # The output pointers and strides in the order :func:`~.transposed._store_rows_output` takes.
+    outs = (
+        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+        stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
+    )  # fmt: skip
     mma_args = (
         q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, m_x, l_x, ready, empty, merged,
-        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
-        stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
-        stride_pl_w, stride_pl_q, qk_scale, v_scale,
+        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     )  # fmt: skip
     gl.warp_specialize(
         [

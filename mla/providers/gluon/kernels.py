@@ -54,6 +54,23 @@ MODE_SCHEDULED = 1
 
 
 @gluon.jit
+def _work_item(num_splits, work_info_ptr, ROW_BLOCKS: gl.constexpr, MODE: gl.constexpr):
+    """``(rb, work, req)`` of this program: its row block, work item and request (split ``work %
+    num_splits`` of request ``work // num_splits``, or the schedule's ``work_info`` row, whose
+    request is negative for an unused item: the caller returns then). Shared by the Gluon
+    kernels."""
+    pid = gl.program_id(0)
+    rb = pid % ROW_BLOCKS
+    work = pid // ROW_BLOCKS
+    # A statement, not a conditional expression: MODE 0 must never load from work_info.
+    if MODE == 0:  # noqa: SIM108
+        req = work // num_splits
+    else:
+        req = gl.load(work_info_ptr + work * 4)
+    return rb, work, req
+
+
+@gluon.jit
 def _work_range(
     req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
     MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -219,30 +236,42 @@ def _refill_ring(
 
 
 @gluon.jit
+def _widen(
+    lat_ring, rope_ring, slot, dst_lat, dst_rope, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr
+):  # fmt: skip
+    """Widen the ``ROWS`` fp8 cache rows of ring slot ``slot`` (latent and rope parts, unswizzled)
+    into rows ``[ROW0, ROW0 + ROWS)`` of the 16-bit MMA tile ``dst_lat`` / ``dst_rope``, 16 rows
+    at a time by ``WARPS`` warps, 8 values per thread: 8-byte reads and one 16-byte chunk of the
+    128-byte-swizzled tile written per thread, so neither side conflicts on a bank. Shared by
+    the few-rows, 64-row and dual-chain kernels."""
+    lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    STEP: gl.constexpr = 16
+    for c in gl.static_range(ROWS // STEP):
+        x = lat_ring.index(slot).slice(c * STEP, STEP, dim=0).load(lat_ld)
+        dst_lat.slice(ROW0 + c * STEP, STEP, dim=0).store(x.to(dst_lat.dtype))
+    xr = rope_ring.index(slot).load(rope_ld)
+    dst_rope.slice(ROW0, ROWS, dim=0).store(xr.to(dst_rope.dtype))
+
+
+@gluon.jit
 def _mma_operands(
     lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
-    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr, dtype: gl.constexpr,
+    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr,
 ):  # fmt: skip
     """The shared-memory K tile of tile ``t`` for the MMAs, after its cp.async group completed.
 
-    16-bit caches: the ring slot itself. fp8: the slot widened, 16 rows at a time, into wide
-    buffer ``t % WIDE_STAGES``, 8 values per thread (8-byte reads of the unswizzled fp8 slot,
-    one 16-byte chunk of the 128-byte-swizzled tile written per thread: no bank conflicts).
-    Ends with the proxy fence and barrier the MMAs need.
+    16-bit caches: the ring slot itself. fp8: the slot widened (:func:`_widen`) into wide
+    buffer ``t % WIDE_STAGES``. Ends with the proxy fence and barrier the MMAs need.
     """
     stage = t % NUM_STAGES
     if KV_FP8:
         gl.thread_barrier()
-        warps: gl.constexpr = gl.num_warps()
-        lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
-        rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
         slot = t % WIDE_STAGES
-        WIDEN_ROWS: gl.constexpr = 16
-        for c in gl.static_range(BLOCK_N // WIDEN_ROWS):
-            x = lat_ring.index(stage).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).load(lat_ld)
-            lat_wide.index(slot).slice(c * WIDEN_ROWS, WIDEN_ROWS, dim=0).store(x.to(dtype))
-        xr = rope_ring.index(stage).load(rope_ld)
-        rope_wide.index(slot).store(xr.to(dtype))
+        _widen(
+            lat_ring, rope_ring, stage, lat_wide.index(slot), rope_wide.index(slot), 0, BLOCK_N,
+            gl.num_warps(),
+        )  # fmt: skip
         k_lat = lat_wide.index(slot)
         k_rope = rope_wide.index(slot)
     else:
@@ -258,7 +287,7 @@ def _take_tile(
     kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
     NEXT: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr, ID_SLOTS: gl.constexpr, KV_FP8: gl.constexpr,
-    LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr, dtype: gl.constexpr,
+    LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
 ):  # fmt: skip
     """At tile ``t``: refill the ring (:func:`_refill_ring`), wait until tile ``t + NEXT`` landed
     and return its MMA operands (:func:`_mma_operands`). ``NEXT`` is 0, or 1 for a loop that
@@ -269,7 +298,7 @@ def _take_tile(
     )  # fmt: skip
     async_copy.wait_group(NUM_STAGES - 1 - NEXT)
     return _mma_operands(
-        lat_ring, rope_ring, lat_wide, rope_wide, t + NEXT, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8, dtype
+        lat_ring, rope_ring, lat_wide, rope_wide, t + NEXT, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8
     )
 
 
@@ -350,13 +379,8 @@ def mla_decode_kernel(
     )
 
     # -- the work item ---------------------------------------------------------------------------
-    pid = gl.program_id(0)
-    rb = pid % ROW_BLOCKS
-    work = pid // ROW_BLOCKS
-    if MODE == 0:
-        req = work // num_splits
-    else:
-        req = gl.load(work_info_ptr + work * 4)
+    rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
+    if MODE != 0:  # noqa: SIM102 (MODE is a constexpr: this if is resolved at compile time)
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
@@ -414,7 +438,7 @@ def mla_decode_kernel(
         # waited together, so the tensor cores see both while the ring streams tiles ahead.
         async_copy.wait_group(NUM_STAGES - 2)
         k_lat, k_rope = _mma_operands(
-            lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8, dtype
+            lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8
         )
         sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -432,7 +456,7 @@ def mla_decode_kernel(
             # then tile t+1 (zero rows past the last tile: its scores are never used).
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
-                1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld, dtype,
+                1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -441,7 +465,7 @@ def mla_decode_kernel(
         for t in range(n_tiles):
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
-                0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld, dtype,
+                0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)

@@ -59,7 +59,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.kernels import _online_softmax, _row_info, _row_lse, _safe_sum, _work_range
+from mla.providers.gluon.kernels import (
+    _online_softmax,
+    _row_info,
+    _row_lse,
+    _safe_sum,
+    _work_item,
+    _work_range,
+)
 
 LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
@@ -392,13 +399,8 @@ def mla_decode_pingpong_kernel(
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
-    pid = gl.program_id(0)
-    rb = pid % ROW_BLOCKS
-    work = pid // ROW_BLOCKS
-    if MODE == 0:
-        req = work // num_splits
-    else:
-        req = gl.load(work_info_ptr + work * 4)
+    rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
+    if MODE != 0:  # noqa: SIM102 (MODE is a constexpr: this if is resolved at compile time)
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(

@@ -53,6 +53,7 @@ from mla.providers.gluon.kernels import (
     _safe_sum,
     _scales,
     _take_tile,
+    _work_item,
     _work_range,
 )
 
@@ -163,13 +164,8 @@ def mla_decode_rows_kernel(
     )
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
-    pid = gl.program_id(0)
-    rb = pid % ROW_BLOCKS
-    work = pid // ROW_BLOCKS
-    if MODE == 0:
-        req = work // num_splits
-    else:
-        req = gl.load(work_info_ptr + work * 4)
+    rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
+    if MODE != 0:  # noqa: SIM102 (MODE is a constexpr: this if is resolved at compile time)
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
@@ -227,7 +223,7 @@ def mla_decode_rows_kernel(
             # with tile t+NUM_STAGES, whose ids came with tile t, and fetch the ids a ring further.
             async_copy.wait_group(NUM_STAGES - 1)
             k_lat, k_rope = _mma_operands(
-                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, True, dtype
+                lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES, 1, BLOCK_N, True
             )
             ahead = t + NUM_STAGES
             _issue_tile(
@@ -239,7 +235,7 @@ def mla_decode_rows_kernel(
         else:
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
-                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld, dtype,
+                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
