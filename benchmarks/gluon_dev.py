@@ -119,6 +119,10 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
         return out, lse
     sched = None
     config = None
+    auto = launch_config(
+        batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
+        num_sms=num_sms(c["q"].device), persistent=False, kv_fp8=c["cache"].element_size() == 1,
+    )  # fmt: skip
     if variant == "sched":
         batch = len(c["lens"])
         sched = SplitKVSchedule.allocate(
@@ -130,20 +134,9 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
     elif variant == "np64":
         config = GluonLaunchConfig(num_splits=2)
     elif variant.startswith("dual"):
-        auto = launch_config(
-            batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
-            num_sms=num_sms(c["q"].device), persistent=False, kv_fp8=True,
-        )  # fmt: skip
         config = attrs.evolve(auto, dual=True, num_splits=int(variant[4:] or auto.num_splits))
-    elif variant.startswith("np"):
-        splits = variant[2:]
-        if splits:
-            auto = launch_config(
-                batch=len(c["lens"]), rows=heads * max_qlen, max_seqlen_k=max_len,
-                num_sms=num_sms(c["q"].device), persistent=False,
-                kv_fp8=c["cache"].element_size() == 1,
-            )  # fmt: skip
-            config = attrs.evolve(auto, num_splits=int(splits))
+    elif variant.startswith("np") and variant[2:]:
+        config = attrs.evolve(auto, num_splits=int(variant[2:]))
     gd.paged_decode(
         PagedDecodeCall(
             q=c["q"],
