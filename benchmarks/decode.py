@@ -14,8 +14,8 @@ printed beside it. Rows: ``<provider> np|pers|small`` are the provider's ``paged
 kernel called directly where the provider routes the case to the Triton kernel (fp8);
 ``gluon-64row`` is the provider's launch with the 64-row kernel in place of the ping-pong
 kernel it picks for 64-row tiles of 16-bit caches (``GluonLaunchConfig(pingpong=False)``);
-``gluon-dual`` is the opt-in dual-chain kernel on fp8 caches of 16 rows
-(``GluonLaunchConfig(dual=True)``); ``vllm`` is
+``gluon-rows`` is the provider's launch with the few-rows kernel in place of the dual-chain
+kernel it picks for 16-row tiles of fp8 caches (``GluonLaunchConfig(dual=False)``); ``vllm`` is
 vLLM's ``decode_attention_fwd`` (qlen 1, 16-bit caches; skipped with a note without
 ``--vllm-decode``). Metrics follow FlashMLA: bytes = KV read once + q read + o written; FLOPs =
 2·s_q·Σs_k·h·(576+512). ``copy%`` is the bandwidth over the measured 4.25 TB/s device copy.
@@ -263,8 +263,8 @@ class Problem:
 
     def gluon_variant_fn(self, **overrides: bool) -> Callable[[], None]:
         """The Gluon provider's own launch configuration with ``overrides`` applied: e.g.
-        ``pingpong=False`` (the 64-row kernel instead of the ping-pong kernel) or ``dual=True``
-        (the opt-in dual-chain kernel for 16 rows of an fp8 cache)."""
+        ``pingpong=False`` (the 64-row kernel instead of the ping-pong kernel) or ``dual=False``
+        (the few-rows kernel instead of the dual-chain kernel for 16 rows of an fp8 cache)."""
         from mla.providers.gluon.decode import paged_decode as gluon_decode
         from mla.providers.gluon.planner import launch_config
 
@@ -370,7 +370,7 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
         if name == "gluon" and shape.kv == "bf16" and shape.heads * shape.qlen > 32:
             impls.append(("gluon-64row np", prob.gluon_variant_fn(pingpong=False), True))
         if name == "gluon" and shape.kv == "fp8" and shape.heads * shape.qlen <= 16:
-            impls.append(("gluon-dual np", prob.gluon_variant_fn(dual=True), True))
+            impls.append(("gluon-rows np", prob.gluon_variant_fn(dual=False), True))
     if vllm is None:
         notes.append(f"{label(shape)}: vllm skipped (no --vllm-decode file)")
     elif shape.qlen != 1 or shape.kv != "bf16":

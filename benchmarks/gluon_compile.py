@@ -69,13 +69,19 @@ def compile_variant(
         del constexprs["OVERLAP"], constexprs["KV_FP8"]
         constexprs["num_warps"] = 4
     if dual:
+        # the dual-chain kernel takes its merge buffer after the fp8 scale
+        sig = {
+            **{k: sig[k] for k in ptrs},
+            "merge_ptr": "*fp32",
+            **{k: sig[k] for k in [*ints, "sm_scale_log2"]},
+        }
         del constexprs["OVERLAP"], constexprs["KV_FP8"], constexprs["NUM_STAGES"]
         rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": 16, **rest, "num_warps": 4}
     for k, _v in constexprs.items():
         sig[k] = "constexpr"
     names = list(sig)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ptrs if k in sig}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in [*ptrs, "merge_ptr"] if k in sig}
     attrs.update({(names.index(k),): [["tt.divisibility", 16]] for k in ints if k.startswith("stride")})
     src = GluonASTSource(
         mla_decode_dual_kernel

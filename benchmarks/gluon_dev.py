@@ -133,8 +133,8 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
         plan_split_kv(sched, c["kv_indptr"], batch)
     elif variant == "np64":
         config = GluonLaunchConfig(num_splits=2)
-    elif variant.startswith("dual"):
-        config = attrs.evolve(auto, dual=True, num_splits=int(variant[4:] or auto.num_splits))
+    elif variant.startswith("rows"):
+        config = attrs.evolve(auto, dual=False, num_splits=int(variant[4:] or auto.num_splits))
     elif variant.startswith("np") and variant[2:]:
         config = attrs.evolve(auto, num_splits=int(variant[2:]))
     gd.paged_decode(
@@ -185,7 +185,7 @@ def checks(log: list[dict[str, Any]]) -> bool:
             if heads * max(qlens) <= 32:
                 variants.append("np64")
             if fp8 and heads * max(qlens) <= 16:
-                variants += ["dual", "dual1", "dual3"]
+                variants += ["rows", "rows1", "rows3"]  # the few-rows kernel, not the dual-chain one
             for v in variants:
                 for with_lse in (True, False) if v == "np" else (True,):
                     kv = "fp8" if fp8 else "bf16"
@@ -322,14 +322,14 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("triton provider", None, "triton"),
             ]
             if shape.heads * shape.qlen <= 16:
-                variants += [("dual np", attrs.evolve(auto, dual=True), None)]
+                variants += [("rows np", attrs.evolve(auto, dual=False), None)]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
             variants += [("64-row np", attrs.evolve(auto, pingpong=False), None)]
             # 32-row tiles on the few-rows kernel: two row blocks per request read the same KV
             # (the second read from L2), so one split can fill the SMs without a reduce.
-            t32 = attrs.evolve(auto, row_tile=32, transposed=True, num_stages=2)
+            t32 = attrs.evolve(auto, row_tile=32, transposed=True, num_stages=2, pingpong=False)
             variants += [(f"t32 np k{k}", attrs.evolve(t32, num_splits=k), None) for k in (1, 2)]
-            t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2)
+            t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2, pingpong=False)
             variants += [("t64 np", t64, None)]
             variants += [(f"t64 np k{k}", attrs.evolve(t64, num_splits=k), None) for k in (1, 2, 4)]
         for name, cfg, sc in variants:

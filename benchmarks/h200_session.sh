@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
-#   bash benchmarks/h200_session.sh dual        # the opt-in dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
+#   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -91,7 +91,7 @@ dual)
       2>&1 | tee "$OUT/sanitizer_dual_$tool.log" | grep -v "^=========     at " \
       | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
   done
-  part "fp8 timing (few-rows kernel against dual np)"
+  part "fp8 timing (the dual-chain kernel, np auto, against the few-rows kernel, rows np)"
   timeout 200 python3 benchmarks/gluon_dev.py --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
     | grep -v "^{" | tail -20
   ;;

@@ -84,7 +84,8 @@ CASES = [
 # Every case on the launch heuristic's own choice; the other launch variants on the cases that
 # reach them (16 rows: few-rows kernel; 32 rows; 36 rows: 64-row tiles, the ping-pong kernel on
 # 16-bit caches; row64: the 64-row kernel; t64: the transposed kernel on two warpgroups; dual:
-# the dual-chain kernel, 16 rows of an fp8 cache).
+# the dual-chain kernel, 16 rows of an fp8 cache, which auto picks there; rows16: the few-rows
+# kernel on those).
 RUNS = (
     [(case, "auto") for case in CASES]
     + [(CASES[0], v) for v in ("splits3", "schedule", "row64", "overlap", "no_lse")]
@@ -94,6 +95,8 @@ RUNS = (
     + [(CASES[5], "pingpong"), (CASES[0], "pingpong")]
     + [(CASES[0], v) for v in ("dual", "dual-splits3", "dual-schedule")]
     + [(CASES[1], "dual")]
+    + [(CASES[0], v) for v in ("rows16", "rows16-splits3")]
+    + [(CASES[1], "rows16")]
 )
 
 
@@ -131,18 +134,30 @@ def test_paged_decode_variants(
         plan_split_kv(schedule, data[2], len(lens))
     if variant == "splits3":
         config = attrs.evolve(auto, num_splits=3)
+    elif variant == "rows16-splits3":
+        if kv_dtype.itemsize != 1:
+            pytest.skip("16 rows of a 16-bit cache run on the few-rows kernel anyway (splits3)")
+        config = attrs.evolve(auto, dual=False, num_splits=3)
     elif variant == "row64":
         config = attrs.evolve(
-            auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2, pingpong=False
+            auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2, pingpong=False, dual=False
         )
     elif variant == "t64":
         if kv_dtype.itemsize == 1:
             pytest.skip("the 64-row transposed kernel takes 16-bit caches (check_config)")
-        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=True, num_stages=2, pingpong=False)
+        config = attrs.evolve(
+            auto, row_tile=BLOCK_M, transposed=True, num_stages=2, pingpong=False, dual=False
+        )
     elif variant == "pingpong":
         if kv_dtype.itemsize == 1:
             pytest.skip("the ping-pong kernel takes 16-bit caches (check_config)")
-        config = attrs.evolve(auto, row_tile=BLOCK_M, transposed=False, num_stages=2, pingpong=True)
+        config = attrs.evolve(
+            auto, row_tile=BLOCK_M, transposed=False, num_stages=2, pingpong=True, dual=False
+        )
+    elif variant == "rows16":
+        if kv_dtype.itemsize != 1:
+            pytest.skip("16 rows of a 16-bit cache run on the few-rows kernel anyway (auto)")
+        config = attrs.evolve(auto, dual=False)
     elif variant.startswith("dual"):
         if kv_dtype.itemsize != 1:
             pytest.skip("the dual-chain kernel takes fp8 caches (check_config)")
@@ -157,6 +172,7 @@ def test_paged_decode_variants(
             num_stages=4,
             overlap=True,
             pingpong=False,
+            dual=False,
         )
     paged_decode(_call(data, qlens, lens, out, lse, schedule), config=config)
     torch.cuda.synchronize()

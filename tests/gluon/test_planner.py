@@ -56,6 +56,9 @@ def test_launch_config_examples() -> None:
     assert big.pingpong
     assert not _cfg(batch=64, rows=128, max_seqlen_k=4096, kv_fp8=True).pingpong
     assert not _cfg(batch=64, rows=16, max_seqlen_k=4096).pingpong
+    # 16-row tiles of an fp8 cache run on the dual-chain kernel; 32-row ones on the few-rows kernel.
+    assert _cfg(batch=64, rows=16, max_seqlen_k=4096, kv_fp8=True).dual
+    assert not _cfg(batch=64, rows=32, max_seqlen_k=4096, kv_fp8=True).dual
     # Persistent launches take their splits from the schedule.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
 
@@ -70,10 +73,12 @@ def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int,
     }
     for fp8, config in configs.items():
         check_config(config, kv_fp8=fp8)  # the heuristic picks only launches the kernels take
-    # The cache dtype picks the 64-row kernel, never the tiles or the splits.
-    assert attrs.evolve(configs[False], pingpong=False) == configs[True]
+    # The cache dtype picks the kernel (64 rows: ping-pong or 64-row kernel; 16 rows: few-rows or
+    # dual-chain kernel), never the tiles or the splits.
     cfg = configs[False]
+    assert attrs.evolve(cfg, pingpong=False, dual=cfg.row_tile == 16) == configs[True]
     assert cfg.pingpong == (cfg.row_tile == BLOCK_M)
+    assert not cfg.dual
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
     assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)

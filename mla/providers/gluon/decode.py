@@ -131,8 +131,10 @@ def launch_gluon_decode(
     grid = (num_work * row_blocks,)
     if config.dual:
         del constexprs["KV_FP8"], constexprs["NUM_STAGES"]
+        # Each program's second MMA warpgroup hands its output, row max and row sum over here.
+        merge = out.new_empty(grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
         mla_decode_dual_kernel[grid](
-            *common, scale_arg, *strides, **constexprs, NR=config.row_tile, num_warps=4
+            *common, scale_arg, merge, *strides, **constexprs, NR=config.row_tile, num_warps=4
         )
     elif config.transposed:
         mla_decode_rows_kernel[grid](

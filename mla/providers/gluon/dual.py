@@ -15,9 +15,14 @@ ways, with the products of :mod:`.transposed` (the 16 rows as the MMA N dimensio
   their own, then release their fp16 tile (``empty[w]``). Nothing passes between them until
   the end, so the two chains overlap fully.
 
-At the end warpgroup 1 leaves its output, row max and row sum in shared memory (over its own
-fp16 tile, which nothing writes any more) and warpgroup 0 merges them into its own and writes
-the outputs: the request's rows directly, or fp32 partials for the split reduce.
+At the end warpgroup 1 hands its output, row max and row sum to warpgroup 0 through the
+program's slot of a global merge buffer (fp32, ``16 × (512 + 2)`` values per program, allocated
+by the launcher; it stays in L2), announced on the ``merged`` mbarrier (release/acquire at CTA
+scope: the stores are ordered before warpgroup 0's loads). Warpgroup 0 merges them into its own
+and writes the outputs: the request's rows directly, or fp32 partials for the split reduce.
+Through shared memory (over warpgroup 1's fp16 tile) the same hand-off was equally fast, but
+compute-sanitizer's racecheck flagged it; through global memory nothing but the
+``gl.warp_specialize`` start-up is flagged (see :mod:`.pingpong`).
 
 Shared memory (16 rows): query 18 KB, fp8 ring 54 KB, two fp16 tiles 144 KB, ``P`` 4 KB.
 fp8 caches and 16 rows only (the fp32 output accumulator is 64 registers per thread; at 32 rows
@@ -25,13 +30,10 @@ the merge would hold two 128-register accumulators). Work items, masking, NaN ru
 outputs are those of :mod:`.transposed`.
 
 Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
-against the few-rows kernel in the same run): B128 S8192 256.0 against 291.2 (bf16 on the
-few-rows kernel: 279.0), B64 S4096 74.5 against 83.6, B1 S65536 27.1 against 27.8. Tried in
-the same session and no faster: waiting for each half-tile just before widening it (256.0),
-8 loader warps (265.8). The GPU tests of its variants pass and memcheck reports 0 errors, but
-compute-sanitizer's racecheck flags the end-of-loop merge (warpgroup 1's stores of its
-output, row max and row sum against warpgroup 0's loads after the ``merged`` wait, besides the
-``gl.warp_specialize`` start-up), so it is selected only by ``GluonLaunchConfig(dual=True)``.
+against the few-rows kernel in the same run): B128 S8192 252.7 against 285.4 (bf16 on the
+few-rows kernel: 278.3), B64 S4096 74.5 against 83.6, B1 S65536 27.7 against 27.3. Tried and no
+faster: waiting for each half-tile just before widening it (256.0), 8 loader warps (265.8).
+:func:`.planner.launch_config` picks it for every fp8 launch of 16-row tiles.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def _mma_warpgroup(
     kernel's buffers, barriers, output pointers and strides (``outs``) and work item (one tuple
     for both warpgroups)."""
     (
-        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, m_x, l_x, ready, empty, merged,
+        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, merge_ptr, ready, empty, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     ) = args  # fmt: skip
     # The partition reads its arguments before anything of it writes shared memory.
@@ -209,25 +211,29 @@ def _mma_warpgroup(
         gl.thread_barrier()
         mbarrier.arrive(empty.index(W))
 
-    # Warpgroup 1's output goes over its own fp16 tile: the loader writes that tile only for
-    # odd tiles, and this warpgroup has taken the last of them.
-    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    acc_x = lat_wide._reinterpret(gl.float32, [2, L, 2 * NR], plain).index(1).slice(0, NR, dim=1)
+    # Warpgroup 1 hands its output, row max and row sum to warpgroup 0 through this program's
+    # slot of the global merge buffer (L2): no shared memory changes hands after the loop.
+    NRL: gl.constexpr = NR * L
+    base = merge_ptr + gl.program_id(0).to(gl.int64) * (NRL + 2 * NR)
+    offs_d = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
+    offs_r = gl.arange(0, NR, layout=rows_layout)
+    acc_ptrs = base + offs_d[:, None] * NR + offs_r[None, :]
     if W == 1:
-        acc_x.store(acc)
-        m_x.store(m_i)
-        l_x.store(l_i)
+        gl.store(acc_ptrs, acc)
+        gl.store(base + NRL + offs_r, m_i)
+        gl.store(base + NRL + NR + offs_r, l_i)
+        # Every thread's stores precede the single-thread arrive (release at CTA scope).
         gl.thread_barrier()
         mbarrier.arrive(merged)
     else:
         mbarrier.wait(merged, 0)
-        m_1 = m_x.load(rows_layout)
-        l_1 = l_x.load(rows_layout)
+        m_1 = gl.load(base + NRL + offs_r)
+        l_1 = gl.load(base + NRL + NR + offs_r)
         m_new = gl.maximum(m_i, m_1)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         a_0 = gl.exp2(m_i - m_use)
         a_1 = gl.exp2(m_1 - m_use)
-        acc = acc * a_0[None, :] + acc_x.load(st_layout) * a_1[None, :]
+        acc = acc * a_0[None, :] + gl.load(acc_ptrs) * a_1[None, :]
         l_i = l_i * a_0 + l_1 * a_1
         _store_rows_output(
             acc, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE,
@@ -251,6 +257,7 @@ def mla_decode_dual_kernel(
     part_o_ptr,
     part_lse_ptr,
     kv_scale_ptr,
+    merge_ptr,
     num_splits,
     stride_qn_t,
     stride_qn_h,
@@ -289,7 +296,6 @@ def mla_decode_dual_kernel(
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
     # The fp8 ring is never an MMA operand: unswizzled, so the widening reads it conflict-free.
     ring_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -310,10 +316,8 @@ def mla_decode_dual_kernel(
     lat_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
     rope_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
-    m_x = gl.allocate_shared_memory(gl.float32, [NR], vec_smem)
-    l_x = gl.allocate_shared_memory(gl.float32, [NR], vec_smem)
     # ready[w] / empty[w]: fp16 tile w widened / released by its warpgroup; merged: warpgroup
-    # 1's output is in shared memory.
+    # 1's output is in the merge buffer.
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -339,7 +343,7 @@ def mla_decode_dual_kernel(
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     )  # fmt: skip
     mma_args = (
-        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, m_x, l_x, ready, empty, merged,
+        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, merge_ptr, ready, empty, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     )  # fmt: skip
     gl.warp_specialize(

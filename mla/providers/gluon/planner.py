@@ -1,12 +1,14 @@
 """Launch heuristic and split-KV planning of the Gluon MLA decode (pure Python, CPU-testable).
 
 Up to :data:`FEW_ROWS_MAX` packed rows (heads × qlen) run on the transposed few-rows kernel
-(:mod:`.transposed`, 16- or 32-row tiles on one warpgroup), more in 64-row tiles: on the
-ping-pong kernel (:mod:`.pingpong`, a loader warpgroup and two MMA warpgroups taking alternate
-KV tiles) for 16-bit caches, on the 64-row kernel (:mod:`.kernels`, 8 warps) for fp8 caches.
-Each fills the shared memory of an SM (the 64-row kernel: query tile 72 KB, a two-stage ring of
-64-token bf16 KV tiles 144 KB, the token-id ring; 221 KB in all; the ping-pong kernel 231 KB;
-the few-rows kernel 165–222 KB), so one program is resident per SM (compiler report for sm_90,
+(:mod:`.transposed`, 16- or 32-row tiles on one warpgroup; 16 rows of an fp8 cache on the
+dual-chain kernel of :mod:`.dual`, a loader warpgroup and two MMA warpgroups taking alternate
+tiles), more in 64-row tiles: on the ping-pong kernel (:mod:`.pingpong`, a loader warpgroup and
+two MMA warpgroups taking alternate KV tiles) for 16-bit caches, on the 64-row kernel
+(:mod:`.kernels`, 8 warps) for fp8 caches. Each fills the shared memory of an SM (the 64-row
+kernel: query tile 72 KB, a two-stage ring of 64-token bf16 KV tiles 144 KB, the token-id ring;
+221 KB in all; the ping-pong kernel 231 KB; the dual-chain kernel 226 KB; the few-rows kernel
+165–222 KB), so one program is resident per SM (compiler report for sm_90,
 ``benchmarks/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the tile run
 as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
 the second read of a tile hits L2).
@@ -110,10 +112,10 @@ class GluonLaunchConfig:
     dual: bool = False
     """Run 16 rows of an fp8 cache on the dual-chain kernel of :mod:`.dual` (a loader
     warpgroup that gathers and widens the tiles, two MMA warpgroups taking alternate tiles with
-    a running output each, merged at the end) instead of the few-rows kernel. Faster on the
-    H200 (2026-12-01, graph µs, H16 q1: B128 S8192 256 against 291, B64 S4096 75 against 84),
-    but compute-sanitizer's racecheck flags its end-of-loop merge between the warpgroups, so
-    :func:`launch_config` does not pick it."""
+    a running output each, merged at the end) instead of the few-rows kernel.
+    :func:`launch_config` picks it for every fp8 launch of 16-row tiles: on the H200
+    (2026-12-01, graph µs, H16 q1) B128 S8192 252.7 against 285.4 on the few-rows kernel, B64
+    S4096 74.5 against 83.6, B1 S65536 27.7 against 27.3."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
@@ -162,11 +164,14 @@ def launch_config(
     """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows.
 
     Tiles and splits are the same for 16-bit and fp8 caches; 64-row tiles of a 16-bit cache
-    (``kv_fp8=False``) run on the ping-pong kernel. Persistent launches take their splits from
+    (``kv_fp8=False``) run on the ping-pong kernel, 16-row tiles of an fp8 cache on the
+    dual-chain kernel. Persistent launches take their splits from
     the schedule (``num_splits`` stays 1).
     """
     row_tile = few_rows_tile(rows)
-    tile = GluonLaunchConfig(row_tile=row_tile, pingpong=row_tile == BLOCK_M and not kv_fp8)
+    tile = GluonLaunchConfig(
+        row_tile=row_tile, pingpong=row_tile == BLOCK_M and not kv_fp8, dual=row_tile == 16 and kv_fp8
+    )
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
