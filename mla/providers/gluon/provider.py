@@ -127,7 +127,8 @@ class GluonProvider(KernelProvider):
         probes["decode_kernels"] = (
             f"Gluon 64-row tiles above {FEW_ROWS_MAX} heads x qlen rows (ping-pong kernel: loader "
             "and two MMA warpgroups, 16-bit caches; 64-row kernel: fp8 caches), transposed few-rows "
-            f"kernel up to {FEW_ROWS_MAX} (16-bit or fp8); Triton decode kernel for other latent/rope "
+            f"kernel up to {FEW_ROWS_MAX} (16-bit or fp8; 16 rows of fp8 on the dual-chain kernel: "
+            "loader and two MMA warpgroups); Triton decode kernel for other latent/rope "
             "dims than 512+64, fp32 queries, mixed 16-bit dtypes"
         )
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
