@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
+#   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -95,12 +96,23 @@ dual)
   timeout 200 python3 benchmarks/gluon_dev.py --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
     | grep -v "^{" | tail -20
   ;;
+profile)
+  part "ncu: the dual-chain kernel at fp8 H16 q1 B128 S8192 (second launch)"
+  ncu_args=(--kernel-name regex:mla_decode_dual --launch-skip 1 --launch-count 1)
+  timeout 200 ncu "${ncu_args[@]}" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis_Tables --section SourceCounters --print-details all \
+    python3 benchmarks/gluon_dev.py --once fp8 > "$OUT/ncu_dual.txt" 2>&1
+  grep -E "Duration|Issued Warp Per Scheduler|Eligible Warps|Stall (Long|Short) Scoreboard|Stall Barrier" "$OUT/ncu_dual.txt" | head -12
+  timeout 200 ncu "${ncu_args[@]}" --section SourceCounters --page source --print-source sass --csv \
+    python3 benchmarks/gluon_dev.py --once fp8 > "$OUT/ncu_dual_sass.csv" 2>/dev/null
+  python3 benchmarks/ncu_stalls.py "$OUT/ncu_dual_sass.csv" | tee "$OUT/ncu_dual_stalls.txt"
+  ;;
 breakdown)
   part "per-kernel breakdown"
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile" >&2
   exit 2
   ;;
 esac
