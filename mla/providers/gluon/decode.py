@@ -15,6 +15,7 @@ import torch
 
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
+from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.dual import mla_decode_dual_kernel
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
@@ -134,8 +135,9 @@ def launch_gluon_decode(
         # Each program's second MMA warpgroup hands its output, row max and row sum over here.
         merge = out.new_empty(grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
         mla_decode_dual_kernel[grid](
-            *common, scale_arg, merge, *strides, **constexprs, NR=config.row_tile, num_warps=4
-        )
+            *common, scale_arg, merge, *strides, **constexprs, NR=config.row_tile,
+            num_warps=DUAL_LOADER_WARPS.value,
+        )  # fmt: skip
     elif config.transposed:
         mla_decode_rows_kernel[grid](
             *common, scale_arg, *strides, **constexprs, NR=config.row_tile,
