@@ -75,7 +75,7 @@ pingpong)
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h128-q2-bs64-pingpong-bf16]" \
     2>&1 | tee "$OUT/sanitizer_pingpong.log" | grep -v "^=========     at " | grep -E "RACECHECK SUMMARY|Race reported|Access|passed|failed" | head -30
   part "racecheck probes of the warpgroup hand-off"
-  for mode in "handoff 4" "alternate 6"; do
+  for mode in "handoff 4" "alternate 6" "ring 6"; do
     timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py $mode 2>&1 \
       | grep -E "RACECHECK SUMMARY|Race reported|probe"
   done

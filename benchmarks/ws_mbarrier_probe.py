@@ -13,6 +13,15 @@ reader's wait with acquire semantics) and the values are checked.
     compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py handoff 4
     compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py alternate 6
 
+``ring``: the default partition ``cp.async``-copies round ``k``'s row of a global matrix into a
+shared-memory slot and announces it with ``cp.async.mbarrier.arrive`` on ``landed`` (one arrival
+per thread); a worker waits, reads the slot with plain loads, waits for its own warps and
+arrives on ``free``, which the default partition waits for before copying the next round into
+the slot: the ring hand-off of the register-operand dual-chain variant (branch ``dual-rega``),
+whose racecheck report names the ``cp.async`` writes.
+
+    compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py ring 6
+
 H200, Triton 3.6, 2026-12-01: ``handoff`` (1 and 4 rounds) 0 hazards; ``alternate`` (6 rounds)
 1 hazard (5 to 16 instances between runs) between two accesses of compiler-generated code at
 the kernel's own line (the buffer through which the partitions receive their arguments), none on
@@ -24,6 +33,7 @@ import sys
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 
@@ -112,6 +122,47 @@ def alternate_kernel(out_ptr, rounds, num_warps: gl.constexpr):
     )
 
 
+@gluon.jit
+def _ring_copier(src_ptr, slot, landed, free, rounds):
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    offs = gl.arange(0, 512, layout=lay)
+    for k in range(rounds):
+        mbarrier.wait(free, k & 1)
+        async_copy.async_copy_global_to_shared(slot, src_ptr + k * 512 + offs)
+        async_copy.mbarrier_arrive(landed, increment_count=False)
+
+
+@gluon.jit
+def _ring_reader(slot, landed, free, out_ptr, rounds):
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    acc = gl.zeros([512], gl.float32, layout=lay)
+    for k in range(rounds):
+        mbarrier.wait(landed, k & 1)
+        acc += slot.load(lay)
+        gl.thread_barrier()
+        mbarrier.arrive(free)
+    gl.store(out_ptr + gl.arange(0, 512, layout=lay), acc)
+
+
+@gluon.jit
+def ring_kernel(src_ptr, out_ptr, rounds, num_warps: gl.constexpr):
+    vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    slot = gl.allocate_shared_memory(gl.float32, [512], vec)
+    landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(landed, count=num_warps * 32)
+    mbarrier.init(free, count=1)
+    mbarrier.arrive(free)  # the slot starts free
+    gl.warp_specialize(
+        [
+            (_ring_copier, (src_ptr, slot, landed, free, rounds)),
+            (_ring_reader, (slot, landed, free, out_ptr, rounds)),
+        ],
+        [4],
+        [96],
+    )
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "handoff"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
@@ -121,6 +172,12 @@ def main() -> None:
         probe_kernel[(4,)](x, out, rounds, num_warps=4)
         torch.cuda.synchronize()
         ok = torch.allclose(out[:128], x * rounds * (rounds + 1) / 2)
+    elif mode == "ring":
+        src = torch.randn(rounds, 512, device="cuda")
+        out = torch.zeros(512, device="cuda")
+        ring_kernel[(2,)](src, out, rounds, num_warps=4)
+        torch.cuda.synchronize()
+        ok = torch.allclose(out, src.sum(0), atol=1e-4)
     else:
         alternate_kernel[(2,)](out, rounds, num_warps=4)
         torch.cuda.synchronize()
