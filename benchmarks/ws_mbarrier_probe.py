@@ -25,7 +25,8 @@ whose racecheck report names the ``cp.async`` writes.
 H200, Triton 3.6, 2026-12-01: ``handoff`` (1 and 4 rounds) 0 hazards; ``alternate`` (6 rounds)
 1 hazard (5 to 16 instances between runs) between two accesses of compiler-generated code at
 the kernel's own line (the buffer through which the partitions receive their arguments), none on
-the vector, and the values are right.
+the vector, and the values are right. ``ring`` was written at the end of that session and has
+not run on a GPU yet.
 """
 
 import sys
