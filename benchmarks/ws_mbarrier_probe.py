@@ -55,26 +55,34 @@ def _writer(buf, full, empty, x_ptr, rounds):
 
 
 @gluon.jit
-def _reader(buf, full, empty, out_ptr, rounds):
+def _reader(buf, full, empty, out_ptr, rounds, N: gl.constexpr = 128):
     # The reader partition's warps are not the writer's: every value crosses warps.
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    acc = gl.zeros([128], gl.float32, layout=lay)
+    lay: gl.constexpr = gl.BlockedLayout([N // 128], [32], [4], [0])
+    acc = gl.zeros([N], gl.float32, layout=lay)
     for k in range(rounds):
         mbarrier.wait(full, k & 1)
         acc += buf.load(lay)
         gl.thread_barrier()
         mbarrier.arrive(empty)
-    gl.store(out_ptr + gl.arange(0, 128, layout=lay), acc)
+    gl.store(out_ptr + gl.arange(0, N, layout=lay), acc)
+
+
+@gluon.jit
+def _buffer_and_barriers(N: gl.constexpr, FULL_ARRIVALS: gl.constexpr):
+    """A float32 vector of ``N`` in shared memory, its ``full`` mbarrier (``FULL_ARRIVALS``
+    arrivals a phase) and its ``empty`` mbarrier (one)."""
+    vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    buf = gl.allocate_shared_memory(gl.float32, [N], vec)
+    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(full, count=FULL_ARRIVALS)
+    mbarrier.init(empty, count=1)
+    return buf, full, empty
 
 
 @gluon.jit
 def probe_kernel(x_ptr, out_ptr, rounds, num_warps: gl.constexpr):
-    vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    buf = gl.allocate_shared_memory(gl.float32, [128], vec)
-    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(full, count=1)
-    mbarrier.init(empty, count=1)
+    buf, full, empty = _buffer_and_barriers(128, 1)
     gl.warp_specialize(
         [
             (_idle, (out_ptr,)),
@@ -134,30 +142,14 @@ def _ring_copier(src_ptr, slot, landed, free, rounds):
 
 
 @gluon.jit
-def _ring_reader(slot, landed, free, out_ptr, rounds):
-    lay: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    acc = gl.zeros([512], gl.float32, layout=lay)
-    for k in range(rounds):
-        mbarrier.wait(landed, k & 1)
-        acc += slot.load(lay)
-        gl.thread_barrier()
-        mbarrier.arrive(free)
-    gl.store(out_ptr + gl.arange(0, 512, layout=lay), acc)
-
-
-@gluon.jit
 def ring_kernel(src_ptr, out_ptr, rounds, num_warps: gl.constexpr):
-    vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    slot = gl.allocate_shared_memory(gl.float32, [512], vec)
-    landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(landed, count=num_warps * 32)
-    mbarrier.init(free, count=1)
+    # landed: one cp.async arrival per copier thread; free: the reader's arrival.
+    slot, landed, free = _buffer_and_barriers(512, num_warps * 32)
     mbarrier.arrive(free)  # the slot starts free
     gl.warp_specialize(
         [
             (_ring_copier, (src_ptr, slot, landed, free, rounds)),
-            (_ring_reader, (slot, landed, free, out_ptr, rounds)),
+            (_reader, (slot, landed, free, out_ptr, rounds, 512)),
         ],
         [4],
         [96],
