@@ -164,24 +164,30 @@ def _query_to_smem(
     warps: gl.constexpr = gl.num_warps()
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
-    qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, ROWS, gl.SliceLayout(1, q_ld))
-    tok_q = (q_start + qi_q).to(gl.int64)
-    cols_q = gl.arange(0, L, layout=gl.SliceLayout(0, q_ld))
-    qn = gl.load(
-        q_nope_ptr + tok_q[:, None] * stride_qn_t + head_q[:, None] * stride_qn_h + cols_q[None, :],
-        mask=ok_q[:, None],
-        other=0.0,
+    qn_ptrs, ok_q = _query_ptrs(
+        q_nope_ptr, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, ROWS, L, q_ld
     )
+    qn = gl.load(qn_ptrs, mask=ok_q[:, None], other=0.0)
     q_nope_smem.store(qn.to(q_nope_smem.dtype))
-    qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, ROWS, gl.SliceLayout(1, qr_ld))
-    tok_r = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp = gl.load(
-        q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :],
-        mask=ok_r[:, None],
-        other=0.0,
+    qp_ptrs, ok_r = _query_ptrs(
+        q_pe_ptr, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, ROWS, R, qr_ld
     )
+    qp = gl.load(qp_ptrs, mask=ok_r[:, None], other=0.0)
     q_pe_smem.store(qp.to(q_pe_smem.dtype))
+
+
+@gluon.jit
+def _query_ptrs(
+    q_ptr, rb, qlen, kv_len, q_start, stride_t, stride_h,
+    H: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """``[ROWS, COLS]`` pointers (in ``LAYOUT``) to the first ``COLS`` columns of the ``ROWS``
+    packed query rows of row block ``rb``, and the rows' validity (rows past ``qlen`` are not
+    loaded). Shared by the query loads of every Gluon kernel."""
+    qi, head, ok, _lim = _row_info(rb, qlen, kv_len, H, ROWS, gl.SliceLayout(1, LAYOUT))
+    tok = (q_start + qi).to(gl.int64)
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    return q_ptr + tok[:, None] * stride_t + head[:, None] * stride_h + cols[None, :], ok
 
 
 @gluon.jit

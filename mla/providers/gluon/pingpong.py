@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla.providers.gluon.kernels import (
     _online_softmax,
+    _query_ptrs,
     _row_info,
     _row_lse,
     _safe_sum,
@@ -74,9 +75,6 @@ CHUNK = gl.constexpr(128)
 """Latent columns per ``ready`` barrier: QKᵀ of a tile starts when its first chunk lands."""
 CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row (the second half's last one also brings the rope part)."""
-Q_ASYNC = gl.constexpr(True)
-"""Load the query tile with ``cp.async`` (every piece in flight at once) instead of through
-registers, 128 columns at a time."""
 MMA_REGS = gl.constexpr(232)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128."""
 
@@ -434,35 +432,24 @@ def mla_decode_pingpong_kernel(
     for i in gl.static_range(NUM_STAGES * 2):
         mbarrier.arrive(empty.index(i))
 
-    # -- the query tile (by the 4 loader warps, 128 columns at a time) ---------------------------
+    # -- the query tile (by the 4 loader warps), every piece in flight at once by cp.async ---------
     Q_CHUNK: gl.constexpr = 128
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    qi_q, head_q, ok_q, _lim_q = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, q_ld))
-    q_rows = (q_start + qi_q).to(gl.int64) * stride_qn_t + head_q * stride_qn_h
-    cols_q = gl.arange(0, Q_CHUNK, layout=gl.SliceLayout(0, q_ld))
-    qi_r, head_r, ok_r, _lim_r = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, qr_ld))
-    tok_r = (q_start + qi_r).to(gl.int64)
-    cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, qr_ld))
-    qp_ptrs = q_pe_ptr + tok_r[:, None] * stride_qp_t + head_r[:, None] * stride_qp_h + cols_r[None, :]
-    if Q_ASYNC:
-        # All five pieces in flight at once (masked rows are filled with zeros).
-        for c in gl.static_range(L // Q_CHUNK):
-            async_copy.async_copy_global_to_shared(
-                q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1),
-                q_nope_ptr + q_rows[:, None] + (c * Q_CHUNK + cols_q)[None, :],
-                mask=ok_q[:, None],
-            )
-        async_copy.async_copy_global_to_shared(q_pe_smem, qp_ptrs, mask=ok_r[:, None])
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-    else:
-        for c in gl.static_range(L // Q_CHUNK):
-            qn = gl.load(
-                q_nope_ptr + q_rows[:, None] + (c * Q_CHUNK + cols_q)[None, :], mask=ok_q[:, None], other=0.0
-            )
-            q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1).store(qn)
-        q_pe_smem.store(gl.load(qp_ptrs, mask=ok_r[:, None], other=0.0))
+    qn_ptrs, ok_q = _query_ptrs(
+        q_nope_ptr, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, BLOCK_M, Q_CHUNK, q_ld
+    )
+    qp_ptrs, ok_r = _query_ptrs(
+        q_pe_ptr, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, BLOCK_M, R, qr_ld
+    )
+    # (masked rows are filled with zeros)
+    for c in gl.static_range(L // Q_CHUNK):
+        async_copy.async_copy_global_to_shared(
+            q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1), qn_ptrs + c * Q_CHUNK, mask=ok_q[:, None]
+        )
+    async_copy.async_copy_global_to_shared(q_pe_smem, qp_ptrs, mask=ok_r[:, None])
+    async_copy.commit_group()
+    async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
 
