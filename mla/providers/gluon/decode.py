@@ -18,6 +18,7 @@ from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.dual import mla_decode_dual_kernel
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
+from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.planner import (
     BLOCK_M,
@@ -145,7 +146,9 @@ def launch_gluon_decode(
         )  # fmt: skip
     elif config.pingpong:
         del constexprs["KV_FP8"]
-        mla_decode_pingpong_kernel[grid](*common, scale_arg, *strides, **constexprs, num_warps=4)
+        mla_decode_pingpong_kernel[grid](
+            *common, scale_arg, *strides, **constexprs, num_warps=PINGPONG_LOADER_WARPS.value
+        )
     else:
         mla_decode_kernel[grid](
             *common, scale_arg, *strides, **constexprs, OVERLAP=config.overlap, num_warps=NUM_WARPS
