@@ -53,7 +53,6 @@ from mla.providers.gluon.kernels import (
     _query_to_smem,
     _row_info,
     _scales,
-    _widen,
     _work_item,
     _work_range,
 )
@@ -61,105 +60,48 @@ from mla.providers.gluon.transposed import _store_rows_output
 
 LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
-HALF = gl.constexpr(32)
-"""Tokens per fp8 ring slot: half a 64-token tile."""
-SLOTS = gl.constexpr(3)
-"""fp8 half-tile slots (what fits beside two fp16 tiles): 1.5 tiles in flight."""
-MMA_REGS = gl.constexpr(192)
-"""Registers per MMA-warpgroup thread (``setmaxnreg``): output 64, the merge another 64."""
+QK_CHUNK = gl.constexpr(64)
+"""Latent columns per register-operand QKᵀ step (64 fp16 values a thread)."""
+MMA_REGS = gl.constexpr(208)
+"""Registers per MMA-warpgroup thread (``setmaxnreg``): output 64, two QKᵀ register operands in
+flight 64, the merge another 64 (after the loop)."""
 
 
 @gluon.jit
-def _half_ids(index_base, lo, hi, h, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr):
-    """Token ids of half-tile ``h`` in the row slices of the latent and rope copy layouts, and
-    their validity (``< hi``; id 0 past it)."""
-    n = lo + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, LAT_LD))
-    nr = lo + h * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, ROPE_LD))
-    return (
-        gl.load(index_base + n, mask=n < hi, other=0),
-        n < hi,
-        gl.load(index_base + nr, mask=nr < hi, other=0),
-        nr < hi,
-    )
-
-
-@gluon.jit
-def _issue_half(
-    kv_ptr, ids, ok, idr, okr, stride_kv, h, n_halves, lat_ring, rope_ring,
-    L: gl.constexpr, R: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
-):  # fmt: skip
-    """cp.async half-tile ``h`` (when it exists) into slot ``h % SLOTS`` (rows past ``hi``
-    zero-filled), then close one copy group either way, so the groups count half-tiles."""
-    if h < n_halves:
-        slot = h % SLOTS
-        cols = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
-        ptrs = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv + cols[None, :]
-        async_copy.async_copy_global_to_shared(lat_ring.index(slot), ptrs, mask=ok[:, None])
-        cr = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
-        ptr_r = kv_ptr + idr.to(gl.int64)[:, None] * stride_kv + L + cr[None, :]
-        async_copy.async_copy_global_to_shared(rope_ring.index(slot), ptr_r, mask=okr[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _widen_half(lat_ring, rope_ring, lat_wide, rope_wide, h, FIRST: gl.constexpr):
-    """Widen half-tile ``h`` (slot ``h % SLOTS``) into rows ``[0, HALF)`` (``FIRST``) or
-    ``[HALF, 2·HALF)`` of an fp16 tile (:func:`~.kernels._widen`)."""
-    slot = h % SLOTS
-    row0: gl.constexpr = 0 if FIRST else HALF
-    _widen(lat_ring, rope_ring, slot, lat_wide, rope_wide, row0, HALF, LOADER_WARPS)
+def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+    """Token ids of tile ``t`` (in ``ROWS``, a copy layout's row slice) and their validity
+    (``< hi``; id 0 past it)."""
+    n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
+    return gl.load(index_base + n, mask=n < hi, other=0), n < hi
 
 
 @gluon.jit
 def _loader(
-    kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide, ready, empty,
+    kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition: half-tiles of ``[lo, hi)`` into the fp8 ring (:data:`SLOTS` in
-    flight), each tile ``t`` widened into fp16 tile ``t % 2`` once its owner released it, each
-    half-slot refilled as soon as it is widened. Token ids run one tile ahead of the copies."""
+    """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % 2``
+    once its owner has read the tile before out of it, announced on ``landed[t % 2]`` when the
+    copies land (one arrival per loader thread). Token ids run one tile ahead."""
     # cp.async moves 16 bytes (16 fp8 values) per thread.
     lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LOADER_WARPS, 1], [1, 0])
     rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOADER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, L, layout=gl.SliceLayout(0, lat_ld))
+    cr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    n_halves = 2 * n_tiles
-    for j in gl.static_range(SLOTS):
-        ids, ok, idr, okr = _half_ids(index_base, lo, hi, j, lat_ld, rope_ld)
-        _issue_half(
-            kv_ptr, ids, ok, idr, okr, stride_kv, j, n_halves, lat_ring, rope_ring, L, R, lat_ld, rope_ld
-        )
-    # The ids of the two half-tiles the first iteration refills (3 and 4).
-    ids_a, ok_a, idr_a, okr_a = _half_ids(index_base, lo, hi, SLOTS, lat_ld, rope_ld)
-    ids_b, ok_b, idr_b, okr_b = _half_ids(index_base, lo, hi, SLOTS + 1, lat_ld, rope_ld)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, lat_ld))
+    idr, okr = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, rope_ld))
     for t in range(n_tiles):
         w = t % 2
-        # The next iteration's ids, in flight while this tile is widened.
-        nids_a, nok_a, nidr_a, nokr_a = _half_ids(index_base, lo, hi, 2 * t + SLOTS + 2, lat_ld, rope_ld)
-        nids_b, nok_b, nidr_b, nokr_b = _half_ids(index_base, lo, hi, 2 * t + SLOTS + 3, lat_ld, rope_ld)
-        # Half-tiles 2t and 2t+1 landed (copy groups: all but the newest, half-tile 2t+2), on
-        # every thread, and tile t's owner is done with its fp16 tile (tile t - 2).
-        async_copy.wait_group(1)
-        gl.thread_barrier()
-        mbarrier.wait(empty.index(w), (t // 2) & 1)
-        lat_w = lat_wide.index(w)
-        rope_w = rope_wide.index(w)
-        _widen_half(lat_ring, rope_ring, lat_w, rope_w, 2 * t, True)
-        gl.thread_barrier()
-        _issue_half(
-            kv_ptr, ids_a, ok_a, idr_a, okr_a, stride_kv, 2 * t + SLOTS, n_halves, lat_ring, rope_ring,
-            L, R, lat_ld, rope_ld,
-        )  # fmt: skip
-        _widen_half(lat_ring, rope_ring, lat_w, rope_w, 2 * t + 1, False)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(w))
-        _issue_half(
-            kv_ptr, ids_b, ok_b, idr_b, okr_b, stride_kv, 2 * t + SLOTS + 1, n_halves, lat_ring, rope_ring,
-            L, R, lat_ld, rope_ld,
-        )  # fmt: skip
-        ids_a, ok_a, idr_a, okr_a = nids_a, nok_a, nidr_a, nokr_a
-        ids_b, ok_b, idr_b, okr_b = nids_b, nok_b, nidr_b, nokr_b
-    async_copy.wait_group(0)
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, gl.SliceLayout(1, lat_ld))
+        nidr, nokr = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, gl.SliceLayout(1, rope_ld))
+        mbarrier.wait(free.index(w), (t // 2) & 1)
+        ptrs = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv + cols[None, :]
+        async_copy.async_copy_global_to_shared(lat_ring.index(w), ptrs, mask=ok[:, None])
+        ptr_r = kv_ptr + idr.to(gl.int64)[:, None] * stride_kv + L + cr[None, :]
+        async_copy.async_copy_global_to_shared(rope_ring.index(w), ptr_r, mask=okr[:, None])
+        async_copy.mbarrier_arrive(landed.index(w), increment_count=False)
+        ids, ok, idr, okr = nids, nok, nidr, nokr
 
 
 @gluon.jit
@@ -173,7 +115,7 @@ def _mma_warpgroup(
     kernel's buffers, barriers, output pointers and strides (``outs``) and work item (one tuple
     for both warpgroups)."""
     (
-        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, merge_ptr, ready, empty, merged,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem, merge_ptr, landed, free, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     ) = args  # fmt: skip
     # The partition reads its arguments before anything of it writes shared memory.
@@ -188,16 +130,34 @@ def _mma_warpgroup(
     acc = gl.zeros([L, NR], gl.float32, layout=st_layout)
     s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    k_lat = lat_wide.index(W)
-    k_rope = rope_wide.index(W)
+    # QKᵀ's A operand (the K tile) comes from registers: read once from the fp8 ring, widened in
+    # registers, and (latent part) stored as the fp16 V tile that PV reads.
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
+    k8 = lat_ring.index(W)
+    r8 = rope_ring.index(W)
+    v_w = v_wide.index(W)
     p_w = p_smem.index(W)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(W, n_tiles, 2):
-        mbarrier.wait(ready.index(W), (t // 2) & 1)
-        fence_async_shared()
-        sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        mbarrier.wait(landed.index(W), (t // 2) & 1)
+        a = k8.slice(0, QK_CHUNK, dim=1).load(a_layout).to(gl.float16)
+        v_w.slice(0, QK_CHUNK, dim=1).store(a)
+        q_0 = q_nope_smem.slice(0, QK_CHUNK, dim=1).permute((1, 0))
+        sc = warpgroup_mma(a, q_0, s_zero, use_acc=False, is_async=True)
+        for c in gl.static_range(1, L // QK_CHUNK):
+            a = k8.slice(c * QK_CHUNK, QK_CHUNK, dim=1).load(a_layout).to(gl.float16)
+            v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(a)
+            sc = warpgroup_mma(
+                a, q_nope_smem.slice(c * QK_CHUNK, QK_CHUNK, dim=1).permute((1, 0)), sc, is_async=True
+            )
+            # The previous chunk's MMA is done (its registers may go); this one's stay in flight.
+            sc, a = warpgroup_mma_wait(num_outstanding=1, deps=(sc, a))
+        a_r = r8.load(a_layout).to(gl.float16)
+        # Every value of the ring slot is in registers: the loader may refill it.
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(W))
+        sc = warpgroup_mma(a_r, q_pe_smem.permute((1, 0)), sc, is_async=True)
+        sc, a_r = warpgroup_mma_wait(num_outstanding=0, deps=(sc, a_r))
         p, alpha, m_i, l_i = _online_softmax(
             sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
         )
@@ -205,11 +165,8 @@ def _mma_warpgroup(
         p_w.store(p.to(p_w.dtype))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(k_lat.permute((1, 0)), p_w, acc, is_async=True)
+        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        # Every warp of this warpgroup is past the PV that read the tile (and P).
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(W))
 
     # Warpgroup 1 hands its output, row max and row sum to warpgroup 0 through this program's
     # slot of the global merge buffer (L2): no shared memory changes hands after the loop.
@@ -287,15 +244,13 @@ def mla_decode_dual_kernel(
 ):
     gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
     gl.static_assert(NR == 16, "16 rows (the merge holds two 512x16 fp32 outputs)")
-    gl.static_assert(BLOCK_N == 2 * HALF, "64-token tiles, two half-tile slots each")
+    gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ M of one warpgroup)")
     gl.static_assert(kv_ptr.dtype.element_ty.primitive_bitwidth == 8, "fp8 caches")
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
     # The MMAs run in fp16: fp8 widens to fp16 exactly; the query is rounded to fp16.
     dtype: gl.constexpr = gl.float16
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
-    # The fp8 ring is never an MMA operand: unswizzled, so the widening reads it conflict-free.
-    ring_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -311,23 +266,26 @@ def mla_decode_dual_kernel(
     # -- shared memory and barriers --------------------------------------------------------------
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [SLOTS, HALF, L], ring_smem)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [SLOTS, HALF, R], ring_smem)
-    lat_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
-    rope_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], mma_smem)
+    # The fp8 ring: one full-tile slot per MMA warpgroup, 16-byte chunks swizzled by row so the
+    # warpgroups' two-byte register-operand reads do not conflict on a bank.
+    lat_ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+    rope_ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, L], lat_ring_layout)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, R], rope_ring_layout)
+    v_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
-    # ready[w] / empty[w]: fp16 tile w widened / released by its warpgroup; merged: warpgroup
-    # 1's output is in the merge buffer.
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # landed[w]: ring slot w's copies landed (one arrival per loader thread); free[w]: its
+    # warpgroup has read it; merged: warpgroup 1's output is in the merge buffer.
+    landed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(landed.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(free.index(i), count=1)
     mbarrier.init(merged, count=1)
-    # Both fp16 tiles start free (phase 0 of each "empty" barrier completes).
+    # Both ring slots start free (phase 0 of each "free" barrier completes).
     for i in gl.static_range(2):
-        mbarrier.arrive(empty.index(i))
+        mbarrier.arrive(free.index(i))
 
     # -- the NR query rows, rounded to fp16 (by the loader warps) --------------------------------
     _query_to_smem(
@@ -343,7 +301,7 @@ def mla_decode_dual_kernel(
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     )  # fmt: skip
     mma_args = (
-        q_nope_smem, q_pe_smem, lat_wide, rope_wide, p_smem, merge_ptr, ready, empty, merged,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem, merge_ptr, landed, free, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     )  # fmt: skip
     gl.warp_specialize(
@@ -351,8 +309,8 @@ def mla_decode_dual_kernel(
             (
                 _loader,
                 (
-                    kv_ptr, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide,
-                    rope_wide, ready, empty, L, R, BLOCK_N,
+                    kv_ptr, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
+                    L, R, BLOCK_N,
                 ),
             ),
             (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE)),
