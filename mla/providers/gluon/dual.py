@@ -6,14 +6,23 @@ fp8 tile in series, so an fp8 tile (half the bytes of a bf16 one) takes as long 
 the chain of that one warpgroup, not the memory, sets the pace. Here the chain is split three
 ways, with the products of :mod:`.transposed` (the 16 rows as the MMA N dimension):
 
-* a **loader** warpgroup (the default partition) gathers the fp8 cache rows by token id with
-  ``cp.async`` into a ring of :data:`SLOTS` half-tile slots (:data:`HALF` tokens each; 1.5
-  tiles in flight), widens each 64-token tile into the fp16 tile of the warpgroup that owns it
-  (announced on ``ready[w]``) and refills each half-slot as soon as it is widened;
-* two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``):
-  ``Sᵀ = K·Qᵀ``, the online softmax and ``Oᵀ += Vᵀ·Pᵀ`` with a running max, sum and output of
-  their own, then release their fp16 tile (``empty[w]``). Nothing passes between them until
-  the end, so the two chains overlap fully.
+* a **loader** warpgroup (the default partition) only gathers: tile ``t``'s fp8 cache rows, by
+  token id with ``cp.async``, into ring slot ``t % 2`` (a whole 64-token tile, 36 KB) once the
+  slot's warpgroup has read the tile before out of it (``free[w]``), announced on
+  ``landed[w]`` when the copies land;
+* two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``
+  and ring slot ``w``). ``Sᵀ = K·Qᵀ`` takes K from registers: the warpgroup reads the fp8 tile
+  once, 64 columns a step (two-byte reads of a ring whose 16-byte chunks are swizzled by row),
+  widens it in registers as the wgmma A operand (one step's MMA in flight while the next step
+  is read) and stores the latent part as the fp16 V tile of its own that ``Oᵀ += Vᵀ·Pᵀ``
+  reads. The ring slot is released as soon as the tile is in registers, so the next gather
+  overlaps the rest of the tile's work. Running max, sum and output are the warpgroup's own;
+  nothing passes between the warpgroups until the end.
+
+Each tile thus moves through shared memory once as fp8 (written by the copies, read by its
+warpgroup) and once as the fp16 V tile (written, then read by PV): no fp16 K tile is written
+or read, and the widening runs on the MMA warpgroups, which the earlier design (the loader
+widening whole tiles into fp16 K tiles) left waiting for the loader about half of the time.
 
 At the end warpgroup 1 hands its output, row max and row sum to warpgroup 0 through the
 program's slot of a global merge buffer (fp32, ``16 × (512 + 2)`` values per program, allocated
@@ -24,15 +33,15 @@ Through shared memory (over warpgroup 1's fp16 tile) the same hand-off was equal
 compute-sanitizer's racecheck flagged it; through global memory nothing but the
 ``gl.warp_specialize`` start-up is flagged (see :mod:`.pingpong`).
 
-Shared memory (16 rows): query 18 KB, fp8 ring 54 KB, two fp16 tiles 144 KB, ``P`` 4 KB.
+Shared memory (16 rows): query 18 KB, fp8 ring 72 KB, two fp16 V tiles 128 KB, ``P`` 4 KB
+(227,888 B with the barriers and the partitions' state).
 fp8 caches and 16 rows only (the fp32 output accumulator is 64 registers per thread; at 32 rows
 the merge would hold two 128-register accumulators). Work items, masking, NaN rules, scales and
 outputs are those of :mod:`.transposed`.
 
 Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
-against the few-rows kernel in the same run): B128 S8192 252.7 against 285.4 (bf16 on the
-few-rows kernel: 278.3), B64 S4096 74.5 against 83.6, B1 S65536 27.7 against 27.3. Tried and no
-faster: waiting for each half-tile just before widening it (256.0), 8 loader warps (265.8).
+against the earlier design in the same run): B128 S8192 224.2 against 252.3, B128 S4096 119.3
+against 131.1, B64 S4096 69.1 against 74.4, B1 S65536 26.2 against 27.7.
 :func:`.planner.launch_config` picks it for every fp8 launch of 16-row tiles.
 """
 
