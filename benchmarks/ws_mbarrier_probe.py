@@ -29,11 +29,12 @@ H200, Triton 3.6, 2026-12-01: ``handoff`` (1 and 4 rounds) 0 hazards; ``alternat
 the kernel's own line (the buffer through which the partitions receive their arguments), none on
 the vector, and the values are right. ``ring`` and ``ring-wait`` (6 rounds, 19:05 UTC): the
 values are right and racecheck reports, besides that start-up hazard, one hazard between the
-reader's loads of the slot and the copier's next ``cp.async`` into it (16,000 to 20,000
-instances), under either announcement. That write follows the reader's loads through the
-reader's barrier, its release arrive on ``free`` and the copier's acquire wait, the order that
-``handoff`` (plain stores where ``ring`` has ``cp.async``) gets reported clean with; racecheck
-does not apply it to the ``cp.async`` writes. The same acquire-then-``cp.async`` producer is the
+reader's loads of the slot and the copier's ``cp.async`` writes into it (16,000 to 20,000
+instances), under either announcement. Each write is ordered after the loads of the round
+before (the reader's barrier, its release arrive on ``free``, the copier's acquire wait) and
+before the loads of its own round (the announcement and the reader's acquire wait): the orders
+``handoff``, with plain stores where ``ring`` has ``cp.async``, is reported clean with.
+racecheck does not apply them to ``cp.async`` writes. The same acquire-then-``cp.async`` producer is the
 paged-KV path of FlashAttention-3's Hopper mainloop (``producer_acquire``, ``cp.async``,
 ``cpasync_barrier_arrive``).
 """
