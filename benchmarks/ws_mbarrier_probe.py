@@ -34,9 +34,9 @@ instances), under either announcement. Each write is ordered after the loads of 
 before (the reader's barrier, its release arrive on ``free``, the copier's acquire wait) and
 before the loads of its own round (the announcement and the reader's acquire wait): the orders
 ``handoff``, with plain stores where ``ring`` has ``cp.async``, is reported clean with.
-racecheck does not apply them to ``cp.async`` writes. The same acquire-then-``cp.async`` producer is the
-paged-KV path of FlashAttention-3's Hopper mainloop (``producer_acquire``, ``cp.async``,
-``cpasync_barrier_arrive``).
+racecheck does not apply them to ``cp.async`` writes. The same acquire-then-``cp.async``
+producer is the paged-KV path of FlashAttention-3's Hopper mainloop (``producer_acquire``,
+``cp.async``, ``cpasync_barrier_arrive``).
 """
 
 import sys
