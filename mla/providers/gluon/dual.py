@@ -12,12 +12,18 @@ ways, with the products of :mod:`.transposed` (the 16 rows as the MMA N dimensio
   ``landed[w]`` when the copies land;
 * two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``
   and ring slot ``w``). ``Sᵀ = K·Qᵀ`` takes K from registers: the warpgroup reads the fp8 tile
-  once, 64 columns a step (two-byte reads of a ring whose 16-byte chunks are swizzled by row),
-  widens it in registers as the wgmma A operand (one step's MMA in flight while the next step
-  is read) and stores the latent part as the fp16 V tile of its own that ``Oᵀ += Vᵀ·Pᵀ``
-  reads. The ring slot is released as soon as the tile is in registers, so the next gather
-  overlaps the rest of the tile's work. Running max, sum and output are the warpgroup's own;
-  nothing passes between the warpgroups until the end.
+  once, 64 columns a step, widens it in registers as the wgmma A operand (one step's MMA in
+  flight while the next step is read) and stores the latent part as the fp16 V tile of its own
+  that ``Oᵀ += Vᵀ·Pᵀ`` reads. The ring slot is released as soon as the tile is in registers, so
+  the next gather overlaps the rest of the tile's work. Running max, sum and output are the
+  warpgroup's own; nothing passes between the warpgroups until the end.
+
+The K tile and the query are read in the column order of :func:`.kernels._paired_k`: the four
+columns a thread holds of every 16 of a 16-bit register operand are then four adjacent fp8
+bytes, and the compiler reads the tile with ``ldmatrix`` (18 per warp and tile) instead of
+two-byte loads (144). ``QKᵀ`` sums over the columns, so it does not change; the V tile, and with
+it the output's rows, come out in that order, which the output store undoes
+(:func:`.kernels._paired_k_column`).
 
 Each tile thus moves through shared memory once as fp8 (written by the copies, read by its
 warpgroup) and once as the fp16 V tile (written, then read by PV): no fp16 K tile is written
@@ -30,8 +36,7 @@ by the launcher; it stays in L2), announced on the ``merged`` mbarrier (release/
 scope: the stores are ordered before warpgroup 0's loads). Warpgroup 0 merges them into its own
 and writes the outputs: the request's rows directly, or fp32 partials for the split reduce.
 Through shared memory (over warpgroup 1's fp16 tile) the same hand-off was equally fast, but
-compute-sanitizer's racecheck flagged it; through global memory nothing but the
-``gl.warp_specialize`` start-up is flagged (see :mod:`.pingpong`).
+compute-sanitizer's racecheck flagged it; through global memory it flags nothing of the merge.
 
 Shared memory (16 rows): query 18 KB, fp8 ring 72 KB, two fp16 V tiles 128 KB, ``P`` 4 KB
 (227,888 B with the barriers and the partitions' state).
@@ -40,8 +45,16 @@ the merge would hold two 128-register accumulators). Work items, masking, NaN ru
 outputs are those of :mod:`.transposed`.
 
 Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
-against the earlier design in the same run): B128 S8192 224.2 against 252.3, B128 S4096 119.3
-against 131.1, B64 S4096 69.1 against 74.4, B1 S65536 26.2 against 27.7.
+against the design before it, whose loader widened every tile into fp16 K tiles, in the same
+run): B128 S8192 224.2 against 252.3, B128 S4096 119.3 against 131.1, B64 S4096 69.1 against
+74.4, B1 S65536 26.2 against 27.7; reading in the paired column order (19:00 UTC) then took
+B128 S8192 from 228.2 to 212.9, B64 S4096 from 67.4 to 62.2.
+
+compute-sanitizer: memcheck reports no errors. racecheck reports, besides the
+``gl.warp_specialize`` start-up (see :mod:`.pingpong`), the warpgroups' reads of a ring slot
+against the loader's ``cp.async`` writes into it; ``benchmarks/ws_mbarrier_probe.py ring``
+reproduces that with a 60-line copier and reader whose values are right: racecheck does not
+take an mbarrier wait as ordering the ``cp.async`` writes issued after it.
 :func:`.planner.launch_config` picks it for every fp8 launch of 16-row tiles.
 """
 
@@ -59,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla.providers.gluon.kernels import (
     _online_softmax,
+    _paired_k,
     _query_to_smem,
     _row_info,
     _scales,
@@ -71,9 +85,10 @@ LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
 QK_CHUNK = gl.constexpr(64)
 """Latent columns per register-operand QKᵀ step (64 fp16 values a thread)."""
-MMA_REGS = gl.constexpr(208)
+MMA_REGS = gl.constexpr(216)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): output 64, two QKᵀ register operands in
-flight 64, the merge another 64 (after the loop)."""
+flight, the merge another 64 (after the loop). 216 left the loader enough and timed 1% better
+than 208 (B128 S8192 212.9 against 215.1 µs)."""
 
 
 @gluon.jit
@@ -142,8 +157,9 @@ def _mma_warpgroup(
     # QKᵀ's A operand (the K tile) comes from registers: read once from the fp8 ring, widened in
     # registers, and (latent part) stored as the fp16 V tile that PV reads.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
-    k8 = lat_ring.index(W)
-    r8 = rope_ring.index(W)
+    # Both read in the column order of _paired_k (the query's too): 4-byte loads.
+    k8 = _paired_k(lat_ring.index(W))
+    r8 = _paired_k(rope_ring.index(W))
     v_w = v_wide.index(W)
     p_w = p_smem.index(W)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
@@ -203,7 +219,7 @@ def _mma_warpgroup(
         l_i = l_i * a_0 + l_1 * a_1
         _store_rows_output(
             acc, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE,
-            st_layout,
+            st_layout, True,
         )  # fmt: skip
 
 
@@ -299,7 +315,7 @@ def mla_decode_dual_kernel(
     # -- the NR query rows, rounded to fp16 (by the loader warps) --------------------------------
     _query_to_smem(
         q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
-        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R, True,
     )  # fmt: skip
     fence_async_shared()
     gl.thread_barrier()

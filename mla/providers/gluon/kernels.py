@@ -157,10 +157,12 @@ def _query_to_smem(
     q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
     H: gl.constexpr, ROWS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    PAIRED_K: gl.constexpr = False,
 ):  # fmt: skip
     """Store the ``ROWS`` packed query rows of row block ``rb`` into shared memory in the
     buffers' dtype (the MMA operand dtype; rows past ``qlen`` are zeros), by every warp of the
-    caller. Shared by the 64-row, few-rows and dual-chain kernels."""
+    caller. Shared by the 64-row, few-rows and dual-chain kernels. ``PAIRED_K``: in the column
+    order of :func:`_paired_k` (the dual-chain kernel's)."""
     warps: gl.constexpr = gl.num_warps()
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
@@ -168,12 +170,36 @@ def _query_to_smem(
         q_nope_ptr, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, ROWS, L, q_ld
     )
     qn = gl.load(qn_ptrs, mask=ok_q[:, None], other=0.0)
+    if PAIRED_K:
+        qn = _paired_k(qn)
     q_nope_smem.store(qn.to(q_nope_smem.dtype))
     qp_ptrs, ok_r = _query_ptrs(
         q_pe_ptr, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, ROWS, R, qr_ld
     )
     qp = gl.load(qp_ptrs, mask=ok_r[:, None], other=0.0)
+    if PAIRED_K:
+        qp = _paired_k(qp)
     q_pe_smem.store(qp.to(q_pe_smem.dtype))
+
+
+@gluon.jit
+def _paired_k(x):
+    """``x`` (a ``[rows, cols]`` register tensor or shared-memory view, ``cols`` a multiple of
+    16) with its columns reordered within each group of 16: column ``k`` of the result is column
+    :func:`_paired_k_column` ``(k)`` of ``x``. A 16-bit wgmma register operand (``k_width=2``)
+    gives each thread columns ``2t, 2t+1, 2t+8, 2t+9`` of every 16, which this order places in
+    the 4 adjacent bytes ``4t .. 4t+3`` of an fp8 row: one 4-byte shared-memory load instead of
+    two 2-byte ones. The query and the K tile take the same order, so ``QKᵀ`` is unchanged."""
+    rows: gl.constexpr = x.shape[0]
+    cols: gl.constexpr = x.shape[1]
+    # Column (b, t, h, e) = 16b + 4t + 2h + e of x becomes column 16b + 8h + 2t + e.
+    return x.reshape([rows, cols // 16, 4, 2, 2]).permute((0, 1, 3, 2, 4)).reshape([rows, cols])
+
+
+@gluon.jit
+def _paired_k_column(k):
+    """The column of :func:`_paired_k`'s input that lands in column ``k`` (an int tensor)."""
+    return (k & ~15) | (((k >> 1) & 3) << 2) | (((k >> 3) & 1) << 1) | (k & 1)
 
 
 @gluon.jit

@@ -47,6 +47,7 @@ from mla.providers.gluon.kernels import (
     _issue_tile,
     _mma_operands,
     _online_softmax,
+    _paired_k_column,
     _query_to_smem,
     _row_info,
     _row_lse,
@@ -62,12 +63,13 @@ from mla.providers.gluon.kernels import (
 def _store_rows_output(
     acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs,
     H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, WRITE_LSE: gl.constexpr,
-    LAYOUT: gl.constexpr,
+    LAYOUT: gl.constexpr, PAIRED_K: gl.constexpr = False,
 ):  # fmt: skip
     """Write the transposed output ``acc`` (``[L, NR]`` fp32 in ``LAYOUT``, unnormalised) and
     the LSE from the running max ``m_i`` and sum ``l_i``: the request's rows directly, or fp32
     partials of work item ``work`` for the split reduce. ``outs``: the output pointers and
-    strides, in the kernels' argument order."""
+    strides, in the kernels' argument order. ``PAIRED_K``: row ``k`` of ``acc`` is output column
+    :func:`~.kernels._paired_k_column` ``(k)`` (the dual-chain kernel's column order)."""
     (
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
@@ -76,6 +78,8 @@ def _store_rows_output(
     o = acc * (v_scale / _safe_sum(l_i))[None, :]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, LAYOUT))
     cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, LAYOUT))
+    if PAIRED_K:
+        cols_o = _paired_k_column(cols_o)
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
         o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
