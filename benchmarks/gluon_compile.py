@@ -22,7 +22,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mla.providers.gluon.dual import mla_decode_dual_kernel
+from mla.providers.gluon.dual import LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.kernels import mla_decode_kernel
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
@@ -70,13 +70,17 @@ def compile_variant(
         constexprs["num_warps"] = 4
     if dual:
         # the dual-chain kernel takes its merge buffer after the fp8 scale
+        kv_type = kv[1:]
         sig = {
             **{k: sig[k] for k in ptrs},
             "merge_ptr": "*fp32",
+            "lat_desc": f"tensordesc<{kv_type}[64, 128],{LAT_BOX_LAYOUT!r}>",
+            "rope_desc": f"tensordesc<{kv_type}[64, 64],{ROPE_BOX_LAYOUT!r}>",
             **{k: sig[k] for k in [*ints, "sm_scale_log2"]},
         }
         del constexprs["OVERLAP"], constexprs["KV_FP8"], constexprs["NUM_STAGES"]
         rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
+        rest.pop("num_warps")
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": 16, **rest, "num_warps": 4}
     for k, _v in constexprs.items():
         sig[k] = "constexpr"

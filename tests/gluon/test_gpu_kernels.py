@@ -81,6 +81,9 @@ CASES = [
     (128, [1, 2, 1], [800, 300, 2], 64),
     (5, [8, 1], [2000, 9], 16),
 ]
+# 16 heads, qlen 1 on 16-token pages: the dual-chain kernel's tiles span four shuffled pages, so
+# it gathers them (its TMA takes only tiles of 64 consecutive cache rows).
+DUAL_BS16 = (16, [1, 1, 1], [1000, 64, 129], 16)
 # Every case on the launch heuristic's own choice; the other launch variants on the cases that
 # reach them (16 rows: few-rows kernel; 32 rows; 36 rows: 64-row tiles, the ping-pong kernel on
 # 16-bit caches; row64: the 64-row kernel; t64: the transposed kernel on two warpgroups; dual:
@@ -94,7 +97,7 @@ RUNS = (
     + [(CASES[4], v) for v in ("t64", "row64", "pingpong")]
     + [(CASES[5], "pingpong"), (CASES[0], "pingpong")]
     + [(CASES[0], v) for v in ("dual", "dual-splits3", "dual-schedule")]
-    + [(CASES[1], "dual")]
+    + [(CASES[1], "dual"), (DUAL_BS16, "auto")]
     + [(CASES[0], v) for v in ("rows16", "rows16-splits3")]
     + [(CASES[1], "rows16")]
 )

@@ -132,3 +132,14 @@ def test_decode_grids_are_work_items_times_row_blocks(launches: dict[str, list[l
     # 128 heads are two 64-row blocks per work item.
     assert launches["row64-fp8-split2"][0][1] == [2 * 2 * 2, 1, 1]
     assert launches["dual-fp8-split3"][0][1] == [3 * 3, 1, 1]
+
+
+def test_tma_boxes_cover_the_cache_rows() -> None:
+    import torch
+
+    from mla.providers.gluon.decode import _kv_box_descriptors
+
+    lat, rope = _kv_box_descriptors(torch.zeros(256, 576, dtype=torch.float8_e4m3fn), 512)
+    assert (lat.block_shape, rope.block_shape) == ([64, 128], [64, 64])
+    assert lat.shape == rope.shape == [256, 576]
+    assert lat.strides == rope.strides == [576, 1]

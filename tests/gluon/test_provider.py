@@ -179,3 +179,28 @@ def test_launcher_rejects_cases_the_kernels_do_not_take(
             qo_indptr=None, num_requests=2, max_qlen=1, softmax_scale=0.1, kv_scale=None,
             out=torch.zeros(2, 16, rank, dtype=q_dtype), lse=None, config=GluonLaunchConfig(), schedule=None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        torch.zeros(8, 600, dtype=torch.bfloat16)[:, :576],  # rows 1,200 bytes apart: not 16 elements
+        torch.zeros(576, 8, dtype=torch.bfloat16).t(),  # strided last dim
+        torch.zeros(8 * 576 + 4, dtype=torch.bfloat16)[4:].view(8, 576),  # base 8 bytes off
+    ],
+    ids=["row-stride", "strided-last-dim", "misaligned-base"],
+)
+def test_launcher_rejects_caches_whose_rows_are_not_16_byte_aligned(cache: torch.Tensor) -> None:
+    from mla.core.errors import InvalidInputError
+    from mla.providers.gluon.decode import launch_gluon_decode
+    from mla.providers.gluon.planner import GluonLaunchConfig
+
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=r"kv_cache.*16-byte"):
+        launch_gluon_decode(
+            q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=cache,
+            kv_indptr=torch.zeros(3, dtype=torch.int32), kv_indices=torch.zeros(8, dtype=torch.int32),
+            qo_indptr=None, num_requests=2, max_qlen=1, softmax_scale=0.1, kv_scale=None,
+            out=torch.zeros(2, 16, 512, dtype=torch.bfloat16), lse=None, config=GluonLaunchConfig(),
+            schedule=None,
+        )  # fmt: skip

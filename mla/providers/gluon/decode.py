@@ -12,11 +12,12 @@ graph-capturable: grids come from shapes and Python ints.
 from __future__ import annotations
 
 import torch
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
+from mla.providers.gluon.dual import LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
-from mla.providers.gluon.dual import mla_decode_dual_kernel
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
@@ -39,6 +40,34 @@ LOG2E = 1.4426950408889634
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
     """Whether the cache is one of the fp8 formats the kernels widen (one byte per element)."""
     return kv_cache.element_size() == 1
+
+
+def _check_cache_rows(kv_cache: torch.Tensor) -> None:
+    """The Gluon kernels copy cache rows in 16-byte pieces (``cp.async``, TMA): rows must start
+    on 16-byte boundaries, with a contiguous last dimension."""
+    if (
+        kv_cache.stride(1) != 1
+        or kv_cache.stride(0) % 16
+        or (kv_cache.stride(0) * kv_cache.element_size()) % 16
+        or kv_cache.data_ptr() % 16
+    ):
+        raise InvalidInputError(
+            "kv_cache",
+            f"the Gluon kernels copy cache rows in 16-byte pieces; this cache (strides "
+            f"{tuple(kv_cache.stride())}, base {kv_cache.data_ptr() % 16} bytes past a 16-byte "
+            "boundary) needs a contiguous last dim, a row stride that is a multiple of 16 elements "
+            "and a 16-byte aligned base (allocate it contiguous), or provider='triton'",
+        )
+
+
+def _kv_box_descriptors(kv_cache: torch.Tensor, rank: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the dual-chain kernel's ``[64, 128]`` latent and ``[64, rope]`` boxes
+    over the flat cache ``[N_tok, rank + rope]`` (rows checked by :func:`_check_cache_rows`)."""
+    rows, width = kv_cache.shape
+    shape, strides = [rows, width], [kv_cache.stride(0), 1]
+    lat = TensorDescriptor(kv_cache, shape, strides, [64, 128], LAT_BOX_LAYOUT)
+    rope = TensorDescriptor(kv_cache, shape, strides, [64, width - rank], ROPE_BOX_LAYOUT)
+    return lat, rope
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +110,7 @@ def launch_gluon_decode(
     row_blocks = config.row_blocks(rows)
     kv_fp8 = _is_fp8(kv_cache)
     check_config(config, kv_fp8=kv_fp8)
+    _check_cache_rows(kv_cache)
     if kv_fp8 and kv_scale is None:
         raise InvalidInputError("kv_scale", "an fp8 cache needs its per-tensor scale (float32 [1] tensor)")
     scale_arg = kv_scale if kv_scale is not None else out.new_empty(1, dtype=torch.float32)
@@ -136,8 +166,8 @@ def launch_gluon_decode(
         # Each program's second MMA warpgroup hands its output, row max and row sum over here.
         merge = out.new_empty(grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
         mla_decode_dual_kernel[grid](
-            *common, scale_arg, merge, *strides, **constexprs, NR=config.row_tile,
-            num_warps=DUAL_LOADER_WARPS.value,
+            *common, scale_arg, merge, *_kv_box_descriptors(kv_cache, rank), *strides, **constexprs,
+            NR=config.row_tile, num_warps=DUAL_LOADER_WARPS.value,
         )  # fmt: skip
     elif config.transposed:
         mla_decode_rows_kernel[grid](

@@ -66,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -90,6 +91,14 @@ MMA_REGS = gl.constexpr(216)
 flight, the merge another 64 (after the loop). 216 left the loader enough and timed 1% better
 than 208 (B128 S8192 212.9 against 215.1 µs)."""
 
+BOX_COLS = gl.constexpr(128)
+"""Latent columns of one ring box: 128 fp8 bytes a row, the widest row of a 128-byte swizzle."""
+LAT_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+"""Shared layout of a ``[64, 128]`` latent box of the fp8 ring (and of its TMA descriptor):
+16-byte chunks swizzled by row, so the warpgroups' ``ldmatrix`` reads meet no bank conflict."""
+ROPE_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+"""Shared layout of the ``[64, 64]`` rope box of the fp8 ring (and of its TMA descriptor)."""
+
 
 @gluon.jit
 def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
@@ -99,33 +108,89 @@ def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
     return gl.load(index_base + n, mask=n < hi, other=0), n < hi
 
 
+@gluon.constexpr_function
+def _box_copy_layout(cols):
+    """Register layout of a ``cp.async`` gather into a ``[64, cols]`` fp8 box: 16 bytes (16 fp8
+    values) a thread, the loader's warps stacked over the rows."""
+    return gl.BlockedLayout([1, 16], [32 * 16 // cols, cols // 16], [LOADER_WARPS, 1], [1, 0])
+
+
+@gluon.jit
+def _gather_tile(
+    kv_ptr, ids, ok, idr, okr, stride_kv, lat_ring, rope_ring, landed, w,
+    L: gl.constexpr, R: gl.constexpr,
+):  # fmt: skip
+    """Gather one tile (token ids ``ids``/``idr`` in the two box copy layouts, rows not ``ok``
+    zero-filled) into ring slot ``w`` with ``cp.async``, and thread 0's plain arrival on
+    ``landed[w]`` (the copies arrive on their own)."""
+    LB: gl.constexpr = L // BOX_COLS
+    box_ld: gl.constexpr = _box_copy_layout(BOX_COLS)
+    rope_ld: gl.constexpr = _box_copy_layout(R)
+    cols = gl.arange(0, BOX_COLS, layout=gl.SliceLayout(0, box_ld))
+    cr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    row_ptrs = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv + cols[None, :]
+    for b in gl.static_range(LB):
+        async_copy.async_copy_global_to_shared(
+            lat_ring.index(w * LB + b), row_ptrs + b * BOX_COLS, mask=ok[:, None]
+        )
+    ptr_r = kv_ptr + idr.to(gl.int64)[:, None] * stride_kv + L + cr[None, :]
+    async_copy.async_copy_global_to_shared(rope_ring.index(w), ptr_r, mask=okr[:, None])
+    mbarrier.arrive(landed.index(w))
+
+
 @gluon.jit
 def _loader(
-    kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
+    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % 2``
     once its owner has read the tile before out of it, announced on ``landed[t % 2]`` when the
-    copies land (one arrival per loader thread). Token ids run one tile ahead."""
-    # cp.async moves 16 bytes (16 fp8 values) per thread.
-    lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [LOADER_WARPS, 1], [1, 0])
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [LOADER_WARPS, 1], [1, 0])
-    cols = gl.arange(0, L, layout=gl.SliceLayout(0, lat_ld))
-    cr = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    copies land. A whole tile of 64 consecutive cache rows (a 64-token page, or consecutive
+    pages) comes by TMA, five boxes (``lat_desc``, ``rope_desc``) on the barrier's transaction
+    count; any other tile by ``cp.async`` gathers by token id (rows past ``hi`` zero-filled).
+    Each tile takes one arrival per loader thread (its ``cp.async`` copies, none for a TMA
+    tile) and one of thread 0 (with the TMA bytes, or plain). Token ids run one tile ahead."""
+    LB: gl.constexpr = L // BOX_COLS
+    box_ld: gl.constexpr = _box_copy_layout(BOX_COLS)
+    rope_ld: gl.constexpr = _box_copy_layout(R)
+    rows: gl.constexpr = gl.SliceLayout(1, box_ld)
+    offs = gl.arange(0, BLOCK_N, layout=rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, lat_ld))
+    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
     idr, okr = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, rope_ld))
     for t in range(n_tiles):
         w = t % 2
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, gl.SliceLayout(1, lat_ld))
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, rows)
         nidr, nokr = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, gl.SliceLayout(1, rope_ld))
         mbarrier.wait(free.index(w), (t // 2) & 1)
-        ptrs = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv + cols[None, :]
-        async_copy.async_copy_global_to_shared(lat_ring.index(w), ptrs, mask=ok[:, None])
-        ptr_r = kv_ptr + idr.to(gl.int64)[:, None] * stride_kv + L + cr[None, :]
-        async_copy.async_copy_global_to_shared(rope_ring.index(w), ptr_r, mask=okr[:, None])
+        first = gl.min(ids, axis=0)
+        consecutive = gl.sum((ids != first + offs).to(gl.int32), axis=0) == 0
+        if consecutive & (lo + (t + 1) * BLOCK_N <= hi):
+            mbarrier.expect(landed.index(w), BLOCK_N * (L + R))
+            for b in gl.static_range(LB):
+                tma.async_copy_global_to_shared(
+                    lat_desc, [first, b * BOX_COLS], landed.index(w), lat_ring.index(w * LB + b)
+                )
+            tma.async_copy_global_to_shared(rope_desc, [first, L], landed.index(w), rope_ring.index(w))
+        else:
+            _gather_tile(kv_ptr, ids, ok, idr, okr, stride_kv, lat_ring, rope_ring, landed, w, L, R)
         async_copy.mbarrier_arrive(landed.index(w), increment_count=False)
         ids, ok, idr, okr = nids, nok, nidr, nokr
+
+
+@gluon.jit
+def _ring_chunk(lat_ring, first_box: gl.constexpr, c: gl.constexpr):
+    """Latent columns ``[c·QK_CHUNK, (c+1)·QK_CHUNK)`` of the tile in the ring slot whose boxes
+    start at ``first_box``, in the column order of :func:`.kernels._paired_k`."""
+    per_box: gl.constexpr = BOX_COLS // QK_CHUNK
+    box = lat_ring.index(first_box + c // per_box)
+    # The same bytes as a row-swizzled layout (16-byte chunk ^ row % 8 on 128-byte rows, which is
+    # the 128-byte NVMMA swizzle), which can be sliced narrower than the swizzle.
+    rows: gl.constexpr = box.shape[0]
+    same: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+    box = _paired_k(box._reinterpret(box.dtype, [rows, BOX_COLS], same))
+    # The column order moves columns only within groups of 16, so it commutes with the slice.
+    return box.slice((c % per_box) * QK_CHUNK, QK_CHUNK, dim=1)
 
 
 @gluon.jit
@@ -158,19 +223,22 @@ def _mma_warpgroup(
     # registers, and (latent part) stored as the fp16 V tile that PV reads.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
     # Both read in the column order of _paired_k (the query's too): 4-byte loads.
-    k8 = _paired_k(lat_ring.index(W))
-    r8 = _paired_k(rope_ring.index(W))
+    LB: gl.constexpr = L // BOX_COLS
+    # The rope box as its row-swizzled equivalent (the 64-byte NVMMA swizzle: chunk ^ row // 2 % 4).
+    rope_same: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
+    r8 = rope_ring.index(W)
+    r8 = _paired_k(r8._reinterpret(r8.dtype, [BLOCK_N, r8.shape[1]], rope_same))
     v_w = v_wide.index(W)
     p_w = p_smem.index(W)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(W, n_tiles, 2):
         mbarrier.wait(landed.index(W), (t // 2) & 1)
-        a = k8.slice(0, QK_CHUNK, dim=1).load(a_layout).to(gl.float16)
+        a = _ring_chunk(lat_ring, W * LB, 0).load(a_layout).to(gl.float16)
         v_w.slice(0, QK_CHUNK, dim=1).store(a)
         q_0 = q_nope_smem.slice(0, QK_CHUNK, dim=1).permute((1, 0))
         sc = warpgroup_mma(a, q_0, s_zero, use_acc=False, is_async=True)
         for c in gl.static_range(1, L // QK_CHUNK):
-            a = k8.slice(c * QK_CHUNK, QK_CHUNK, dim=1).load(a_layout).to(gl.float16)
+            a = _ring_chunk(lat_ring, W * LB, c).load(a_layout).to(gl.float16)
             v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(a)
             sc = warpgroup_mma(
                 a, q_nope_smem.slice(c * QK_CHUNK, QK_CHUNK, dim=1).permute((1, 0)), sc, is_async=True
@@ -240,6 +308,8 @@ def mla_decode_dual_kernel(
     part_lse_ptr,
     kv_scale_ptr,
     merge_ptr,
+    lat_desc,
+    rope_desc,
     num_splits,
     stride_qn_t,
     stride_qn_h,
@@ -291,21 +361,20 @@ def mla_decode_dual_kernel(
     # -- shared memory and barriers --------------------------------------------------------------
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
-    # The fp8 ring: one full-tile slot per MMA warpgroup, 16-byte chunks swizzled by row so the
-    # warpgroups' two-byte register-operand reads do not conflict on a bank.
-    lat_ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-    rope_ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, L], lat_ring_layout)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, R], rope_ring_layout)
+    # The fp8 ring: one full-tile slot per MMA warpgroup, each as four [64, 128] latent boxes
+    # and one [64, 64] rope box (the TMA boxes; the cp.async gathers fill the same layout).
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [2 * (L // BOX_COLS), BLOCK_N, BOX_COLS], LAT_BOX_LAYOUT)
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, R], ROPE_BOX_LAYOUT)
     v_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
-    # landed[w]: ring slot w's copies landed (one arrival per loader thread); free[w]: its
-    # warpgroup has read it; merged: warpgroup 1's output is in the merge buffer.
+    # landed[w]: ring slot w's copies landed (one arrival per loader thread and one of thread 0,
+    # see _loader); free[w]: its warpgroup has read it; merged: warpgroup 1's output is in the
+    # merge buffer.
     landed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(landed.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(landed.index(i), count=LOADER_WARPS * 32 + 1)
         mbarrier.init(free.index(i), count=1)
     mbarrier.init(merged, count=1)
     # Both ring slots start free (phase 0 of each "free" barrier completes).
@@ -334,8 +403,8 @@ def mla_decode_dual_kernel(
             (
                 _loader,
                 (
-                    kv_ptr, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
-                    L, R, BLOCK_N,
+                    kv_ptr, lat_desc, rope_desc, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring,
+                    rope_ring, landed, free, L, R, BLOCK_N,
                 ),
             ),
             (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE)),
