@@ -3,8 +3,9 @@
 Contracts (same as the Triton provider's, see :mod:`mla.providers.base`): q ``[T, H, L+R]`` (or
 ``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` strided views with a contiguous last dim), flat cache
 ``[N_tok, L+R]`` (16-bit, or fp8 with a per-tensor scale given as a one-element float32 device
-tensor), ``kv_indptr``/``kv_indices``/``qo_indptr`` int32 on the device, out ``[T, H, L]``,
-lse ``[T, H]`` fp32 or ``None`` (not written). Split-KV partials are combined by the Triton
+tensor; rows on 16-byte boundaries, see :func:`_check_cache_rows`),
+``kv_indptr``/``kv_indices``/``qo_indptr`` int32 on the device, out ``[T, H, L]``, lse
+``[T, H]`` fp32 or ``None`` (not written). Split-KV partials are combined by the Triton
 provider's reduce kernel (:func:`mla.providers.triton.merge.launch_merge`). Everything is
 graph-capturable: grids come from shapes and Python ints.
 """

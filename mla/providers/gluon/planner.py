@@ -111,11 +111,11 @@ class GluonLaunchConfig:
 
     dual: bool = False
     """Run 16 rows of an fp8 cache on the dual-chain kernel of :mod:`.dual` (a loader
-    warpgroup that gathers and widens the tiles, two MMA warpgroups taking alternate tiles with
-    a running output each, merged at the end) instead of the few-rows kernel.
-    :func:`launch_config` picks it for every fp8 launch of 16-row tiles: on the H200
-    (2026-12-01, graph µs, H16 q1) B128 S8192 252.7 against 285.4 on the few-rows kernel, B64
-    S4096 74.5 against 83.6, B1 S65536 27.7 against 27.3."""
+    warpgroup that gathers the fp8 tiles, two MMA warpgroups taking alternate tiles, each
+    widening its own in registers, with a running output each, merged at the end) instead of
+    the few-rows kernel. :func:`launch_config` picks it for every fp8 launch of 16-row tiles: on
+    the H200 (2026-12-01, ``benchmarks/decode.py``, graph µs, H16 q1 B128 S8192) 204.8 against
+    290.7 on the few-rows kernel."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
