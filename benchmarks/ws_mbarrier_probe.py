@@ -27,7 +27,7 @@ copier's warps and one arrive with release semantics.
 H200, Triton 3.6, 2026-12-01: ``handoff`` (1 and 4 rounds) 0 hazards; ``alternate`` (6 rounds)
 1 hazard (5 to 16 instances between runs) between two accesses of compiler-generated code at
 the kernel's own line (the buffer through which the partitions receive their arguments), none on
-the vector, and the values are right. ``ring`` and ``ring-wait`` (6 rounds, 19:05 UTC): the
+the vector, and the values are right. ``ring`` and ``ring-wait`` (6 rounds, 18:56 UTC): the
 values are right and racecheck reports, besides that start-up hazard, one hazard between the
 reader's loads of the slot and the copier's ``cp.async`` writes into it (16,000 to 20,000
 instances), under either announcement. Each write is ordered after the loads of the round
