@@ -6,10 +6,11 @@ fp8 tile in series, so an fp8 tile (half the bytes of a bf16 one) takes as long 
 the chain of that one warpgroup, not the memory, sets the pace. Here the chain is split three
 ways, with the products of :mod:`.transposed` (the 16 rows as the MMA N dimension):
 
-* a **loader** warpgroup (the default partition) only gathers: tile ``t``'s fp8 cache rows, by
-  token id with ``cp.async``, into ring slot ``t % 2`` (a whole 64-token tile, 36 KB) once the
-  slot's warpgroup has read the tile before out of it (``free[w]``), announced on
-  ``landed[w]`` when the copies land;
+* a **loader** warpgroup (the default partition) only copies: tile ``t``'s fp8 cache rows into
+  ring slot ``t % 2`` (a whole 64-token tile, 36 KB) once the slot's warpgroup has read the
+  tile before out of it (``free[w]``), announced on ``landed[w]`` when the copies land. A tile
+  of 64 consecutive cache rows (a 64-token page, or consecutive pages) comes by TMA, any other
+  by ``cp.async`` gathers by token id;
 * two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``
   and ring slot ``w``). ``Sᵀ = K·Qᵀ`` takes K from registers: the warpgroup reads the fp8 tile
   once, 64 columns a step, widens it in registers as the wgmma A operand (one step's MMA in
@@ -38,8 +39,9 @@ and writes the outputs: the request's rows directly, or fp32 partials for the sp
 Through shared memory (over warpgroup 1's fp16 tile) the same hand-off was equally fast, but
 compute-sanitizer's racecheck flagged it; through global memory it flags nothing of the merge.
 
-Shared memory (16 rows): query 18 KB, fp8 ring 72 KB, two fp16 V tiles 128 KB, ``P`` 4 KB
-(227,888 B with the barriers and the partitions' state).
+Shared memory (16 rows): query 18 KB, fp8 ring 72 KB (per slot four ``[64, 128]`` latent boxes
+and a ``[64, 64]`` rope box, the TMA boxes), two fp16 V tiles 128 KB, ``P`` 4 KB (228,000 B
+with the barriers and the partitions' state).
 fp8 caches and 16 rows only (the fp32 output accumulator is 64 registers per thread; at 32 rows
 the merge would hold two 128-register accumulators). Work items, masking, NaN rules, scales and
 outputs are those of :mod:`.transposed`.
@@ -48,13 +50,16 @@ Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 c
 against the design before it, whose loader widened every tile into fp16 K tiles, in the same
 run): B128 S8192 224.2 against 252.3, B128 S4096 119.3 against 131.1, B64 S4096 69.1 against
 74.4, B1 S65536 26.2 against 27.7; reading in the paired column order (19:00 UTC) then took
-B128 S8192 from 228.2 to 212.9, B64 S4096 from 67.4 to 62.2.
+B128 S8192 from 228.2 to 212.9, B64 S4096 from 67.4 to 62.2; TMA for whole tiles (19:13 UTC)
+left the times as they were. ``benchmarks/decode.py`` (19:22 UTC): B128 S8192 204.8 µs, 1.33x
+the speed of a bf16 cache at the same shape (272.1).
 
-compute-sanitizer: memcheck reports no errors. racecheck reports, besides the
-``gl.warp_specialize`` start-up (see :mod:`.pingpong`), the warpgroups' reads of a ring slot
-against the loader's ``cp.async`` writes into it; ``benchmarks/ws_mbarrier_probe.py ring``
-reproduces that with a 60-line copier and reader whose values are right: racecheck does not
-take an mbarrier wait as ordering the ``cp.async`` writes issued after it.
+compute-sanitizer: memcheck reports no errors. racecheck reports the ``gl.warp_specialize``
+start-up (see :mod:`.pingpong`) and, on tiles that come by ``cp.async``, can report the
+warpgroups' reads of a ring slot against the loader's copies into it:
+``benchmarks/ws_mbarrier_probe.py ring`` reproduces that with a 60-line copier and reader whose
+values are right; racecheck does not take an mbarrier wait as ordering the ``cp.async`` writes
+issued after it.
 :func:`.planner.launch_config` picks it for every fp8 launch of 16-row tiles.
 """
 
@@ -198,9 +203,10 @@ def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, NR: gl.constexpr, BLOCK_N: gl.constexpr,
     WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` on fp16 tile ``W`` (``Sᵀ = K·Qᵀ``, the online
-    softmax, ``Oᵀ += Vᵀ·Pᵀ``), then the merge: warpgroup 1 leaves its output, row max and row
-    sum in shared memory, warpgroup 0 merges them and writes the outputs. ``args``: the
+    """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` from ring slot ``W`` (``Sᵀ = K·Qᵀ`` with K
+    from registers, the online softmax, ``Oᵀ += Vᵀ·Pᵀ`` on its fp16 V tile), then the merge:
+    warpgroup 1 leaves its output, row max and row sum in the global merge buffer, warpgroup 0
+    merges them and writes the outputs. ``args``: the
     kernel's buffers, barriers, output pointers and strides (``outs``) and work item (one tuple
     for both warpgroups)."""
     (
@@ -222,7 +228,7 @@ def _mma_warpgroup(
     # QKᵀ's A operand (the K tile) comes from registers: read once from the fp8 ring, widened in
     # registers, and (latent part) stored as the fp16 V tile that PV reads.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
-    # Both read in the column order of _paired_k (the query's too): 4-byte loads.
+    # The tile is read in the column order of _paired_k (the query's too): ldmatrix reads.
     LB: gl.constexpr = L // BOX_COLS
     # The rope box as its row-swizzled equivalent (the 64-byte NVMMA swizzle: chunk ^ row // 2 % 4).
     rope_same: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
