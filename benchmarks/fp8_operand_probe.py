@@ -24,8 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import re
-import subprocess
-import tempfile
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -37,6 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_compile import sass_of
 
 BOX = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
@@ -92,15 +95,7 @@ def shared_instructions(paired: bool) -> dict[str, int]:
         signature={"kv_ptr": "*fp8e4nv", "p_ptr": "*fp16", "out_ptr": "*fp32", "PAIRED": "constexpr"},
         constexprs={"PAIRED": paired},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        cubin = os.path.join(d, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run(
-            [os.path.join(bindir, "nvdisasm"), cubin], capture_output=True, text=True, check=True
-        ).stdout
+    sass = sass_of(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
     ops = re.findall(r"\b(LDSM[.A-Z0-9_]*|LDS[.A-Z0-9_]*|PRMT|F2FP\.F16\.E4M3[.A-Z0-9_]*)", sass)
     return dict(collections.Counter(ops))
 

@@ -103,6 +103,19 @@ def compile_variant(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
+def sass_of(compiled: triton.compiler.CompiledKernel) -> str:
+    """The sm_90 SASS of a kernel compiled by :func:`triton.compile` (``cuobjdump -sass`` of
+    its cubin, with the tools Triton ships)."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run(
+            [os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true")
@@ -145,12 +158,7 @@ def main() -> None:
                 if "registers" in line or "spill" in line or "error" in line
             )
         )
-        cub = os.path.join(d, "k.cubin")
-        with open(cub, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "-sass", cub], capture_output=True, text=True, check=True
-        ).stdout
+    sass = sass_of(k)
     for ins in ("HGMMA", "LDGSTS", "LDL", "STL", "BAR.SYNC", "F2FP", "LDG", "STG", "LDSM", "STS", "LDS"):
         pattern = r"\b" + re.escape(ins) + r"[ .]"
         print(f"{ins:9s} {len(re.findall(pattern, sass))}")
