@@ -139,7 +139,7 @@ def test_tma_boxes_cover_the_cache_rows() -> None:
 
     from mla.providers.gluon.decode import _kv_box_descriptors
 
-    lat, rope = _kv_box_descriptors(torch.zeros(256, 576, dtype=torch.float8_e4m3fn), 512)
+    lat, rope = _kv_box_descriptors(torch.zeros(256, 576, dtype=torch.float8_e4m3fn), 512, 64)
     assert (lat.block_shape, rope.block_shape) == ([64, 128], [64, 64])
     assert lat.shape == rope.shape == [256, 576]
     assert lat.strides == rope.strides == [576, 1]

@@ -17,7 +17,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
-from mla.providers.gluon.dual import LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
+from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
@@ -46,12 +46,7 @@ def _is_fp8(kv_cache: torch.Tensor) -> bool:
 def _check_cache_rows(kv_cache: torch.Tensor) -> None:
     """The Gluon kernels copy cache rows in 16-byte pieces (``cp.async``, TMA): rows must start
     on 16-byte boundaries, with a contiguous last dimension."""
-    if (
-        kv_cache.stride(1) != 1
-        or kv_cache.stride(0) % 16
-        or (kv_cache.stride(0) * kv_cache.element_size()) % 16
-        or kv_cache.data_ptr() % 16
-    ):
+    if kv_cache.stride(1) != 1 or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
         raise InvalidInputError(
             "kv_cache",
             f"the Gluon kernels copy cache rows in 16-byte pieces; this cache (strides "
@@ -61,13 +56,15 @@ def _check_cache_rows(kv_cache: torch.Tensor) -> None:
         )
 
 
-def _kv_box_descriptors(kv_cache: torch.Tensor, rank: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of the dual-chain kernel's ``[64, 128]`` latent and ``[64, rope]`` boxes
-    over the flat cache ``[N_tok, rank + rope]`` (rows checked by :func:`_check_cache_rows`)."""
-    rows, width = kv_cache.shape
-    shape, strides = [rows, width], [kv_cache.stride(0), 1]
-    lat = TensorDescriptor(kv_cache, shape, strides, [64, 128], LAT_BOX_LAYOUT)
-    rope = TensorDescriptor(kv_cache, shape, strides, [64, width - rank], ROPE_BOX_LAYOUT)
+def _kv_box_descriptors(
+    kv_cache: torch.Tensor, rank: int, block_n: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of the dual-chain kernel's ``[block_n, BOX_COLS]`` latent and
+    ``[block_n, rope]`` boxes over the flat cache ``[N_tok, rank + rope]`` (rows checked by
+    :func:`_check_cache_rows`)."""
+    shape, strides = list(kv_cache.shape), [kv_cache.stride(0), 1]
+    lat = TensorDescriptor(kv_cache, shape, strides, [block_n, BOX_COLS.value], LAT_BOX_LAYOUT)
+    rope = TensorDescriptor(kv_cache, shape, strides, [block_n, shape[1] - rank], ROPE_BOX_LAYOUT)
     return lat, rope
 
 
@@ -166,9 +163,10 @@ def launch_gluon_decode(
         del constexprs["KV_FP8"], constexprs["NUM_STAGES"]
         # Each program's second MMA warpgroup hands its output, row max and row sum over here.
         merge = out.new_empty(grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
+        boxes = _kv_box_descriptors(kv_cache, rank, config.block_n)
         mla_decode_dual_kernel[grid](
-            *common, scale_arg, merge, *_kv_box_descriptors(kv_cache, rank), *strides, **constexprs,
-            NR=config.row_tile, num_warps=DUAL_LOADER_WARPS.value,
+            *common, scale_arg, merge, *boxes, *strides, **constexprs, NR=config.row_tile,
+            num_warps=DUAL_LOADER_WARPS.value,
         )  # fmt: skip
     elif config.transposed:
         mla_decode_rows_kernel[grid](

@@ -188,14 +188,26 @@ def _ring_chunk(lat_ring, first_box: gl.constexpr, c: gl.constexpr):
     """Latent columns ``[c·QK_CHUNK, (c+1)·QK_CHUNK)`` of the tile in the ring slot whose boxes
     start at ``first_box``, in the column order of :func:`.kernels._paired_k`."""
     per_box: gl.constexpr = BOX_COLS // QK_CHUNK
-    box = lat_ring.index(first_box + c // per_box)
-    # The same bytes as a row-swizzled layout (16-byte chunk ^ row % 8 on 128-byte rows, which is
-    # the 128-byte NVMMA swizzle), which can be sliced narrower than the swizzle.
-    rows: gl.constexpr = box.shape[0]
-    same: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-    box = _paired_k(box._reinterpret(box.dtype, [rows, BOX_COLS], same))
+    box = _paired_k(_row_swizzled(lat_ring.index(first_box + c // per_box)))
     # The column order moves columns only within groups of 16, so it commutes with the slice.
     return box.slice((c % per_box) * QK_CHUNK, QK_CHUNK, dim=1)
+
+
+@gluon.constexpr_function
+def _row_swizzled_layout(box_layout):
+    """The row-swizzled shared layout with the bytes of an fp8 ring box in ``box_layout`` (an
+    NVMMA swizzle of ``S`` bytes on rows of ``S`` bytes: 16-byte chunk ``^ (row // (128 / S)) %
+    (S / 16)``)."""
+    swizzle = box_layout.swizzle_byte_width
+    return gl.SwizzledSharedLayout(vec=16, per_phase=128 // swizzle, max_phase=swizzle // 16, order=[1, 0])
+
+
+@gluon.jit
+def _row_swizzled(box):
+    """Ring box ``box`` as the same bytes in :func:`_row_swizzled_layout`, which, unlike the
+    NVMMA layout, can be reshaped and sliced narrower than its swizzle."""
+    layout: gl.constexpr = _row_swizzled_layout(box.layout)
+    return box._reinterpret(box.dtype, box.shape, layout)
 
 
 @gluon.jit
@@ -230,10 +242,7 @@ def _mma_warpgroup(
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
     # The tile is read in the column order of _paired_k (the query's too): ldmatrix reads.
     LB: gl.constexpr = L // BOX_COLS
-    # The rope box as its row-swizzled equivalent (the 64-byte NVMMA swizzle: chunk ^ row // 2 % 4).
-    rope_same: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0])
-    r8 = rope_ring.index(W)
-    r8 = _paired_k(r8._reinterpret(r8.dtype, [BLOCK_N, r8.shape[1]], rope_same))
+    r8 = _paired_k(_row_swizzled(rope_ring.index(W)))
     v_w = v_wide.index(W)
     p_w = p_smem.index(W)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)

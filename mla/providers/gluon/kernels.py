@@ -163,23 +163,34 @@ def _query_to_smem(
     buffers' dtype (the MMA operand dtype; rows past ``qlen`` are zeros), by every warp of the
     caller. Shared by the 64-row, few-rows and dual-chain kernels. ``PAIRED_K``: in the column
     order of :func:`_paired_k` (the dual-chain kernel's)."""
-    warps: gl.constexpr = gl.num_warps()
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
-    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
-    qn_ptrs, ok_q = _query_ptrs(
-        q_nope_ptr, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, ROWS, L, q_ld
+    _query_part_to_smem(
+        q_nope_ptr, q_nope_smem, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, ROWS, L, PAIRED_K
     )
-    qn = gl.load(qn_ptrs, mask=ok_q[:, None], other=0.0)
-    if PAIRED_K:
-        qn = _paired_k(qn)
-    q_nope_smem.store(qn.to(q_nope_smem.dtype))
-    qp_ptrs, ok_r = _query_ptrs(
-        q_pe_ptr, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, ROWS, R, qr_ld
+    _query_part_to_smem(
+        q_pe_ptr, q_pe_smem, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, ROWS, R, PAIRED_K
     )
-    qp = gl.load(qp_ptrs, mask=ok_r[:, None], other=0.0)
+
+
+@gluon.constexpr_function
+def _query_copy_layout(cols, warps):
+    """Register layout of a ``[rows, cols]`` query load: 8 values a thread, a warp across up to
+    256 columns, the warps stacked over the rows."""
+    lanes = min(32, cols // 8)
+    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _query_part_to_smem(
+    q_ptr, q_smem, rb, qlen, kv_len, q_start, stride_t, stride_h,
+    H: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, PAIRED_K: gl.constexpr,
+):  # fmt: skip
+    """One part of :func:`_query_to_smem`: the ``COLS`` columns of ``q_ptr`` (latent or rope)."""
+    layout: gl.constexpr = _query_copy_layout(COLS, gl.num_warps())
+    ptrs, ok = _query_ptrs(q_ptr, rb, qlen, kv_len, q_start, stride_t, stride_h, H, ROWS, COLS, layout)
+    q = gl.load(ptrs, mask=ok[:, None], other=0.0)
     if PAIRED_K:
-        qp = _paired_k(qp)
-    q_pe_smem.store(qp.to(q_pe_smem.dtype))
+        q = _paired_k(q)
+    q_smem.store(q.to(q_smem.dtype))
 
 
 @gluon.jit
@@ -268,44 +279,31 @@ def _refill_ring(
 
 
 @gluon.jit
-def _widen(
-    lat_ring, rope_ring, slot, dst_lat, dst_rope, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr
-):  # fmt: skip
-    """Widen the ``ROWS`` fp8 cache rows of ring slot ``slot`` (latent and rope parts, unswizzled)
-    into rows ``[ROW0, ROW0 + ROWS)`` of the 16-bit MMA tile ``dst_lat`` / ``dst_rope``, 16 rows
-    at a time by ``WARPS`` warps, 8 values per thread: 8-byte reads and one 16-byte chunk of the
-    128-byte-swizzled tile written per thread, so neither side conflicts on a bank. Shared by
-    the few-rows, 64-row and dual-chain kernels."""
-    lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    STEP: gl.constexpr = 16
-    for c in gl.static_range(ROWS // STEP):
-        x = lat_ring.index(slot).slice(c * STEP, STEP, dim=0).load(lat_ld)
-        dst_lat.slice(ROW0 + c * STEP, STEP, dim=0).store(x.to(dst_lat.dtype))
-    xr = rope_ring.index(slot).load(rope_ld)
-    dst_rope.slice(ROW0, ROWS, dim=0).store(xr.to(dst_rope.dtype))
-
-
-@gluon.jit
 def _mma_operands(
     lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
     BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr,
 ):  # fmt: skip
     """The shared-memory K tile of tile ``t`` for the MMAs, after its cp.async group completed.
 
-    16-bit caches: the ring slot itself. fp8: the slot widened (:func:`_widen`) into wide
-    buffer ``t % WIDE_STAGES``. Ends with the proxy fence and barrier the MMAs need.
+    16-bit caches: the ring slot itself. fp8: the slot widened into wide buffer
+    ``t % WIDE_STAGES``, 16 rows at a time, 8 values per thread: 8-byte reads of the unswizzled
+    fp8 slot and one 16-byte chunk of the 128-byte-swizzled tile written per thread, so neither
+    side conflicts on a bank. Ends with the proxy fence and barrier the MMAs need.
     """
     stage = t % NUM_STAGES
     if KV_FP8:
         gl.thread_barrier()
         slot = t % WIDE_STAGES
-        _widen(
-            lat_ring, rope_ring, stage, lat_wide.index(slot), rope_wide.index(slot), 0, BLOCK_N,
-            gl.num_warps(),
-        )  # fmt: skip
         k_lat = lat_wide.index(slot)
         k_rope = rope_wide.index(slot)
+        warps: gl.constexpr = gl.num_warps()
+        lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
+        rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+        STEP: gl.constexpr = 16
+        for c in gl.static_range(BLOCK_N // STEP):
+            x = lat_ring.index(stage).slice(c * STEP, STEP, dim=0).load(lat_ld)
+            k_lat.slice(c * STEP, STEP, dim=0).store(x.to(k_lat.dtype))
+        k_rope.store(rope_ring.index(stage).load(rope_ld).to(k_rope.dtype))
     else:
         k_lat = lat_ring.index(stage)
         k_rope = rope_ring.index(stage)
