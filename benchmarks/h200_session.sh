@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
+#   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out (~5 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -96,6 +97,10 @@ dual)
   timeout 200 python3 benchmarks/gluon_dev.py --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
     | grep -v "^{" | tail -20
   ;;
+whatif)
+  part "what-if variants of the dual-chain kernel (benchmarks/dual_whatif.py)"
+  timeout 500 python3 benchmarks/dual_whatif.py 2>&1 | tee "$OUT/whatif.log" | grep -v "^{" | tail -30
+  ;;
 profile)
   part "ncu: the dual-chain kernel at fp8 H16 q1 B128 S8192 (second launch)"
   ncu_args=(--kernel-name regex:mla_decode_dual --launch-skip 1 --launch-count 1)
@@ -112,7 +117,7 @@ breakdown)
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif" >&2
   exit 2
   ;;
 esac

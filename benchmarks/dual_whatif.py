@@ -1,0 +1,298 @@
+"""What bounds the dual-chain fp8 decode kernel: time it with one piece of its work taken out.
+
+    python benchmarks/dual_whatif.py [--variants main no-v-path ...] [--shapes B128S8192 B64S4096]
+    python benchmarks/dual_whatif.py --list          # the variants, no GPU needed
+    python benchmarks/dual_whatif.py --compile-only  # compile every variant for sm_90, no GPU
+
+Each variant is the source of ``mla/providers/gluon/dual.py`` with a few textual edits
+(:data:`VARIANTS`), written to a temporary module and launched by the provider's own launcher
+(``mla.providers.gluon.decode``) in place of the kernel on ``main``. An edit whose text no
+longer occurs exactly once in ``dual.py`` raises, so a variant never silently times the
+unchanged kernel.
+
+Variants that drop work compute wrong outputs on purpose (their ``o err`` column shows it): they
+bound what removing that work could gain, they are not candidates. The others (``exact``
+in the table) are candidates: they must match the reference like ``main``. Every variant is
+timed as CUDA-graph replays of the whole decode call (and per kernel with the torch profiler) on
+fp8 e4m3 caches, H16 q1, the shapes of ``benchmarks/decode.py``; ``main`` runs first and last
+to show the run-to-run spread. Results: ``docs/performance.md``, "The dual-chain fp8 kernel".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import print_table
+
+import mla.providers.gluon.dual as dual_on_main
+
+Edit = tuple[str, str]
+
+_V_STORE_0 = """        v_w.slice(0, QK_CHUNK, dim=1).store(a)
+"""
+_V_STORE_C = """            v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(a)
+"""
+_PV = """        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+"""
+_NO_V_STORE: list[Edit] = [(_V_STORE_0, ""), (_V_STORE_C, "")]
+# P still feeds the output (its column sums), so nothing upstream of PV becomes dead code; that
+# adds one cross-warp reduction a tile, which fixed-row-max bounds.
+_NO_PV: list[Edit] = [(_PV, "        acc = acc + gl.sum(p, 0)[None, :]\n")]
+
+_GATHER = "_gather_tile(kv_ptr, ids, ok, idr, okr, stride_kv, lat_ring, rope_ring, landed, w, L, R)"
+_NO_DRAM: list[Edit] = [
+    # every tile by the gather, every row masked: cp.async zero-fills the ring, no cache read
+    ("        if consecutive & (lo + (t + 1) * BLOCK_N <= hi):", "        if False:"),
+    (_GATHER, _GATHER.replace("ok, idr, okr,", "ok & False, idr, okr & False,")),
+]
+
+# PV of tile t stays in flight until the next tile of the warpgroup has its first K chunk in
+# registers (the wait moves before the first V store, which overwrites the tile PV reads). An
+# in-flight accumulator cannot enter the loop as a plain tensor, so a first PV of zeros (V and P
+# zero-filled, exact) starts it in flight.
+_PV_DEFERRED: list[Edit] = [
+    (
+        """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    for t in range(W, n_tiles, 2):
+""",
+        """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    for c in gl.static_range(L // QK_CHUNK):
+        v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(gl.zeros([BLOCK_N, QK_CHUNK], gl.float16, zero_layout))
+    p_w.store(gl.zeros([BLOCK_N, NR], gl.float16, zero_layout))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
+    for t in range(W, n_tiles, 2):
+""",
+    ),
+    (
+        _V_STORE_0,
+        """        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+"""
+        + _V_STORE_0,
+    ),
+    (
+        _PV,
+        """        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
+""",
+    ),
+    (
+        """    # Warpgroup 1 hands its output""",
+        """    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    # Warpgroup 1 hands its output""",
+    ),
+]
+
+# Each thread keeps its own partial row sums ([keys, rows], like the scores) and the rows are
+# summed across the warps once, after the loop: one cross-warp reduction per tile instead of two.
+_ROW_SUM_DEFERRED: list[Edit] = [
+    (
+        """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+""",
+        """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+    l_part = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+""",
+    ),
+    (
+        """        p, alpha, m_i, l_i = _online_softmax(
+            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
+        )
+""",
+        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - gl.expand_dims(m_use, 0))
+        m_i = m_new
+        l_part = l_part * gl.expand_dims(alpha, 0) + p
+""",
+    ),
+    (
+        """    # Warpgroup 1 hands its output""",
+        """    l_i = gl.sum(l_part, 0)
+    # Warpgroup 1 hands its output""",
+    ),
+]
+
+# Every row's max taken as 8 (log2 domain) for the whole request: no cross-warp reduction in
+# the loop (the row sums as in row-sum-deferred). Exact only while no score exceeds it.
+_FIXED_ROW_MAX: list[Edit] = [
+    _ROW_SUM_DEFERRED[0],
+    (
+        _ROW_SUM_DEFERRED[1][0],
+        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
+        alpha = gl.full([NR], 1.0, gl.float32, layout=rows_layout)
+        l_part = l_part + p
+""",
+    ),
+    (
+        _ROW_SUM_DEFERRED[2][0],
+        """    l_i = gl.sum(l_part, 0)
+    m_i = gl.full([NR], 8.0, gl.float32, layout=rows_layout)
+    # Warpgroup 1 hands its output""",
+    ),
+]
+
+VARIANTS: dict[str, tuple[bool, list[Edit], str]] = {
+    "main": (True, [], "the kernel on main"),
+    "no-v-store": (False, _NO_V_STORE, "the widened K chunks are not stored as the fp16 V tile"),
+    "no-pv": (False, _NO_PV, "no Oᵀ += Vᵀ·Pᵀ"),
+    "no-v-path": (False, _NO_V_STORE + _NO_PV, "neither the V store nor PV"),
+    "no-dram": (
+        False,
+        _NO_DRAM,
+        "the loader zero-fills the ring (cp.async of masked rows) instead of reading the cache",
+    ),
+    "no-dram-no-v-path": (False, _NO_DRAM + _NO_V_STORE + _NO_PV, "both of the above"),
+    "pv-deferred": (
+        True,
+        _PV_DEFERRED,
+        "PV of a tile in flight until the warpgroup's next tile is in registers",
+    ),
+    "no-dram-pv-deferred": (False, _NO_DRAM + _PV_DEFERRED, "no-dram with pv-deferred"),
+    "row-sum-deferred": (
+        True,
+        _ROW_SUM_DEFERRED,
+        "per-thread row sums, reduced across warps once at the end",
+    ),
+    "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no cross-warp reduction in the loop)"),
+}
+"""name -> (exact, edits of ``dual.py``'s source, what the variant does)."""
+
+
+def variant_source(name: str) -> str:
+    """``dual.py``'s source with variant ``name``'s edits; each edited text must occur once."""
+    source = Path(dual_on_main.__file__).read_text()
+    for old, new in VARIANTS[name][1]:
+        count = source.count(old)
+        if count != 1:
+            raise ValueError(f"variant {name!r}: an edit's text occurs {count} times in dual.py:\n{old}")
+        source = source.replace(old, new)
+    return source
+
+
+def load_variant(name: str, workdir: str) -> ModuleType:
+    """Variant ``name`` as a module (a file under ``workdir``: Gluon reads a kernel's source)."""
+    path = os.path.join(workdir, f"dual_{name.replace('-', '_')}.py")
+    Path(path).write_text(variant_source(name))
+    spec = importlib.util.spec_from_file_location(f"dual_whatif_{name.replace('-', '_')}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_only(names: list[str]) -> None:
+    """Compile every variant for sm_90 on this machine (no GPU): registers, spills, HGMMA count."""
+    import re
+
+    import gluon_compile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in names:
+            module = load_variant(name, workdir)
+            gluon_compile.mla_decode_dual_kernel = module.mla_decode_dual_kernel
+            kernel = gluon_compile.compile_variant(fp8=True, block_n=64, stages=2, dual=True)
+            sass = gluon_compile.sass_of(kernel)
+            rows.append(
+                {
+                    "variant": name,
+                    "shared B": kernel.metadata.shared,
+                    "HGMMA": len(re.findall(r"\bHGMMA\b", sass)),
+                    "STSM": len(re.findall(r"\bSTSM\b", sass)),
+                    "spill stores": len(re.findall(r"\bSTL\b", sass)),
+                }
+            )
+    print_table(rows, title="dual-chain what-if variants, compiled for sm_90")
+
+
+def run(names: list[str], shapes: list[str]) -> None:
+    import torch
+    from _common import bench_graph_us
+    from decode import Problem, Shape
+    from gluon_dev import kernel_times
+
+    from mla.providers.gluon import decode as gluon_decode
+    from mla.providers.gluon.planner import launch_config
+    from mla.providers.triton.decode import num_sms
+
+    device = torch.device("cuda")
+    on_main = gluon_decode.mla_decode_dual_kernel
+    rows: list[dict[str, Any]] = []
+    order = ["main", *[n for n in names if n != "main"], "main"]
+    with tempfile.TemporaryDirectory() as workdir:
+        kernels = {name: load_variant(name, workdir).mla_decode_dual_kernel for name in set(order)}
+        for label in shapes:
+            batch, seq = (int(x) for x in label.removeprefix("B").split("S"))
+            problem = Problem(Shape("fp8", 16, 1, batch, seq, kv="fp8"), device)
+            config = launch_config(
+                batch=batch, rows=16, max_seqlen_k=seq, num_sms=num_sms(device), persistent=False, kv_fp8=True
+            )
+            for name in order:
+                gluon_decode.mla_decode_dual_kernel = kernels[name]
+
+                def step(p: Any = problem, c: Any = config) -> None:
+                    gluon_decode.paged_decode(p.paged_call(), config=c)
+
+                try:
+                    o_err, lse_err = problem.check(step)
+                    us = bench_graph_us(step)
+                    parts = " ".join(f"{k}={v:.1f}" for k, v in kernel_times(step).items())
+                except Exception as exc:  # a variant that fails to compile or run
+                    o_err, lse_err, us, parts = (
+                        math.inf,
+                        math.inf,
+                        math.nan,
+                        f"{type(exc).__name__}: {exc}"[:200],
+                    )
+                finally:
+                    gluon_decode.mla_decode_dual_kernel = on_main
+                rows.append(
+                    {"shape": f"{label} k{config.num_splits}", "variant": name, "exact": VARIANTS[name][0],
+                     "o err": o_err, "lse err": lse_err, "graph us": us, "kernels us": parts}
+                )  # fmt: skip
+                print(rows[-1], flush=True)
+            del problem
+            torch.cuda.empty_cache()
+    print_table(rows, title="dual-chain what-if variants (fp8 e4m3, H16 q1, graph replay)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--shapes", nargs="*", default=["B128S8192", "B64S4096"])
+    ap.add_argument("--list", action="store_true", help="print the variants and exit")
+    ap.add_argument("--compile-only", action="store_true", help="compile the variants for sm_90 (no GPU)")
+    args = ap.parse_args()
+    if args.list:
+        print_table([{"variant": n, "exact": v[0], "what": v[2]} for n, v in VARIANTS.items()])
+        return
+    for name in args.variants:  # every edit applies before anything runs
+        variant_source(name)
+    if args.compile_only:
+        compile_only(args.variants)
+        return
+    run(args.variants, args.shapes)
+
+
+if __name__ == "__main__":
+    main()
