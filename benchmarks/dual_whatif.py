@@ -150,6 +150,87 @@ _FIXED_ROW_MAX: list[Edit] = [
     ),
 ]
 
+# Two QKᵀ chunks in flight instead of one (the wait before the next chunk's read lets two
+# register operands stay live).
+_QK_DEPTH_2: list[Edit] = [
+    (
+        "sc, a = warpgroup_mma_wait(num_outstanding=1, deps=(sc, a))",
+        "sc, a = warpgroup_mma_wait(num_outstanding=2, deps=(sc, a))",
+    )
+]
+
+# The softmax's two cross-warp reductions a tile (row max, row sum) each with one barrier of the
+# warpgroup instead of the compiler's two: every warp stores its rows' partial max (then sum) in
+# a slot of its own, one barrier, every thread reads the four slots. One buffer each suffices:
+# a buffer is written again only after the other reduction's barrier, which every warp passes
+# after its reads of it.
+_ONE_BARRIER_REDUCTIONS: list[Edit] = [
+    (
+        """    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
+""",
+        """    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
+    red_smem = gl.allocate_shared_memory(
+        gl.float32, [2 * 2 * 4 * NR], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    )
+""",
+    ),
+    (
+        """    mma_args = (
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
+        """    mma_args = (
+        red_smem, q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
+    ),
+    (
+        """
+    (
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
+        """
+    (
+        red_smem, q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
+    ),
+    (
+        _ROW_SUM_DEFERRED[1][0],
+        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        # red_smem: [warpgroup, max | sum, warp, row] floats; each warp writes its own slot
+        red_rows = red_smem.reshape([2 * 2 * 4, NR])
+        red_rows.slice(W * 8, 4, dim=0).store(gl.max(gl.reshape(sc, [4, BLOCK_N // 4, NR]), 1))
+        gl.thread_barrier()
+        r0, r1, r2, r3 = _red_slots(red_smem, W, 0, NR, rows_layout)
+        m_new = gl.maximum(gl.maximum(m_i, gl.maximum(r0, r1)), gl.maximum(r2, r3))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - gl.expand_dims(m_use, 0))
+        m_i = m_new
+        red_rows.slice(W * 8 + 4, 4, dim=0).store(gl.sum(gl.reshape(p, [4, BLOCK_N // 4, NR]), 1))
+        gl.thread_barrier()
+        r0, r1, r2, r3 = _red_slots(red_smem, W, 1, NR, rows_layout)
+        l_i = l_i * alpha + ((r0 + r1) + (r2 + r3))
+""",
+    ),
+]
+
+_ONE_BARRIER_REDUCTIONS.append(
+    (
+        """@gluon.jit
+def _tile_ids(""",
+        """@gluon.jit
+def _red_slots(red_smem, W: gl.constexpr, K: gl.constexpr, NR: gl.constexpr, layout: gl.constexpr):
+    base: gl.constexpr = (W * 2 + K) * 4 * NR
+    return (
+        red_smem.slice(base, NR).load(layout),
+        red_smem.slice(base + NR, NR).load(layout),
+        red_smem.slice(base + 2 * NR, NR).load(layout),
+        red_smem.slice(base + 3 * NR, NR).load(layout),
+    )
+
+
+@gluon.jit
+def _tile_ids(""",
+    )
+)
+
 VARIANTS: dict[str, tuple[bool, list[Edit], str]] = {
     "main": (True, [], "the kernel on main"),
     "no-v-store": (False, _NO_V_STORE, "the widened K chunks are not stored as the fp16 V tile"),
@@ -171,6 +252,17 @@ VARIANTS: dict[str, tuple[bool, list[Edit], str]] = {
         True,
         _ROW_SUM_DEFERRED,
         "per-thread row sums, reduced across warps once at the end",
+    ),
+    "qk-depth-2": (True, _QK_DEPTH_2, "two QKᵀ chunks in flight instead of one"),
+    "one-barrier-reductions": (
+        True,
+        _ONE_BARRIER_REDUCTIONS,
+        "the softmax's cross-warp reductions with one barrier each",
+    ),
+    "pv-deferred+one-barrier": (
+        True,
+        _PV_DEFERRED + _ONE_BARRIER_REDUCTIONS,
+        "pv-deferred and one-barrier-reductions together",
     ),
     "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no cross-warp reduction in the loop)"),
 }
