@@ -10,7 +10,7 @@
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
-#   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out (~5 min)
+#   bash benchmarks/h200_session.sh whatif      # the dual-chain and ping-pong kernels with pieces of work taken out (~5 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -98,8 +98,11 @@ dual)
     | grep -v "^{" | tail -20
   ;;
 whatif)
-  part "what-if variants of the dual-chain kernel (benchmarks/dual_whatif.py)"
-  timeout 500 python3 benchmarks/dual_whatif.py 2>&1 | tee "$OUT/whatif.log" | grep -v "^{" | tail -30
+  part "what-if variants of the dual-chain kernel (benchmarks/whatif.py)"
+  timeout 300 python3 benchmarks/whatif.py --kernel dual 2>&1 | tee "$OUT/whatif_dual.log" | grep -v "^{" | tail -32
+  part "what-if variants of the ping-pong kernel"
+  timeout 200 python3 benchmarks/whatif.py --kernel pingpong 2>&1 | tee "$OUT/whatif_pingpong.log" \
+    | grep -v "^{" | tail -18
   ;;
 profile)
   part "ncu: the dual-chain kernel at fp8 H16 q1 B128 S8192 (second launch)"

@@ -1,9 +1,9 @@
-"""``benchmarks/dual_whatif.py`` edits the dual-chain kernel's source: every edit must still apply.
+"""``benchmarks/whatif.py`` edits the Gluon kernels' source: every edit must still apply.
 
-The what-if benchmark times variants of ``mla/providers/gluon/dual.py`` made by replacing
-exact snippets of its source. When the kernel changes, an edit whose snippet is gone would make
-the variant time the unchanged kernel; the benchmark refuses that, and this test says so on the
-CPU, before a GPU session is spent on it.
+The what-if benchmark times variants of ``mla/providers/gluon/dual.py`` and ``pingpong.py``
+made by replacing exact snippets of their source. When a kernel changes, an edit whose snippet
+is gone would make the variant time the unchanged kernel; the benchmark refuses that, and this
+test says so on the CPU, before a GPU session is spent on it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def _whatif() -> ModuleType:
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        spec = importlib.util.spec_from_file_location("dual_whatif", BENCHMARKS / "dual_whatif.py")
+        spec = importlib.util.spec_from_file_location("whatif", BENCHMARKS / "whatif.py")
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules["whatif"] = module  # its dataclass looks its module up
         spec.loader.exec_module(module)
         return module
     finally:
@@ -37,16 +38,27 @@ def _whatif() -> ModuleType:
 WHATIF = _whatif()
 
 
-@pytest.mark.parametrize("name", sorted(WHATIF.VARIANTS), ids=str)
-def test_every_edit_applies_once(name: str) -> None:
-    source = WHATIF.variant_source(name)
+CASES = [(kernel, name) for kernel, spec in sorted(WHATIF.KERNELS.items()) for name in spec.variants]
+
+
+@pytest.mark.parametrize(("kernel", "name"), CASES, ids=[f"{k}-{n}" for k, n in CASES])
+def test_every_edit_applies_once(kernel: str, name: str) -> None:
+    spec = WHATIF.KERNELS[kernel]
+    source = WHATIF.variant_source(spec, name)
     ast.parse(source)
-    original = Path(WHATIF.dual_on_main.__file__).read_text()
+    original = Path(spec.module.__file__).read_text()
     assert (source == original) == (name == "main")
 
 
 def test_an_edit_that_no_longer_applies_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = WHATIF.KERNELS["dual"]
     gone = [("this text is not in dual.py", "")]
-    monkeypatch.setitem(WHATIF.VARIANTS, "gone", (True, gone, "an edit of a removed snippet"))
-    with pytest.raises(ValueError, match="occurs 0 times"):
-        WHATIF.variant_source("gone")
+    monkeypatch.setitem(spec.variants, "gone", (True, gone, "an edit of a removed snippet"))
+    with pytest.raises(ValueError, match=r"occurs 0 times in dual\.py"):
+        WHATIF.variant_source(spec, "gone")
+
+
+def test_a_shape_label_is_parsed_or_refused() -> None:
+    assert WHATIF.parse_shape("H16q4B64S4096") == (16, 4, 64, 4096)
+    with pytest.raises(ValueError, match="H<heads>q<qlen>B<batch>S<seqlen>"):
+        WHATIF.parse_shape("B64S4096")

@@ -1,21 +1,23 @@
-"""What bounds the dual-chain fp8 decode kernel: time it with one piece of its work taken out.
+"""What bounds a Gluon decode kernel: time it with one piece of its work taken out.
 
-    python benchmarks/dual_whatif.py [--variants main no-v-path ...] [--shapes B128S8192 B64S4096]
-    python benchmarks/dual_whatif.py --list          # the variants, no GPU needed
-    python benchmarks/dual_whatif.py --compile-only  # compile every variant for sm_90, no GPU
+    python benchmarks/whatif.py [--kernel dual|pingpong] [--variants main ...] [--shapes ...]
+    python benchmarks/whatif.py --kernel pingpong --list   # the variants, no GPU needed
+    python benchmarks/whatif.py --compile-only             # compile every variant for sm_90, no GPU
 
-Each variant is the source of ``mla/providers/gluon/dual.py`` with a few textual edits
-(:data:`VARIANTS`), written to a temporary module and launched by the provider's own launcher
-(``mla.providers.gluon.decode``) in place of the kernel on ``main``. An edit whose text no
-longer occurs exactly once in ``dual.py`` raises, so a variant never silently times the
+Each variant is the source of the kernel's module (``mla/providers/gluon/dual.py``, the
+dual-chain fp8 kernel, or ``pingpong.py``, the 64-row kernel of 16-bit caches) with a few
+textual edits (:data:`KERNELS`), written to a temporary module and launched by the provider's
+own launcher (``mla.providers.gluon.decode``) in place of the kernel on ``main``. An edit whose
+text no longer occurs exactly once in the module raises, so a variant never silently times the
 unchanged kernel.
 
 Variants that drop work compute wrong outputs on purpose (their ``o err`` column shows it): they
 bound what removing that work could gain, they are not candidates. The others (``exact``
 in the table) are candidates: they must match the reference like ``main``. Every variant is
 timed as CUDA-graph replays of the whole decode call (and per kernel with the torch profiler) on
-fp8 e4m3 caches, H16 q1, the shapes of ``benchmarks/decode.py``; ``main`` runs first and last
-to show the run-to-run spread. Results: ``docs/performance.md``, "The dual-chain fp8 kernel".
+the kernel's shapes of ``benchmarks/decode.py`` (``H16q1B128S8192``: heads, qlen, batch,
+sequence length); ``main`` runs first and last to show the run-to-run spread. Results:
+``docs/performance.md``, "The dual-chain fp8 kernel".
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -36,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table
 
 import mla.providers.gluon.dual as dual_on_main
+import mla.providers.gluon.pingpong as pingpong_on_main
 
 Edit = tuple[str, str]
 
@@ -231,7 +235,10 @@ def _tile_ids(""",
     )
 )
 
-VARIANTS: dict[str, tuple[bool, list[Edit], str]] = {
+Variants = dict[str, tuple[bool, list[Edit], str]]
+"""name -> (exact, edits of the module's source, what the variant does)."""
+
+DUAL_VARIANTS: Variants = {
     "main": (True, [], "the kernel on main"),
     "no-v-store": (False, _NO_V_STORE, "the widened K chunks are not stored as the fp16 V tile"),
     "no-pv": (False, _NO_PV, "no Oᵀ += Vᵀ·Pᵀ"),
@@ -266,34 +273,96 @@ VARIANTS: dict[str, tuple[bool, list[Edit], str]] = {
     ),
     "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no cross-warp reduction in the loop)"),
 }
-"""name -> (exact, edits of ``dual.py``'s source, what the variant does)."""
+
+# -- the ping-pong kernel (64 rows, 16-bit caches) ---------------------------------------------
+
+_PP_LATENT_COPY = "(dst, kv_row + (C * CHUNK + cols)[None, :], mask=ok[:, None])"
+_PP_ROPE_COPY = "(rope_slot, kv_row + (L + cr)[None, :], mask=ok[:, None])"
+_PP_NO_DRAM: list[Edit] = [
+    # every row masked: cp.async zero-fills the ring, no cache read
+    (_PP_LATENT_COPY, _PP_LATENT_COPY.replace("mask=ok[:, None]", "mask=ok[:, None] & False")),
+    (_PP_ROPE_COPY, _PP_ROPE_COPY.replace("mask=ok[:, None]", "mask=ok[:, None] & False")),
+]
+# The chunk waits stay (they pace the ring); the scores stay zero.
+_PP_NO_QK: list[Edit] = [
+    (
+        "    sc = warpgroup_mma(q_nope_smem.slice(C * CHUNK, CHUNK, dim=1), k, sc, use_acc=USE_ACC, "
+        "is_async=True)\n    if C == CHUNKS - 1:\n"
+        "        sc = warpgroup_mma(q_pe_smem, rope.permute((1, 0)), sc, is_async=True)\n",
+        "",
+    )
+]
+# P is still published and rounded; neither P·V (own tile from registers, other tile from
+# shared memory) runs.
+_PP_NO_PV: list[Edit] = [
+    ("    acc = warpgroup_mma(gl.convert_layout(p16, P_LAYOUT), v, acc, is_async=True)\n", ""),
+    ("    acc = warpgroup_mma(p_smem, v, acc, is_async=True)\n", ""),
+]
+
+PINGPONG_VARIANTS: Variants = {
+    "main": (True, [], "the kernel on main"),
+    "no-dram": (False, _PP_NO_DRAM, "the loader zero-fills the ring instead of reading the cache"),
+    "no-qk": (False, _PP_NO_QK, "no S = q·Kᵀ (the chunk waits stay)"),
+    "no-pv": (False, _PP_NO_PV, "no P·V"),
+    "no-dram-no-pv": (False, _PP_NO_DRAM + _PP_NO_PV, "both"),
+}
 
 
-def variant_source(name: str) -> str:
-    """``dual.py``'s source with variant ``name``'s edits; each edited text must occur once."""
-    source = Path(dual_on_main.__file__).read_text()
-    for old, new in VARIANTS[name][1]:
+@dataclass(frozen=True)
+class Kernel:
+    """A Gluon decode kernel the script can vary: its module, its name there (and in the
+    launcher's module), its variants, default shapes, cache dtype and compile options."""
+
+    module: ModuleType
+    name: str
+    variants: Variants
+    shapes: tuple[str, ...]
+    kv: str
+    compile_options: dict[str, bool]
+
+
+KERNELS = {
+    "dual": Kernel(
+        dual_on_main, "mla_decode_dual_kernel", DUAL_VARIANTS, ("H16q1B128S8192", "H16q1B64S4096"), "fp8",
+        {"fp8": True, "dual": True},
+    ),
+    "pingpong": Kernel(
+        pingpong_on_main, "mla_decode_pingpong_kernel", PINGPONG_VARIANTS,
+        ("H16q4B64S4096", "H128q1B64S4096"), "bf16", {"fp8": False, "pingpong": True},
+    ),
+}  # fmt: skip
+
+
+def variant_source(kernel: Kernel, name: str) -> str:
+    """The kernel module's source with variant ``name``'s edits; each edited text must occur
+    exactly once."""
+    path = Path(kernel.module.__file__ or "")
+    source = path.read_text()
+    for old, new in kernel.variants[name][1]:
         count = source.count(old)
         if count != 1:
-            raise ValueError(f"variant {name!r}: an edit's text occurs {count} times in dual.py:\n{old}")
+            raise ValueError(f"variant {name!r}: an edit's text occurs {count} times in {path.name}:\n{old}")
         source = source.replace(old, new)
     return source
 
 
-def load_variant(name: str, workdir: str) -> ModuleType:
-    """Variant ``name`` as a module (a file under ``workdir``: Gluon reads a kernel's source)."""
-    path = os.path.join(workdir, f"dual_{name.replace('-', '_')}.py")
-    Path(path).write_text(variant_source(name))
-    spec = importlib.util.spec_from_file_location(f"dual_whatif_{name.replace('-', '_')}", path)
+def load_variant(kernel: Kernel, name: str, workdir: str) -> Any:
+    """Variant ``name``'s kernel (its module is a file under ``workdir``: Gluon reads a kernel's
+    source)."""
+    stem = f"{kernel.name}_{name}".replace("-", "_").replace("+", "_")
+    path = os.path.join(workdir, f"{stem}.py")
+    Path(path).write_text(variant_source(kernel, name))
+    spec = importlib.util.spec_from_file_location(f"whatif_{stem}", path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return getattr(module, kernel.name)
 
 
-def compile_only(names: list[str]) -> None:
-    """Compile every variant for sm_90 on this machine (no GPU): registers, spills, HGMMA count."""
+def compile_only(kernel: Kernel, names: list[str]) -> None:
+    """Compile every variant for sm_90 on this machine (no GPU): shared memory, HGMMA, STSM and
+    spill-store counts."""
     import re
 
     import gluon_compile
@@ -301,23 +370,35 @@ def compile_only(names: list[str]) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
-            module = load_variant(name, workdir)
-            gluon_compile.mla_decode_dual_kernel = module.mla_decode_dual_kernel
-            kernel = gluon_compile.compile_variant(fp8=True, block_n=64, stages=2, dual=True)
-            sass = gluon_compile.sass_of(kernel)
+            setattr(gluon_compile, kernel.name, load_variant(kernel, name, workdir))
+            compiled = gluon_compile.compile_variant(block_n=64, stages=2, **kernel.compile_options)
+            sass = gluon_compile.sass_of(compiled)
             rows.append(
                 {
                     "variant": name,
-                    "shared B": kernel.metadata.shared,
+                    "shared B": compiled.metadata.shared,
                     "HGMMA": len(re.findall(r"\bHGMMA\b", sass)),
                     "STSM": len(re.findall(r"\bSTSM\b", sass)),
                     "spill stores": len(re.findall(r"\bSTL\b", sass)),
                 }
             )
-    print_table(rows, title="dual-chain what-if variants, compiled for sm_90")
+    print_table(rows, title=f"{kernel.name} what-if variants, compiled for sm_90")
 
 
-def run(names: list[str], shapes: list[str]) -> None:
+def parse_shape(label: str) -> tuple[int, int, int, int]:
+    """``H16q4B64S4096`` -> (heads, qlen, batch, sequence length)."""
+    import re
+
+    m = re.fullmatch(r"H(\d+)q(\d+)B(\d+)S(\d+)", label)
+    if m is None:
+        raise ValueError(
+            f"shape {label!r}: write it as H<heads>q<qlen>B<batch>S<seqlen>, e.g. H16q1B128S8192"
+        )
+    heads, qlen, batch, seq = (int(g) for g in m.groups())
+    return heads, qlen, batch, seq
+
+
+def run(kernel: Kernel, names: list[str], shapes: list[str]) -> None:
     import torch
     from _common import bench_graph_us
     from decode import Problem, Shape
@@ -328,19 +409,20 @@ def run(names: list[str], shapes: list[str]) -> None:
     from mla.providers.triton.decode import num_sms
 
     device = torch.device("cuda")
-    on_main = gluon_decode.mla_decode_dual_kernel
+    on_main = getattr(gluon_decode, kernel.name)
     rows: list[dict[str, Any]] = []
     order = ["main", *[n for n in names if n != "main"], "main"]
     with tempfile.TemporaryDirectory() as workdir:
-        kernels = {name: load_variant(name, workdir).mla_decode_dual_kernel for name in set(order)}
+        kernels = {name: load_variant(kernel, name, workdir) for name in set(order)}
         for label in shapes:
-            batch, seq = (int(x) for x in label.removeprefix("B").split("S"))
-            problem = Problem(Shape("fp8", 16, 1, batch, seq, kv="fp8"), device)
+            heads, qlen, batch, seq = parse_shape(label)
+            problem = Problem(Shape("whatif", heads, qlen, batch, seq, kv=kernel.kv), device)
             config = launch_config(
-                batch=batch, rows=16, max_seqlen_k=seq, num_sms=num_sms(device), persistent=False, kv_fp8=True
-            )
+                batch=batch, rows=heads * qlen, max_seqlen_k=seq, num_sms=num_sms(device), persistent=False,
+                kv_fp8=kernel.kv == "fp8",
+            )  # fmt: skip
             for name in order:
-                gluon_decode.mla_decode_dual_kernel = kernels[name]
+                setattr(gluon_decode, kernel.name, kernels[name])
 
                 def step(p: Any = problem, c: Any = config) -> None:
                     gluon_decode.paged_decode(p.paged_call(), config=c)
@@ -357,33 +439,40 @@ def run(names: list[str], shapes: list[str]) -> None:
                         f"{type(exc).__name__}: {exc}"[:200],
                     )
                 finally:
-                    gluon_decode.mla_decode_dual_kernel = on_main
+                    setattr(gluon_decode, kernel.name, on_main)
                 rows.append(
-                    {"shape": f"{label} k{config.num_splits}", "variant": name, "exact": VARIANTS[name][0],
-                     "o err": o_err, "lse err": lse_err, "graph us": us, "kernels us": parts}
+                    {"shape": f"{label} k{config.num_splits}", "variant": name,
+                     "exact": kernel.variants[name][0], "o err": o_err, "lse err": lse_err, "graph us": us,
+                     "kernels us": parts}
                 )  # fmt: skip
                 print(rows[-1], flush=True)
             del problem
             torch.cuda.empty_cache()
-    print_table(rows, title="dual-chain what-if variants (fp8 e4m3, H16 q1, graph replay)")
+    print_table(rows, title=f"{kernel.name} what-if variants ({kernel.kv} cache, graph replay)")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--shapes", nargs="*", default=["B128S8192", "B64S4096"])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--kernel", choices=list(KERNELS), default="dual")
+    ap.add_argument("--variants", nargs="*", help="default: all of the kernel's")
+    ap.add_argument("--shapes", nargs="*", help="H<heads>q<qlen>B<batch>S<seqlen>; default: the kernel's")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants for sm_90 (no GPU)")
     args = ap.parse_args()
+    kernel = KERNELS[args.kernel]
+    names = args.variants or list(kernel.variants)
+    unknown = sorted(set(names) - set(kernel.variants))
+    if unknown:
+        ap.error(f"--variants: {unknown} are not variants of {args.kernel} ({', '.join(kernel.variants)})")
     if args.list:
-        print_table([{"variant": n, "exact": v[0], "what": v[2]} for n, v in VARIANTS.items()])
+        print_table([{"variant": n, "exact": v[0], "what": v[2]} for n, v in kernel.variants.items()])
         return
-    for name in args.variants:  # every edit applies before anything runs
-        variant_source(name)
+    for name in names:  # every edit applies before anything runs
+        variant_source(kernel, name)
     if args.compile_only:
-        compile_only(args.variants)
+        compile_only(kernel, names)
         return
-    run(args.variants, args.shapes)
+    run(kernel, names, args.shapes or list(kernel.shapes))
 
 
 if __name__ == "__main__":
