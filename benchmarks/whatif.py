@@ -28,10 +28,11 @@ import math
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import attrs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -308,7 +309,7 @@ PINGPONG_VARIANTS: Variants = {
 }
 
 
-@dataclass(frozen=True)
+@attrs.frozen
 class Kernel:
     """A Gluon decode kernel the script can vary: its module, its name there (and in the
     launcher's module), its variants, default shapes, cache dtype and compile options."""

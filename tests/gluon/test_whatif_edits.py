@@ -28,7 +28,6 @@ def _whatif() -> ModuleType:
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules["whatif"] = module  # its dataclass looks its module up
         spec.loader.exec_module(module)
         return module
     finally:
