@@ -239,6 +239,95 @@ def _tile_ids(""",
 Variants = dict[str, tuple[bool, list[Edit], str]]
 """name -> (exact, edits of the module's source, what the variant does)."""
 
+# The loader, not the MMA warpgroups, widens each tile's latent part into the fp16 V tile (in
+# the natural column order; the output store then undoes no permutation): a second read of the
+# fp8 ring, off the warpgroups' chains. vbar[w]: warpgroup w's PV of its last tile is done (the
+# V tile is free); vbar[2 + w]: the loader has written warpgroup w's next V tile.
+_LOADER_WIDENS_V: list[Edit] = [
+    *_NO_V_STORE,
+    (
+        """    merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+""",
+        """    merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(vbar.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.arrive(vbar.index(i))
+""",
+    ),
+    (
+        "                    rope_ring, landed, free, L, R, BLOCK_N,\n",
+        "                    rope_ring, landed, free, v_wide, vbar, L, R, BLOCK_N,\n",
+    ),
+    (
+        """    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
+    L: gl.constexpr,""",
+        """    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
+    v_wide, vbar, L: gl.constexpr,""",
+    ),
+    (
+        """        ids, ok, idr, okr = nids, nok, nidr, nokr
+""",
+        """        ids, ok, idr, okr = nids, nok, nidr, nokr
+        if t > 0:
+            _widen_v(lat_ring, v_wide, landed, vbar, t - 1, L)
+    if n_tiles > 0:
+        _widen_v(lat_ring, v_wide, landed, vbar, n_tiles - 1, L)
+""",
+    ),
+    (
+        """@gluon.jit
+def _loader(""",
+        """@gluon.jit
+def _widen_v(lat_ring, v_wide, landed, vbar, t, L: gl.constexpr):
+    w = t % 2
+    phase = (t // 2) & 1
+    LB: gl.constexpr = L // BOX_COLS
+    HALF: gl.constexpr = BOX_COLS // 2
+    ld: gl.constexpr = _box_copy_layout(HALF)
+    mbarrier.wait(landed.index(w), phase)
+    mbarrier.wait(vbar.index(w), phase)
+    v_w = v_wide.index(w)
+    for b in gl.static_range(LB):
+        box = _row_swizzled(lat_ring.index(w * LB + b))
+        for h in gl.static_range(2):
+            x = box.slice(h * HALF, HALF, dim=1).load(ld)
+            v_w.slice(b * BOX_COLS + h * HALF, HALF, dim=1).store(x.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(vbar.index(2 + w))
+
+
+@gluon.jit
+def _loader(""",
+    ),
+    (
+        """    mma_args = (
+        q_nope_smem,""",
+        """    mma_args = (
+        vbar, q_nope_smem,""",
+    ),
+    (
+        """
+    (
+        q_nope_smem,""",
+        """
+    (
+        vbar, q_nope_smem,""",
+    ),
+    (
+        _PV,
+        """        mbarrier.wait(vbar.index(2 + W), (t // 2) & 1)
+"""
+        + _PV
+        + """        gl.thread_barrier()
+        mbarrier.arrive(vbar.index(W))
+""",
+    ),
+    ("            st_layout, True,\n", "            st_layout, False,\n"),
+]
+
 DUAL_VARIANTS: Variants = {
     "main": (True, [], "the kernel on main"),
     "no-v-store": (False, _NO_V_STORE, "the widened K chunks are not stored as the fp16 V tile"),
@@ -271,6 +360,11 @@ DUAL_VARIANTS: Variants = {
         True,
         _PV_DEFERRED + _ONE_BARRIER_REDUCTIONS,
         "pv-deferred and one-barrier-reductions together",
+    ),
+    "loader-widens-v": (
+        True,
+        _LOADER_WIDENS_V,
+        "the loader widens the V tile (the MMA warpgroups store none)",
     ),
     "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no cross-warp reduction in the loop)"),
 }
