@@ -42,7 +42,8 @@ from _common import print_table
 import mla.providers.gluon.dual as dual_on_main
 import mla.providers.gluon.pingpong as pingpong_on_main
 
-Edit = tuple[str, str]
+Edit = tuple[str, str] | tuple[str, str, int]
+"""``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
 
 _V_STORE_0 = """        v_w.slice(0, QK_CHUNK, dim=1).store(a)
 """
@@ -179,20 +180,8 @@ _ONE_BARRIER_REDUCTIONS: list[Edit] = [
     )
 """,
     ),
-    (
-        """    mma_args = (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
-        """    mma_args = (
-        red_smem, q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
-    ),
-    (
-        """
-    (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
-        """
-    (
-        red_smem, q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem,""",
-    ),
+    # the buffer joins the MMA warpgroups' argument tuple (built and unpacked: two occurrences)
+    ("v_wide, p_smem, merge_ptr,", "v_wide, p_smem, red_smem, merge_ptr,", 2),
     (
         _ROW_SUM_DEFERRED[1][0],
         """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
@@ -302,20 +291,7 @@ def _widen_v(lat_ring, v_wide, landed, vbar, t, L: gl.constexpr):
 @gluon.jit
 def _loader(""",
     ),
-    (
-        """    mma_args = (
-        q_nope_smem,""",
-        """    mma_args = (
-        vbar, q_nope_smem,""",
-    ),
-    (
-        """
-    (
-        q_nope_smem,""",
-        """
-    (
-        vbar, q_nope_smem,""",
-    ),
+    ("merge_ptr, landed, free, merged,", "merge_ptr, landed, free, merged, vbar,", 2),
     (
         _PV,
         """        mbarrier.wait(vbar.index(2 + W), (t // 2) & 1)
@@ -365,6 +341,11 @@ DUAL_VARIANTS: Variants = {
         True,
         _LOADER_WIDENS_V,
         "the loader widens the V tile (the MMA warpgroups store none)",
+    ),
+    "loader-widens-v+one-barrier": (
+        True,
+        _LOADER_WIDENS_V + _ONE_BARRIER_REDUCTIONS,
+        "loader-widens-v and one-barrier-reductions together",
     ),
     "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no cross-warp reduction in the loop)"),
 }
@@ -429,14 +410,18 @@ KERNELS = {
 
 
 def variant_source(kernel: Kernel, name: str) -> str:
-    """The kernel module's source with variant ``name``'s edits; each edited text must occur
-    exactly once."""
+    """The kernel module's source with variant ``name``'s edits; each edited text must occur as
+    many times as its edit says (once unless it says otherwise)."""
     path = Path(kernel.module.__file__ or "")
     source = path.read_text()
-    for old, new in kernel.variants[name][1]:
+    for old, new, *times in kernel.variants[name][1]:
+        expected = times[0] if times else 1
         count = source.count(old)
-        if count != 1:
-            raise ValueError(f"variant {name!r}: an edit's text occurs {count} times in {path.name}:\n{old}")
+        if count != expected:
+            raise ValueError(
+                f"variant {name!r}: an edit's text occurs {count} times in {path.name} "
+                f"(expected {expected}):\n{old}"
+            )
         source = source.replace(old, new)
     return source
 

@@ -57,6 +57,14 @@ def test_an_edit_that_no_longer_applies_is_refused(monkeypatch: pytest.MonkeyPat
         WHATIF.variant_source(spec, "gone")
 
 
+def test_an_edit_must_apply_as_often_as_it_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = WHATIF.KERNELS["dual"]
+    twice = [("def mla_decode_dual_kernel(", "def mla_decode_dual_kernel(", 2)]
+    monkeypatch.setitem(spec.variants, "twice", (True, twice, "an edit of a snippet that occurs once"))
+    with pytest.raises(ValueError, match=r"occurs 1 times in dual\.py \(expected 2\)"):
+        WHATIF.variant_source(spec, "twice")
+
+
 def test_a_shape_label_is_parsed_or_refused() -> None:
     assert WHATIF.parse_shape("H16q4B64S4096") == (16, 4, 64, 4096)
     with pytest.raises(ValueError, match="H<heads>q<qlen>B<batch>S<seqlen>"):
