@@ -172,6 +172,22 @@ def _query_to_smem(
 
 
 @gluon.constexpr_function
+def _kv_copy_layouts(kv_fp8, warps):
+    """Register layouts of the ``cp.async`` gathers of a KV tile's latent and rope parts: 16
+    bytes a thread (16 fp8 or 8 16-bit values), a warp across a 512-wide latent row, the warps
+    stacked over the rows. Shared by the 64-row and few-rows kernels."""
+    per_thread = 16 if kv_fp8 else 8
+    rope_lanes = 64 // per_thread
+    return (
+        gl.BlockedLayout([1, per_thread], [1, 32], [warps, 1], [1, 0]),
+        gl.BlockedLayout([1, per_thread], [32 // rope_lanes, rope_lanes], [warps, 1], [1, 0]),
+    )
+
+
+# ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
+# one split turns it into the constant 1 (an LLVM-lowering assertion), and one binary serves
+# every split count anyway.
+@gluon.constexpr_function
 def _query_copy_layout(cols, warps):
     """Register layout of a ``[rows, cols]`` query load: 8 values a thread, a warp across up to
     256 columns, the warps stacked over the rows."""
@@ -332,9 +348,6 @@ def _take_tile(
     )
 
 
-# ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
-# one split turns it into the constant 1 (an LLVM-lowering assertion), and one binary serves
-# every split count anyway.
 @gluon.jit(do_not_specialize=["num_splits"])
 def mla_decode_kernel(
     q_nope_ptr,
@@ -395,11 +408,8 @@ def mla_decode_kernel(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    # fp8 rows are gathered 16 elements (16 bytes) per thread.
-    lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
+    lat_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[0]
+    rope_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[1]
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
+    _kv_copy_layouts,
     _mma_operands,
     _online_softmax,
     _paired_k_column,
@@ -151,11 +152,8 @@ def mla_decode_rows_kernel(
         version=[3, 0], warps_per_cta=[4, WARPGROUPS], instr_shape=[16, NR // WARPGROUPS, 16]
     )
     ot_layout: gl.constexpr = st_layout
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    # fp8 rows are gathered 16 elements (16 bytes) per thread.
-    lat_ld: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [num_warps, 1], [1, 0]) if KV_FP8 else q_ld
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0]) if KV_FP8 else qr_ld
+    lat_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[0]
+    rope_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[1]
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # fp8: a ring of NUM_STAGES fp8 slots, all in flight while one widened fp16 tile feeds the
