@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -116,6 +117,11 @@ def sass_of(compiled: triton.compiler.CompiledKernel) -> str:
         ).stdout
 
 
+def instruction_counts(sass: str, names: Sequence[str]) -> dict[str, int]:
+    """How many of each SASS instruction in ``names`` (by opcode, any modifiers) ``sass`` holds."""
+    return {name: len(re.findall(r"\b" + re.escape(name) + r"[ .]", sass)) for name in names}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true")
@@ -159,9 +165,9 @@ def main() -> None:
             )
         )
     sass = sass_of(k)
-    for ins in ("HGMMA", "LDGSTS", "LDL", "STL", "BAR.SYNC", "F2FP", "LDG", "STG", "LDSM", "STS", "LDS"):
-        pattern = r"\b" + re.escape(ins) + r"[ .]"
-        print(f"{ins:9s} {len(re.findall(pattern, sass))}")
+    names = ("HGMMA", "LDGSTS", "LDL", "STL", "BAR.SYNC", "F2FP", "LDG", "STG", "LDSM", "STS", "LDS")
+    for name, count in instruction_counts(sass, names).items():
+        print(f"{name:9s} {count}")
     if args.sass:
         print(sass)
 

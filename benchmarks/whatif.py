@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -56,6 +57,33 @@ _NO_V_STORE: list[Edit] = [(_V_STORE_0, ""), (_V_STORE_C, "")]
 # P still feeds the output (its column sums), so nothing upstream of PV becomes dead code; that
 # adds one cross-warp reduction a tile, which fixed-row-max bounds.
 _NO_PV: list[Edit] = [(_PV, "        acc = acc + gl.sum(p, 0)[None, :]\n")]
+
+_SOFTMAX_CALL = """        p, alpha, m_i, l_i = _online_softmax(
+            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
+        )
+"""
+"""The MMA warpgroup's softmax step, which the softmax variants replace."""
+_KEYS_VISIBLE = """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+"""
+"""The first lines of :func:`.kernels._online_softmax`, spelled out where a variant replaces it."""
+_AFTER_LOOP = "    # Warpgroup 1 hands its output"
+"""The MMA warpgroup's first line after its loop."""
+
+
+def _after_loop(code: str) -> Edit:
+    """An edit that puts ``code`` right after the MMA warpgroup's loop."""
+    return (_AFTER_LOOP, code + _AFTER_LOOP)
+
+
+_L_PART: Edit = (
+    """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+""",
+    """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+    l_part = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+""",
+)
+"""Per-thread partial row sums, ``[keys, rows]`` like the scores."""
 
 _GATHER = "_gather_tile(kv_ptr, ids, ok, idr, okr, stride_kv, lat_ring, rope_ring, landed, w, L, R)"
 _NO_DRAM: list[Edit] = [
@@ -95,31 +123,17 @@ _PV_DEFERRED: list[Edit] = [
         """        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
 """,
     ),
-    (
-        """    # Warpgroup 1 hands its output""",
-        """    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    # Warpgroup 1 hands its output""",
-    ),
+    _after_loop("    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n"),
 ]
 
 # Each thread keeps its own partial row sums ([keys, rows], like the scores) and the rows are
 # summed across the warps once, after the loop: one cross-warp reduction per tile instead of two.
 _ROW_SUM_DEFERRED: list[Edit] = [
+    _L_PART,
     (
-        """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
-""",
-        """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
-    l_part = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
-""",
-    ),
-    (
-        """        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
-""",
-        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
-        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        _SOFTMAX_CALL,
+        _KEYS_VISIBLE
+        + """        sc = gl.where(visible, sc * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
@@ -128,31 +142,23 @@ _ROW_SUM_DEFERRED: list[Edit] = [
         l_part = l_part * gl.expand_dims(alpha, 0) + p
 """,
     ),
-    (
-        """    # Warpgroup 1 hands its output""",
-        """    l_i = gl.sum(l_part, 0)
-    # Warpgroup 1 hands its output""",
-    ),
+    _after_loop("    l_i = gl.sum(l_part, 0)\n"),
 ]
 
 # Every row's max taken as 8 (log2 domain) for the whole request: no cross-warp reduction in
 # the loop (the row sums as in row-sum-deferred). Exact only while no score exceeds it.
 _FIXED_ROW_MAX: list[Edit] = [
-    _ROW_SUM_DEFERRED[0],
+    _L_PART,
     (
-        _ROW_SUM_DEFERRED[1][0],
-        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
-        p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
+        _SOFTMAX_CALL,
+        _KEYS_VISIBLE
+        + """        p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
         alpha = gl.full([NR], 1.0, gl.float32, layout=rows_layout)
         l_part = l_part + p
 """,
     ),
-    (
-        _ROW_SUM_DEFERRED[2][0],
-        """    l_i = gl.sum(l_part, 0)
-    m_i = gl.full([NR], 8.0, gl.float32, layout=rows_layout)
-    # Warpgroup 1 hands its output""",
+    _after_loop(
+        "    l_i = gl.sum(l_part, 0)\n    m_i = gl.full([NR], 8.0, gl.float32, layout=rows_layout)\n"
     ),
 ]
 
@@ -183,10 +189,9 @@ _ONE_BARRIER_REDUCTIONS: list[Edit] = [
     # the buffer joins the MMA warpgroups' argument tuple (built and unpacked: two occurrences)
     ("v_wide, p_smem, merge_ptr,", "v_wide, p_smem, red_smem, merge_ptr,", 2),
     (
-        _ROW_SUM_DEFERRED[1][0],
-        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
-        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        _SOFTMAX_CALL,
+        _KEYS_VISIBLE
+        + """        sc = gl.where(visible, sc * qk_scale, float("-inf"))
         # red_smem: [warpgroup, max | sum, warp, row] floats; each warp writes its own slot
         red_rows = red_smem.reshape([2 * 2 * 4, NR])
         red_rows.slice(W * 8, 4, dim=0).store(gl.max(gl.reshape(sc, [4, BLOCK_N // 4, NR]), 1))
@@ -443,8 +448,6 @@ def load_variant(kernel: Kernel, name: str, workdir: str) -> Any:
 def compile_only(kernel: Kernel, names: list[str]) -> None:
     """Compile every variant for sm_90 on this machine (no GPU): shared memory, HGMMA, STSM and
     spill-store counts."""
-    import re
-
     import gluon_compile
 
     rows = []
@@ -452,14 +455,16 @@ def compile_only(kernel: Kernel, names: list[str]) -> None:
         for name in names:
             setattr(gluon_compile, kernel.name, load_variant(kernel, name, workdir))
             compiled = gluon_compile.compile_variant(block_n=64, stages=2, **kernel.compile_options)
-            sass = gluon_compile.sass_of(compiled)
+            counts = gluon_compile.instruction_counts(
+                gluon_compile.sass_of(compiled), ("HGMMA", "STSM", "STL")
+            )
             rows.append(
                 {
                     "variant": name,
                     "shared B": compiled.metadata.shared,
-                    "HGMMA": len(re.findall(r"\bHGMMA\b", sass)),
-                    "STSM": len(re.findall(r"\bSTSM\b", sass)),
-                    "spill stores": len(re.findall(r"\bSTL\b", sass)),
+                    "HGMMA": counts["HGMMA"],
+                    "STSM": counts["STSM"],
+                    "spill stores": counts["STL"],
                 }
             )
     print_table(rows, title=f"{kernel.name} what-if variants, compiled for sm_90")
@@ -467,8 +472,6 @@ def compile_only(kernel: Kernel, names: list[str]) -> None:
 
 def parse_shape(label: str) -> tuple[int, int, int, int]:
     """``H16q4B64S4096`` -> (heads, qlen, batch, sequence length)."""
-    import re
-
     m = re.fullmatch(r"H(\d+)q(\d+)B(\d+)S(\d+)", label)
     if m is None:
         raise ValueError(
