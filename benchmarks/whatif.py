@@ -46,44 +46,93 @@ import mla.providers.gluon.pingpong as pingpong_on_main
 Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
 
-_V_STORE_0 = """        v_w.slice(0, QK_CHUNK, dim=1).store(a)
+_PV = """        al = alpha[None, :]
+        o0e, o0o = _pv_box(lat_ring, s * LB + 0, p_w, o0e * al, o0o * al, a_layout, kv_dtype)
+        o1e, o1o = _pv_box(lat_ring, s * LB + 1, p_w, o1e * al, o1o * al, a_layout, kv_dtype)
+        o0e, o0o, o1e, o1o = warpgroup_mma_wait(num_outstanding=2, deps=(o0e, o0o, o1e, o1o))
+        o2e, o2o = _pv_box(lat_ring, s * LB + 2, p_w, o2e * al, o2o * al, a_layout, kv_dtype)
+        o1e, o1o, o2e, o2o = warpgroup_mma_wait(num_outstanding=2, deps=(o1e, o1o, o2e, o2o))
+        v3e, v3o = _split_widen(_box_pairs(lat_ring, s * LB + 3).load(a_layout), kv_dtype)
+        # Every read of the ring slot is done (the last box is in registers): it may be refilled.
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(s))
+        o3e = warpgroup_mma(v3e, p_w, o3e * al, is_async=True)
+        o3o = warpgroup_mma(v3o, p_w, o3o * al, is_async=True)
+        o2e, o2o, o3e, o3o = warpgroup_mma_wait(num_outstanding=0, deps=(o2e, o2o, o3e, o3o))
 """
-_V_STORE_C = """            v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(a)
-"""
-_PV = """        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-"""
-_NO_V_STORE: list[Edit] = [(_V_STORE_0, ""), (_V_STORE_C, "")]
+"""The MMA warpgroup's PV: the four latent boxes read transposed, widened and multiplied."""
 # P still feeds the output (its column sums), so nothing upstream of PV becomes dead code; that
 # adds one cross-warp reduction a tile, which fixed-row-max bounds.
-_NO_PV: list[Edit] = [(_PV, "        acc = acc + gl.sum(p, 0)[None, :]\n")]
+_NO_PV: list[Edit] = [
+    (
+        _PV,
+        """        mbarrier.arrive(free.index(s))
+        o0e = o0e * alpha[None, :] + gl.sum(p, 0)[None, :]
+""",
+    )
+]
 
-_SOFTMAX_CALL = """        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
-"""
-"""The MMA warpgroup's softmax step, which the softmax variants replace."""
-_KEYS_VISIBLE = """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
-"""
-"""The first lines of :func:`.kernels._online_softmax`, spelled out where a variant replaces it."""
-_AFTER_LOOP = "    # Warpgroup 1 hands its output"
-"""The MMA warpgroup's first line after its loop."""
+_AFTER_LOOP = "    l_i = gl.sum(l_part, 0)\n"
+"""The MMA warpgroup's first line after its loop (the row sums across the warps)."""
 
 
 def _after_loop(code: str) -> Edit:
     """An edit that puts ``code`` right after the MMA warpgroup's loop."""
-    return (_AFTER_LOOP, code + _AFTER_LOOP)
+    return (_AFTER_LOOP, _AFTER_LOOP + code)
 
 
-_L_PART: Edit = (
-    """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
-""",
-    """    s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
-    l_part = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
-""",
+def _lines(path: str, first: str, last: str) -> str:
+    """The lines of ``path`` from the one that starts with ``first`` through the next one that
+    starts with ``last`` (leading spaces count)."""
+    lines = Path(path).read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    stop = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
+    return "".join(lines[start : stop + 1])
+
+
+_SOFTMAX = _lines(
+    dual_on_main.__file__ or "",
+    "        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)",
+    "        l_part = l_part * gl.expand_dims(alpha, 0) + p",
 )
-"""Per-thread partial row sums, ``[keys, rows]`` like the scores."""
+"""The MMA warpgroup's softmax (against the reference max), which the softmax variants replace."""
+_P_STORE = """        p_w.store(p.to(p_w.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+"""
+# The online softmax of the other Gluon kernels: each tile's row max and row sum reduced across
+# the warpgroup's warps by the compiler (two barriers each).
+_ONLINE_SOFTMAX: list[Edit] = [
+    (
+        "from mla.providers.gluon.kernels import (\n",
+        "from mla.providers.gluon.kernels import (\n    _online_softmax,\n",
+    ),
+    (
+        _SOFTMAX,
+        """        p, alpha, m_i, l_i = _online_softmax(
+            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
+        )
+"""
+        + _P_STORE,
+    ),
+    (_AFTER_LOOP, ""),
+]
+# Every row's max taken as 8 (log2 domain) for the whole request: no row-max exchange at all.
+# Exact only while no score exceeds it.
+_FIXED_ROW_MAX: list[Edit] = [
+    (
+        _SOFTMAX,
+        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
+"""
+        + _P_STORE
+        + """        alpha = gl.full([NR], 1.0, gl.float32, layout=rows_layout)
+        l_part = l_part + p
+""",
+    ),
+    _after_loop("    m_i = gl.full([NR], 8.0, gl.float32, layout=rows_layout)\n"),
+]
 
 _GATHER = "_gather_tile(kv_ptr, ids, ok, idr, okr, stride_kv, lat_ring, rope_ring, landed, w, L, R)"
 _NO_DRAM: list[Edit] = [
@@ -92,267 +141,24 @@ _NO_DRAM: list[Edit] = [
     (_GATHER, _GATHER.replace("ok, idr, okr,", "ok & False, idr, okr & False,")),
 ]
 
-# PV of tile t stays in flight until the next tile of the warpgroup has its first K chunk in
-# registers (the wait moves before the first V store, which overwrites the tile PV reads). An
-# in-flight accumulator cannot enter the loop as a plain tensor, so a first PV of zeros (V and P
-# zero-filled, exact) starts it in flight.
-_PV_DEFERRED: list[Edit] = [
-    (
-        """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    for t in range(W, n_tiles, 2):
-""",
-        """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    for c in gl.static_range(L // QK_CHUNK):
-        v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(gl.zeros([BLOCK_N, QK_CHUNK], gl.float16, zero_layout))
-    p_w.store(gl.zeros([BLOCK_N, NR], gl.float16, zero_layout))
-    fence_async_shared()
-    gl.thread_barrier()
-    acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
-    for t in range(W, n_tiles, 2):
-""",
-    ),
-    (
-        _V_STORE_0,
-        """        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-"""
-        + _V_STORE_0,
-    ),
-    (
-        _PV,
-        """        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
-""",
-    ),
-    _after_loop("    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n"),
-]
-
-# Each thread keeps its own partial row sums ([keys, rows], like the scores) and the rows are
-# summed across the warps once, after the loop: one cross-warp reduction per tile instead of two.
-_ROW_SUM_DEFERRED: list[Edit] = [
-    _L_PART,
-    (
-        _SOFTMAX_CALL,
-        _KEYS_VISIBLE
-        + """        sc = gl.where(visible, sc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - gl.expand_dims(m_use, 0))
-        m_i = m_new
-        l_part = l_part * gl.expand_dims(alpha, 0) + p
-""",
-    ),
-    _after_loop("    l_i = gl.sum(l_part, 0)\n"),
-]
-
-# Every row's max taken as 8 (log2 domain) for the whole request: no cross-warp reduction in
-# the loop (the row sums as in row-sum-deferred). Exact only while no score exceeds it.
-_FIXED_ROW_MAX: list[Edit] = [
-    _L_PART,
-    (
-        _SOFTMAX_CALL,
-        _KEYS_VISIBLE
-        + """        p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
-        alpha = gl.full([NR], 1.0, gl.float32, layout=rows_layout)
-        l_part = l_part + p
-""",
-    ),
-    _after_loop(
-        "    l_i = gl.sum(l_part, 0)\n    m_i = gl.full([NR], 8.0, gl.float32, layout=rows_layout)\n"
-    ),
-]
-
-# Two QKᵀ chunks in flight instead of one (the wait before the next chunk's read lets two
-# register operands stay live).
-_QK_DEPTH_2: list[Edit] = [
-    (
-        "sc, a = warpgroup_mma_wait(num_outstanding=1, deps=(sc, a))",
-        "sc, a = warpgroup_mma_wait(num_outstanding=2, deps=(sc, a))",
-    )
-]
-
-# The softmax's two cross-warp reductions a tile (row max, row sum) each with one barrier of the
-# warpgroup instead of the compiler's two: every warp stores its rows' partial max (then sum) in
-# a slot of its own, one barrier, every thread reads the four slots. One buffer each suffices:
-# a buffer is written again only after the other reduction's barrier, which every warp passes
-# after its reads of it.
-_ONE_BARRIER_REDUCTIONS: list[Edit] = [
-    (
-        """    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
-""",
-        """    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
-    red_smem = gl.allocate_shared_memory(
-        gl.float32, [2 * 2 * 4 * NR], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    )
-""",
-    ),
-    # the buffer joins the MMA warpgroups' argument tuple (built and unpacked: two occurrences)
-    ("v_wide, p_smem, merge_ptr,", "v_wide, p_smem, red_smem, merge_ptr,", 2),
-    (
-        _SOFTMAX_CALL,
-        _KEYS_VISIBLE
-        + """        sc = gl.where(visible, sc * qk_scale, float("-inf"))
-        # red_smem: [warpgroup, max | sum, warp, row] floats; each warp writes its own slot
-        red_rows = red_smem.reshape([2 * 2 * 4, NR])
-        red_rows.slice(W * 8, 4, dim=0).store(gl.max(gl.reshape(sc, [4, BLOCK_N // 4, NR]), 1))
-        gl.thread_barrier()
-        r0, r1, r2, r3 = _red_slots(red_smem, W, 0, NR, rows_layout)
-        m_new = gl.maximum(gl.maximum(m_i, gl.maximum(r0, r1)), gl.maximum(r2, r3))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - gl.expand_dims(m_use, 0))
-        m_i = m_new
-        red_rows.slice(W * 8 + 4, 4, dim=0).store(gl.sum(gl.reshape(p, [4, BLOCK_N // 4, NR]), 1))
-        gl.thread_barrier()
-        r0, r1, r2, r3 = _red_slots(red_smem, W, 1, NR, rows_layout)
-        l_i = l_i * alpha + ((r0 + r1) + (r2 + r3))
-""",
-    ),
-]
-
-_ONE_BARRIER_REDUCTIONS.append(
-    (
-        """@gluon.jit
-def _tile_ids(""",
-        """@gluon.jit
-def _red_slots(red_smem, W: gl.constexpr, K: gl.constexpr, NR: gl.constexpr, layout: gl.constexpr):
-    base: gl.constexpr = (W * 2 + K) * 4 * NR
-    return (
-        red_smem.slice(base, NR).load(layout),
-        red_smem.slice(base + NR, NR).load(layout),
-        red_smem.slice(base + 2 * NR, NR).load(layout),
-        red_smem.slice(base + 3 * NR, NR).load(layout),
-    )
-
-
-@gluon.jit
-def _tile_ids(""",
-    )
-)
-
 Variants = dict[str, tuple[bool, list[Edit], str]]
 """name -> (exact, edits of the module's source, what the variant does)."""
 
-# The loader, not the MMA warpgroups, widens each tile's latent part into the fp16 V tile (in
-# the natural column order; the output store then undoes no permutation): a second read of the
-# fp8 ring, off the warpgroups' chains. vbar[w]: warpgroup w's PV of its last tile is done (the
-# V tile is free); vbar[2 + w]: the loader has written warpgroup w's next V tile.
-_LOADER_WIDENS_V: list[Edit] = [
-    *_NO_V_STORE,
-    (
-        """    merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-""",
-        """    merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    vbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
-        mbarrier.init(vbar.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.arrive(vbar.index(i))
-""",
-    ),
-    (
-        "                    rope_ring, landed, free, L, R, BLOCK_N,\n",
-        "                    rope_ring, landed, free, v_wide, vbar, L, R, BLOCK_N,\n",
-    ),
-    (
-        """    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
-    L: gl.constexpr,""",
-        """    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
-    v_wide, vbar, L: gl.constexpr,""",
-    ),
-    (
-        """        ids, ok, idr, okr = nids, nok, nidr, nokr
-""",
-        """        ids, ok, idr, okr = nids, nok, nidr, nokr
-        if t > 0:
-            _widen_v(lat_ring, v_wide, landed, vbar, t - 1, L)
-    if n_tiles > 0:
-        _widen_v(lat_ring, v_wide, landed, vbar, n_tiles - 1, L)
-""",
-    ),
-    (
-        """@gluon.jit
-def _loader(""",
-        """@gluon.jit
-def _widen_v(lat_ring, v_wide, landed, vbar, t, L: gl.constexpr):
-    w = t % 2
-    phase = (t // 2) & 1
-    LB: gl.constexpr = L // BOX_COLS
-    HALF: gl.constexpr = BOX_COLS // 2
-    ld: gl.constexpr = _box_copy_layout(HALF)
-    mbarrier.wait(landed.index(w), phase)
-    mbarrier.wait(vbar.index(w), phase)
-    v_w = v_wide.index(w)
-    for b in gl.static_range(LB):
-        box = _row_swizzled(lat_ring.index(w * LB + b))
-        for h in gl.static_range(2):
-            x = box.slice(h * HALF, HALF, dim=1).load(ld)
-            v_w.slice(b * BOX_COLS + h * HALF, HALF, dim=1).store(x.to(gl.float16))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(vbar.index(2 + w))
-
-
-@gluon.jit
-def _loader(""",
-    ),
-    ("merge_ptr, landed, free, merged,", "merge_ptr, landed, free, merged, vbar,", 2),
-    (
-        _PV,
-        """        mbarrier.wait(vbar.index(2 + W), (t // 2) & 1)
-"""
-        + _PV
-        + """        gl.thread_barrier()
-        mbarrier.arrive(vbar.index(W))
-""",
-    ),
-    ("            st_layout, True,\n", "            st_layout, False,\n"),
-]
-
 DUAL_VARIANTS: Variants = {
     "main": (True, [], "the kernel on main"),
-    "no-v-store": (False, _NO_V_STORE, "the widened K chunks are not stored as the fp16 V tile"),
-    "no-pv": (False, _NO_PV, "no Oᵀ += Vᵀ·Pᵀ"),
-    "no-v-path": (False, _NO_V_STORE + _NO_PV, "neither the V store nor PV"),
+    "no-pv": (False, _NO_PV, "no Oᵀ += Vᵀ·Pᵀ (nor its reads of the ring)"),
     "no-dram": (
         False,
         _NO_DRAM,
         "the loader zero-fills the ring (cp.async of masked rows) instead of reading the cache",
     ),
-    "no-dram-no-v-path": (False, _NO_DRAM + _NO_V_STORE + _NO_PV, "both of the above"),
-    "pv-deferred": (
+    "no-dram-no-pv": (False, _NO_DRAM + _NO_PV, "both of the above"),
+    "online-softmax": (
         True,
-        _PV_DEFERRED,
-        "PV of a tile in flight until the warpgroup's next tile is in registers",
+        _ONLINE_SOFTMAX,
+        "the online softmax of the other kernels (compiler reductions across the warps)",
     ),
-    "no-dram-pv-deferred": (False, _NO_DRAM + _PV_DEFERRED, "no-dram with pv-deferred"),
-    "row-sum-deferred": (
-        True,
-        _ROW_SUM_DEFERRED,
-        "per-thread row sums, reduced across warps once at the end",
-    ),
-    "qk-depth-2": (True, _QK_DEPTH_2, "two QKᵀ chunks in flight instead of one"),
-    "one-barrier-reductions": (
-        True,
-        _ONE_BARRIER_REDUCTIONS,
-        "the softmax's cross-warp reductions with one barrier each",
-    ),
-    "pv-deferred+one-barrier": (
-        True,
-        _PV_DEFERRED + _ONE_BARRIER_REDUCTIONS,
-        "pv-deferred and one-barrier-reductions together",
-    ),
-    "loader-widens-v": (
-        True,
-        _LOADER_WIDENS_V,
-        "the loader widens the V tile (the MMA warpgroups store none)",
-    ),
-    "loader-widens-v+one-barrier": (
-        True,
-        _LOADER_WIDENS_V + _ONE_BARRIER_REDUCTIONS,
-        "loader-widens-v and one-barrier-reductions together",
-    ),
-    "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no cross-warp reduction in the loop)"),
+    "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no row-max exchange)"),
 }
 
 # -- the ping-pong kernel (64 rows, 16-bit caches) ---------------------------------------------
@@ -400,6 +206,8 @@ class Kernel:
     shapes: tuple[str, ...]
     kv: str
     compile_options: dict[str, bool]
+    files: dict[str, Path] = attrs.field(factory=dict)
+    """Variants that are whole files (``--file``): a copy of the kernel's module with changes."""
 
 
 KERNELS = {
@@ -417,6 +225,8 @@ KERNELS = {
 def variant_source(kernel: Kernel, name: str) -> str:
     """The kernel module's source with variant ``name``'s edits; each edited text must occur as
     many times as its edit says (once unless it says otherwise)."""
+    if name in kernel.files:
+        return kernel.files[name].read_text()
     path = Path(kernel.module.__file__ or "")
     source = path.read_text()
     for old, new, *times in kernel.variants[name][1]:
@@ -434,7 +244,7 @@ def variant_source(kernel: Kernel, name: str) -> str:
 def load_variant(kernel: Kernel, name: str, workdir: str) -> Any:
     """Variant ``name``'s kernel (its module is a file under ``workdir``: Gluon reads a kernel's
     source)."""
-    stem = f"{kernel.name}_{name}".replace("-", "_").replace("+", "_")
+    stem = f"{kernel.name}_{name}".replace("-", "_").replace("+", "_").replace(":", "_")
     path = os.path.join(workdir, f"{stem}.py")
     Path(path).write_text(variant_source(kernel, name))
     spec = importlib.util.spec_from_file_location(f"whatif_{stem}", path)
@@ -541,8 +351,18 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", help="H<heads>q<qlen>B<batch>S<seqlen>; default: the kernel's")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants for sm_90 (no GPU)")
+    ap.add_argument(
+        "--file", nargs="*", default=[], type=Path,
+        help="a copy of the kernel's module with changes, timed as variant 'file:<stem>'",
+    )  # fmt: skip
     args = ap.parse_args()
     kernel = KERNELS[args.kernel]
+    files = {f"file:{path.stem}": path for path in args.file}
+    kernel = attrs.evolve(
+        kernel,
+        files=files,
+        variants={**kernel.variants, **{n: (True, [], f"the kernel of {p}") for n, p in files.items()}},
+    )
     names = args.variants or list(kernel.variants)
     unknown = sorted(set(names) - set(kernel.variants))
     if unknown:

@@ -185,6 +185,40 @@ def test_paged_decode_variants(
         assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon {variant}")
 
 
+# (request, token position, head, factor): the key at that position made ``factor`` times the
+# head's query, so its score exceeds every earlier one of the row by far more than the online
+# softmax's slack (about 60·factor in log2 units here), in tiles of both warpgroups and splits.
+SPIKES = [(0, 1000, 0, 0.15), (0, 2900, 3, 0.3), (0, 2950, 0, 0.3), (1, 500, 7, 0.3), (1, 650, 7, 0.5)]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8, E5M2], ids=["bf16", "fp8", "e5m2"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
+def test_late_score_spikes(kv_dtype: torch.dtype, splits: int) -> None:
+    """Keys whose scores jump far above everything before them, late in a request: the kernels
+    must move their running (or reference) row max, not overflow ``P``."""
+    from mla.providers.gluon.decode import paged_decode
+    from mla.providers.gluon.planner import launch_config
+    from mla.providers.triton.decode import num_sms
+
+    heads, qlens, lens, block = 16, [1, 1], [3000, 700], 64
+    data = _case(heads, qlens, lens, block, kv_dtype, seed=7)
+    q, cache, kv_indptr, kv_indices, _qo, scale_t, _bs = data
+    kv_scale = 1.0 if scale_t is None else float(scale_t)
+    for req, pos, head, factor in SPIKES:
+        row = int(kv_indices[int(kv_indptr[req]) + pos])
+        cache[row] = (factor * q[req, head].float() / kv_scale).to(cache.dtype)
+    ref_out, ref_lse = _reference(data, qlens, lens)
+    out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((q.shape[0], heads), math.nan, device="cuda")
+    auto = launch_config(
+        batch=len(lens), rows=heads, max_seqlen_k=max(lens), num_sms=num_sms(q.device),
+        persistent=False, kv_fp8=kv_dtype.itemsize == 1,
+    )  # fmt: skip
+    paged_decode(_call(data, qlens, lens, out, lse), config=attrs.evolve(auto, num_splits=splits))
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon spikes {auto}")
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("heads", [1, 8, 16, 24, 64])
 def test_small_head_decode(heads: int, kv_dtype: torch.dtype) -> None:

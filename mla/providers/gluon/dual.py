@@ -7,43 +7,61 @@ the chain of that one warpgroup, not the memory, sets the pace. Here the chain i
 ways, with the products of :mod:`.transposed` (the 16 rows as the MMA N dimension):
 
 * a **loader** warpgroup (the default partition) only copies: tile ``t``'s fp8 cache rows into
-  ring slot ``t % 2`` (a whole 64-token tile, 36 KB) once the slot's warpgroup has read the
-  tile before out of it (``free[w]``), announced on ``landed[w]`` when the copies land. A tile
+  ring slot ``s = t % 4`` (a whole 64-token tile, 36 KB) once the tile before in it has been
+  read (``free[s]``), announced on ``landed[s]`` when the copies land. A tile
   of 64 consecutive cache rows (a 64-token page, or consecutive pages) comes by TMA, any other
   by ``cp.async`` gathers by token id;
-* two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``
-  and ring slot ``w``). ``Sᵀ = K·Qᵀ`` takes K from registers: the warpgroup reads the fp8 tile
-  once, 64 columns a step, widens it in registers as the wgmma A operand (one step's MMA in
-  flight while the next step is read) and stores the latent part as the fp16 V tile of its own
-  that ``Oᵀ += Vᵀ·Pᵀ`` reads. The ring slot is released as soon as the tile is in registers, so
-  the next gather overlaps the rest of the tile's work. Running max, sum and output are the
+* two **MMA** warpgroups take alternate tiles (warpgroup ``w`` owns tiles ``t ≡ w (mod 2)``;
+  tile ``t`` lands in ring slot ``t % 4``, so each warpgroup has the next of its tiles coming
+  while it works on one). ``Sᵀ = K·Qᵀ`` takes K from registers: the warpgroup reads the fp8
+  tile once, 64 columns a step, widened in registers as the wgmma A operand (one step's MMA in
+  flight while the next step is read). ``Oᵀ += Vᵀ·Pᵀ`` takes Vᵀ from registers too: each
+  ``[64, 128]`` latent box of the slot, read transposed as 16-bit pairs of fp8 values
+  (``ldmatrix.trans``; :func:`_box_pairs`), splits into its even and its odd columns with one
+  byte permutation and widens with packed conversions (:func:`_split_widen`): two ``[64, 64]``
+  fp16 A operands whose rows are latent columns ``2i`` and ``2i + 1``, each with its own
+  ``[64, 16]`` accumulator (eight in all, the output's 64 registers a thread). The slot is
+  released once the last box is in registers. Running max, sum and output are the
   warpgroup's own; nothing passes between the warpgroups until the end.
+
+**The softmax keeps a reference max.** The keys of ``Sᵀ`` lie across the warpgroup's four warps,
+so a row's max over a tile is a cross-warp reduction, and a compiler reduction costs two
+barriers of the warpgroup (the row sum two more). Instead ``P`` is taken against the row's
+reference max ``m`` (the same in every thread), stored, and each warp leaves its rows' maxima
+of the tile in a slot of its own before the barrier that publishes ``P`` to PV; after it every
+thread reads the four slots. While no row's tile max exceeds ``m + REF_SLACK``, ``P`` stands
+(entries below ``2**8``; the output needs no rescale); otherwise, in the same branch for the
+whole warpgroup, ``m`` moves to the new max, ``P`` is taken and stored again and the output and
+sums are rescaled: at a row's first tile with keys, then only where its scores jump
+(``test_late_score_spikes`` in the GPU tests makes them jump). The row sums stay per
+thread (``[keys, rows]``) and are summed across the warps once, after the loop. This takes
+every cross-warp reduction out of the loop but one shared-memory exchange (B128 S8192 166.8
+against 188.7 µs in the same run, below).
 
 The K tile and the query are read in the column order of :func:`.kernels._paired_k`: the four
 columns a thread holds of every 16 of a 16-bit register operand are then four adjacent fp8
 bytes, and the compiler reads the tile with ``ldmatrix`` (18 per warp and tile) instead of
-two-byte loads (144). ``QKᵀ`` sums over the columns, so it does not change; the V tile, and with
-it the output's rows, come out in that order, which the output store undoes
-(:func:`.kernels._paired_k_column`).
+two-byte loads (144). ``QKᵀ`` sums over the columns, so it does not change. PV reads the ring
+in the cache's own column order; the output store maps accumulator rows back to columns.
 
-Each tile thus moves through shared memory once as fp8 (written by the copies, read by its
-warpgroup) and once as the fp16 V tile (written, then read by PV): no fp16 K tile is written
-or read, and the widening runs on the MMA warpgroups, which the earlier design (the loader
-widening whole tiles into fp16 K tiles) left waiting for the loader about half of the time.
+Each tile thus moves through shared memory as fp8 only: written once by the copies and read
+twice by its warpgroup (for QKᵀ and for PV). The design before this one stored the widened
+latent part as an fp16 V tile of 64 KB per tile for PV to read (128 KB of shared memory for the
+two warpgroups' tiles); reading Vᵀ from the fp8 slot instead took 10% off the kernel (below).
 
 At the end warpgroup 1 hands its output, row max and row sum to warpgroup 0 through the
 program's slot of a global merge buffer (fp32, ``16 × (512 + 2)`` values per program, allocated
 by the launcher; it stays in L2), announced on the ``merged`` mbarrier (release/acquire at CTA
 scope: the stores are ordered before warpgroup 0's loads). Warpgroup 0 merges them into its own
 and writes the outputs: the request's rows directly, or fp32 partials for the split reduce.
-Through shared memory (over warpgroup 1's fp16 tile) the same hand-off was equally fast, but
-compute-sanitizer's racecheck flagged it; through global memory it flags nothing of the merge.
+An earlier version handed over through shared memory, equally fast, but compute-sanitizer's
+racecheck flagged it; through global memory it flags nothing of the merge.
 
-Shared memory (16 rows): query 18 KB, fp8 ring 72 KB (per slot four ``[64, 128]`` latent boxes
-and a ``[64, 64]`` rope box, the TMA boxes), two fp16 V tiles 128 KB, ``P`` 4 KB (228,000 B
-with the barriers and the partitions' state).
-fp8 caches and 16 rows only (the fp32 output accumulator is 64 registers per thread; at 32 rows
-the merge would hold two 128-register accumulators). Work items, masking, NaN rules, scales and
+Shared memory (16 rows): query 18 KB, fp8 ring 144 KB (four slots; per slot four ``[64, 128]``
+latent boxes and a ``[64, 64]`` rope box, the TMA boxes), ``P`` 4 KB, the row-max slots
+512 B (171,168 B with the barriers and the partitions' state).
+fp8 caches and 16 rows only (the fp32 output accumulators are 64 registers per thread; at 32
+rows they would be 128). Work items, masking, NaN rules, scales and
 outputs are those of :mod:`.transposed`.
 
 Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
@@ -52,7 +70,10 @@ run): B128 S8192 224.2 against 252.3, B128 S4096 119.3 against 131.1, B64 S4096 
 74.4, B1 S65536 26.2 against 27.7; reading in the paired column order (19:00 UTC) then took
 B128 S8192 from 228.2 to 212.9, B64 S4096 from 67.4 to 62.2; TMA for whole tiles (19:13 UTC)
 left the times as they were. ``benchmarks/decode.py`` (19:22 UTC): B128 S8192 204.8 µs, 1.33x
-the speed of a bf16 cache at the same shape (272.1).
+the speed of a bf16 cache at the same shape (272.1). PV from the fp8 slot (about 21:10 UTC,
+``benchmarks/whatif.py --file``, the kernel before it in the same run): B128 S8192 189.5
+against 208.9 and 211.9, B64 S4096 57.4 against 63.5 and 64.0; the reference-max softmax
+(21:24 UTC): B128 S8192 166.8 against 188.7 and 188.1, B64 S4096 54.1 against 56.8 and 56.5.
 
 compute-sanitizer: memcheck reports no errors. racecheck reports the ``gl.warp_specialize``
 start-up (see :mod:`.pingpong`) and, on tiles that come by ``cp.async``, can report the
@@ -77,7 +98,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
-    _online_softmax,
     _paired_k,
     _query_to_smem,
     _row_info,
@@ -91,10 +111,16 @@ LOADER_WARPS = gl.constexpr(4)
 """Warps of the loader, the default partition (the launch's ``num_warps``)."""
 QK_CHUNK = gl.constexpr(64)
 """Latent columns per register-operand QKᵀ step (64 fp16 values a thread)."""
-MMA_REGS = gl.constexpr(216)
+MMA_REGS = gl.constexpr(232)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): output 64, two QKᵀ register operands in
-flight, the merge another 64 (after the loop). 216 left the loader enough and timed 1% better
-than 208 (B128 S8192 212.9 against 215.1 µs)."""
+flight, or a PV box's pairs and its two widened halves. 232 leaves the loader 48 and ptxas 6
+spill stores (216: 14, and 3–5% slower)."""
+REF_SLACK = gl.constexpr(8.0)
+"""How far (log2 units) a tile's row max may exceed the row's reference max before P is taken
+against the new max instead (P then stays below ``2**8``)."""
+SLOTS = gl.constexpr(4)
+"""fp8 ring slots, a whole tile each: tile ``t`` lands in slot ``t % SLOTS`` (a power of two:
+the slot and phase are a mask and a shift). Five timed 5–6% slower, three 7%."""
 
 BOX_COLS = gl.constexpr(128)
 """Latent columns of one ring box: 128 fp8 bytes a row, the widest row of a 128-byte swizzle."""
@@ -103,6 +129,9 @@ LAT_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8
 16-byte chunks swizzled by row, so the warpgroups' ``ldmatrix`` reads meet no bank conflict."""
 ROPE_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
 """Shared layout of the ``[64, 64]`` rope box of the fp8 ring (and of its TMA descriptor)."""
+LAT_BOX16_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+"""A latent box's bytes as ``[64, 64]`` 16-bit pairs: the same 128-byte swizzle of the same
+128-byte rows, so PV's transposed reads (``ldmatrix.trans``) see the box as it landed."""
 
 
 @gluon.jit
@@ -148,8 +177,8 @@ def _loader(
     kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % 2``
-    once its owner has read the tile before out of it, announced on ``landed[t % 2]`` when the
+    """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % SLOTS``
+    once the tile before in it has been read, announced on ``landed[t % SLOTS]`` when the
     copies land. A whole tile of 64 consecutive cache rows (a 64-token page, or consecutive
     pages) comes by TMA, five boxes (``lat_desc``, ``rope_desc``) on the barrier's transaction
     count; any other tile by ``cp.async`` gathers by token id (rows past ``hi`` zero-filled).
@@ -164,10 +193,10 @@ def _loader(
     ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
     idr, okr = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, rope_ld))
     for t in range(n_tiles):
-        w = t % 2
+        w = t % SLOTS
         nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, rows)
         nidr, nokr = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, gl.SliceLayout(1, rope_ld))
-        mbarrier.wait(free.index(w), (t // 2) & 1)
+        mbarrier.wait(free.index(w), (t // SLOTS) & 1)
         first = gl.min(ids, axis=0)
         consecutive = gl.sum((ids != first + offs).to(gl.int32), axis=0) == 0
         if consecutive & (lo + (t + 1) * BLOCK_N <= hi):
@@ -215,14 +244,14 @@ def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, NR: gl.constexpr, BLOCK_N: gl.constexpr,
     WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` from ring slot ``W`` (``Sᵀ = K·Qᵀ`` with K
-    from registers, the online softmax, ``Oᵀ += Vᵀ·Pᵀ`` on its fp16 V tile), then the merge:
-    warpgroup 1 leaves its output, row max and row sum in the global merge buffer, warpgroup 0
-    merges them and writes the outputs. ``args``: the
-    kernel's buffers, barriers, output pointers and strides (``outs``) and work item (one tuple
-    for both warpgroups)."""
+    """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` from ring slot ``t % SLOTS`` (``Sᵀ = K·Qᵀ``
+    and ``Oᵀ += Vᵀ·Pᵀ``, both with the fp8 tile widened in registers, and the softmax against a
+    reference max), then the merge: warpgroup 1 leaves its output, row max and row sum in the
+    global merge buffer, warpgroup 0 merges them and writes the outputs. ``args``: the kernel's
+    buffers, barriers, output pointers and strides (``outs``) and work item (one tuple for both
+    warpgroups)."""
     (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem, merge_ptr, landed, free, merged,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     ) = args  # fmt: skip
     # The partition reads its arguments before anything of it writes shared memory.
@@ -232,59 +261,91 @@ def _mma_warpgroup(
     )
     rows_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, NR, rows_layout)
+    # The row's reference max (log2 domain) and per-thread partial row sums.
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=rows_layout)
-    l_i = gl.zeros([NR], gl.float32, layout=rows_layout)
-    acc = gl.zeros([L, NR], gl.float32, layout=st_layout)
     s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+    l_part = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
+    red_w = red_smem.slice(W * 4 * NR, 4 * NR)
+    red_rows_w = red_smem.reshape([2 * 4, NR]).slice(W * 4, 4, dim=0)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    # QKᵀ's A operand (the K tile) comes from registers: read once from the fp8 ring, widened in
-    # registers, and (latent part) stored as the fp16 V tile that PV reads.
+    # QKᵀ's A operand (the K tile) comes from registers: read from the fp8 ring, widened.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
     # The tile is read in the column order of _paired_k (the query's too): ldmatrix reads.
     LB: gl.constexpr = L // BOX_COLS
-    r8 = _paired_k(_row_swizzled(rope_ring.index(W)))
-    v_w = v_wide.index(W)
+    kv_dtype: gl.constexpr = lat_ring.dtype
     p_w = p_smem.index(W)
+    z = gl.zeros([BOX_COLS // 2, NR], gl.float32, layout=st_layout)
+    # Output rows: box b's even (odd) accumulator row i is latent column 128·b + 2·i (+ 1).
+    o0e, o0o, o1e, o1o, o2e, o2o, o3e, o3o = z, z, z, z, z, z, z, z
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(W, n_tiles, 2):
-        mbarrier.wait(landed.index(W), (t // 2) & 1)
-        a = _ring_chunk(lat_ring, W * LB, 0).load(a_layout).to(gl.float16)
-        v_w.slice(0, QK_CHUNK, dim=1).store(a)
+        s = t % SLOTS
+        mbarrier.wait(landed.index(s), (t // SLOTS) & 1)
+        a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)
         q_0 = q_nope_smem.slice(0, QK_CHUNK, dim=1).permute((1, 0))
         sc = warpgroup_mma(a, q_0, s_zero, use_acc=False, is_async=True)
         for c in gl.static_range(1, L // QK_CHUNK):
-            a = _ring_chunk(lat_ring, W * LB, c).load(a_layout).to(gl.float16)
-            v_w.slice(c * QK_CHUNK, QK_CHUNK, dim=1).store(a)
+            a = _ring_chunk(lat_ring, s * LB, c).load(a_layout).to(gl.float16)
             sc = warpgroup_mma(
                 a, q_nope_smem.slice(c * QK_CHUNK, QK_CHUNK, dim=1).permute((1, 0)), sc, is_async=True
             )
-            # The previous chunk's MMA is done (its registers may go); this one's stay in flight.
             sc, a = warpgroup_mma_wait(num_outstanding=1, deps=(sc, a))
-        a_r = r8.load(a_layout).to(gl.float16)
-        # Every value of the ring slot is in registers: the loader may refill it.
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(W))
+        a_r = _paired_k(_row_swizzled(rope_ring.index(s))).load(a_layout).to(gl.float16)
         sc = warpgroup_mma(a_r, q_pe_smem.permute((1, 0)), sc, is_async=True)
         sc, a_r = warpgroup_mma_wait(num_outstanding=0, deps=(sc, a_r))
-        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
-        acc = acc * alpha[None, :]
+        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        sc = gl.where(visible, sc * qk_scale, float("-inf"))
+        # Each warp's row maxima of this tile into its slot; every warp reads all four after
+        # the barrier that publishes P, so the exchange adds no barrier of its own.
+        red_rows_w.store(gl.max(gl.reshape(sc, [4, BLOCK_N // 4, NR]), 1))
+        # P against the reference max m_i (the same in every thread): kept unless a row's max
+        # in this tile exceeds it by more than REF_SLACK.
+        p = gl.exp2(sc - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 0))
         p_w.store(p.to(p_w.dtype))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(v_w.permute((1, 0)), p_w, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        tile_max = gl.maximum(
+            gl.maximum(red_w.slice(0, NR).load(rows_layout), red_w.slice(NR, NR).load(rows_layout)),
+            gl.maximum(red_w.slice(2 * NR, NR).load(rows_layout), red_w.slice(3 * NR, NR).load(rows_layout)),
+        )
+        alpha = gl.full([NR], 1.0, gl.float32, layout=rows_layout)
+        if gl.max((tile_max > m_i + REF_SLACK).to(gl.int32), 0) > 0:
+            m_new = gl.maximum(m_i, tile_max)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(sc - gl.expand_dims(m_use, 0))
+            m_i = m_new
+            p_w.store(p.to(p_w.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+        l_part = l_part * gl.expand_dims(alpha, 0) + p
+        al = alpha[None, :]
+        o0e, o0o = _pv_box(lat_ring, s * LB + 0, p_w, o0e * al, o0o * al, a_layout, kv_dtype)
+        o1e, o1o = _pv_box(lat_ring, s * LB + 1, p_w, o1e * al, o1o * al, a_layout, kv_dtype)
+        o0e, o0o, o1e, o1o = warpgroup_mma_wait(num_outstanding=2, deps=(o0e, o0o, o1e, o1o))
+        o2e, o2o = _pv_box(lat_ring, s * LB + 2, p_w, o2e * al, o2o * al, a_layout, kv_dtype)
+        o1e, o1o, o2e, o2o = warpgroup_mma_wait(num_outstanding=2, deps=(o1e, o1o, o2e, o2o))
+        v3e, v3o = _split_widen(_box_pairs(lat_ring, s * LB + 3).load(a_layout), kv_dtype)
+        # Every read of the ring slot is done (the last box is in registers): it may be refilled.
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(s))
+        o3e = warpgroup_mma(v3e, p_w, o3e * al, is_async=True)
+        o3o = warpgroup_mma(v3o, p_w, o3o * al, is_async=True)
+        o2e, o2o, o3e, o3o = warpgroup_mma_wait(num_outstanding=0, deps=(o2e, o2o, o3e, o3o))
 
+    l_i = gl.sum(l_part, 0)
     # Warpgroup 1 hands its output, row max and row sum to warpgroup 0 through this program's
     # slot of the global merge buffer (L2): no shared memory changes hands after the loop.
     NRL: gl.constexpr = NR * L
     base = merge_ptr + gl.program_id(0).to(gl.int64) * (NRL + 2 * NR)
-    offs_d = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
+    offs_i = gl.arange(0, BOX_COLS // 2, layout=gl.SliceLayout(1, st_layout))
     offs_r = gl.arange(0, NR, layout=rows_layout)
-    acc_ptrs = base + offs_d[:, None] * NR + offs_r[None, :]
+    pieces = (o0e, o0o, o1e, o1o, o2e, o2o, o3e, o3o)
     if W == 1:
-        gl.store(acc_ptrs, acc)
+        for j in gl.static_range(2 * LB):
+            rows_d = (j // 2) * BOX_COLS + 2 * offs_i + (j % 2)
+            gl.store(base + rows_d[:, None] * NR + offs_r[None, :], pieces[j])
         gl.store(base + NRL + offs_r, m_i)
         gl.store(base + NRL + NR + offs_r, l_i)
         # Every thread's stores precede the single-thread arrive (release at CTA scope).
@@ -298,12 +359,56 @@ def _mma_warpgroup(
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         a_0 = gl.exp2(m_i - m_use)
         a_1 = gl.exp2(m_1 - m_use)
-        acc = acc * a_0[None, :] + gl.load(acc_ptrs) * a_1[None, :]
         l_i = l_i * a_0 + l_1 * a_1
-        _store_rows_output(
-            acc, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE,
-            st_layout, True,
-        )  # fmt: skip
+        for j in gl.static_range(2 * LB):
+            rows_d = (j // 2) * BOX_COLS + 2 * offs_i + (j % 2)
+            other = gl.load(base + rows_d[:, None] * NR + offs_r[None, :])
+            piece = pieces[j] * a_0[None, :] + other * a_1[None, :]
+            _store_rows_output(
+                piece, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR,
+                BOX_COLS // 2, WRITE_LSE, st_layout,
+                COL_START=(j // 2) * BOX_COLS + (j % 2), COL_STEP=2, STORE_LSE=j == 0,
+            )  # fmt: skip
+
+
+@gluon.jit
+def _box_pairs(lat_ring, box):
+    """Ring box ``box`` transposed, as 16-bit pairs of fp8 values: ``[64, keys]``, row ``i``
+    holding latent columns ``2i`` (low byte) and ``2i + 1`` of the box."""
+    pairs = lat_ring.index(box)._reinterpret(gl.int16, [lat_ring.shape[1], BOX_COLS // 2], LAT_BOX16_LAYOUT)
+    return pairs.permute((1, 0))
+
+
+@gluon.jit
+def _split_widen(x, kv_dtype: gl.constexpr):
+    """Each 16-bit value of ``x`` holds two fp8 values (the even latent column in the low byte):
+    the fp16 tensors of the low and of the high bytes. Two values of ``x`` (consecutive keys) a
+    32-bit register: one byte permutation and two packed conversions."""
+    fmt: gl.constexpr = "e4m3x2" if kv_dtype == gl.float8e4nv else "e5m2x2"
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi;\n"
+        "prmt.b32 t, $2, 0, 0x3120;\n"
+        "mov.b32 {lo, hi}, t;\n"
+        f"cvt.rn.f16x2.{fmt} $0, lo;\n"
+        f"cvt.rn.f16x2.{fmt} $1, hi; }}",
+        "=r,=r,r",
+        [x],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _pv_box(lat_ring, box, p_w, acc_e, acc_o, a_layout: gl.constexpr, kv_dtype: gl.constexpr):
+    """``Oᵀ += Vᵀ·Pᵀ`` for the 128 latent columns of ring box ``box``: the box read transposed
+    as 16-bit pairs of fp8 values (``ldmatrix.trans``), split into the even and the odd
+    columns, widened to fp16 in registers (the wgmma A operands)."""
+    x = _box_pairs(lat_ring, box).load(a_layout)
+    even, odd = _split_widen(x, kv_dtype)
+    acc_e = warpgroup_mma(even, p_w, acc_e, is_async=True)
+    acc_o = warpgroup_mma(odd, p_w, acc_o, is_async=True)
+    return acc_e, acc_o
 
 
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
@@ -376,24 +481,28 @@ def mla_decode_dual_kernel(
     # -- shared memory and barriers --------------------------------------------------------------
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
-    # The fp8 ring: one full-tile slot per MMA warpgroup, each as four [64, 128] latent boxes
-    # and one [64, 64] rope box (the TMA boxes; the cp.async gathers fill the same layout).
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [2 * (L // BOX_COLS), BLOCK_N, BOX_COLS], LAT_BOX_LAYOUT)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [2, BLOCK_N, R], ROPE_BOX_LAYOUT)
-    v_wide = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], mma_smem)
+    # The fp8 ring: SLOTS full-tile slots, each as four [64, 128] latent boxes and one [64, 64]
+    # rope box (the TMA boxes; the cp.async gathers fill the same layout).
+    lat_ring = gl.allocate_shared_memory(
+        kv_dtype, [SLOTS * (L // BOX_COLS), BLOCK_N, BOX_COLS], LAT_BOX_LAYOUT
+    )
+    rope_ring = gl.allocate_shared_memory(kv_dtype, [SLOTS, BLOCK_N, R], ROPE_BOX_LAYOUT)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
-    # landed[w]: ring slot w's copies landed (one arrival per loader thread and one of thread 0,
-    # see _loader); free[w]: its warpgroup has read it; merged: warpgroup 1's output is in the
-    # merge buffer.
-    landed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    red_smem = gl.allocate_shared_memory(
+        gl.float32, [2 * 4 * NR], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    )
+    # landed[s]: ring slot s's copies landed (one arrival per loader thread and one of thread 0,
+    # see _loader); free[s]: the warpgroup of its tile has read it; merged: warpgroup 1's output
+    # is in the merge buffer.
+    landed = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     merged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(SLOTS):
         mbarrier.init(landed.index(i), count=LOADER_WARPS * 32 + 1)
         mbarrier.init(free.index(i), count=1)
     mbarrier.init(merged, count=1)
-    # Both ring slots start free (phase 0 of each "free" barrier completes).
-    for i in gl.static_range(2):
+    # Every ring slot starts free (phase 0 of each "free" barrier completes).
+    for i in gl.static_range(SLOTS):
         mbarrier.arrive(free.index(i))
 
     # -- the NR query rows, rounded to fp16 (by the loader warps) --------------------------------
@@ -410,7 +519,7 @@ def mla_decode_dual_kernel(
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     )  # fmt: skip
     mma_args = (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, v_wide, p_smem, merge_ptr, landed, free, merged,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
     )  # fmt: skip
     gl.warp_specialize(

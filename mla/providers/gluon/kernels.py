@@ -212,8 +212,8 @@ def _query_part_to_smem(
 @gluon.jit
 def _paired_k(x):
     """``x`` (a ``[rows, cols]`` register tensor or shared-memory view, ``cols`` a multiple of
-    16) with its columns reordered within each group of 16: column ``k`` of the result is column
-    :func:`_paired_k_column` ``(k)`` of ``x``. A 16-bit wgmma register operand (``k_width=2``)
+    16) with its columns reordered within each group of 16: column ``16b + 8h + 2t + e`` of the
+    result is column ``16b + 4t + 2h + e`` of ``x``. A 16-bit wgmma register operand (``k_width=2``)
     gives each thread columns ``2t, 2t+1, 2t+8, 2t+9`` of every 16, which this order places in
     the 4 adjacent bytes ``4t .. 4t+3`` of an fp8 row: one 4-byte shared-memory load instead of
     two 2-byte ones. The query and the K tile take the same order, so ``QKᵀ`` is unchanged."""
@@ -221,12 +221,6 @@ def _paired_k(x):
     cols: gl.constexpr = x.shape[1]
     # Column (b, t, h, e) = 16b + 4t + 2h + e of x becomes column 16b + 8h + 2t + e.
     return x.reshape([rows, cols // 16, 4, 2, 2]).permute((0, 1, 3, 2, 4)).reshape([rows, cols])
-
-
-@gluon.jit
-def _paired_k_column(k):
-    """The column of :func:`_paired_k`'s input that lands in column ``k`` (an int tensor)."""
-    return (k & ~15) | (((k >> 1) & 3) << 2) | (((k >> 3) & 1) << 1) | (k & 1)
 
 
 @gluon.jit

@@ -48,7 +48,6 @@ from mla.providers.gluon.kernels import (
     _kv_copy_layouts,
     _mma_operands,
     _online_softmax,
-    _paired_k_column,
     _query_to_smem,
     _row_info,
     _row_lse,
@@ -64,13 +63,16 @@ from mla.providers.gluon.kernels import (
 def _store_rows_output(
     acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs,
     H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, WRITE_LSE: gl.constexpr,
-    LAYOUT: gl.constexpr, PAIRED_K: gl.constexpr = False,
+    LAYOUT: gl.constexpr, COL_START: gl.constexpr = 0, COL_STEP: gl.constexpr = 1,
+    STORE_LSE: gl.constexpr = True,
 ):  # fmt: skip
     """Write the transposed output ``acc`` (``[L, NR]`` fp32 in ``LAYOUT``, unnormalised) and
     the LSE from the running max ``m_i`` and sum ``l_i``: the request's rows directly, or fp32
     partials of work item ``work`` for the split reduce. ``outs``: the output pointers and
-    strides, in the kernels' argument order. ``PAIRED_K``: row ``k`` of ``acc`` is output column
-    :func:`~.kernels._paired_k_column` ``(k)`` (the dual-chain kernel's column order)."""
+    strides, in the kernels' argument order. Row ``k`` of ``acc`` is output column
+    ``COL_START + COL_STEP·k``: ``acc`` may be a part of the output (the dual-chain kernel's
+    accumulators hold every other column of 128). ``STORE_LSE``: write the LSE (or the
+    partial's) too; of an output written in parts, one part does."""
     (
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
@@ -78,20 +80,19 @@ def _store_rows_output(
     lse = _row_lse(m_i, l_i)
     o = acc * (v_scale / _safe_sum(l_i))[None, :]
     qi_o, head_o, ok_o, _lim_o = _row_info(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, LAYOUT))
-    cols_o = gl.arange(0, L, layout=gl.SliceLayout(1, LAYOUT))
-    if PAIRED_K:
-        cols_o = _paired_k_column(cols_o)
+    cols_o = COL_START + COL_STEP * gl.arange(0, L, layout=gl.SliceLayout(1, LAYOUT))
     if direct:
         tok_o = (q_start + qi_o).to(gl.int64)
         o_ptrs = out_ptr + (tok_o * stride_o_t + head_o * stride_o_h)[None, :] + cols_o[:, None]
         gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[None, :])
-        if WRITE_LSE:
+        if WRITE_LSE and STORE_LSE:
             gl.store(lse_ptr + tok_o * stride_lse_t + head_o * stride_lse_h, lse, mask=ok_o)
     else:
         wk = work.to(gl.int64)
         base = part_o_ptr + wk * stride_po_w + qi_o * stride_po_q + head_o * stride_po_h
         gl.store(base[None, :] + cols_o[:, None], o, mask=ok_o[None, :])
-        gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
+        if STORE_LSE:
+            gl.store(part_lse_ptr + wk * stride_pl_w + qi_o * stride_pl_q + head_o, lse, mask=ok_o)
 
 
 @gluon.jit(do_not_specialize=["num_splits"])
