@@ -114,8 +114,8 @@ class GluonLaunchConfig:
     warpgroup that gathers the fp8 tiles, two MMA warpgroups taking alternate tiles, each
     widening its own in registers, with a running output each, merged at the end) instead of
     the few-rows kernel. :func:`launch_config` picks it for every fp8 launch of 16-row tiles: on
-    the H200 (2026-12-01, ``benchmarks/decode.py``, graph µs, H16 q1 B128 S8192) 204.8 against
-    290.7 on the few-rows kernel."""
+    the H200 (2026-12-01, ``benchmarks/decode.py``, graph µs, H16 q1 B128 S8192) 166.9 against
+    285.5 on the few-rows kernel."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
