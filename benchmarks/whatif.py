@@ -46,20 +46,21 @@ import mla.providers.gluon.pingpong as pingpong_on_main
 Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
 
-_PV = """        al = alpha[None, :]
-        o0e, o0o = _pv_box(lat_ring, s * LB + 0, p_w, o0e * al, o0o * al, a_layout, kv_dtype)
-        o1e, o1o = _pv_box(lat_ring, s * LB + 1, p_w, o1e * al, o1o * al, a_layout, kv_dtype)
-        o0e, o0o, o1e, o1o = warpgroup_mma_wait(num_outstanding=2, deps=(o0e, o0o, o1e, o1o))
-        o2e, o2o = _pv_box(lat_ring, s * LB + 2, p_w, o2e * al, o2o * al, a_layout, kv_dtype)
-        o1e, o1o, o2e, o2o = warpgroup_mma_wait(num_outstanding=2, deps=(o1e, o1o, o2e, o2o))
-        v3e, v3o = _split_widen(_box_pairs(lat_ring, s * LB + 3).load(a_layout), kv_dtype)
-        # Every read of the ring slot is done (the last box is in registers): it may be refilled.
-        gl.thread_barrier()
-        mbarrier.arrive(free.index(s))
-        o3e = warpgroup_mma(v3e, p_w, o3e * al, is_async=True)
-        o3o = warpgroup_mma(v3o, p_w, o3o * al, is_async=True)
-        o2e, o2o, o3e, o3o = warpgroup_mma_wait(num_outstanding=0, deps=(o2e, o2o, o3e, o3o))
-"""
+
+def _lines(path: str, first: str, last: str) -> str:
+    """The lines of ``path`` from the one that starts with ``first`` through the next one that
+    starts with ``last`` (leading spaces count)."""
+    lines = Path(path).read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    stop = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
+    return "".join(lines[start : stop + 1])
+
+
+_PV = _lines(
+    dual_on_main.__file__ or "",
+    "        al = alpha[None, :]",
+    "        o2e, o2o, o3e, o3o = warpgroup_mma_wait(num_outstanding=0",
+)
 """The MMA warpgroup's PV: the four latent boxes read transposed, widened and multiplied."""
 # P still feeds the output (its column sums), so nothing upstream of PV becomes dead code; that
 # adds one cross-warp reduction a tile, which fixed-row-max bounds.
@@ -81,15 +82,6 @@ def _after_loop(code: str) -> Edit:
     return (_AFTER_LOOP, _AFTER_LOOP + code)
 
 
-def _lines(path: str, first: str, last: str) -> str:
-    """The lines of ``path`` from the one that starts with ``first`` through the next one that
-    starts with ``last`` (leading spaces count)."""
-    lines = Path(path).read_text().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.startswith(first))
-    stop = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
-    return "".join(lines[start : stop + 1])
-
-
 _SOFTMAX = _lines(
     dual_on_main.__file__ or "",
     "        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)",
@@ -102,11 +94,13 @@ _P_STORE = """        p_w.store(p.to(p_w.dtype))
 """
 # The online softmax of the other Gluon kernels: each tile's row max and row sum reduced across
 # the warpgroup's warps by the compiler (two barriers each).
+_M_INIT = '    m_i = gl.full([NR], float("-inf"), gl.float32, layout=rows_layout)\n'
 _ONLINE_SOFTMAX: list[Edit] = [
     (
         "from mla.providers.gluon.kernels import (\n",
         "from mla.providers.gluon.kernels import (\n    _online_softmax,\n",
     ),
+    (_M_INIT, _M_INIT + "    l_i = gl.zeros([NR], gl.float32, layout=rows_layout)\n"),
     (
         _SOFTMAX,
         """        p, alpha, m_i, l_i = _online_softmax(
@@ -255,16 +249,37 @@ def load_variant(kernel: Kernel, name: str, workdir: str) -> Any:
     return getattr(module, kernel.name)
 
 
+MAX_SHARED_BYTES = 227 * 1024
+"""Shared memory one block may use on an H100/H200."""
+
+
+def compile_variant(kernel: Kernel, name: str, workdir: str) -> Any:
+    """Variant ``name`` compiled for sm_90 on this machine (no GPU needed): Triton's compiled
+    kernel, with its metadata and cubin."""
+    import gluon_compile
+
+    on_main = getattr(gluon_compile, kernel.name)
+    setattr(gluon_compile, kernel.name, load_variant(kernel, name, workdir))
+    try:
+        return gluon_compile.compile_variant(block_n=64, stages=2, **kernel.compile_options)
+    finally:
+        setattr(gluon_compile, kernel.name, on_main)
+
+
 def compile_only(kernel: Kernel, names: list[str]) -> None:
     """Compile every variant for sm_90 on this machine (no GPU): shared memory, HGMMA, STSM and
-    spill-store counts."""
+    spill-store counts. A variant over :data:`MAX_SHARED_BYTES` is an error."""
     import gluon_compile
 
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
-            setattr(gluon_compile, kernel.name, load_variant(kernel, name, workdir))
-            compiled = gluon_compile.compile_variant(block_n=64, stages=2, **kernel.compile_options)
+            compiled = compile_variant(kernel, name, workdir)
+            if compiled.metadata.shared > MAX_SHARED_BYTES:
+                raise ValueError(
+                    f"variant {name!r} takes {compiled.metadata.shared} B of shared memory; an "
+                    f"H100/H200 block may use {MAX_SHARED_BYTES}"
+                )
             counts = gluon_compile.instruction_counts(
                 gluon_compile.sass_of(compiled), ("HGMMA", "STSM", "STL")
             )

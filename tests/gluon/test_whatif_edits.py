@@ -1,4 +1,5 @@
-"""``benchmarks/whatif.py`` edits the Gluon kernels' source: every edit must still apply.
+"""``benchmarks/whatif.py`` edits the Gluon kernels' source: every edit must still apply, and
+every variant compile.
 
 The what-if benchmark times variants of ``mla/providers/gluon/dual.py`` and ``pingpong.py``
 made by replacing exact snippets of their source. When a kernel changes, an edit whose snippet
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -47,6 +51,19 @@ def test_every_edit_applies_once(kernel: str, name: str) -> None:
     ast.parse(source)
     original = Path(spec.module.__file__).read_text()
     assert (source == original) == (name == "main")
+
+
+@pytest.mark.parametrize("kernel", sorted(WHATIF.KERNELS))
+def test_every_variant_compiles_for_sm90(kernel: str) -> None:
+    """An edit can apply and still not compile (a name it relies on gone from the kernel): every
+    variant must compile for sm_90 and fit an SM's shared memory. ``--compile-only`` needs no
+    GPU, but not the interpreter the CPU tests run Triton in, so it runs in a process of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, str(BENCHMARKS / "whatif.py"), "--kernel", kernel, "--compile-only"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for name in WHATIF.KERNELS[kernel].variants:
+        assert re.search(rf"\|\s*{re.escape(name)}\s*\|", result.stdout), result.stdout
 
 
 def test_an_edit_that_no_longer_applies_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
