@@ -47,19 +47,18 @@ Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
 
 
-def _lines(path: str, first: str, last: str) -> str:
-    """The lines of ``path`` from the one that starts with ``first`` through the next one that
-    starts with ``last`` (leading spaces count)."""
-    lines = Path(path).read_text().splitlines(keepends=True)
+def _dual_lines(first: str, last: str) -> str:
+    """The lines of ``dual.py`` from the one that starts with ``first`` through the next one that
+    starts with ``last`` (leading spaces count): a snippet an edit replaces, read from the kernel
+    rather than copied."""
+    lines = Path(dual_on_main.__file__ or "").read_text().splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.startswith(first))
     stop = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
     return "".join(lines[start : stop + 1])
 
 
-_PV = _lines(
-    dual_on_main.__file__ or "",
-    "        al = alpha[None, :]",
-    "        o2e, o2o, o3e, o3o = warpgroup_mma_wait(num_outstanding=0",
+_PV = _dual_lines(
+    "        al = alpha[None, :]", "        o2e, o2o, o3e, o3o = warpgroup_mma_wait(num_outstanding=0"
 )
 """The MMA warpgroup's PV: the four latent boxes read transposed, widened and multiplied."""
 # P still feeds the output (its column sums), so nothing upstream of PV becomes dead code; that
@@ -82,8 +81,7 @@ def _after_loop(code: str) -> Edit:
     return (_AFTER_LOOP, _AFTER_LOOP + code)
 
 
-_SOFTMAX = _lines(
-    dual_on_main.__file__ or "",
+_SOFTMAX = _dual_lines(
     "        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)",
     "        l_part = l_part * gl.expand_dims(alpha, 0) + p",
 )
@@ -135,10 +133,8 @@ _NO_DRAM: list[Edit] = [
     (_GATHER, _GATHER.replace("ok, idr, okr,", "ok & False, idr, okr & False,")),
 ]
 
-_FREE_THEN_LAST_BOX = _lines(
-    dual_on_main.__file__ or "",
-    "        # Every read of the ring slot is done",
-    "        o3o = warpgroup_mma(v3o",
+_FREE_THEN_LAST_BOX = _dual_lines(
+    "        # Every read of the ring slot is done", "        o3o = warpgroup_mma(v3o"
 )
 """The slot's release (a comment, a barrier, the arrive) and the last box's two PV MMAs."""
 # The last box's MMAs issued before the slot's release (they read registers and P, not the
