@@ -150,6 +150,8 @@ _RELEASE_AFTER_LAST_MMA: list[Edit] = [
     )
 ]
 
+# QKᵀ in 128-column steps (one latent box each) instead of 64: half the waits of the chain.
+_QK_CHUNK_128: list[Edit] = [("QK_CHUNK = gl.constexpr(64)", "QK_CHUNK = gl.constexpr(128)")]
 Variants = dict[str, tuple[bool, list[Edit], str]]
 """name -> (exact, edits of the module's source, what the variant does)."""
 
@@ -171,6 +173,12 @@ DUAL_VARIANTS: Variants = {
         True,
         _RELEASE_AFTER_LAST_MMA,
         "the slot released after the last box's MMAs are issued (one compiler barrier fewer)",
+    ),
+    "qk-chunk-128": (True, _QK_CHUNK_128, "QKᵀ in 128-column steps (half the waits)"),
+    "release+qk-chunk-128": (
+        True,
+        _RELEASE_AFTER_LAST_MMA + _QK_CHUNK_128,
+        "release-after-last-mma and qk-chunk-128 together",
     ),
     "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no row-max exchange)"),
 }

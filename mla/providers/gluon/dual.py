@@ -213,7 +213,7 @@ def _loader(
 
 
 @gluon.jit
-def _ring_chunk(lat_ring, first_box: gl.constexpr, c: gl.constexpr):
+def _ring_chunk(lat_ring, first_box, c: gl.constexpr):
     """Latent columns ``[c·QK_CHUNK, (c+1)·QK_CHUNK)`` of the tile in the ring slot whose boxes
     start at ``first_box``, in the column order of :func:`.kernels._paired_k`."""
     per_box: gl.constexpr = BOX_COLS // QK_CHUNK
