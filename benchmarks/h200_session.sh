@@ -10,7 +10,7 @@
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
-#   bash benchmarks/h200_session.sh whatif      # the dual-chain and ping-pong kernels with pieces of work taken out (~5 min)
+#   bash benchmarks/h200_session.sh whatif      # the dual-chain, ping-pong and few-rows kernels with pieces of work taken out (~5 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -103,6 +103,9 @@ whatif)
   part "what-if variants of the ping-pong kernel"
   timeout 200 python3 benchmarks/whatif.py --kernel pingpong 2>&1 | tee "$OUT/whatif_pingpong.log" \
     | grep -v "^{" | tail -18
+  part "what-if variants of the few-rows kernel (bf16, B1 S65536 and B64 S4096)"
+  timeout 120 python3 benchmarks/whatif.py --kernel rows 2>&1 | tee "$OUT/whatif_rows.log" \
+    | grep -v "^{" | tail -12
   ;;
 profile)
   part "ncu: the dual-chain kernel at fp8 H16 q1 B128 S8192 (second launch)"

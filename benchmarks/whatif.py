@@ -1,15 +1,17 @@
 """What bounds a Gluon decode kernel: time it with one piece of its work taken out.
 
-    python benchmarks/whatif.py [--kernel dual|pingpong] [--variants main ...] [--shapes ...]
+    python benchmarks/whatif.py [--kernel dual|pingpong|rows] [--variants main ...] [--shapes ...]
     python benchmarks/whatif.py --kernel pingpong --list   # the variants, no GPU needed
     python benchmarks/whatif.py --compile-only             # compile every variant for sm_90, no GPU
+    python benchmarks/whatif.py --file my_dual.py --variants main file:my_dual   # a changed copy
 
 Each variant is the source of the kernel's module (``mla/providers/gluon/dual.py``, the
-dual-chain fp8 kernel, or ``pingpong.py``, the 64-row kernel of 16-bit caches) with a few
-textual edits (:data:`KERNELS`), written to a temporary module and launched by the provider's
-own launcher (``mla.providers.gluon.decode``) in place of the kernel on ``main``. An edit whose
-text no longer occurs exactly once in the module raises, so a variant never silently times the
-unchanged kernel.
+dual-chain fp8 kernel; ``pingpong.py``, the 64-row kernel of 16-bit caches; or
+``transposed.py``, the few-rows kernel, here on 16-bit caches) with a few textual edits
+(:data:`KERNELS`), or a changed copy of it (``--file``), written to a temporary module and
+launched by the provider's own launcher (``mla.providers.gluon.decode``) in place of the kernel
+on ``main``. An edit whose text no longer occurs exactly once in the module raises, so a
+variant never silently times the unchanged kernel.
 
 Variants that drop work compute wrong outputs on purpose (their ``o err`` column shows it): they
 bound what removing that work could gain, they are not candidates. The others (``exact``
@@ -42,6 +44,7 @@ from _common import print_table
 
 import mla.providers.gluon.dual as dual_on_main
 import mla.providers.gluon.pingpong as pingpong_on_main
+import mla.providers.gluon.transposed as rows_on_main
 
 Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
@@ -232,6 +235,49 @@ class Kernel:
     """Variants that are whole files (``--file``): a copy of the kernel's module with changes."""
 
 
+# -- the few-rows kernel (16 or 32 rows, one warpgroup; 16-bit caches here) ---------------------
+
+# Every tile's ids and rows past ``hi`` as far as the loads know: cp.async zero-fills the ring,
+# nothing is read from the cache (the softmax still masks by the real ``hi``).
+_ROWS_NO_DRAM: list[Edit] = [
+    (
+        "_issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)",
+        "_issue_ids(index_base, idx_ring, j, lo, lo, BLOCK_N, ID_SLOTS, id_ld)",
+    ),
+    ("kv_ptr, idx_ring, st, lo, hi, stride_kv,", "kv_ptr, idx_ring, st, lo, lo, stride_kv,"),
+    (
+        "kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv,",
+        "kv_ptr, idx_ring, index_base, t, lo, lo, stride_kv,",
+    ),
+]
+_ROWS_SOFTMAX = """        p, alpha, m_i, l_i = _online_softmax(
+            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
+        )
+        acc = acc * alpha[None, :]
+"""
+_ROWS_EPILOGUE = "    # -- epilogue ----"
+# Every row's max taken as 8 (log2 domain): no cross-warp row max (the row sum's stays). Exact
+# only while no score exceeds it.
+_ROWS_FIXED_ROW_MAX: list[Edit] = [
+    (
+        _ROWS_SOFTMAX,
+        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
+        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
+        l_i = l_i + gl.sum(p, 0)
+""",
+    ),
+    (
+        _ROWS_EPILOGUE,
+        "    m_i = gl.full([NR], 8.0, gl.float32, layout=gl.SliceLayout(0, st_layout))\n" + _ROWS_EPILOGUE,
+    ),
+]
+ROWS_VARIANTS: Variants = {
+    "main": (True, [], "the kernel on main"),
+    "no-dram": (False, _ROWS_NO_DRAM, "the ring zero-filled by masked cp.async, no cache read"),
+    "fixed-row-max": (False, _ROWS_FIXED_ROW_MAX, "a fixed row max (no cross-warp row max)"),
+}
+
 KERNELS = {
     "dual": Kernel(
         dual_on_main, "mla_decode_dual_kernel", DUAL_VARIANTS, ("H16q1B128S8192", "H16q1B64S4096"), "fp8",
@@ -240,6 +286,10 @@ KERNELS = {
     "pingpong": Kernel(
         pingpong_on_main, "mla_decode_pingpong_kernel", PINGPONG_VARIANTS,
         ("H16q4B64S4096", "H128q1B64S4096"), "bf16", {"fp8": False, "pingpong": True},
+    ),
+    "rows": Kernel(
+        rows_on_main, "mla_decode_rows_kernel", ROWS_VARIANTS, ("H16q1B1S65536", "H16q1B64S4096"), "bf16",
+        {"fp8": False, "rows": 16},
     ),
 }  # fmt: skip
 
