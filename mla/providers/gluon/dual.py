@@ -102,6 +102,7 @@ from mla.providers.gluon.kernels import (
     _query_to_smem,
     _row_info,
     _scales,
+    _tile_ids,
     _work_item,
     _work_range,
 )
@@ -132,14 +133,6 @@ ROPE_BOX_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8
 LAT_BOX16_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 """A latent box's bytes as ``[64, 64]`` 16-bit pairs: the same 128-byte swizzle of the same
 128-byte rows, so PV's transposed reads (``ldmatrix.trans``) see the box as it landed."""
-
-
-@gluon.jit
-def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
-    """Token ids of tile ``t`` (in ``ROWS``, a copy layout's row slice) and their validity
-    (``< hi``; id 0 past it)."""
-    n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
-    return gl.load(index_base + n, mask=n < hi, other=0), n < hi
 
 
 @gluon.constexpr_function

@@ -184,9 +184,6 @@ def _kv_copy_layouts(kv_fp8, warps):
     )
 
 
-# ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
-# one split turns it into the constant 1 (an LLVM-lowering assertion), and one binary serves
-# every split count anyway.
 @gluon.constexpr_function
 def _query_copy_layout(cols, warps):
     """Register layout of a ``[rows, cols]`` query load: 8 values a thread, a warp across up to
@@ -221,6 +218,15 @@ def _paired_k(x):
     cols: gl.constexpr = x.shape[1]
     # Column (b, t, h, e) = 16b + 4t + 2h + e of x becomes column 16b + 8h + 2t + e.
     return x.reshape([rows, cols // 16, 4, 2, 2]).permute((0, 1, 3, 2, 4)).reshape([rows, cols])
+
+
+@gluon.jit
+def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+    """Flat token ids of tile ``t``'s rows of ``[lo, hi)`` (``ROWS``: the row slice of the copy
+    layout) and their validity (``< hi``; id 0 past it). Shared by the warp-specialised kernels'
+    loaders (ping-pong and dual-chain)."""
+    n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
+    return gl.load(index_base + n, mask=n < hi, other=0), n < hi
 
 
 @gluon.jit
@@ -342,6 +348,9 @@ def _take_tile(
     )
 
 
+# ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
+# one split turns it into the constant 1 (an LLVM-lowering assertion), and one binary serves
+# every split count anyway.
 @gluon.jit(do_not_specialize=["num_splits"])
 def mla_decode_kernel(
     q_nope_ptr,

@@ -65,6 +65,7 @@ from mla.providers.gluon.kernels import (
     _row_info,
     _row_lse,
     _safe_sum,
+    _tile_ids,
     _work_item,
     _work_range,
 )
@@ -77,14 +78,6 @@ CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row (the second half's last one also brings the rope part)."""
 MMA_REGS = gl.constexpr(232)
 """Registers per MMA-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128."""
-
-
-@gluon.jit
-def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
-    """Flat token ids of tile ``t``'s rows (``ROWS``: the row slice of the copy layout) and
-    their validity (``< hi``; id 0 past it)."""
-    n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
-    return gl.load(index_base + n, mask=n < hi, other=0), n < hi
 
 
 @gluon.jit

@@ -7,7 +7,7 @@ tiles), more in 64-row tiles: on the ping-pong kernel (:mod:`.pingpong`, a loade
 two MMA warpgroups taking alternate KV tiles) for 16-bit caches, on the 64-row kernel
 (:mod:`.kernels`, 8 warps) for fp8 caches. Each fills the shared memory of an SM (the 64-row
 kernel: query tile 72 KB, a two-stage ring of 64-token bf16 KV tiles 144 KB, the token-id ring;
-221 KB in all; the ping-pong kernel 231 KB; the dual-chain kernel 228 KB; the few-rows kernel
+221 KB in all; the ping-pong kernel 231 KB; the dual-chain kernel 171 KB; the few-rows kernel
 165–222 KB), so one program is resident per SM (compiler report for sm_90,
 ``benchmarks/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the tile run
 as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
