@@ -1,8 +1,8 @@
 """Compile probe: how Triton lowers a transposed fp8 wgmma register operand (no GPU needed).
 
-The dual-chain kernel (``mla/providers/gluon/dual.py``) stores every widened tile as the fp16 V
-tile that ``Oᵀ += Vᵀ·Pᵀ`` reads from shared memory: about half of the shared-memory traffic of
-a tile. Taking ``Vᵀ`` from registers instead would read the fp8 ring a second time, transposed:
+The dual-chain kernel (``mla/providers/gluon/dual.py``) stored every widened tile as an fp16 V
+tile that ``Oᵀ += Vᵀ·Pᵀ`` read from shared memory: about half of the shared-memory traffic of
+a tile. Taking ``Vᵀ`` from registers instead reads the fp8 ring a second time, transposed:
 each thread needs two adjacent tokens (rows of the ring) of one latent column. This probe
 compiles that read for sm_90 (a ``[128, 64]`` block of ``Vᵀ`` from a 128-byte-swizzled fp8 box,
 four ``k=16`` wgmmas) and counts the shared-memory instructions, in two column orders:
@@ -16,7 +16,10 @@ four ``k=16`` wgmmas) and counts the shared-memory instructions, in two column o
 
 Triton 3.6 (2026-12-01): ``plain`` 64 one-byte loads per thread, ``paired`` 32 two-byte loads
 and 148 byte permutes per thread, ``ldmatrix`` in neither; the non-transposed QKᵀ operand of
-the dual-chain kernel gets ``ldmatrix`` (``benchmarks/gluon_compile.py --dual --sass``).
+the dual-chain kernel gets ``ldmatrix`` (``benchmarks/gluon_compile.py --dual --sass``). The
+way that does get ``ldmatrix.trans`` is the one the dual-chain kernel now takes: the box read as
+16-bit pairs of fp8 values (``dual._box_pairs``) and split into even and odd columns in
+registers (``dual._split_widen``).
 """
 
 from __future__ import annotations
