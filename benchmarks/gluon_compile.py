@@ -40,8 +40,9 @@ def compile_variant(
     rows: int = 0,
     pingpong: bool = False,
     dual: bool = False,
+    e5m2: bool = False,
 ):
-    kv = "*fp8e4nv" if fp8 else "*bf16"
+    kv = ("*fp8e5" if e5m2 else "*fp8e4nv") if fp8 else "*bf16"
     ptrs = {
         "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": kv, "kv_indptr_ptr": "*i32",
         "kv_indices_ptr": "*i32", "qo_indptr_ptr": "*i32", "work_info_ptr": "*i32",

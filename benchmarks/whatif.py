@@ -155,6 +155,94 @@ _RELEASE_AFTER_LAST_MMA: list[Edit] = [
 
 # QKᵀ in 128-column steps (one latent box each) instead of 64: half the waits of the chain.
 _QK_CHUNK_128: list[Edit] = [("QK_CHUNK = gl.constexpr(64)", "QK_CHUNK = gl.constexpr(128)")]
+# -- the fp8 widening (cvt.rn.f16x2.e4m3x2: two values an instruction) --------------------------
+_QK_WIDEN = ".load(a_layout).to(gl.float16)"
+_PV_CVT = _dual_lines('        f"cvt.rn.f16x2.{fmt} $0, lo;', '        f"cvt.rn.f16x2.{fmt} $1, hi;')
+"""PV's two packed conversions in :func:`_split_widen` (even and odd columns)."""
+_BYTE_MOVES = "prmt.b32 $0, $2, 0, 0x4140;\\nprmt.b32 $1, $2, 0, 0x4342;"
+_FAKE16 = (
+    "\n@gluon.jit\ndef _fake16(x):\n"
+    "    return gl.inline_asm_elementwise(\n"
+    f'        "{_BYTE_MOVES}", "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4\n'
+    "    )\n\n"
+)
+# QKᵀ's K tile "widened" by byte moves (each fp8 byte the low byte of an fp16): wrong values,
+# the conversions' cost taken out.
+_NO_WIDEN_QK: list[Edit] = [
+    ("\n@gluon.jit\ndef _split_widen(", _FAKE16 + "\n@gluon.jit\ndef _split_widen("),
+    ("a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)",
+     "a = _fake16(_ring_chunk(lat_ring, s * LB, 0).load(a_layout))"),
+    ("a = _ring_chunk(lat_ring, s * LB, c).load(a_layout).to(gl.float16)",
+     "a = _fake16(_ring_chunk(lat_ring, s * LB, c).load(a_layout))"),
+    ("a_r = _paired_k(_row_swizzled(rope_ring.index(s))).load(a_layout).to(gl.float16)",
+     "a_r = _fake16(_paired_k(_row_swizzled(rope_ring.index(s))).load(a_layout))"),
+]  # fmt: skip
+# PV's V boxes "widened" by byte moves: one prmt an output register instead of a cvt.
+_NO_WIDEN_PV: list[Edit] = [
+    (_PV_CVT, '        "prmt.b32 $0, t, 0, 0x4140;\\n"\n        "prmt.b32 $1, t, 0, 0x4342; }",\n')
+]
+# e4m3 exactly by integer operations: byte b = s eeee mmm becomes the fp16 s 0eeee mmm0000000,
+# the value times 2**-8 (((b + (b & 0x80)) << 7) carries the sign to bit 15); the accumulators
+# are scaled by 2**8 at the end.
+_INT_EVEN = (
+    '        "prmt.b32 u, $2, 0, 0x4240;\\nand.b32 m, u, 0x00800080;\\n"\n'
+    '        "add.u32 u, u, m;\\nshl.b32 $0, u, 7;\\n"\n'
+)
+_INT_ODD = (
+    '        "prmt.b32 u, $2, 0, 0x4341;\\nand.b32 m, u, 0x00800080;\\n"\n'
+    '        "add.u32 u, u, m;\\nshl.b32 $1, u, 7; }",\n'
+)
+_PIECES = "    pieces = (o0e, o0o, o1e, o1o, o2e, o2o, o3e, o3o)\n"
+_PV_INT_WIDEN: list[Edit] = [
+    ('"{ .reg .b32 t; .reg .b16 lo, hi;', '"{ .reg .b32 t, u, m; .reg .b16 lo, hi;'),
+    (_PV_CVT, _INT_EVEN + _INT_ODD),
+    (
+        _PIECES,
+        "    pieces = (\n"
+        "        o0e * 256.0, o0o * 256.0, o1e * 256.0, o1o * 256.0,\n"
+        "        o2e * 256.0, o2o * 256.0, o3e * 256.0, o3o * 256.0,\n"
+        "    )\n",
+    ),
+]
+# Half of PV's widening by integer operations (the even columns), half by cvt (the odd ones).
+_PV_HALF_INT_WIDEN: list[Edit] = [
+    ('"{ .reg .b32 t; .reg .b16 lo, hi;', '"{ .reg .b32 t, u, m; .reg .b16 lo, hi;'),
+    (_PV_CVT, _INT_EVEN + _PV_CVT.splitlines(keepends=True)[1]),
+    (_PIECES, "    pieces = (o0e * 256.0, o0o, o1e * 256.0, o1o, o2e * 256.0, o2o, o3e * 256.0, o3o)\n"),
+]
+# The loader reads token ids two tiles ahead instead of one (their load's latency under the
+# cache traffic hidden behind two tiles).
+_IDS_ONE_AHEAD = _dual_lines(
+    "    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)", "        nidr, nokr = _tile_ids("
+)
+_IDS_TWO_AHEAD: list[Edit] = [
+    (
+        _IDS_ONE_AHEAD,
+        """    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
+    idr, okr = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, rope_ld))
+    ids1, ok1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, rows)
+    idr1, okr1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, gl.SliceLayout(1, rope_ld))
+    for t in range(n_tiles):
+        w = t % SLOTS
+        nids, nok = _tile_ids(index_base, lo, hi, t + 2, BLOCK_N, rows)
+        nidr, nokr = _tile_ids(index_base, lo, hi, t + 2, BLOCK_N, gl.SliceLayout(1, rope_ld))
+""",
+    ),
+    (
+        "        ids, ok, idr, okr = nids, nok, nidr, nokr\n",
+        "        ids, ok, idr, okr = ids1, ok1, idr1, okr1\n"
+        "        ids1, ok1, idr1, okr1 = nids, nok, nidr, nokr\n",
+    ),
+]
+# Every whole tile by TMA without checking that its 64 cache rows are consecutive (one
+# cross-warp reduction of the loader a tile fewer): exact only where they are, as on the
+# benchmark's 64-token pages.
+_NO_CONSECUTIVE_CHECK: list[Edit] = [
+    (
+        "        consecutive = gl.sum((ids != first + offs).to(gl.int32), axis=0) == 0\n",
+        "        consecutive = True\n",
+    )
+]
 Variants = dict[str, tuple[bool, list[Edit], str]]
 """name -> (exact, edits of the module's source, what the variant does)."""
 
@@ -184,6 +272,21 @@ DUAL_VARIANTS: Variants = {
         "release-after-last-mma and qk-chunk-128 together",
     ),
     "fixed-row-max": (False, _FIXED_ROW_MAX, "a fixed row max (no row-max exchange)"),
+    "no-widen-qk": (False, _NO_WIDEN_QK, "QKᵀ's K tile by byte moves, not conversions (wrong values)"),
+    "no-widen-pv": (False, _NO_WIDEN_PV, "PV's V boxes by byte moves, not conversions (wrong values)"),
+    "no-widen": (False, _NO_WIDEN_QK + _NO_WIDEN_PV, "both of the above"),
+    "pv-int-widen": (True, _PV_INT_WIDEN, "PV's e4m3 widening by integer operations (exact, e4m3 only)"),
+    "ids-two-ahead": (True, _IDS_TWO_AHEAD, "the loader reads token ids two tiles ahead, not one"),
+    "no-consecutive-check": (
+        False,
+        _NO_CONSECUTIVE_CHECK,
+        "every whole tile by TMA, unchecked (exact on 64-token pages only)",
+    ),
+    "pv-half-int-widen": (
+        True,
+        _PV_HALF_INT_WIDEN,
+        "PV's even columns widened by integer operations, the odd ones by cvt (e4m3 only)",
+    ),
 }
 
 # -- the ping-pong kernel (64 rows, 16-bit caches) ---------------------------------------------
