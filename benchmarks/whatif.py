@@ -217,16 +217,14 @@ _IDS_ONE_AHEAD = _dual_lines(
 )
 _IDS_TWO_AHEAD: list[Edit] = [
     (
+        # the ids of tiles 0 and 1 before the loop, those of t + 2 in it
         _IDS_ONE_AHEAD,
-        """    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
-    idr, okr = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, rope_ld))
-    ids1, ok1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, rows)
-    idr1, okr1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, gl.SliceLayout(1, rope_ld))
-    for t in range(n_tiles):
-        w = t % SLOTS
-        nids, nok = _tile_ids(index_base, lo, hi, t + 2, BLOCK_N, rows)
-        nidr, nokr = _tile_ids(index_base, lo, hi, t + 2, BLOCK_N, gl.SliceLayout(1, rope_ld))
-""",
+        _IDS_ONE_AHEAD.replace("t + 1,", "t + 2,").replace(
+            "    for t in range(n_tiles):\n",
+            "    ids1, ok1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, rows)\n"
+            "    idr1, okr1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, gl.SliceLayout(1, rope_ld))\n"
+            "    for t in range(n_tiles):\n",
+        ),
     ),
     (
         "        ids, ok, idr, okr = nids, nok, nidr, nokr\n",
