@@ -241,6 +241,101 @@ _NO_CONSECUTIVE_CHECK: list[Edit] = [
         "        consecutive = True\n",
     )
 ]
+# QKᵀ as fp8 wgmma reading K straight from the ring (no ldmatrix, no conversion): the query in
+# three e4m3 parts per row, q·s = p0 + p1/16 + p2/256 (s a power of two that puts the row's
+# largest value near 224; 1/s scales the scores), one accumulator per part. fp8 wgmma sums with
+# less than fp32 precision (about 14 bits), so the scores move more than with fp16 MMAs.
+_QUERY_PARTS_FN = '''
+@gluon.jit
+def _split3(x, scale):
+    """``x * scale`` (rows scaled) as three e4m3 parts: ``p0 + p1 / 16 + p2 / 256``."""
+    y = x * gl.expand_dims(scale, 1)
+    p0 = y.to(gl.float8e4nv)
+    r = (y - p0.to(gl.float32)) * 16.0
+    p1 = r.to(gl.float8e4nv)
+    p2 = ((r - p1.to(gl.float32)) * 16.0).to(gl.float8e4nv)
+    return p0, p1, p2
+
+
+@gluon.jit
+def _query_fp8_parts(q_nope_smem, q_pe_smem, q8_lat, q8_rope, qs_smem, L: gl.constexpr):
+    """The fp16 query rows (cache column order) as three e4m3 parts each, into ``q8_lat``
+    (``[3 * boxes, rows, 128]``) and ``q8_rope`` (``[3, rows, 64]``); ``1 / scale`` of each row
+    into ``qs_smem``."""
+    LB: gl.constexpr = L // BOX_COLS
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    lay_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    xr = q_pe_smem.load(lay_r).to(gl.float32)
+    amax = gl.convert_layout(gl.max(gl.abs(xr), 1), gl.SliceLayout(1, lay))
+    for b in gl.static_range(LB):
+        x = q_nope_smem.slice(b * BOX_COLS, BOX_COLS, dim=1).load(lay).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+    e = gl.floor(gl.log2(224.0 / gl.where(amax > 0.0, amax, 1.0)))
+    scale = gl.exp2(gl.minimum(gl.maximum(e, -30.0), 30.0))
+    for b in gl.static_range(LB):
+        x = q_nope_smem.slice(b * BOX_COLS, BOX_COLS, dim=1).load(lay).to(gl.float32)
+        p0, p1, p2 = _split3(x, scale)
+        q8_lat.index(b).store(p0)
+        q8_lat.index(LB + b).store(p1)
+        q8_lat.index(2 * LB + b).store(p2)
+    r0, r1, r2 = _split3(xr, gl.convert_layout(scale, gl.SliceLayout(1, lay_r)))
+    q8_rope.index(0).store(r0)
+    q8_rope.index(1).store(r1)
+    q8_rope.index(2).store(r2)
+    qs_smem.store(gl.convert_layout(1.0 / scale, gl.BlockedLayout([1], [32], [4], [0])))
+
+'''
+_QUERY_IN_PAIRED_ORDER = _dual_lines("    _query_to_smem(\n", "    fence_async_shared()\n")
+_QK_FROM_REGISTERS = _dual_lines(
+    "        a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)",
+    "        sc, a_r = warpgroup_mma_wait(num_outstanding=0, deps=(sc, a_r))",
+)
+_QK_FP8_RING: list[Edit] = [
+    ("\n@gluon.jit\ndef _box_pairs(", _QUERY_PARTS_FN + "\n@gluon.jit\ndef _box_pairs("),
+    (
+        _QUERY_IN_PAIRED_ORDER,
+        _QUERY_IN_PAIRED_ORDER.replace("H, NR, L, R, True,", "H, NR, L, R, False,").replace(
+            "    fence_async_shared()\n",
+            "    gl.thread_barrier()\n"
+            "    q8_lat = gl.allocate_shared_memory(\n"
+            "        gl.float8e4nv, [3 * (L // BOX_COLS), NR, BOX_COLS], LAT_BOX_LAYOUT\n"
+            "    )\n"
+            "    q8_rope = gl.allocate_shared_memory(gl.float8e4nv, [3, NR, R], ROPE_BOX_LAYOUT)\n"
+            "    qs_smem = gl.allocate_shared_memory(\n"
+            "        gl.float32, [NR], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])\n"
+            "    )\n"
+            "    _query_fp8_parts(q_nope_smem, q_pe_smem, q8_lat, q8_rope, qs_smem, L)\n"
+            "    fence_async_shared()\n",
+        ),
+    ),
+    (
+        "        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem,",
+        "        q8_lat, q8_rope, qs_smem, lat_ring, rope_ring, p_smem,",
+        2,
+    ),
+    (
+        _QK_FROM_REGISTERS,
+        """        st8: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 32]
+        )
+        acc0 = gl.zeros([BLOCK_N, NR], gl.float32, layout=st8)
+        acc1 = acc0
+        acc2 = acc0
+        for b in gl.static_range(LB):
+            kb = lat_ring.index(s * LB + b)
+            acc0 = warpgroup_mma(kb, q8_lat.index(b).permute((1, 0)), acc0, is_async=True)
+            acc1 = warpgroup_mma(kb, q8_lat.index(LB + b).permute((1, 0)), acc1, is_async=True)
+            acc2 = warpgroup_mma(kb, q8_lat.index(2 * LB + b).permute((1, 0)), acc2, is_async=True)
+        kr = rope_ring.index(s)
+        acc0 = warpgroup_mma(kr, q8_rope.index(0).permute((1, 0)), acc0, is_async=True)
+        acc1 = warpgroup_mma(kr, q8_rope.index(1).permute((1, 0)), acc1, is_async=True)
+        acc2 = warpgroup_mma(kr, q8_rope.index(2).permute((1, 0)), acc2, is_async=True)
+        acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
+        sc = gl.convert_layout(acc0 + acc1 * 0.0625 + acc2 * 0.00390625, st_layout)
+        sc = sc * gl.expand_dims(qs_smem.load(rows_layout), 0)
+""",
+    ),
+]
 Variants = dict[str, tuple[bool, list[Edit], str]]
 """name -> (exact, edits of the module's source, what the variant does)."""
 
@@ -279,6 +374,11 @@ DUAL_VARIANTS: Variants = {
         False,
         _NO_CONSECUTIVE_CHECK,
         "every whole tile by TMA, unchecked (exact on 64-token pages only)",
+    ),
+    "qk-fp8-ring": (
+        True,
+        _QK_FP8_RING,
+        "QKᵀ as fp8 wgmma on the ring (query in three e4m3 parts; not yet run on a GPU)",
     ),
     "pv-half-int-widen": (
         True,
