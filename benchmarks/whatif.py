@@ -241,28 +241,21 @@ _NO_CONSECUTIVE_CHECK: list[Edit] = [
         "        consecutive = True\n",
     )
 ]
-# QKᵀ as fp8 wgmma reading K straight from the ring (no ldmatrix, no conversion): the query in
-# three e4m3 parts per row, q·s = p0 + p1/16 + p2/256 (s a power of two that puts the row's
-# largest value near 224; 1/s scales the scores), one accumulator per part. fp8 wgmma sums with
-# less than fp32 precision (about 14 bits), so the scores move more than with fp16 MMAs.
-_QUERY_PARTS_FN = '''
-@gluon.jit
-def _split3(x, scale):
-    """``x * scale`` (rows scaled) as three e4m3 parts: ``p0 + p1 / 16 + p2 / 256``."""
-    y = x * gl.expand_dims(scale, 1)
-    p0 = y.to(gl.float8e4nv)
-    r = (y - p0.to(gl.float32)) * 16.0
-    p1 = r.to(gl.float8e4nv)
-    p2 = ((r - p1.to(gl.float32)) * 16.0).to(gl.float8e4nv)
-    return p0, p1, p2
-
-
+# QKᵀ as fp8 wgmma reading K straight from the ring (no ldmatrix, no conversion). Each query row
+# is scaled by a power of two s (its largest value near 224) and split into four e4m3 parts,
+# q·s = p0 + p1 + p2 + p3 (each part the rounding of what the ones before leave): the error is
+# below 2**-10 an element, under the fp16 query's own rounding. The parts are stacked as the 64
+# rows of the wgmma B operand, so one m64n64 fp8 wgmma a ring box gives all four partial
+# scores, summed per row after it; 1/s scales the scores. fp8 wgmma sums with less than fp32
+# precision (about 14 bits), so the scores move more than with fp16 MMAs.
+_QUERY_PARTS_FN = """
 @gluon.jit
 def _query_fp8_parts(q_nope_smem, q_pe_smem, q8_lat, q8_rope, qs_smem, L: gl.constexpr):
-    """The fp16 query rows (cache column order) as three e4m3 parts each, into ``q8_lat``
-    (``[3 * boxes, rows, 128]``) and ``q8_rope`` (``[3, rows, 64]``); ``1 / scale`` of each row
-    into ``qs_smem``."""
+    \"\"\"The fp16 query rows (cache column order) scaled by a power of two each and split into four
+    e4m3 parts, part k in rows ``[k·rows, (k+1)·rows)`` of ``q8_lat`` (a ``[4·rows, 128]`` box a
+    128 latent columns) and ``q8_rope``; each row's ``1 / scale`` into ``qs_smem``.\"\"\"
     LB: gl.constexpr = L // BOX_COLS
+    NR: gl.constexpr = q_nope_smem.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     lay_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     xr = q_pe_smem.load(lay_r).to(gl.float32)
@@ -273,18 +266,20 @@ def _query_fp8_parts(q_nope_smem, q_pe_smem, q8_lat, q8_rope, qs_smem, L: gl.con
     e = gl.floor(gl.log2(224.0 / gl.where(amax > 0.0, amax, 1.0)))
     scale = gl.exp2(gl.minimum(gl.maximum(e, -30.0), 30.0))
     for b in gl.static_range(LB):
-        x = q_nope_smem.slice(b * BOX_COLS, BOX_COLS, dim=1).load(lay).to(gl.float32)
-        p0, p1, p2 = _split3(x, scale)
-        q8_lat.index(b).store(p0)
-        q8_lat.index(LB + b).store(p1)
-        q8_lat.index(2 * LB + b).store(p2)
-    r0, r1, r2 = _split3(xr, gl.convert_layout(scale, gl.SliceLayout(1, lay_r)))
-    q8_rope.index(0).store(r0)
-    q8_rope.index(1).store(r1)
-    q8_rope.index(2).store(r2)
+        r = q_nope_smem.slice(b * BOX_COLS, BOX_COLS, dim=1).load(lay).to(gl.float32)
+        r = r * gl.expand_dims(scale, 1)
+        for k in gl.static_range(4):
+            part = r.to(gl.float8e4nv)
+            q8_lat.index(b).slice(k * NR, NR, dim=0).store(part)
+            r = r - part.to(gl.float32)
+    r = xr * gl.expand_dims(gl.convert_layout(scale, gl.SliceLayout(1, lay_r)), 1)
+    for k in gl.static_range(4):
+        part = r.to(gl.float8e4nv)
+        q8_rope.slice(k * NR, NR, dim=0).store(part)
+        r = r - part.to(gl.float32)
     qs_smem.store(gl.convert_layout(1.0 / scale, gl.BlockedLayout([1], [32], [4], [0])))
 
-'''
+"""
 _QUERY_IN_PAIRED_ORDER = _dual_lines("    _query_to_smem(\n", "    fence_async_shared()\n")
 _QK_FROM_REGISTERS = _dual_lines(
     "        a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)",
@@ -298,9 +293,9 @@ _QK_FP8_RING: list[Edit] = [
             "    fence_async_shared()\n",
             "    gl.thread_barrier()\n"
             "    q8_lat = gl.allocate_shared_memory(\n"
-            "        gl.float8e4nv, [3 * (L // BOX_COLS), NR, BOX_COLS], LAT_BOX_LAYOUT\n"
+            "        gl.float8e4nv, [L // BOX_COLS, 4 * NR, BOX_COLS], LAT_BOX_LAYOUT\n"
             "    )\n"
-            "    q8_rope = gl.allocate_shared_memory(gl.float8e4nv, [3, NR, R], ROPE_BOX_LAYOUT)\n"
+            "    q8_rope = gl.allocate_shared_memory(gl.float8e4nv, [4 * NR, R], ROPE_BOX_LAYOUT)\n"
             "    qs_smem = gl.allocate_shared_memory(\n"
             "        gl.float32, [NR], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])\n"
             "    )\n"
@@ -315,23 +310,16 @@ _QK_FP8_RING: list[Edit] = [
     ),
     (
         _QK_FROM_REGISTERS,
-        """        st8: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 32]
+        """        s4: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 4 * NR, 32]
         )
-        acc0 = gl.zeros([BLOCK_N, NR], gl.float32, layout=st8)
-        acc1 = acc0
-        acc2 = acc0
+        acc = gl.zeros([BLOCK_N, 4 * NR], gl.float32, layout=s4)
         for b in gl.static_range(LB):
-            kb = lat_ring.index(s * LB + b)
-            acc0 = warpgroup_mma(kb, q8_lat.index(b).permute((1, 0)), acc0, is_async=True)
-            acc1 = warpgroup_mma(kb, q8_lat.index(LB + b).permute((1, 0)), acc1, is_async=True)
-            acc2 = warpgroup_mma(kb, q8_lat.index(2 * LB + b).permute((1, 0)), acc2, is_async=True)
-        kr = rope_ring.index(s)
-        acc0 = warpgroup_mma(kr, q8_rope.index(0).permute((1, 0)), acc0, is_async=True)
-        acc1 = warpgroup_mma(kr, q8_rope.index(1).permute((1, 0)), acc1, is_async=True)
-        acc2 = warpgroup_mma(kr, q8_rope.index(2).permute((1, 0)), acc2, is_async=True)
-        acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2))
-        sc = gl.convert_layout(acc0 + acc1 * 0.0625 + acc2 * 0.00390625, st_layout)
+            k_box = lat_ring.index(s * LB + b)
+            acc = warpgroup_mma(k_box, q8_lat.index(b).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(rope_ring.index(s), q8_rope.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        sc = gl.convert_layout(gl.sum(gl.reshape(acc, [BLOCK_N, 4, NR]), 1), st_layout)
         sc = sc * gl.expand_dims(qs_smem.load(rows_layout), 0)
 """,
     ),
@@ -378,7 +366,7 @@ DUAL_VARIANTS: Variants = {
     "qk-fp8-ring": (
         True,
         _QK_FP8_RING,
-        "QKᵀ as fp8 wgmma on the ring (query in three e4m3 parts; not yet run on a GPU)",
+        "QKᵀ as fp8 wgmma on the ring (the query in four e4m3 parts; not yet run on a GPU)",
     ),
     "pv-half-int-widen": (
         True,
