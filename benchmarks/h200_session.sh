@@ -10,7 +10,8 @@
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
-#   bash benchmarks/h200_session.sh whatif      # the dual-chain, ping-pong and few-rows kernels with pieces of work taken out (~5 min)
+#   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out, and candidates (~8 min)
+#   bash benchmarks/h200_session.sh whatif-other  # the same for the ping-pong and few-rows kernels (~5 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -99,7 +100,9 @@ dual)
   ;;
 whatif)
   part "what-if variants of the dual-chain kernel (benchmarks/whatif.py)"
-  timeout 300 python3 benchmarks/whatif.py --kernel dual 2>&1 | tee "$OUT/whatif_dual.log" | grep -v "^{" | tail -32
+  timeout 540 python3 benchmarks/whatif.py --kernel dual 2>&1 | tee "$OUT/whatif_dual.log" | grep -v "^{" | tail -44
+  ;;
+whatif-other)
   part "what-if variants of the ping-pong kernel"
   timeout 200 python3 benchmarks/whatif.py --kernel pingpong 2>&1 | tee "$OUT/whatif_pingpong.log" \
     | grep -v "^{" | tail -18
@@ -123,7 +126,7 @@ breakdown)
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other" >&2
   exit 2
   ;;
 esac
