@@ -156,7 +156,6 @@ _RELEASE_AFTER_LAST_MMA: list[Edit] = [
 # QKᵀ in 128-column steps (one latent box each) instead of 64: half the waits of the chain.
 _QK_CHUNK_128: list[Edit] = [("QK_CHUNK = gl.constexpr(64)", "QK_CHUNK = gl.constexpr(128)")]
 # -- the fp8 widening (cvt.rn.f16x2.e4m3x2: two values an instruction) --------------------------
-_QK_WIDEN = ".load(a_layout).to(gl.float16)"
 _PV_CVT = _dual_lines('        f"cvt.rn.f16x2.{fmt} $0, lo;', '        f"cvt.rn.f16x2.{fmt} $1, hi;')
 """PV's two packed conversions in :func:`_split_widen` (even and odd columns)."""
 _BYTE_MOVES = "prmt.b32 $0, $2, 0, 0x4140;\\nprmt.b32 $1, $2, 0, 0x4342;"
@@ -193,8 +192,10 @@ _INT_ODD = (
     '        "add.u32 u, u, m;\\nshl.b32 $1, u, 7; }",\n'
 )
 _PIECES = "    pieces = (o0e, o0o, o1e, o1o, o2e, o2o, o3e, o3o)\n"
+_INT_REGISTERS: Edit = ('"{ .reg .b32 t; .reg .b16 lo, hi;', '"{ .reg .b32 t, u, m; .reg .b16 lo, hi;')
+"""The two registers the integer widening adds to :func:`_split_widen`'s PTX."""
 _PV_INT_WIDEN: list[Edit] = [
-    ('"{ .reg .b32 t; .reg .b16 lo, hi;', '"{ .reg .b32 t, u, m; .reg .b16 lo, hi;'),
+    _INT_REGISTERS,
     (_PV_CVT, _INT_EVEN + _INT_ODD),
     (
         _PIECES,
@@ -206,7 +207,7 @@ _PV_INT_WIDEN: list[Edit] = [
 ]
 # Half of PV's widening by integer operations (the even columns), half by cvt (the odd ones).
 _PV_HALF_INT_WIDEN: list[Edit] = [
-    ('"{ .reg .b32 t; .reg .b16 lo, hi;', '"{ .reg .b32 t, u, m; .reg .b16 lo, hi;'),
+    _INT_REGISTERS,
     (_PV_CVT, _INT_EVEN + _PV_CVT.splitlines(keepends=True)[1]),
     (_PIECES, "    pieces = (o0e * 256.0, o0o, o1e * 256.0, o1o, o2e * 256.0, o2o, o3e * 256.0, o3o)\n"),
 ]

@@ -337,8 +337,7 @@ def _mma_warpgroup(
     pieces = (o0e, o0o, o1e, o1o, o2e, o2o, o3e, o3o)
     if W == 1:
         for j in gl.static_range(2 * LB):
-            rows_d = (j // 2) * BOX_COLS + 2 * offs_i + (j % 2)
-            gl.store(base + rows_d[:, None] * NR + offs_r[None, :], pieces[j])
+            gl.store(_piece_ptrs(base, j, offs_i, offs_r, NR), pieces[j])
         gl.store(base + NRL + offs_r, m_i)
         gl.store(base + NRL + NR + offs_r, l_i)
         # Every thread's stores precede the single-thread arrive (release at CTA scope).
@@ -354,14 +353,21 @@ def _mma_warpgroup(
         a_1 = gl.exp2(m_1 - m_use)
         l_i = l_i * a_0 + l_1 * a_1
         for j in gl.static_range(2 * LB):
-            rows_d = (j // 2) * BOX_COLS + 2 * offs_i + (j % 2)
-            other = gl.load(base + rows_d[:, None] * NR + offs_r[None, :])
+            other = gl.load(_piece_ptrs(base, j, offs_i, offs_r, NR))
             piece = pieces[j] * a_0[None, :] + other * a_1[None, :]
             _store_rows_output(
                 piece, m_new, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR,
                 BOX_COLS // 2, WRITE_LSE, st_layout,
                 COL_START=(j // 2) * BOX_COLS + (j % 2), COL_STEP=2, STORE_LSE=j == 0,
             )  # fmt: skip
+
+
+@gluon.jit
+def _piece_ptrs(base, j: gl.constexpr, offs_i, offs_r, NR: gl.constexpr):
+    """Merge-buffer pointers of output accumulator ``j`` (``o0e, o0o, o1e, ...``): its row ``i``
+    is latent column ``BOX_COLS·(j // 2) + 2·i + j % 2``, stored as ``NR`` values a column."""
+    cols = (j // 2) * BOX_COLS + 2 * offs_i + (j % 2)
+    return base + cols[:, None] * NR + offs_r[None, :]
 
 
 @gluon.jit

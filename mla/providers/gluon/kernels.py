@@ -172,24 +172,21 @@ def _query_to_smem(
 
 
 @gluon.constexpr_function
-def _kv_copy_layouts(kv_fp8, warps):
-    """Register layouts of the ``cp.async`` gathers of a KV tile's latent and rope parts: 16
-    bytes a thread (16 fp8 or 8 16-bit values), a warp across a 512-wide latent row, the warps
-    stacked over the rows. Shared by the 64-row and few-rows kernels."""
-    per_thread = 16 if kv_fp8 else 8
-    rope_lanes = 64 // per_thread
-    return (
-        gl.BlockedLayout([1, per_thread], [1, 32], [warps, 1], [1, 0]),
-        gl.BlockedLayout([1, per_thread], [32 // rope_lanes, rope_lanes], [warps, 1], [1, 0]),
-    )
+def _row_copy_layout(cols, per_thread, warps):
+    """Register layout of a ``[rows, cols]`` copy: ``per_thread`` values a thread (16 bytes of
+    fp8, or 8 16-bit values), a warp across up to ``32 · per_thread`` columns, the warps stacked
+    over the rows."""
+    lanes = min(32, cols // per_thread)
+    return gl.BlockedLayout([1, per_thread], [32 // lanes, lanes], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def _query_copy_layout(cols, warps):
-    """Register layout of a ``[rows, cols]`` query load: 8 values a thread, a warp across up to
-    256 columns, the warps stacked over the rows."""
-    lanes = min(32, cols // 8)
-    return gl.BlockedLayout([1, 8], [32 // lanes, lanes], [warps, 1], [1, 0])
+def _kv_copy_layouts(kv_fp8, warps):
+    """Register layouts of a KV tile's latent and rope parts (the 64-row and few-rows kernels'
+    ``cp.async`` gathers, and the fp8 widening's 16-bit stores): :func:`_row_copy_layout` with 16
+    bytes a thread, a warp across a 512-wide latent row."""
+    per_thread = 16 if kv_fp8 else 8
+    return _row_copy_layout(32 * per_thread, per_thread, warps), _row_copy_layout(64, per_thread, warps)
 
 
 @gluon.jit
@@ -198,7 +195,7 @@ def _query_part_to_smem(
     H: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, PAIRED_K: gl.constexpr,
 ):  # fmt: skip
     """One part of :func:`_query_to_smem`: the ``COLS`` columns of ``q_ptr`` (latent or rope)."""
-    layout: gl.constexpr = _query_copy_layout(COLS, gl.num_warps())
+    layout: gl.constexpr = _row_copy_layout(COLS, 8, gl.num_warps())
     ptrs, ok = _query_ptrs(q_ptr, rb, qlen, kv_len, q_start, stride_t, stride_h, H, ROWS, COLS, layout)
     q = gl.load(ptrs, mask=ok[:, None], other=0.0)
     if PAIRED_K:
@@ -313,8 +310,8 @@ def _mma_operands(
         k_lat = lat_wide.index(slot)
         k_rope = rope_wide.index(slot)
         warps: gl.constexpr = gl.num_warps()
-        lat_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
-        rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+        lat_ld: gl.constexpr = _kv_copy_layouts(False, warps)[0]
+        rope_ld: gl.constexpr = _kv_copy_layouts(False, warps)[1]
         STEP: gl.constexpr = 16
         for c in gl.static_range(BLOCK_N // STEP):
             x = lat_ring.index(stage).slice(c * STEP, STEP, dim=0).load(lat_ld)
