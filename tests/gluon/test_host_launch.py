@@ -13,12 +13,10 @@ making them. It runs in a subprocess because the test session interprets Triton
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from sm90_compile import run_without_interpreter
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -85,12 +83,8 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def launches() -> dict[str, list[list[object]]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, list[list[object]]] = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_without_interpreter(["-c", SCRIPT])
+    result: dict[str, list[list[object]]] = json.loads(stdout.strip().splitlines()[-1])
     return result
 
 

@@ -4,12 +4,10 @@ or in shared memory), so a GPU session never times something else."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from sm90_compile import run_without_interpreter
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -17,12 +15,7 @@ PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "wgmma_rate_probe.p
 
 
 def test_every_case_compiles_to_its_wgmma() -> None:
-    # Compiling needs no GPU, but not the interpreter the CPU tests run Triton in.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, str(PROBE), "--compile-only"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
+    lines = run_without_interpreter([str(PROBE), "--compile-only"], timeout=600).strip().splitlines()
     expected = [
         f"N={n} A={operand}: 64x{n}x16 A={operand}"
         for n in (16, 64, 256)
