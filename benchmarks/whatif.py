@@ -574,7 +574,12 @@ def parse_shape(label: str) -> tuple[int, int, int, int]:
     return heads, qlen, batch, seq
 
 
-def run(kernel: Kernel, names: list[str], shapes: list[str]) -> None:
+def run(
+    kernel: Kernel, names: list[str], shapes: list[str], *, repeat: int = 1, with_kernel_times: bool = True
+) -> None:
+    """Time ``names`` on each of ``shapes``: ``main`` first and last, the whole order ``repeat``
+    times in one process (the spread between rounds is the noise to judge a variant against), each
+    variant's result checked against the reference before it is timed."""
     import torch
     from _common import bench_graph_us
     from decode import Problem, Shape
@@ -587,7 +592,7 @@ def run(kernel: Kernel, names: list[str], shapes: list[str]) -> None:
     device = torch.device("cuda")
     on_main = getattr(gluon_decode, kernel.name)
     rows: list[dict[str, Any]] = []
-    order = ["main", *[n for n in names if n != "main"], "main"]
+    order = ["main", *[n for n in names if n != "main"]] * repeat + ["main"]
     with tempfile.TemporaryDirectory() as workdir:
         kernels = {name: load_variant(kernel, name, workdir) for name in set(order)}
         for label in shapes:
@@ -606,7 +611,8 @@ def run(kernel: Kernel, names: list[str], shapes: list[str]) -> None:
                 try:
                     o_err, lse_err = problem.check(step)
                     us = bench_graph_us(step)
-                    parts = " ".join(f"{k}={v:.1f}" for k, v in kernel_times(step).items())
+                    times = kernel_times(step) if with_kernel_times else {}
+                    parts = " ".join(f"{k}={v:.1f}" for k, v in times.items())
                 except Exception as exc:  # a variant that fails to compile or run
                     o_err, lse_err, us, parts = (
                         math.inf,
@@ -632,6 +638,10 @@ def main() -> None:
     ap.add_argument("--kernel", choices=list(KERNELS), default="dual")
     ap.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     ap.add_argument("--shapes", nargs="*", help="H<heads>q<qlen>B<batch>S<seqlen>; default: the kernel's")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the variants in one process")
+    ap.add_argument(
+        "--no-kernel-times", action="store_true", help="graph replay only (no profiler in the process)"
+    )
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     ap.add_argument("--compile-only", action="store_true", help="compile the variants for sm_90 (no GPU)")
     ap.add_argument(
@@ -658,7 +668,12 @@ def main() -> None:
     if args.compile_only:
         compile_only(kernel, names)
         return
-    run(kernel, names, args.shapes or list(kernel.shapes))
+    if args.repeat < 1:
+        ap.error(f"--repeat: {args.repeat} rounds; give 1 or more")
+    run(
+        kernel, names, args.shapes or list(kernel.shapes), repeat=args.repeat,
+        with_kernel_times=not args.no_kernel_times,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
