@@ -14,18 +14,30 @@ with the published anchors:
 FlashMLA writes the byte count with element size 2 for everything; ``decode_bytes`` takes the
 cache and query element sizes apart so an fp8 cache counts 1 byte per KV element.
 ``attention_flops`` is the prefill counterpart (causal halves the square).
+
+GPU state: ``sample_gpu_state`` samples the SM clock, the power draw and the power-cap throttle
+bit while a block of timing runs (see its docstring). An H200 capped at 700 W lowers its SM clock
+in kernels that draw near the cap, so the same kernel can time some 10% slower after a second of
+sustained running than from a cool start; a timing is read with the clock it ran at.
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
+import importlib
 import math
+import os
 import pstats
+import shutil
 import statistics
+import subprocess
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 # Measured device-to-device copy bandwidth on an H200; the yardstick for TB/s.
@@ -192,3 +204,213 @@ def wall_us(
         sync()
         times.append((time.perf_counter() - start) * 1e6 / calls)
     return statistics.median(times)
+
+
+SW_POWER_CAP = 0x4
+"""The clocks-event (throttle) reason bit of NVML and nvidia-smi for the software power cap."""
+
+
+@attrs.frozen
+class GpuSample:
+    """One reading of the GPU: SM clock (MHz), board power (W), whether the power cap throttles."""
+
+    sm_mhz: float
+    watts: float
+    power_capped: bool
+
+
+@attrs.frozen
+class GpuState:
+    """Means over the samples of a block: SM clock (MHz), power (W), and ``power_capped``, the
+    fraction (0.0 to 1.0) of the samples with the software power-cap bit (0x4) set."""
+
+    sm_mhz: float
+    watts: float
+    power_capped: float
+
+
+def parse_smi_line(line: str) -> GpuSample | None:
+    """One line of ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active
+    --format=csv,noheader,nounits``, e.g. ``"1686, 661.0, 0x0000000000000004"``, as a sample;
+    None for a line that is not one (``[N/A]`` fields, an error message, an empty line)."""
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) != 3:
+        return None
+    try:
+        return GpuSample(float(fields[0]), float(fields[1]), bool(int(fields[2], 16) & SW_POWER_CAP))
+    except ValueError:
+        return None
+
+
+def summarize_gpu_samples(samples: Sequence[GpuSample]) -> GpuState | None:
+    """The means of ``samples`` as a ``GpuState``; None when there are none."""
+    if not samples:
+        return None
+    return GpuState(
+        sm_mhz=statistics.fmean(s.sm_mhz for s in samples),
+        watts=statistics.fmean(s.watts for s in samples),
+        power_capped=sum(s.power_capped for s in samples) / len(samples),
+    )
+
+
+class GpuSampler:
+    """The samples taken by ``sample_gpu_state`` (appended by its background thread)."""
+
+    def __init__(self) -> None:
+        self.source = "none"
+        """Where the samples come from: ``"pynvml"``, ``"nvidia-smi"`` or ``"none"``."""
+        self._samples: list[GpuSample] = []
+        self._lock = threading.Lock()
+
+    def add(self, sample: GpuSample) -> None:
+        with self._lock:
+            self._samples.append(sample)
+
+    @property
+    def samples(self) -> list[GpuSample]:
+        with self._lock:
+            return list(self._samples)
+
+    def summary(self) -> GpuState | None:
+        """Means over the samples so far (read after the block); None when nothing was sampled."""
+        return summarize_gpu_samples(self.samples)
+
+
+def _nvml_sampler(sampler: GpuSampler, device_index: int, period_s: float) -> Callable[[], None] | None:
+    """Start sampling through pynvml (package ``nvidia-ml-py``) in a thread; return its stop
+    function, or None when pynvml is missing or finds no such NVIDIA device."""
+    try:
+        nvml: Any = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        reasons = (
+            getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
+        cap_bit: int = getattr(
+            nvml,
+            "nvmlClocksEventReasonSwPowerCap",
+            getattr(nvml, "nvmlClocksThrottleReasonSwPowerCap", SW_POWER_CAP),
+        )
+
+        def read() -> GpuSample:
+            return GpuSample(
+                sm_mhz=float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+                watts=nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+                power_capped=bool(int(reasons(handle)) & cap_bit),
+            )
+
+        read()  # fail here, not in the thread, where the device cannot be read
+    except Exception:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+        return None
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                sampler.add(read())
+            except Exception:
+                return
+            stop.wait(period_s)
+
+    thread = threading.Thread(target=loop, name="gpu-state-nvml", daemon=True)
+    thread.start()
+
+    def finish() -> None:
+        stop.set()
+        thread.join()
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+    return finish
+
+
+def _smi_sampler(sampler: GpuSampler, device_index: int, period_s: float) -> Callable[[], None] | None:
+    """Start ``nvidia-smi ... -lms`` and a thread parsing its lines; return its stop function,
+    or None when there is no nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    query = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+    cmd = [exe, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+           "-lms", str(max(1, round(period_s * 1000))), "-i", str(device_index)]  # fmt: skip
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return None
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def loop() -> None:
+        for line in stdout:
+            if (sample := parse_smi_line(line)) is not None:
+                sampler.add(sample)
+
+    thread = threading.Thread(target=loop, name="gpu-state-smi", daemon=True)
+    thread.start()
+
+    def finish() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        thread.join(timeout=5)
+        stdout.close()
+
+    return finish
+
+
+@contextlib.contextmanager
+def sample_gpu_state(device_index: int = 0, period_s: float = 0.1) -> Iterator[GpuSampler]:
+    """Sample the SM clock, power draw and power-cap throttling of NVIDIA GPU ``device_index``
+    every ``period_s`` seconds while the ``with`` block runs; read ``.summary()`` after it.
+
+    ``device_index`` is NVML's (nvidia-smi's) index, which ignores ``CUDA_VISIBLE_DEVICES``.
+    Samples come from pynvml (``nvidia-ml-py``) when it imports and sees the device, else from an
+    ``nvidia-smi -lms`` subprocess. Without either (no NVIDIA GPU: a CPU, a ROCm device) nothing
+    is sampled and ``summary()`` is None. The sampler never raises; an exception of the block
+    passes through unchanged. The nvidia-smi path starts up in some 0.1 s, so a block shorter
+    than that may get no sample; NVML's power reading is itself averaged over about a second.
+    """
+    sampler = GpuSampler()
+    finish = None
+    for source, start in (("pynvml", _nvml_sampler), ("nvidia-smi", _smi_sampler)):
+        try:
+            finish = start(sampler, device_index, period_s)
+        except Exception:
+            finish = None
+        if finish is not None:
+            sampler.source = source
+            break
+    try:
+        yield sampler
+    finally:
+        if finish is not None:
+            with contextlib.suppress(Exception):
+                finish()
+
+
+def nvml_index(cuda_index: int | None = None) -> int:
+    """The NVML (nvidia-smi) index of CUDA device ``cuda_index`` (default: the current one),
+    through ``CUDA_VISIBLE_DEVICES`` when that lists indices; the CUDA index otherwise."""
+    if cuda_index is None:
+        cuda_index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if cuda_index < len(visible) and all(v.isdigit() for v in visible):
+        return int(visible[cuda_index])
+    return cuda_index
+
+
+def gpu_state_columns(state: GpuState | None) -> dict[str, float]:
+    """A table's ``MHz``, ``W`` (rounded means) and ``capped`` (fraction of samples power-capped,
+    0.0 to 1.0) columns for ``state``; NaN where nothing was sampled."""
+    if state is None:
+        return {"MHz": math.nan, "W": math.nan, "capped": math.nan}
+    return {"MHz": round(state.sm_mhz), "W": round(state.watts), "capped": round(state.power_capped, 2)}

@@ -19,6 +19,12 @@ kernel it picks for 16-row tiles of fp8 caches (``GluonLaunchConfig(dual=False)`
 vLLM's ``decode_attention_fwd`` (qlen 1, 16-bit caches; skipped with a note without
 ``--vllm-decode``). Metrics follow FlashMLA: bytes = KV read once + q read + o written; FLOPs =
 2·s_q·Σs_k·h·(576+512). ``copy%`` is the bandwidth over the measured 4.25 TB/s device copy.
+``MHz``, ``W`` and ``capped`` are the GPU's state while the row was timed (``sample_gpu_state``:
+the mean SM clock and board power, and the fraction 0.0 to 1.0 of the samples with the software
+power-cap throttle bit set; NaN where nothing could be sampled). The H200 is capped at 700 W; a
+case that draws near the cap runs at a lower SM clock (1650 to 1770 MHz against 1980), so the same
+kernel can time some 10% slower in a long run than from a cool start: compare rows with their
+clocks in view (``benchmarks/power.py`` times cases after idle and sustained).
 ``--plot`` draws achieved TB/s per case and implementation against that ceiling (matplotlib).
 """
 
@@ -41,13 +47,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _vllm
 from _common import (
     H200_COPY_TBPS,
+    GpuState,
     bench_graph_us,
     bench_us,
     decode_bytes,
     decode_flops,
     gpu_name,
+    gpu_state_columns,
+    nvml_index,
     print_table,
     rel_error,
+    sample_gpu_state,
     tbps,
     tflops,
 )
@@ -406,7 +416,12 @@ def run_matrix(
                 err_o, err_l = math.inf, math.inf
                 print(f"{label(shape)} {impl}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             ok = err_o <= 1e-2 and err_l <= 1e-2
-            graph_us, bench = time_fn(fn) if ok else (math.nan, math.nan)
+            graph_us, bench = math.nan, math.nan
+            state: GpuState | None = None
+            if ok:
+                with sample_gpu_state(nvml_index()) as gpu:
+                    graph_us, bench = time_fn(fn)
+                state = gpu.summary()
             bw, fl = prob.metrics(graph_us)
             rows.append(
                 {
@@ -418,6 +433,7 @@ def run_matrix(
                     "TB/s": bw,
                     "copy%": 100 * bw / H200_COPY_TBPS,
                     "TFLOP/s": fl,
+                    **gpu_state_columns(state),
                     "x_torch": torch_us / graph_us,
                     "target": shape.target,
                 }
@@ -596,8 +612,9 @@ def main() -> None:
         print(f"# note: {note}")
     print_table(
         [{k: r[k] for k in ("shape", "impl", "check", "us", "us_dobench", "TB/s", "copy%", "TFLOP/s",
-                            "x_torch", "vs_target")} for r in rows],
-        title=f"MLA decode on {gpu_name()} (µs = CUDA-graph replay median)",
+                            "MHz", "W", "capped", "x_torch", "vs_target")} for r in rows],
+        title=f"MLA decode on {gpu_name()} (µs = CUDA-graph replay median; MHz, W: means while timed; "
+        "capped: fraction of samples power-capped)",
     )  # fmt: skip
 
 

@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
 #   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out, and candidates (~8 min)
 #   bash benchmarks/h200_session.sh whatif-other  # the same for the ping-pong and few-rows kernels (~5 min)
+#   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~2 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -121,12 +122,16 @@ profile)
     python3 benchmarks/gluon_dev.py --once fp8 > "$OUT/ncu_dual_sass.csv" 2>/dev/null
   python3 benchmarks/ncu_stalls.py "$OUT/ncu_dual_sass.csv" | tee "$OUT/ncu_dual_stalls.txt"
   ;;
+power)
+  part "power cap: the Gluon decode (np) after idle and sustained, with SM clock and power"
+  timeout 200 python3 benchmarks/power.py 2>&1 | tee "$OUT/power.log" | grep -v "^{" | tail -20
+  ;;
 breakdown)
   part "per-kernel breakdown"
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other|power" >&2
   exit 2
   ;;
 esac

@@ -1,0 +1,136 @@
+"""``benchmarks/_common.py``'s GPU-state sampler: the nvidia-smi line parser, the summary of
+samples, and a sampler that yields nothing (and raises nothing) where no NVIDIA GPU is."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _common() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("_common", BENCHMARKS / "_common.py")
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+C = _common()
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("1980, 549.12, 0x0000000000000000", (1980.0, 549.12, False)),
+        ("1686, 661.0, 0x0000000000000004\n", (1686.0, 661.0, True)),
+        ("1770, 642.5, 0x0000000000000005", (1770.0, 642.5, True)),  # idle bit too
+        ("1743, 669.0, 0x0000000000000001", (1743.0, 669.0, False)),
+    ],
+)
+def test_parse_smi_line(line: str, expected: tuple[float, float, bool]) -> None:
+    assert C.parse_smi_line(line) == C.GpuSample(*expected)
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["[N/A], [N/A], [N/A]", "", "\n", "1980, 549.12", "No devices were found", "1980, [N/A], 0x0"],
+)
+def test_parse_smi_line_rejects(line: str) -> None:
+    assert C.parse_smi_line(line) is None
+
+
+def test_summary_of_samples() -> None:
+    samples = [
+        C.GpuSample(1980.0, 500.0, False),
+        C.GpuSample(1700.0, 690.0, True),
+        C.GpuSample(1680.0, 700.0, True),
+        C.GpuSample(1720.0, 650.0, False),
+    ]
+    state = C.summarize_gpu_samples(samples)
+    assert state == C.GpuState(sm_mhz=1770.0, watts=635.0, power_capped=0.5)
+    assert C.summarize_gpu_samples([]) is None
+    assert C.gpu_state_columns(state) == {"MHz": 1770, "W": 635, "capped": 0.5}
+    assert all(math.isnan(v) for v in C.gpu_state_columns(None).values())
+
+
+def test_sampler_records_what_it_is_given() -> None:
+    sampler = C.GpuSampler()
+    assert sampler.summary() is None
+    sampler.add(C.GpuSample(1980.0, 549.0, False))
+    assert sampler.summary() == C.GpuState(1980.0, 549.0, 0.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without an NVIDIA GPU")
+def test_sampler_without_a_gpu_yields_nothing() -> None:
+    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+        pass
+    assert sampler.summary() is None
+    assert sampler.source == "none"
+
+
+def test_sampler_passes_the_blocks_exception_through() -> None:
+    with pytest.raises(KeyError), C.sample_gpu_state(0, period_s=0.01):
+        raise KeyError("the block's")
+
+
+def test_nvml_index_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert C.nvml_index(0) == 3
+    assert C.nvml_index(1) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0a1b")
+    assert C.nvml_index(0) == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert C.nvml_index(2) == 2
+
+
+def test_sampler_reads_nvidia_smi_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback: a stand-in ``nvidia-smi`` streams two lines, then runs until terminated."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\necho '[N/A], [N/A], [N/A]'\necho '1700, 690.0, 0x0000000000000004'\n"
+        "echo '1980, 550.0, 0x0000000000000000'\nexec sleep 30\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(C, "_nvml_sampler", lambda *args: None)
+    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+        deadline = time.monotonic() + 1.5
+        while len(sampler.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sampler.source == "nvidia-smi"
+    assert sampler.summary() == C.GpuState(sm_mhz=1840.0, watts=620.0, power_capped=0.5)
+
+
+def test_sampler_reads_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pynvml path, on a stand-in module with the newer (clocks-event) names."""
+    calls: list[str] = []
+    fake = SimpleNamespace(
+        NVML_CLOCK_SM=1,
+        nvmlClocksEventReasonSwPowerCap=0x4,
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        nvmlDeviceGetClockInfo=lambda handle, clock: 1686,
+        nvmlDeviceGetPowerUsage=lambda handle: 661000,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda handle: 0x4,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+        time.sleep(0.05)
+    assert sampler.source == "pynvml"
+    assert sampler.summary() == C.GpuState(sm_mhz=1686.0, watts=661.0, power_capped=1.0)
+    assert calls == ["init", "shutdown"]
