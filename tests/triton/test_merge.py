@@ -117,11 +117,11 @@ def test_a_nan_partial_shows_in_its_row_only() -> None:
 # (requests, qlen, heads, rank, splits, SMs) -> (BLOCK_S, BLOCK_D)
 MERGE_TILES = {
     (64, 1, 16, 512, 2, 132): (2, 512),  # H16 B64 2-way: 1024 programs of the whole latent row
-    (1, 1, 16, 512, 128, 132): (128, 64),  # B1 128-way: 16 x 8 programs, 64 lanes each
+    (1, 1, 16, 512, 128, 132): (128, 32),  # B1 128-way: 16 x 16 programs, 32 lanes each
     (16, 1, 16, 512, 8, 132): (8, 256),
     (64, 4, 16, 512, 2, 132): (2, 512),
     (64, 1, 128, 512, None, 132): (8, 512),  # a planned schedule: ~2 x 132 / 64 splits a step
-    (1, 1, 16, 512, None, 132): (64, 64),  # one request: the most splits a step
+    (1, 1, 16, 512, None, 132): (64, 32),  # one request: the most splits a step
     (2, 1, 3, 48, 70, 2): (128, 64),
 }
 

@@ -29,8 +29,11 @@ from mla.providers.split_kv import SplitKVSchedule
 
 MERGE_TILE = 8192
 """fp32 elements of one ``[BLOCK_S, BLOCK_D]`` step (32 KB: 64 registers a thread on 4 warps)."""
-MIN_BLOCK_D = 64
-"""Narrowest latent chunk a program merges (more programs for small batches)."""
+MIN_BLOCK_D = 32
+"""Narrowest latent chunk a program merges (more programs for small batches). 32 against 64 on
+the H200 (2026-12-02, graph-replay µs of the Gluon decode and its reduce, three rounds each):
+bf16 H16 q1 B1 S65536 (128 splits) 28.2–28.4 against 28.8–29.0, its fp8 cache 23.6–24.7 against
+24.3–24.9, B2 S32768 29.9–30.3 against 30.9–31.1; 16 was no better than 32."""
 MAX_BLOCK_S_SCHEDULED = 64
 """Most splits per step of a planned schedule. Its split counts are known only on the device:
 the planner spreads about ``num_sms`` items over the requests, so a step takes
