@@ -296,10 +296,21 @@ def _nvml_sampler(sampler: GpuSampler, device_index: int, period_s: float) -> Ca
             getattr(nvml, "nvmlClocksThrottleReasonSwPowerCap", SW_POWER_CAP),
         )
 
+        instant = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", None)
+
+        def milliwatts() -> float:
+            # The instantaneous power field where the driver has it (Hopper: yes), else NVML's
+            # power usage, which is averaged over about a second.
+            if instant is not None:
+                field = nvml.nvmlDeviceGetFieldValues(handle, [instant])[0]
+                if field.nvmlReturn == 0:
+                    return float(field.value.uiVal)
+            return float(nvml.nvmlDeviceGetPowerUsage(handle))
+
         def read() -> GpuSample:
             return GpuSample(
                 sm_mhz=float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
-                watts=nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+                watts=milliwatts() / 1000.0,
                 power_capped=bool(int(reasons(handle)) & cap_bit),
             )
 
@@ -376,8 +387,9 @@ def sample_gpu_state(device_index: int = 0, period_s: float = 0.1) -> Iterator[G
     Samples come from pynvml (``nvidia-ml-py``) when it imports and sees the device, else from an
     ``nvidia-smi -lms`` subprocess. Without either (no NVIDIA GPU: a CPU, a ROCm device) nothing
     is sampled and ``summary()`` is None. The sampler never raises; an exception of the block
-    passes through unchanged. The nvidia-smi path starts up in some 0.1 s, so a block shorter
-    than that may get no sample; NVML's power reading is itself averaged over about a second.
+    passes through unchanged. Through pynvml the power is the instantaneous reading where the
+    driver has it (else NVML's average over about a second, as nvidia-smi's); the nvidia-smi path
+    starts up in some 0.1 s, so a block shorter than that may get no sample from it.
     """
     sampler = GpuSampler()
     finish = None

@@ -419,7 +419,7 @@ def run_matrix(
             graph_us, bench = math.nan, math.nan
             state: GpuState | None = None
             if ok:
-                with sample_gpu_state(nvml_index()) as gpu:
+                with sample_gpu_state(nvml_index(), period_s=0.01) as gpu:  # a timing takes ~0.1 s
                     graph_us, bench = time_fn(fn)
                 state = gpu.summary()
             bw, fl = prob.metrics(graph_us)

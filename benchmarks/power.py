@@ -64,7 +64,7 @@ def run_case(shape: Shape, *, idle_s: float, sustain_s: float) -> dict[str, Any]
         torch.cuda.synchronize()
         time.sleep(idle_s)
         after = bench_graph_us(fn, rep_ms=5)
-        with sample_gpu_state(nvml_index()) as gpu:
+        with sample_gpu_state(nvml_index(), period_s=0.02) as gpu:
             start = time.perf_counter()
             times.append(bench_graph_us(fn))  # at least one timing, whatever --sustain is
             while time.perf_counter() - start < sustain_s:

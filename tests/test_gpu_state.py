@@ -115,10 +115,10 @@ def test_sampler_reads_nvidia_smi_lines(tmp_path: Path, monkeypatch: pytest.Monk
     assert sampler.summary() == C.GpuState(sm_mhz=1840.0, watts=620.0, power_capped=0.5)
 
 
-def test_sampler_reads_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pynvml path, on a stand-in module with the newer (clocks-event) names."""
-    calls: list[str] = []
-    fake = SimpleNamespace(
+def _fake_pynvml(calls: list[str], **extra: object) -> SimpleNamespace:
+    """A stand-in pynvml with the newer (clocks-event) names, reading 1686 MHz, 661 W averaged
+    and the power-cap bit."""
+    return SimpleNamespace(
         NVML_CLOCK_SM=1,
         nvmlClocksEventReasonSwPowerCap=0x4,
         nvmlInit=lambda: calls.append("init"),
@@ -127,10 +127,32 @@ def test_sampler_reads_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
         nvmlDeviceGetClockInfo=lambda handle, clock: 1686,
         nvmlDeviceGetPowerUsage=lambda handle: 661000,
         nvmlDeviceGetCurrentClocksEventReasons=lambda handle: 0x4,
+        **extra,
     )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+
+def test_sampler_reads_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pynvml path without the instantaneous power field: NVML's averaged power."""
+    calls: list[str] = []
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(calls))
     with C.sample_gpu_state(0, period_s=0.01) as sampler:
         time.sleep(0.05)
     assert sampler.source == "pynvml"
     assert sampler.summary() == C.GpuState(sm_mhz=1686.0, watts=661.0, power_capped=1.0)
     assert calls == ["init", "shutdown"]
+
+
+@pytest.mark.parametrize(("status", "watts"), [(0, 702.5), (3, 661.0)], ids=["instant", "not-supported"])
+def test_sampler_prefers_the_instantaneous_power(
+    monkeypatch: pytest.MonkeyPatch, status: int, watts: float
+) -> None:
+    """Where the driver reads the instantaneous power field it is taken; a field the driver does
+    not support (a non-zero status) falls back to the averaged power."""
+    field = SimpleNamespace(nvmlReturn=status, value=SimpleNamespace(uiVal=702500))
+    fake = _fake_pynvml(
+        [], NVML_FI_DEV_POWER_INSTANT=186, nvmlDeviceGetFieldValues=lambda handle, ids: [field]
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+        time.sleep(0.05)
+    assert sampler.summary() == C.GpuState(sm_mhz=1686.0, watts=watts, power_capped=1.0)
