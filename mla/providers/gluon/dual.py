@@ -75,6 +75,10 @@ the speed of a bf16 cache at the same shape (272.1). PV from the fp8 slot (about
 against 208.9 and 211.9, B64 S4096 57.4 against 63.5 and 64.0; the reference-max softmax
 (21:24 UTC): B128 S8192 166.8 against 188.7 and 188.1, B64 S4096 54.1 against 56.8 and 56.5.
 
+Its MMA warps are issue-bound, so its time follows the SM clock, and at B128 S8192 it draws
+close to the H200's 700 W cap: 160.0 µs from a cool GPU, 174.2 µs sustained at 1777 MHz
+(2026-12-02, ``benchmarks/power.py``; docs/performance.md, "The power cap sets the fp8 ratio").
+
 compute-sanitizer: memcheck reports no errors. racecheck reports the ``gl.warp_specialize``
 start-up (see :mod:`.pingpong`) and, on tiles that come by ``cp.async``, can report the
 warpgroups' reads of a ring slot against the loader's copies into it:
