@@ -3,33 +3,17 @@ samples, and a sampler that yields nothing (and raises nothing) where no NVIDIA 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _common() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("_common", BENCHMARKS / "_common.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
-C = _common()
+C = load_benchmark("_common")
 
 
 @pytest.mark.parametrize(

@@ -10,34 +10,16 @@ test says so on the CPU, before a GPU session is spent on it.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmark_modules import BENCHMARKS, load_benchmark
 from sm90_compile import run_without_interpreter
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _whatif() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("whatif", BENCHMARKS / "whatif.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
-WHATIF = _whatif()
+WHATIF = load_benchmark("whatif")
 
 
 CASES = [(kernel, name) for kernel, spec in sorted(WHATIF.KERNELS.items()) for name in spec.variants]
