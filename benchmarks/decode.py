@@ -390,6 +390,29 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
     return impls, notes
 
 
+def check_before_timing(prob: Problem, fn: Callable[[], None], name: str, *, lse: bool = True) -> str:
+    """``"ok"`` when ``fn`` matches the torch reference on ``prob`` (relative o error and max
+    |Δlse| both ≤ 1e-2), else a ``FAIL`` note with the errors; an implementation that raises on
+    the shape is reported under ``name`` and fails, so one broken row does not end the run."""
+    try:
+        err_o, err_l = prob.check(fn, lse=lse)
+    except Exception as exc:
+        err_o, err_l = math.inf, math.inf
+        print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return "ok" if err_o <= 1e-2 and err_l <= 1e-2 else f"FAIL o={err_o:.2g} lse={err_l:.2g}"
+
+
+def select_cases(shapes: list[Shape], only: list[str] | None, parser: argparse.ArgumentParser) -> list[Shape]:
+    """The shapes whose case name (``mem``, ``long``, ``fp8``, ...) is in ``only`` (all without
+    it); an unknown name is a usage error that lists the cases."""
+    if not only:
+        return shapes
+    names = {s.name for s in shapes}
+    if unknown := set(only) - names:
+        parser.error(f"--only: no case named {sorted(unknown)} (cases: {sorted(names)})")
+    return [s for s in shapes if s.name in only]
+
+
 def run_matrix(
     shapes: list[Shape], *, with_torch: bool, vllm: Any = None
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -410,15 +433,10 @@ def run_matrix(
 
             torch_us = bench_us(torch_run, warmup_ms=1, rep_ms=20)
         for impl, fn, writes_lse in impls:
-            try:
-                err_o, err_l = prob.check(fn, lse=writes_lse)
-            except Exception as exc:  # an implementation that fails on this shape is reported
-                err_o, err_l = math.inf, math.inf
-                print(f"{label(shape)} {impl}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            ok = err_o <= 1e-2 and err_l <= 1e-2
+            check = check_before_timing(prob, fn, f"{label(shape)} {impl}", lse=writes_lse)
             graph_us, bench = math.nan, math.nan
             state: GpuState | None = None
-            if ok:
+            if check == "ok":
                 with sample_gpu_state(nvml_index(), period_s=0.01) as gpu:  # a timing takes ~0.1 s
                     graph_us, bench = time_fn(fn)
                 state = gpu.summary()
@@ -427,7 +445,7 @@ def run_matrix(
                 {
                     "shape": label(shape),
                     "impl": impl,
-                    "check": "ok" if ok else f"FAIL o={err_o:.2g} lse={err_l:.2g}",
+                    "check": check,
                     "us": graph_us,
                     "us_dobench": bench,
                     "TB/s": bw,
@@ -588,12 +606,7 @@ def main() -> None:
             vllm = _vllm.load(args.vllm_decode)
         else:
             print(f"# note: {args.vllm_decode} does not exist: the vllm column is skipped", flush=True)
-    shapes = QUICK if args.quick else MATRIX
-    if args.only:
-        names = {s.name for s in shapes}
-        if unknown := set(args.only) - names:
-            parser.error(f"--only: no case named {sorted(unknown)} (cases: {sorted(names)})")
-        shapes = [s for s in shapes if s.name in args.only]
+    shapes = select_cases(QUICK if args.quick else MATRIX, args.only, parser)
     rows, notes = run_matrix(shapes, with_torch=not args.no_torch, vllm=vllm)
     sweep = run_sweep() if args.sweep else []
     if args.json:

@@ -41,7 +41,7 @@ from _common import (
     print_table,
     sample_gpu_state,
 )
-from decode import MATRIX, Problem, Shape, label
+from decode import MATRIX, Problem, Shape, check_before_timing, label, select_cases
 
 from mla.providers import get_provider
 
@@ -50,17 +50,12 @@ def run_case(shape: Shape, *, idle_s: float, sustain_s: float) -> dict[str, Any]
     """One row: the case's check, its after-idle and sustained times and the GPU state."""
     prob = Problem(shape, torch.device("cuda"))
     fn = prob.provider_fn(get_provider("gluon"), persistent=False)
-    row: dict[str, Any] = {"shape": label(shape), "check": "ok"}
-    try:
-        err_o, err_l = prob.check(fn)
-    except Exception as exc:  # a case the provider fails on is reported, not fatal
-        err_o, err_l = math.inf, math.inf
-        print(f"{label(shape)}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    row: dict[str, Any] = {"shape": label(shape), "check": check_before_timing(prob, fn, label(shape))}
     after = sustained = math.nan
     times: list[float] = []
     state: GpuState | None = None
     source = "none"
-    if err_o <= 1e-2 and err_l <= 1e-2:
+    if row["check"] == "ok":
         torch.cuda.synchronize()
         time.sleep(idle_s)
         after = bench_graph_us(fn, rep_ms=5)
@@ -71,8 +66,6 @@ def run_case(shape: Shape, *, idle_s: float, sustain_s: float) -> dict[str, Any]
                 times.append(bench_graph_us(fn))
         state, source = gpu.summary(), gpu.source
         sustained = statistics.median(times)
-    else:
-        row["check"] = f"FAIL o={err_o:.2g} lse={err_l:.2g}"
     row.update(
         {
             "after idle µs": after,
@@ -102,12 +95,7 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    shapes = MATRIX
-    if args.only:
-        names = {s.name for s in shapes}
-        if unknown := set(args.only) - names:
-            parser.error(f"--only: no case named {sorted(unknown)} (cases: {sorted(names)})")
-        shapes = [s for s in shapes if s.name in args.only]
+    shapes = select_cases(MATRIX, args.only, parser)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/power.py needs a CUDA GPU")
     if not (support := get_provider("gluon").availability()):
