@@ -1,7 +1,7 @@
 """Compile the Gluon decode kernel for sm_90 without a GPU and print its resource report.
 
     python benchmarks/gluon_compile.py [--fp8] [--block-n 64] [--stages 2] [--sass]
-        [--rows 16|32|64] [--pingpong] [--dual]
+        [--rows 16|32|64 [--fold SPLITS]] [--pingpong] [--dual]
 
 Prints registers, spills, shared memory and counts of the key SASS instructions (HGMMA,
 LDGSTS, LDL/STL) so a variant can be judged before it costs device time.
@@ -24,6 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla.providers.gluon.dual import LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
+from mla.providers.gluon.fold import fold_block_splits
 from mla.providers.gluon.kernels import mla_decode_kernel
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
@@ -41,6 +42,7 @@ def compile_variant(
     pingpong: bool = False,
     dual: bool = False,
     e5m2: bool = False,
+    fold: int = 0,
 ):
     kv = ("*fp8e5" if e5m2 else "*fp8e4nv") if fp8 else "*bf16"
     ptrs = {
@@ -67,6 +69,17 @@ def compile_variant(
         rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": rows, **rest}
         constexprs["num_warps"] = 8 if rows == 64 else 4
+        # the few-rows kernel takes the fold's barrier words after the fp8 scale
+        sig = {
+            **{k: sig[k] for k in ptrs},
+            "barrier_ptr": "*i32",
+            **{k: sig[k] for k in [*ints, "sm_scale_log2"]},
+        }
+        constexprs["FOLD_SPLITS"] = fold
+        constexprs["FOLD_BLOCK_S"] = (
+            fold_block_splits(num_splits=fold, rows=rows, chunk=512 // fold) if fold else 1
+        )
+        constexprs["num_warps"] = constexprs.pop("num_warps")
     if pingpong:
         del constexprs["OVERLAP"], constexprs["KV_FP8"]
         constexprs["num_warps"] = 4
@@ -135,6 +148,12 @@ def main() -> None:
     )
     ap.add_argument("--pingpong", action="store_true", help="the 64-row ping-pong kernel (16-bit caches)")
     ap.add_argument("--dual", action="store_true", help="the dual-chain kernel (16 rows, fp8; implies --fp8)")
+    ap.add_argument(
+        "--fold",
+        type=int,
+        default=0,
+        help="with --rows: fold the split reduce of this many splits into the kernel",
+    )
     args = ap.parse_args()
     k = compile_variant(
         fp8=args.fp8 or args.dual,
@@ -144,6 +163,7 @@ def main() -> None:
         rows=args.rows,
         pingpong=args.pingpong,
         dual=args.dual,
+        fold=args.fold,
     )
     md = k.metadata
     print(f"shared={md.shared} B  num_warps={md.num_warps}")

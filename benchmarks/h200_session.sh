@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out, and candidates (~8 min)
 #   bash benchmarks/h200_session.sh whatif-other  # the same for the ping-pong and few-rows kernels (~5 min)
 #   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~2 min)
+#   bash benchmarks/h200_session.sh fold        # the split reduce folded into the few-rows kernel: tests, sanitizers, timing (~4 min)
 #
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -126,12 +127,27 @@ power)
   part "power cap: the Gluon decode (np) after idle and sustained, with SM clock and power"
   timeout 200 python3 benchmarks/power.py 2>&1 | tee "$OUT/power.log" | grep -v "^{" | tail -20
   ;;
+fold)
+  part "GPU tests: the folded split reduce"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gluon/test_gpu_kernels.py -k fold \
+    2>&1 | tee "$OUT/fold_tests.log" | summary
+  for tool in memcheck racecheck synccheck; do
+    part "compute-sanitizer $tool: the folded reduce"
+    timeout 100 compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider \
+      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-fold-bf16]" \
+      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q2-bs16-fold-fp8]" \
+      2>&1 | tee "$OUT/sanitizer_fold_$tool.log" | grep -v "^=========     at " \
+      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
+  done
+  part "timing: separate reduce against the folded one"
+  timeout 240 python3 benchmarks/fold.py --json "$OUT/fold.json" 2>&1 | tee "$OUT/fold.log" | grep -v "^{" | tail -24
+  ;;
 breakdown)
   part "per-kernel breakdown"
   timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other|power" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other|power|fold" >&2
   exit 2
   ;;
 esac

@@ -100,6 +100,7 @@ RUNS = (
     + [(CASES[1], "dual"), (DUAL_BS16, "auto")]
     + [(CASES[0], v) for v in ("rows16", "rows16-splits3")]
     + [(CASES[1], "rows16")]
+    + [(CASES[i], "fold") for i in (0, 1, 2)]
 )
 
 
@@ -166,6 +167,8 @@ def test_paged_decode_variants(
             pytest.skip("the dual-chain kernel takes fp8 caches (check_config)")
         splits = {"dual-splits3": 3, "dual-schedule": 1}.get(variant, auto.num_splits)
         config = attrs.evolve(auto, dual=True, num_splits=splits)
+    elif variant == "fold":
+        config = attrs.evolve(auto, dual=False, num_splits=_fold_splits(len(lens), q.device), fold=True)
     elif variant == "overlap":
         config = attrs.evolve(
             auto,
@@ -183,6 +186,60 @@ def test_paged_decode_variants(
         assert_matches_reference(out, ref_lse, ref_out, ref_lse, context=f"gluon {variant}")
     else:
         assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon {variant}")
+
+
+def _fold_splits(requests: int, device: torch.device) -> int:
+    """The most splits (a power of two, at most 64) whose folded launch fits one wave."""
+    from mla.providers.triton.decode import num_sms
+
+    splits = 64
+    while requests * splits > num_sms(device):
+        splits //= 2
+    return splits
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_folded_reduce_under_graph_replay(kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folded reduce's barrier words come back as they started, so replays of a captured
+    graph (and eager calls between them) keep matching; a launch captured before the words
+    exist launches the separate reduce instead."""
+    from mla.providers.gluon import fold
+    from mla.providers.gluon.decode import paged_decode
+    from mla.providers.gluon.planner import GluonLaunchConfig
+
+    heads, qlens, lens, block = 16, [1, 1, 1], [5000, 64, 900], 64
+    data = _case(heads, qlens, lens, block, kv_dtype, seed=11)
+    q = data[0]
+    ref_out, ref_lse = _reference(data, qlens, lens)
+    out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((q.shape[0], heads), math.nan, device="cuda")
+    config = GluonLaunchConfig(row_tile=16, num_splits=_fold_splits(len(lens), q.device), fold=True)
+
+    def step() -> None:
+        paged_decode(_call(data, qlens, lens, out, lse), config=config)
+
+    for words in (None, {}):
+        if words is not None:
+            monkeypatch.setattr(fold, "_BARRIERS", words)  # the first launch is the captured one
+        else:
+            step()
+            torch.cuda.synchronize()
+            assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon fold eager")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            step()
+        for _ in range(3):
+            out.fill_(math.nan)
+            lse.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon fold replay {words}")
+        if words is not None:
+            assert words == {}, "a capture made the barrier words"
+        else:
+            assert fold._BARRIERS[q.device].tolist()[0] == 0
 
 
 # (request, token position, head, factor): the key at that position made ``factor`` times the

@@ -59,6 +59,12 @@ SCRIPT = textwrap.dedent(
         "row64-fp8-split2": (128, [1, 1], [300, 70], True, GluonLaunchConfig(num_splits=2)),
         "t64-bf16-direct": (16, [4], [300], False, GluonLaunchConfig(row_tile=64, transposed=True)),
         "few16-bf16-scheduled": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16), True),
+        "few16-bf16-fold4": (
+            16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16, num_splits=4, fold=True)
+        ),
+        "few32-fp8-fold2": (
+            16, [2, 2], [300, 70], True, GluonLaunchConfig(row_tile=32, num_splits=2, fold=True)
+        ),
         "pingpong-bf16-split2": (
             16, [4, 4], [300, 70], False, GluonLaunchConfig(pingpong=True, num_splits=2)
         ),
@@ -105,6 +111,10 @@ DUAL = "mla_decode_dual_kernel"
         ("t64-bf16-direct", [DECODE_ROWS]),
         # The planned schedule always launches the reduce (it skips requests with one item).
         ("few16-bf16-scheduled", [DECODE_ROWS, MERGE]),
+        # The reduce folded into the kernel: one launch (2 requests x 4 splits = 8 programs, on
+        # the 8 SMs the CPU reports).
+        ("few16-bf16-fold4", [DECODE_ROWS]),
+        ("few32-fp8-fold2", [DECODE_ROWS]),
         ("pingpong-bf16-split2", ["mla_decode_pingpong_kernel", MERGE]),
         ("dual-fp8-direct", [DUAL]),
         ("dual-fp8-split3", [DUAL, MERGE]),
@@ -126,6 +136,7 @@ def test_decode_grids_are_work_items_times_row_blocks(launches: dict[str, list[l
     # 128 heads are two 64-row blocks per work item.
     assert launches["row64-fp8-split2"][0][1] == [2 * 2 * 2, 1, 1]
     assert launches["dual-fp8-split3"][0][1] == [3 * 3, 1, 1]
+    assert launches["few16-bf16-fold4"][0][1] == [2 * 4, 1, 1]
 
 
 def test_tma_boxes_cover_the_cache_rows() -> None:

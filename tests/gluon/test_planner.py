@@ -132,6 +132,9 @@ def test_kernel_choice_and_reasons() -> None:
         (GluonLaunchConfig(row_tile=32, dual=True), True),
         (GluonLaunchConfig(dual=True), True),
         (GluonLaunchConfig(row_tile=16, dual=True, pingpong=True), True),
+        (GluonLaunchConfig(row_tile=16, dual=True, fold=True), True),
+        (GluonLaunchConfig(pingpong=True, fold=True), False),
+        (GluonLaunchConfig(fold=True), False),
     ],
     ids=[
         "64-row-kernel-16-rows",
@@ -147,6 +150,9 @@ def test_kernel_choice_and_reasons() -> None:
         "dual-32-rows",
         "dual-64-rows",
         "dual-and-pingpong",
+        "dual-fold",
+        "pingpong-fold",
+        "64-row-kernel-fold",
     ],
 )
 def test_check_config_rejects_launches_the_kernels_cannot_run(config: GluonLaunchConfig, fp8: bool) -> None:
@@ -165,6 +171,8 @@ def test_check_config_accepts_the_kernels_tiles() -> None:
         (GluonLaunchConfig(row_tile=64, transposed=True), False),
         (GluonLaunchConfig(pingpong=True), False),
         (GluonLaunchConfig(row_tile=16, dual=True), True),
+        (GluonLaunchConfig(row_tile=16, num_splits=8, fold=True), False),
+        (GluonLaunchConfig(row_tile=32, num_splits=8, fold=True), True),
     ]:
         check_config(config, kv_fp8=fp8)
     assert GluonLaunchConfig(row_tile=32).transposed

@@ -6,7 +6,8 @@ Contracts (same as the Triton provider's, see :mod:`mla.providers.base`): q ``[T
 tensor; rows on 16-byte boundaries, see :func:`_check_cache_rows`),
 ``kv_indptr``/``kv_indices``/``qo_indptr`` int32 on the device, out ``[T, H, L]``, lse
 ``[T, H]`` fp32 or ``None`` (not written). Split-KV partials are combined by the Triton
-provider's reduce kernel (:func:`mla.providers.triton.merge.launch_merge`). Everything is
+provider's reduce kernel (:func:`mla.providers.triton.merge.launch_merge`), or in the few-rows
+kernel itself with ``GluonLaunchConfig(fold=True)`` (:mod:`.fold`). Everything is
 graph-capturable: grids come from shapes and Python ints.
 """
 
@@ -19,6 +20,7 @@ from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
+from mla.providers.gluon.fold import barrier_words, fold_block_splits, fold_chunk
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
@@ -169,10 +171,15 @@ def launch_gluon_decode(
             num_warps=DUAL_LOADER_WARPS.value,
         )  # fmt: skip
     elif config.transposed:
+        fold = _fold_plan(config, grid=grid[0], rank=rank, rows=config.row_tile, device=out.device)
+        fold_splits, fold_block_s, barrier = fold if fold is not None else (0, 1, scale_arg)
         mla_decode_rows_kernel[grid](
-            *common, scale_arg, *strides, **constexprs, NR=config.row_tile,
-            num_warps=4 if config.row_tile < BLOCK_M else 8,
+            *common, scale_arg, barrier, *strides, **constexprs, NR=config.row_tile,
+            FOLD_SPLITS=fold_splits, FOLD_BLOCK_S=fold_block_s,
+            num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=fold is not None,
         )  # fmt: skip
+        if fold is not None:
+            return
     elif config.pingpong:
         del constexprs["KV_FP8"]
         mla_decode_pingpong_kernel[grid](
@@ -196,6 +203,32 @@ def launch_gluon_decode(
         num_splits=num_splits if mode == MODE_SPLIT else None,
         num_sms=num_sms(out.device),
     )
+
+
+def _fold_plan(
+    config: GluonLaunchConfig, *, grid: int, rank: int, rows: int, device: torch.device
+) -> tuple[int, int, torch.Tensor] | None:
+    """``(splits, splits per merge step, barrier words)`` of a launch that folds the split reduce
+    into the few-rows kernel, or ``None`` to launch the separate reduce (``config.fold`` unset,
+    or a graph capture before the device has barrier words). :class:`InvalidInputError`
+    when ``config.fold`` asks for a launch that cannot fold (more programs than SMs, or splits
+    that do not divide the latent width)."""
+    if not config.fold:
+        return None
+    chunk = fold_chunk(num_splits=config.num_splits, rank=rank)
+    sms = num_sms(device)
+    if chunk == 0 or grid > sms:
+        raise InvalidInputError(
+            "config",
+            f"fold=True needs every program resident at once and splits that cut the latent width "
+            f"{rank} into chunks of 4+ columns (got {grid} programs on {sms} SMs, "
+            f"num_splits={config.num_splits}); set fold=False",
+        )
+    barrier = barrier_words(device)
+    if barrier is None:
+        return None
+    block_s = fold_block_splits(num_splits=config.num_splits, rows=rows, chunk=chunk)
+    return config.num_splits, block_s, barrier
 
 
 def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:

@@ -117,6 +117,13 @@ class GluonLaunchConfig:
     the H200 (2026-12-01, ``benchmarks/decode.py``, graph µs, H16 q1 B128 S8192) 166.9 against
     285.5 on the few-rows kernel."""
 
+    fold: bool = False
+    """Fold the split reduce into the few-rows kernel (:mod:`.fold`: a cooperative launch, a
+    grid barrier, then each split's program merges ``rank / num_splits`` latent columns of its
+    request) instead of launching the separate reduce. Needs the transposed kernel on a 16-bit
+    cache, ``num_splits`` dividing the latent width into chunks of at least 4 columns, and the
+    whole grid in one wave (checked at launch)."""
+
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
 
@@ -184,11 +191,15 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
     run: the transposed kernel takes 16, 32 or 64 rows (fp8: 16 or 32, shared memory), 64-token
     tiles and no overlap; the 64-row kernel takes 64 rows; the ping-pong kernel 64 rows of a
     16-bit cache in 64-token tiles, two stages, no overlap; the dual-chain kernel 16 rows of an
-    fp8 cache in 64-token tiles, no overlap (it has its own fp8 ring: ``num_stages`` is unused)."""
+    fp8 cache in 64-token tiles, no overlap (it has its own fp8 ring: ``num_stages`` is unused).
+    Only the transposed kernel folds the split reduce (``fold``; the launch checks the grid)."""
     if config.dual:
         _require_fixed_shape(
             config, kv_fp8, kernel="dual-chain", flag="dual", fp8_cache=True,
-            shape={"row_tile": 16, "transposed": True, "block_n": 64, "overlap": False, "pingpong": False},
+            shape={
+                "row_tile": 16, "transposed": True, "block_n": 64, "overlap": False, "pingpong": False,
+                "fold": False,
+            },
         )  # fmt: skip
         return
     if config.pingpong:
@@ -196,6 +207,7 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
             config, kv_fp8, kernel="ping-pong", flag="pingpong", fp8_cache=False,
             shape={
                 "row_tile": BLOCK_M, "transposed": False, "block_n": 64, "num_stages": 2, "overlap": False,
+                "fold": False,
             },
         )  # fmt: skip
         return
@@ -208,11 +220,11 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
                 f"(got row_tile={config.row_tile}, block_n={config.block_n}, overlap={config.overlap}); "
                 "or set transposed=False for the 64-row kernel",
             )
-    elif config.row_tile != BLOCK_M:
+    elif config.row_tile != BLOCK_M or config.fold:
         raise InvalidInputError(
             "config",
-            f"the 64-row kernel takes row_tile={BLOCK_M} (got {config.row_tile}); set transposed=True "
-            "for 16 or 32 rows",
+            f"the 64-row kernel takes row_tile={BLOCK_M} and no fold (got row_tile={config.row_tile}, "
+            f"fold={config.fold}); set transposed=True for 16 or 32 rows or a folded reduce",
         )
 
 

@@ -17,7 +17,8 @@ quarter of the MMA work, no cross-warpgroup exchange (one warpgroup of 4 warps h
 ``Oᵀ`` accumulator: 64 or 128 registers per thread), and room left for the KV ring. The token
 ids, the cp.async KV ring, the work items (non-persistent splits, planned schedule, unit-qlen
 rows) and the outputs (direct, or fp32 partials for the split reduce) are those of
-:mod:`.kernels`.
+:mod:`.kernels`; with ``FOLD_SPLITS`` the kernel merges the partials itself after a grid barrier
+(:mod:`.fold`, a cooperative launch of one wave).
 
 fp8 caches (``KV_FP8``) are gathered as fp8 (a 64-token tile is 36 KB) into a ring of
 ``NUM_STAGES`` unswizzled slots and widened once per tile into one fp16 tile in shared memory
@@ -42,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.gluon.fold import grid_barrier, merge_column_chunk
 from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
@@ -110,6 +112,7 @@ def mla_decode_rows_kernel(
     part_o_ptr,
     part_lse_ptr,
     kv_scale_ptr,
+    barrier_ptr,
     num_splits,
     stride_qn_t,
     stride_qn_h,
@@ -137,6 +140,8 @@ def mla_decode_rows_kernel(
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
+    FOLD_SPLITS: gl.constexpr,
+    FOLD_BLOCK_S: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4 or num_warps == 8, "one or two warpgroups")  # noqa: PLR1714 (constexprs)
@@ -263,3 +268,12 @@ def mla_decode_rows_kernel(
     _store_rows_output(
         acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE, ot_layout
     )
+    if FOLD_SPLITS > 0:
+        # The split reduce, in the kernel (a cooperative launch of FOLD_SPLITS splits a request).
+        grid_barrier(barrier_ptr)
+        merge_column_chunk(
+            part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, req, work % FOLD_SPLITS, rb, q_start, qlen,
+            stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
+            stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+            H, NR, L, FOLD_SPLITS, FOLD_BLOCK_S, WRITE_LSE,
+        )  # fmt: skip
