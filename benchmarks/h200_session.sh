@@ -29,6 +29,18 @@ OUT="${OUT:-/tmp/mla-h200}"
 mkdir -p "$OUT"
 part() { echo; echo "=== $1 ($(date -u +%H:%M:%S) UTC) ==="; }
 summary() { grep -E "^E  |^FAILED|^ERROR|passed|failed" | head -30; }
+# sanitize NAME TOOLS TEST...: each compute-sanitizer tool over the given pytest ids, its log in
+# $OUT/sanitizer_NAME_TOOL.log, the summaries (counted) on the console.
+sanitize() {
+  local name=$1 tools=$2
+  shift 2
+  for tool in $tools; do
+    part "compute-sanitizer $tool: $name"
+    timeout 100 compute-sanitizer --tool "$tool" python3 -m pytest -q -p no:cacheprovider "$@" \
+      2>&1 | tee "$OUT/sanitizer_${name}_$tool.log" | grep -v "^=========     at " \
+      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
+  done
+}
 
 part "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -88,14 +100,9 @@ dual)
   part "GPU tests: the dual-chain kernel's variants"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/gluon/test_gpu_kernels.py -k dual \
     2>&1 | tee "$OUT/dual_tests.log" | summary
-  for tool in memcheck racecheck; do
-    part "compute-sanitizer $tool: the dual-chain kernel"
-    timeout 100 compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-fp8]" \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-splits3-fp8]" \
-      2>&1 | tee "$OUT/sanitizer_dual_$tool.log" | grep -v "^=========     at " \
-      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
-  done
+  sanitize dual "memcheck racecheck" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-fp8]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-splits3-fp8]"
   part "fp8 timing (the dual-chain kernel, np auto, against the few-rows kernel, rows np)"
   timeout 200 python3 benchmarks/gluon_dev.py --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
     | grep -v "^{" | tail -20
@@ -131,14 +138,9 @@ fold)
   part "GPU tests: the folded split reduce"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gluon/test_gpu_kernels.py -k fold \
     2>&1 | tee "$OUT/fold_tests.log" | summary
-  for tool in memcheck racecheck synccheck; do
-    part "compute-sanitizer $tool: the folded reduce"
-    timeout 100 compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-fold-bf16]" \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q2-bs16-fold-fp8]" \
-      2>&1 | tee "$OUT/sanitizer_fold_$tool.log" | grep -v "^=========     at " \
-      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
-  done
+  sanitize fold "memcheck racecheck synccheck" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-fold-bf16]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q2-bs16-fold-fp8]"
   part "timing: separate reduce against the folded one"
   timeout 240 python3 benchmarks/fold.py --json "$OUT/fold.json" 2>&1 | tee "$OUT/fold.log" | grep -v "^{" | tail -24
   ;;
