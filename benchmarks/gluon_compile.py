@@ -24,7 +24,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla.providers.gluon.dual import LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
-from mla.providers.gluon.fold import fold_block_splits
 from mla.providers.gluon.kernels import mla_decode_kernel
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
@@ -76,9 +75,6 @@ def compile_variant(
             **{k: sig[k] for k in [*ints, "sm_scale_log2"]},
         }
         constexprs["FOLD_SPLITS"] = fold
-        constexprs["FOLD_BLOCK_S"] = (
-            fold_block_splits(num_splits=fold, rows=rows, chunk=512 // fold) if fold else 1
-        )
         constexprs["num_warps"] = constexprs.pop("num_warps")
     if pingpong:
         del constexprs["OVERLAP"], constexprs["KV_FP8"]

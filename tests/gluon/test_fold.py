@@ -47,14 +47,16 @@ def test_fold_block_splits_is_the_largest_dividing_power_of_two(
 
 def test_fold_plan_off_without_the_flag() -> None:
     config = GluonLaunchConfig(row_tile=16, num_splits=4)
-    assert decode._fold_plan(config, grid=8, rank=512, rows=16, device=torch.device("cpu")) is None
+    assert decode._fold_barrier(config, grid=8, rank=512, device=torch.device("cpu")) is None
 
 
 def test_fold_plan_of_a_one_wave_launch() -> None:
     # The CPU reports 8 SMs: 8 programs fit one wave.
     config = GluonLaunchConfig(row_tile=16, num_splits=4, fold=True)
-    splits, block, words = decode._fold_plan(config, grid=8, rank=512, rows=16, device=torch.device("cpu"))
-    assert (splits, block) == (4, 4)  # 4 splits of 16 rows x 128 columns: 512 values a pass
+    words = decode._fold_barrier(config, grid=8, rank=512, device=torch.device("cpu"))
+    # 4 splits of 16 rows x 128 columns: 512 values a pass, all 4 splits a step.
+    assert fold.fold_block_splits(num_splits=4, rows=16, chunk=128) == 4
+    assert words is not None
     assert words.dtype == torch.int32
     assert words.tolist() == [0, 0]
 
@@ -72,7 +74,7 @@ def test_fold_plan_of_a_one_wave_launch() -> None:
 def test_fold_plan_rejects_launches_that_cannot_fold(num_splits: int, grid: int, why: str) -> None:
     config = GluonLaunchConfig(row_tile=16, num_splits=num_splits, fold=True)
     with pytest.raises(InvalidInputError, match="config") as info:
-        decode._fold_plan(config, grid=grid, rank=512, rows=16, device=torch.device("cpu"))
+        decode._fold_barrier(config, grid=grid, rank=512, device=torch.device("cpu"))
     assert why in str(info.value)
     assert "fold=False" in str(info.value)
 

@@ -20,7 +20,7 @@ from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
-from mla.providers.gluon.fold import barrier_words, fold_block_splits, fold_chunk
+from mla.providers.gluon.fold import barrier_words, fold_chunk
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
@@ -171,11 +171,11 @@ def launch_gluon_decode(
             num_warps=DUAL_LOADER_WARPS.value,
         )  # fmt: skip
     elif config.transposed:
-        fold = _fold_plan(config, grid=grid[0], rank=rank, rows=config.row_tile, device=out.device)
-        fold_splits, fold_block_s, barrier = fold if fold is not None else (0, 1, scale_arg)
+        fold = _fold_barrier(config, grid=grid[0], rank=rank, device=out.device)
+        barrier = scale_arg if fold is None else fold
         mla_decode_rows_kernel[grid](
             *common, scale_arg, barrier, *strides, **constexprs, NR=config.row_tile,
-            FOLD_SPLITS=fold_splits, FOLD_BLOCK_S=fold_block_s,
+            FOLD_SPLITS=0 if fold is None else config.num_splits,
             num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=fold is not None,
         )  # fmt: skip
         if fold is not None:
@@ -205,30 +205,24 @@ def launch_gluon_decode(
     )
 
 
-def _fold_plan(
-    config: GluonLaunchConfig, *, grid: int, rank: int, rows: int, device: torch.device
-) -> tuple[int, int, torch.Tensor] | None:
-    """``(splits, splits per merge step, barrier words)`` of a launch that folds the split reduce
-    into the few-rows kernel, or ``None`` to launch the separate reduce (``config.fold`` unset,
-    or a graph capture before the device has barrier words). :class:`InvalidInputError`
-    when ``config.fold`` asks for a launch that cannot fold (more programs than SMs, or splits
-    that do not divide the latent width)."""
+def _fold_barrier(
+    config: GluonLaunchConfig, *, grid: int, rank: int, device: torch.device
+) -> torch.Tensor | None:
+    """The barrier words of a launch that folds the split reduce into the few-rows kernel, or
+    ``None`` to launch the separate reduce (``config.fold`` unset, or a graph capture before the
+    device has barrier words). :class:`InvalidInputError` when ``config.fold`` asks for a launch
+    that cannot fold (more programs than SMs, or splits that do not divide the latent width)."""
     if not config.fold:
         return None
-    chunk = fold_chunk(num_splits=config.num_splits, rank=rank)
     sms = num_sms(device)
-    if chunk == 0 or grid > sms:
+    if fold_chunk(num_splits=config.num_splits, rank=rank) == 0 or grid > sms:
         raise InvalidInputError(
             "config",
             f"fold=True needs every program resident at once and splits that cut the latent width "
             f"{rank} into chunks of 4+ columns (got {grid} programs on {sms} SMs, "
             f"num_splits={config.num_splits}); set fold=False",
         )
-    barrier = barrier_words(device)
-    if barrier is None:
-        return None
-    block_s = fold_block_splits(num_splits=config.num_splits, rows=rows, chunk=chunk)
-    return config.num_splits, block_s, barrier
+    return barrier_words(device)
 
 
 def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:

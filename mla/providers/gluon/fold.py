@@ -42,17 +42,19 @@ def fold_chunk(*, num_splits: int, rank: int) -> int:
     return rank // num_splits
 
 
+@gluon.constexpr_function
 def merge_step(values: int) -> int:
     """Values of a ``values``-wide piece (a power of two) merged in one pass: at most
-    :data:`MERGE_STEP`."""
+    :data:`MERGE_STEP`. A constexpr function: the kernel and the host call the same one."""
     return min(values, MERGE_STEP)
 
 
+@gluon.constexpr_function
 def fold_block_splits(*, num_splits: int, rows: int, chunk: int) -> int:
     """Splits per step of the in-kernel merge of ``rows × chunk`` values a split, taken
     :func:`merge_step` values at a time: a power of two dividing ``num_splits``, at most
-    :data:`MERGE_VALUES` values a step."""
-    values = merge_step(rows * chunk)
+    :data:`MERGE_VALUES` values a step. A constexpr function (the kernel derives its step)."""
+    values: int = merge_step(rows * chunk)
     block = 1
     while block < num_splits and 2 * block * values <= MERGE_VALUES and num_splits % (2 * block) == 0:
         block *= 2
@@ -97,12 +99,6 @@ def grid_barrier(barrier_ptr):
 
 
 @gluon.constexpr_function
-def _merge_step(values):
-    """:func:`merge_step` at compile time."""
-    return min(values, MERGE_STEP)
-
-
-@gluon.constexpr_function
 def _merge_layout(values, warps):
     """Register layout of a ``[splits, values]`` fp32 step: 4 values a thread (16 bytes), a warp
     across up to 128 values, the warps stacked over the splits."""
@@ -116,18 +112,18 @@ def merge_column_chunk(
     part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, req, split, rb, q_start, qlen,
     stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, SPLITS: gl.constexpr,
-    BLOCK_S: gl.constexpr, WRITE_LSE: gl.constexpr,
+    H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
     """LSE-merge columns ``[split·CW, (split+1)·CW)`` (``CW = L / SPLITS``) of the ``NR`` packed
     rows of row block ``rb`` over the ``SPLITS`` partials of request ``req`` (work items
     ``req·SPLITS …``) into ``out`` (and ``lse``, by split 0, with ``WRITE_LSE``), in passes of
-    :func:`merge_step` values, ``BLOCK_S`` splits a step. The same math as the separate reduce
+    :func:`merge_step` values, :func:`fold_block_splits` splits a step. The same math as the separate reduce
     (:mod:`mla.providers.triton.merge`): one pass with a running maximum; a NaN partial makes
     the row NaN; rows with no visible key get ``o = 0``, ``lse = -inf``."""
     CW: gl.constexpr = L // SPLITS
     E: gl.constexpr = NR * CW
-    STEP: gl.constexpr = _merge_step(E)
+    STEP: gl.constexpr = merge_step(E)
+    BLOCK_S: gl.constexpr = fold_block_splits(num_splits=SPLITS, rows=NR, chunk=CW)
     layout: gl.constexpr = _merge_layout(STEP, gl.num_warps())
     offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, layout))
     for e0 in range(0, E, STEP):

@@ -141,7 +141,6 @@ def mla_decode_rows_kernel(
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
     FOLD_SPLITS: gl.constexpr,
-    FOLD_BLOCK_S: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4 or num_warps == 8, "one or two warpgroups")  # noqa: PLR1714 (constexprs)
@@ -275,5 +274,5 @@ def mla_decode_rows_kernel(
             part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, req, work % FOLD_SPLITS, rb, q_start, qlen,
             stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
             stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-            H, NR, L, FOLD_SPLITS, FOLD_BLOCK_S, WRITE_LSE,
+            H, NR, L, FOLD_SPLITS, WRITE_LSE,
         )  # fmt: skip
