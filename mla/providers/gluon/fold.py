@@ -26,6 +26,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from mla.providers.gluon.kernels import _row_copy_layout
+
 MERGE_VALUES = 4096
 """fp32 values of one ``[splits, values]`` step of the in-kernel merge (32 a thread on 4 warps)."""
 MERGE_STEP = 512
@@ -98,15 +100,6 @@ def grid_barrier(barrier_ptr):
     gl.thread_barrier()
 
 
-@gluon.constexpr_function
-def _merge_layout(values, warps):
-    """Register layout of a ``[splits, values]`` fp32 step: 4 values a thread (16 bytes), a warp
-    across up to 128 values, the warps stacked over the splits."""
-    per_thread = min(4, values)
-    lanes = min(32, values // per_thread)
-    return gl.BlockedLayout([1, per_thread], [32 // lanes, lanes], [warps, 1], [1, 0])
-
-
 @gluon.jit
 def merge_column_chunk(
     part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, req, split, rb, q_start, qlen,
@@ -124,7 +117,8 @@ def merge_column_chunk(
     E: gl.constexpr = NR * CW
     STEP: gl.constexpr = merge_step(E)
     BLOCK_S: gl.constexpr = fold_block_splits(num_splits=SPLITS, rows=NR, chunk=CW)
-    layout: gl.constexpr = _merge_layout(STEP, gl.num_warps())
+    # [splits, values] steps: 4 fp32 values (16 bytes) a thread, the warps stacked over the splits.
+    layout: gl.constexpr = _row_copy_layout(STEP, 4, gl.num_warps())
     offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, layout))
     for e0 in range(0, E, STEP):
         e = e0 + gl.arange(0, STEP, layout=gl.SliceLayout(0, layout))

@@ -120,8 +120,8 @@ class GluonLaunchConfig:
     fold: bool = False
     """Fold the split reduce into the few-rows kernel (:mod:`.fold`: a cooperative launch, a
     grid barrier, then each split's program merges ``rank / num_splits`` latent columns of its
-    request) instead of launching the separate reduce. Needs the transposed kernel on a 16-bit
-    cache, ``num_splits`` dividing the latent width into chunks of at least 4 columns, and the
+    request) instead of launching the separate reduce. Needs the transposed kernel (16-bit or fp8
+    cache), ``num_splits`` dividing the latent width into chunks of at least 4 columns, and the
     whole grid in one wave (checked at launch)."""
 
     def row_blocks(self, rows: int) -> int:
