@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import bench_graph_us, gpu_name, print_table
-from decode import Problem, Shape, check_before_timing, label
+from decode import RANK, Problem, Shape, check_before_timing, label
 from gluon_dev import kernel_times
 
 from mla.providers import get_provider
@@ -94,7 +94,7 @@ def run_case(shape: Shape, rounds: int) -> list[dict[str, Any]]:
             "shape": label(shape),
             "variant": name,
             "splits": config.num_splits,
-            "chunk": fold_chunk(num_splits=config.num_splits, rank=512),
+            "chunk": fold_chunk(num_splits=config.num_splits, rank=RANK),
             "programs": grid,
         }
         try:
