@@ -20,7 +20,7 @@ from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
-from mla.providers.gluon.fold import barrier_words, fold_chunk
+from mla.providers.gluon.fold import barrier_words, fold_slice
 from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
 from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
@@ -211,16 +211,17 @@ def _fold_barrier(
     """The barrier words of a launch that folds the split reduce into the few-rows kernel, or
     ``None`` to launch the separate reduce (``config.fold`` unset, or a graph capture before the
     device has barrier words). :class:`InvalidInputError` when ``config.fold`` asks for a launch
-    that cannot fold (more programs than SMs, or splits that do not divide the latent width)."""
+    that cannot fold (more programs than SMs, or splits that :func:`.fold.fold_slice` rejects)."""
     if not config.fold:
         return None
     sms = num_sms(device)
-    if fold_chunk(num_splits=config.num_splits, rank=rank) == 0 or grid > sms:
+    rows = config.row_tile
+    if fold_slice(num_splits=config.num_splits, rows=rows, rank=rank) == 0 or grid > sms:
         raise InvalidInputError(
             "config",
-            f"fold=True needs every program resident at once and splits that cut the latent width "
-            f"{rank} into chunks of 4+ columns (got {grid} programs on {sms} SMs, "
-            f"num_splits={config.num_splits}); set fold=False",
+            f"fold=True needs every program resident at once and splits that cut a row block's "
+            f"{rows} x {rank} output into equal power-of-two runs within a row (got {grid} "
+            f"programs on {sms} SMs, num_splits={config.num_splits}); set fold=False",
         )
     return barrier_words(device)
 

@@ -8,9 +8,14 @@ the driver guarantees it), the kernel combines its own partials instead:
 
 1. each program writes its fp32 partial (as for the separate reduce), then arrives at a grid
    barrier (:func:`grid_barrier`);
-2. program (request, split ``s``, row block) then merges, for its row block, latent columns
-   ``[s·L/S, (s+1)·L/S)`` of all ``S`` splits of its request (:func:`merge_column_chunk`), from
-   L2, where the partials were just written, and writes the output (and the LSE, split 0).
+2. program (request, split ``s``, row block) then merges slice ``s`` of its row block's
+   flattened ``rows × L`` output (``rows · L / S`` values, whole runs of one row at a time) over
+   all ``S`` splits of its request (:func:`merge_output_slice`), from L2, where the partials
+   were just written, and writes the output (and the LSE, where a slice starts a row).
+
+At B1 S65536 a 16-row program merges 64 values of one row: one LSE and one 256-byte run per
+split. (Cutting the latent columns instead, 4 columns of all 16 rows, gathered 16-byte pieces
+and 16 LSEs per split and cost 5.5 µs a launch on the H200 rather than the separate reduce's 3.3.)
 
 The barrier is two int32 words, ``[arrived, generation]``, that the kernel leaves as it found
 them (the last program to arrive resets ``arrived`` before it advances ``generation``), so a
@@ -28,35 +33,41 @@ from triton.experimental.gluon import language as gl
 
 from mla.providers.gluon.kernels import _row_copy_layout
 
-MERGE_VALUES = 4096
-"""fp32 values of one ``[splits, values]`` step of the in-kernel merge (32 a thread on 4 warps)."""
+MERGE_VALUES = 8192
+"""fp32 values of one ``[splits, values]`` step of the in-kernel merge (64 a thread on 4 warps,
+the main loop's registers free by then): all 128 splits of a 64-value slice in one step."""
 MERGE_STEP = 512
 """Values of a program's ``rows × chunk`` piece merged in one pass over the splits (the running
 maximum, sum and output of a pass: 16 registers a thread each on a 4-warp kernel)."""
 
 
-def fold_chunk(*, num_splits: int, rank: int) -> int:
-    """Latent columns each split's program merges: ``rank / num_splits``; 0 when the splits do not
-    divide the latent width into chunks of at least 4 columns (16 bytes of fp32) evenly, or
-    there is one split (nothing to merge)."""
-    if num_splits < 2 or rank % num_splits or rank // num_splits < 4:
+def fold_slice(*, num_splits: int, rows: int, rank: int) -> int:
+    """Values of a row block's flattened ``rows × rank`` output that each split's program merges:
+    ``rows · rank / num_splits``, taken :func:`merge_step` values a pass, each pass inside one row
+    (so a pass reads one LSE and one contiguous run of each split). 0 when that does not work
+    out (one split; splits not dividing ``rows · rank``; a pass that is not a power of two or does
+    not divide the latent width)."""
+    if num_splits < 2 or (rows * rank) % num_splits:
         return 0
-    return rank // num_splits
+    values = rows * rank // num_splits
+    step: int = merge_step(values)
+    if step & (step - 1) or values % step or rank % step:
+        return 0
+    return values
 
 
 @gluon.constexpr_function
 def merge_step(values: int) -> int:
-    """Values of a ``values``-wide piece (a power of two) merged in one pass: at most
-    :data:`MERGE_STEP`. A constexpr function: the kernel and the host call the same one."""
+    """Values of a ``values``-wide slice merged in one pass: at most :data:`MERGE_STEP`. A
+    constexpr function: the kernel and the host call the same one."""
     return min(values, MERGE_STEP)
 
 
 @gluon.constexpr_function
-def fold_block_splits(*, num_splits: int, rows: int, chunk: int) -> int:
-    """Splits per step of the in-kernel merge of ``rows × chunk`` values a split, taken
-    :func:`merge_step` values at a time: a power of two dividing ``num_splits``, at most
-    :data:`MERGE_VALUES` values a step. A constexpr function (the kernel derives its step)."""
-    values: int = merge_step(rows * chunk)
+def fold_block_splits(*, num_splits: int, values: int) -> int:
+    """Splits per step of a pass of the in-kernel merge over ``values`` values: a power of two
+    dividing ``num_splits``, at most :data:`MERGE_VALUES` values a step. A constexpr function
+    (the kernel derives its step)."""
     block = 1
     while block < num_splits and 2 * block * values <= MERGE_VALUES and num_splits % (2 * block) == 0:
         block *= 2
@@ -66,14 +77,31 @@ def fold_block_splits(*, num_splits: int, rows: int, chunk: int) -> int:
 _BARRIERS: dict[torch.device, torch.Tensor] = {}
 
 
+def foldable_splits(num_splits: int, *, rows: int, rank: int) -> int:
+    """The most splits, at most ``num_splits``, whose :func:`fold_slice` is not 0; 0 when there is
+    none (``num_splits < 2``)."""
+    for splits in range(num_splits, 1, -1):
+        if fold_slice(num_splits=splits, rows=rows, rank=rank):
+            return splits
+    return 0
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def barrier_words(device: torch.device) -> torch.Tensor | None:
     """The ``[arrived, generation]`` int32 words of ``device`` (zeros when made), or ``None``
     while the current stream is capturing a graph and there are none yet (making them then
     would place them in the graph's private memory pool). Any other device (the CPU launch
     recorder of the tests) gets zeros of its own."""
+    if device == torch.device("cuda"):  # no index: the current device's words
+        device = torch.device("cuda", torch.cuda.current_device())
     words = _BARRIERS.get(device)
     if words is None:
-        if device.type == "cuda" and torch.cuda.current_stream(device).is_capturing():
+        if device.type == "cuda" and _capturing(device):
             return None
         words = torch.zeros(2, dtype=torch.int32, device=device)
         _BARRIERS[device] = words
@@ -101,57 +129,62 @@ def grid_barrier(barrier_ptr):
 
 
 @gluon.jit
-def merge_column_chunk(
+def merge_output_slice(
     part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, req, split, rb, q_start, qlen,
     stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     H: gl.constexpr, NR: gl.constexpr, L: gl.constexpr, SPLITS: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """LSE-merge columns ``[split·CW, (split+1)·CW)`` (``CW = L / SPLITS``) of the ``NR`` packed
-    rows of row block ``rb`` over the ``SPLITS`` partials of request ``req`` (work items
-    ``req·SPLITS …``) into ``out`` (and ``lse``, by split 0, with ``WRITE_LSE``), in passes of
-    :func:`merge_step` values, :func:`fold_block_splits` splits a step. The same math as the separate reduce
+    """LSE-merge values ``[split·E, (split+1)·E)`` (``E = NR·L / SPLITS``, :func:`fold_slice`)
+    of row block ``rb``'s flattened ``NR × L`` output over the ``SPLITS`` partials of request
+    ``req`` (work items ``req·SPLITS …``) into ``out`` (and ``lse``, by the pass that starts a
+    row, with ``WRITE_LSE``). A pass of :func:`merge_step` values lies in one row: it reads one
+    LSE and one contiguous run of :func:`fold_block_splits` splits a step; padding rows
+    (``qi >= qlen``) read and write nothing. The same math as the separate reduce
     (:mod:`mla.providers.triton.merge`): one pass with a running maximum; a NaN partial makes
     the row NaN; rows with no visible key get ``o = 0``, ``lse = -inf``."""
-    CW: gl.constexpr = L // SPLITS
-    E: gl.constexpr = NR * CW
+    E: gl.constexpr = NR * L // SPLITS
     STEP: gl.constexpr = merge_step(E)
-    BLOCK_S: gl.constexpr = fold_block_splits(num_splits=SPLITS, rows=NR, chunk=CW)
+    BLOCK_S: gl.constexpr = fold_block_splits(num_splits=SPLITS, values=STEP)
     # [splits, values] steps: 4 fp32 values (16 bytes) a thread, the warps stacked over the splits.
     layout: gl.constexpr = _row_copy_layout(STEP, 4, gl.num_warps())
-    offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, layout))
+    split_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    value_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    offs_s = gl.arange(0, BLOCK_S, layout=split_layout)
+    offs_v = gl.arange(0, STEP, layout=value_layout)
+    # A step waits for its loads (about 1.2 µs from L2 on the H200, 2026-12-02; the output stores
+    # of a pass keep the next pass's loads behind them), so a pass takes every split at once where
+    # that fits (MERGE_VALUES); masks rather than branches.
     for e0 in range(0, E, STEP):
-        e = e0 + gl.arange(0, STEP, layout=gl.SliceLayout(0, layout))
-        row = rb * NR + e // CW
+        flat = split * E + e0
+        row = rb * NR + flat // L
         qi = row // H
         head = row % H
-        ok = qi < qlen
-        col = split * CW + e % CW
-        o_base = part_o_ptr + qi * stride_po_q + head * stride_po_h + col
+        col = gl.multiple_of(flat % L, STEP)  # STEP divides L: 16-byte loads of the partials
+        ok = qi < qlen  # padding rows of the block: nothing to read or write
+        o_base = part_o_ptr + qi * stride_po_q + head * stride_po_h + col + offs_v
         lse_base = part_lse_ptr + qi * stride_pl_q + head
-        top = gl.full([STEP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, layout))
-        acc = gl.zeros([STEP], gl.float32, layout=gl.SliceLayout(0, layout))
-        denom = gl.zeros([STEP], gl.float32, layout=gl.SliceLayout(0, layout))
-        for c in range(0, SPLITS, BLOCK_S):
+        top = gl.max(gl.full([BLOCK_S], float("-inf"), gl.float32, layout=split_layout), 0)
+        denom = gl.sum(gl.zeros([BLOCK_S], gl.float32, layout=split_layout), 0)
+        acc = gl.zeros([STEP], gl.float32, layout=value_layout)
+        for c in gl.static_range(0, SPLITS, BLOCK_S):
             wk = (req * SPLITS + c + offs_s).to(gl.int64)
-            lse_s = gl.load(
-                lse_base[None, :] + (wk * stride_pl_w)[:, None], mask=ok[None, :], other=float("-inf")
-            )
-            o_s = gl.load(o_base[None, :] + (wk * stride_po_w)[:, None], mask=ok[None, :], other=0.0)
+            lse_s = gl.load(lse_base + wk * stride_pl_w, mask=ok, other=float("-inf"))
+            o_s = gl.load(o_base[None, :] + (wk * stride_po_w)[:, None], mask=ok, other=0.0)
             new_top = gl.maximum(top, gl.max(lse_s, 0))
             new_use = gl.where(new_top == float("-inf"), 0.0, new_top)
             rescale = gl.exp(top - new_use)
-            weight = gl.exp(lse_s - new_use[None, :])
-            acc = acc * rescale + gl.sum(o_s * weight, 0)
+            weight = gl.exp(lse_s - new_use)
+            acc = acc * rescale + gl.sum(o_s * weight[:, None], 0)
             denom = denom * rescale + gl.sum(weight, 0)
             top = new_top
-        top_use = gl.where(top == float("-inf"), 0.0, top)
         has_keys = denom != 0.0
         safe = gl.where(has_keys, denom, 1.0)
         token = (q_start + qi).to(gl.int64)
-        o_ptrs = out_ptr + token * stride_o_t + head * stride_o_h + col
+        o_ptrs = out_ptr + token * stride_o_t + head * stride_o_h + col + offs_v
         gl.store(o_ptrs, (acc / safe).to(out_ptr.dtype.element_ty), mask=ok)
         if WRITE_LSE:
+            top_use = gl.where(top == float("-inf"), 0.0, top)
             lse = gl.where(has_keys, top_use + gl.log(safe), float("-inf"))
             gl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=ok & (col == 0))
 
@@ -161,8 +194,9 @@ __all__ = [
     "MERGE_VALUES",
     "barrier_words",
     "fold_block_splits",
-    "fold_chunk",
+    "fold_slice",
+    "foldable_splits",
     "grid_barrier",
-    "merge_column_chunk",
+    "merge_output_slice",
     "merge_step",
 ]

@@ -119,10 +119,10 @@ class GluonLaunchConfig:
 
     fold: bool = False
     """Fold the split reduce into the few-rows kernel (:mod:`.fold`: a cooperative launch, a
-    grid barrier, then each split's program merges ``rank / num_splits`` latent columns of its
-    request) instead of launching the separate reduce. Needs the transposed kernel (16-bit or fp8
-    cache), ``num_splits`` dividing the latent width into chunks of at least 4 columns, and the
-    whole grid in one wave (checked at launch)."""
+    grid barrier, then each split's program merges ``1 / num_splits`` of its row block's output)
+    instead of launching the separate reduce. Needs the transposed kernel (16-bit or fp8 cache),
+    ``num_splits`` that :func:`.fold.fold_slice` accepts (a power of two from 2 up: 128 splits of
+    a 16-row block merge 64 values each) and the whole grid in one wave (checked at launch)."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)

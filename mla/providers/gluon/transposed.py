@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.fold import grid_barrier, merge_column_chunk
+from mla.providers.gluon.fold import grid_barrier, merge_output_slice
 from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
@@ -270,7 +270,7 @@ def mla_decode_rows_kernel(
     if FOLD_SPLITS > 0:
         # The split reduce, in the kernel (a cooperative launch of FOLD_SPLITS splits a request).
         grid_barrier(barrier_ptr)
-        merge_column_chunk(
+        merge_output_slice(
             part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, req, work % FOLD_SPLITS, rb, q_start, qlen,
             stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
             stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
