@@ -17,6 +17,10 @@ At B1 S65536 a 16-row program merges 64 values of one row: one LSE and one 256-b
 split. (Cutting the latent columns instead, 4 columns of all 16 rows, gathered 16-byte pieces
 and 16 LSEs per split and cost 5.5 µs a launch on the H200 rather than the separate reduce's 3.3.)
 
+On the H200 (2026-12-02) the fold ties the separate reduce at B1 S65536 (28.3 µs each): the
+barrier costs about 1.6 µs and the merge 2, against the reduce's 3.2 with its launch; elsewhere
+it loses, so :func:`.planner.launch_config` never picks it (``docs/performance.md``).
+
 The barrier is two int32 words, ``[arrived, generation]``, that the kernel leaves as it found
 them (the last program to arrive resets ``arrived`` before it advances ``generation``), so a
 launch needs no memset and a captured graph replays without one. :func:`barrier_words` keeps one

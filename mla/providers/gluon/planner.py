@@ -122,7 +122,10 @@ class GluonLaunchConfig:
     grid barrier, then each split's program merges ``1 / num_splits`` of its row block's output)
     instead of launching the separate reduce. Needs the transposed kernel (16-bit or fp8 cache),
     ``num_splits`` that :func:`.fold.fold_slice` accepts (a power of two from 2 up: 128 splits of
-    a 16-row block merge 64 values each) and the whole grid in one wave (checked at launch)."""
+    a 16-row block merge 64 values each) and the whole grid in one wave (checked at launch).
+    :func:`launch_config` leaves it off: on the H200 (2026-12-02, ``benchmarks/fold.py``, graph
+    µs) it ties the separate reduce at H16 q1 B1 S65536 (28.3 each) and loses at two splits
+    (B64 S4096: 87.3 against 80.6)."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
