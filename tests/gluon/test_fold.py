@@ -15,41 +15,31 @@ decode = pytest.importorskip("mla.providers.gluon.decode")
 
 
 @pytest.mark.parametrize(
-    ("num_splits", "rows", "rank", "values"),
+    ("num_splits", "rows", "rank", "values", "most_foldable"),
     [
-        (128, 16, 512, 64),
-        (64, 16, 512, 128),
-        (2, 16, 512, 4096),
-        (2, 64, 512, 16384),
-        (256, 16, 512, 32),
-        (3, 16, 512, 0),
-        (1, 16, 512, 0),
-        (96, 16, 384, 64),
-        (2, 16, 384, 0),
+        (128, 16, 512, 64, 128),
+        (64, 16, 512, 128, 64),
+        (2, 16, 512, 4096, 2),
+        (2, 64, 512, 16384, 2),
+        (256, 16, 512, 32, 256),
+        (200, 16, 512, 0, 128),
+        (66, 16, 512, 0, 64),
+        (33, 16, 512, 0, 32),
+        (3, 16, 512, 0, 2),
+        (1, 16, 512, 0, 0),
+        (96, 16, 384, 64, 96),
+        (100, 16, 384, 0, 96),
+        (2, 16, 384, 0, 0),
     ],
 )
-def test_fold_slice(num_splits: int, rows: int, rank: int, values: int) -> None:
+def test_fold_slice_and_foldable_splits(
+    num_splits: int, rows: int, rank: int, values: int, most_foldable: int
+) -> None:
     # Splits cut a row block's rows x rank output into equal slices, merged in power-of-two passes
-    # inside one row (384 columns: a 3,072-value slice takes 512-value passes that cross rows).
+    # inside one row (384 columns: a 3,072-value slice takes 512-value passes that cross rows);
+    # foldable_splits is the most splits at most num_splits that fold (B2's 66 folds as 64).
     assert fold.fold_slice(num_splits=num_splits, rows=rows, rank=rank) == values
-
-
-@pytest.mark.parametrize(
-    ("num_splits", "rows", "rank", "splits"),
-    [
-        (66, 16, 512, 64),
-        (33, 16, 512, 32),
-        (128, 16, 512, 128),
-        (200, 16, 512, 128),
-        (3, 16, 512, 2),
-        (1, 16, 512, 0),
-        (100, 16, 384, 96),
-        (3, 16, 384, 0),
-    ],
-)
-def test_foldable_splits(num_splits: int, rows: int, rank: int, splits: int) -> None:
-    # The most splits at most num_splits that fold (B2's 66 folds as 64).
-    assert fold.foldable_splits(num_splits, rows=rows, rank=rank) == splits
+    assert fold.foldable_splits(num_splits, rows=rows, rank=rank) == most_foldable
 
 
 @pytest.mark.parametrize(
