@@ -168,7 +168,8 @@ def test_paged_decode_variants(
         splits = {"dual-splits3": 3, "dual-schedule": 1}.get(variant, auto.num_splits)
         config = attrs.evolve(auto, dual=True, num_splits=splits)
     elif variant == "fold":
-        config = attrs.evolve(auto, dual=False, num_splits=_fold_splits(len(lens), q.device), fold=True)
+        splits = _fold_splits(len(lens), q.device, rows=auto.row_tile)
+        config = attrs.evolve(auto, dual=False, num_splits=splits, fold=True)
     elif variant == "overlap":
         config = attrs.evolve(
             auto,
@@ -188,14 +189,12 @@ def test_paged_decode_variants(
         assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon {variant}")
 
 
-def _fold_splits(requests: int, device: torch.device) -> int:
-    """The most splits (a power of two, at most 64) whose folded launch fits one wave."""
+def _fold_splits(requests: int, device: torch.device, rows: int = 16) -> int:
+    """The most splits (at most 64) that fold with ``rows``-row tiles and fit one wave."""
+    from mla.providers.gluon.fold import foldable_splits
     from mla.providers.triton.decode import num_sms
 
-    splits = 64
-    while requests * splits > num_sms(device):
-        splits //= 2
-    return splits
+    return foldable_splits(min(64, num_sms(device) // requests), rows=rows, rank=RANK)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])

@@ -41,8 +41,8 @@ MERGE_VALUES = 8192
 """fp32 values of one ``[splits, values]`` step of the in-kernel merge (64 a thread on 4 warps,
 the main loop's registers free by then): all 128 splits of a 64-value slice in one step."""
 MERGE_STEP = 512
-"""Values of a program's ``rows × chunk`` piece merged in one pass over the splits (the running
-maximum, sum and output of a pass: 16 registers a thread each on a 4-warp kernel)."""
+"""Most values of a program's slice merged in one pass over the splits: one latent row (the
+pass's running output: 4 registers a thread on a 4-warp kernel)."""
 
 
 def fold_slice(*, num_splits: int, rows: int, rank: int) -> int:
@@ -78,9 +78,6 @@ def fold_block_splits(*, num_splits: int, values: int) -> int:
     return block
 
 
-_BARRIERS: dict[torch.device, torch.Tensor] = {}
-
-
 def foldable_splits(num_splits: int, *, rows: int, rank: int) -> int:
     """The most splits, at most ``num_splits``, whose :func:`fold_slice` is not 0; 0 when there is
     none (``num_splits < 2``)."""
@@ -94,6 +91,9 @@ def _capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is capturing a CUDA graph."""
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
+
+
+_BARRIERS: dict[torch.device, torch.Tensor] = {}
 
 
 def barrier_words(device: torch.device) -> torch.Tensor | None:
