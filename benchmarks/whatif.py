@@ -464,10 +464,101 @@ _ROWS_FIXED_ROW_MAX: list[Edit] = [
         "    m_i = gl.full([NR], 8.0, gl.float32, layout=gl.SliceLayout(0, st_layout))\n" + _ROWS_EPILOGUE,
     ),
 ]
+# L2 prefetch two tiles ahead of the tile being computed (the ring's own cp.async covers one):
+# the ids of tile t + 2 + 1 are loaded into registers one tile before their prefetch.
+_ROWS_PREFETCH_HELPERS = """
+
+@gluon.jit
+def _l2_prefetch_tile(kv_ptr, first, last, stride_kv, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr):
+    if last == first + ROWS - 1:  # consecutive rows: one bulk prefetch of the whole tile
+        addr = (kv_ptr + first.to(gl.int64) * stride_kv).to(gl.int64, bitcast=True)
+        span = (ROWS - 1) * stride_kv * (kv_ptr.dtype.element_ty.primitive_bitwidth // 8) + ROW_BYTES
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0;",
+            "=r,l,r", [addr, span], dtype=gl.int32, is_pure=False, pack=1,
+        )
+
+
+@gluon.jit
+def _l2_prefetch_lines(kv_ptr, ids, valid, stride_kv, LINES: gl.constexpr, LAYOUT: gl.constexpr):
+    line = gl.arange(0, 16, layout=gl.SliceLayout(0, LAYOUT))
+    base = (kv_ptr + ids.to(gl.int64) * stride_kv).to(gl.int64, bitcast=True)
+    addr = base[:, None] + (line * 128).to(gl.int64)[None, :]
+    ok = valid[:, None] & (line < LINES)[None, :]
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0;\\n@p prefetch.global.L2 [$1];\\nmov.b32 $0, 0; }",
+        "=r,l,r", [addr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1,
+    )
+
+
+@gluon.jit(do_not_specialize=["num_splits"])"""
+_ROWS_KERNEL_DEF = '\n\n@gluon.jit(do_not_specialize=["num_splits"])'
+_ROWS_LOOP = """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    for t in range(n_tiles):"""
+_ROWS_TAKE = """                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
+            )  # fmt: skip
+"""
+_ROWS_PREFETCH_TILE: list[Edit] = [
+    (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
+    (
+        _ROWS_LOOP,
+        _ROWS_LOOP.replace(
+            "    for t",
+            """    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
+    pf0 = lo + 2 * BLOCK_N
+    pf_first = gl.load(index_base + pf0, mask=pf0 < hi, other=0)
+    pf_last = gl.load(index_base + pf0 + BLOCK_N - 1, mask=pf0 + BLOCK_N - 1 < hi, other=-1)
+    for t""",
+        ),
+    ),
+    (
+        _ROWS_TAKE,
+        _ROWS_TAKE
+        + """            _l2_prefetch_tile(kv_ptr, pf_first, pf_last, stride_kv, BLOCK_N, ROW_BYTES)
+            pf0 = lo + (t + 3) * BLOCK_N
+            pf_first = gl.load(index_base + pf0, mask=pf0 < hi, other=0)
+            pf_last = gl.load(index_base + pf0 + BLOCK_N - 1, mask=pf0 + BLOCK_N - 1 < hi, other=-1)
+""",
+    ),
+]
+_ROWS_PREFETCH_LINES: list[Edit] = [
+    (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
+    (
+        _ROWS_LOOP,
+        _ROWS_LOOP.replace(
+            "    for t",
+            """    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
+    pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
+    offs_pf = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pf_layout))
+    pf_n = lo + 2 * BLOCK_N + offs_pf
+    pf_ids = gl.load(index_base + pf_n, mask=pf_n < hi, other=0)
+    for t""",
+        ),
+    ),
+    (
+        _ROWS_TAKE,
+        _ROWS_TAKE
+        + """            pf_n = lo + (t + 2) * BLOCK_N + offs_pf
+            _l2_prefetch_lines(kv_ptr, pf_ids, pf_n < hi, stride_kv, LINES, pf_layout)
+            pf_n = pf_n + BLOCK_N
+            pf_ids = gl.load(index_base + pf_n, mask=pf_n < hi, other=0)
+""",
+    ),
+]
 ROWS_VARIANTS: Variants = {
     "main": (True, [], "the kernel on main"),
     "no-dram": (False, _ROWS_NO_DRAM, "the ring zero-filled by masked cp.async, no cache read"),
     "fixed-row-max": (False, _ROWS_FIXED_ROW_MAX, "a fixed row max (no cross-warp row max)"),
+    "l2-prefetch-tile": (
+        True,
+        _ROWS_PREFETCH_TILE,
+        "16-bit ring: L2 asked for tile t+2 at tile t (one bulk prefetch of consecutive rows)",
+    ),
+    "l2-prefetch-lines": (
+        True,
+        _ROWS_PREFETCH_LINES,
+        "16-bit ring: L2 asked for tile t+2 at tile t (prefetch.global.L2 per 128-byte line)",
+    ),
 }
 
 KERNELS = {
