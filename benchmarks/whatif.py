@@ -470,11 +470,12 @@ _ROWS_PREFETCH_HELPERS = """
 
 @gluon.jit
 def _l2_prefetch_tile(kv_ptr, first, last, stride_kv, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr):
-    if last == first + ROWS - 1:  # consecutive rows: one bulk prefetch of the whole tile
+    if last == first + ROWS - 1:  # consecutive rows: one bulk prefetch of the whole tile, by thread 0
         addr = (kv_ptr + first.to(gl.int64) * stride_kv).to(gl.int64, bitcast=True)
         span = (ROWS - 1) * stride_kv * (kv_ptr.dtype.element_ty.primitive_bitwidth // 8) + ROW_BYTES
         gl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0;",
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\\n"
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\\nmov.b32 $0, 0; }",
             "=r,l,r", [addr, span], dtype=gl.int32, is_pure=False, pack=1,
         )
 
