@@ -499,53 +499,43 @@ _ROWS_LOOP = """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 _ROWS_TAKE = """                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
 """
-_ROWS_PREFETCH_TILE: list[Edit] = [
-    (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
-    (
-        _ROWS_LOOP,
-        _ROWS_LOOP.replace(
-            "    for t",
-            """    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
+
+
+def _rows_prefetch(setup: str, per_tile: str) -> list[Edit]:
+    """The few-rows kernel with :data:`_ROWS_PREFETCH_HELPERS`, ``setup`` before its tile loop
+    and ``per_tile`` after each 16-bit tile is taken."""
+    return [
+        (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
+        (_ROWS_LOOP, _ROWS_LOOP.replace("    for t", setup + "    for t")),
+        (_ROWS_TAKE, _ROWS_TAKE + per_tile),
+    ]
+
+
+_ROWS_PREFETCH_TILE = _rows_prefetch(
+    """    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
     pf0 = lo + 2 * BLOCK_N
     pf_first = gl.load(index_base + pf0, mask=pf0 < hi, other=0)
     pf_last = gl.load(index_base + pf0 + BLOCK_N - 1, mask=pf0 + BLOCK_N - 1 < hi, other=-1)
-    for t""",
-        ),
-    ),
-    (
-        _ROWS_TAKE,
-        _ROWS_TAKE
-        + """            _l2_prefetch_tile(kv_ptr, pf_first, pf_last, stride_kv, BLOCK_N, ROW_BYTES)
+""",
+    """            _l2_prefetch_tile(kv_ptr, pf_first, pf_last, stride_kv, BLOCK_N, ROW_BYTES)
             pf0 = lo + (t + 3) * BLOCK_N
             pf_first = gl.load(index_base + pf0, mask=pf0 < hi, other=0)
             pf_last = gl.load(index_base + pf0 + BLOCK_N - 1, mask=pf0 + BLOCK_N - 1 < hi, other=-1)
 """,
-    ),
-]
-_ROWS_PREFETCH_LINES: list[Edit] = [
-    (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
-    (
-        _ROWS_LOOP,
-        _ROWS_LOOP.replace(
-            "    for t",
-            """    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
+)
+_ROWS_PREFETCH_LINES = _rows_prefetch(
+    """    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
     pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
     offs_pf = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pf_layout))
     pf_n = lo + 2 * BLOCK_N + offs_pf
     pf_ids = gl.load(index_base + pf_n, mask=pf_n < hi, other=0)
-    for t""",
-        ),
-    ),
-    (
-        _ROWS_TAKE,
-        _ROWS_TAKE
-        + """            pf_n = lo + (t + 2) * BLOCK_N + offs_pf
+""",
+    """            pf_n = lo + (t + 2) * BLOCK_N + offs_pf
             _l2_prefetch_lines(kv_ptr, pf_ids, pf_n < hi, stride_kv, LINES, pf_layout)
             pf_n = pf_n + BLOCK_N
             pf_ids = gl.load(index_base + pf_n, mask=pf_n < hi, other=0)
 """,
-    ),
-]
+)
 ROWS_VARIANTS: Variants = {
     "main": (True, [], "the kernel on main"),
     "no-dram": (False, _ROWS_NO_DRAM, "the ring zero-filled by masked cp.async, no cache read"),
