@@ -72,17 +72,13 @@ bench)
   timeout 75 python3 benchmarks/prefill.py --check 2>&1 | tee "$OUT/prefill.log" | tail -16
   ;;
 sanitizer)
-  for tool in memcheck racecheck; do
-    part "compute-sanitizer $tool: Gluon and Triton decode"
-    timeout 100 compute-sanitizer --tool $tool python3 -m pytest -q -p no:cacheprovider \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-auto-fp8]" \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q2-bs16-splits3-fp8]" \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-auto-fp8]" \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-auto-bf16]" \
-      "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-auto-bf16]" \
-      "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-non-persistent-h8-q2-bs1-bf16-triton]" \
-      2>&1 | tee "$OUT/sanitizer_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed"
-  done
+  sanitize decode "memcheck racecheck" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-auto-fp8]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q2-bs16-splits3-fp8]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-auto-fp8]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-auto-bf16]" \
+    "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-auto-bf16]" \
+    "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-non-persistent-h8-q2-bs1-bf16-triton]"
   ;;
 pingpong)
   part "compute-sanitizer racecheck: the ping-pong kernel"
