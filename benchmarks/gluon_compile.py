@@ -60,22 +60,17 @@ def compile_variant(
         "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "OVERLAP": overlap,
         "num_warps": 8,
     }  # fmt: skip
-    sig = dict(ptrs)
-    sig.update(dict.fromkeys(ints, "i32"))
-    sig["sm_scale_log2"] = "fp32"
+    scalars = {**dict.fromkeys(ints, "i32"), "sm_scale_log2": "fp32"}
+    sig = {**ptrs, **scalars}
     if rows:
         del constexprs["OVERLAP"]
-        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
-        constexprs = {"H": heads, "L": 512, "R": 64, "NR": rows, **rest}
-        constexprs["num_warps"] = 8 if rows == 64 else 4
+        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R", "num_warps")}
+        constexprs = {
+            "H": heads, "L": 512, "R": 64, "NR": rows, **rest, "FOLD_SPLITS": fold,
+            "num_warps": 8 if rows == 64 else 4,
+        }  # fmt: skip
         # the few-rows kernel takes the fold's barrier words after the fp8 scale
-        sig = {
-            **{k: sig[k] for k in ptrs},
-            "barrier_ptr": "*i32",
-            **{k: sig[k] for k in [*ints, "sm_scale_log2"]},
-        }
-        constexprs["FOLD_SPLITS"] = fold
-        constexprs["num_warps"] = constexprs.pop("num_warps")
+        sig = {**ptrs, "barrier_ptr": "*i32", **scalars}
     if pingpong:
         del constexprs["OVERLAP"], constexprs["KV_FP8"]
         constexprs["num_warps"] = 4
@@ -83,15 +78,14 @@ def compile_variant(
         # the dual-chain kernel takes its merge buffer after the fp8 scale
         kv_type = kv[1:]
         sig = {
-            **{k: sig[k] for k in ptrs},
+            **ptrs,
             "merge_ptr": "*fp32",
             "lat_desc": f"tensordesc<{kv_type}[64, 128],{LAT_BOX_LAYOUT!r}>",
             "rope_desc": f"tensordesc<{kv_type}[64, 64],{ROPE_BOX_LAYOUT!r}>",
-            **{k: sig[k] for k in [*ints, "sm_scale_log2"]},
+            **scalars,
         }
         del constexprs["OVERLAP"], constexprs["KV_FP8"], constexprs["NUM_STAGES"]
-        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R")}
-        rest.pop("num_warps")
+        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R", "num_warps")}
         constexprs = {"H": heads, "L": 512, "R": 64, "NR": 16, **rest, "num_warps": 4}
     for k, _v in constexprs.items():
         sig[k] = "constexpr"
