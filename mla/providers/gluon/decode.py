@@ -171,14 +171,15 @@ def launch_gluon_decode(
             num_warps=DUAL_LOADER_WARPS.value,
         )  # fmt: skip
     elif config.transposed:
-        fold = _fold_barrier(config, grid=grid[0], rank=rank, device=out.device)
-        barrier = scale_arg if fold is None else fold
+        words = _fold_barrier(config, grid=grid[0], rank=rank, device=out.device)
+        folds = words is not None
         mla_decode_rows_kernel[grid](
-            *common, scale_arg, barrier, *strides, **constexprs, NR=config.row_tile,
-            FOLD_SPLITS=0 if fold is None else config.num_splits,
-            num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=fold is not None,
+            # Without a fold the kernel never reads barrier_ptr: any device pointer will do.
+            *common, scale_arg, words if folds else scale_arg, *strides, **constexprs, NR=config.row_tile,
+            FOLD_SPLITS=config.num_splits if folds else 0,
+            num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=folds,
         )  # fmt: skip
-        if fold is not None:
+        if folds:
             return
     elif config.pingpong:
         del constexprs["KV_FP8"]
