@@ -15,7 +15,7 @@ import enum
 import attrs
 import torch
 
-from mla.core.config import FP8_DTYPES
+from mla.core.config import DS_MLA_DTYPE, FP8_DTYPES
 
 
 class Contract(enum.Enum):
@@ -37,6 +37,10 @@ class Contract(enum.Enum):
     """Block table to flat per-token indices for any block size."""
     KV_WRITE = "kv-write"
     """Write latent + rope rows of new tokens into the paged cache."""
+    SPARSE_ATTENTION = "sparse-attention"
+    """Sparse MLA in the absorbed form: each query row attends its own list of cache slots."""
+    INDEXER = "indexer"
+    """DeepSeek Sparse Attention's lightning indexer: index-key writes, scores and top-k."""
 
 
 ALL_CONTRACTS: frozenset[Contract] = frozenset(Contract)
@@ -133,6 +137,18 @@ class ProviderCapabilities:
     """``(qk_head_dim, v_head_dim)`` pairs the fp8 prefill kernel is built for (``None``: any)."""
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     """The fp8 format the provider's fp8 kernels take (gfx942: ``float8_e4m3fnuz``)."""
+
+    sparse_kv_dtypes: frozenset[torch.dtype] = _FLOATS | frozenset({torch.float8_e4m3fn, DS_MLA_DTYPE})
+    """KV-cache dtypes the sparse attention reads (``uint8`` = ``fp8_ds_mla``)."""
+    sparse_head_multiple: int = 1
+    """The sparse attention kernel runs a multiple of this many heads; other counts are padded
+    to it (FlashMLA's sparse kernels: 64)."""
+    sparse_max_heads: int | None = None
+    """Most query heads per rank the sparse attention runs (``None``: any)."""
+    index_key_dtypes: frozenset[torch.dtype] = frozenset(
+        {torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn}
+    )
+    """Index-key cache dtypes the indexer reads."""
 
     persistent_decode_preferred: bool = True
     """A preference hint, never a limit: whether the provider's persistent paged decode is the

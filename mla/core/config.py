@@ -21,6 +21,14 @@ FP8_DTYPES: frozenset[torch.dtype] = frozenset(
 
 FLOAT_DTYPES: frozenset[torch.dtype] = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
+DS_MLA_DTYPE: torch.dtype = torch.uint8
+"""Storage dtype of an ``fp8_ds_mla`` cache (``KVCacheSpec(dtype="fp8_ds_mla")``): each token is
+one row of bytes, the ``kv_lora_rank`` latent values as e4m3 in 128-wide tiles, one float32
+power-of-two scale per tile, then the ``qk_rope_head_dim`` rope values in bf16 (656 bytes for
+DeepSeek's 512/64; :mod:`mla.providers.formats` packs and unpacks it)."""
+DS_MLA_TILE = 128
+"""Latent values per scale tile of an ``fp8_ds_mla`` row."""
+
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -58,12 +66,26 @@ def normalize_dtype(value: torch.dtype | str, *, argument: str = "dtype") -> tor
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
+    """A per-tensor fp8 dtype (an ``fp8_ds_mla`` cache is not: its scales are per tile)."""
     return dtype in FP8_DTYPES
 
 
+def is_ds_mla(dtype: torch.dtype) -> bool:
+    """The storage dtype of an ``fp8_ds_mla`` cache."""
+    return dtype == DS_MLA_DTYPE
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    """Short readable name used in reasons and tables (``bfloat16``, ``float8_e4m3fn``)."""
+    """Short readable name used in reasons and tables (``bfloat16``, ``float8_e4m3fn``,
+    ``fp8_ds_mla`` for the byte rows of that cache format)."""
+    if dtype == DS_MLA_DTYPE:
+        return "fp8_ds_mla"
     return str(dtype).removeprefix("torch.")
+
+
+def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes per token of an ``fp8_ds_mla`` row: ``L`` e4m3, ``L / 128`` float32 scales, ``R`` bf16."""
+    return kv_lora_rank + 4 * (kv_lora_rank // DS_MLA_TILE) + 2 * rope_dim
 
 
 def _require_int(_inst: object, _attribute: attrs.Attribute[int], value: int) -> None:
@@ -106,6 +128,16 @@ class MLADims:
     """The model's softmax scale; ``None`` means ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``,
     DeepSeek's convention without YaRN (never the kernel default ``1/sqrt(576)``). Models with
     YaRN rope scaling (DeepSeek-V3) must pass theirs (``mscale**2 / sqrt(192)``)."""
+    index_topk: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive), kw_only=True
+    )
+    """Tokens the model's indexer keeps per query row (DeepSeek Sparse Attention: 2048 for
+    DeepSeek-V3.2 and GLM-5); ``None`` for a dense MLA model. A sparse model resolves only the
+    sparse strategies (:mod:`mla.sparse`)."""
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.index_topk is not None
 
     @property
     def latent_dim(self) -> int:
@@ -125,6 +157,8 @@ class MLADims:
 
 
 def _kv_cache_dtype(value: torch.dtype | str) -> torch.dtype:
+    if value == DS_MLA_DTYPE or (isinstance(value, str) and value.lower() == "fp8_ds_mla"):
+        return DS_MLA_DTYPE
     return normalize_dtype(value, argument="kv_cache_dtype")
 
 
@@ -132,7 +166,9 @@ def _kv_cache_dtype(value: torch.dtype | str) -> torch.dtype:
 class KVCacheSpec:
     """Paged latent cache: ``[num_blocks, block_size, kv_lora_rank + rope]`` of ``dtype``.
 
-    ``dtype`` accepts engine spellings (``"auto"`` is not one: pass the model dtype).
+    ``dtype`` accepts engine spellings (``"auto"`` is not one: pass the model dtype), and
+    ``"fp8_ds_mla"``: then the cache is ``[num_blocks, block_size, 656]`` bytes
+    (:data:`DS_MLA_DTYPE`, per-tile scales; sparse strategies read it).
     """
 
     block_size: int = attrs.field(validator=_positive)
@@ -146,7 +182,64 @@ class KVCacheSpec:
 
     @property
     def is_fp8(self) -> bool:
+        """A per-tensor fp8 cache (read with ``kv_scale``)."""
         return is_fp8(self.dtype)
+
+    @property
+    def is_ds_mla(self) -> bool:
+        return is_ds_mla(self.dtype)
+
+    def row_width(self, dims: MLADims) -> int:
+        """Elements per token of the cache tensor's last dim (bytes for ``fp8_ds_mla``)."""
+        if self.is_ds_mla:
+            return ds_mla_row_bytes(dims.kv_lora_rank, dims.qk_rope_head_dim)
+        return dims.latent_dim
+
+
+def _index_key_dtype(value: torch.dtype | str) -> torch.dtype:
+    dtype = normalize_dtype(value, argument="key_dtype")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        raise InvalidInputError(
+            "key_dtype", f"index keys are stored in bf16, fp16, fp32 or fp8 (e4m3), got {dtype_name(dtype)}"
+        )
+    return dtype
+
+
+@attrs.frozen
+class IndexerSpec:
+    """The lightning indexer of a DeepSeek Sparse Attention layer and its paged key cache.
+
+    The index-key cache shares the latent cache's block table and block size: it is
+    ``[num_blocks, block_size, head_dim]`` of ``key_dtype`` for a float dtype, or, for fp8,
+    ``[num_blocks, block_size, head_dim + 4]`` bytes laid out per block as every token's
+    ``head_dim`` e4m3 values followed by every token's float32 scale (132 bytes per token at
+    ``head_dim`` 128, DeepGEMM's paged layout; :mod:`mla.providers.formats`).
+    """
+
+    num_heads: int = attrs.field(default=64, validator=_positive)
+    """Index heads (64 for DeepSeek-V3.2; not divided by tensor parallelism)."""
+    head_dim: int = attrs.field(default=128, validator=_positive)
+    key_dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=_index_key_dtype)
+    softmax_scale: float | None = attrs.field(default=None, validator=_softmax_scale)
+    """Scale inside the ReLU of the score; ``None`` means ``head_dim ** -0.5`` (the model's)."""
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.key_dtype)
+
+    @property
+    def row_width(self) -> int:
+        """Elements per token of the cache tensor's last dim (bytes for fp8)."""
+        return self.head_dim + 4 if self.is_fp8 else self.head_dim
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype (``uint8`` for fp8 keys with their scales)."""
+        return torch.uint8 if self.is_fp8 else self.key_dtype
 
 
 class GraphMode(enum.Enum):

@@ -26,13 +26,18 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
+    SparseAttentionCall,
+    SparseSlotsCall,
     VarlenPrefillCall,
+    WriteIndexKeysCall,
     WriteKVCall,
 )
+from mla.providers.sparse_slots import sparse_slots
 from mla.providers.transforms import fill_page_indices
 
 CONTRACT_METHODS: dict[Contract, tuple[str, ...]] = {
@@ -44,6 +49,8 @@ CONTRACT_METHODS: dict[Contract, tuple[str, ...]] = {
     Contract.MERGE_STATES: ("merge_states",),
     Contract.EXPAND_PAGES: ("expand_page_indices",),
     Contract.KV_WRITE: ("write_kv",),
+    Contract.SPARSE_ATTENTION: ("sparse_attention",),
+    Contract.INDEXER: ("write_index_keys", "index_topk"),
 }
 """The :class:`KernelProvider` methods a provider overrides for each contract it declares."""
 
@@ -152,3 +159,25 @@ class KernelProvider(abc.ABC):
     def write_kv(self, call: WriteKVCall) -> None:
         """Write new tokens' latent + rope rows into the paged cache."""
         self._unsupported(Contract.KV_WRITE, "write_kv")
+
+    # -- sparse (DeepSeek Sparse Attention) ----------------------------------------------------
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        """Sparse MLA: each query row attends its own list of cache slots."""
+        self._unsupported(Contract.SPARSE_ATTENTION, "sparse_attention")
+
+    def write_index_keys(self, call: WriteIndexKeysCall) -> None:
+        """Write (and for fp8, quantize) new tokens' index keys into the index-key cache."""
+        self._unsupported(Contract.INDEXER, "write_index_keys")
+
+    def index_topk(self, call: IndexTopkCall) -> None:
+        """The indexer's scores and top-k request-local positions per query row."""
+        self._unsupported(Contract.INDEXER, "index_topk")
+
+    def sparse_slots(self, call: SparseSlotsCall) -> None:
+        """Request-local positions to cache slots, masking and counting invalid entries.
+
+        The default runs :func:`~mla.providers.sparse_slots.sparse_slots` (a few torch ops, any
+        device, no host sync); a provider may fuse it into one kernel.
+        """
+        sparse_slots(call)

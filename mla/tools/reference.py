@@ -6,6 +6,11 @@ query row ``i`` attends keys ``0 .. s_b - q_b + i`` (right-aligned causal);
 with no keys gives ``o = 0`` and ``lse = -inf``; states merge as
 ``lse* = logaddexp(lse_a, lse_b)``, ``o = e^(lse_a-lse*) o_a + e^(lse_b-lse*) o_b``.
 
+Sparse MLA (DeepSeek Sparse Attention) uses the same attention over only the tokens the
+indexer selected: row ``t`` sees the request-local positions ``topk_indices[t]`` (``-1`` pads)
+that its causal window allows. The indexer scores position ``p`` for row ``t`` as
+``sum_h w[t, h] * relu(scale * q_idx[t, h] . k_idx[p])`` and keeps the highest ``topk``.
+
 Used by the conformance kit (:mod:`mla.testing`), the tests and ``mla demo`` to check every
 strategy. Slow; never used to serve.
 """
@@ -14,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from mla.core.config import is_fp8
+from mla.core.config import is_ds_mla, is_fp8
+from mla.providers.formats import read_index_keys, unpack_ds_mla
 
 
 def _attend(
@@ -126,3 +132,118 @@ def merge_reference(
     w_a = torch.where(torch.isfinite(lse), torch.exp(lse_a.double() - safe), 0.0)
     w_b = torch.where(torch.isfinite(lse), torch.exp(lse_b.double() - safe), 0.0)
     return o_a.double() * w_a[..., None] + o_b.double() * w_b[..., None], lse
+
+
+def dequantized_cache(
+    kv_cache: torch.Tensor, *, kv_lora_rank: int, rope_dim: int, kv_scale: float | None = None
+) -> torch.Tensor:
+    """float64 ``[blocks, block_size, L+R]`` values of a latent cache in any format (bf16/fp16/
+    fp32, per-tensor fp8 times ``kv_scale``, ``fp8_ds_mla`` bytes)."""
+    blocks, block_size = kv_cache.shape[:2]
+    if is_ds_mla(kv_cache.dtype):
+        rows = unpack_ds_mla(kv_cache.reshape(blocks * block_size, -1).cpu(), kv_lora_rank, rope_dim)
+        return rows.to(torch.float64).view(blocks, block_size, kv_lora_rank + rope_dim)
+    cache = kv_cache.cpu().to(torch.float64)
+    if is_fp8(kv_cache.dtype):
+        cache = cache * (1.0 if kv_scale is None else kv_scale)
+    return cache
+
+
+def reference_sparse(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    topk_indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse absorbed MLA. Returns float64 ``out [T, H, L]`` and ``lse [T, H]``.
+
+    Row ``i`` of request ``b`` (``q_b`` rows, ``s_b`` keys) attends the positions in
+    ``topk_indices[t]`` (request-local, ``-1`` pads) that are ``<= s_b - q_b + i``; rows not
+    owned by a request, or left with no position, give ``o = 0`` and ``lse = -inf``.
+    """
+    num_tokens, heads, width = q.shape
+    block_size = kv_cache.shape[1]
+    cache = dequantized_cache(
+        kv_cache, kv_lora_rank=kv_lora_rank, rope_dim=width - kv_lora_rank, kv_scale=kv_scale
+    )
+    qsl = query_start_loc.cpu().to(torch.int64)
+    lens = seq_lens.cpu().to(torch.int64)
+    table = block_table.cpu().to(torch.int64)
+    indices = topk_indices.cpu().to(torch.int64)
+    out = torch.zeros(num_tokens, heads, kv_lora_rank, dtype=torch.float64)
+    lse = torch.full((num_tokens, heads), float("-inf"), dtype=torch.float64)
+    qd = q.cpu().to(torch.float64)
+    for b in range(lens.numel()):
+        q0, q1, s = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        if q1 == q0 or s == 0:
+            continue
+        pos = torch.arange(s)
+        rows = cache[table[b, pos // block_size], pos % block_size]  # [s, L+R]
+        visible = causal_visible(q1 - q0, s) & selected_mask(indices[q0:q1], s)
+        o, row_lse = _attend(
+            qd[q0:q1], rows[:, None, :], rows[:, None, :kv_lora_rank], visible, softmax_scale
+        )
+        out[q0:q1], lse[q0:q1] = o, row_lse
+    return out, lse
+
+
+def selected_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """bool ``[M, num_keys]``: position ``p`` is in row ``m``'s ``indices`` (``-1`` and positions
+    past ``num_keys`` ignored)."""
+    rows = indices.shape[0]
+    mask = torch.zeros(rows, num_keys + 1, dtype=torch.bool)
+    target = torch.where((indices >= 0) & (indices < num_keys), indices, num_keys)
+    mask.scatter_(1, target, True)
+    return mask[:, :num_keys]
+
+
+def reference_index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    key_dtype: torch.dtype,
+    softmax_scale: float,
+) -> list[torch.Tensor]:
+    """The indexer's float64 scores per request: ``[q_b, s_b]`` with ``-inf`` at positions a
+    row may not see (right-aligned causal). ``q [T, Hi, D]``, ``weights [T, Hi]``."""
+    head_dim = q.shape[-1]
+    block_size = index_cache.shape[1]
+    qsl = query_start_loc.cpu().to(torch.int64)
+    lens = seq_lens.cpu().to(torch.int64)
+    table = block_table.cpu().to(torch.int64)
+    qd, wd = q.cpu().to(torch.float64), weights.cpu().to(torch.float64)
+    scores: list[torch.Tensor] = []
+    for b in range(lens.numel()):
+        q0, q1, s = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+        pos = torch.arange(s)
+        slots = table[b, pos // block_size] * block_size + pos % block_size
+        keys = read_index_keys(index_cache.cpu(), key_dtype, slots, head_dim).to(torch.float64)
+        logits = torch.relu(torch.einsum("mhd,nd->mhn", qd[q0:q1], keys) * softmax_scale)
+        score = torch.einsum("mh,mhn->mn", wd[q0:q1], logits)
+        scores.append(score.masked_fill(~causal_visible(q1 - q0, s), float("-inf")))
+    return scores
+
+
+def reference_topk(scores: list[torch.Tensor], topk: int) -> torch.Tensor:
+    """int64 ``[T, topk]`` request-local positions of the highest scores per row (descending),
+    ``-1`` past the row's visible positions; rows concatenated over requests."""
+    rows: list[torch.Tensor] = []
+    for score in scores:
+        out = torch.full((score.shape[0], topk), -1, dtype=torch.int64)
+        for m in range(score.shape[0]):
+            visible = int(torch.isfinite(score[m]).sum())
+            count = min(topk, visible)
+            if count:
+                out[m, :count] = torch.topk(score[m], count).indices
+        rows.append(out)
+    return torch.cat(rows) if rows else torch.empty(0, topk, dtype=torch.int64)
