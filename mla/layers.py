@@ -307,6 +307,12 @@ class MLAAttention(nn.Module):
         impl = self.attention.impl
         index_q, index_k, index_weights, index_cache, topk_indices = index
         rows = q.shape[0]
+        if index_cache is not None and index_cache.shape[:2] != kv_cache.shape[:2]:
+            raise InvalidInputError(
+                "index_cache",
+                f"has {tuple(index_cache.shape[:2])} (blocks, block_size) but kv_cache has "
+                f"{tuple(kv_cache.shape[:2])}: the index-key cache shares the KV cache's block table",
+            )
         if index_k is not None or index_cache is not None:
             if index_k is None or index_cache is None or slot_mapping is None:
                 raise InvalidInputError(

@@ -12,6 +12,7 @@ from mla.engine.checks import check_kv_write, require_instance, require_on_q_dev
 from mla.engine.state import BackendState
 from mla.engine.step import MLAMetadata
 from mla.prefill.base import ContextExpander
+from mla.sparse.base import check_topk_positions
 
 
 class AttentionImpl:
@@ -179,6 +180,9 @@ class AttentionImpl:
                     "metadata", "this backend serves a dense model (MLADims.index_topk is None)"
                 )
             be.check_current(metadata, phase)
+            if be.validate == "full" and isinstance(topk_indices, torch.Tensor):
+                plan = getattr(metadata, phase)
+                check_topk_positions(topk_indices, plan.row_keys)
         require_tensors(q=q, kv_cache=kv_cache, topk_indices=topk_indices, out=out)
         require_on_q_device(
             q, kv_cache=kv_cache, topk_indices=topk_indices, out=out, lse=lse, kv_scale=kv_scale

@@ -290,3 +290,18 @@ def check_topk_indices(topk_indices: torch.Tensor, *, rows: int, topk: int, devi
         )
     if topk_indices.device.type != device.type:
         raise InvalidInputError("topk_indices", f"expected device {device}, got {topk_indices.device}")
+
+
+def check_topk_positions(topk_indices: torch.Tensor, row_keys: torch.Tensor) -> None:
+    """Host check (``validate="full"``; copies both to the host): every entry of row ``t`` is
+    ``-1`` or a position ``0 <= p < row_keys[t]`` its causal window shows."""
+    indices = topk_indices.detach().cpu().to(torch.int64)
+    keys = row_keys.detach().cpu().to(torch.int64)[: indices.shape[0], None]
+    bad = (indices != -1) & ((indices < 0) | (indices >= keys))
+    if bool(bad.any()):
+        row, col = (int(v) for v in torch.nonzero(bad)[0])
+        raise InvalidInputError(
+            "topk_indices",
+            f"row {row} entry {col} is position {int(indices[row, col])}, outside the row's request "
+            f"window 0..{int(keys[row, 0]) - 1} (request-local positions the row may see, or -1)",
+        )

@@ -89,6 +89,13 @@ class IndexerStrategy:
                 f"(IndexerSpec key_dtype {dtype_name(spec.key_dtype)}, the KV cache's block size), got "
                 f"{tuple(index_cache.shape)} {dtype_name(index_cache.dtype)}",
             )
+        num_blocks = self.setup.cache.num_blocks
+        if num_blocks is not None and index_cache.shape[0] != num_blocks:
+            raise InvalidInputError(
+                "index_cache",
+                f"has {index_cache.shape[0]} blocks but the KV cache has {num_blocks} "
+                "(KVCacheSpec.num_blocks): the index-key cache shares the KV cache's block table",
+            )
         if index_cache.device.type != device.type or not index_cache.is_contiguous():
             raise InvalidInputError("index_cache", f"must be a contiguous tensor on {device}")
 
