@@ -206,7 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=GraphMode.NONE.value,
         help="how the engine captures decode steps in CUDA graphs",
     )
-    explain.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16")
+    explain.add_argument(
+        "--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8", "fp8_ds_mla"), default="bf16"
+    )
+    explain.add_argument(
+        "--index-topk",
+        type=positive_int,
+        help="a DeepSeek Sparse Attention model keeping this many tokens per row (sparse strategies)",
+    )
     explain.add_argument("--q-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     explain.add_argument("--block-size", type=positive_int, default=16)
     explain.add_argument(
