@@ -19,7 +19,8 @@ def sparse_slots(call: SparseSlotsCall) -> None:
     keys = call.row_keys[:rows].to(torch.int64)[:, None]
     in_range = (positions >= 0) & (positions < keys) & (positions < table.shape[1] * call.block_size)
     block_index = torch.where(in_range, positions // call.block_size, 0)
-    request = call.row_request[:rows].to(torch.int64)[:, None].expand_as(positions)
+    request = torch.clamp(call.row_request[:rows].to(torch.int64), 0, max(table.shape[0] - 1, 0))
+    request = request[:, None].expand_as(positions)
     block = table[request, block_index].to(torch.int64)
     valid = in_range & (block >= 0) & (block < call.num_blocks)
     flat = block * call.block_size + positions % call.block_size
