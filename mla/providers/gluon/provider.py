@@ -5,10 +5,11 @@ runs on the Gluon kernels of :mod:`.kernels` / :mod:`.transposed` wherever
 :func:`~mla.providers.gluon.planner.decode_kernel` says they apply (16-bit queries with a cache
 of the same dtype, 512 + 64 latent/rope dims); every other decode case runs on the Triton
 provider's decode kernel, and the contracts the Gluon kernels do not implement (varlen and fp8
-prefill, merge, page expansion, KV write) are the Triton provider's kernels. An engine builds
-one backend with one provider for both phases, so composing the Triton provider is what lets
-``provider="auto"`` pick ``gluon`` on Hopper without losing a contract; ``mla info`` lists the
-delegated contracts and the routing rules under the provider's probes.
+prefill, merge, page expansion, KV write, sparse attention and the indexer) are the Triton
+provider's kernels. An engine builds one backend with one provider for both phases, so composing
+the Triton provider is what lets ``provider="auto"`` pick ``gluon`` on Hopper without losing a
+contract; ``mla info`` lists the delegated contracts and the routing rules under the provider's
+probes.
 
 Available on an NVIDIA sm_90 device where ``triton.experimental.gluon.language.nvidia.hopper``
 imports (Triton >= 3.6); elsewhere :meth:`GluonProvider.availability` says why.
@@ -32,11 +33,15 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
+    SparseAttentionCall,
+    SparseSlotsCall,
     VarlenPrefillCall,
+    WriteIndexKeysCall,
     WriteKVCall,
 )
 from mla.providers.gluon.planner import (
@@ -59,6 +64,8 @@ DELEGATED: tuple[Contract, ...] = (
     Contract.MERGE_STATES,
     Contract.EXPAND_PAGES,
     Contract.KV_WRITE,
+    Contract.SPARSE_ATTENTION,
+    Contract.INDEXER,
 )
 """Contracts served by the Triton provider's kernels."""
 
@@ -226,3 +233,15 @@ class GluonProvider(KernelProvider):
 
     def write_kv(self, call: WriteKVCall) -> None:
         self._triton.write_kv(call)
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        self._triton.sparse_attention(call)
+
+    def write_index_keys(self, call: WriteIndexKeysCall) -> None:
+        self._triton.write_index_keys(call)
+
+    def index_topk(self, call: IndexTopkCall) -> None:
+        self._triton.index_topk(call)
+
+    def sparse_slots(self, call: SparseSlotsCall) -> None:
+        self._triton.sparse_slots(call)
