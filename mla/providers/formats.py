@@ -26,9 +26,11 @@ _MIN_AMAX = 1e-4
 
 
 def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
-    """float32 ``2 ** ceil(log2(amax / 448))``: the UE8M0 scale of values with that ``amax``."""
+    """float32 ``2 ** ceil(log2(amax / 448))``: the UE8M0 scale of values with that ``amax``
+    (exact: the ratio's binary exponent, one less when the ratio is a power of two)."""
     ratio = torch.clamp(amax.to(torch.float32), min=_MIN_AMAX) / E4M3_MAX
-    return torch.exp2(torch.ceil(torch.log2(ratio)))
+    mantissa, exponent = torch.frexp(ratio)
+    return torch.ldexp(torch.ones_like(ratio), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 def pack_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:

@@ -532,10 +532,16 @@ def index_scores(call: IndexTopkCall, scores: torch.Tensor, *, block_p: int = 64
     )
 
 
+INDEX_WORKSPACE_BYTES = 256 << 20
+"""Bound on the float32 score workspace of one :func:`index_topk` chunk of rows (a prefill of
+8192 rows over 128K positions would need 4 GB at once)."""
+
+
 def index_topk(call: IndexTopkCall) -> None:
-    """The indexer's scores (one Triton launch into a float32 ``[T, max_keys]`` workspace) and a
-    sorted ``torch.topk`` on the device; positions scored ``-inf`` (not visible) become ``-1``,
-    as do the columns past ``max_keys``."""
+    """The indexer's scores (a Triton launch into a float32 ``[rows, max_keys]`` workspace per
+    chunk of rows, at most :data:`INDEX_WORKSPACE_BYTES`) and a sorted ``torch.topk`` on the
+    device; positions scored ``-inf`` (not visible) become ``-1``, as do the columns past
+    ``max_keys``."""
     indices = call.indices
     rows, topk = indices.shape
     if rows == 0 or topk == 0:
@@ -545,10 +551,21 @@ def index_topk(call: IndexTopkCall) -> None:
         indices[:, count:].fill_(-1)
     if count == 0:
         return
-    scores = torch.empty(rows, call.max_keys, dtype=torch.float32, device=indices.device)
-    index_scores(call, scores)
-    values, positions = torch.topk(scores, count, dim=1, largest=True, sorted=True)
-    indices[:, :count].copy_(torch.where(values == float("-inf"), -1, positions))
+    step = max(1, min(rows, INDEX_WORKSPACE_BYTES // (4 * call.max_keys)))
+    scores = torch.empty(step, call.max_keys, dtype=torch.float32, device=indices.device)
+    for lo in range(0, rows, step):
+        hi = min(lo + step, rows)
+        chunk = call if (lo, hi) == (0, rows) else attrs.evolve(
+            call,
+            q=call.q[lo:hi],
+            weights=call.weights[lo:hi],
+            row_request=call.row_request[lo:hi],
+            row_keys=call.row_keys[lo:hi],
+            indices=indices[lo:hi],
+        )
+        index_scores(chunk, scores[: hi - lo])
+        values, positions = torch.topk(scores[: hi - lo], count, dim=1, largest=True, sorted=True)
+        indices[lo:hi, :count].copy_(torch.where(values == float("-inf"), -1, positions))
 
 
 # -- writes -------------------------------------------------------------------------------------
