@@ -113,7 +113,7 @@ class Strategy(abc.ABC, Generic[CtxT]):
         sparse_kind = cls.KIND is StrategyKind.SPARSE
         reasons.require(
             ctx.dims.is_sparse == sparse_kind,
-            "sparse" if sparse_kind else "dense",
+            "sparse" if ctx.dims.is_sparse else "dense",
             f"the model is sparse (index_topk={ctx.dims.index_topk}): {cls.NAME} attends every "
             "token; a sparse strategy (SparseDecode, SparsePrefill) runs it"
             if ctx.dims.is_sparse

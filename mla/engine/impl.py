@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_cache_scale
+from mla.core.validate import check_cache_scale, require_index
 from mla.engine import ops
 from mla.engine.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
 from mla.engine.state import BackendState
@@ -222,6 +222,7 @@ class AttentionImpl:
         """Write the step's index keys ``[N, D]`` (after the key norm and rope) into the index-key
         cache at ``slot_mapping [N]`` (negative slots skipped); fp8 keys are quantized per token."""
         be = self.backend
-        require_tensors(index_k=keys, index_cache=index_cache, slot_mapping=slot_mapping)
+        require_tensors(index_k=keys, index_cache=index_cache)
+        require_index("slot_mapping", slot_mapping, ndim=1)
         require_on_q_device(keys, index_cache=index_cache, slot_mapping=slot_mapping)
         ops.write_index_keys(keys, index_cache, slot_mapping, be.op_id)

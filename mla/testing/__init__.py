@@ -26,9 +26,23 @@ strategy that rounds its inputs to fp8 (it exposes ``quantize(q, k, v)``, like
 :class:`~mla.prefill.fp8_persistent.Fp8PersistentPrefill`) is compared with the reference computed
 on its dequantized inputs, so the tolerance stays tight.
 
+Sparse models (DeepSeek Sparse Attention, ``MLADims.index_topk``) have their own cases and
+checks in :mod:`~mla.testing.sparse`::
+
+    from mla.testing import check_sparse_strategy, sparse_cases
+
+    for case in sparse_cases(phase="decode"):
+        check_sparse_strategy(mla.SparseDecode, case, provider="torch", platform="cpu").assert_passed()
+
+Each row attends a hand-made selection (``-1`` padding between and after its positions, rows
+that select nothing, graph padding) over a cache that is NaN in every row the selection does not
+name; :func:`~mla.testing.check_indexer_strategy` checks an indexer's top-k against the float64
+scores without depending on how ties break.
+
 Modules: :mod:`~mla.testing.compare` (tolerances, comparison, NaN poisoning),
 :mod:`~mla.testing.cases` (case records and generators), :mod:`~mla.testing.inputs` (input
-builders), :mod:`~mla.testing.contexts` (context, backend and registry factories),
+builders), :mod:`~mla.testing.sparse` (sparse cases, inputs and checks),
+:mod:`~mla.testing.contexts` (context, backend and registry factories),
 :mod:`~mla.testing.check` (check runners), :mod:`~mla.testing.triton_driver` (a stand-in
 Triton driver: Triton's launch path on a machine without a GPU, launches recorded; imported on
 its own, it needs Triton).
@@ -80,6 +94,19 @@ from mla.testing.inputs import (
     make_decode_inputs,
     make_prefill_inputs,
 )
+from mla.testing.sparse import (
+    IndexerCheckResult,
+    SparseCase,
+    SparseInputs,
+    check_indexer_strategy,
+    check_sparse_strategy,
+    encode_latent_cache,
+    make_sparse_inputs,
+    poisoned_index_cache,
+    provider_kernels,
+    sparse_case_backend,
+    sparse_cases,
+)
 
 __all__ = [
     "DEFAULT_FP8_KV_SCALE",
@@ -89,15 +116,20 @@ __all__ = [
     "Comparison",
     "DecodeCase",
     "DecodeInputs",
+    "IndexerCheckResult",
     "PaddingKind",
     "PrefillCase",
     "PrefillInputs",
     "PrefillPath",
     "RandomUpProjection",
+    "SparseCase",
+    "SparseInputs",
     "as_platform",
     "assert_matches_reference",
     "check_decode_strategy",
+    "check_indexer_strategy",
     "check_prefill_strategy",
+    "check_sparse_strategy",
     "compare_to_reference",
     "context_prefill_cases",
     "decode_case_backend",
@@ -105,17 +137,23 @@ __all__ = [
     "decode_support",
     "device_for",
     "emulated_provider",
+    "encode_latent_cache",
     "indptr",
     "make_decode_inputs",
     "make_prefill_inputs",
+    "make_sparse_inputs",
     "pairwise",
     "poisoned_empty",
+    "poisoned_index_cache",
     "prefill_case_backend",
     "prefill_cases",
+    "provider_kernels",
     "rounded_inputs",
     "scratch_registry",
     "simulated_capabilities",
     "simulated_decode_context",
     "simulated_prefill_context",
+    "sparse_case_backend",
+    "sparse_cases",
     "tolerance_for",
 ]

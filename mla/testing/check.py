@@ -44,6 +44,9 @@ class CheckResult:
     without_lse: Comparison | None = None
     """Decode only: the run with ``lse=None`` (the production default) against the reference's
     output, on the same plan; ``None`` for prefill checks."""
+    invalid_indices: int = 0
+    """Sparse checks only: top-k entries the backend masked and counted as invalid
+    (``backend.invalid_index_count()``); the kit's selections are valid, so it must be 0."""
 
     @property
     def supported(self) -> bool:
@@ -62,6 +65,7 @@ class CheckResult:
             and self.comparison is not None
             and self.comparison.ok
             and (self.without_lse is None or self.without_lse.ok)
+            and self.invalid_indices == 0
         )
 
     def assert_passed(self) -> None:
@@ -75,6 +79,8 @@ class CheckResult:
             return f"{head}: not supported: {self.reasons}"
         if self.ran != self.strategy:
             return f"{head}: the backend ran {self.ran!r} instead"
+        if self.invalid_indices:
+            head += f": {self.invalid_indices} valid top-k entries were masked as invalid"
         if self.without_lse is None:
             return f"{head}: {self.comparison}"
         return f"{head}: {self.comparison}; {self.without_lse}"

@@ -1,0 +1,742 @@
+"""The conformance kit for DeepSeek Sparse Attention: sparse strategies and indexer strategies.
+
+A sparse check builds an :class:`~mla.engine.backend.MLABackend` for a sparse model
+(``MLADims.index_topk``) sized for a :class:`SparseCase`, forces the strategy, builds the
+step, poisons the caller outputs with NaN, runs ``impl.forward_sparse_decode`` (or
+``forward_sparse_prefill``) over the case's hand-made selection with an LSE tensor and again
+with ``lse=None``, and compares both with :func:`mla.tools.reference.reference_sparse`
+(float64). The selection is request-local positions inside each row's causal window, in random
+columns with ``-1`` between and after them; some rows select nothing; graph-padding rows and
+``seq_len == 0`` requests select only ``-1``. Every cache row no row of its request selects
+(owned or not, the null rows and stale block-table columns included) is NaN (``fp8_ds_mla``:
+NaN tile scales), so a kernel that reads one (a ``-1`` taken for position 0, a clamped index)
+fails. A valid selection must not be counted as invalid (``backend.invalid_index_count()``).
+
+An indexer check (:func:`check_indexer_strategy`) writes the index keys of every owned position
+through ``impl.write_index_keys`` into a NaN-poisoned index-key cache, runs ``impl.index_topk``
+into a poisoned output and checks the selection against
+:func:`mla.tools.reference.reference_index_scores` without depending on how ties break (every
+position kept outscores every visible position left out, up to the tolerance), and that rows
+that see nothing (graph padding) hold only ``-1``.
+
+Both report unsupported (``supported == False``, with reasons) when the provider's record lacks
+the contract or its class does not implement it, so a test can ``pytest.skip`` while a
+provider's sparse kernels are not in yet.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from mla.core.capabilities import Contract
+from mla.core.config import (
+    DS_MLA_TILE,
+    FLOAT_DTYPES,
+    EngineLimits,
+    IndexerSpec,
+    KVCacheSpec,
+    MLADims,
+    is_ds_mla,
+    is_fp8,
+)
+from mla.core.errors import UnsupportedError
+from mla.core.platform import Platform
+from mla.core.support import Reason, Support
+from mla.engine.backend import MLABackend, StepInputs
+from mla.engine.registry import DEFAULT_REGISTRY, Registry
+from mla.engine.resolver import Resolver
+from mla.providers import resolve_provider
+from mla.providers.base import CONTRACT_METHODS, KernelProvider
+from mla.providers.formats import pack_ds_mla
+from mla.sparse.base import SparseStrategy
+from mla.sparse.indexer import IndexerStrategy
+from mla.strategy import Phase
+from mla.testing.cases import (
+    DEFAULT_FP8_KV_SCALE,
+    PaddingKind,
+    _combinations,
+    _join,
+    _padded,
+    _short,
+    _tuple_of_ints,
+)
+from mla.testing.check import CheckResult, _unsupported
+from mla.testing.compare import compare_to_reference, tolerance_for
+from mla.testing.contexts import as_platform, device_for
+from mla.testing.inputs import _paged_table, indptr
+from mla.tools.demo_sparse import SELECTION_TOLERANCE, selection_gap
+from mla.tools.reference import reference_index_scores, reference_sparse
+
+SparsePhase = Literal["decode", "prefill"]
+SELECTION_POISON = 0x3FFF_FFFF
+"""What an indexer check's output holds before the run (an entry left unwritten fails it)."""
+
+
+def _kv_dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, str):
+        return KVCacheSpec(1, value).dtype
+    return value
+
+
+def _key_dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, str):
+        return IndexerSpec(key_dtype=value).key_dtype
+    return value
+
+
+def _cache_short(dtype: torch.dtype) -> str:
+    return "ds_mla" if is_ds_mla(dtype) else _short(dtype)
+
+
+@attrs.frozen
+class SparseCase:
+    """One batch of a sparse model: per-request query and KV lengths, geometry, dtypes, top-k.
+
+    ``phase="decode"`` is a decode-only step (qlen 1 and up, mixed; a request with
+    ``seq_len == 0`` is a graph-padding request; ``extra_rows`` rows belong to no request);
+    ``phase="prefill"`` is a prefill-only step (``seq_len - qlen`` cached tokens before each
+    request's new ones). ``topk`` is the model's ``index_topk``; ``width`` the selection's
+    columns (default ``topk``; fewer is allowed). ``kv_dtype`` is a float dtype, a per-tensor
+    fp8 dtype (read with ``kv_scale``) or ``"fp8_ds_mla"``. ``index_*`` describe the indexer
+    (:class:`~mla.IndexerSpec`) for :func:`check_indexer_strategy`.
+    """
+
+    heads: int
+    qlens: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
+    seq_lens: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
+    phase: SparsePhase = "decode"
+    topk: int = 16
+    width: int | None = None
+    block_size: int = 16
+    q_dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=_kv_dtype)
+    kv_scale: float = DEFAULT_FP8_KV_SCALE
+    extra_rows: int = 0
+    kv_lora_rank: int = 128
+    rope_dim: int = 32
+    max_decode_qlen: int | None = None
+    index_heads: int = 4
+    index_head_dim: int = 32
+    index_key_dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=_key_dtype)
+    seed: int = 0
+    softmax_scale: float | None = None
+    """Default ``1/sqrt(kv_lora_rank + rope_dim)`` (scores of unit variance on random data)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.phase not in ("decode", "prefill"):
+            raise ValueError(f"phase must be 'decode' or 'prefill', got {self.phase!r}")
+        if min(self.heads, self.block_size, self.kv_lora_rank, self.rope_dim, self.topk) <= 0:
+            raise ValueError(f"heads, block_size, dims and topk must be > 0: {self}")
+        if self.width is not None and not 0 <= self.width <= self.topk:
+            raise ValueError(f"width {self.width} must be in [0, topk={self.topk}]")
+        if not self.qlens or len(self.qlens) != len(self.seq_lens):
+            raise ValueError(f"need one qlen per seq_len (at least one request): {self}")
+        for qlen, seq in zip(self.qlens, self.seq_lens, strict=True):
+            if qlen < 0 or seq < 0 or 0 < seq < qlen:
+                raise ValueError(
+                    f"request with qlen {qlen}, seq_len {seq}: need 0 <= qlen <= seq_len or seq_len 0"
+                )
+            if self.phase == "prefill" and not 0 < qlen <= seq:
+                raise ValueError(f"a prefill request needs 0 < qlen <= seq_len, got {qlen}, {seq}")
+        if self.extra_rows < 0 or (self.extra_rows and self.phase == "prefill"):
+            raise ValueError("extra (graph-padding) rows are only allowed in decode steps")
+        if self.num_tokens == 0:
+            raise ValueError(f"the batch needs at least one query row: {self}")
+        if self.q_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"q_dtype must be bf16/fp16/fp32, got {self.q_dtype}")
+        if self.kv_dtype not in FLOAT_DTYPES and not is_fp8(self.kv_dtype) and not self.kv_is_ds_mla:
+            raise ValueError(f"kv_dtype must be a float, fp8 or 'fp8_ds_mla', got {self.kv_dtype}")
+        if self.kv_is_ds_mla and self.kv_lora_rank % DS_MLA_TILE:
+            raise ValueError(f"fp8_ds_mla needs kv_lora_rank a multiple of {DS_MLA_TILE}")
+        if self.max_decode_qlen is not None and self.max_decode_qlen < self.max_qlen:
+            raise ValueError(f"max_decode_qlen {self.max_decode_qlen} < the batch's max qlen {self.max_qlen}")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.qlens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of q: the requests' tokens plus the extra padding rows."""
+        return sum(self.qlens) + self.extra_rows
+
+    @property
+    def max_qlen(self) -> int:
+        return max(1, *self.qlens)
+
+    @property
+    def columns(self) -> int:
+        """Columns of the selection (``width``, default ``topk``)."""
+        return self.topk if self.width is None else self.width
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.latent_dim)
+
+    @property
+    def kv_is_ds_mla(self) -> bool:
+        return is_ds_mla(self.kv_dtype)
+
+    @property
+    def kv_scale_or_none(self) -> float | None:
+        """``kv_scale`` for a per-tensor fp8 cache, else ``None``."""
+        return self.kv_scale if is_fp8(self.kv_dtype) else None
+
+    @property
+    def dims(self) -> MLADims:
+        return MLADims(
+            num_heads=self.heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.rope_dim,
+            softmax_scale=self.scale,
+            index_topk=self.topk,
+        )
+
+    @property
+    def indexer(self) -> IndexerSpec:
+        return IndexerSpec(
+            num_heads=self.index_heads, head_dim=self.index_head_dim, key_dtype=self.index_key_dtype
+        )
+
+    def window(self, request: int, row: int) -> int:
+        """Positions row ``row`` of ``request`` may see (right-aligned causal; 0 for padding)."""
+        return max(0, self.seq_lens[request] - self.qlens[request] + row + 1)
+
+    @property
+    def id(self) -> str:
+        """A readable pytest id: phase, heads, qlens, seq lens, top-k, block size, dtypes, dims."""
+        pad = f"-x{self.extra_rows}" if self.extra_rows else ""
+        width = f"w{self.width}" if self.width is not None and self.width != self.topk else ""
+        return (
+            f"{self.phase}-h{self.heads}-q{_join(self.qlens)}-s{_join(self.seq_lens)}-k{self.topk}{width}-"
+            f"bs{self.block_size}-{_short(self.q_dtype)}-{_cache_short(self.kv_dtype)}{pad}-"
+            f"d{self.kv_lora_rank}+{self.rope_dim}"
+        )
+
+
+DEFAULT_SPARSE_HEADS = (1, 3, 16)
+DEFAULT_SPARSE_DTYPES: tuple[tuple[torch.dtype, torch.dtype | str], ...] = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, "fp8_ds_mla"),
+)
+"""``(q, kv)`` dtypes: float32, bf16, per-tensor fp8 and ``fp8_ds_mla`` caches."""
+DEFAULT_SPARSE_DECODE_PATTERNS: tuple[tuple[int, ...], ...] = ((1,), (1, 1, 1), (2, 3), (1, 4, 2))
+DEFAULT_SPARSE_PREFILL_PATTERNS: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    ((5,), (0,)),
+    ((3, 7), (20, 0)),
+    ((1, 4, 2), (9, 30, 0)),
+)
+"""``(q_lens, context_lens)`` of prefill steps: with and without cached context."""
+
+
+def sparse_cases(
+    *,
+    phase: SparsePhase = "decode",
+    heads: Sequence[int] = DEFAULT_SPARSE_HEADS,
+    decode_patterns: Sequence[Sequence[int]] = DEFAULT_SPARSE_DECODE_PATTERNS,
+    prefill_patterns: Sequence[tuple[Sequence[int], Sequence[int]]] = DEFAULT_SPARSE_PREFILL_PATTERNS,
+    block_sizes: Sequence[int] = (1, 16),
+    dtypes: Sequence[tuple[torch.dtype, torch.dtype | str]] = DEFAULT_SPARSE_DTYPES,
+    topks: Sequence[int] = (8, 64),
+    padding: Sequence[PaddingKind] = ("none", "rows", "requests", "both"),
+    kv_lora_rank: int = 128,
+    rope_dim: int = 32,
+    max_seq_len: int = 48,
+    index_key_dtype: torch.dtype | str = torch.bfloat16,
+    exhaustive: bool = False,
+    seed: int = 0,
+) -> Iterator[SparseCase]:
+    """Sparse cases of one phase over heads x patterns x block sizes x dtypes x top-k (x graph
+    padding for decode), pairwise unless ``exhaustive``. Decode seq lens are random in
+    ``[qlen, max_seq_len]``; a top-k above a row's window leaves its last columns ``-1``.
+    Small dims (128 + 32: ``fp8_ds_mla`` needs a multiple of 128) keep a CPU run fast."""
+    patterns: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    if phase == "decode":
+        patterns = [(tuple(int(q) for q in p), ()) for p in decode_patterns]
+        pads: Sequence[PaddingKind] = padding
+    else:
+        patterns = [(tuple(int(q) for q in p), tuple(int(c) for c in c_)) for p, c_ in prefill_patterns]
+        pads = ("none",)
+    sizes = (len(heads), len(patterns), len(block_sizes), len(dtypes), len(topks), len(pads))
+    for index, (ih, ip, ib, idt, ik, ipad) in enumerate(_combinations(sizes, exhaustive)):
+        case_seed = seed * 1_000_003 + index
+        rng = random.Random(case_seed)
+        qlens, contexts = patterns[ip]
+        if phase == "decode":
+            seq_lens = [rng.randint(max(q, 1), max(max_seq_len, q)) for q in qlens]
+            qlens, seq_lens, extra = _padded(qlens, seq_lens, pads[ipad])
+        else:
+            seq_lens, extra = [c + q for c, q in zip(contexts, qlens, strict=True)], 0
+        q_dtype, kv_dtype = dtypes[idt]
+        yield SparseCase(
+            heads=heads[ih],
+            qlens=qlens,
+            seq_lens=seq_lens,
+            phase=phase,
+            topk=topks[ik],
+            block_size=block_sizes[ib],
+            q_dtype=q_dtype,
+            kv_dtype=kv_dtype,
+            extra_rows=extra,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            index_key_dtype=index_key_dtype,
+            seed=case_seed,
+        )
+
+
+# -- inputs -------------------------------------------------------------------------------------
+
+
+def encode_latent_cache(
+    values: torch.Tensor, kv_dtype: torch.dtype, *, kv_lora_rank: int, kv_scale: float | None = None
+) -> torch.Tensor:
+    """Cache rows ``[..., W]`` in ``kv_dtype`` of float latent rows ``[..., L+R]``: a float
+    dtype as is, per-tensor fp8 as ``value / kv_scale``, ``fp8_ds_mla`` packed
+    (:func:`~mla.providers.formats.pack_ds_mla`). NaN rows stay NaN (``fp8_ds_mla``: NaN tile
+    scales and rope)."""
+    lead = values.shape[:-1]
+    flat = values.reshape(-1, values.shape[-1]).to(torch.float32)
+    if is_ds_mla(kv_dtype):
+        rows = pack_ds_mla(flat[:, :kv_lora_rank], flat[:, kv_lora_rank:])
+    elif is_fp8(kv_dtype):
+        finfo = torch.finfo(kv_dtype)
+        rows = torch.clamp(flat / (1.0 if kv_scale is None else kv_scale), finfo.min, finfo.max).to(kv_dtype)
+    else:
+        rows = flat.to(kv_dtype)
+    return rows.reshape(*lead, rows.shape[-1])
+
+
+def poisoned_index_cache(
+    spec: IndexerSpec, num_blocks: int, block_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """An index-key cache of ``spec``'s layout filled with NaN (fp8: every byte ``0xFF``, an e4m3
+    NaN value and a NaN float32 scale), so a key read that its row may not see shows up."""
+    shape = (num_blocks, block_size, spec.row_width)
+    if spec.is_fp8:
+        return torch.full(shape, 0xFF, dtype=torch.uint8, device=device)
+    return torch.full(shape, math.nan, dtype=spec.storage_dtype, device=device)
+
+
+@attrs.frozen(eq=False)
+class SparseInputs:
+    """Random inputs of one :class:`SparseCase` on one device (see :func:`make_sparse_inputs`)."""
+
+    case: SparseCase
+    q: torch.Tensor
+    """``[T, H, L+R]`` in ``case.q_dtype``."""
+    kv_cache: torch.Tensor
+    """``[num_blocks, block_size, W]`` in the case's format; NaN wherever no row of the owning
+    request selected the position (and in every block no request owns)."""
+    kv_scale: float | None
+    block_table: torch.Tensor
+    """int32 ``[B, max_blocks]`` over a random block permutation (stale columns past a
+    request's blocks)."""
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    topk_indices: torch.Tensor
+    """int32 ``[T, columns]``: request-local positions inside each row's window, ``-1`` pads."""
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_cache.shape[0])
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``(out [T, H, L], lse [T, H])`` on the CPU."""
+        return reference_sparse(
+            self.q,
+            self.kv_cache,
+            self.block_table,
+            self.seq_lens,
+            self.query_start_loc,
+            self.topk_indices,
+            softmax_scale=self.case.scale,
+            kv_lora_rank=self.case.kv_lora_rank,
+            kv_scale=self.kv_scale,
+        )
+
+    def step(self) -> StepInputs:
+        """The batch as a decode-only or a prefill-only engine step."""
+        qsl, case = self.query_start_loc, self.case
+        decode = case.phase == "decode"
+        return StepInputs(
+            query_start_loc_cpu=qsl.cpu(),
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens.cpu(),
+            block_table=self.block_table,
+            num_decodes=case.num_requests if decode else 0,
+            num_decode_tokens=case.num_tokens if decode else 0,
+        )
+
+    def slots(self) -> list[list[int]]:
+        """Per request, the flat cache slot of each of its positions ``0 .. seq_len - 1``."""
+        table = self.block_table.cpu().to(torch.int64)
+        bs = self.case.block_size
+        return [
+            [int(table[b, p // bs]) * bs + p % bs for p in range(seq)]
+            for b, seq in enumerate(self.case.seq_lens)
+        ]
+
+    def poisoned_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """NaN-filled ``out [T, H, L]`` (q dtype) and ``lse [T, H]`` (float32)."""
+        case, dev = self.case, self.q.device
+        out = torch.full(
+            (case.num_tokens, case.heads, case.kv_lora_rank), math.nan, dtype=case.q_dtype, device=dev
+        )
+        lse = torch.full((case.num_tokens, case.heads), math.nan, dtype=torch.float32, device=dev)
+        return out, lse
+
+
+def random_selection(case: SparseCase, gen: torch.Generator) -> torch.Tensor:
+    """int32 ``[T, columns]`` request-local positions: each row picks distinct positions of its
+    window (many rows as many as fit, others fewer, an occasional one none) and scatters them
+    over random columns, ``-1`` elsewhere; the first row of each request leaves at least one
+    ``-1`` between its positions; padding rows hold only ``-1``."""
+    columns = case.columns
+    out = torch.full((case.num_tokens, columns), -1, dtype=torch.int32)
+    rng = random.Random(case.seed + 7)
+    row = 0
+    for b, qlen in enumerate(case.qlens):
+        for i in range(qlen):
+            window = case.window(b, i)
+            most = min(columns, window)
+            if i == 0:
+                count = min(most, max(0, columns - 1 - rng.randint(0, 2)))
+            else:
+                count = rng.choice((most, most, rng.randint(0, most)))
+            if count:
+                chosen = torch.randperm(window, generator=gen)[:count].to(torch.int32)
+                where = torch.randperm(columns, generator=gen)[:count]
+                out[row, where] = chosen
+            row += 1
+    return out
+
+
+def make_sparse_inputs(case: SparseCase, device: torch.device | str = "cpu") -> SparseInputs:
+    """Random q, the selection, and a paged cache over a random block permutation whose rows are
+    ``N(0, 1)`` where a row of the owning request selected the position and NaN everywhere else
+    (fp8 caches quantized with ``case.kv_scale``). Deterministic per ``case.seed``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    table, num_blocks = _paged_table([max(1, s) for s in case.seq_lens], case.block_size, gen)
+    selection = random_selection(case, gen)
+    values = torch.full((num_blocks * case.block_size, case.latent_dim), math.nan)
+    table64 = table.to(torch.int64)
+    qsl = indptr(case.qlens)
+    for b, seq in enumerate(case.seq_lens):
+        rows = selection[int(qsl[b]) : int(qsl[b + 1])].to(torch.int64)
+        chosen = torch.unique(rows[rows >= 0])
+        chosen = chosen[chosen < seq]
+        slots = table64[b, chosen // case.block_size] * case.block_size + chosen % case.block_size
+        values[slots] = torch.randn(chosen.numel(), case.latent_dim, generator=gen)
+    cache = encode_latent_cache(
+        values, case.kv_dtype, kv_lora_rank=case.kv_lora_rank, kv_scale=case.kv_scale_or_none
+    ).view(num_blocks, case.block_size, -1)
+    q = torch.randn(case.num_tokens, case.heads, case.latent_dim, generator=gen).to(case.q_dtype)
+    dev = torch.device(device)
+    return SparseInputs(
+        case=case,
+        q=q.to(dev),
+        kv_cache=cache.to(dev),
+        kv_scale=case.kv_scale_or_none,
+        block_table=table.to(dev),
+        seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc=qsl.to(dev),
+        topk_indices=selection.to(dev),
+    )
+
+
+# -- backends and support -----------------------------------------------------------------------
+
+
+def sparse_case_backend(
+    case: SparseCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    strategy: str | type[SparseStrategy[Any]] | None = None,
+    indexer_strategy: type[IndexerStrategy] | None = None,
+    registry: Registry | None = None,
+    device: torch.device | str | None = None,
+    num_blocks: int | None = None,
+    preallocate: bool = False,
+) -> MLABackend:
+    """A sparse model's backend sized for ``case`` (its phase's limits, ``index_topk`` its
+    ``topk``, its indexer spec): ``strategy`` forces the phase's strategy (through the
+    resolver's checks), ``indexer_strategy`` the indexer; the other arguments as
+    :func:`~mla.testing.decode_case_backend`."""
+    plat = as_platform(platform)
+    if case.phase == "decode":
+        max_decode_qlen = case.max_decode_qlen or case.max_qlen
+        limits = EngineLimits(
+            max_num_seqs=max(case.num_requests, -(-case.num_tokens // max_decode_qlen)),
+            max_model_len=max(1, *case.seq_lens),
+            max_num_batched_tokens=case.num_tokens,
+            max_decode_qlen=max_decode_qlen,
+        )
+    else:
+        limits = EngineLimits(
+            max_num_seqs=case.num_requests,
+            max_model_len=max(case.seq_lens),
+            max_num_batched_tokens=case.num_tokens,
+        )
+    forced = {"decode_strategy" if case.phase == "decode" else "prefill_strategy": strategy}
+    return MLABackend(
+        case.dims,
+        KVCacheSpec(case.block_size, case.kv_dtype, num_blocks=num_blocks),
+        limits,
+        model_dtype=case.q_dtype,
+        provider=resolve_provider(provider, plat),
+        platform=plat,
+        device=device_for(plat, device),
+        resolver=Resolver(registry or DEFAULT_REGISTRY),
+        preallocate=preallocate,
+        indexer=case.indexer,
+        indexer_strategy=indexer_strategy,
+        **forced,  # type: ignore[arg-type]
+    )
+
+
+def provider_kernels(provider: KernelProvider, platform: Platform, contracts: Sequence[Contract]) -> Support:
+    """Whether ``provider`` runs ``contracts`` on ``platform``: its record lists each and its
+    class overrides each contract's methods (a provider whose record claims a contract before
+    its kernels are in reports ``missing-kernel`` here instead of raising mid-run)."""
+    caps = provider.capabilities(platform)
+    reasons: list[Reason] = []
+    for contract in contracts:
+        methods = CONTRACT_METHODS[contract]
+        missing = [m for m in methods if getattr(type(provider), m) is getattr(KernelProvider, m)]
+        if not caps.has(contract) or missing:
+            reasons.append(
+                Reason(
+                    "missing-kernel",
+                    f"provider {provider.name!r} does not ship the {contract.value} kernel on "
+                    f"{platform.arch}" + (f" ({', '.join(missing)} not implemented)" if missing else ""),
+                )
+            )
+    return Support(tuple(reasons))
+
+
+def _phase_of(strategy_cls: type[SparseStrategy[Any]]) -> SparsePhase:
+    return "decode" if strategy_cls.PHASE is Phase.DECODE else "prefill"
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+
+def check_sparse_strategy(
+    strategy_cls: type[SparseStrategy[Any]],
+    case: SparseCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    registry: Registry | None = None,
+    device: torch.device | str | None = None,
+) -> CheckResult:
+    """Run ``case`` through an :class:`~mla.MLABackend` with the sparse ``strategy_cls`` forced
+    and compare with :func:`~mla.tools.reference.reference_sparse`.
+
+    The case's phase must be the strategy's. One plan is built and run twice over the case's
+    selection: with an LSE tensor (output and LSE compared) and with ``lse=None`` (output
+    compared); caller outputs are NaN-poisoned. The result's ``invalid_indices`` is the
+    backend's count of masked entries after both runs (the kit's selections are valid: it must
+    be 0). Unsupported cases (the provider lacks the kernels, or the resolver refuses) return a
+    result with ``supported == False`` and the reasons.
+    """
+    phase = _phase_of(strategy_cls)
+    if case.phase != phase:
+        raise ValueError(f"{strategy_cls.NAME} is a {phase} strategy; case {case.id} is a {case.phase} step")
+    plat = as_platform(platform)
+    dev = device_for(plat, device)
+    prov = resolve_provider(provider, plat)
+    kernels = provider_kernels(prov, plat, (Contract.SPARSE_ATTENTION,))
+    if not kernels:
+        return CheckResult(strategy_cls.NAME, case.id, kernels)
+    inputs = make_sparse_inputs(case, dev)
+    try:
+        backend = sparse_case_backend(
+            case,
+            provider=prov,
+            platform=plat,
+            strategy=strategy_cls,
+            registry=registry,
+            device=dev,
+            num_blocks=inputs.num_blocks,
+        )
+        metadata = backend.builder.build(inputs.step())
+    except UnsupportedError as exc:
+        return _unsupported(strategy_cls, case.id, exc)
+    plan = metadata.sparse_decode if phase == "decode" else metadata.sparse_prefill
+    assert plan is not None
+    run = backend.impl.forward_sparse_decode if phase == "decode" else backend.impl.forward_sparse_prefill
+    ref_out, ref_lse = inputs.reference()
+    out, lse = inputs.poisoned_outputs()
+    args = (metadata, inputs.q, inputs.kv_cache, inputs.topk_indices)
+    run(*args, out=out, lse=lse, kv_scale=inputs.kv_scale)
+    with_lse = compare_to_reference(out, lse, ref_out, ref_lse)
+    out, _ = inputs.poisoned_outputs()
+    try:
+        run(*args, out=out, lse=None, kv_scale=inputs.kv_scale)
+    except Exception as exc:
+        raise AssertionError(
+            f"{strategy_cls.NAME} on {case.id}: the run with lse=None raised {type(exc).__name__}: {exc}"
+        ) from exc
+    return CheckResult(
+        strategy_cls.NAME,
+        case.id,
+        Support.yes(),
+        ran=plan.strategy,
+        comparison=with_lse,
+        without_lse=compare_to_reference(out, None, ref_out, ref_lse),
+        invalid_indices=backend.invalid_index_count(),
+    )
+
+
+@attrs.frozen
+class IndexerCheckResult:
+    """The outcome of running one indexer strategy on one case."""
+
+    strategy: str
+    case: str
+    support: Support
+    ran: str | None = None
+    """``NAME`` of the indexer the backend made (must equal ``strategy``)."""
+    gap: float = math.nan
+    """:func:`~mla.tools.demo_sparse.selection_gap` of the selection against the float64
+    scores (0: a top-k; ``inf``: a position outside a row's window, a repeat, too few kept)."""
+    tolerance: float = SELECTION_TOLERANCE
+    padding_rows_ok: bool = True
+    """Whether every row past the requests' rows holds only ``-1``."""
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.support)
+
+    @property
+    def reasons(self) -> str:
+        return str(self.support)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.supported
+            and self.ran == self.strategy
+            and self.gap <= self.tolerance
+            and self.padding_rows_ok
+        )
+
+    def assert_passed(self) -> None:
+        if not self.ok:
+            raise AssertionError(str(self))
+
+    def __str__(self) -> str:
+        head = f"{self.strategy} on {self.case}"
+        if not self.supported:
+            return f"{head}: not supported: {self.reasons}"
+        if self.ran != self.strategy:
+            return f"{head}: the backend made indexer {self.ran!r} instead"
+        verdict = "ok" if self.ok else "MISMATCH"
+        padding = "" if self.padding_rows_ok else ", padding rows not all -1"
+        return f"{head}: {verdict}: selection gap {self.gap:.3g} (tolerance {self.tolerance:g}){padding}"
+
+
+def selection_tolerance(q_dtype: torch.dtype) -> float:
+    """Largest accepted selection gap for index queries of ``q_dtype``: the demo's
+    :data:`~mla.tools.demo_sparse.SELECTION_TOLERANCE`, or the dtype's output tolerance when
+    larger (a kernel may take the dot in a 16-bit dtype)."""
+    return max(SELECTION_TOLERANCE, tolerance_for(q_dtype))
+
+
+def check_indexer_strategy(
+    indexer_cls: type[IndexerStrategy],
+    case: SparseCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    device: torch.device | str | None = None,
+) -> IndexerCheckResult:
+    """Run the indexer ``indexer_cls`` over every row of ``case`` through a backend's
+    ``impl.write_index_keys`` and ``impl.index_topk`` and check its selection (see the module
+    docstring); index queries and keys are ``N(0, 1)`` in ``case.q_dtype``, the per-head weights
+    ``N(0, 1) * Hi ** -0.5``."""
+    plat = as_platform(platform)
+    dev = device_for(plat, device)
+    prov = resolve_provider(provider, plat)
+    name = indexer_cls.NAME
+    kernels = provider_kernels(prov, plat, (Contract.INDEXER, Contract.SPARSE_ATTENTION))
+    if not kernels:
+        return IndexerCheckResult(name, case.id, kernels)
+    inputs = make_sparse_inputs(case, dev)
+    spec = case.indexer
+    try:
+        backend = sparse_case_backend(
+            case, provider=prov, platform=plat, indexer_strategy=indexer_cls, device=dev,
+            num_blocks=inputs.num_blocks,
+        )  # fmt: skip
+        metadata = backend.builder.build(inputs.step())
+    except UnsupportedError as exc:
+        return IndexerCheckResult(name, case.id, Support((Reason("unsupported", str(exc)),)))
+    gen = torch.Generator().manual_seed(case.seed + 11)
+    index_cache = poisoned_index_cache(spec, inputs.num_blocks, case.block_size, dev)
+    slots = [s for request in inputs.slots() for s in request]
+    keys = torch.randn(len(slots), spec.head_dim, generator=gen).to(case.q_dtype)
+    backend.impl.write_index_keys(
+        keys.to(dev), index_cache, torch.tensor(slots, dtype=torch.int64, device=dev)
+    )
+    rows = case.num_tokens
+    index_q = torch.randn(rows, spec.num_heads, spec.head_dim, generator=gen).to(case.q_dtype).to(dev)
+    weights = (torch.randn(rows, spec.num_heads, generator=gen) * spec.num_heads**-0.5).to(dev)
+    selected = torch.full((rows, case.topk), SELECTION_POISON, dtype=torch.int32, device=dev)
+    backend.impl.index_topk(metadata, index_q, weights, index_cache, out=selected)
+    scores = reference_index_scores(
+        index_q,
+        weights,
+        index_cache,
+        inputs.block_table,
+        inputs.seq_lens,
+        inputs.query_start_loc,
+        key_dtype=spec.key_dtype,
+        softmax_scale=spec.scale,
+    )
+    chosen = selected.cpu()
+    owned = sum(case.qlens)
+    assert backend.indexer is not None
+    return IndexerCheckResult(
+        name,
+        case.id,
+        Support.yes(),
+        ran=backend.indexer.NAME,
+        gap=selection_gap(scores, chosen, case.topk),
+        tolerance=selection_tolerance(case.q_dtype),
+        padding_rows_ok=bool((chosen[owned:] == -1).all()),
+    )
+
+
+__all__ = [
+    "DEFAULT_SPARSE_DTYPES",
+    "IndexerCheckResult",
+    "SparseCase",
+    "SparseInputs",
+    "check_indexer_strategy",
+    "check_sparse_strategy",
+    "encode_latent_cache",
+    "make_sparse_inputs",
+    "poisoned_index_cache",
+    "provider_kernels",
+    "random_selection",
+    "selection_tolerance",
+    "sparse_case_backend",
+    "sparse_cases",
+]
