@@ -753,7 +753,7 @@ WRITE_CASES = [
     ("kv_scale", {"kv_scale": 0.5}, "only fp8"),
     ("kv_scale", {"kv_cache": torch.zeros(4, 16, RANK + ROPE).to(FP8), "kv_scale": math.nan}, "finite"),
     ("k_pe", {"k_pe": torch.randn(2, ROPE)}, "2 rows but kv_c has 3"),
-    ("kv_cache", {"kv_c": torch.randn(3, RANK - 1)}, "must be kv_c \\+ k_pe widths"),
+    ("kv_cache", {"kv_c": torch.randn(3, RANK - 1)}, "must be the kv_c \\+ k_pe widths"),
     ("kv_c", {"kv_c": torch.randn(3, RANK).to(torch.int32)}, "expected one of"),
     ("kv_c", {"kv_c": torch.randn(3, RANK).to(META)}, "is on meta"),
     ("kv_cache", {"kv_cache": [[0.0]]}, "torch.Tensor"),

@@ -834,11 +834,6 @@ def test_index_key_slots_must_be_integers() -> None:
     assert bool((index_cache == 0).all())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the sparse run does not check kv_cache against KVCacheSpec.num_blocks (the dense "
-    "run refuses a smaller cache); positions in the missing blocks are masked and counted instead",
-)
 def test_a_kv_cache_with_fewer_blocks_than_the_spec_is_rejected() -> None:
     backend = _backend()
     step, metadata, caches, q = _ready(backend)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_cache_scale, require_index
+from mla.core.validate import check_cache_scale, check_slots, require_index
 from mla.engine import ops
 from mla.engine.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
 from mla.engine.state import BackendState
@@ -225,4 +225,6 @@ class AttentionImpl:
         require_tensors(index_k=keys, index_cache=index_cache)
         require_index("slot_mapping", slot_mapping, ndim=1)
         require_on_q_device(keys, index_cache=index_cache, slot_mapping=slot_mapping)
+        if be.validate == "full":
+            check_slots(slot_mapping.cpu(), num_blocks=index_cache.shape[0], block_size=index_cache.shape[1])
         ops.write_index_keys(keys, index_cache, slot_mapping, be.op_id)

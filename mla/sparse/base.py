@@ -210,7 +210,12 @@ class SparseStrategy(Strategy[CtxT]):
         check_tensor("q", q, shape=(rows, geo.num_heads, dims.latent_dim), dtype=geo.q_dtype)
         width = cache.row_width(dims)
         check_sparse_cache(
-            kv_cache, block_size=cache.block_size, width=width, dtype=geo.kv_dtype, device=q.device
+            kv_cache,
+            block_size=cache.block_size,
+            width=width,
+            dtype=geo.kv_dtype,
+            device=q.device,
+            num_blocks=cache.num_blocks or 0,
         )
         check_tensor(
             "out", out, shape=(rows, geo.num_heads, dims.kv_lora_rank), dtype=geo.q_dtype, device=q.device
@@ -251,9 +256,16 @@ class SparseStrategy(Strategy[CtxT]):
 
 
 def check_sparse_cache(
-    kv_cache: torch.Tensor, *, block_size: int, width: int, dtype: torch.dtype, device: torch.device
+    kv_cache: torch.Tensor,
+    *,
+    block_size: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int = 0,
 ) -> None:
-    """The latent cache a sparse run reads: ``[blocks, block_size, width]`` of ``dtype``."""
+    """The latent cache a sparse run reads: ``[blocks >= num_blocks, block_size, width]`` of
+    ``dtype`` (``num_blocks``: ``KVCacheSpec.num_blocks`` when known)."""
     if not isinstance(kv_cache, torch.Tensor):
         raise InvalidInputError("kv_cache", f"expected a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dtype != dtype or kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != (block_size, width):
@@ -266,6 +278,12 @@ def check_sparse_cache(
         raise InvalidInputError("kv_cache", f"expected device {device}, got {kv_cache.device}")
     if not kv_cache.is_contiguous():
         raise InvalidInputError("kv_cache", "must be contiguous (the kernels read it as flat rows)")
+    if kv_cache.shape[0] < num_blocks:
+        raise InvalidInputError(
+            "kv_cache",
+            f"has {kv_cache.shape[0]} blocks but KVCacheSpec.num_blocks is {num_blocks}; pass the cache "
+            "the block table indexes",
+        )
 
 
 def check_topk_indices(topk_indices: torch.Tensor, *, rows: int, topk: int, device: torch.device) -> None:
