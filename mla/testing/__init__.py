@@ -51,6 +51,7 @@ from mla.testing.check import (
     check_decode_strategy,
     check_prefill_strategy,
     decode_support,
+    prefill_support,
     rounded_inputs,
 )
 from mla.testing.compare import (
@@ -112,6 +113,7 @@ __all__ = [
     "poisoned_empty",
     "prefill_case_backend",
     "prefill_cases",
+    "prefill_support",
     "rounded_inputs",
     "scratch_registry",
     "simulated_capabilities",
