@@ -19,7 +19,7 @@ in the table) are candidates: they must match the reference like ``main``. Every
 timed as CUDA-graph replays of the whole decode call (and per kernel with the torch profiler) on
 the kernel's shapes of ``benchmarks/decode.py`` (``H16q1B128S8192``: heads, qlen, batch,
 sequence length); ``main`` runs first and last to show the run-to-run spread. Results:
-``docs/performance.md``, "The dual-chain fp8 kernel".
+``docs/history/``, "The dual-chain fp8 kernel".
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ _NO_CONSECUTIVE_CHECK: list[Edit] = [
 # scores, summed per row after it; 1/s scales the scores. fp8 wgmma sums with less than fp32
 # precision (about 14 bits), so the scores move more than with fp16 MMAs: on the H200
 # (2026-12-02) it ran about 3% faster than main at B128 S8192 with an LSE error of 1.05e-3
-# against main's 1.9e-6 (docs/performance.md, "Measured on 2026-12-02").
+# against main's 1.9e-6 (docs/history/, "Measured on 2026-12-02").
 _QUERY_PARTS_FN = """
 @gluon.jit
 def _query_fp8_parts(q_nope_smem, q_pe_smem, q8_lat, q8_rope, qs_smem, L: gl.constexpr):
