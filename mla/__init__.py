@@ -4,7 +4,7 @@
 """
 
 from mla.core.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
-from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims
+from mla.core.config import EngineLimits, GraphMode, IndexerSpec, KVCacheSpec, MLADims
 from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.core.errors import (
     InvalidInputError,
@@ -37,6 +37,7 @@ from mla.prefill.flash_varlen import FlashVarlen
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
 from mla.providers import KernelProvider, TorchProvider, get_provider, provider_names
 from mla.providers.aiter.capabilities import aiter_capabilities
+from mla.sparse import IndexerStrategy, LightningIndexer, SparseDecode, SparsePrefill, SparseStrategy
 from mla.strategy import GraphSupport, Phase, StrategyKind, StrategySetup
 
 __version__ = "0.1.0"
@@ -45,12 +46,15 @@ DECODE_STRATEGIES = (GluonDecode, GluonVerifyFlatten, PaddedAsmPersistent, AsmNo
 """The built-in decode strategies in their default priority order."""
 PREFILL_STRATEGIES = (Fp8PersistentPrefill, FlashVarlen)
 """The built-in prefill strategies in their default priority order."""
+SPARSE_STRATEGIES = (SparseDecode, SparsePrefill)
+"""The built-in sparse (DeepSeek Sparse Attention) strategies: decode, then prefill."""
 
 __all__ = [
     "DECODE_STRATEGIES",
     "DEFAULT_REGISTRY",
     "PREFILL_STRATEGIES",
     "REFERENCE_CAPABILITIES",
+    "SPARSE_STRATEGIES",
     "AsmNonPersistent",
     "AttentionImpl",
     "Candidate",
@@ -72,10 +76,13 @@ __all__ = [
     "GluonVerifyFlatten",
     "GraphMode",
     "GraphSupport",
+    "IndexerSpec",
+    "IndexerStrategy",
     "InvalidInputError",
     "KVCacheSpec",
     "KernelProvider",
     "Knobs",
+    "LightningIndexer",
     "MLAAttention",
     "MLABackend",
     "MLADims",
@@ -95,6 +102,9 @@ __all__ = [
     "Reason",
     "Registry",
     "Resolver",
+    "SparseDecode",
+    "SparsePrefill",
+    "SparseStrategy",
     "StepInputs",
     "StrategyKind",
     "StrategySetup",

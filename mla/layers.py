@@ -177,6 +177,11 @@ class MLAAttention(nn.Module):
         slot_mapping: torch.Tensor | None = None,
         kv_scale: float | torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        index_q: torch.Tensor | None = None,
+        index_k: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+        index_cache: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend one step's tokens (decode rows first, as the metadata was built).
 
@@ -190,6 +195,15 @@ class MLAAttention(nn.Module):
                 under decode context parallelism (must then be ``None``).
             kv_scale: the fp8 cache's per-tensor dequant scale (``None`` for a float cache).
             out: optional ``[T, H, v]`` output in the model dtype.
+            index_q, index_k, index_weights, index_cache, topk_indices: a sparse model's
+                (DeepSeek Sparse Attention, ``MLADims.index_topk``) indexer inputs, as the model
+                computes them: ``index_q [T, Hi, D]`` after the indexer's rope, ``index_k [T, D]``
+                after its key norm and rope (written into ``index_cache`` at ``slot_mapping``),
+                ``index_weights [T, Hi]`` (e.g. ``weights_proj(x) * Hi ** -0.5``). Pass
+                ``topk_indices [T, K]`` (request-local positions, ``-1`` pads) instead of
+                ``index_q``/``index_weights`` to reuse another layer's selection; ``index_k`` and
+                ``index_cache`` are still written when given. Every row, prefill included, then
+                attends only its selected tokens in the absorbed form.
 
         Returns ``[T, H, v]`` in the model dtype (graph-padding rows are 0), ready for
         ``o_proj`` after flattening the heads.
@@ -217,6 +231,21 @@ class MLAAttention(nn.Module):
                 f"{list(out.shape)} {out.dtype}",
             )
         self._write(metadata, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_scale)
+        if dims.is_sparse:
+            if not isinstance(metadata, MLAMetadata) or not isinstance(self.attention, MLABackend):
+                raise InvalidInputError(
+                    "metadata", "sparse models run on an MLABackend (decode context parallelism "
+                    "does not serve DeepSeek Sparse Attention yet)"
+                )
+            return self._forward_sparse(
+                metadata,
+                self.absorb_query(q_nope, q_pe),
+                kv_cache,
+                slot_mapping,
+                kv_scale,
+                out,
+                index=(index_q, index_k, index_weights, index_cache, topk_indices),
+            )
         num_decode = metadata.num_decode_tokens
         if metadata.num_decodes:
             q = self.absorb_query(q_nope[:num_decode], q_pe[:num_decode])
@@ -259,6 +288,74 @@ class MLAAttention(nn.Module):
                     kv_scale=kv_scale,
                     expand_context=self.expand_latent,
                 )
+        return out
+
+    def _forward_sparse(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+        kv_scale: float | torch.Tensor | None,
+        out: torch.Tensor,
+        *,
+        index: tuple[torch.Tensor | None, ...],
+    ) -> torch.Tensor:
+        """The DeepSeek Sparse Attention step over the written cache: index keys, top-k, then
+        every row's sparse attention in the absorbed form, up-projected by ``W_UV``."""
+        assert isinstance(self.attention, MLABackend)
+        impl = self.attention.impl
+        index_q, index_k, index_weights, index_cache, topk_indices = index
+        rows = q.shape[0]
+        if index_cache is not None and index_cache.shape[:2] != kv_cache.shape[:2]:
+            raise InvalidInputError(
+                "index_cache",
+                f"has {tuple(index_cache.shape[:2])} (blocks, block_size) but kv_cache has "
+                f"{tuple(kv_cache.shape[:2])}: the index-key cache shares the KV cache's block table",
+            )
+        if index_k is not None or index_cache is not None:
+            if index_k is None or index_cache is None or slot_mapping is None:
+                raise InvalidInputError(
+                    "index_k", "index_k and index_cache go together (the keys are written into the cache)"
+                )
+            impl.write_index_keys(index_k, index_cache, slot_mapping)
+        if topk_indices is None:
+            if index_q is None or index_weights is None or index_cache is None:
+                raise InvalidInputError(
+                    "topk_indices",
+                    "a sparse model needs the indexer's inputs (index_q, index_weights, index_k and "
+                    "index_cache) or precomputed topk_indices",
+                )
+            topk = self.dims.index_topk
+            assert topk is not None
+            topk_indices = torch.empty((rows, topk), dtype=torch.int32, device=q.device)
+            impl.index_topk(metadata, index_q, index_weights, index_cache, out=topk_indices)
+        elif topk_indices.shape[0] != rows:
+            raise InvalidInputError(
+                "topk_indices", f"expected {rows} rows (the step's), got {topk_indices.shape[0]}"
+            )
+        dims = self.dims
+        latent_out = torch.empty((rows, dims.num_heads, dims.kv_lora_rank), dtype=q.dtype, device=q.device)
+        num_decode = metadata.num_decode_tokens
+        if metadata.num_decodes:
+            impl.forward_sparse_decode(
+                metadata,
+                q[:num_decode],
+                kv_cache,
+                topk_indices[:num_decode],
+                out=latent_out[:num_decode],
+                kv_scale=kv_scale,
+            )
+        if metadata.num_prefills:
+            impl.forward_sparse_prefill(
+                metadata,
+                q[num_decode:],
+                kv_cache,
+                topk_indices[num_decode:],
+                out=latent_out[num_decode:],
+                kv_scale=kv_scale,
+            )
+        out.copy_(torch.bmm(latent_out.transpose(0, 1), self.w_uv).transpose(0, 1))
         return out
 
     def _write(

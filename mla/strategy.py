@@ -47,6 +47,8 @@ class StrategyKind(enum.Enum):
     PAGED = "paged"
     FP8_PREFILL = "fp8-prefill"
     FLASH = "flash"
+    SPARSE = "sparse"
+    """DeepSeek Sparse Attention: the only family a sparse model (``MLADims.index_topk``) runs."""
     CUSTOM = "custom"
 
 
@@ -108,6 +110,16 @@ class Strategy(abc.ABC, Generic[CtxT]):
                 f"arch {ctx.platform.arch} is not one of {sorted(caps.archs)} that "
                 f"{caps.provider!r} builds for",
             )
+        sparse_kind = cls.KIND is StrategyKind.SPARSE
+        reasons.require(
+            ctx.dims.is_sparse == sparse_kind,
+            "sparse" if sparse_kind else "dense",
+            f"the model is sparse (index_topk={ctx.dims.index_topk}): {cls.NAME} attends every "
+            "token; a sparse strategy (SparseDecode, SparsePrefill) runs it"
+            if ctx.dims.is_sparse
+            else f"the model is dense (MLADims.index_topk is None): {cls.NAME} attends only the "
+            "indexer's top-k tokens of a DeepSeek Sparse Attention model",
+        )
         if isinstance(ctx, DecodeContext):
             reasons.require(
                 ctx.graph_mode is not GraphMode.FULL or cls.GRAPH_SUPPORT is not GraphSupport.NEVER,

@@ -60,3 +60,13 @@ def test_readme_example_runs() -> None:
     assert isinstance(out, torch.Tensor)
     assert out.shape == (4, 16, 512)
     assert torch.isfinite(out.float()).all()
+
+
+def test_sparse_example_runs() -> None:
+    (block,) = _blocks(ROOT / "docs" / "sparse.md")
+    scope: dict[str, object] = {}
+    exec(compile(block, "docs/sparse.md", "exec"), scope)
+    topk = scope["topk"]
+    assert isinstance(topk, torch.Tensor)
+    assert bool((topk[0] >= 0).all())  # request 0 sees 41 positions: 16 are kept
+    assert bool(torch.isfinite(scope["out"]).all())  # type: ignore[call-overload]

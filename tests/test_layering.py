@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mla"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("mla.core",)),
     ("providers", ("mla.providers",)),
-    ("strategies", ("mla.strategy", "mla.decode", "mla.prefill")),
+    ("strategies", ("mla.strategy", "mla.decode", "mla.prefill", "mla.sparse")),
     ("engine", ("mla.engine",)),
     ("model", ("mla.layers", "mla.distributed")),
     ("tools", ("mla", "mla.__main__", "mla.tools", "mla.testing")),

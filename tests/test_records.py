@@ -118,6 +118,9 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
                 "prefill": None,
                 "decode_decision": None,
                 "prefill_decision": None,
+                "sparse_decode": None,
+                "sparse_prefill": None,
+                "index": None,
             },
         ),
     ]

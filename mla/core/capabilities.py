@@ -140,11 +140,6 @@ class ProviderCapabilities:
 
     sparse_kv_dtypes: frozenset[torch.dtype] = _FLOATS | frozenset({torch.float8_e4m3fn, DS_MLA_DTYPE})
     """KV-cache dtypes the sparse attention reads (``uint8`` = ``fp8_ds_mla``)."""
-    sparse_head_multiple: int = 1
-    """The sparse attention kernel runs a multiple of this many heads; other counts are padded
-    to it (FlashMLA's sparse kernels: 64)."""
-    sparse_max_heads: int | None = None
-    """Most query heads per rank the sparse attention runs (``None``: any)."""
     index_key_dtypes: frozenset[torch.dtype] = frozenset(
         {torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn}
     )

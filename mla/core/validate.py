@@ -15,7 +15,7 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.core.config import FP8_DTYPES, dtype_name, is_fp8
+from mla.core.config import DS_MLA_TILE, FP8_DTYPES, ds_mla_row_bytes, dtype_name, is_ds_mla, is_fp8
 from mla.core.errors import InvalidInputError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -397,7 +397,9 @@ def check_write_kv(
     slots = require_index("slot_mapping", slot_mapping, ndim=1)
     require_float("kv_c", latent)
     require_float("k_pe", rope)
-    require_float("kv_cache", cache, allow_fp8=True)
+    ds_mla = is_ds_mla(cache.dtype)
+    if not ds_mla:
+        require_float("kv_cache", cache, allow_fp8=True)
     require_same_device(("kv_cache", cache), ("kv_c", latent), ("k_pe", rope), ("slot_mapping", slots))
     num_new = latent.shape[0]
     if rope.shape[0] != num_new:
@@ -405,10 +407,16 @@ def check_write_kv(
     if slots.shape[0] != num_new:
         raise InvalidInputError("slot_mapping", f"has {slots.shape[0]} entries for {num_new} new rows")
     width = latent.shape[1] + rope.shape[1]
+    if ds_mla:
+        width = ds_mla_row_bytes(latent.shape[1], rope.shape[1])
+        if latent.shape[1] % DS_MLA_TILE:
+            raise InvalidInputError(
+                "kv_c",
+                f"an fp8_ds_mla cache needs kv_lora_rank a multiple of {DS_MLA_TILE}, got {latent.shape[1]}",
+            )
     if cache.shape[-1] != width:
-        raise InvalidInputError(
-            "kv_cache", f"last dim {cache.shape[-1]} must be kv_c + k_pe widths = {width}"
-        )
+        what = "fp8_ds_mla row bytes of kv_c and k_pe" if ds_mla else "kv_c + k_pe widths"
+        raise InvalidInputError("kv_cache", f"last dim {cache.shape[-1]} must be the {what} = {width}")
     check_cache_scale(kv_scale, cache.dtype, device=cache.device)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla.core.context import DecodeContext
+from mla.core.config import GraphMode
+from mla.core.context import DecodeContext, PrefillContext
 from mla.core.errors import InvalidInputError
 from mla.core.records import fast_constructor
 from mla.core.validate import (
@@ -24,6 +25,7 @@ from mla.engine.resolver import Decision
 from mla.engine.state import BackendState
 from mla.engine.step import MLAMetadata, StepInputs
 from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
+from mla.sparse.base import SparseRows, rows_plan
 
 _INDEX = frozenset(INDEX_DTYPES)
 _DECODE_BATCH = fast_constructor(DecodeBatch)
@@ -173,6 +175,10 @@ class MetadataBuilder:
                 "num_decode_tokens",
                 f"{num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = {limits.max_decode_tokens}",
             )
+        if be.dims.is_sparse:
+            metadata = self._build_sparse(step, qsl, lengths, num_decodes, num_decode_tokens)
+            be.current_metadata = metadata
+            return metadata
         decode_plan = prefill_plan = None
         decode_decision = prefill_decision = None
         if num_decodes:
@@ -194,6 +200,9 @@ class MetadataBuilder:
             prefill=prefill_plan,
             decode_decision=decode_decision,
             prefill_decision=prefill_decision,
+            sparse_decode=None,
+            sparse_prefill=None,
+            index=None,
         )
         be.current_metadata = metadata
         return metadata
@@ -287,6 +296,67 @@ class MetadataBuilder:
                     f"the device copy {device_lens} differs from seq_lens_cpu "
                     f"{lens}; pass the same lengths on both sides",
                 )
+
+    def _build_sparse(
+        self, step: StepInputs, qsl: list[int], lengths: HostLengths, nd: int, num_decode_tokens: int
+    ) -> MLAMetadata:
+        """A sparse model's checked step: the row map of all rows on the device, one plan per
+        phase over its rows, and the indexer's plan over all of them."""
+        be = self.backend
+        buffers, indexer = be.sparse_buffers, be.indexer
+        assert buffers is not None
+        assert indexer is not None
+        prefill_rows = qsl[-1] - qsl[nd]
+        num_rows = num_decode_tokens + prefill_rows
+        if num_rows > buffers.max_rows:
+            raise InvalidInputError(
+                "query_start_loc",
+                f"the step has {num_rows} rows, more than max_num_batched_tokens "
+                f"{be.limits.max_num_batched_tokens}; split the step",
+            )
+        table = step.block_table
+        max_keys = min(table.shape[1] * be.cache.block_size, be.limits.max_model_len)
+        lens = lengths.seq_lens
+        if lens and be.limits.graph_mode is GraphMode.NONE:
+            max_keys = max(1, min(max_keys, max(lens)))
+        buffers.map_rows(step.query_start_loc, step.seq_lens, num_rows=num_rows, max_keys=max_keys)
+        num_requests = len(qsl) - 1
+        decode_plan = prefill_plan = None
+        decode_decision = prefill_decision = None
+        if nd:
+            decode_lengths = lengths if nd == num_requests else lengths.first(nd)
+            max_qlen = max(1, decode_lengths.max_query)
+            ctx: DecodeContext | PrefillContext = be.decode_context(
+                max_qlen=max_qlen, uniform_qlen=decode_lengths.min_query == max_qlen
+            )
+            decode_decision = be.resolver.resolve(ctx, force=be.force_decode)
+            decode_plan = be.sparse_strategy(decode_decision).build_metadata(
+                SparseRows(ctx, table, 0, num_decode_tokens, max_keys)
+            )
+        if prefill_rows:
+            assert lens is not None
+            has_context = any(lens[b] > qsl[b + 1] - qsl[b] for b in range(nd, num_requests))
+            ctx = be.prefill_context(has_chunked_context=has_context)
+            prefill_decision = be.resolver.resolve(ctx, force=be.force_prefill)
+            prefill_plan = be.sparse_strategy(prefill_decision).build_metadata(
+                SparseRows(ctx, table, num_decode_tokens, prefill_rows, max_keys)
+            )
+        index_plan = rows_plan(
+            indexer.NAME, be.setup, buffers, SparseRows(None, table, 0, num_rows, max_keys)
+        )
+        return _METADATA(
+            num_decodes=nd,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_requests - nd,
+            num_prefill_tokens=prefill_rows,
+            decode=None,
+            prefill=None,
+            decode_decision=decode_decision,
+            prefill_decision=prefill_decision,
+            sparse_decode=decode_plan,
+            sparse_prefill=prefill_plan,
+            index=index_plan,
+        )
 
     def _decode_choice(self, max_qlen: int, uniform: bool) -> tuple[DecodeContext, Decision, DecodeStrategy]:
         """The context, decision and strategy instance of a decode shape (resolved once per

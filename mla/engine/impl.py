@@ -12,6 +12,7 @@ from mla.engine.checks import check_kv_write, require_instance, require_on_q_dev
 from mla.engine.state import BackendState
 from mla.engine.step import MLAMetadata
 from mla.prefill.base import ContextExpander
+from mla.sparse.base import check_topk_positions
 
 
 class AttentionImpl:
@@ -44,7 +45,8 @@ class AttentionImpl:
         be = self.backend
         if not torch.compiler.is_compiling():
             require_instance("metadata", metadata, MLAMetadata)
-            be.check_current(metadata, "decode")
+            be.check_current(metadata, "sparse_decode" if be.dims.is_sparse else "decode")
+            self._require_dense("forward_decode", "forward_sparse_decode")
         require_tensors(q=q, kv_cache=kv_cache, out=out)
         require_on_q_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
         check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
@@ -72,7 +74,8 @@ class AttentionImpl:
         compiling = torch.compiler.is_compiling()
         if not compiling:
             require_instance("metadata", metadata, MLAMetadata)
-            be.check_current(metadata, "prefill")
+            be.check_current(metadata, "sparse_prefill" if be.dims.is_sparse else "prefill")
+            self._require_dense("forward_prefill", "forward_sparse_prefill")
         require_tensors(q=q, k=k, v=v, out=out)
         require_on_q_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
         if kv_cache is None and kv_scale is not None:
@@ -114,3 +117,111 @@ class AttentionImpl:
         be = self.backend
         check_kv_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, be.validate)
         ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, be.kv_scale_tensor(kv_scale), be.provider_id)
+
+    # -- sparse (DeepSeek Sparse Attention) ------------------------------------------------------
+
+    def _require_dense(self, method: str, sparse_method: str) -> None:
+        if self.backend.dims.is_sparse:
+            raise InvalidInputError(
+                "metadata",
+                f"this backend serves a sparse model (index_topk={self.backend.dims.index_topk}): "
+                f"call impl.{sparse_method} with the indexer's top-k positions instead of impl.{method}",
+            )
+
+    def forward_sparse_decode(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Sparse decode of the step's decode rows: q ``[num_decode_tokens, H, L+R]`` (absorbed),
+        ``topk_indices`` int ``[num_decode_tokens, K]`` request-local positions (``-1`` pads,
+        ``K <= index_topk``); writes out ``[.., H, L]`` and, when given, lse ``[.., H]`` float32.
+        Positions outside a row's causal window or the cache are masked and counted
+        (:meth:`MLABackend.invalid_index_count`), never read."""
+        self._sparse(metadata, "sparse_decode", q, kv_cache, topk_indices, out, lse, kv_scale)
+
+    def forward_sparse_prefill(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Sparse prefill of the step's prefill rows, in the absorbed form like
+        :meth:`forward_sparse_decode` (the new tokens' latent rows must be in the cache)."""
+        self._sparse(metadata, "sparse_prefill", q, kv_cache, topk_indices, out, lse, kv_scale)
+
+    def _sparse(
+        self,
+        metadata: MLAMetadata,
+        phase: str,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kv_scale: float | torch.Tensor | None,
+    ) -> None:
+        be = self.backend
+        if not torch.compiler.is_compiling():
+            require_instance("metadata", metadata, MLAMetadata)
+            if not be.dims.is_sparse:
+                raise InvalidInputError(
+                    "metadata", "this backend serves a dense model (MLADims.index_topk is None)"
+                )
+            be.check_current(metadata, phase)
+            if be.validate == "full" and isinstance(topk_indices, torch.Tensor):
+                plan = getattr(metadata, phase)
+                check_topk_positions(topk_indices, plan.row_keys)
+        require_tensors(q=q, kv_cache=kv_cache, topk_indices=topk_indices, out=out)
+        require_on_q_device(
+            q, kv_cache=kv_cache, topk_indices=topk_indices, out=out, lse=lse, kv_scale=kv_scale
+        )
+        check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
+        scale = be.kv_scale_tensor(kv_scale)
+        prefill = phase == "sparse_prefill"
+        ops.sparse_attention(q, kv_cache, topk_indices, out, lse, scale, be.op_id, prefill)
+
+    def index_topk(
+        self,
+        metadata: MLAMetadata,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        *,
+        out: torch.Tensor,
+    ) -> None:
+        """The indexer over every row of the step (decode rows first): index queries ``q [T, Hi,
+        D]`` (after their rope), per-head ``weights [T, Hi]`` (the model's, e.g.
+        ``weights_proj(x) * Hi ** -0.5``), the paged ``index_cache``; writes the top
+        ``index_topk`` request-local positions of each row into ``out`` (int32 ``[T, index_topk]``,
+        descending score, ``-1`` pads)."""
+        be = self.backend
+        if not torch.compiler.is_compiling():
+            require_instance("metadata", metadata, MLAMetadata)
+            if not be.dims.is_sparse:
+                raise InvalidInputError("metadata", "this backend serves a dense model: it has no indexer")
+            be.check_current(metadata, "index")
+        require_tensors(index_q=q, index_weights=weights, index_cache=index_cache, out=out)
+        require_on_q_device(q, index_weights=weights, index_cache=index_cache, out=out)
+        ops.index_topk(q, weights, index_cache, out, be.op_id)
+
+    def write_index_keys(
+        self, keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write the step's index keys ``[N, D]`` (after the key norm and rope) into the index-key
+        cache at ``slot_mapping [N]`` (negative slots skipped); fp8 keys are quantized per token."""
+        be = self.backend
+        require_tensors(index_k=keys, index_cache=index_cache, slot_mapping=slot_mapping)
+        require_on_q_device(keys, index_cache=index_cache, slot_mapping=slot_mapping)
+        ops.write_index_keys(keys, index_cache, slot_mapping, be.op_id)

@@ -1,4 +1,5 @@
-"""The engine boundary: torch custom ops ``mla::decode``, ``mla::prefill`` and ``mla::write_kv``.
+"""The engine boundary: torch custom ops ``mla::decode``, ``mla::prefill``, ``mla::write_kv`` and the
+sparse ops ``mla::sparse_attention``, ``mla::index_topk`` and ``mla::write_index_keys``.
 
 An engine compiles its model with ``torch.compile(fullgraph=True)``; attention is one opaque op
 per call in the graph, as vLLM's ``unified_mla_attention_with_output`` is, so the engine can split
@@ -22,6 +23,12 @@ Op schemas::
                  Tensor? kv_scale, int backend_id, int expander_id) -> ()
     mla::write_kv(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping,
                   Tensor? kv_scale, int provider_id) -> ()
+    mla::sparse_attention(Tensor q, Tensor kv_cache, Tensor topk_indices, Tensor(a!) out,
+                          Tensor(b!)? lse, Tensor? kv_scale, int backend_id, bool prefill) -> ()
+    mla::index_topk(Tensor q, Tensor weights, Tensor index_cache, Tensor(a!) out,
+                    int backend_id) -> ()
+    mla::write_index_keys(Tensor keys, Tensor(a!) index_cache, Tensor slot_mapping,
+                          int backend_id) -> ()
 
 The ops are registered with ``torch.library.Library.define``/``impl`` and
 ``torch.library.register_fake`` rather than ``torch.library.custom_op``: the latter's Python
@@ -68,6 +75,25 @@ class OpRunner(Protocol):
         kv_cache: torch.Tensor | None,
         kv_scale: torch.Tensor | None,
         expand_context: ContextExpander | None,
+    ) -> None: ...
+
+    def run_sparse(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+        prefill: bool,
+    ) -> None: ...
+
+    def run_index_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor
+    ) -> None: ...
+
+    def run_write_index_keys(
+        self, keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
 
 
@@ -226,9 +252,52 @@ def _write_kv_impl(
     _PROVIDERS.get(provider_id).write_kv(call)
 
 
+_LIB.define(  # type: ignore[no-untyped-call]
+    "sparse_attention(Tensor q, Tensor kv_cache, Tensor topk_indices, Tensor(a!) out, Tensor(b!)? lse, "
+    "Tensor? kv_scale, int backend_id, bool prefill) -> ()"
+)
+_LIB.define(  # type: ignore[no-untyped-call]
+    "index_topk(Tensor q, Tensor weights, Tensor index_cache, Tensor(a!) out, int backend_id) -> ()"
+)
+_LIB.define(  # type: ignore[no-untyped-call]
+    "write_index_keys(Tensor keys, Tensor(a!) index_cache, Tensor slot_mapping, int backend_id) -> ()"
+)
+
+
+def _sparse_attention_impl(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
+    backend_id: int,
+    prefill: bool,
+) -> None:
+    _RUNNERS.get(backend_id).run_sparse(q, kv_cache, topk_indices, out, lse, kv_scale, prefill)
+
+
+def _index_topk_impl(
+    q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor, backend_id: int
+) -> None:
+    _RUNNERS.get(backend_id).run_index_topk(q, weights, index_cache, out)
+
+
+def _write_index_keys_impl(
+    keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor, backend_id: int
+) -> None:
+    _RUNNERS.get(backend_id).run_write_index_keys(keys, index_cache, slot_mapping)
+
+
 _LIB.impl("decode", _decode_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 _LIB.impl("prefill", _prefill_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 _LIB.impl("write_kv", _write_kv_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+for _name, _impl in (
+    ("sparse_attention", _sparse_attention_impl),
+    ("index_topk", _index_topk_impl),
+    ("write_index_keys", _write_index_keys_impl),
+):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
 @torch.library.register_fake("mla::decode")  # type: ignore[untyped-decorator]
@@ -270,9 +339,44 @@ def _write_kv_fake(
     return None
 
 
+@torch.library.register_fake("mla::sparse_attention")  # type: ignore[untyped-decorator]
+def _sparse_attention_fake(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_indices: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    kv_scale: torch.Tensor | None,
+    backend_id: int,
+    prefill: bool,
+) -> None:
+    return None
+
+
+@torch.library.register_fake("mla::index_topk")  # type: ignore[untyped-decorator]
+def _index_topk_fake(
+    q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor, backend_id: int
+) -> None:
+    return None
+
+
+@torch.library.register_fake("mla::write_index_keys")  # type: ignore[untyped-decorator]
+def _write_index_keys_fake(
+    keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor, backend_id: int
+) -> None:
+    return None
+
+
 decode = torch.ops.mla.decode.default
 """``mla::decode``: run the backend's current decode plan, writing ``out`` (and ``lse``)."""
 prefill = torch.ops.mla.prefill.default
 """``mla::prefill``: run the backend's current prefill plan, writing ``out`` and ``lse``."""
 write_kv = torch.ops.mla.write_kv.default
 """``mla::write_kv``: write ``[kv_c | k_pe]`` rows into the paged cache with the provider."""
+sparse_attention = torch.ops.mla.sparse_attention.default
+"""``mla::sparse_attention``: run the current sparse decode (``prefill=False``) or prefill plan
+over a layer's top-k positions."""
+index_topk = torch.ops.mla.index_topk.default
+"""``mla::index_topk``: the backend's indexer over the current step's rows, into ``out``."""
+write_index_keys = torch.ops.mla.write_index_keys.default
+"""``mla::write_index_keys``: write (and for fp8, quantize) index keys into the index-key cache."""

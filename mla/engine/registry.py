@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -17,9 +17,12 @@ from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
 from mla.prefill.base import PrefillStrategy
 from mla.prefill.flash_varlen import FlashVarlen
 from mla.prefill.fp8_persistent import Fp8PersistentPrefill
+from mla.sparse.base import SparseStrategy
+from mla.sparse.decode import SparseDecode
+from mla.sparse.prefill import SparsePrefill
 from mla.strategy import Phase, Strategy
 
-AnyStrategy = type[DecodeStrategy] | type[PrefillStrategy]
+AnyStrategy = type[DecodeStrategy] | type[PrefillStrategy] | type[SparseStrategy[Any]]
 S = TypeVar("S", bound=type[Strategy])  # type: ignore[type-arg]
 
 
@@ -125,6 +128,8 @@ for _strategy, _priority in (
     (AsmNonPersistent, 40),
     (Fp8PersistentPrefill, 10),
     (FlashVarlen, 20),
+    (SparseDecode, 50),
+    (SparsePrefill, 50),
 ):
     DEFAULT_REGISTRY.register(_strategy, priority=_priority)
 

@@ -11,7 +11,7 @@ from mla.core.explain import Candidate, ContextValue, Explanation
 from mla.core.support import Support
 from mla.engine.preference import decode_order, prefill_order
 from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.strategy import Phase, Strategy
+from mla.strategy import Phase, Strategy, StrategyKind
 
 Context = DecodeContext | PrefillContext
 
@@ -40,6 +40,9 @@ def describe_context(ctx: Context) -> tuple[tuple[str, ContextValue], ...]:
         ("q_dtype", dtype_name(ctx.q_dtype)),
         ("kv_dtype", dtype_name(ctx.kv_dtype)),
     ]
+    topk = ctx.dims.index_topk
+    if topk is not None:
+        pairs.append(("index_topk", topk))
     if isinstance(ctx, DecodeContext):
         pairs += [
             ("max_qlen", ctx.max_qlen),
@@ -69,7 +72,12 @@ class Resolver:
 
     def _ordered(self, ctx: Context) -> list[tuple[AnyStrategy, str | None]]:
         phase = self.phase_of(ctx)
-        regs = self.registry.entries(phase)
+        # A sparse model is served by sparse strategies only, a dense one by the others: the
+        # other family is not a candidate (forcing one still reports why it cannot run).
+        sparse = ctx.dims.is_sparse
+        regs = tuple(
+            r for r in self.registry.entries(phase) if (r.strategy.KIND is StrategyKind.SPARSE) == sparse
+        )
         # Rank by position: ``entries`` is in priority order, or in an override's given order.
         entries = [(r.name, rank, r.strategy.KIND, r.strategy.PERSISTENT) for rank, r in enumerate(regs)]
         by_name = {r.name: r.strategy for r in regs}

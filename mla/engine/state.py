@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from mla.core.capabilities import ProviderCapabilities
-from mla.core.config import FLOAT_DTYPES, EngineLimits, KVCacheSpec, MLADims, dtype_name, normalize_dtype
+from mla.core.config import (
+    FLOAT_DTYPES,
+    EngineLimits,
+    IndexerSpec,
+    KVCacheSpec,
+    MLADims,
+    dtype_name,
+    normalize_dtype,
+)
 from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.core.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError, UnsupportedError
 from mla.core.platform import Platform, resolve_platform
@@ -25,9 +33,11 @@ from mla.prefill.base import ContextExpander, PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider
 from mla.providers.quant import ScaleBuffer
+from mla.sparse.base import SparseBuffers, SparsePlan, SparseStrategy
+from mla.sparse.indexer import INDEXER_STRATEGIES, IndexerContext, IndexerStrategy
 from mla.strategy import Phase, StrategySetup
 
-S = TypeVar("S", DecodeStrategy, PrefillStrategy)
+S = TypeVar("S", DecodeStrategy, PrefillStrategy, SparseStrategy[Any])
 
 
 def default_context_chunk_tokens(limits: EngineLimits, block_size: int) -> int:
@@ -57,6 +67,8 @@ class BackendState:
         preallocate: bool = True,
         context_chunk_tokens: int | None = None,
         validate: ValidateMode = "fast",
+        indexer: IndexerSpec | None = None,
+        indexer_strategy: type[IndexerStrategy] | None = None,
     ) -> None:
         require_instance("dims", dims, MLADims)
         require_instance("cache", cache, KVCacheSpec)
@@ -113,7 +125,19 @@ class BackendState:
             capabilities=self.capabilities,
             device=self.device,
         )
-        self.index_buffers = DecodeIndexBuffers.allocate(self.setup)
+        self.sparse_buffers: SparseBuffers | None = None
+        self.indexer: IndexerStrategy | None = None
+        self.sparse_strategies: dict[str, SparseStrategy[Any]] = {}
+        if dims.is_sparse:
+            self.indexer = self._make_indexer(indexer, indexer_strategy)
+            self.sparse_buffers = SparseBuffers.allocate(self.setup)
+        elif indexer is not None or indexer_strategy is not None:
+            raise InvalidInputError(
+                "indexer",
+                "was given for a dense model; set MLADims.index_topk to serve a DeepSeek Sparse "
+                "Attention model",
+            )
+        self._index_buffers: DecodeIndexBuffers | None = None
         self.decode_strategies: dict[str, DecodeStrategy] = {}
         self.prefill_strategies: dict[str, PrefillStrategy] = {}
         self.late_allocations: list[str] = []
@@ -133,7 +157,43 @@ class BackendState:
         return (
             f"{type(self).__name__}(provider={self.provider.name!r}, arch={self.platform.arch!r}, "
             f"heads={self.dims.num_heads}, decode={sorted(self.decode_strategies)}, "
-            f"prefill={sorted(self.prefill_strategies)})"
+            f"prefill={sorted(self.prefill_strategies)}"
+            + (f", sparse={sorted(self.sparse_strategies)})" if self.dims.is_sparse else ")")
+        )
+
+    @property
+    def index_buffers(self) -> DecodeIndexBuffers:
+        """The dense decode strategies' shared page-index buffers (allocated on first use)."""
+        if self._index_buffers is None:
+            self._index_buffers = DecodeIndexBuffers.allocate(self.setup)
+        return self._index_buffers
+
+    def _make_indexer(
+        self, spec: IndexerSpec | None, strategy: type[IndexerStrategy] | None
+    ) -> IndexerStrategy:
+        """The sparse model's indexer: ``strategy`` (checked), else the first built-in that supports
+        the spec on this provider."""
+        spec = IndexerSpec() if spec is None else spec
+        require_instance("indexer", spec, IndexerSpec)
+        ctx = IndexerContext(
+            spec=spec,
+            q_dtype=self.model_dtype,
+            capabilities=self.capabilities,
+            provider_availability=self.provider.availability(),
+        )
+        candidates = INDEXER_STRATEGIES if strategy is None else (strategy,)
+        reasons: list[str] = []
+        for cls in candidates:
+            if not (isinstance(cls, type) and issubclass(cls, IndexerStrategy)):
+                raise InvalidInputError(
+                    "indexer_strategy", f"expected an IndexerStrategy subclass, got {cls!r}"
+                )
+            support = cls.supports(ctx)
+            if support:
+                return cls(self.setup, spec)
+            reasons.append(f"{cls.NAME}: {support}")
+        raise UnsupportedError(
+            f"no indexer runs this model on provider {self.capabilities.provider!r}: " + "; ".join(reasons)
         )
 
     # -- contexts and decisions --------------------------------------------------------------
@@ -170,7 +230,7 @@ class BackendState:
                 decision = self.resolver.resolve(ctx, force=self.force_decode)
             except UnsupportedError as exc:
                 raise self._unsupported(exc, "decode", qlen) from exc
-            self.decode_strategy(decision)
+            self._allocate(decision)
         for chunked in (False, True):
             try:
                 decision = self.resolver.resolve(
@@ -178,6 +238,14 @@ class BackendState:
                 )
             except UnsupportedError as exc:
                 raise self._unsupported(exc, "prefill", 0) from exc
+            self._allocate(decision)
+
+    def _allocate(self, decision: Decision) -> None:
+        if self.dims.is_sparse:
+            self.sparse_strategy(decision)
+        elif decision.phase is Phase.DECODE:
+            self.decode_strategy(decision)
+        else:
             self.prefill_strategy(decision)
 
     def _unsupported(self, exc: UnsupportedError, phase: str, qlen: int) -> UnsupportedError:
@@ -209,6 +277,22 @@ class BackendState:
             f"{dtype_name(self.cache.dtype)} KV cache; see every candidate's reasons below",
             exc.explanation,
         )
+
+    def sparse_strategy(self, decision: Decision | str) -> SparseStrategy[Any]:
+        """The backend's instance of a sparse strategy (allocated on first use; they share the
+        backend's sparse buffers)."""
+        buffers = self.sparse_buffers
+        assert buffers is not None
+
+        def make(cls: AnyStrategy) -> SparseStrategy[Any]:
+            if not issubclass(cls, SparseStrategy):
+                raise UnsupportedError(
+                    f"{cls.NAME} is a dense strategy; this backend serves a sparse model "
+                    f"(index_topk={self.dims.index_topk})"
+                )
+            return cls(self.setup, buffers)
+
+        return self._strategy(decision, self.sparse_strategies, make)
 
     def decode_strategy(self, decision: Decision | str) -> DecodeStrategy:
         """The backend's instance of a decode strategy (allocated on first use)."""
@@ -282,12 +366,56 @@ class BackendState:
             expand_context=expand_context,
         )
 
+    def run_sparse(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        kv_scale: torch.Tensor | None,
+        prefill: bool,
+    ) -> None:
+        """Run the current step's sparse decode or prefill plan (the body of ``mla::sparse_attention``)."""
+        phase = "sparse_prefill" if prefill else "sparse_decode"
+        plan = getattr(self._current(phase), phase)
+        assert isinstance(plan, SparsePlan)
+        self.sparse_strategy(plan.strategy).run(
+            plan, q, kv_cache, topk_indices, kv_scale=kv_scale, out=out, lse=lse
+        )
+
+    def run_index_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Run the indexer over the current step's rows (the body of ``mla::index_topk``)."""
+        plan = self._current("index").index
+        assert plan is not None
+        assert self.indexer is not None
+        self.indexer.run(plan, q, weights, index_cache, out=out)
+
+    def run_write_index_keys(
+        self, keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write index keys (the body of ``mla::write_index_keys``)."""
+        if self.indexer is None:
+            raise InvalidInputError("index_cache", "this backend serves a dense model: it has no indexer")
+        self.indexer.write_keys(keys, index_cache, slot_mapping)
+
+    def invalid_index_count(self) -> int:
+        """Top-k entries masked since the backend was made because they pointed outside their
+        row's causal window, the block table or the cache (reads one device int: a sync; call
+        it between steps, e.g. in a health check). Always 0 for a dense model."""
+        if self.sparse_buffers is None:
+            return 0
+        return int(self.sparse_buffers.invalid_count.item())
+
     def _current(self, phase: str) -> MLAMetadata:
         metadata = self.current_metadata
         if metadata is None:
             raise InvalidInputError("metadata", "no step was built yet: call builder.build(step) first")
         if getattr(metadata, phase) is None:
-            raise InvalidInputError("metadata", f"this step has no {phase} requests")
+            what = phase.replace("_", " ")
+            raise InvalidInputError("metadata", f"this step has no {what} requests")
         return metadata
 
     def check_current(self, metadata: MLAMetadata, phase: str) -> None:

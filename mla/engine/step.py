@@ -8,6 +8,7 @@ import torch
 from mla.decode.base import DecodePlan
 from mla.engine.resolver import Decision
 from mla.prefill.base import PrefillPlan
+from mla.sparse.base import SparsePlan
 
 
 @attrs.frozen(eq=False)
@@ -36,7 +37,11 @@ class StepInputs:
 
 @attrs.frozen(eq=False)
 class MLAMetadata:
-    """Everything the impl needs for one step: each phase's decision and plan."""
+    """Everything the impl needs for one step: each phase's decision and plan.
+
+    A dense model's step has ``decode``/``prefill`` plans; a sparse model's (``MLADims.index_topk``)
+    has ``sparse_decode``/``sparse_prefill`` plans and the ``index`` plan over all of its rows.
+    """
 
     num_decodes: int
     num_decode_tokens: int
@@ -46,3 +51,7 @@ class MLAMetadata:
     prefill: PrefillPlan | None
     decode_decision: Decision | None
     prefill_decision: Decision | None
+    sparse_decode: SparsePlan | None = None
+    sparse_prefill: SparsePlan | None = None
+    index: SparsePlan | None = None
+    """The indexer's plan: every row of the step (decode rows first)."""

@@ -340,7 +340,8 @@ class SparseAttentionCall:
     """Flat cache ``[N_tok, W]``: a float dtype (``W = L+R``), fp8 e4m3 with ``kv_scale``
     (``W = L+R``), or uint8 ``fp8_ds_mla`` rows (``W = L + 4 L/128 + 2 R``)."""
     slots: torch.Tensor
-    """int32 ``[T, K]`` flat cache row ids, ``-1`` for none."""
+    """int32 ``[T, K]`` flat cache row ids, ``-1`` for none (a slot past the cache is invalid
+    too and never read); may be a view with a contiguous last dim."""
     out: torch.Tensor
     """``[T, H, L]`` in q's dtype."""
     lse: torch.Tensor | None
@@ -368,7 +369,7 @@ class SparseSlotsCall:
     block_table: torch.Tensor
     """int32 ``[B, max_blocks]``."""
     row_request: torch.Tensor
-    """int32 ``[T]``: the request (block-table row) of each query row."""
+    """int32 ``[T]``: the request (block-table row) of each query row (clamped to the table)."""
     row_keys: torch.Tensor
     """int32 ``[T]``: positions ``0 .. row_keys[t] - 1`` are visible to row ``t`` (causal);
     0 for graph-padding rows."""
@@ -376,7 +377,7 @@ class SparseSlotsCall:
     num_blocks: int
     """Blocks in the cache the slots index (the run's cache tensor)."""
     slots: torch.Tensor
-    """int32 ``[T, K]`` output."""
+    """int32 ``[T, K]`` output (may be ``indices`` itself, converted in place)."""
     invalid_count: torch.Tensor
     """int32 ``[1]`` device counter, incremented by the number of invalid entries."""
 
@@ -388,8 +389,9 @@ class IndexTopkCall:
     ``score[t, p] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . key(p))`` for the
     positions ``p < row_keys[t]`` of row ``t``'s request (``key(p)`` read through
     ``block_table[row_request[t]]``, fp8 keys dequantized by their per-token scale);
-    ``indices[t]`` gets the ``min(topk, row_keys[t])`` positions of highest score in descending
-    score order, then ``-1``.
+    ``indices[t]`` gets the ``min(topk, row_keys[t], max_keys)`` positions of highest score in
+    descending score order, then ``-1`` (a position whose block id is outside the cache or past
+    the block table is not scored, so such a row keeps fewer). Ties may break either way.
     """
 
     q: torch.Tensor

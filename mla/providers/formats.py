@@ -26,9 +26,11 @@ _MIN_AMAX = 1e-4
 
 
 def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
-    """float32 ``2 ** ceil(log2(amax / 448))``: the UE8M0 scale of values with that ``amax``."""
+    """float32 ``2 ** ceil(log2(amax / 448))``: the UE8M0 scale of values with that ``amax``
+    (exact: the ratio's binary exponent, one less when the ratio is a power of two)."""
     ratio = torch.clamp(amax.to(torch.float32), min=_MIN_AMAX) / E4M3_MAX
-    return torch.exp2(torch.ceil(torch.log2(ratio)))
+    mantissa, exponent = torch.frexp(ratio)
+    return torch.ldexp(torch.ones_like(ratio), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 def pack_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -49,14 +51,19 @@ def pack_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 
 def unpack_ds_mla(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> torch.Tensor:
     """float32 ``[N, L+R]`` latent rows of ``fp8_ds_mla`` byte rows ``[N, W]``."""
-    count = rows.shape[0]
+    return torch.cat(ds_mla_parts(rows, kv_lora_rank, rope_dim), dim=-1)
+
+
+def ds_mla_parts(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(latent [..., L], rope [..., R])`` of ``fp8_ds_mla`` byte rows ``[..., W]`` of
+    any leading shape (e.g. the rows a batch gathered, ``cache[slots]``), without joining them."""
+    lead = rows.shape[:-1]
     tiles = kv_lora_rank // DS_MLA_TILE
-    rows = rows.contiguous()
-    values = rows[:, :kv_lora_rank].view(E4M3).to(torch.float32).view(count, tiles, DS_MLA_TILE)
-    scale = rows[:, kv_lora_rank : kv_lora_rank + 4 * tiles].contiguous().view(torch.float32)
-    rope = rows[:, kv_lora_rank + 4 * tiles :].contiguous().view(torch.bfloat16).to(torch.float32)
-    latent = (values * scale.view(count, tiles, 1)).view(count, kv_lora_rank)
-    return torch.cat([latent, rope.view(count, rope_dim)], dim=-1)
+    values = rows[..., :kv_lora_rank].view(E4M3).to(torch.float32)
+    scale = rows[..., kv_lora_rank : kv_lora_rank + 4 * tiles].contiguous().view(torch.float32)
+    rope = rows[..., kv_lora_rank + 4 * tiles :].contiguous().view(torch.bfloat16).to(torch.float32)
+    latent = values.reshape(*lead, tiles, DS_MLA_TILE) * scale.reshape(*lead, tiles, 1)
+    return latent.reshape(*lead, kv_lora_rank), rope.reshape(*lead, rope_dim)
 
 
 def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,22 +20,28 @@ import attrs
 import torch
 
 from mla.core.capabilities import REFERENCE_CAPABILITIES, ProviderCapabilities
+from mla.core.config import is_ds_mla
 from mla.core.errors import PlanMismatchError
 from mla.core.platform import Platform
 from mla.core.support import Support
+from mla.providers import torch_sparse
 from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
     ExpandPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
+    SparseAttentionCall,
     VarlenPrefillCall,
+    WriteIndexKeysCall,
     WriteKVCall,
 )
+from mla.providers.formats import pack_ds_mla, scatter_rows
 from mla.providers.split_kv import SplitKVSchedule
 
 _CHUNK_ELEMENTS = 1 << 24
@@ -403,7 +409,12 @@ class TorchProvider(KernelProvider):
 
     def write_kv(self, call: WriteKVCall) -> None:
         kv_cache = call.kv_cache
+        if call.slot_mapping.numel() == 0:
+            return
         flat = kv_cache.view(-1, kv_cache.shape[-1])
+        if is_ds_mla(kv_cache.dtype):
+            scatter_rows(flat, call.slot_mapping, pack_ds_mla(call.kv_c, call.k_pe))
+            return
         rows = torch.cat([call.kv_c, call.k_pe], dim=-1).to(torch.float32)
         if call.kv_scale is not None:
             finfo = torch.finfo(kv_cache.dtype)
@@ -421,6 +432,17 @@ class TorchProvider(KernelProvider):
         index = torch.clamp(slots[src], min=0)
         values = torch.where(valid[src][:, None], rows[src], flat[index])
         flat.index_copy_(0, index, values)
+
+    # -- sparse (DeepSeek Sparse Attention) ------------------------------------------------
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        torch_sparse.sparse_attention(call)
+
+    def write_index_keys(self, call: WriteIndexKeysCall) -> None:
+        torch_sparse.write_index_keys(call)
+
+    def index_topk(self, call: IndexTopkCall) -> None:
+        torch_sparse.index_topk(call)
 
 
 def _mha_varlen(

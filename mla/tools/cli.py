@@ -31,6 +31,7 @@ from mla.tools.cli_info import dump_json, info_payload, provider_view, render_in
 from mla.tools.demo import run_demo
 from mla.tools.demo_dcp import run_dcp_demo
 from mla.tools.demo_records import DemoConfig, StepRecord
+from mla.tools.demo_sparse import run_sparse_demo
 
 _DEMO_DEFAULTS = DemoConfig()
 
@@ -102,9 +103,12 @@ def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
         emulate=args.emulate,
         block_size=args.block_size,
         dcp=args.dcp,
+        sparse=args.sparse,
+        index_topk=args.index_topk,
+        index_key_dtype=args.index_dtype,
     )
     progress = None if args.quiet else ProgressBar(sys.stderr)
-    runner = run_dcp_demo if config.dcp > 1 else run_demo
+    runner = run_sparse_demo if config.sparse else run_dcp_demo if config.dcp > 1 else run_demo
     report = runner(config, progress=progress)
     out.write(report.summary() + "\n")
     return EXIT_OK if report.passed else EXIT_FAILED
@@ -202,7 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=GraphMode.NONE.value,
         help="how the engine captures decode steps in CUDA graphs",
     )
-    explain.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16")
+    explain.add_argument(
+        "--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8", "fp8_ds_mla"), default="bf16"
+    )
+    explain.add_argument(
+        "--index-topk",
+        type=positive_int,
+        help="a DeepSeek Sparse Attention model keeping this many tokens per row (sparse strategies)",
+    )
     explain.add_argument("--q-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     explain.add_argument("--block-size", type=positive_int, default=16)
     explain.add_argument(
@@ -230,7 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=positive_int, default=_DEMO_DEFAULTS.steps)
     demo.add_argument("--heads", type=positive_int, default=_DEMO_DEFAULTS.heads)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    demo.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp8", "fp8_ds_mla"),
+        default="bf16",
+        help="latent cache format (fp8_ds_mla: per-tile scales, with --sparse)",
+    )
+    demo.add_argument(
+        "--sparse",
+        action="store_true",
+        help="serve a DeepSeek Sparse Attention model: indexer, top-k, sparse attention",
+    )
+    demo.add_argument(
+        "--index-topk",
+        type=positive_int,
+        default=_DEMO_DEFAULTS.index_topk,
+        help=f"tokens the indexer keeps per row with --sparse (default {_DEMO_DEFAULTS.index_topk})",
+    )
+    demo.add_argument("--index-dtype", choices=("bf16", "fp8"), default="bf16", help="index-key cache")
     demo.add_argument("--max-decode-qlen", type=positive_int, default=_DEMO_DEFAULTS.max_decode_qlen)
     demo.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="model dtype")
     demo.add_argument("--block-size", type=positive_int, default=_DEMO_DEFAULTS.block_size)

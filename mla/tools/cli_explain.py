@@ -8,7 +8,15 @@ from typing import Any
 
 import attrs
 
-from mla.core.config import EngineLimits, GraphMode, KVCacheSpec, MLADims, is_fp8, normalize_dtype
+from mla.core.config import (
+    DS_MLA_DTYPE,
+    EngineLimits,
+    GraphMode,
+    KVCacheSpec,
+    MLADims,
+    is_fp8,
+    normalize_dtype,
+)
 from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.core.errors import ProviderUnavailableError
 from mla.core.explain import Explanation
@@ -96,9 +104,12 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
         )
     caps = view.capabilities
     q_dtype = normalize_dtype(args.q_dtype, argument="--q-dtype")
-    kv = normalize_dtype(args.kv_dtype, argument="--kv-dtype")
-    kv_dtype = caps.fp8_dtype if is_fp8(kv) else kv
-    dims = MLADims(num_heads=args.heads)
+    if args.kv_dtype == "fp8_ds_mla":
+        kv_dtype = DS_MLA_DTYPE
+    else:
+        kv = normalize_dtype(args.kv_dtype, argument="--kv-dtype")
+        kv_dtype = caps.fp8_dtype if is_fp8(kv) else kv
+    dims = MLADims(num_heads=args.heads, index_topk=getattr(args, "index_topk", None))
     cache = KVCacheSpec(block_size=args.block_size, dtype=kv_dtype)
     if args.phase == "decode":
         max_decode_qlen = args.max_decode_qlen or args.qlen

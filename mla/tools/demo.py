@@ -95,16 +95,9 @@ class ServingLoop:
         self.provider, self.provider_label = _select_provider(config, self.platform)
         caps = self.provider.capabilities(self.platform)
         self.model_dtype = normalize_dtype(config.dtype, argument="dtype")
-        kv = normalize_dtype(config.kv_dtype, argument="kv_dtype")
-        self.kv_dtype = caps.fp8_dtype if is_fp8(kv) else kv
+        self.kv_dtype = self._kv_dtype(config, caps.fp8_dtype)
         self.kv_scale = FP8_KV_SCALE if is_fp8(self.kv_dtype) else None
-        self.dims = MLADims(
-            num_heads=config.heads,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_rope_head_dim=config.rope_dim,
-            qk_nope_head_dim=config.nope_dim,
-            v_head_dim=config.v_dim,
-        )
+        self.dims = self._dims(config)
         self.max_blocks = -(-config.max_model_len // config.block_size)
         num_blocks = config.max_num_seqs * self.max_blocks + self.max_blocks
         self.limits = EngineLimits(
@@ -113,17 +106,8 @@ class ServingLoop:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_decode_qlen=config.max_decode_qlen,
         )
-        self.backend = MLABackend(
-            self.dims,
-            KVCacheSpec(config.block_size, self.kv_dtype, num_blocks=num_blocks),
-            self.limits,
-            model_dtype=self.model_dtype,
-            provider=self.provider,
-            platform=self.platform,
-            device=self.device,
-            context_chunk_tokens=config.context_chunk_tokens or config.max_num_seqs * config.block_size,
-        )
-        self.kv_cache = self._randn(num_blocks, config.block_size, self.dims.latent_dim).to(self.kv_dtype)
+        self.backend = self._backend(KVCacheSpec(config.block_size, self.kv_dtype, num_blocks=num_blocks))
+        self.kv_cache = self._initial_cache(num_blocks)
         self.free_blocks = list(range(num_blocks))
         self.rng.shuffle(self.free_blocks)
         rank = config.kv_lora_rank
@@ -138,6 +122,40 @@ class ServingLoop:
         self.decode_tally = _PhaseTally("decode", tol)
         self.prefill_tally = _PhaseTally("prefill", tol)
         self.failures: list[StepFailure] = []
+
+    # -- what a loop serves (a sparse loop overrides these: mla.tools.demo_sparse) -------------
+
+    @staticmethod
+    def _kv_dtype(config: DemoConfig, fp8_dtype: torch.dtype) -> torch.dtype:
+        kv = normalize_dtype(config.kv_dtype, argument="kv_dtype")
+        return fp8_dtype if is_fp8(kv) else kv
+
+    @staticmethod
+    def _dims(config: DemoConfig) -> MLADims:
+        return MLADims(
+            num_heads=config.heads,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_rope_head_dim=config.rope_dim,
+            qk_nope_head_dim=config.nope_dim,
+            v_head_dim=config.v_dim,
+        )
+
+    def _backend(self, cache: KVCacheSpec) -> MLABackend:
+        config = self.config
+        return MLABackend(
+            self.dims,
+            cache,
+            self.limits,
+            model_dtype=self.model_dtype,
+            provider=self.provider,
+            platform=self.platform,
+            device=self.device,
+            context_chunk_tokens=config.context_chunk_tokens or config.max_num_seqs * config.block_size,
+        )
+
+    def _initial_cache(self, num_blocks: int) -> torch.Tensor:
+        """The paged cache, filled with random rows (stale data a request must never read)."""
+        return self._randn(num_blocks, self.config.block_size, self.dims.latent_dim).to(self.kv_dtype)
 
     # -- random data -------------------------------------------------------------------------
 

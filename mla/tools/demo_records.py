@@ -42,7 +42,8 @@ class DemoConfig:
     """Query heads per rank (DeepSeek-V3 at TP8)."""
     seed: int = 0
     kv_dtype: str = "bf16"
-    """``bf16`` or ``fp8`` (the provider's fp8 format, per-tensor scale :data:`FP8_KV_SCALE`)."""
+    """``bf16`` or ``fp8`` (the provider's fp8 format, per-tensor scale :data:`FP8_KV_SCALE`);
+    with ``sparse`` also ``fp8_ds_mla`` (per-tile scales)."""
     max_decode_qlen: int = attrs.field(default=4, validator=_positive)
     """Largest decode qlen (speculative tokens + 1); verifies use 2..this."""
     dtype: str = "bf16"
@@ -72,8 +73,24 @@ class DemoConfig:
     step against the single-process backend (:mod:`mla.tools.demo_dcp`)."""
     dcp_interleave: int = attrs.field(default=1, validator=_positive)
     """Tokens per rank per round of the sharded cache (vLLM's interleave size)."""
+    sparse: bool = False
+    """Serve a DeepSeek Sparse Attention model (:mod:`mla.tools.demo_sparse`): every step writes
+    index keys, runs the indexer and attends only the selected tokens."""
+    index_topk: int = attrs.field(default=16, validator=_positive)
+    """Tokens the sparse model's indexer keeps per row: far fewer than the demo's sequences, so
+    selection really drops tokens."""
+    index_heads: int = attrs.field(default=4, validator=_positive)
+    index_head_dim: int = attrs.field(default=64, validator=_positive)
+    index_key_dtype: str = "bf16"
+    """The index-key cache: ``bf16`` or ``fp8`` (per-token scale, 132 bytes at head dim 128)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.kv_dtype == "fp8_ds_mla" and not self.sparse:
+            raise InvalidInputError(
+                "kv_dtype", "fp8_ds_mla caches serve sparse models: add --sparse (or use bf16/fp8)"
+            )
+        if self.sparse and self.dcp > 1:
+            raise InvalidInputError("dcp", "the sparse demo serves one process; drop --dcp or --sparse")
         if self.max_model_len < self.max_decode_qlen + 8:
             raise InvalidInputError(
                 "max_model_len",

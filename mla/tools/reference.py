@@ -183,9 +183,10 @@ def reference_sparse(
         q0, q1, s = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
         if q1 == q0 or s == 0:
             continue
-        pos = torch.arange(s)
-        rows = cache[table[b, pos // block_size], pos % block_size]  # [s, L+R]
         visible = causal_visible(q1 - q0, s) & selected_mask(indices[q0:q1], s)
+        pos = torch.nonzero(visible.any(0))[:, 0]  # the positions some row attends
+        visible = visible[:, pos]
+        rows = cache[table[b, pos // block_size], pos % block_size]  # [n, L+R]
         o, row_lse = _attend(
             qd[q0:q1], rows[:, None, :], rows[:, None, :kv_lora_rank], visible, softmax_scale
         )

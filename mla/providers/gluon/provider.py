@@ -5,10 +5,13 @@ runs on the Gluon kernels of :mod:`.kernels` / :mod:`.transposed` wherever
 :func:`~mla.providers.gluon.planner.decode_kernel` says they apply (16-bit queries with a cache
 of the same dtype, 512 + 64 latent/rope dims); every other decode case runs on the Triton
 provider's decode kernel, and the contracts the Gluon kernels do not implement (varlen and fp8
-prefill, merge, page expansion, KV write) are the Triton provider's kernels. An engine builds
-one backend with one provider for both phases, so composing the Triton provider is what lets
-``provider="auto"`` pick ``gluon`` on Hopper without losing a contract; ``mla info`` lists the
-delegated contracts and the routing rules under the provider's probes.
+prefill, merge, page expansion, KV write, the indexer, and sparse attention over an
+``fp8_ds_mla`` cache) are the Triton provider's kernels; sparse attention over a cache the decode
+kernels read runs on them, one qlen-1 decode per row over its packed slot list. An engine
+builds one backend with one provider for both phases, so composing the Triton provider is what
+lets ``provider="auto"`` pick ``gluon`` on Hopper without losing a
+contract; ``mla info`` lists the delegated contracts and the routing rules under the provider's
+probes.
 
 Available on an NVIDIA sm_90 device where ``triton.experimental.gluon.language.nvidia.hopper``
 imports (Triton >= 3.6); elsewhere :meth:`GluonProvider.availability` says why.
@@ -23,6 +26,7 @@ import attrs
 import torch
 
 from mla.core.capabilities import Contract, ProviderCapabilities
+from mla.core.config import is_ds_mla
 from mla.core.platform import Platform
 from mla.core.support import Support
 from mla.providers.base import KernelProvider
@@ -32,11 +36,15 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
+    SparseAttentionCall,
+    SparseSlotsCall,
     VarlenPrefillCall,
+    WriteIndexKeysCall,
     WriteKVCall,
 )
 from mla.providers.gluon.planner import (
@@ -46,6 +54,7 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     schedule_units,
 )
+from mla.providers.sparse_slots import compact_slots
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton import TritonProvider
 
@@ -59,6 +68,8 @@ DELEGATED: tuple[Contract, ...] = (
     Contract.MERGE_STATES,
     Contract.EXPAND_PAGES,
     Contract.KV_WRITE,
+    Contract.SPARSE_ATTENTION,
+    Contract.INDEXER,
 )
 """Contracts served by the Triton provider's kernels."""
 
@@ -225,3 +236,41 @@ class GluonProvider(KernelProvider):
 
     def write_kv(self, call: WriteKVCall) -> None:
         self._triton.write_kv(call)
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        """On the Gluon decode kernels when they read the cache (16-bit of q's dtype or
+        per-tensor fp8, 512+64): each row's valid slots are packed into a per-row key list
+        (:func:`~mla.providers.sparse_slots.compact_slots`) and every row runs as a qlen-1 decode
+        over it; ``fp8_ds_mla`` and everything else on the Triton sparse kernel."""
+        rank = call.kv_lora_rank
+        on_gluon = self._on_gluon(call.q, call.kv_cache, rank, call.rope_dim)
+        if is_ds_mla(call.kv_cache.dtype) or not on_gluon:
+            self._triton.sparse_attention(call)
+            return
+        from mla.providers.gluon.decode import small_head_decode  # noqa: PLC0415 (kernels load lazily)
+
+        token_ids, indptr = compact_slots(call.slots)
+        small_head_decode(
+            SmallHeadDecodeCall(
+                q_nope=call.q[..., :rank],
+                q_pe=call.q[..., rank:],
+                kv_cache=call.kv_cache,
+                page_table=token_ids,
+                seq_info=indptr,
+                out=call.out,
+                lse=call.lse,
+                max_seqlen_k=max(1, call.slots.shape[1]),
+                page_size=1,
+                softmax_scale=call.softmax_scale,
+                kv_scale=call.kv_scale,
+            )
+        )
+
+    def write_index_keys(self, call: WriteIndexKeysCall) -> None:
+        self._triton.write_index_keys(call)
+
+    def index_topk(self, call: IndexTopkCall) -> None:
+        self._triton.index_topk(call)
+
+    def sparse_slots(self, call: SparseSlotsCall) -> None:
+        self._triton.sparse_slots(call)

@@ -3,13 +3,16 @@
 Runs on NVIDIA and AMD GPUs, and in Triton's CPU interpreter (``TRITON_INTERPRET=1``, used by
 the tests). Decode kernels live in :mod:`.decode` / :mod:`.small_head` with the launch heuristic
 and the device-side planner in :mod:`.schedule`; prefill in :mod:`.prefill` / :mod:`.fp8_prefill`;
-merge, page expansion and KV write in :mod:`.utils`.
+merge, page expansion and KV write in :mod:`.utils`; sparse attention, the indexer, index-key and
+``fp8_ds_mla`` writes and the fused slot conversion in :mod:`.sparse`.
 
 Capabilities: no head granularity (any head count runs natively, heads × qlen packed into the
 MMA rows), any qlen, bf16/fp16/fp32 queries, bf16/fp16/fp32 caches and fp8 caches (widened to
 the dot dtype in registers, so they work on any arch whose Triton converts that fp8 format;
 e4m3 needs sm89+ on NVIDIA). The fp8 prefill needs fp8 tensor-core dots: NVIDIA sm89+, AMD
-gfx942/gfx950 (and the interpreter).
+gfx942/gfx950 (and the interpreter). Sparse attention reads float caches, the fp8 formats the
+decode widens, and ``fp8_ds_mla`` rows and fp8 index keys where e4m3 converts (NVIDIA sm89+,
+AMD other than gfx942, the interpreter); any head count runs (head blocks are masked, not padded).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import triton
 
 from mla.core.capabilities import ALL_CONTRACTS, Contract, ProviderCapabilities
+from mla.core.config import DS_MLA_DTYPE
 from mla.core.errors import PlanMismatchError
 from mla.core.platform import Platform
 from mla.core.support import Support
@@ -31,11 +35,15 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
+    SparseAttentionCall,
+    SparseSlotsCall,
     VarlenPrefillCall,
+    WriteIndexKeysCall,
     WriteKVCall,
 )
 from mla.providers.split_kv import SplitKVSchedule
@@ -44,6 +52,7 @@ from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.prefill import varlen_attention_fwd
 from mla.providers.triton.schedule import allocate_schedule, plan_split_kv
 from mla.providers.triton.small_head import small_head_decode
+from mla.providers.triton.sparse import index_topk, sparse_attention, sparse_slots, write_index_keys
 from mla.providers.triton.utils import expand_page_indices, fill_page_indices, merge_states, write_kv
 
 _FLOATS = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -113,6 +122,8 @@ class TritonProvider(KernelProvider):
         contracts = set(ALL_CONTRACTS)
         if not has_fp8_dots(platform):
             contracts.discard(Contract.FP8_PREFILL)
+        # fp8_ds_mla rows and fp8 index keys are e4m3 bytes, widened where e4m3 converts.
+        e4m3 = frozenset({torch.float8_e4m3fn}) & fp8
         return ProviderCapabilities(
             provider=self.name,
             contracts=frozenset(contracts),
@@ -124,6 +135,8 @@ class TritonProvider(KernelProvider):
             small_head_q_dtypes=_FLOATS,
             small_head_kv_dtypes=_FLOATS | fp8,
             fp8_dtype=torch.float8_e4m3fnuz if platform.arch == "gfx942" else torch.float8_e4m3fn,
+            sparse_kv_dtypes=_FLOATS | fp8 | (frozenset({DS_MLA_DTYPE}) if e4m3 else frozenset()),
+            index_key_dtypes=_FLOATS | e4m3,
             # Non-persistent measured as fast or faster on every case but one long request
             # (docs/performance.md, "Kernel choices").
             persistent_decode_preferred=False,
@@ -195,3 +208,17 @@ class TritonProvider(KernelProvider):
 
     def write_kv(self, call: WriteKVCall) -> None:
         write_kv(call)
+
+    # -- sparse (DeepSeek Sparse Attention) ----------------------------------------------------
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        sparse_attention(call)
+
+    def write_index_keys(self, call: WriteIndexKeysCall) -> None:
+        write_index_keys(call)
+
+    def index_topk(self, call: IndexTopkCall) -> None:
+        index_topk(call)
+
+    def sparse_slots(self, call: SparseSlotsCall) -> None:
+        sparse_slots(call)

@@ -1,5 +1,6 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""Triton utility kernels: LSE state merge, page-index expansion and planning, KV-cache write.
+"""Triton utility kernels: LSE state merge, page-index expansion and planning, KV-cache write
+(an ``fp8_ds_mla`` cache's write is :func:`mla.providers.triton.sparse.write_kv_ds_mla`).
 
 Each launcher is graph-capturable: grids come from tensor shapes and host ints
 (``num_tokens``), never from tensor values.
@@ -11,9 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.core.config import is_ds_mla
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
 from mla.providers.triton.launch_cache import LaunchCache
+from mla.providers.triton.sparse import write_kv_ds_mla
 
 
 @triton.jit
@@ -313,7 +316,11 @@ def _write_kv_kernel(
 
 def write_kv(call: WriteKVCall) -> None:
     """Write new latent + rope rows into ``kv_cache [blocks, block_size, L+R]`` at flat
-    ``slot_mapping`` slots (the ``kv-write`` contract)."""
+    ``slot_mapping`` slots (the ``kv-write`` contract); an ``fp8_ds_mla`` cache (uint8 rows) goes
+    to :func:`~mla.providers.triton.sparse.write_kv_ds_mla`."""
+    if is_ds_mla(call.kv_cache.dtype):
+        write_kv_ds_mla(call)
+        return
     kv_c, k_pe, kv_cache, slot_mapping, kv_scale = (
         call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping, call.kv_scale
     )  # fmt: skip
