@@ -1,8 +1,8 @@
 """Decode context parallelism on two GPUs: one long request, 1 GPU vs 2 GPUs over NCCL.
 
-    python benchmarks/dcp.py                       # S = 128k and 512k tokens, H16, bf16 cache
-    python benchmarks/dcp.py --seqs 131072 --kv fp8 --block 1
-    python benchmarks/dcp.py --cpu --seqs 4096      # smoke run: gloo on the CPU, eager times only
+    python -m benchmarks dcp                       # S = 128k and 512k tokens, H16, bf16 cache
+    python -m benchmarks dcp --seqs 131072 --kv fp8 --block 1
+    python -m benchmarks dcp --cpu --seqs 4096      # smoke run: gloo on the CPU, eager times only
 
 Two spawned ranks (GPUs 0 and 1) each build the same request (same seed): the whole latent cache
 for the single-GPU run and this rank's token shard of it for decode context parallelism. Rank 0
@@ -28,17 +28,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import bench_graph_us, gpu_name, print_table, rel_error
-
 import mla
+from benchmarks._common import bench_graph_us, gpu_name, print_table, rel_error
 from mla.distributed import DecodeContextParallel
 
 FP8_SCALE = 0.05
@@ -208,8 +206,9 @@ def bench_sequence(
     return out_rows
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks dcp",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seqs", type=int, nargs="+", default=[128 * 1024, 512 * 1024])
@@ -221,9 +220,9 @@ def main() -> int:
         "--modes", nargs="+", choices=("replicated", "split"), default=["replicated", "split"]
     )
     parser.add_argument("--cpu", action="store_true", help="smoke run on the CPU (gloo, torch provider)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.cpu and torch.cuda.device_count() < 2:
-        print("benchmarks/dcp.py needs two GPUs (or --cpu for a smoke run)", file=sys.stderr)
+        print("python -m benchmarks dcp needs two GPUs (or --cpu for a smoke run)", file=sys.stderr)
         return 2
     name = "cpu" if args.cpu else f"{gpu_name()} x2"
     print(
@@ -257,6 +256,3 @@ def main() -> int:
     print_table(table, title=f"one request, decode qlen 1 (speedup: 1-GPU {basis} time / this row's)")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """MLA decode benchmark: the Gluon and Triton providers and vLLM's Triton MLA decode side by side.
 
-    python benchmarks/decode.py --vllm-decode PATH --plot docs/img/decode-h200.png --json OUT.json
-    python benchmarks/decode.py --quick    # a smoke run: two small shapes
-    python benchmarks/decode.py --sweep    # also time alternative Triton launch configs
-    python benchmarks/decode.py --only long verify --no-torch   # some cases of the matrix
+    python -m benchmarks decode --vllm-decode PATH --plot docs/img/decode-h200.png --json OUT.json
+    python -m benchmarks decode --quick    # a smoke run: two small shapes
+    python -m benchmarks decode --sweep    # also time alternative Triton launch configs
+    python -m benchmarks decode --only long verify --no-torch   # some cases of the matrix
 
 Every implementation is first checked against the torch reference provider on a slice of its
 requests (relative Frobenius error of o, max |Δlse|), then timed as CUDA-graph replays of one
@@ -34,18 +34,15 @@ import argparse
 import json
 import math
 import os
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _vllm
-from _common import (
+from benchmarks import _vllm
+from benchmarks._common import (
     H200_COPY_TBPS,
     GpuState,
     bench_graph_us,
@@ -61,7 +58,6 @@ from _common import (
     tbps,
     tflops,
 )
-
 from mla.core.platform import detect_platform
 from mla.providers import get_provider
 from mla.providers.base import KernelProvider
@@ -579,8 +575,9 @@ def run_sweep() -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks decode",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="two small shapes only")
@@ -592,9 +589,9 @@ def main() -> None:
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--vllm-decode", help="path of vLLM's triton_decode_attention.py (a vllm column)")
     parser.add_argument("--plot", help="write the TB/s plot here (PNG, needs matplotlib)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/decode.py needs a CUDA/ROCm GPU")
+        raise SystemExit("python -m benchmarks decode needs a CUDA/ROCm GPU")
     print(
         f"# GPU: {gpu_name()}, SMs: {num_sms(torch.device('cuda'))}, torch {torch.__version__}, "
         f"triton {triton.__version__}",
@@ -630,6 +627,3 @@ def main() -> None:
         "capped: fraction of samples power-capped)",
     )  # fmt: skip
 
-
-if __name__ == "__main__":
-    main()

@@ -15,6 +15,9 @@
 #   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~2 min)
 #   bash benchmarks/h200_session.sh fold        # the split reduce folded into the few-rows kernel: tests, sanitizers, timing (~4 min)
 #
+# The bench part runs the user-facing benchmarks (python3 -m benchmarks NAME); the breakdown,
+# pingpong, dual, profile, whatif, whatif-other, power and fold parts run kernel-research probes
+# (python3 -m probes.NAME, probes/README.md).
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
 set -uo pipefail
@@ -64,12 +67,12 @@ bench)
   part "decode benchmark"
   vllm=()
   if [ -f .peers/vllm_triton_decode_attention.py ]; then vllm=(--vllm-decode .peers/vllm_triton_decode_attention.py); fi
-  timeout 240 python3 benchmarks/decode.py --no-torch --json "$OUT/decode.json" --plot "$OUT/decode-h200.png" \
+  timeout 240 python3 -m benchmarks decode --no-torch --json "$OUT/decode.json" --plot "$OUT/decode-h200.png" \
     "${vllm[@]}" 2>&1 | tee "$OUT/decode.log" | grep -v "^{" | tail -50
   part "host overhead (mla_decode, builder.build)"
-  timeout 100 python3 benchmarks/overhead.py 2>&1 | tee "$OUT/overhead.log" | grep -E "^\||launch cache" | tail -9
+  timeout 100 python3 -m benchmarks overhead 2>&1 | tee "$OUT/overhead.log" | grep -E "^\||launch cache" | tail -9
   part "prefill benchmark"
-  timeout 75 python3 benchmarks/prefill.py --check 2>&1 | tee "$OUT/prefill.log" | tail -16
+  timeout 75 python3 -m benchmarks prefill --check 2>&1 | tee "$OUT/prefill.log" | tail -16
   ;;
 sanitizer)
   sanitize decode "memcheck racecheck" \
@@ -88,7 +91,7 @@ pingpong)
     2>&1 | tee "$OUT/sanitizer_pingpong.log" | grep -v "^=========     at " | grep -E "RACECHECK SUMMARY|Race reported|Access|passed|failed" | head -30
   part "racecheck probes of the warpgroup hand-off"
   for mode in "handoff 4" "alternate 6" "ring 6"; do
-    timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py $mode 2>&1 \
+    timeout 60 compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe $mode 2>&1 \
       | grep -E "RACECHECK SUMMARY|Race reported|probe"
   done
   ;;
@@ -100,19 +103,21 @@ dual)
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-fp8]" \
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-dual-splits3-fp8]"
   part "fp8 timing (the dual-chain kernel, np auto, against the few-rows kernel, rows np)"
-  timeout 200 python3 benchmarks/gluon_dev.py --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
+  timeout 200 python3 -m probes.gluon_dev --breakdown --only fp8 2>&1 | tee "$OUT/dual_breakdown.log" \
     | grep -v "^{" | tail -20
   ;;
 whatif)
-  part "what-if variants of the dual-chain kernel (benchmarks/whatif.py)"
-  timeout 540 python3 benchmarks/whatif.py --kernel dual 2>&1 | tee "$OUT/whatif_dual.log" | grep -v "^{" | tail -44
+  part "the what-if edits still apply (CPU)"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider probes/test_probes.py -k "edit or shape" 2>&1 | summary
+  part "what-if variants of the dual-chain kernel (probes/whatif.py)"
+  timeout 540 python3 -m probes.whatif --kernel dual 2>&1 | tee "$OUT/whatif_dual.log" | grep -v "^{" | tail -44
   ;;
 whatif-other)
   part "what-if variants of the ping-pong kernel"
-  timeout 200 python3 benchmarks/whatif.py --kernel pingpong 2>&1 | tee "$OUT/whatif_pingpong.log" \
+  timeout 200 python3 -m probes.whatif --kernel pingpong 2>&1 | tee "$OUT/whatif_pingpong.log" \
     | grep -v "^{" | tail -18
   part "what-if variants of the few-rows kernel (bf16, B1 S65536 and B64 S4096)"
-  timeout 120 python3 benchmarks/whatif.py --kernel rows 2>&1 | tee "$OUT/whatif_rows.log" \
+  timeout 120 python3 -m probes.whatif --kernel rows 2>&1 | tee "$OUT/whatif_rows.log" \
     | grep -v "^{" | tail -12
   ;;
 profile)
@@ -120,15 +125,15 @@ profile)
   ncu_args=(--kernel-name regex:mla_decode_dual --launch-skip 1 --launch-count 1)
   timeout 200 ncu "${ncu_args[@]}" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis_Tables --section SourceCounters --print-details all \
-    python3 benchmarks/gluon_dev.py --once fp8 > "$OUT/ncu_dual.txt" 2>&1
+    python3 -m probes.gluon_dev --once fp8 > "$OUT/ncu_dual.txt" 2>&1
   grep -E "Duration|Issued Warp Per Scheduler|Eligible Warps|Stall (Long|Short) Scoreboard|Stall Barrier" "$OUT/ncu_dual.txt" | head -12
   timeout 200 ncu "${ncu_args[@]}" --section SourceCounters --page source --print-source sass --csv \
-    python3 benchmarks/gluon_dev.py --once fp8 > "$OUT/ncu_dual_sass.csv" 2>/dev/null
-  python3 benchmarks/ncu_stalls.py "$OUT/ncu_dual_sass.csv" | tee "$OUT/ncu_dual_stalls.txt"
+    python3 -m probes.gluon_dev --once fp8 > "$OUT/ncu_dual_sass.csv" 2>/dev/null
+  python3 -m probes.ncu_stalls "$OUT/ncu_dual_sass.csv" | tee "$OUT/ncu_dual_stalls.txt"
   ;;
 power)
   part "power cap: the Gluon decode (np) after idle and sustained, with SM clock and power"
-  timeout 200 python3 benchmarks/power.py 2>&1 | tee "$OUT/power.log" | grep -v "^{" | tail -20
+  timeout 200 python3 -m probes.power 2>&1 | tee "$OUT/power.log" | grep -v "^{" | tail -20
   ;;
 fold)
   part "GPU tests: the folded split reduce"
@@ -138,11 +143,11 @@ fold)
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-fold-bf16]" \
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q2-bs16-fold-fp8]"
   part "timing: separate reduce against the folded one"
-  timeout 240 python3 benchmarks/fold.py --json "$OUT/fold.json" 2>&1 | tee "$OUT/fold.log" | grep -v "^{" | tail -24
+  timeout 240 python3 -m probes.fold --json "$OUT/fold.json" 2>&1 | tee "$OUT/fold.log" | grep -v "^{" | tail -24
   ;;
 breakdown)
   part "per-kernel breakdown"
-  timeout 300 python3 benchmarks/gluon_dev.py --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
+  timeout 300 python3 -m probes.gluon_dev --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
   echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other|power|fold" >&2

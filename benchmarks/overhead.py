@@ -1,7 +1,7 @@
 """Host overhead of the front door and of the engine path.
 
-    python benchmarks/overhead.py                     # H200: B 1/64/128 x block 1/64, H16, S4096
-    python benchmarks/overhead.py --device cpu        # smoke run on a CPU (tiny shapes, torch)
+    python -m benchmarks overhead                     # H200: B 1/64/128 x block 1/64, H16, S4096
+    python -m benchmarks overhead --device cpu        # smoke run on a CPU (tiny shapes, torch)
 
 Per shape it prints:
 
@@ -29,20 +29,15 @@ so from the third call on it replays the CUDA graph it captured on the second
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import bench_graph_us, gpu_name, print_profile, print_table, wall_us
-
 import mla
+from benchmarks._common import bench_graph_us, gpu_name, print_profile, print_table, wall_us
 
 
 def _count_syncs(fn: Callable[[], Any]) -> int | str:
@@ -192,8 +187,9 @@ def run_shape(
     }
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks overhead",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -203,7 +199,7 @@ def main() -> None:
     parser.add_argument(
         "--profile-build", action="store_true", help="print a cProfile of builder.build per shape"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     if gpu:
         shapes = [(b, blk) for b in (1, 64, 128) for blk in (1, 64)]
@@ -242,6 +238,3 @@ def print_launch_cache() -> None:
         f"{plan.fast_launches} / {plan.slow_launches}"
     )
 
-
-if __name__ == "__main__":
-    main()

@@ -2,9 +2,9 @@
 
 One command on the GPU::
 
-    python benchmarks/prefill.py --check            # the shape matrix
-    python benchmarks/prefill.py --check --sweep    # also time alternative launch configs
-    python benchmarks/prefill.py --quick            # smoke run on one small shape
+    python -m benchmarks prefill --check            # the shape matrix
+    python -m benchmarks prefill --check --sweep    # also time alternative launch configs
+    python -m benchmarks prefill --quick            # smoke run on one small shape
 
 Shapes: H in {16, 128}, q/k head dim 192, v head dim 128, causal, batches of 4 x 4096 and
 16 x 1024 tokens (every request has Sq = Sk). Per shape and implementation it prints the
@@ -32,12 +32,12 @@ import inspect
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from _common import attention_flops, bench_us, gpu_name, print_table, tflops
 
+from benchmarks._common import attention_flops, bench_us, gpu_name, print_table, tflops
 from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
 from mla.providers.quant import quantize_per_tensor
 from mla.providers.triton.fp8_prefill import choose_fp8_config, fp8_prefill_fwd, plan_fp8_prefill
@@ -191,15 +191,16 @@ def config_text(config: AttentionLaunchConfig) -> str:
     return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks prefill",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="check every implementation before timing")
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
     parser.add_argument("--out", help="write the rows as JSON to this path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("prefill benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -268,6 +269,3 @@ def main() -> int:
         print("CHECK FAILED:", failure)
     return 1 if failures else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Shared test configuration: the ``gpu`` marker and the Triton interpreter on CPU machines."""
+"""Shared test configuration: the ``gpu`` marker (deselected without a device) and the Triton
+interpreter on CPU machines."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if torch.cuda.is_available():
+        return None
+    return "gpu-marked tests: deselected (no CUDA/ROCm device; counted as deselected, not skipped)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a CUDA/ROCm device the ``gpu``-marked tests are deselected: the summary counts
+    them in one number ("N deselected") instead of a skip line each."""
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA/ROCm device (gpu marker)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if "gpu" not in item.keywords]

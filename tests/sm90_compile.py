@@ -2,7 +2,7 @@
 
 The CPU tests run Triton in its interpreter (``TRITON_INTERPRET=1``, set by ``conftest.py``),
 which cannot compile a kernel; compiling the Gluon kernels for sm_90 needs no GPU, only a process
-without that variable. Shared by the tests that compile kernels, what-if variants and probes.
+without that variable. Shared by the tests that compile kernels.
 """
 
 from __future__ import annotations

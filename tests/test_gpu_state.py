@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from benchmark_modules import load_benchmark
 
-C = load_benchmark("_common")
+from benchmarks import _common
 
 
 @pytest.mark.parametrize(
@@ -26,7 +25,7 @@ C = load_benchmark("_common")
     ],
 )
 def test_parse_smi_line(line: str, expected: tuple[float, float, bool]) -> None:
-    assert C.parse_smi_line(line) == C.GpuSample(*expected)
+    assert _common.parse_smi_line(line) == _common.GpuSample(*expected)
 
 
 @pytest.mark.parametrize(
@@ -34,51 +33,51 @@ def test_parse_smi_line(line: str, expected: tuple[float, float, bool]) -> None:
     ["[N/A], [N/A], [N/A]", "", "\n", "1980, 549.12", "No devices were found", "1980, [N/A], 0x0"],
 )
 def test_parse_smi_line_rejects(line: str) -> None:
-    assert C.parse_smi_line(line) is None
+    assert _common.parse_smi_line(line) is None
 
 
 def test_summary_of_samples() -> None:
     samples = [
-        C.GpuSample(1980.0, 500.0, False),
-        C.GpuSample(1700.0, 690.0, True),
-        C.GpuSample(1680.0, 700.0, True),
-        C.GpuSample(1720.0, 650.0, False),
+        _common.GpuSample(1980.0, 500.0, False),
+        _common.GpuSample(1700.0, 690.0, True),
+        _common.GpuSample(1680.0, 700.0, True),
+        _common.GpuSample(1720.0, 650.0, False),
     ]
-    state = C.summarize_gpu_samples(samples)
-    assert state == C.GpuState(sm_mhz=1770.0, watts=635.0, power_capped=0.5)
-    assert C.summarize_gpu_samples([]) is None
-    assert C.gpu_state_columns(state) == {"MHz": 1770, "W": 635, "capped": 0.5}
-    assert all(math.isnan(v) for v in C.gpu_state_columns(None).values())
+    state = _common.summarize_gpu_samples(samples)
+    assert state == _common.GpuState(sm_mhz=1770.0, watts=635.0, power_capped=0.5)
+    assert _common.summarize_gpu_samples([]) is None
+    assert _common.gpu_state_columns(state) == {"MHz": 1770, "W": 635, "capped": 0.5}
+    assert all(math.isnan(v) for v in _common.gpu_state_columns(None).values())
 
 
 def test_sampler_records_what_it_is_given() -> None:
-    sampler = C.GpuSampler()
+    sampler = _common.GpuSampler()
     assert sampler.summary() is None
-    sampler.add(C.GpuSample(1980.0, 549.0, False))
-    assert sampler.summary() == C.GpuState(1980.0, 549.0, 0.0)
+    sampler.add(_common.GpuSample(1980.0, 549.0, False))
+    assert sampler.summary() == _common.GpuState(1980.0, 549.0, 0.0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without an NVIDIA GPU")
 def test_sampler_without_a_gpu_yields_nothing() -> None:
-    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+    with _common.sample_gpu_state(0, period_s=0.01) as sampler:
         pass
     assert sampler.summary() is None
     assert sampler.source == "none"
 
 
 def test_sampler_passes_the_blocks_exception_through() -> None:
-    with pytest.raises(KeyError), C.sample_gpu_state(0, period_s=0.01):
+    with pytest.raises(KeyError), _common.sample_gpu_state(0, period_s=0.01):
         raise KeyError("the block's")
 
 
 def test_nvml_index_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
-    assert C.nvml_index(0) == 3
-    assert C.nvml_index(1) == 1
+    assert _common.nvml_index(0) == 3
+    assert _common.nvml_index(1) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0a1b")
-    assert C.nvml_index(0) == 0
+    assert _common.nvml_index(0) == 0
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert C.nvml_index(2) == 2
+    assert _common.nvml_index(2) == 2
 
 
 def test_sampler_reads_nvidia_smi_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,13 +89,13 @@ def test_sampler_reads_nvidia_smi_lines(tmp_path: Path, monkeypatch: pytest.Monk
     )
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(C, "_nvml_sampler", lambda *args: None)
-    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+    monkeypatch.setattr(_common, "_nvml_sampler", lambda *args: None)
+    with _common.sample_gpu_state(0, period_s=0.01) as sampler:
         deadline = time.monotonic() + 1.5
         while len(sampler.samples) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
     assert sampler.source == "nvidia-smi"
-    assert sampler.summary() == C.GpuState(sm_mhz=1840.0, watts=620.0, power_capped=0.5)
+    assert sampler.summary() == _common.GpuState(sm_mhz=1840.0, watts=620.0, power_capped=0.5)
 
 
 def _fake_pynvml(calls: list[str], **extra: object) -> SimpleNamespace:
@@ -119,10 +118,10 @@ def test_sampler_reads_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pynvml path without the instantaneous power field: NVML's averaged power."""
     calls: list[str] = []
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(calls))
-    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+    with _common.sample_gpu_state(0, period_s=0.01) as sampler:
         time.sleep(0.05)
     assert sampler.source == "pynvml"
-    assert sampler.summary() == C.GpuState(sm_mhz=1686.0, watts=661.0, power_capped=1.0)
+    assert sampler.summary() == _common.GpuState(sm_mhz=1686.0, watts=661.0, power_capped=1.0)
     assert calls == ["init", "shutdown"]
 
 
@@ -137,6 +136,6 @@ def test_sampler_prefers_the_instantaneous_power(
         [], NVML_FI_DEV_POWER_INSTANT=186, nvmlDeviceGetFieldValues=lambda handle, ids: [field]
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    with C.sample_gpu_state(0, period_s=0.01) as sampler:
+    with _common.sample_gpu_state(0, period_s=0.01) as sampler:
         time.sleep(0.05)
-    assert sampler.summary() == C.GpuState(sm_mhz=1686.0, watts=watts, power_capped=1.0)
+    assert sampler.summary() == _common.GpuState(sm_mhz=1686.0, watts=watts, power_capped=1.0)

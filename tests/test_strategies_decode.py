@@ -1,5 +1,7 @@
 """Every decode strategy, forced on every case it supports, matches the reference math, with an LSE
-tensor and with ``lse=None`` (the kit runs each plan both ways).
+tensor and with ``lse=None`` (the kit runs each plan both ways). Only the supported strategy ×
+case pairs are collected (``strategy_matrix``); ``test_every_strategy_is_exercised`` guards
+their number.
 
 Runs on the torch provider's own capabilities and under aiter's capability records for gfx942
 and gfx950 (simulated), so head padding, qlen padding, verify flattening and the persistent
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strategy_matrix import supported_matrix
 
 import mla
 from mla.decode.base import DecodeStrategy
@@ -54,26 +57,27 @@ def _cases(provider: str) -> list[DecodeCase]:
     return AITER_CASES + SMALL_HEAD_CASES + [c for c in FULL_DIM_CASES if c.q_dtype == BF16]
 
 
-PARAMS = [
-    pytest.param(provider, arch, case, id=f"{provider}-{arch}-{case.id}")
-    for provider, arch in PROVIDERS
-    for case in _cases(provider)
-]
+MATRIX = supported_matrix(
+    mla.DECODE_STRATEGIES,
+    PROVIDERS,
+    _cases,
+    lambda strategy, case, prov, arch: decode_support(strategy, case, provider=prov, platform=arch),
+    lambda case: case.id,
+)
+"""The supported strategy × case pairs, asked at collection time: only these are collected."""
 
 
-@pytest.mark.parametrize("strategy", mla.DECODE_STRATEGIES, ids=lambda s: s.NAME)
-@pytest.mark.parametrize(("provider", "arch", "case"), PARAMS)
+@pytest.mark.parametrize(("strategy", "provider", "arch", "case"), MATRIX.params)
 def test_strategy_matches_reference(
     strategy: type[DecodeStrategy], provider: str, arch: str, case: DecodeCase
 ) -> None:
     result = check_decode_strategy(strategy, case, provider=emulated_provider(provider, arch), platform=arch)
-    if not result.supported:
-        pytest.skip(f"{strategy.NAME}: {result.reasons}")
+    assert result.supported, f"collected as supported, then declined: {result.reasons}"
     result.assert_passed()
 
 
 # Expected coverage (the supported counts of the pairwise selection above, exact as of writing), so
-# a regression in ``supports`` cannot silently turn the matrix into skips.
+# a regression in ``supports`` cannot silently shrink the matrix.
 MIN_SUPPORTED = {
     ("torch", "cpu", "gluon-decode"): 19,
     ("torch", "cpu", "gluon-verify-flatten"): 97,
@@ -90,18 +94,27 @@ MIN_SUPPORTED = {
 
 @pytest.mark.parametrize(("provider", "arch"), PROVIDERS)
 def test_every_strategy_is_exercised(provider: str, arch: str) -> None:
-    prov = emulated_provider(provider, arch)
+    """Each strategy keeps its collected cases under each provider: at least the counts above,
+    and none where none is expected (for the reason expected)."""
     for strategy in mla.DECODE_STRATEGIES:
-        supported = [
-            case for case in _cases(provider) if decode_support(strategy, case, provider=prov, platform=arch)
-        ]
+        collected = MATRIX.counts[(provider, arch, strategy.NAME)]
         expected = MIN_SUPPORTED.get((provider, arch, strategy.NAME), 0)
-        assert len(supported) >= expected, (provider, arch, strategy.NAME, len(supported))
+        assert collected >= expected, (provider, arch, strategy.NAME, collected)
         if expected == 0:
             # gfx942 ships no small-head kernel: every case is refused for that reason.
-            assert not supported
+            assert collected == 0, (provider, arch, strategy.NAME, collected)
+            prov = emulated_provider(provider, arch)
             support = decode_support(strategy, SMALL_HEAD_CASES[0], provider=prov, platform=arch)
             assert "missing-kernel" in support.codes
+
+
+def test_every_strategy_has_cases() -> None:
+    """Every built-in decode strategy is collected on some case, and the collected pairs are
+    exactly the supported ones counted above (the matrix cannot quietly collect nothing)."""
+    for strategy in mla.DECODE_STRATEGIES:
+        assert sum(n for (_, _, name), n in MATRIX.counts.items() if name == strategy.NAME) >= 1, strategy
+    assert len(MATRIX.params) == sum(MATRIX.counts.values()) >= sum(MIN_SUPPORTED.values())
+    assert MATRIX.total == len(mla.DECODE_STRATEGIES) * sum(len(_cases(p)) for p, _ in PROVIDERS)
 
 
 def test_unwritten_rows_are_caught() -> None:

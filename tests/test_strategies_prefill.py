@@ -4,22 +4,27 @@ The backend path includes chunked cached context: latent rows gathered from a pa
 or fp8), up-projected by a random ``expand_context`` callback, attended chunk by chunk and merged
 by LSE, compared with a reference over ``[context | new tokens]``. Fp8PersistentPrefill is
 compared with the reference on its own dequantized fp8 inputs, so the tolerance stays tight.
+Only the supported strategy × case pairs are collected (``strategy_matrix``);
+``test_every_strategy_is_exercised`` guards their number.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from strategy_matrix import Matrix, supported_matrix
 
 import mla
 from mla.prefill.base import PrefillStrategy
 from mla.testing import (
     PrefillCase,
+    PrefillPath,
     check_prefill_strategy,
     context_prefill_cases,
     emulated_provider,
     make_prefill_inputs,
     prefill_cases,
+    prefill_support,
 )
 
 BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -38,49 +43,94 @@ CONTEXT_CASES = [
 ]
 
 
-def _params(cases: list[PrefillCase]) -> list[object]:
-    return [
-        pytest.param(provider, arch, case, id=f"{provider}-{arch}-{case.id}")
-        for provider, arch in PROVIDERS
-        for case in cases
-    ]
-
-
-def _check(strategy: type[PrefillStrategy], provider: str, arch: str, case: PrefillCase, path: str) -> None:
-    result = check_prefill_strategy(
-        strategy,
-        case,
-        provider=emulated_provider(provider, arch),
-        platform=arch,
-        path=path,  # type: ignore[arg-type]
+def _matrix(cases: list[PrefillCase], path: PrefillPath) -> Matrix:
+    """The supported strategy × case pairs of ``cases`` on ``path``, asked at collection time."""
+    return supported_matrix(
+        mla.PREFILL_STRATEGIES,
+        PROVIDERS,
+        lambda _provider: cases,
+        lambda strategy, case, prov, arch: prefill_support(
+            strategy, case, provider=prov, platform=arch, path=path
+        ),
+        lambda case: case.id,
     )
-    if not result.supported:
-        pytest.skip(f"{strategy.NAME}: {result.reasons}")
+
+
+API = _matrix(API_CASES, "api")
+BACKEND = _matrix(BACKEND_CASES, "backend")
+CONTEXT = _matrix(CONTEXT_CASES, "backend")
+
+
+def _check(
+    strategy: type[PrefillStrategy], provider: str, arch: str, case: PrefillCase, path: PrefillPath
+) -> None:
+    result = check_prefill_strategy(
+        strategy, case, provider=emulated_provider(provider, arch), platform=arch, path=path
+    )
+    assert result.supported, f"collected as supported, then declined: {result.reasons}"
     result.assert_passed()
 
 
-@pytest.mark.parametrize("strategy", mla.PREFILL_STRATEGIES, ids=lambda s: s.NAME)
-@pytest.mark.parametrize(("provider", "arch", "case"), _params(API_CASES))
+@pytest.mark.parametrize(("strategy", "provider", "arch", "case"), API.params)
 def test_api_matches_reference(
     strategy: type[PrefillStrategy], provider: str, arch: str, case: PrefillCase
 ) -> None:
     _check(strategy, provider, arch, case, "api")
 
 
-@pytest.mark.parametrize("strategy", mla.PREFILL_STRATEGIES, ids=lambda s: s.NAME)
-@pytest.mark.parametrize(("provider", "arch", "case"), _params(BACKEND_CASES))
+@pytest.mark.parametrize(("strategy", "provider", "arch", "case"), BACKEND.params)
 def test_backend_matches_reference(
     strategy: type[PrefillStrategy], provider: str, arch: str, case: PrefillCase
 ) -> None:
     _check(strategy, provider, arch, case, "backend")
 
 
-@pytest.mark.parametrize("strategy", mla.PREFILL_STRATEGIES, ids=lambda s: s.NAME)
-@pytest.mark.parametrize(("provider", "arch", "case"), _params(CONTEXT_CASES))
+@pytest.mark.parametrize(("strategy", "provider", "arch", "case"), CONTEXT.params)
 def test_chunked_context_matches_reference(
     strategy: type[PrefillStrategy], provider: str, arch: str, case: PrefillCase
 ) -> None:
     _check(strategy, provider, arch, case, "backend")
+
+
+# Expected coverage (the supported counts of the selections above, exact as of writing), so a
+# regression in ``supports`` cannot silently shrink the matrix.
+MIN_SUPPORTED: dict[str, dict[tuple[str, str, str], int]] = {
+    "api": {
+        ("torch", "cpu", "flash-varlen"): 27,
+        ("torch", "cpu", "fp8-persistent-prefill"): len(API_CASES),
+        ("aiter", "gfx942", "flash-varlen"): 7,
+        ("aiter", "gfx950", "flash-varlen"): 7,
+        ("aiter", "gfx950", "fp8-persistent-prefill"): 12,
+    },
+    "backend": {
+        ("torch", "cpu", "flash-varlen"): 8,
+        ("torch", "cpu", "fp8-persistent-prefill"): len(BACKEND_CASES),
+        ("aiter", "gfx942", "flash-varlen"): 2,
+        ("aiter", "gfx950", "flash-varlen"): 2,
+        ("aiter", "gfx950", "fp8-persistent-prefill"): 3,
+    },
+    "context": {
+        ("torch", "cpu", "flash-varlen"): 11,
+        ("aiter", "gfx942", "flash-varlen"): 7,
+        ("aiter", "gfx950", "flash-varlen"): 7,
+    },
+}
+
+
+@pytest.mark.parametrize(("name", "matrix"), [("api", API), ("backend", BACKEND), ("context", CONTEXT)])
+def test_every_strategy_is_exercised(name: str, matrix: Matrix) -> None:
+    """Each strategy keeps its collected cases per provider (at least the counts above), every
+    strategy that may run a path is collected on it, and the collected pairs are exactly the
+    supported ones."""
+    for key, expected in MIN_SUPPORTED[name].items():
+        assert matrix.counts[key] >= expected, (name, key, matrix.counts[key])
+    for strategy in mla.PREFILL_STRATEGIES:
+        collected = sum(n for (_, _, s), n in matrix.counts.items() if s == strategy.NAME)
+        if name == "context" and strategy is mla.Fp8PersistentPrefill:
+            assert collected == 0  # no context-merge path: test_fp8_prefill_refuses_chunked_context
+        else:
+            assert collected >= 1, (name, strategy.NAME)
+    assert len(matrix.params) == sum(matrix.counts.values())
 
 
 def test_fp8_prefill_refuses_chunked_context() -> None:

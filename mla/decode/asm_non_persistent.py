@@ -1,4 +1,4 @@
-"""AsmNonPersistent: paged decode with head/qlen padding, no persistent schedule."""
+"""AsmNonPersistent: paged decode/verify, the kernel splitting KV itself (aiter asm on ROCm)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from mla.decode._paged import PagedDecode
 
 
 class AsmNonPersistent(PagedDecode):
-    """Non-persistent paged decode: the asm path when the persistent gate is closed.
+    """Paged decode and verify (any qlen) with no planned schedule: the kernel splits KV itself.
 
-    Same padding as PaddedAsmPersistent; the kernel splits KV itself. Output rows are
-    zero-filled before the kernel when the kernel qlen exceeds 1. Graph contract: uniform batch.
+    Where it runs: aiter's asm kernel (``mla_decode_fwd`` without schedule buffers) on ROCm
+    gfx942/gfx950, where the persistent gate is closed; elsewhere the provider's paged kernel in
+    its non-persistent mode: the Gluon kernels on Hopper (``gluon`` provider), Triton's on other
+    GPUs, the torch reference on the CPU.
+
+    Same padding as PaddedAsmPersistent. Output rows are zero-filled before the kernel when the
+    kernel qlen exceeds 1. Graph contract: uniform batch.
     """
 
     NAME: ClassVar[str] = "asm-non-persistent"

@@ -1,4 +1,4 @@
-"""PaddedAsmPersistent: paged decode with head/qlen padding on the persistent split-KV schedule."""
+"""PaddedAsmPersistent: paged decode/verify on a persistent split-KV schedule (aiter asm on ROCm)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ from mla.decode._paged import PagedDecode
 
 
 class PaddedAsmPersistent(PagedDecode):
-    """Persistent paged decode (aiter ``mla_decode_fwd`` with ``get_mla_metadata_v1`` buffers;
-    the Triton/torch split-KV schedule elsewhere).
+    """Paged decode and verify (any qlen) on a persistent split-KV schedule planned on the
+    device, heads and qlen padded to what the kernel takes.
+
+    Where it runs: aiter's asm kernel (``mla_decode_fwd`` with ``get_mla_metadata_v1`` buffers)
+    on ROCm gfx942/gfx950; elsewhere the provider's paged kernel on its split-KV schedule: the
+    Gluon kernels on Hopper (``gluon`` provider), Triton's on other GPUs, the torch reference on
+    the CPU.
 
     Heads pad to the provider's granularity (repeat-interleave for divisors, tile-and-slice
     otherwise); uniform batches whose qlen the kernel lacks pad to the kernel qlen by prepended

@@ -1,4 +1,5 @@
-"""GluonDecode: single-token decode on the small-head (Gluon-style) kernel, no head padding."""
+"""GluonDecode: single-token small-head decode (aiter's Gluon kernel on ROCm; Gluon/Triton/torch
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from mla.strategy import StrategySetup
 
 
 class GluonDecode(SmallHeadDecode):
-    """qlen-1 decode with the small-head kernel (aiter ``mla_gluon`` on gfx950; the Triton and
-    torch providers ship one on every arch).
+    """Single-token decode (qlen 1) on the small-head kernel: one row per request, heads as they
+    are (no padding).
+
+    Where it runs: aiter's Gluon kernel (``mla_gluon``) on ROCm gfx950 (gfx942 ships none);
+    elsewhere the provider's small-head kernel: the Gluon kernels on Hopper (``gluon``
+    provider), Triton's on other GPUs, the torch reference on the CPU.
 
     Applies when the batch's max qlen is 1 and the head count, query and KV dtypes fit the
     kernel. Rows are requests; their page table is the flat ``kv_indices`` itself. Graph

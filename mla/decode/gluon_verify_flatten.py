@@ -1,4 +1,4 @@
-"""GluonVerifyFlatten: speculative verify (qlen > 1) flattened to qlen-1 rows on the small-head kernel."""
+"""GluonVerifyFlatten: speculative verify (qlen > 1) as qlen-1 rows on the small-head kernel."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from mla.decode._small_head import SmallHeadDecode
 
 
 class GluonVerifyFlatten(SmallHeadDecode):
-    """Multi-token verify as independent qlen-1 rows.
+    """Multi-token speculative verify (qlen > 1) as independent qlen-1 rows on the small-head
+    kernel, each over its own causal window.
+
+    Where it runs: as :class:`~mla.decode.gluon.GluonDecode`, aiter's Gluon kernel on ROCm
+    gfx950; the Gluon kernels on Hopper (``gluon`` provider), Triton's on other GPUs, the torch
+    reference on the CPU.
 
     Row ``t`` of a request with ``q`` tokens and ``s`` keys attends the first
     ``clamp(s - (q - 1) + t, 0)`` keys: the right-aligned causal window (vLLM #50476 gave every

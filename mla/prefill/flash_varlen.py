@@ -1,4 +1,5 @@
-"""FlashVarlen: varlen flash attention for new tokens, chunked cached context merged by LSE."""
+"""FlashVarlen: varlen prefill with chunked cached context (aiter flash-attn on ROCm; Triton/torch
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from mla.strategy import StrategyKind, require_dtype
 
 
 class FlashVarlen(PrefillStrategy):
-    """Causal varlen attention (q/k ``qk_head_dim``, v ``v_head_dim``) with LSE.
+    """Causal varlen attention of the new tokens (q/k ``qk_head_dim``, v ``v_head_dim``) with
+    LSE, plus the cached context chunk by chunk.
+
+    Where it runs: aiter's ``flash_attn_varlen_func`` on ROCm; the Triton varlen kernel on other
+    GPUs (the ``gluon`` provider's too); the torch reference on the CPU.
 
     With cached context, each chunk is gathered from the cache, expanded to k/v by the engine's
     callback, attended non-causally, and merged with the new tokens' result by LSE

@@ -1,4 +1,5 @@
-"""Fp8PersistentPrefill: fp8 q/k/v prefill on a tiled persistent schedule with a reduce."""
+"""Fp8PersistentPrefill: fp8 prefill on a persistent tile schedule (aiter asm on gfx950;
+Triton/torch elsewhere)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from mla.strategy import StrategyKind
 
 
 class Fp8PersistentPrefill(PrefillStrategy):
-    """The varlen prefill math with q, k and v rounded to fp8 (dynamic per-tensor scales).
+    """The causal varlen prefill of the new tokens with q, k and v rounded to fp8 (dynamic
+    per-tensor scales), on a tile schedule whose fp32 partials a reduce merges.
 
-    aiter ``mla_prefill_ps_asm_fwd`` + ``mla_reduce_v1`` on gfx950 (256-row q tiles, fp32
-    partials); the Triton/torch providers run the same tiling. The tile schedule is planned on
-    the host in ``build_metadata``. No chunked-context path (aiter's non-causal LSE was wrong
-    before ROCm/aiter#3606), so steps with cached context go to FlashVarlen.
+    Where it runs: aiter's ``mla_prefill_ps_asm_fwd`` + ``mla_reduce_v1`` on ROCm gfx950
+    (256-row q tiles; gfx942 ships none); the Triton fp8 prefill kernel on other GPUs (the
+    ``gluon`` provider's too), the torch reference on the CPU, with the same tiling.
+
+    The tile schedule is planned on the host in ``build_metadata``. No chunked-context path
+    (aiter's non-causal LSE was wrong before ROCm/aiter#3606), so steps with cached context go
+    to FlashVarlen.
     """
 
     NAME: ClassVar[str] = "fp8-persistent-prefill"

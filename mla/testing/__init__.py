@@ -65,6 +65,7 @@ from mla.testing.check import (
     check_decode_strategy,
     check_prefill_strategy,
     decode_support,
+    prefill_support,
     rounded_inputs,
 )
 from mla.testing.compare import (
@@ -147,6 +148,7 @@ __all__ = [
     "poisoned_index_cache",
     "prefill_case_backend",
     "prefill_cases",
+    "prefill_support",
     "provider_kernels",
     "rounded_inputs",
     "scratch_registry",

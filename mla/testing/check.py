@@ -10,13 +10,15 @@ import attrs
 import torch
 
 from mla.core.config import EngineLimits, KVCacheSpec
+from mla.core.context import prefill_context
 from mla.core.errors import UnsupportedError
 from mla.core.explain import Explanation
 from mla.core.platform import Platform
 from mla.core.support import Reason, Support
 from mla.decode.base import DecodeStrategy
 from mla.engine.api import mla_prefill
-from mla.engine.registry import AnyStrategy, Registry
+from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.engine.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider
@@ -192,6 +194,56 @@ def check_decode_strategy(
 
 
 PrefillPath = Literal["auto", "api", "backend"]
+
+
+def prefill_support(
+    strategy_cls: type[PrefillStrategy],
+    case: PrefillCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    registry: Registry | None = None,
+    path: PrefillPath = "auto",
+) -> Support:
+    """Whether :func:`check_prefill_strategy` would run ``case`` with ``strategy_cls`` forced on
+    ``path`` (runs no kernel): empty when supported, else every reason.
+
+    The backend path builds the step's metadata on the CPU, as the check does. The API path asks
+    the resolver about the step :func:`mla.mla_prefill` sees (the case's dims and dtype, no
+    cached context), as the call does before it runs anything."""
+    plat = as_platform(platform)
+    prov = resolve_provider(provider, plat)
+    chosen = ("backend" if case.has_context else "api") if path == "auto" else path
+    if chosen == "backend":
+        inputs = make_prefill_inputs(case, "cpu")
+        backend = prefill_case_backend(
+            case,
+            provider=prov,
+            platform=plat,
+            strategy=strategy_cls,
+            registry=registry,
+            device="cpu",
+            num_blocks=inputs.context.kv_cache.shape[0],
+        )
+        try:
+            backend.builder.build(inputs.step())
+        except UnsupportedError as exc:
+            return _unsupported(strategy_cls, case.id, exc).support
+        return Support.yes()
+    ctx = prefill_context(
+        dims=case.dims,
+        cache=KVCacheSpec(1, case.dtype),
+        q_dtype=case.dtype,
+        platform=plat,
+        capabilities=prov.capabilities(plat),
+        availability=prov.availability(),
+        has_chunked_context=False,
+    )
+    try:
+        Resolver(registry or DEFAULT_REGISTRY).resolve(ctx, force=strategy_cls)
+    except UnsupportedError as exc:
+        return _unsupported(strategy_cls, case.id, exc).support
+    return Support.yes()
 
 
 def rounded_inputs(

@@ -105,31 +105,3 @@ def test_fold_plan_rejects_launches_that_cannot_fold(num_splits: int, grid: int,
         decode._fold_barrier(config, grid=grid, rank=rank, device=torch.device("cpu"))
     assert why in str(info.value)
     assert "fold=False" in str(info.value)
-
-
-SPILL_SCRIPT = """
-import json, sys
-sys.path.insert(0, "benchmarks")
-from gluon_compile import compile_variant, instruction_counts, sass_of
-
-out = {}
-for rows, fp8, splits in [(16, False, 2), (16, False, 128), (32, False, 2), (32, True, 128), (64, False, 2)]:
-    kernel = compile_variant(fp8=fp8, block_n=64, stages=2, rows=rows, fold=splits)
-    name = f"rows{rows}-{'fp8' if fp8 else 'bf16'}-fold{splits}"
-    out[name] = instruction_counts(sass_of(kernel), ["LDL", "STL"])
-json.dump(out, sys.stdout)
-"""
-
-
-def test_folded_kernels_compile_without_spills() -> None:
-    """The merge after the main loop must not push the few-rows kernel into local memory (a
-    whole ``rows × chunk`` piece in registers at once did: up to 2,950 spill loads at 32 rows
-    and two splits). Compiled for sm_90 in a process without the interpreter."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    import json
-
-    from sm90_compile import run_without_interpreter
-
-    counts = json.loads(run_without_interpreter(["-c", SPILL_SCRIPT]).strip().splitlines()[-1])
-    assert counts == {name: {"LDL": 0, "STL": 0} for name in counts}
-    assert len(counts) == 5

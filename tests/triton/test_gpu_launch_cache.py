@@ -3,8 +3,8 @@ the split-KV planner write the same values through the cached path as through Tr
 ``kernel[grid](...)``, for changing batch sizes, bounds, dtypes and tensor alignments (each of
 which may select another compiled kernel), and as the torch reference.
 
-Timing (not asserted here): ``python3 benchmarks/overhead.py`` prints ``build us``;
-``MLA_TRITON_LAUNCH_CACHE=0 python3 benchmarks/overhead.py`` times it without the cache.
+Timing (not asserted here): ``python3 -m benchmarks overhead`` prints ``build us``;
+``MLA_TRITON_LAUNCH_CACHE=0 python3 -m benchmarks overhead`` times it without the cache.
 """
 
 from __future__ import annotations

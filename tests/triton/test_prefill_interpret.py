@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 
-from mla import PREFILL_STRATEGIES, PrefillStrategy
+from mla import PREFILL_STRATEGIES, Fp8PersistentPrefill, PrefillStrategy
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.quant import quantize_per_tensor
 from mla.tools.reference import causal_visible, reference_prefill
@@ -33,7 +33,7 @@ from mla.providers.triton.fp8_prefill import (
     plan_fp8_prefill,
 )
 from mla.providers.triton.prefill import HeadDimBlocks, varlen_attention_fwd
-from mla.testing import PrefillCase, check_prefill_strategy
+from mla.testing import PrefillCase, check_prefill_strategy, prefill_support
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (q lengths, k lengths): Sk > Sq, Sk < Sq (rows with no key), empty requests, odd lengths
@@ -272,14 +272,26 @@ KIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("strategy", PREFILL_STRATEGIES, ids=lambda s: s.NAME)
-@pytest.mark.parametrize("case", KIT_CASES, ids=lambda c: c.id)
+KIT_PARAMS = [
+    pytest.param(strategy, case, id=f"{case.id}-{strategy.NAME}")
+    for case in KIT_CASES
+    for strategy in PREFILL_STRATEGIES
+    if prefill_support(strategy, case, provider="triton", platform="sm90")
+]
+"""The supported pairs only (the fp8 prefill has no context merge, so not the context case)."""
+
+
+def test_every_prefill_strategy_has_kit_cases() -> None:
+    """The varlen prefill takes every kit case; the fp8 prefill every one without context."""
+    for strategy in PREFILL_STRATEGIES:
+        collected = [p.values[1] for p in KIT_PARAMS if p.values[0] is strategy]
+        expected = [c for c in KIT_CASES if not (c.has_context and strategy is Fp8PersistentPrefill)]
+        assert collected == expected, strategy.NAME
+
+
+@pytest.mark.parametrize(("strategy", "case"), KIT_PARAMS)
 def test_prefill_strategy_conformance(strategy: type[PrefillStrategy], case: PrefillCase) -> None:
     """Both prefill strategies pass the conformance kit on the Triton provider (interpreter)."""
-    platform = "sm90" if DEVICE.type == "cpu" else None
-    result = check_prefill_strategy(
-        strategy, case, provider="triton", platform=platform or "sm90", device=DEVICE
-    )
-    if not result.supported:
-        pytest.skip(f"{strategy.NAME}: {result.reasons}")
+    result = check_prefill_strategy(strategy, case, provider="triton", platform="sm90", device=DEVICE)
+    assert result.supported, f"collected as supported, then declined: {result.reasons}"
     result.assert_passed()

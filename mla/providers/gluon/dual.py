@@ -35,8 +35,8 @@ whole warpgroup, ``m`` moves to the new max, ``P`` is taken and stored again and
 sums are rescaled: at a row's first tile with keys, then only where its scores jump
 (``test_late_score_spikes`` in the GPU tests makes them jump). The row sums stay per
 thread (``[keys, rows]``) and are summed across the warps once, after the loop. This takes
-every cross-warp reduction out of the loop but one shared-memory exchange (B128 S8192 166.8
-against 188.7 µs in the same run, below).
+every cross-warp reduction out of the loop but one shared-memory exchange (about 11% off the
+kernel; ``docs/performance.md``, "Kernel choices").
 
 The K tile and the query are read in the column order of :func:`.kernels._paired_k`: the four
 columns a thread holds of every 16 of a 16-bit register operand are then four adjacent fp8
@@ -47,7 +47,8 @@ in the cache's own column order; the output store maps accumulator rows back to 
 Each tile thus moves through shared memory as fp8 only: written once by the copies and read
 twice by its warpgroup (for QKᵀ and for PV). The design before this one stored the widened
 latent part as an fp16 V tile of 64 KB per tile for PV to read (128 KB of shared memory for the
-two warpgroups' tiles); reading Vᵀ from the fp8 slot instead took 10% off the kernel (below).
+two warpgroups' tiles); reading Vᵀ from the fp8 slot instead took 10% off the kernel
+(``docs/performance.md``, "Kernel choices").
 
 At the end warpgroup 1 hands its output, row max and row sum to warpgroup 0 through the
 program's slot of a global merge buffer (fp32, ``16 × (512 + 2)`` values per program, allocated
@@ -64,25 +65,19 @@ fp8 caches and 16 rows only (the fp32 output accumulators are 64 registers per t
 rows they would be 128). Work items, masking, NaN rules, scales and
 outputs are those of :mod:`.transposed`.
 
-Measured on the H200 (2026-12-01, graph-replay µs of the whole call, fp8 e4m3 cache, H16 q1,
-against the design before it, whose loader widened every tile into fp16 K tiles, in the same
-run): B128 S8192 224.2 against 252.3, B128 S4096 119.3 against 131.1, B64 S4096 69.1 against
-74.4, B1 S65536 26.2 against 27.7; reading in the paired column order (19:00 UTC) then took
-B128 S8192 from 228.2 to 212.9, B64 S4096 from 67.4 to 62.2; TMA for whole tiles (19:13 UTC)
-left the times as they were. ``benchmarks/decode.py`` (19:22 UTC): B128 S8192 204.8 µs, 1.33x
-the speed of a bf16 cache at the same shape (272.1). PV from the fp8 slot (about 21:10 UTC,
-``benchmarks/whatif.py --file``, the kernel before it in the same run): B128 S8192 189.5
-against 208.9 and 211.9, B64 S4096 57.4 against 63.5 and 64.0; the reference-max softmax
-(21:24 UTC): B128 S8192 166.8 against 188.7 and 188.1, B64 S4096 54.1 against 56.8 and 56.5.
+Each step of this design (the loader's own widening before it, the paired column order, TMA
+for whole tiles, PV from the fp8 slot, the reference-max softmax) was timed against the one
+before it; those measurements are in ``docs/history/`` ("The dual-chain fp8 kernel"), the
+current times in ``docs/performance.md``.
 
-Its MMA warps are issue-bound, so its time follows the SM clock, and at B128 S8192 it draws
-close to the H200's 700 W cap: 160.0 µs from a cool GPU, 174.2 µs sustained at 1777 MHz
-(2026-12-02, ``benchmarks/power.py``; docs/performance.md, "The power cap sets the fp8 ratio").
+Its MMA warps are issue-bound, so its time follows the SM clock, and at large batches it draws
+close to the GPU's power cap: sustained, it runs some 9% slower than from a cool GPU
+(``docs/performance.md``, "The power cap").
 
 compute-sanitizer: memcheck reports no errors. racecheck reports the ``gl.warp_specialize``
 start-up (see :mod:`.pingpong`) and, on tiles that come by ``cp.async``, can report the
 warpgroups' reads of a ring slot against the loader's copies into it:
-``benchmarks/ws_mbarrier_probe.py ring`` reproduces that with a 60-line copier and reader whose
+``probes/ws_mbarrier_probe.py ring`` reproduces that with a 60-line copier and reader whose
 values are right; racecheck does not take an mbarrier wait as ordering the ``cp.async`` writes
 issued after it.
 :func:`.planner.launch_config` picks it for every fp8 launch of 16-row tiles.

@@ -1,8 +1,8 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
 """The split reduce folded into the few-rows decode kernel: a grid barrier, then an in-kernel merge.
 
-A one-request decode (B1 S65536: 128 splits of 8 tiles) spends about 4 µs of its 28 after the
-last split finishes: the separate reduce launch and its 4 MB of partials. When every program of
+A one-request decode (B1 S65536: 128 splits of 8 tiles) spends about a seventh of its time after
+the last split finishes: the separate reduce launch and its 4 MB of partials. When every program of
 a non-persistent split launch is resident at once (at most one wave, launched cooperatively so
 the driver guarantees it), the kernel combines its own partials instead:
 
@@ -15,11 +15,11 @@ the driver guarantees it), the kernel combines its own partials instead:
 
 At B1 S65536 a 16-row program merges 64 values of one row: one LSE and one 256-byte run per
 split. (Cutting the latent columns instead, 4 columns of all 16 rows, gathered 16-byte pieces
-and 16 LSEs per split and cost 5.5 µs a launch on the H200 rather than the separate reduce's 3.3.)
+and 16 LSEs per split and measured slower than the separate reduce.)
 
-On the H200 (2026-12-02) the fold ties the separate reduce at B1 S65536 (28.3 µs each): the
-barrier costs about 1.6 µs and the merge 2, against the reduce's 3.2 with its launch; elsewhere
-it loses, so :func:`.planner.launch_config` never picks it (``docs/performance.md``).
+Measured, the fold ties the separate reduce on one long request (the barrier and the merge cost
+about what the reduce and its launch do) and loses elsewhere, so :func:`.planner.launch_config`
+never picks it (``docs/performance.md``, "Kernel choices").
 
 The barrier is two int32 words, ``[arrived, generation]``, that the kernel leaves as it found
 them (the last program to arrive resets ``arrived`` before it advances ``generation``), so a
@@ -156,7 +156,7 @@ def merge_output_slice(
     value_layout: gl.constexpr = gl.SliceLayout(0, layout)
     offs_s = gl.arange(0, BLOCK_S, layout=split_layout)
     offs_v = gl.arange(0, STEP, layout=value_layout)
-    # A step waits for its loads (about 1.2 µs from L2 on the H200, 2026-12-02; the output stores
+    # A step waits for its loads (over a microsecond, from L2; the output stores
     # of a pass keep the next pass's loads behind them), so a pass takes every split at once where
     # that fits (MERGE_VALUES); masks rather than branches.
     for e0 in range(0, E, STEP):

@@ -31,14 +31,15 @@ released and refilled **by halves**: warpgroup ``w`` frees latent columns
 Each 128-column chunk lands on its own barrier (``ready[s·CHUNKS + c]``: one arrival per loader
 thread), and ``QKᵀ`` runs chunk by chunk as they land, starting with the owner's half. Without
 the halves and chunks both MMA warpgroups spent most of their time waiting for whole tiles
-(H200, 2026-12-01, kernel µs: H128 q1 B64 S4096 174 → 161, verify H16 q4 B64 S4096 104 → 97).
+(the halves and chunks took about 7% off both 64-row cases measured;
+``docs/performance.md``, "Kernel choices").
 
 Each MMA warpgroup publishes its row max, rescale and row sum in a buffer of its own (one writer,
 one reader), and the LSE is written by the warpgroup that owns the last tile, whose running max
 and sum are the final ones. With both, compute-sanitizer's racecheck flags none of the kernel's
 buffers; it still flags the start-up hand-off that Triton generates for ``gl.warp_specialize``
 (the partitions' state and arguments, ordered by full-CTA barriers in the PTX; a 60-line probe,
-``benchmarks/ws_mbarrier_probe.py``, shows the same reports).
+``probes/ws_mbarrier_probe.py``, shows the same reports).
 
 Selected by ``GluonLaunchConfig(pingpong=True)``, which :func:`.planner.launch_config` picks for
 every 64-row tile of a 16-bit cache.

@@ -9,37 +9,24 @@ two MMA warpgroups taking alternate KV tiles) for 16-bit caches, on the 64-row k
 kernel: query tile 72 KB, a two-stage ring of 64-token bf16 KV tiles 144 KB, the token-id ring;
 221 KB in all; the ping-pong kernel 231 KB; the dual-chain kernel 171 KB; the few-rows kernel
 165–222 KB), so one program is resident per SM (compiler report for sm_90,
-``benchmarks/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the tile run
+``probes/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the tile run
 as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
 the second read of a tile hits L2).
 
-Tile shape (H200, 2026-12-01, ``benchmarks/gluon_dev.py --sweep``, graph replay, µs):
-
-=========================  ===========  ==========  ==========  ==========
-case                       n64 s2       n32 s4      n32 s4      n16 s8
-                           serial       serial      overlap     overlap
-=========================  ===========  ==========  ==========  ==========
-H16 q1 B128 S8192 bf16     **368**      532         641         1089
-H16 q1 B1 S65536 bf16      **38**       49          57          85
-H16 q4 B64 S4096 bf16      **199**      239         264         379
-H128 q1 B64 S4096 bf16     **197**      279         330         553
-H16 q1 B128 S8192 fp8 (*)  **635**      848 (s6)    951         1361
-=========================  ===========  ==========  ==========  ==========
-
-(*) before the fp8 widening lost its shared-memory bank conflicts (the same case takes 286 µs
-since; ``docs/performance.md``).
+Tile shape: 64-token tiles in a two-stage ring, serial MMAs, were the fastest on every case
+swept (32- and 16-token tiles with deeper rings and overlapped MMAs were slower;
+``docs/performance.md``, "Kernel choices").
 
 Time grows with the number of tiles, not with the bytes: every tile re-reads the whole 64×576
 query tile from shared memory for QKᵀ in both warpgroups (144 KB per tile, the wgmma A operand)
 besides the softmax's cross-warpgroup exchanges, so the largest tile that fits (64 tokens, two
 stages) wins, and the software-pipelined loop (``overlap``) does not pay it back.
 
-The transposed kernel on two warpgroups (64 rows, each warpgroup owning 32) was measured
-against the 64-row kernel on 2026-12-01 (``gluon_dev.py --breakdown``, kernel µs): verify q4
-H16 B64 S4096 118.3 against 106.8, H128 q1 B64 S4096 223.7 against 197.4: both warpgroups read
-the whole K tile for QKᵀ and Vᵀ for PV (about 350 KB of shared memory per tile against 280 KB),
-so 33–64 rows stay on the 64-row kernel; ``GluonLaunchConfig(row_tile=64, transposed=True)``
-selects it explicitly.
+The transposed kernel on two warpgroups (64 rows, each warpgroup owning 32) measured slower than
+the 64-row kernel at 64 rows (verify q4 and 128 heads; ``docs/performance.md``, "Kernel
+choices"): both warpgroups read the whole K tile for QKᵀ and Vᵀ for PV (about 350 KB of shared
+memory per tile against 280 KB), so 33–64 rows stay on the 64-row kernel;
+``GluonLaunchConfig(row_tile=64, transposed=True)`` selects it explicitly.
 
 Splits are sized in whole waves (a program in a mostly empty second wave costs a full one):
 
@@ -87,8 +74,8 @@ class GluonLaunchConfig:
     """Depth of the shared-memory KV ring (16-bit caches: tiles in flight = ``num_stages - 1``;
     the few-rows kernel's fp8 ring refills a slot once its tile is widened into the one fp16
     tile, so all ``num_stages`` fp8 tiles are in flight). Two stages fill the shared memory of
-    the 16-bit kernels; on fp8, three measured no better than two (H200, 2026-12-01, kernel µs:
-    285.8 against 287.6 at H16 q1 B128 S8192, 91.9 against 88.8 at q2 B64 S4096)."""
+    the 16-bit kernels; on fp8, three measured no better than two
+    (``docs/performance.md``, "Kernel choices")."""
     num_splits: int = 1
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
     overlap: bool = False
@@ -105,17 +92,15 @@ class GluonLaunchConfig:
     """Run 64 rows on the ping-pong kernel of :mod:`.pingpong` (two MMA warpgroups taking
     alternate KV tiles, a loader warpgroup; 16-bit caches, 64-token tiles, two stages) instead of
     the 64-row kernel of :mod:`.kernels`. :func:`launch_config` picks it for every 16-bit launch
-    of 64-row tiles: it was faster on every 64-row case measured (H200, 2026-12-01, graph µs:
-    H128 q1 B64 S4096 153 against 196, verify H16 q4 B64 S4096 102 against 114, H64 q1 B64
-    S4096 103 against 112, verify H16 q8 B64 S4096 156 against 197)."""
+    of 64-row tiles: it was faster on every 64-row case measured
+    (``docs/performance.md``, "Kernel choices")."""
 
     dual: bool = False
     """Run 16 rows of an fp8 cache on the dual-chain kernel of :mod:`.dual` (a loader
     warpgroup that gathers the fp8 tiles, two MMA warpgroups taking alternate tiles, each
     widening its own in registers, with a running output each, merged at the end) instead of
-    the few-rows kernel. :func:`launch_config` picks it for every fp8 launch of 16-row tiles: on
-    the H200 (2026-12-01, ``benchmarks/decode.py``, graph µs, H16 q1 B128 S8192) 166.9 against
-    285.5 on the few-rows kernel."""
+    the few-rows kernel. :func:`launch_config` picks it for every fp8 launch of 16-row tiles: it
+    takes about 40% off the few-rows kernel's time on fp8 (``docs/performance.md``, "Kernel choices")."""
 
     fold: bool = False
     """Fold the split reduce into the few-rows kernel (:mod:`.fold`: a cooperative launch, a
@@ -123,9 +108,8 @@ class GluonLaunchConfig:
     instead of launching the separate reduce. Needs the transposed kernel (16-bit or fp8 cache),
     ``num_splits`` that :func:`.fold.fold_slice` accepts (a power of two from 2 up: 128 splits of
     a 16-row block merge 64 values each) and the whole grid in one wave (checked at launch).
-    :func:`launch_config` leaves it off: on the H200 (2026-12-02, ``benchmarks/fold.py``, graph
-    µs) it ties the separate reduce at H16 q1 B1 S65536 (28.3 each) and loses at two splits
-    (B64 S4096: 87.3 against 80.6)."""
+    :func:`launch_config` leaves it off: it ties the separate reduce on one long request and
+    loses at two splits (``docs/performance.md``, "Kernel choices")."""
 
     def row_blocks(self, rows: int) -> int:
         return -(-rows // self.row_tile)
@@ -138,9 +122,8 @@ def decode_kernel(
 
     The Gluon kernels are built for 16-bit queries, a cache of the query's dtype or fp8 (e4m3 /
     e5m2, widened to fp16 in shared memory) and the 512 + 64 latent/rope split; everything else
-    runs on the Triton provider's decode kernel. Both Gluon kernels measured faster on fp8 than
-    the Triton kernel (H200, 2026-12-01, kernel µs: H16 q1 B128 S8192 286 against 514, H16 q4
-    B64 S4096 157 against 472, H128 q1 B64 S4096 302 against 912).
+    runs on the Triton provider's decode kernel. The Gluon kernels measured 1.8–3x faster on fp8
+    than the Triton kernel (``docs/performance.md``, "Kernel choices").
     """
     if (kv_lora_rank, rope_dim) != (SUPPORTED_LATENT, SUPPORTED_ROPE):
         return "triton", (

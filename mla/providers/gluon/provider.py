@@ -122,9 +122,8 @@ class GluonProvider(KernelProvider):
             self._triton.capabilities(platform),
             provider=self.name,
             archs=frozenset({GLUON_ARCH}),
-            # H200, 2026-12-01 (benchmarks/gluon_dev.py --sweep): non-persistent as fast or
-            # faster on every case (H16 B128 S8192 279 vs 296 us, B64 S4096 103 vs 106 us)
-            # except one long request (B=1 S=65536: 33.1 vs 32.4 us).
+            # Non-persistent measured as fast or faster on every case but one long request
+            # (docs/performance.md, "Kernel choices").
             persistent_decode_preferred=False,
         )
 

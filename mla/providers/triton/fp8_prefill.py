@@ -12,10 +12,9 @@ Work decomposition (planned once per step on the host by :func:`plan_fp8_prefill
 * the kernel runs ``num_programs`` programs; program ``p`` takes units ``p, p + P, p + 2P, ...``.
   Units are ordered request by request (most work first), head by head, longest split first, so
   programs running at the same time share one head's K/V in L2. The GPU planner launches one
-  program per unit: on the H200 (2026-11-29, 192/128 causal, 4 x 4096 and 16 x 1024 tokens) the
-  hardware block scheduler balanced the uneven causal units 11-19% faster than a static
-  round-robin over one program per SM. ``num_programs < num_units`` gives that persistent
-  round-robin (the tests exercise it).
+  program per unit: the hardware block scheduler balanced the uneven causal units 11-19% faster
+  than a static round-robin over one program per SM (192/128 causal; ``docs/performance.md``).
+  ``num_programs < num_units`` gives that persistent round-robin (the tests exercise it).
 
 Precision: QK runs as an fp8 x fp8 tensor-core dot (fp32 accumulation), so scores are exact
 products of the stored values; ``q_scale * k_scale * softmax_scale`` is applied to the fp32
@@ -369,9 +368,9 @@ def choose_fp8_config(device: torch.device, qk_dim: int, v_dim: int, tile_q: int
     """Launch heuristic for :func:`fp8_prefill_fwd` (``block_m`` is the plan's tile).
 
     NVIDIA sm89+ with ``Dqk, Dv <= 256``: ``BLOCK_N`` 64, 8 warps, 3 stages (fp8 K/V stages are
-    half the bytes of bf16 ones). H200 sweep (2026-11-29, 192/128 causal): best at 16 x 1024
-    tokens; at 4 x 4096 ``BLOCK_N`` 128 with 3 stages was 7-8% faster (not yet chosen by tile
-    length). Elsewhere (interpreter, AMD): ``BLOCK_N`` 32/64, 4 warps.
+    half the bytes of bf16 ones): the best swept at 16 x 1024 tokens (192/128 causal); at
+    4 x 4096 ``BLOCK_N`` 128 with 3 stages was 7-8% faster (not yet chosen by tile length;
+    ``docs/performance.md``). Elsewhere (interpreter, AMD): ``BLOCK_N`` 32/64, 4 warps.
     """
     if device.type != "cuda":
         return AttentionLaunchConfig(tile_q, 32, 4, 1)

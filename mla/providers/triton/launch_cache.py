@@ -3,7 +3,7 @@
 ``kernel[grid](*args, **kwargs)`` costs 10-20 µs of host time on Triton 3.6 even when the
 kernel is compiled: each call binds the arguments, specializes every one of them, builds and
 looks up the cache key, builds the launch metadata for the (empty) launch hooks and then calls
-the compiled kernel's launcher. The cached path costs about half (``benchmarks/build_host.py
+the compiled kernel's launcher. The cached path costs about half (``probes/build_host.py
 --launch triton`` times both on a CPU).
 :class:`LaunchCache` keeps the compiled kernel of each specialization and calls its launcher
 directly on later calls with the same specialization::

@@ -11,8 +11,8 @@ splits in one pass, ``BLOCK_S`` splits per step, with a running maximum (the loa
 not wait on each other or on the previous step). The launch sizes ``BLOCK_D`` so that the grid
 has at least two programs per SM and ``BLOCK_S`` to the split count: with a 2-way split at
 H16 q1 B64 the reduce reads 4 MB, and a reduce program per 64 lanes that walked its splits twice
-(maximum pass, then weighted-sum pass, 64 splits a step) spent 25 µs on it, latency-bound
-(H200, 2026-12-01, ``benchmarks/gluon_dev.py --breakdown``).
+(maximum pass, then weighted-sum pass, 64 splits a step) spent a quarter of the step's time
+on it, latency-bound.
 
 NaN handling: a partial whose LSE is NaN (a key its rows see is NaN) makes the merged row NaN;
 rows with no visible key in any split come out as ``o = 0``, ``lse = -inf``.
@@ -30,10 +30,9 @@ from mla.providers.split_kv import SplitKVSchedule
 MERGE_TILE = 8192
 """fp32 elements of one ``[BLOCK_S, BLOCK_D]`` step (32 KB: 64 registers a thread on 4 warps)."""
 MIN_BLOCK_D = 32
-"""Narrowest latent chunk a program merges (more programs for small batches). 32 against 64 on
-the H200 (2026-12-02, graph-replay µs of the Gluon decode and its reduce, three rounds each):
-bf16 H16 q1 B1 S65536 (128 splits) 28.2–28.4 against 28.8–29.0, its fp8 cache 23.6–24.7 against
-24.3–24.9, B2 S32768 29.9–30.3 against 30.9–31.1; 16 was no better than 32."""
+"""Narrowest latent chunk a program merges (more programs for small batches). 32 measured
+2–3% faster than 64 on one and two long requests, and 16 no better than 32
+(``docs/performance.md``, "Kernel choices")."""
 MAX_BLOCK_S_SCHEDULED = 64
 """Most splits per step of a planned schedule. Its split counts are known only on the device:
 the planner spreads about ``num_sms`` items over the requests, so a step takes

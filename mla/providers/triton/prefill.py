@@ -372,9 +372,9 @@ def choose_varlen_config(
     * NVIDIA sm80+ and 16-bit inputs with ``Dqk, Dv <= 256``: 128 x 64 tiles, 8 warps,
       3 pipeline stages on sm90+ (2 below: 164 KB of shared memory on sm80). For 192/128 this
       holds Q (48 KB) plus three K/V stages (40 KB each) in shared memory, 255 registers, no
-      spills. H200 sweep (2026-11-29, 192/128 causal bf16, H 16/128, 4 x 4096 and 16 x 1024):
-      best on all four shapes (415-437 TFLOP/s at 4 x 4096); 2 stages -18%, 128 x 128 (spills)
-      -8%, 64 x 64 with 4 warps -30%, 4 stages no gain.
+      spills. The best swept on all four shapes (192/128 causal bf16, H 16/128, 4 x 4096 and
+      16 x 1024): 2 stages -18%, 128 x 128 (spills) -8%, 64 x 64 with 4 warps -30%, 4 stages no
+      gain (``docs/performance.md``).
     * AMD and older NVIDIA: 64 x 64, 4 warps, 1 stage.
     * ``max_seqlen_q <= 64`` halves ``block_m`` to 64 (a 128-row block would be half empty).
     """

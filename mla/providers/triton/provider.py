@@ -137,9 +137,8 @@ class TritonProvider(KernelProvider):
             fp8_dtype=torch.float8_e4m3fnuz if platform.arch == "gfx942" else torch.float8_e4m3fn,
             sparse_kv_dtypes=_FLOATS | fp8 | (frozenset({DS_MLA_DTYPE}) if e4m3 else frozenset()),
             index_key_dtypes=_FLOATS | e4m3,
-            # H200, 2026-11-29 (benchmarks/decode.py): non-persistent was as fast or faster on
-            # every row but one (H16 B64 S4096 120 vs 123 us, B128 S8192 382 vs 391 us, fp8
-            # 515 vs 535 us, H128 324 vs 455 us); persistent won only B=1 S=65536 (43 vs 49 us).
+            # Non-persistent measured as fast or faster on every case but one long request
+            # (docs/performance.md, "Kernel choices").
             persistent_decode_preferred=False,
         )
 

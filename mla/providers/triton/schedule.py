@@ -30,8 +30,8 @@ registers). Slots = SMs × programs_per_sm is the size of one wave.
 
 fp8 caches use 64-token tiles (32 above 16 rows), 8 warps and a hand-written register prefetch
 of the next tile (``reg_pipeline``; Triton does not cp.async-pipeline a tile that is widened
-before the dots); 255 registers × 256 threads hold one program per SM. Measured on an H200
-(2026-11-29): fp8 at 16 heads runs at ~1.1 TB/s, slower than bf16; see benchmarks/decode.py.
+before the dots); 255 registers × 256 threads hold one program per SM. fp8 at 16 heads runs
+slower than bf16 on this kernel (the Gluon kernels take fp8 on Hopper; ``docs/performance.md``).
 Rows above 64 run as ``ceil(rows / 64)`` row blocks over the same KV range (adjacent
 programs, so the second read of a tile hits L2).
 
@@ -46,10 +46,9 @@ costs as much as a full one:
   short tail item (132 units cut B=64 × 4096 tokens into 2 items of 1986 plus one of 124 per
   request; 128 units into 2 of 2048: 18% faster at one program per SM).
 
-Measured on an H200 (2026-11-29, CUDA-graph replay) against the previous rule (``2·SMs``
-programs, ``2·SMs`` units): non-persistent H16 B64 S4096 150 → 120 µs, B128 S8192 451 → 382 µs;
-persistent H128 B64 S4096 562 → 455 µs, H16 B=1 S=65536 54 → 43 µs (with the wider reduce
-steps of :mod:`.decode`); persistent H16 rows unchanged (±2%).
+Against the previous rule (``2·SMs`` programs, ``2·SMs`` units) these sizes took 15–25% off the
+non-persistent and the 128-head persistent cases and left the 16-head persistent ones as they
+were (``docs/performance.md``, "Kernel choices").
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ per-instruction export.
 
     ncu --kernel-name regex:mla_decode_dual --launch-skip 1 --launch-count 1 \\
         --section SourceCounters --page source --print-source sass --csv \\
-        python3 benchmarks/gluon_dev.py --once fp8 > dual_sass.csv
-    python benchmarks/ncu_stalls.py dual_sass.csv
+        python3 -m probes.gluon_dev --once fp8 > dual_sass.csv
+    python -m probes.ncu_stalls dual_sass.csv
 
 The SASS of a ``gl.warp_specialize`` kernel holds each partition's code in one stretch. The MMA
 partitions are the stretches around clusters of ``HGMMA`` instructions; what follows the last
@@ -19,7 +19,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 
-from _common import print_table
+from benchmarks._common import print_table
 
 GAP = 400
 """SASS instructions between two HGMMA clusters that start a new partition."""

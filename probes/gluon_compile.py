@@ -1,6 +1,6 @@
 """Compile the Gluon decode kernel for sm_90 without a GPU and print its resource report.
 
-    python benchmarks/gluon_compile.py [--fp8] [--block-n 64] [--stages 2] [--sass]
+    python -m probes.gluon_compile [--fp8] [--block-n 64] [--stages 2] [--sass]
         [--rows 16|32|64 [--fold SPLITS]] [--pingpong] [--dual]
 
 Prints registers, spills, shared memory and counts of the key SASS instructions (HGMMA,
@@ -13,15 +13,12 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mla.providers.gluon.dual import LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.kernels import mla_decode_kernel

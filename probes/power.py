@@ -1,8 +1,8 @@
 """Which decode cases run into the GPU's power cap: each case timed after idle and sustained.
 
-    python benchmarks/power.py                       # the decode matrix, ~1-2 min on an H200
-    python benchmarks/power.py --only fp8 compute    # some cases (the names of decode.py's --only)
-    python benchmarks/power.py --idle 4 --sustain 3 --json OUT.json
+    python -m probes.power                       # the decode matrix, ~1-2 min on an H200
+    python -m probes.power --only fp8 compute    # some cases (the names of decode.py's --only)
+    python -m probes.power --idle 4 --sustain 3 --json OUT.json
 
 The H200 is capped at 700 W. A kernel that draws near the cap makes the GPU lower its SM clock
 (nvidia-smi's throttle reason 0x4, software power cap) after about a second, so the same kernel
@@ -22,17 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import (
+from benchmarks._common import (
     GpuState,
     bench_graph_us,
     gpu_name,
@@ -41,8 +37,7 @@ from _common import (
     print_table,
     sample_gpu_state,
 )
-from decode import MATRIX, Problem, Shape, check_before_timing, label, select_cases
-
+from benchmarks.decode import MATRIX, Problem, Shape, check_before_timing, label, select_cases
 from mla.providers import get_provider
 
 
@@ -97,9 +92,9 @@ def main() -> None:
     args = parser.parse_args()
     shapes = select_cases(MATRIX, args.only, parser)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/power.py needs a CUDA GPU")
+        raise SystemExit("probes/power.py needs a CUDA GPU")
     if not (support := get_provider("gluon").availability()):
-        raise SystemExit(f"benchmarks/power.py times the Gluon provider, which is unavailable: {support}")
+        raise SystemExit(f"probes/power.py times the Gluon provider, which is unavailable: {support}")
     print(f"# GPU: {gpu_name()}, torch {torch.__version__}", flush=True)
     rows = [run_case(s, idle_s=args.idle, sustain_s=args.sustain) for s in shapes]
     if args.json:

@@ -1,6 +1,6 @@
 """Development harness of the Gluon decode: check every variant on small shapes, then time.
 
-    python benchmarks/gluon_dev.py [--sweep] [--out DIR]
+    python -m probes.gluon_dev [--sweep] [--out DIR]
 
 Checks (against the torch reference provider, NaN-poisoned outputs): bf16 and fp8 caches,
 page sizes 1/16/64 via random token permutations, heads 1..128, qlen 1..8 uniform and mixed,
@@ -15,18 +15,14 @@ import argparse
 import json
 import math
 import os
-import sys
 import traceback
 from typing import Any
 
 import attrs
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import bench_graph_us, print_table, rel_error
-from decode import SCALE, Problem, label
-
+from benchmarks._common import bench_graph_us, print_table, rel_error
+from benchmarks.decode import SCALE, Problem, label
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon import decode as gd
 from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
@@ -211,7 +207,7 @@ def checks(log: list[dict[str, Any]]) -> bool:
 
 def sweep(rows: list[dict[str, Any]]) -> None:
     """The 64-row kernel against the transposed few-rows kernel on the few-row cases."""
-    from decode import Shape
+    from benchmarks.decode import Shape
 
     dev = torch.device("cuda")
     shapes = [
@@ -283,7 +279,7 @@ def kernel_times(fn: Any, reps: int = 20) -> dict[str, float]:
 
 def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
     """Per shape and launch variant: graph-replay time and each kernel's device time."""
-    from decode import Shape
+    from benchmarks.decode import Shape
 
     dev = torch.device("cuda")
     shapes = [
@@ -361,7 +357,7 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
 def run_once(kv: str) -> None:
     """H16 q1 B128 S8192 on the provider's own launch, twice (the first compiles): a target for
     a profiler, e.g. ``ncu --kernel-name regex:mla_decode --launch-skip 1 --launch-count 1``."""
-    from decode import Shape
+    from benchmarks.decode import Shape
 
     prob = Problem(Shape("fp8" if kv == "fp8" else "mem", 16, 1, 128, 8192, kv=kv), torch.device("cuda"))
     for _ in range(2):

@@ -1,7 +1,7 @@
 """The split reduce folded into the few-rows decode kernel, against the separate reduce launch.
 
-    python benchmarks/fold.py                 # every case, three alternating rounds (~1-2 min on an H200)
-    python benchmarks/fold.py --rounds 5 --json OUT.json
+    python -m probes.fold                 # every case, three alternating rounds (~1-2 min on an H200)
+    python -m probes.fold --rounds 5 --json OUT.json
 
 For each case (16 or 32 rows, non-persistent splits that fit one wave, so the launch can fold)
 it runs the Gluon decode with the launch heuristic's configuration twice, ``fold=False`` (decode
@@ -21,24 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 from typing import Any
 
 import attrs
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import bench_graph_us, gpu_name, print_table
-from decode import RANK, Problem, Shape, check_before_timing, label
-from gluon_dev import kernel_times
-
+from benchmarks._common import bench_graph_us, gpu_name, print_table
+from benchmarks.decode import RANK, Problem, Shape, check_before_timing, label
 from mla.providers import get_provider
 from mla.providers.gluon.decode import paged_decode
 from mla.providers.gluon.fold import fold_slice, foldable_splits
 from mla.providers.gluon.planner import GluonLaunchConfig, launch_config
 from mla.providers.triton.decode import num_sms
+from probes.gluon_dev import kernel_times
 
 CASES = [
     Shape("long", 16, 1, 1, 65536),
@@ -135,9 +130,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/fold.py needs a CUDA GPU")
+        raise SystemExit("probes/fold.py needs a CUDA GPU")
     if not (support := get_provider("gluon").availability()):
-        raise SystemExit(f"benchmarks/fold.py times the Gluon provider, which is unavailable: {support}")
+        raise SystemExit(f"probes/fold.py times the Gluon provider, which is unavailable: {support}")
     print(f"# GPU: {gpu_name()}, torch {torch.__version__}", flush=True)
     rows = []
     for shape in CASES:

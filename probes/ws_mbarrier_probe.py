@@ -10,8 +10,8 @@ arriving on ``p_ready[k % 2]``: the hand-off the ping-pong decode kernel
 Every access is ordered (bar.sync of the writer's warps, one arrive with release semantics, the
 reader's wait with acquire semantics) and the values are checked.
 
-    compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py handoff 4
-    compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py alternate 6
+    compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe handoff 4
+    compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe alternate 6
 
 ``ring``: the default partition ``cp.async``-copies round ``k``'s row of a global matrix into a
 shared-memory slot and announces it with ``cp.async.mbarrier.arrive.noinc`` on ``landed`` (one
@@ -21,8 +21,8 @@ into the slot: the ring hand-off of the dual-chain kernel (``mla/providers/gluon
 ``ring-wait`` announces each round instead after ``cp.async.wait_group 0``, a barrier of the
 copier's warps and one arrive with release semantics.
 
-    compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py ring 6
-    compute-sanitizer --tool racecheck python3 benchmarks/ws_mbarrier_probe.py ring-wait 6
+    compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe ring 6
+    compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe ring-wait 6
 
 H200, Triton 3.6, 2026-12-01: ``handoff`` (1 and 4 rounds) 0 hazards; ``alternate`` (6 rounds)
 1 hazard (5 to 16 instances between runs) between two accesses of compiler-generated code at

@@ -1,9 +1,9 @@
 """Host time of ``backend.builder.build(step)`` alone, on any machine (no GPU needed).
 
-    python benchmarks/build_host.py                      # B 1/64/128 x block 1/64, H16, S4096
-    python benchmarks/build_host.py --launch triton      # with the Triton fill's host launch path
-    python benchmarks/build_host.py --profile            # plus a cProfile of 2000 builds per shape
-    python benchmarks/build_host.py --vary               # plus steps whose seq_lens change
+    python -m probes.build_host                      # B 1/64/128 x block 1/64, H16, S4096
+    python -m probes.build_host --launch triton      # with the Triton fill's host launch path
+    python -m probes.build_host --profile            # plus a cProfile of 2000 builds per shape
+    python -m probes.build_host --vary               # plus steps whose seq_lens change
 
 The backend runs on the CPU with the torch provider, and the provider's device calls of a
 decode build (``fill_page_indices``, ``plan_decode_schedule``) are replaced by no-ops, so what is
@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import sys
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import print_profile, print_table, wall_us
-
 import mla
+from benchmarks._common import print_profile, print_table, wall_us
 
 STUBBED = ("fill_page_indices", "plan_decode_schedule")
 """Provider methods a decode build calls: the device work, replaced by no-ops here."""

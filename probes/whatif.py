@@ -1,9 +1,9 @@
 """What bounds a Gluon decode kernel: time it with one piece of its work taken out.
 
-    python benchmarks/whatif.py [--kernel dual|pingpong|rows] [--variants main ...] [--shapes ...]
-    python benchmarks/whatif.py --kernel pingpong --list   # the variants, no GPU needed
-    python benchmarks/whatif.py --compile-only             # compile every variant for sm_90, no GPU
-    python benchmarks/whatif.py --file my_dual.py --variants main file:my_dual   # a changed copy
+    python -m probes.whatif [--kernel dual|pingpong|rows] [--variants main ...] [--shapes ...]
+    python -m probes.whatif --kernel pingpong --list   # the variants, no GPU needed
+    python -m probes.whatif --compile-only             # compile every variant for sm_90, no GPU
+    python -m probes.whatif --file my_dual.py --variants main file:my_dual   # a changed copy
 
 Each variant is the source of the kernel's module (``mla/providers/gluon/dual.py``, the
 dual-chain fp8 kernel; ``pingpong.py``, the 64-row kernel of 16-bit caches; or
@@ -19,7 +19,7 @@ in the table) are candidates: they must match the reference like ``main``. Every
 timed as CUDA-graph replays of the whole decode call (and per kernel with the torch profiler) on
 the kernel's shapes of ``benchmarks/decode.py`` (``H16q1B128S8192``: heads, qlen, batch,
 sequence length); ``main`` runs first and last to show the run-to-run spread. Results:
-``docs/performance.md``, "The dual-chain fp8 kernel".
+``docs/history/``, "The dual-chain fp8 kernel".
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import importlib.util
 import math
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -37,14 +36,10 @@ from typing import Any
 
 import attrs
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import print_table
-
 import mla.providers.gluon.dual as dual_on_main
 import mla.providers.gluon.pingpong as pingpong_on_main
 import mla.providers.gluon.transposed as rows_on_main
+from benchmarks._common import print_table
 
 Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
@@ -250,7 +245,7 @@ _NO_CONSECUTIVE_CHECK: list[Edit] = [
 # scores, summed per row after it; 1/s scales the scores. fp8 wgmma sums with less than fp32
 # precision (about 14 bits), so the scores move more than with fp16 MMAs: on the H200
 # (2026-12-02) it ran about 3% faster than main at B128 S8192 with an LSE error of 1.05e-3
-# against main's 1.9e-6 (docs/performance.md, "Measured on 2026-12-02").
+# against main's 1.9e-6 (docs/history/, "Measured on 2026-12-02").
 _QUERY_PARTS_FN = """
 @gluon.jit
 def _query_fp8_parts(q_nope_smem, q_pe_smem, q8_lat, q8_rope, qs_smem, L: gl.constexpr):
@@ -608,7 +603,7 @@ MAX_SHARED_BYTES = 227 * 1024
 def compile_variant(kernel: Kernel, name: str, workdir: str) -> Any:
     """Variant ``name`` compiled for sm_90 on this machine (no GPU needed): Triton's compiled
     kernel, with its metadata and cubin."""
-    import gluon_compile
+    from probes import gluon_compile
 
     on_main = getattr(gluon_compile, kernel.name)
     setattr(gluon_compile, kernel.name, load_variant(kernel, name, workdir))
@@ -621,7 +616,7 @@ def compile_variant(kernel: Kernel, name: str, workdir: str) -> Any:
 def compile_only(kernel: Kernel, names: list[str]) -> None:
     """Compile every variant for sm_90 on this machine (no GPU): shared memory, HGMMA, STSM and
     spill-store counts. A variant over :data:`MAX_SHARED_BYTES` is an error."""
-    import gluon_compile
+    from probes import gluon_compile
 
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
@@ -665,13 +660,13 @@ def run(
     times in one process (the spread between rounds is the noise to judge a variant against), each
     variant's result checked against the reference before it is timed."""
     import torch
-    from _common import bench_graph_us
-    from decode import Problem, Shape
-    from gluon_dev import kernel_times
 
+    from benchmarks._common import bench_graph_us
+    from benchmarks.decode import Problem, Shape
     from mla.providers.gluon import decode as gluon_decode
     from mla.providers.gluon.planner import launch_config
     from mla.providers.triton.decode import num_sms
+    from probes.gluon_dev import kernel_times
 
     device = torch.device("cuda")
     on_main = getattr(gluon_decode, kernel.name)

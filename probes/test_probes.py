@@ -1,0 +1,108 @@
+"""The probes' own checks, on the CPU, run on demand (``python -m pytest -q probes``), not in CI.
+
+* ``probes/whatif.py`` edits the Gluon kernels' source: every edit must still apply, and every
+  variant compile. When a kernel changes, an edit whose snippet is gone would make the variant
+  time the unchanged kernel; the probe refuses that, and this says so before a GPU session is
+  spent on it.
+* The split reduce folded into the few-rows kernel (``mla.providers.gluon.fold``) must not push
+  it into local memory (a whole ``rows × chunk`` piece in registers at once did: up to 2,950
+  spill loads at 32 rows and two splits).
+
+Compiling for sm_90 needs no GPU, only a process without the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+from probes import whatif
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_without_interpreter(args: list[str], *, timeout: float = 900) -> str:
+    """``python args...`` from the repository root without ``TRITON_INTERPRET``; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+CASES = [(kernel, name) for kernel, spec in sorted(whatif.KERNELS.items()) for name in spec.variants]
+
+
+@pytest.mark.parametrize(("kernel", "name"), CASES, ids=[f"{k}-{n}" for k, n in CASES])
+def test_every_edit_applies_once(kernel: str, name: str) -> None:
+    spec = whatif.KERNELS[kernel]
+    source = whatif.variant_source(spec, name)
+    ast.parse(source)
+    original = Path(spec.module.__file__).read_text()
+    assert (source == original) == (name == "main")
+
+
+@pytest.mark.parametrize("kernel", sorted(whatif.KERNELS))
+def test_every_variant_compiles_for_sm90(kernel: str) -> None:
+    """An edit can apply and still not compile (a name it relies on gone from the kernel): every
+    variant must compile for sm_90 and fit an SM's shared memory."""
+    stdout = run_without_interpreter(["-m", "probes.whatif", "--kernel", kernel, "--compile-only"])
+    for name in whatif.KERNELS[kernel].variants:
+        assert re.search(rf"\|\s*{re.escape(name)}\s*\|", stdout), stdout
+
+
+def test_an_edit_that_no_longer_applies_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = whatif.KERNELS["dual"]
+    gone = [("this text is not in dual.py", "")]
+    monkeypatch.setitem(spec.variants, "gone", (True, gone, "an edit of a removed snippet"))
+    with pytest.raises(ValueError, match=r"occurs 0 times in dual\.py"):
+        whatif.variant_source(spec, "gone")
+
+
+def test_an_edit_must_apply_as_often_as_it_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = whatif.KERNELS["dual"]
+    twice = [("def mla_decode_dual_kernel(", "def mla_decode_dual_kernel(", 2)]
+    monkeypatch.setitem(spec.variants, "twice", (True, twice, "an edit of a snippet that occurs once"))
+    with pytest.raises(ValueError, match=r"occurs 1 times in dual\.py \(expected 2\)"):
+        whatif.variant_source(spec, "twice")
+
+
+def test_a_shape_label_is_parsed_or_refused() -> None:
+    assert whatif.parse_shape("H16q4B64S4096") == (16, 4, 64, 4096)
+    with pytest.raises(ValueError, match="H<heads>q<qlen>B<batch>S<seqlen>"):
+        whatif.parse_shape("B64S4096")
+
+
+SPILL_SCRIPT = """
+import json, sys
+from probes.gluon_compile import compile_variant, instruction_counts, sass_of
+
+out = {}
+for rows, fp8, splits in [(16, False, 2), (16, False, 128), (32, False, 2), (32, True, 128), (64, False, 2)]:
+    kernel = compile_variant(fp8=fp8, block_n=64, stages=2, rows=rows, fold=splits)
+    name = f"rows{rows}-{'fp8' if fp8 else 'bf16'}-fold{splits}"
+    out[name] = instruction_counts(sass_of(kernel), ["LDL", "STL"])
+json.dump(out, sys.stdout)
+"""
+
+
+def test_folded_kernels_compile_without_spills() -> None:
+    counts = json.loads(run_without_interpreter(["-c", SPILL_SCRIPT]).strip().splitlines()[-1])
+    assert counts == {name: {"LDL": 0, "STL": 0} for name in counts}
+    assert len(counts) == 5
