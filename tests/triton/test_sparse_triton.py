@@ -295,8 +295,10 @@ def test_launch_config_heads_and_splits() -> None:
     assert (one.block_h, one.block_n, one.num_warps) == (16, 64, 4)
     assert one.num_splits == 16  # 2048 slots / 128 per split, well under the 132 SMs
     wide = sparse_launch_config(rows=4, heads=128, topk=2048, kv_elem_size=1, num_sms=132)
-    assert (wide.block_h, wide.block_n) == (64, 32)
+    assert (wide.block_h, wide.block_n, wide.num_stages) == (64, 64, 3)  # 1-byte rows, 3 deep
     assert wide.num_splits == 16  # 8 programs: 132 // 8
+    small = sparse_launch_config(rows=256, heads=16, topk=2048, kv_elem_size=1, num_sms=132)
+    assert (small.block_n, small.num_stages, small.num_splits) == (32, 2, 1)
     busy = sparse_launch_config(rows=4096, heads=8, topk=2048, kv_elem_size=2, num_sms=132)
     assert busy.block_h == 16
     assert busy.num_splits == 1

@@ -254,20 +254,26 @@ def sparse_launch_config(
     """The launch shape for ``rows`` query rows of ``heads`` heads over ``topk`` slots.
 
     Heads fill the dots' M dimension (``BLOCK_H`` the next power of two, 16 to 64; more heads
-    run as several head blocks); tiles follow the decode's table (:mod:`.schedule`): 64 slots
-    for 16-row tiles or 16-bit caches, 32 for wider tiles of 1-byte caches (widened, and for
-    ``fp8_ds_mla`` scaled, in registers), 8 warps above 16 rows. fp32 queries or caches (a
-    correctness path) take 32-slot tiles without pipelining: a 64 × 576 fp32 tile, twice for
-    two stages, would not fit in an sm_90 SM's shared memory. The slot list is split only
+    run as several head blocks), 8 warps above 16 rows. 16-bit caches stream 64-slot tiles two
+    deep; 1-byte caches (per-tensor fp8, ``fp8_ds_mla``; widened and scaled in registers) 32-slot
+    tiles two deep, or 64-slot tiles three deep for a 64-head block (the fastest of a sweep of
+    tile, warp, stage and split counts on the H200, docs/performance.md). fp32 queries or
+    caches (a correctness path) take 32-slot tiles without pipelining: a 64 × 576 fp32 tile,
+    twice for two stages, would not fit in an sm_90 SM's shared memory. The slot list is split only
     while ``rows × head blocks`` programs leave SMs idle, at least :data:`MIN_SPLIT_SLOTS` a
     split.
     """
     block_h = min(64, max(16, triton.next_power_of_2(max(1, heads))))
     one_byte = kv_elem_size == 1
     wide = kv_elem_size == 4 or q_elem_size == 4
-    block_n = 32 if wide or (one_byte and block_h > 16) else 64
+    if wide:
+        block_n, num_stages = 32, 1
+    elif one_byte:
+        # A 64-head block streams 64-slot tiles three deep; smaller blocks 32-slot tiles two deep.
+        block_n, num_stages = (64, 3) if block_h == 64 else (32, 2)
+    else:
+        block_n, num_stages = 64, 2
     num_warps = 4 if block_h == 16 else 8
-    num_stages = 1 if one_byte or wide else 2
     programs = rows * triton.cdiv(max(1, heads), block_h)
     splits = 1
     if 0 < programs < num_sms:
