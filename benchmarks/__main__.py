@@ -11,6 +11,7 @@ BENCHMARKS = {
     "prefill": "Triton varlen and fp8 prefill against varlen_attn (GPU)",
     "overhead": "host cost of mla_decode and builder.build (--device cpu: a smoke run)",
     "dcp": "decode context parallelism, 1 GPU against 2 (--cpu: a smoke run)",
+    "sparse": "sparse MLA: decode, prefill, the indexer and the DSA step against dense (GPU)",
 }
 """The benchmarks by name (each is the module ``benchmarks.<name>`` with a ``main(argv)``)."""
 

@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_session.sh tests1      # GPU tests: tests/gluon and tests/triton (~4 min)
 #   bash benchmarks/h200_session.sh tests2      # GPU tests: everything else (~4 min)
 #   bash benchmarks/h200_session.sh bench       # demo, decode (plot), host overhead, prefill (~5 min)
+#   bash benchmarks/h200_session.sh sparse      # sparse MLA: GPU tests, demo --sparse, benchmark (~7 min)
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
@@ -73,6 +74,19 @@ bench)
   timeout 100 python3 -m benchmarks overhead 2>&1 | tee "$OUT/overhead.log" | grep -E "^\||launch cache" | tail -9
   part "prefill benchmark"
   timeout 75 python3 -m benchmarks prefill --check 2>&1 | tee "$OUT/prefill.log" | tail -16
+  ;;
+sparse)
+  part "sparse GPU tests"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/triton/test_sparse_triton.py \
+    tests/test_sparse_gpu.py tests/test_sparse_kit.py 2>&1 | tee "$OUT/gpu_sparse.log" | summary
+  part "mla demo --sparse"
+  timeout 60 python3 -m mla demo --sparse --kv-dtype fp8_ds_mla --index-dtype fp8 --steps 24 --quiet \
+    2>&1 | tee "$OUT/demo_sparse.log" | tail -3
+  sanitize sparse memcheck -m gpu tests/triton/test_sparse_triton.py \
+    -k "(test_gpu_sparse_attention and triton and h16) or (test_gpu_index_topk and triton) or test_gpu_writes"
+  part "sparse benchmark"
+  timeout 240 python3 -m benchmarks sparse --json "$OUT/sparse.json" --plot "$OUT/sparse-h200.png" \
+    2>&1 | tee "$OUT/sparse.log" | tail -45
   ;;
 sanitizer)
   sanitize decode "memcheck racecheck" \
