@@ -109,6 +109,25 @@ def require_tensor(name: str, value: object, *, ndim: int | None = None) -> torc
     return value
 
 
+def require_paged_cache(name: str, cache: torch.Tensor) -> None:
+    """A paged cache ``[blocks, block_size, width]`` the kernels can read as flat rows
+    ``[blocks * block_size, width]``: a contiguous last dim, and blocks laid out one after the
+    other (``stride(0) == block_size * stride(1)``; a padded row stride is fine). A cache with
+    permuted or sliced-block strides is refused naming ``name`` (``.contiguous()`` makes it
+    readable)."""
+    blocks, block_size, width = cache.shape
+    strides = cache.stride()
+    last_ok = width <= 1 or strides[2] == 1
+    rows_ok = blocks <= 1 or block_size <= 1 or strides[0] == block_size * strides[1]
+    if not (last_ok and rows_ok and (block_size <= 1 or strides[1] >= width)):
+        raise InvalidInputError(
+            name,
+            f"strides {tuple(strides)} of shape {tuple(cache.shape)} cannot be read as flat rows "
+            f"[{blocks * block_size}, {width}]: the cache needs a contiguous last dim and its "
+            "blocks' rows one after the other (allocate it contiguous, or pass .contiguous())",
+        )
+
+
 def require_index(name: str, value: object, *, ndim: int) -> torch.Tensor:
     tensor = require_tensor(name, value, ndim=ndim)
     if tensor.dtype not in INDEX_DTYPES:
@@ -175,8 +194,10 @@ ValidateMode = Literal["fast", "full"]
 
 ``"fast"`` (default): shapes, dtypes and devices, plus the rules on the host copies the caller
 already has (``query_start_loc_cpu``, ``seq_lens_cpu``); never a device-to-host copy. Block ids
-are trusted; the kernels' own bounds decide what out-of-range ids do (the device-side index fill
-used without host lengths clamps them to the cache). ``"full"``: a debug mode that also copies
+are not read on the host: an id outside the cache the run is handed (negative, past
+``KVCacheSpec.num_blocks`` or past the cache tensor's own blocks) is masked by the kernels of
+the torch and Triton providers: it reads no memory and counts as no key (never clamped into
+another block). ``"full"``: a debug mode that also copies
 ``block_table`` (and ``seq_lens`` when no host copy was given) to the host and checks every
 used block id against the cache.
 """
@@ -398,6 +419,7 @@ def check_write_kv(
     require_float("kv_c", latent)
     require_float("k_pe", rope)
     require_float("kv_cache", cache, allow_fp8=True)
+    require_paged_cache("kv_cache", cache)
     require_same_device(("kv_cache", cache), ("kv_c", latent), ("k_pe", rope), ("slot_mapping", slots))
     num_new = latent.shape[0]
     if rope.shape[0] != num_new:

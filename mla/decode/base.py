@@ -158,9 +158,11 @@ class DecodeIndexBuffers:
 
         Work is sized by the batch's longest length when the host knows it, else by the block
         table's capacity ``min(max_blocks * block_size, max_model_len)`` (static, so the fill
-        can be captured in a CUDA graph). Lengths are clamped to that bound and block ids to
-        the cache (when ``KVCacheSpec.num_blocks`` is known), so bad input cannot make a kernel
-        read outside the cache; ``validate="full"`` rejects such input on the host instead.
+        can be captured in a CUDA graph). Lengths are clamped to that bound; a block id outside
+        the cache (negative, or past ``KVCacheSpec.num_blocks`` when known) becomes the token
+        id -1, and the kernels mask every id outside the cache tensor they are handed, so bad
+        input cannot make a kernel read outside the cache or another block;
+        ``validate="full"`` rejects such input on the host instead.
         """
         indptr = self.fill_indptr(setup, batch, qo_indptr=qo_indptr)
         lengths = batch.lengths

@@ -146,8 +146,9 @@ def mla_decode(
         return_lse: ``False`` returns ``out`` alone and skips computing the LSE (unless ``lse``
             is given).
         validate: ``"fast"`` (default) checks shapes, dtypes and devices and never copies
-            ``block_table`` or ``seq_lens`` to the host: lengths past the block table and
-            out-of-range block ids are clamped on the device (memory-safe, not an error).
+            ``block_table`` or ``seq_lens`` to the host: lengths past the block table are
+            clamped on the device, and block ids outside ``kv_cache`` are masked (their keys
+            read nothing and count for nothing; memory-safe, not an error).
             ``"full"`` (debug) copies them and raises on any bad length or block id.
         graph: ``"auto"`` (default) replays repeated calls from a CUDA graph on a CUDA device
             (below); ``"off"`` always runs eagerly (``mla.engine.decode_graphs.GRAPH_REPLAY =
@@ -208,7 +209,7 @@ def mla_decode(
     if lse is None and return_lse:
         lse = torch.empty(num_tokens, call.num_heads, dtype=torch.float32, device=q.device)
     result = (out, lse) if return_lse and lse is not None else out
-    if num_requests == 0:
+    if num_requests == 0 or num_tokens == 0 or call.num_heads == 0:  # nothing to attend
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))

@@ -37,6 +37,7 @@ from mla.providers.calls import (
     WriteKVCall,
 )
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.transforms import flat_token_ids
 
 _CHUNK_ELEMENTS = 1 << 24
 """Upper bound on gathered elements per vectorized chunk (bounds host/device memory)."""
@@ -92,7 +93,7 @@ def _latent_attention(
     n_rows, heads, dim = q.shape
     out = torch.zeros(n_rows, heads, value_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((n_rows, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    if n_rows == 0 or max_len == 0:
+    if n_rows == 0 or max_len == 0 or kv_cache.shape[0] == 0:  # no key, or none inside the cache
         return out, lse
     offsets = torch.arange(max_len, device=q.device)
     last_index = max(kv_indices.numel() - 1, 0)
@@ -103,6 +104,9 @@ def _latent_attention(
         valid = offsets[None, :] < lengths[lo:hi, None]
         pos = torch.clamp(starts[lo:hi, None].to(torch.int64) + offsets[None, :], 0, last_index)
         tok = torch.where(valid, kv_indices[pos].to(torch.int64), torch.zeros_like(pos))
+        # A token id outside this cache (a block id past it, or the fill's -1 mark) is masked:
+        # the row reads nothing (the clamp only keeps the gather in bounds) and counts no key.
+        valid = valid & (tok >= 0) & (tok <= last_row)
         rows = _dequant(kv_cache[torch.clamp(tok, 0, last_row)], kv_scale)
         rows = torch.where(valid[..., None], rows, 0.0)
         scores = torch.einsum("nhd,nkd->nhk", q[lo:hi].to(torch.float32), rows) * scale
@@ -399,7 +403,7 @@ class TorchProvider(KernelProvider):
         req, _ = _token_requests(call.kv_indptr, num_tokens)
         offset = torch.arange(num_tokens, device=out.device) - call.kv_indptr[req]
         block = call.block_table[req, offset // block_size].to(torch.int64)
-        out[:num_tokens].copy_(block * block_size + offset % block_size)
+        out[:num_tokens].copy_(flat_token_ids(block, offset, block_size, None))
 
     def write_kv(self, call: WriteKVCall) -> None:
         kv_cache = call.kv_cache
