@@ -1,0 +1,302 @@
+"""Issue 32: no crash, no silent wrong answer, no lost token.
+
+Each test is one finding of the sweep: the edge input gives the correct result or a typed
+:class:`~mla.InvalidInputError` naming an argument of the function the caller called.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import reliability_cases as cases
+import torch
+
+import mla
+from mla import InvalidInputError
+from mla.testing import PrefillCase, make_prefill_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def expect_invalid(argument: str, call: Any, match: str | None = None) -> InvalidInputError:
+    with pytest.raises(InvalidInputError, match=match) as info:
+        call()
+    assert info.value.argument == argument
+    return info.value
+
+
+def run_child(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python args`` in a child process with ``tests/`` and the repository first on its path."""
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+    child_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args],
+        check=False,
+        cwd=ROOT,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# -- 1. bounded by the cache the run is handed ----------------------------------------------------
+
+
+@pytest.mark.parametrize("num_blocks", [None, 8])
+def test_block_ids_past_the_cache_are_masked_on_the_torch_provider(num_blocks: int | None) -> None:
+    """The torch provider used to clamp the id into another block (a plausible wrong answer)."""
+    assert cases.outside_block_case("torch", num_blocks) < 1e-5
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("num_blocks", ["none", "8"])
+def test_block_ids_past_the_cache_never_crash_the_triton_interpreter(num_blocks: str) -> None:
+    """Without ``KVCacheSpec.num_blocks`` the Triton decode read outside the cache: a segfault
+    under ``TRITON_INTERPRET=1``. Run in a child process, so a crash fails only this test."""
+    result = run_child(
+        str(ROOT / "tests" / "reliability_cases.py"), "triton", num_blocks, env={"TRITON_INTERPRET": "1"}
+    )
+    assert result.returncode == 0, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert "diff=" in result.stdout
+
+
+CONTEXT_CASE = PrefillCase(
+    heads=cases.HEADS,
+    q_lens=(2, 1),
+    context_lens=(18, 36),
+    qk_nope_dim=32,
+    rope_dim=cases.ROPE,
+    v_dim=24,
+    kv_lora_rank=cases.RANK,
+)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 8])
+def test_context_blocks_past_the_cache_are_masked_in_prefill(num_blocks: int | None) -> None:
+    """A prefill's cached context in a block past the cache: those tokens count as no key
+    (before: an IndexError, or with a negative id another block's rows)."""
+    expand = make_prefill_inputs(CONTEXT_CASE).context.expand
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(8, cases.BLOCK, cases.RANK + cases.ROPE, generator=gen)
+    q, k, v = (
+        torch.randn(3, 4, 48, generator=gen),
+        torch.randn(3, 4, 48, generator=gen),
+        torch.randn(3, 4, 24),
+    )
+    results = []
+    for lens, last in (((20, 37), cases.FAR_BLOCK), ((20, 33), 0)):
+        backend = cases.backend("torch", num_blocks)
+        metadata = backend.builder.build(cases.step(lens, last, decodes=0))
+        out, lse = torch.empty(3, 4, 24), torch.empty(3, 4)
+        backend.impl.forward_prefill(
+            metadata, q, k, v, out=out, lse=lse, kv_cache=cache, expand_context=expand
+        )
+        results.append((out, lse))
+    (out, lse), (ref, ref_lse) = results
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_negative_block_ids_are_masked_too() -> None:
+    """A negative block id (Python indexing would read the cache's last block) reads nothing."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(8, cases.BLOCK, cases.RANK + cases.ROPE, generator=gen)
+    q = torch.randn(3, cases.HEADS, cases.RANK + cases.ROPE, generator=gen)
+    outs = []
+    for lens, last in (((20, 37), -3), ((20, 32), 0)):
+        backend = cases.backend("torch", None)
+        metadata = backend.builder.build(cases.step(lens, last))
+        out = torch.empty(3, cases.HEADS, cases.RANK)
+        backend.impl.forward_decode(metadata, q, cache, out=out)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+# -- 2. empty inputs are valid; odd strides get a typed error --------------------------------------
+
+R, P = cases.RANK, cases.ROPE
+
+
+@pytest.mark.parametrize("provider", ["torch", pytest.param("triton", marks=pytest.mark.interpret)])
+def test_empty_inputs_are_valid_everywhere(provider: str) -> None:
+    """0 new tokens (was ``IndexError: argmax()``), 0 requests, 0 heads, an empty cache."""
+    cache = torch.randn(4, 16, R + P)
+    before = cache.clone()
+    empty_slots = torch.zeros(0, dtype=torch.int64)
+    mla.write_kv(torch.randn(0, R), torch.randn(0, P), cache, empty_slots, provider=provider, platform="cpu")
+    backend = mla.MLABackend(
+        mla.MLADims(4, R, P, 32, 24, softmax_scale=0.1),
+        mla.KVCacheSpec(16, torch.float32),
+        mla.EngineLimits(4, 64, 64),
+        model_dtype=torch.float32,
+        provider=provider,
+        platform="cpu",
+    )
+    backend.impl.write_kv(torch.randn(0, R), torch.randn(0, P), cache, empty_slots)
+    assert torch.equal(cache, before)
+    no_request = torch.zeros(1, dtype=torch.int32)
+    metadata = backend.builder.build(
+        mla.StepInputs(
+            query_start_loc_cpu=no_request,
+            query_start_loc=no_request,
+            seq_lens=torch.zeros(0, dtype=torch.int32),
+            seq_lens_cpu=torch.zeros(0, dtype=torch.int32),
+            block_table=torch.zeros(0, 4, dtype=torch.int32),
+            num_decodes=0,
+            num_decode_tokens=0,
+        )
+    )
+    assert metadata.decode is None
+    assert metadata.prefill is None
+    common: dict[str, Any] = {
+        "softmax_scale": 0.1,
+        "kv_lora_rank": R,
+        "provider": provider,
+        "platform": "cpu",
+    }
+    no_table = torch.zeros(0, 2, dtype=torch.int32)
+    out, lse = mla.mla_decode(
+        torch.randn(0, 4, R + P), cache, no_table, torch.zeros(0, dtype=torch.int32), **common
+    )
+    assert out.shape == (0, 4, R)
+    assert lse.shape == (0, 4)
+    lens0 = torch.zeros(2, dtype=torch.int32)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    for q, kv in ((torch.randn(2, 4, R + P), cache[:0]), (torch.randn(2, 0, R + P), cache)):
+        out, lse = mla.mla_decode(q, kv, table, lens0, **common)
+        assert bool((out == 0).all())
+        assert bool((lse == float("-inf")).all())
+    none = torch.zeros(1, dtype=torch.int32)
+    out, lse = mla.mla_prefill(
+        torch.randn(0, 4, 48), torch.randn(0, 4, 48), torch.randn(0, 4, 32), none, none, 0, 0,
+        softmax_scale=0.1, provider=provider, platform="cpu",
+    )  # fmt: skip
+    assert out.shape == (0, 4, 32)
+
+
+def test_a_cache_with_permuted_strides_is_refused_naming_kv_cache() -> None:
+    """Was a raw ``RuntimeError`` (view size) from deep inside a run."""
+    cache = torch.randn(16, 4, R + P).permute(1, 0, 2)  # [4 blocks, 16, 80], blocks interleaved
+    expect_invalid(
+        "kv_cache",
+        lambda: mla.write_kv(torch.randn(1, R), torch.randn(1, P), cache, torch.zeros(1, dtype=torch.int64)),
+        "strides",
+    )
+    q = torch.randn(2, 4, R + P)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    expect_invalid(
+        "kv_cache",
+        lambda: mla.mla_decode(q, cache, table, lens, softmax_scale=0.1, kv_lora_rank=R, provider="torch"),
+        "strides",
+    )
+    # The same call with a readable cache of the same shape is cached; the permuted one still fails.
+    mla.mla_decode(q, cache.contiguous(), table, lens, softmax_scale=0.1, kv_lora_rank=R, provider="torch")
+    expect_invalid(
+        "kv_cache",
+        lambda: mla.mla_decode(q, cache, table, lens, softmax_scale=0.1, kv_lora_rank=R, provider="torch"),
+    )
+    backend = cases.backend("torch", None)
+    metadata = backend.builder.build(cases.step((20, 37), 6))
+    cache8 = torch.randn(16, 8, R + P).permute(1, 0, 2)
+    expect_invalid(
+        "kv_cache",
+        lambda: backend.impl.forward_decode(
+            metadata, torch.randn(3, 4, R + P), cache8, out=torch.empty(3, 4, R)
+        ),
+        "strides",
+    )
+    # A padded row stride (a slice of wider rows) stays readable.
+    wide = torch.randn(4, 16, R + P + 16)[..., : R + P]
+    mla.write_kv(
+        torch.randn(1, R), torch.randn(1, P), wide, torch.zeros(1, dtype=torch.int64), provider="torch"
+    )
+
+
+# -- 3. the expand_context callback's output is checked -------------------------------------------
+
+
+def _bad_expander(change: str) -> Any:
+    expand = make_prefill_inputs(CONTEXT_CASE).context.expand
+
+    def expander(latent: torch.Tensor) -> object:
+        k, v = expand(latent)
+        if change == "rows":
+            return k[:-1], v[:-1]
+        if change == "heads":
+            return k[:, :2], v[:, :2]
+        if change == "k-dim":
+            return k[..., :-1], v
+        if change == "v-dim":
+            return k, torch.cat([v, v], dim=-1)
+        if change == "dtype":
+            return k.double(), v.double()
+        if change == "device":
+            return k.to("meta"), v.to("meta")
+        if change == "single":
+            return k
+        return k, v
+
+    return expander
+
+
+@pytest.mark.parametrize("change", ["rows", "heads", "k-dim", "v-dim", "dtype", "device", "single"])
+def test_expand_context_output_is_checked(change: str) -> None:
+    """Fewer rows were accepted (a silently wrong prefill, max difference 3.85); a wrong head
+    count failed deep in an einsum."""
+    backend = cases.backend("torch", 8)
+    metadata = backend.builder.build(cases.step((20, 37), 6, decodes=0))
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(8, cases.BLOCK, R + P, generator=gen)
+    q, k, v = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(3, 4, 24)
+    out, lse = torch.full((3, 4, 24), float("nan")), torch.full((3, 4), float("nan"))
+    expect_invalid(
+        "expand_context",
+        lambda: backend.impl.forward_prefill(
+            metadata, q, k, v, out=out, lse=lse, kv_cache=cache, expand_context=_bad_expander(change)
+        ),
+    )
+    assert bool(torch.isnan(out).all())
+    backend.impl.forward_prefill(
+        metadata, q, k, v, out=out, lse=lse, kv_cache=cache, expand_context=_bad_expander("none")
+    )
+    assert not bool(torch.isnan(out).any())
+
+
+# -- 4. bf16 under the Triton interpreter ------------------------------------------------------------
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's case")
+def test_bf16_is_computed_correctly_under_the_triton_interpreter() -> None:
+    """The interpreter's bf16 dots gave errors ~1e9 (fp16 and fp32 were right): bf16 is widened
+    to fp32 dots there."""
+    gen = torch.Generator().manual_seed(0)
+    bf16 = torch.bfloat16
+    cache = torch.randn(4, 16, R + P, generator=gen).to(bf16)
+    q = torch.randn(3, 4, R + P, generator=gen).to(bf16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens, qsl = torch.tensor([20, 30], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32)
+    results = [
+        mla.mla_decode(
+            q, cache, table, lens, query_start_loc=qsl, softmax_scale=0.1, kv_lora_rank=R, provider=p
+        )
+        for p in ("triton", "torch")
+    ]
+    assert float((results[0][0].float() - results[1][0].float()).abs().max()) < 0.05
+    assert float((results[0][1] - results[1][1]).abs().max()) < 0.01
+    qp, kp, vp = (torch.randn(10, 4, d, generator=gen).to(bf16) for d in (48, 48, 32))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    pre = [
+        mla.mla_prefill(qp, kp, vp, cu, cu, 6, 6, softmax_scale=0.1, provider=p) for p in ("triton", "torch")
+    ]
+    assert float((pre[0][0].float() - pre[1][0].float()).abs().max()) < 0.05
+    assert float((pre[0][1] - pre[1][1]).abs().max()) < 0.01
