@@ -300,3 +300,43 @@ def test_bf16_is_computed_correctly_under_the_triton_interpreter() -> None:
     ]
     assert float((pre[0][0].float() - pre[1][0].float()).abs().max()) < 0.05
     assert float((pre[0][1] - pre[1][1]).abs().max()) < 0.01
+
+
+# -- 5. values and messages ---------------------------------------------------------------------------
+
+
+def test_mla_decode_errors_name_its_own_arguments() -> None:
+    """Were ``num_blocks``, ``block_size`` and ``num_heads``: fields of records it builds."""
+    cache = torch.randn(4, 16, R + P)
+    common: dict[str, Any] = {"softmax_scale": 0.1, "kv_lora_rank": R, "provider": "torch"}
+    lens, table = torch.ones(2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32)
+    error = expect_invalid(
+        "kv_cache", lambda: mla.mla_decode(torch.randn(2, 4, R + P), cache[:, :0], table, lens, **common)
+    )
+    assert "block size" in str(error)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_device_cuda_without_cuda_is_a_typed_error() -> None:
+    """Was torch's raw ``AssertionError: Torch not compiled with CUDA enabled``."""
+    expect_invalid("device", lambda: cases.backend("torch", None, device="cuda"), "no CUDA")
+    expect_invalid("device", lambda: cases.backend("torch", None, device=torch.device("cuda", 0)), "no CUDA")
+
+
+def test_the_compiled_layer_example_compiles_without_reading_impl_first() -> None:
+    """``backend.impl`` was a ``functools.cached_property``: on Python 3.11 its RLock made
+    ``torch.compile(fullgraph=True)`` fail unless ``impl`` had been read before compiling."""
+    backend = cases.backend("torch", 8)
+    assert "impl" in vars(backend)
+    assert "builder" in vars(backend)
+    fresh = cases.backend("torch", 8)
+    metadata = fresh.builder.build(cases.step((20, 37), 6))
+    q, cache = torch.randn(3, 4, R + P), torch.randn(8, 16, R + P)
+
+    def layer(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(q.shape[0], cases.HEADS, R)
+        fresh.impl.forward_decode(metadata, q, kv_cache, out=out)
+        return out * 2
+
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, cache), layer(q, cache))

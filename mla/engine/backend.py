@@ -15,8 +15,11 @@ Usage::
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
+import torch
+
+from mla.core.errors import InvalidInputError
 from mla.engine.builder import MetadataBuilder
 from mla.engine.impl import AttentionImpl
 from mla.engine.state import BackendState
@@ -44,12 +47,35 @@ class MLABackend(BackendState):
     ops run.
     """
 
-    @functools.cached_property
-    def builder(self) -> MetadataBuilder:
-        """Plans each step: ``builder.build(step)`` returns the step's :class:`MLAMetadata`."""
-        return MetadataBuilder(self)
+    builder: MetadataBuilder
+    """Plans each step: ``builder.build(step)`` returns the step's :class:`MLAMetadata`."""
+    impl: AttentionImpl
+    """Runs the current step: ``forward_decode``, ``forward_prefill`` and ``write_kv``."""
 
-    @functools.cached_property
-    def impl(self) -> AttentionImpl:
-        """Runs the current step: ``forward_decode``, ``forward_prefill`` and ``write_kv``."""
-        return AttentionImpl(self)
+    if not TYPE_CHECKING:  # the checker sees BackendState.__init__'s signature
+
+        def __init__(self, *args, **kwargs):
+            _require_device_available(kwargs.get("device"))
+            super().__init__(*args, **kwargs)
+            # Plain attributes, made here: torch.compile(fullgraph=True) traces ``backend.impl``
+            # (a functools.cached_property takes an RLock on Python 3.11, which dynamo cannot
+            # enter), and two threads never race to make two of them.
+            self.builder = MetadataBuilder(self)
+            self.impl = AttentionImpl(self)
+
+
+def _require_device_available(device: object) -> None:
+    """``device`` names an accelerator this torch can use (``device="cuda"`` on a CPU-only torch
+    raised torch's raw ``AssertionError`` at the first allocation)."""
+    if isinstance(device, str | torch.device):
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            return  # BackendState names the bad value
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise InvalidInputError(
+                "device",
+                f"{device!r} was asked for but torch sees no CUDA/ROCm device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+                "pass device='cpu' or install a torch build for your accelerator",
+            )
