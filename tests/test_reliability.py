@@ -340,3 +340,121 @@ def test_the_compiled_layer_example_compiles_without_reading_impl_first() -> Non
 
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, cache), layer(q, cache))
+
+
+def test_kv_scale_that_overflows_the_dequantized_cache_is_refused() -> None:
+    """A scale with ``448 * kv_scale`` past float32 made every output NaN, with no error."""
+    fp8 = torch.float8_e4m3fn
+    cache = torch.randn(4, 16, R + P).to(fp8)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    q = torch.randn(2, 4, R + P)
+
+    def decode(scale: object) -> Any:
+        return mla.mla_decode(
+            q, cache, table, lens, softmax_scale=0.1, kv_lora_rank=R, kv_scale=scale, provider="torch"
+        )
+
+    decode(1e30)  # 448e30 is finite in float32
+    expect_invalid("kv_scale", lambda: decode(1e36), "overflows float32")
+    expect_invalid("kv_scale", lambda: decode(torch.tensor(1e36)), "overflows float32")
+    expect_invalid("kv_scale", lambda: decode(1e36), "overflows float32")  # a repeated call
+    backend = mla.MLABackend(
+        mla.MLADims(4, R, P, 32, 24, softmax_scale=0.1),
+        mla.KVCacheSpec(16, fp8),
+        mla.EngineLimits(4, 64, 64, max_decode_qlen=2),
+        model_dtype=torch.float32,
+        provider="torch",
+        platform="cpu",
+    )
+    metadata = backend.builder.build(cases.step((20, 37), 6))
+    fp8_cache = torch.randn(8, 16, R + P).to(fp8)
+    expect_invalid(
+        "kv_scale",
+        lambda: backend.impl.forward_decode(
+            metadata, torch.randn(3, 4, R + P), fp8_cache, out=torch.empty(3, 4, R), kv_scale=1e36
+        ),
+    )
+
+
+def test_outputs_may_not_overlap_the_cache_or_the_inputs() -> None:
+    """``out=`` could alias the KV cache (the output overwrote the keys it read)."""
+    cache = torch.randn(4, 16, R + P)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.full((2,), 16, dtype=torch.int32)
+    q = torch.randn(2, 4, R + P)
+    common: dict[str, Any] = {"softmax_scale": 0.1, "kv_lora_rank": R, "provider": "torch"}
+    aliased = cache.view(-1)[: 2 * 4 * R].view(2, 4, R)
+    expect_invalid(
+        "out", lambda: mla.mla_decode(q, cache, table, lens, out=aliased, **common), "overlaps kv_cache"
+    )
+    expect_invalid(
+        "out", lambda: mla.mla_decode(q, cache, table, lens, out=q[..., :R], **common), "overlaps q"
+    )
+    lse_in_cache = cache.view(-1)[:8].view(2, 4)
+    expect_invalid(
+        "lse", lambda: mla.mla_decode(q, cache, table, lens, lse=lse_in_cache, **common), "overlaps"
+    )
+    mla.mla_decode(q, cache, table, lens, out=torch.empty(2, 4, R), lse=torch.empty(2, 4), **common)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    qp, kp = torch.randn(2, 4, 48), torch.randn(2, 4, 48)
+    vp = torch.randn(2, 4, 48)
+    expect_invalid(
+        "out",
+        lambda: mla.mla_prefill(qp, kp, vp, cu, cu, 2, 2, softmax_scale=0.1, provider="torch", out=vp),
+        "overlaps v",
+    )
+    backend = cases.backend("torch", 8)
+    metadata = backend.builder.build(cases.step((20, 37), 6))
+    cache8 = torch.randn(8, 16, R + P)
+    expect_invalid(
+        "out",
+        lambda: backend.impl.forward_decode(
+            metadata, torch.randn(3, 4, R + P), cache8, out=cache8.view(-1)[: 3 * 4 * R].view(3, 4, R)
+        ),
+        "overlaps kv_cache",
+    )
+
+
+def test_metadata_of_another_backend_is_named_as_such() -> None:
+    """The ``PlanMismatchError`` blamed "another step" of the backend it was handed to."""
+    first, second = cases.backend("torch", 8), cases.backend("torch", 8)
+    first.builder.build(cases.step((20, 37), 6))
+    other = second.builder.build(cases.step((20, 37), 6))
+    with pytest.raises(mla.PlanMismatchError, match="another MLABackend"):
+        first.impl.forward_decode(
+            other, torch.randn(3, 4, R + P), torch.randn(8, 16, R + P), out=torch.empty(3, 4, R)
+        )
+    stale = first.current_metadata
+    first.builder.build(cases.step((20, 37), 6))
+    assert stale is not None
+    with pytest.raises(mla.PlanMismatchError, match="another step"):
+        first.impl.forward_decode(
+            stale, torch.randn(3, 4, R + P), torch.randn(8, 16, R + P), out=torch.empty(3, 4, R)
+        )
+
+
+def test_an_fp8_cache_for_a_float_backend_is_a_cache_dtype_error() -> None:
+    """Was reported as a bad ``kv_scale``."""
+    backend = cases.backend("torch", 8)  # a float32 cache
+    metadata = backend.builder.build(cases.step((20, 37), 6))
+    fp8_cache = torch.randn(8, 16, R + P).to(torch.float8_e4m3fn)
+    error = expect_invalid(
+        "kv_cache",
+        lambda: backend.impl.forward_decode(
+            metadata, torch.randn(3, 4, R + P), fp8_cache, out=torch.empty(3, 4, R), kv_scale=0.5
+        ),
+        "KVCacheSpec.dtype",
+    )
+    assert "float8_e4m3fn" in str(error) or "fp8" in str(error)
+
+
+def test_cli_messages_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``mla demo --dcp 3`` said "use a multiple" without saying of what; ``mla explain --qlen 5
+    --max-decode-qlen 4`` exited 0 with a strategy while a backend with those limits refuses
+    the step."""
+    from mla.tools.cli import main
+
+    assert main(["demo", "--dcp", "3", "--quiet"]) == 2
+    assert "multiple of 3" in capsys.readouterr().err
+    assert main(["explain", "--qlen", "5", "--max-decode-qlen", "4"]) == 2
+    assert "refuses this step" in capsys.readouterr().out
+    assert main(["explain", "--qlen", "4", "--max-decode-qlen", "4"]) == 0

@@ -11,7 +11,7 @@ import torch
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
 from mla.core.records import fast_constructor
-from mla.core.validate import HostLengths, check_cache_scale
+from mla.core.validate import HostLengths, check_cache_scale, require_no_overlap
 from mla.providers.calls import FillPagesCall
 from mla.strategy import (
     GraphSupport,
@@ -295,6 +295,8 @@ class DecodeStrategy(Strategy[DecodeContext]):
                 "lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device
             )
         check_cache_scale(kv_scale, geo.kv_dtype, device=q.device)
+        require_no_overlap("out", out, ("kv_cache", kv_cache), ("q", q), ("lse", lse))
+        require_no_overlap("lse", lse, ("kv_cache", kv_cache), ("q", q))
         scale = self.kv_scale_buffer.tensor(kv_scale)
         self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=scale, out=out, lse=lse)
 

@@ -26,6 +26,7 @@ from mla.core.validate import (
     require_index,
     require_indptr_of_rows,
     require_int,
+    require_no_overlap,
     require_same_device,
     require_softmax_scale,
     require_tensor,
@@ -196,8 +197,12 @@ def mla_decode(
             DECODE_CALLS.put(signature, call)
     elif call.scale_on_host:
         assert kv_scale is not None
-        check_scale_value(kv_scale)
+        check_scale_value(kv_scale, kv_cache.dtype)
     num_tokens, num_requests = call.num_tokens, call.num_requests
+    if out is not None or lse is not None:
+        inputs = (("q", q), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens))
+        require_no_overlap("out", out, *inputs, ("query_start_loc", query_start_loc), ("lse", lse))
+        require_no_overlap("lse", lse, *inputs, ("query_start_loc", query_start_loc))
     qsl_values: list[int] | None = None
     max_qlen = 1
     if query_start_loc is not None:
@@ -390,6 +395,9 @@ def mla_prefill(
         require_output("out", out, (num_tokens, num_heads, v.shape[-1]), q.dtype, q.device)
     if lse is not None:
         require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
+    inputs = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    require_no_overlap("out", out, *inputs, ("lse", lse))
+    require_no_overlap("lse", lse, *inputs)
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
     require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), num_tokens, "q")

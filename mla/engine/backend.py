@@ -15,11 +15,12 @@ Usage::
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from mla.core.errors import InvalidInputError
+from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.engine.builder import MetadataBuilder
 from mla.engine.impl import AttentionImpl
 from mla.engine.state import BackendState
@@ -62,6 +63,24 @@ class MLABackend(BackendState):
             # enter), and two threads never race to make two of them.
             self.builder = MetadataBuilder(self)
             self.impl = AttentionImpl(self)
+            _LIVE_BACKENDS.add(self)
+
+    def check_current(self, metadata: MLAMetadata, phase: str) -> None:
+        """As :meth:`BackendState.check_current`, and metadata that another live backend built
+        (its current step) is named as such rather than as "another step" of this one."""
+        if metadata is not self.current_metadata and any(
+            other is not self and other.current_metadata is metadata for other in list(_LIVE_BACKENDS)
+        ):
+            raise PlanMismatchError(
+                "metadata was built by another MLABackend (its builder.build), not by this one: "
+                "pass each backend the metadata its own builder.build returned (a backend runs "
+                "only the plans it built, sized for its own dims, cache and buffers)"
+            )
+        super().check_current(metadata, phase)
+
+
+_LIVE_BACKENDS: weakref.WeakSet[MLABackend] = weakref.WeakSet()
+"""Every backend alive (to name metadata a different backend built)."""
 
 
 def _require_device_available(device: object) -> None:

@@ -22,6 +22,7 @@ from mla.core.validate import (
     ValidateMode,
     check_cache_scale,
     require_bool,
+    require_dequant_range,
     require_float,
     require_index,
     require_indptr_of_rows,
@@ -204,13 +205,13 @@ def check_decode_call(
     )
 
 
-def check_scale_value(kv_scale: float | torch.Tensor) -> None:
-    """A repeated call's ``kv_scale`` held on the host: finite and > 0 (its kind and dtype were
-    checked with the signature)."""
+def check_scale_value(kv_scale: float | torch.Tensor, kv_dtype: torch.dtype) -> None:
+    """A repeated call's ``kv_scale`` held on the host: finite, > 0 and keeping the dequantized
+    ``kv_dtype`` cache finite (its kind and dtype were checked with the signature)."""
     if isinstance(kv_scale, torch.Tensor):
-        require_scale("kv_scale", float(kv_scale.detach().reshape(())))
+        require_dequant_range(require_scale("kv_scale", float(kv_scale.detach().reshape(()))), kv_dtype)
     else:
-        require_scale("kv_scale", kv_scale)
+        require_dequant_range(require_scale("kv_scale", kv_scale), kv_dtype)
 
 
 def query_start_values(call: DecodeCall, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
