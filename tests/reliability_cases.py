@@ -65,7 +65,66 @@ def outside_block_case(provider: str, num_blocks: int | None) -> float:
     return max(float((out - ref).abs().max()), float((lse - ref_lse).abs().max()))
 
 
-if __name__ == "__main__":
+def dcp_mismatch_worker(rank: int, world: int, init_file: str, result_dir: str, mode: str) -> None:
+    """One rank of a gloo group whose ranks build different steps (``mode``: ``"lens"``: other
+    seq_lens, same rows; ``"rows"``: another row count): every rank must raise
+    :class:`~mla.distributed.StepMismatchError` from ``forward_decode`` (none hangs)."""
+    import os
+
+    import torch.distributed as dist
+
+    from mla.distributed import DecodeContextParallel, StepMismatchError
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    outcome = "no error"
+    try:
+        dcp = DecodeContextParallel(
+            mla.MLADims(2, 32, 16, 16, 16, softmax_scale=SCALE),
+            mla.KVCacheSpec(BLOCK, torch.float32),
+            mla.EngineLimits(4, 128, 64),
+            model_dtype=torch.float32,
+            provider="torch",
+            platform="cpu",
+        )
+        lens = [20, 37] if rank == 0 or mode != "lens" else [20, 36]
+        requests = 3 if rank == 1 and mode == "rows" else 2
+        lens = [*lens, 5][:requests]
+        seq = torch.tensor(lens, dtype=torch.int32)
+        qsl = torch.arange(requests + 1, dtype=torch.int32)
+        step = mla.StepInputs(
+            query_start_loc_cpu=qsl,
+            query_start_loc=qsl,
+            seq_lens=seq,
+            seq_lens_cpu=seq,
+            block_table=torch.arange(requests * 2, dtype=torch.int32).view(requests, 2),
+            num_decodes=requests,
+            num_decode_tokens=requests,
+        )
+        metadata = dcp.build(step)
+        cache = torch.randn(8, BLOCK, 48)
+        out = torch.empty(requests, 2, 32)
+        dcp.forward_decode(metadata, torch.randn(requests, 2, 48), cache, out=out)
+    except StepMismatchError as error:
+        outcome = f"StepMismatchError: {error}"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    with open(os.path.join(result_dir, f"rank{rank}"), "w") as handle:
+        handle.write(outcome)
+    dist.destroy_process_group()
+
+
+def dcp_mismatch(mode: str, result_dir: str) -> None:
+    import os
+
+    import torch.multiprocessing as mp
+
+    init_file = os.path.join(result_dir, "init")
+    mp.spawn(dcp_mismatch_worker, args=(2, init_file, result_dir, mode), nprocs=2, join=True)
+
+
+if __name__ == "__main__" and sys.argv[1] == "dcp-mismatch":
+    dcp_mismatch(sys.argv[2], sys.argv[3])
+elif __name__ == "__main__":
     name, blocks = sys.argv[1], sys.argv[2]
     diff = outside_block_case(name, None if blocks == "none" else int(blocks))
     print(f"diff={diff}")

@@ -212,6 +212,12 @@ class DecodeIndexBuffers:
         return view
 
 
+FLOAT32_OUTPUT_PROVIDERS = frozenset({"torch", "triton"})
+"""Providers whose decode kernels also write a float32 ``out`` for a 16-bit query (the torch
+reference computes in float32; the Triton kernels convert on store): decode context parallelism
+keeps its per-rank partials in float32 there, so the combine rounds once."""
+
+
 class DecodeStrategy(Strategy[DecodeContext]):
     """Runs the decode phase in the absorbed MQA form.
 
@@ -283,11 +289,12 @@ class DecodeStrategy(Strategy[DecodeContext]):
             device=q.device,
             num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
         )
+        wide = out.dtype == torch.float32 and self.setup.provider.name in FLOAT32_OUTPUT_PROVIDERS
         check_tensor(
             "out",
             out,
             shape=(geo.num_tokens, geo.num_heads, dims.kv_lora_rank),
-            dtype=geo.q_dtype,
+            dtype=torch.float32 if wide else geo.q_dtype,
             device=q.device,
         )
         if lse is not None:
