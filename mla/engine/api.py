@@ -12,6 +12,7 @@ no device-to-host copy.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Literal, overload
 
@@ -225,36 +226,49 @@ def mla_decode(
         entry = new_entry(call, q, kv_cache, block_table, softmax_scale, key[1], provider, strategy, platform)
         DECODE_PLANS.put(key, entry)
     backend = entry.backend
-    scale = backend.kv_scale_tensor(kv_scale)
-    if call.replay and decode_graphs.replay_allowed(q):
-        # A host query_start_loc is keyed by its values (the graph reads its own device copy),
-        # a device one also by its address (the graph reads it).
-        qsl_key = None
-        if qsl_values is not None:
-            qsl_key = (None if call.host_qsl else tensor_key(query_start_loc), tuple(qsl_values))
-        graph_key = (
-            call, tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
-            tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(), qsl_key,
-        )  # fmt: skip
-        state = entry.graphs.get(graph_key)
-        if isinstance(state, decode_graphs.CapturedCall):
-            state.graph.replay()
-            return result
-        if state is None:
-            entry.graphs.put(graph_key, decode_graphs.SEEN)
-        elif state is decode_graphs.SEEN:
-            _capture(
-                entry, graph_key, call, q, kv_cache, block_table, seq_lens, query_start_loc, out, lse, scale
-            )
-            return result
-    if query_start_loc is None:
-        qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
-    elif query_start_loc.device == q.device:
-        qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
-    else:
-        qsl = qsl_cpu.to(device=q.device, dtype=torch.int32, non_blocking=True)
-    run_step(call, backend, q, kv_cache, block_table, seq_lens, qsl_cpu, qsl, out, lse, scale)
-    return result
+    # One step at a time per cached plan: threads sharing it take turns (its backend's
+    # builds write the buffers its runs read).
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else backend.in_use:
+        scale = backend.kv_scale_tensor(kv_scale)
+        if call.replay and decode_graphs.replay_allowed(q):
+            # A host query_start_loc is keyed by its values (the graph reads its own device copy),
+            # a device one also by its address (the graph reads it).
+            qsl_key = None
+            if qsl_values is not None:
+                qsl_key = (None if call.host_qsl else tensor_key(query_start_loc), tuple(qsl_values))
+            graph_key = (
+                call, tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
+                tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(), qsl_key,
+            )  # fmt: skip
+            state = entry.graphs.get(graph_key)
+            if isinstance(state, decode_graphs.CapturedCall):
+                state.graph.replay()
+                return result
+            if state is None:
+                entry.graphs.put(graph_key, decode_graphs.SEEN)
+            elif state is decode_graphs.SEEN:
+                _capture(
+                    entry,
+                    graph_key,
+                    call,
+                    q,
+                    kv_cache,
+                    block_table,
+                    seq_lens,
+                    query_start_loc,
+                    out,
+                    lse,
+                    scale,
+                )
+                return result
+        if query_start_loc is None:
+            qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
+        elif query_start_loc.device == q.device:
+            qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
+        else:
+            qsl = qsl_cpu.to(device=q.device, dtype=torch.int32, non_blocking=True)
+        run_step(call, backend, q, kv_cache, block_table, seq_lens, qsl_cpu, qsl, out, lse, scale)
+        return result
 
 
 def _capture(
@@ -431,12 +445,13 @@ def mla_prefill(
         num_kv_tokens=k.shape[0],
         causal=causal,
     )
-    plan = entry.runner.build_metadata(batch)
     if out is None:
         out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    entry.runner.run(plan, q, k, v, out=out, lse=lse)
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else entry.lock:  # one call at a time
+        plan = entry.runner.build_metadata(batch)
+        entry.runner.run(plan, q, k, v, out=out, lse=lse)
     return (out, lse) if return_lse else out
 
 

@@ -15,12 +15,15 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mla.core.errors import InvalidInputError, PlanMismatchError
+from mla.core.errors import ConcurrentUseError, InvalidInputError, PlanMismatchError
 from mla.engine.builder import MetadataBuilder
 from mla.engine.impl import AttentionImpl
 from mla.engine.state import BackendState
@@ -52,6 +55,9 @@ class MLABackend(BackendState):
     """Plans each step: ``builder.build(step)`` returns the step's :class:`MLAMetadata`."""
     impl: AttentionImpl
     """Runs the current step: ``forward_decode``, ``forward_prefill`` and ``write_kv``."""
+    in_use: threading.RLock
+    """Held by the thread inside ``builder.build`` or an eager ``impl`` call (re-entrant): a
+    second thread's call raises :class:`~mla.core.errors.ConcurrentUseError`."""
 
     if not TYPE_CHECKING:  # the checker sees BackendState.__init__'s signature
 
@@ -61,8 +67,9 @@ class MLABackend(BackendState):
             # Plain attributes, made here: torch.compile(fullgraph=True) traces ``backend.impl``
             # (a functools.cached_property takes an RLock on Python 3.11, which dynamo cannot
             # enter), and two threads never race to make two of them.
-            self.builder = MetadataBuilder(self)
-            self.impl = AttentionImpl(self)
+            self.in_use = threading.RLock()
+            self.builder = _GuardedBuilder(self)
+            self.impl = _GuardedImpl(self)
             _LIVE_BACKENDS.add(self)
 
     def check_current(self, metadata: MLAMetadata, phase: str) -> None:
@@ -77,6 +84,53 @@ class MLABackend(BackendState):
                 "only the plans it built, sized for its own dims, cache and buffers)"
             )
         super().check_current(metadata, phase)
+
+
+@contextlib.contextmanager
+def _one_thread(backend: MLABackend, call: str) -> Iterator[None]:
+    """Run ``call`` holding the backend (eager calls; a compiled graph is not guarded):
+    :class:`ConcurrentUseError` when another thread holds it."""
+    if not backend.in_use.acquire(blocking=False):
+        raise ConcurrentUseError(
+            f"{call} was called from thread {threading.current_thread().name!r} while another "
+            "thread's call on the same MLABackend was in progress; a backend serves one step at a "
+            "time (its builds write the buffers its runs read): serialize each step's build and "
+            "run (one thread per backend, or a lock), or give each thread its own backend"
+        )
+    try:
+        yield
+    finally:
+        backend.in_use.release()
+
+
+class _GuardedBuilder(MetadataBuilder):
+    """:class:`MetadataBuilder` whose ``build`` refuses a second thread's concurrent call."""
+
+    def build(self, step: StepInputs) -> MLAMetadata:
+        with _one_thread(self.backend, "builder.build"):  # type: ignore[arg-type]
+            return super().build(step)
+
+
+class _GuardedImpl(AttentionImpl):
+    """:class:`AttentionImpl` whose eager calls refuse a second thread's concurrent call."""
+
+    def forward_decode(self, *args: Any, **kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return super().forward_decode(*args, **kwargs)
+        with _one_thread(self.backend, "impl.forward_decode"):  # type: ignore[arg-type]
+            return super().forward_decode(*args, **kwargs)
+
+    def forward_prefill(self, *args: Any, **kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return super().forward_prefill(*args, **kwargs)
+        with _one_thread(self.backend, "impl.forward_prefill"):  # type: ignore[arg-type]
+            return super().forward_prefill(*args, **kwargs)
+
+    def write_kv(self, *args: Any, **kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return super().write_kv(*args, **kwargs)
+        with _one_thread(self.backend, "impl.write_kv"):  # type: ignore[arg-type]
+            return super().write_kv(*args, **kwargs)
 
 
 _LIVE_BACKENDS: weakref.WeakSet[MLABackend] = weakref.WeakSet()
