@@ -196,6 +196,10 @@ class DecodeIndexBuffers:
                 qo_indptr=qo_indptr,
             )
         )
+        if setup.provider.name not in MASKING_PROVIDERS:
+            # Kernels that read every id they are given (Gluon's, aiter's): the fill's -1 mark
+            # of a block outside the cache reads block 0 there, inside the cache (memory-safe).
+            self.kv_indices.clamp_(min=0)
         return indptr
 
     @staticmethod
@@ -211,6 +215,10 @@ class DecodeIndexBuffers:
             view = self._views[num_requests] = self.kv_indptr[: num_requests + 1]
         return view
 
+
+MASKING_PROVIDERS = frozenset({"torch", "triton"})
+"""Providers whose decode kernels mask token ids outside the cache they are handed (the fill's
+-1 mark included): such a key reads no memory and counts as no key."""
 
 FLOAT32_OUTPUT_PROVIDERS = frozenset({"torch", "triton"})
 """Providers whose decode kernels also write a float32 ``out`` for a 16-bit query (the torch

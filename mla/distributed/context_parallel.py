@@ -67,19 +67,32 @@ class DCPMetadata:
     context: ContextGather | None
     fingerprint: tuple[int, ...] = ()
     """A cheap digest of the global step this rank built (its counts and CRC-32s of the host
-    ``query_start_loc`` and ``seq_lens``): the ranks compare it before their first collective
-    of the step (:class:`StepMismatchError`)."""
+    ``query_start_loc`` and ``seq_lens``): the ranks compare it at the start of
+    :meth:`DecodeContextParallel.build`, before any collective of the step
+    (:class:`StepMismatchError`)."""
 
 
 class StepMismatchError(PlanMismatchError):
-    """The ranks of a decode-context-parallel group built different steps. Raised on every rank
-    (each compares every rank's step fingerprint), before any collective whose size depends on
-    the step, so no rank is left waiting in one; combining such partial states would be silently
-    wrong."""
+    """The ranks of a decode-context-parallel group are building different steps. Raised by
+    :meth:`DecodeContextParallel.build` on every rank (each compares every rank's step
+    fingerprint), before any collective whose size depends on the step, so no rank is left
+    waiting in one; combining such partial states would be silently wrong."""
 
 
 FINGERPRINT_LENGTH = 6
 """int64 entries of :attr:`DCPMetadata.fingerprint`."""
+
+
+def _fingerprint_of(step: object) -> tuple[int, ...]:
+    """:func:`step_fingerprint` of a step as given (before its checks: the ranks compare it
+    first); a step it cannot read gives ``-1``s (its checks then fail alike on every rank)."""
+    try:
+        qsl = step.query_start_loc_cpu.cpu().to(torch.int64).reshape(-1)  # type: ignore[attr-defined]
+        lens = step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens  # type: ignore[attr-defined]
+        seq = lens.cpu().to(torch.int64).reshape(-1)
+        return step_fingerprint(qsl, seq, int(step.num_decodes), int(step.num_decode_tokens))  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, RuntimeError, ValueError):
+        return (-1,) * FINGERPRINT_LENGTH
 
 
 def step_fingerprint(
@@ -141,7 +154,7 @@ class DecodeContextParallel:
         self.dims, self.cache, self.limits = dims, cache, limits
         self.split_heads = split_heads
         self.check_steps = check_steps
-        """Compare the ranks' step fingerprints before each decode (:meth:`check_same_step`)."""
+        """Compare the ranks' step fingerprints in each build (:meth:`check_same_step`)."""
         world = self.layout.world_size
         decode_heads = dims.num_heads * world if split_heads else dims.num_heads
         local_len = self.layout.max_local_length(limits.max_model_len)
@@ -195,6 +208,8 @@ class DecodeContextParallel:
         global values, so a bad step raises :class:`~mla.core.errors.InvalidInputError` on every rank
         (a malformed step, or a block table too narrow for rank 0's share of a request).
         """
+        fingerprint = _fingerprint_of(step)
+        self.check_same_step(fingerprint)
         qsl = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
         require_index("block_table", step.block_table, ndim=2)
         seq = (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
@@ -280,21 +295,20 @@ class DecodeContextParallel:
             decode=decode,
             prefill=prefill,
             context=context,
-            fingerprint=step_fingerprint(qsl, seq, nd, step.num_decode_tokens),
+            fingerprint=fingerprint,
         )
 
-    def check_same_step(self, metadata: DCPMetadata) -> None:
-        """Every rank of the group built the same step: one all-gather of
-        :data:`FINGERPRINT_LENGTH` ints (the same size whatever the step) and a host comparison;
-        :class:`StepMismatchError` on every rank otherwise. Collective over the group; skipped
-        with ``check_steps=False``, with one rank, and while a CUDA graph is being captured (the
-        comparison reads the gathered digests on the host: one small device-to-host copy on GPUs)."""
+    def check_same_step(self, fingerprint: tuple[int, ...]) -> None:
+        """Every rank of the group is building the same step: one all-gather of
+        :data:`FINGERPRINT_LENGTH` ints (the same size whatever the step) and a comparison on
+        the host; :class:`StepMismatchError` on every rank otherwise. Collective over the group
+        (:meth:`build` runs it first, before any check that could fail on one rank only);
+        skipped with ``check_steps=False`` and with one rank. On GPUs it reads the gathered
+        digests on the host (a few dozen bytes, in the build, never in the run path)."""
         world = self.layout.world_size
-        if not self.check_steps or world == 1 or not metadata.fingerprint:
+        if not self.check_steps or world == 1:
             return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        mine = torch.tensor(metadata.fingerprint, dtype=torch.int64)
+        mine = torch.tensor(fingerprint, dtype=torch.int64)
         gathered = torch.empty(world * FINGERPRINT_LENGTH, dtype=torch.int64, device=self.device)
         all_gather_into(gathered, mine.to(self.device), self.group)
         prints = gathered.view(world, FINGERPRINT_LENGTH).cpu()
@@ -451,7 +465,6 @@ class DecodeContextParallel:
             raise InvalidInputError("q", f"expected [{rows}, {heads}, L+R], got {tuple(q.shape)}")
         if tuple(out.shape[:2]) != (rows, heads):
             raise InvalidInputError("out", f"expected [{rows}, {heads}, L], got {tuple(out.shape)}")
-        self.check_same_step(metadata)
         if self.split_heads and world > 1:
             gathered = torch.empty((world * rows, *q.shape[1:]), dtype=q.dtype, device=q.device)
             all_gather_into(gathered, q.contiguous(), self.group)
@@ -507,7 +520,6 @@ class DecodeContextParallel:
         if gather is not None:
             if kv_cache is None:
                 raise InvalidInputError("kv_cache", "this step has cached context: pass this rank's kv_cache")
-            self.check_same_step(metadata)
             width = kv_cache.shape[-1]
             local = kv_cache.view(-1, width).view(torch.uint8)
             send = local[gather.send_slots]
