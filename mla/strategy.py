@@ -22,6 +22,7 @@ from mla.core.context import DecodeContext, PrefillContext
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.core.platform import Platform
 from mla.core.support import ReasonCollector, Support
+from mla.core.validate import require_paged_cache
 from mla.providers.base import KernelProvider
 from mla.providers.quant import ScaleBuffer
 
@@ -219,6 +220,7 @@ def check_cache(
             f"got {tuple(kv_cache.shape)}",
         )
     check_tensor("kv_cache", kv_cache, shape=tuple(kv_cache.shape), dtype=dtype, device=device)
+    require_paged_cache("kv_cache", kv_cache)
     if kv_cache.shape[0] < num_blocks:
         raise InvalidInputError(
             "kv_cache",

@@ -292,9 +292,9 @@ def _fill_expected(
         length = min(max(raw, 0), max_len)
         for t in range(length):
             block = int(table[r, t // block_size])
-            if num_blocks is not None:
-                block = min(max(block, 0), num_blocks - 1)
-            indices.append(block * block_size + t % block_size)
+            # Outside the cache: marked -1 (the readers mask it), never clamped into a block.
+            outside = block < 0 or (num_blocks is not None and block >= num_blocks)
+            indices.append(-1 if outside else block * block_size + t % block_size)
         indptr.append(indptr[-1] + length)
     return indptr, indices
 

@@ -65,6 +65,13 @@ class PlanMismatchError(MLAError, RuntimeError):
     """``run`` was handed a plan built for another strategy or geometry than its inputs."""
 
 
+class ConcurrentUseError(MLAError, RuntimeError):
+    """A second thread called a backend's ``builder.build`` or ``impl`` while another thread's
+    call on the same backend was in progress. A backend serves one step at a time: its builds
+    write the persistent buffers its runs read. Serialize the calls (one thread per backend, or
+    a lock around each step's build and run), or give each thread its own backend."""
+
+
 class ProviderUnavailableError(UnsupportedError):
     """A kernel provider was requested but cannot run here (unknown name, library or device
     missing). An :class:`UnsupportedError` (and a ``RuntimeError``) with no explanation."""

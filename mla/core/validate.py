@@ -96,9 +96,38 @@ def check_cache_scale(
     if isinstance(value, torch.Tensor):
         check_kv_scale(value, device if device is not None else value.device)
         if value.device.type == "cpu":
-            require_scale("kv_scale", float(value.detach().reshape(())))
+            require_dequant_range(require_scale("kv_scale", float(value.detach().reshape(()))), kv_dtype)
         return
-    require_scale("kv_scale", value)
+    require_dequant_range(require_scale("kv_scale", value), kv_dtype)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def require_dequant_range(scale: float, kv_dtype: torch.dtype) -> None:
+    """The fp8 cache's largest value times ``scale`` stays finite in float32 (the kernels
+    dequantize in float32: a larger scale made every output NaN)."""
+    largest = torch.finfo(kv_dtype).max
+    if scale * largest > _FLOAT32_MAX:
+        raise InvalidInputError(
+            "kv_scale",
+            f"{scale:g} times the largest {dtype_name(kv_dtype)} value ({largest:g}) overflows "
+            f"float32 (max {_FLOAT32_MAX:.3g}): the dequantized cache would be inf; use a scale "
+            f"<= {_FLOAT32_MAX / largest:.3g}",
+        )
+
+
+def require_cache_dtype(kv_cache: object, dtype: torch.dtype) -> None:
+    """A backend's ``kv_cache`` has the dtype of its ``KVCacheSpec`` (checked before
+    ``kv_scale``, whose rule depends on the dtype: an fp8 cache handed to a bf16 backend is a
+    cache problem, not a scale problem). ``None`` and non-tensors are left to other checks."""
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dtype != dtype:
+        raise InvalidInputError(
+            "kv_cache",
+            f"is {dtype_name(kv_cache.dtype)} but the backend was built for a {dtype_name(dtype)} "
+            f"cache (KVCacheSpec.dtype); pass the cache the backend was built for, or build a "
+            f"backend with KVCacheSpec(dtype={dtype_name(kv_cache.dtype)})",
+        )
 
 
 def require_tensor(name: str, value: object, *, ndim: int | None = None) -> torch.Tensor:
@@ -107,6 +136,57 @@ def require_tensor(name: str, value: object, *, ndim: int | None = None) -> torc
     if ndim is not None and value.dim() != ndim:
         raise InvalidInputError(name, f"expected {ndim} dims, got shape {tuple(value.shape)}")
     return value
+
+
+def require_paged_cache(name: str, cache: torch.Tensor) -> None:
+    """A paged cache ``[blocks, block_size, width]`` the kernels can read as flat rows
+    ``[blocks * block_size, width]``: a contiguous last dim, and blocks laid out one after the
+    other (``stride(0) == block_size * stride(1)``; a padded row stride is fine). A cache with
+    permuted or sliced-block strides is refused naming ``name`` (``.contiguous()`` makes it
+    readable)."""
+    blocks, block_size, width = cache.shape
+    strides = cache.stride()
+    last_ok = width <= 1 or strides[2] == 1
+    rows_ok = blocks <= 1 or block_size <= 1 or strides[0] == block_size * strides[1]
+    if not (last_ok and rows_ok and (block_size <= 1 or strides[1] >= width)):
+        raise InvalidInputError(
+            name,
+            f"strides {tuple(strides)} of shape {tuple(cache.shape)} cannot be read as flat rows "
+            f"[{blocks * block_size}, {width}]: the cache needs a contiguous last dim and its "
+            "blocks' rows one after the other (allocate it contiguous, or pass .contiguous())",
+        )
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, last)`` bytes a tensor's elements can touch (``None``: no storage to share)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = tensor.data_ptr()
+    return start, start + extent * tensor.element_size()
+
+
+def require_no_overlap(
+    name: str, tensor: torch.Tensor | None, *others: tuple[str, torch.Tensor | None]
+) -> None:
+    """The output ``tensor`` shares no memory with any of ``others`` (the inputs, the cache, the
+    other output): an output written over an input or the KV cache gives a silently wrong
+    result and corrupts the cache. Host metadata only (no sync)."""
+    if tensor is None:
+        return
+    span = _byte_span(tensor)
+    if span is None:
+        return
+    for other_name, other in others:
+        if other is None or other.device != tensor.device:
+            continue
+        other_span = _byte_span(other)
+        if other_span is not None and span[0] < other_span[1] and other_span[0] < span[1]:
+            raise InvalidInputError(
+                name,
+                f"overlaps {other_name} in memory; the output is written while {other_name} is "
+                f"read: pass a separate {name} tensor (or none)",
+            )
 
 
 def require_index(name: str, value: object, *, ndim: int) -> torch.Tensor:
@@ -175,8 +255,10 @@ ValidateMode = Literal["fast", "full"]
 
 ``"fast"`` (default): shapes, dtypes and devices, plus the rules on the host copies the caller
 already has (``query_start_loc_cpu``, ``seq_lens_cpu``); never a device-to-host copy. Block ids
-are trusted; the kernels' own bounds decide what out-of-range ids do (the device-side index fill
-used without host lengths clamps them to the cache). ``"full"``: a debug mode that also copies
+are not read on the host: an id outside the cache the run is handed (negative, past
+``KVCacheSpec.num_blocks`` or past the cache tensor's own blocks) is masked by the kernels of
+the torch and Triton providers: it reads no memory and counts as no key (never clamped into
+another block). ``"full"``: a debug mode that also copies
 ``block_table`` (and ``seq_lens`` when no host copy was given) to the host and checks every
 used block id against the cache.
 """
@@ -400,6 +482,7 @@ def check_write_kv(
     ds_mla = is_ds_mla(cache.dtype)
     if not ds_mla:
         require_float("kv_cache", cache, allow_fp8=True)
+    require_paged_cache("kv_cache", cache)
     require_same_device(("kv_cache", cache), ("kv_c", latent), ("k_pe", rope), ("slot_mapping", slots))
     num_new = latent.shape[0]
     if rope.shape[0] != num_new:

@@ -12,7 +12,13 @@ from mla.core.config import dtype_name
 from mla.core.context import DecodeContext
 from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
-from mla.decode.base import DecodeBatch, DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.decode.base import (
+    FLOAT32_OUTPUT_PROVIDERS,
+    DecodeBatch,
+    DecodeIndexBuffers,
+    DecodePlan,
+    DecodeStrategy,
+)
 from mla.providers.calls import (
     DecodeSchedule,
     DecodeScheduleBuffersCall,
@@ -129,7 +135,15 @@ class PagedDecode(DecodeStrategy):
             source_keep=torch.zeros(rows, dtype=setup.q_dtype, device=dev),
             kernel_row=torch.zeros(limits.max_decode_tokens, dtype=torch.int64, device=dev),
             q_kernel=torch.zeros(rows, heads, dims.latent_dim, dtype=setup.q_dtype, device=dev),
-            o_kernel=torch.zeros(rows + 1, heads, dims.kv_lora_rank, dtype=setup.q_dtype, device=dev),
+            # float32 where the provider writes it: a float32 ``out`` (decode context
+            # parallelism's partials) is then rounded nowhere on the way.
+            o_kernel=torch.zeros(
+                rows + 1,
+                heads,
+                dims.kv_lora_rank,
+                dtype=torch.float32 if setup.provider.name in FLOAT32_OUTPUT_PROVIDERS else setup.q_dtype,
+                device=dev,
+            ),
             lse_kernel=torch.zeros(rows + 1, heads, dtype=torch.float32, device=dev),
             schedule=schedule,
         )

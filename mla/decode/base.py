@@ -11,7 +11,7 @@ import torch
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
 from mla.core.records import fast_constructor
-from mla.core.validate import HostLengths, check_cache_scale
+from mla.core.validate import HostLengths, check_cache_scale, require_no_overlap
 from mla.providers.calls import FillPagesCall
 from mla.strategy import (
     GraphSupport,
@@ -158,9 +158,11 @@ class DecodeIndexBuffers:
 
         Work is sized by the batch's longest length when the host knows it, else by the block
         table's capacity ``min(max_blocks * block_size, max_model_len)`` (static, so the fill
-        can be captured in a CUDA graph). Lengths are clamped to that bound and block ids to
-        the cache (when ``KVCacheSpec.num_blocks`` is known), so bad input cannot make a kernel
-        read outside the cache; ``validate="full"`` rejects such input on the host instead.
+        can be captured in a CUDA graph). Lengths are clamped to that bound; a block id outside
+        the cache (negative, or past ``KVCacheSpec.num_blocks`` when known) becomes the token
+        id -1, and the kernels mask every id outside the cache tensor they are handed, so bad
+        input cannot make a kernel read outside the cache or another block;
+        ``validate="full"`` rejects such input on the host instead.
         """
         indptr = self.fill_indptr(setup, batch, qo_indptr=qo_indptr)
         lengths = batch.lengths
@@ -194,6 +196,10 @@ class DecodeIndexBuffers:
                 qo_indptr=qo_indptr,
             )
         )
+        if setup.provider.name not in MASKING_PROVIDERS:
+            # Kernels that read every id they are given (Gluon's, aiter's): the fill's -1 mark
+            # of a block outside the cache reads block 0 there, inside the cache (memory-safe).
+            self.kv_indices.clamp_(min=0)
         return indptr
 
     @staticmethod
@@ -208,6 +214,16 @@ class DecodeIndexBuffers:
         if view is None:
             view = self._views[num_requests] = self.kv_indptr[: num_requests + 1]
         return view
+
+
+MASKING_PROVIDERS = frozenset({"torch", "triton"})
+"""Providers whose decode kernels mask token ids outside the cache they are handed (the fill's
+-1 mark included): such a key reads no memory and counts as no key."""
+
+FLOAT32_OUTPUT_PROVIDERS = frozenset({"torch", "triton"})
+"""Providers whose decode kernels also write a float32 ``out`` for a 16-bit query (the torch
+reference computes in float32; the Triton kernels convert on store): decode context parallelism
+keeps its per-rank partials in float32 there, so the combine rounds once."""
 
 
 class DecodeStrategy(Strategy[DecodeContext]):
@@ -281,11 +297,12 @@ class DecodeStrategy(Strategy[DecodeContext]):
             device=q.device,
             num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
         )
+        wide = out.dtype == torch.float32 and self.setup.provider.name in FLOAT32_OUTPUT_PROVIDERS
         check_tensor(
             "out",
             out,
             shape=(geo.num_tokens, geo.num_heads, dims.kv_lora_rank),
-            dtype=geo.q_dtype,
+            dtype=torch.float32 if wide else geo.q_dtype,
             device=q.device,
         )
         if lse is not None:
@@ -293,6 +310,8 @@ class DecodeStrategy(Strategy[DecodeContext]):
                 "lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device
             )
         check_cache_scale(kv_scale, geo.kv_dtype, device=q.device)
+        require_no_overlap("out", out, ("kv_cache", kv_cache), ("q", q), ("lse", lse))
+        require_no_overlap("lse", lse, ("kv_cache", kv_cache), ("q", q))
         scale = self.kv_scale_buffer.tensor(kv_scale)
         self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=scale, out=out, lse=lse)
 

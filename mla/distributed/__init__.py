@@ -21,13 +21,30 @@ A rank that owns no token of a request contributes ``o = 0``, ``lse = -inf``. Pr
 context rows of the step's prefill requests from every rank (as vLLM does under DCP) and runs the
 ordinary prefill on them.
 
+The partial outputs are combined in float32 (computed in float32 by the torch and Triton
+providers, which write float32 partials) and rounded to the model dtype once, so the error does
+not grow with the number of ranks.
+
+Step consistency: every rank must build the same global step. At the start of
+:meth:`~DecodeContextParallel.build` each rank all-gathers a fixed-size fingerprint of the step
+it is building (:func:`~mla.distributed.context_parallel.step_fingerprint`: counts and CRC-32s
+of the host ``query_start_loc`` and ``seq_lens``) and compares them on the host; a difference
+raises :class:`StepMismatchError` on every rank, before any collective whose size depends on the
+step (so no rank hangs in one). ``DecodeContextParallel(check_steps=False)`` skips it.
+
 The run path (:meth:`~DecodeContextParallel.forward_decode`, ``write_kv``) performs no host
 synchronisation and reads only buffers whose addresses persist across builds, so a decode step
 can be captured in a CUDA graph and replayed after an in-place rebuild.
 """
 
 from mla.distributed.combine import combine_decode_states, lse_weights
-from mla.distributed.context_parallel import ContextGather, DCPMetadata, DecodeContextParallel
+from mla.distributed.context_parallel import (
+    ContextGather,
+    DCPMetadata,
+    DecodeContextParallel,
+    StepMismatchError,
+    step_fingerprint,
+)
 from mla.distributed.layout import DCPLayout
 
 __all__ = [
@@ -35,6 +52,8 @@ __all__ = [
     "DCPLayout",
     "DCPMetadata",
     "DecodeContextParallel",
+    "StepMismatchError",
     "combine_decode_states",
     "lse_weights",
+    "step_fingerprint",
 ]

@@ -51,19 +51,24 @@ def combine_decode_states(
     with ``split_heads`` the ``Hp = W * H`` heads are reduce-scattered so rank ``r`` receives heads
     ``r*H .. r*H+H-1`` in ``out`` ``[T, H, D]``, otherwise they are all-reduced into ``out``
     ``[T, Hp, D]``. ``lse`` (optional) receives the merged LSE of ``out``'s heads. Device work
-    only (no host sync); scaled outputs are summed in ``out``'s dtype, as vLLM does.
+    only (no host sync). The scaled partials are summed in float32 and rounded to ``out``'s
+    dtype once (vLLM sums them in the model dtype: its error grows with the number of ranks).
     """
     rows, part_heads = part_lse.shape
     all_lse = torch.empty((world_size * rows, part_heads), dtype=torch.float32, device=part.device)
     all_gather_into(all_lse, part_lse.contiguous(), group)
     weight, merged_lse = lse_weights(part_lse, all_lse.view(world_size, rows, part_heads))
-    corrected = (part.to(torch.float32) * weight[..., None]).to(out.dtype)
+    corrected = part.to(torch.float32) * weight[..., None]
     if split_heads and world_size > 1:
         heads = part_heads // world_size
         send = (
             corrected.view(rows, world_size, heads, -1).transpose(0, 1).reshape(world_size * rows, heads, -1)
         )
-        target = out if out.is_contiguous() else torch.empty_like(out)
+        target = (
+            out
+            if out.is_contiguous() and out.dtype == torch.float32
+            else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        )
         reduce_scatter_into(target, send, group)
         if target is not out:
             out.copy_(target)

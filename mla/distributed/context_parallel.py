@@ -5,6 +5,7 @@ See :mod:`mla.distributed` for the layout and the combine.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import attrs
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mla.core.config import EngineLimits, KVCacheSpec, MLADims
-from mla.core.errors import InvalidInputError
+from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.core.validate import (
     check_block_ids,
     check_indptr,
@@ -20,6 +21,7 @@ from mla.core.validate import (
     require_index,
     require_tensor,
 )
+from mla.decode.base import FLOAT32_OUTPUT_PROVIDERS
 from mla.distributed.combine import all_gather_into, combine_decode_states
 from mla.distributed.layout import DCPLayout
 from mla.engine.backend import MLABackend, MLAMetadata, StepInputs
@@ -63,6 +65,51 @@ class DCPMetadata:
     prefill: MLAMetadata | None
     """The prefill step over :attr:`ContextGather.workspace`."""
     context: ContextGather | None
+    fingerprint: tuple[int, ...] = ()
+    """A cheap digest of the global step this rank built (its counts and CRC-32s of the host
+    ``query_start_loc`` and ``seq_lens``): the ranks compare it at the start of
+    :meth:`DecodeContextParallel.build`, before any collective of the step
+    (:class:`StepMismatchError`)."""
+
+
+class StepMismatchError(PlanMismatchError):
+    """The ranks of a decode-context-parallel group are building different steps. Raised by
+    :meth:`DecodeContextParallel.build` on every rank (each compares every rank's step
+    fingerprint), before any collective whose size depends on the step, so no rank is left
+    waiting in one; combining such partial states would be silently wrong."""
+
+
+FINGERPRINT_LENGTH = 6
+"""int64 entries of :attr:`DCPMetadata.fingerprint`."""
+
+
+def _fingerprint_of(step: object) -> tuple[int, ...]:
+    """:func:`step_fingerprint` of a step as given (before its checks: the ranks compare it
+    first); a step it cannot read gives ``-1``s (its checks then fail alike on every rank)."""
+    try:
+        qsl = step.query_start_loc_cpu.cpu().to(torch.int64).reshape(-1)  # type: ignore[attr-defined]
+        lens = step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens  # type: ignore[attr-defined]
+        seq = lens.cpu().to(torch.int64).reshape(-1)
+        return step_fingerprint(qsl, seq, int(step.num_decodes), int(step.num_decode_tokens))  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, RuntimeError, ValueError):
+        return (-1,) * FINGERPRINT_LENGTH
+
+
+def step_fingerprint(
+    qsl: torch.Tensor, seq: torch.Tensor, num_decodes: int, num_decode_tokens: int
+) -> tuple[int, ...]:
+    """The digest of a global step: request and token counts, and CRC-32s of the host
+    ``query_start_loc`` and ``seq_lens`` values (int64). Block ids (device data) are not in it."""
+    qsl_bytes = qsl.to(torch.int64).contiguous().numpy().tobytes()
+    seq_bytes = seq.to(torch.int64).contiguous().numpy().tobytes()
+    return (
+        num_decodes,
+        num_decode_tokens,
+        seq.numel(),
+        int(qsl[-1]) if qsl.numel() else 0,
+        zlib.crc32(qsl_bytes),
+        zlib.crc32(seq_bytes),
+    )
 
 
 class DecodeContextParallel:
@@ -95,6 +142,7 @@ class DecodeContextParallel:
         group: Any = None,
         interleave: int = 1,
         split_heads: bool = True,
+        check_steps: bool = True,
         **backend_options: Any,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -105,6 +153,8 @@ class DecodeContextParallel:
         self.layout = DCPLayout(dist.get_world_size(group), dist.get_rank(group), interleave)
         self.dims, self.cache, self.limits = dims, cache, limits
         self.split_heads = split_heads
+        self.check_steps = check_steps
+        """Compare the ranks' step fingerprints in each build (:meth:`check_same_step`)."""
         world = self.layout.world_size
         decode_heads = dims.num_heads * world if split_heads else dims.num_heads
         local_len = self.layout.max_local_length(limits.max_model_len)
@@ -158,6 +208,8 @@ class DecodeContextParallel:
         global values, so a bad step raises :class:`~mla.core.errors.InvalidInputError` on every rank
         (a malformed step, or a block table too narrow for rank 0's share of a request).
         """
+        fingerprint = _fingerprint_of(step)
+        self.check_same_step(fingerprint)
         qsl = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
         require_index("block_table", step.block_table, ndim=2)
         seq = (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
@@ -243,7 +295,32 @@ class DecodeContextParallel:
             decode=decode,
             prefill=prefill,
             context=context,
+            fingerprint=fingerprint,
         )
+
+    def check_same_step(self, fingerprint: tuple[int, ...]) -> None:
+        """Every rank of the group is building the same step: one all-gather of
+        :data:`FINGERPRINT_LENGTH` ints (the same size whatever the step) and a comparison on
+        the host; :class:`StepMismatchError` on every rank otherwise. Collective over the group
+        (:meth:`build` runs it first, before any check that could fail on one rank only);
+        skipped with ``check_steps=False`` and with one rank. On GPUs it reads the gathered
+        digests on the host (a few dozen bytes, in the build, never in the run path)."""
+        world = self.layout.world_size
+        if not self.check_steps or world == 1:
+            return
+        mine = torch.tensor(fingerprint, dtype=torch.int64)
+        gathered = torch.empty(world * FINGERPRINT_LENGTH, dtype=torch.int64, device=self.device)
+        all_gather_into(gathered, mine.to(self.device), self.group)
+        prints = gathered.view(world, FINGERPRINT_LENGTH).cpu()
+        differ = [r for r in range(world) if not torch.equal(prints[r], mine)]
+        if differ:
+            raise StepMismatchError(
+                f"rank {self.layout.rank} built a different step than rank(s) {differ} of its "
+                f"decode-context-parallel group (step fingerprints {mine.tolist()} here, "
+                f"{prints[differ[0]].tolist()} on rank {differ[0]}: decodes, decode rows, requests, "
+                "tokens, CRC-32 of query_start_loc, CRC-32 of seq_lens); every rank must build the "
+                "same global step (same StepInputs) before running it"
+            )
 
     def _slots(self, block_table: torch.Tensor, requests: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Cache slots of local positions ``local`` of ``requests`` (host int64 -> device int64)."""
@@ -395,7 +472,10 @@ class DecodeContextParallel:
         else:
             q_local = q
         local_heads = q_local.shape[1]
-        part = torch.empty((rows, local_heads, out.shape[-1]), dtype=out.dtype, device=out.device)
+        # float32 partials where the provider writes them, so the combine rounds once.
+        wide = self.decode_backend.provider.name in FLOAT32_OUTPUT_PROVIDERS
+        part_dtype = torch.float32 if wide else out.dtype
+        part = torch.empty((rows, local_heads, out.shape[-1]), dtype=part_dtype, device=out.device)
         part_lse = torch.empty((rows, local_heads), dtype=torch.float32, device=out.device)
         if metadata.decode is None:
             part.zero_()

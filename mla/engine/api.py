@@ -12,6 +12,7 @@ no device-to-host copy.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Literal, overload
 
@@ -26,6 +27,7 @@ from mla.core.validate import (
     require_index,
     require_indptr_of_rows,
     require_int,
+    require_no_overlap,
     require_same_device,
     require_softmax_scale,
     require_tensor,
@@ -146,8 +148,9 @@ def mla_decode(
         return_lse: ``False`` returns ``out`` alone and skips computing the LSE (unless ``lse``
             is given).
         validate: ``"fast"`` (default) checks shapes, dtypes and devices and never copies
-            ``block_table`` or ``seq_lens`` to the host: lengths past the block table and
-            out-of-range block ids are clamped on the device (memory-safe, not an error).
+            ``block_table`` or ``seq_lens`` to the host: lengths past the block table are
+            clamped on the device, and block ids outside ``kv_cache`` are masked (their keys
+            read nothing and count for nothing; memory-safe, not an error).
             ``"full"`` (debug) copies them and raises on any bad length or block id.
         graph: ``"auto"`` (default) replays repeated calls from a CUDA graph on a CUDA device
             (below); ``"off"`` always runs eagerly (``mla.engine.decode_graphs.GRAPH_REPLAY =
@@ -195,8 +198,12 @@ def mla_decode(
             DECODE_CALLS.put(signature, call)
     elif call.scale_on_host:
         assert kv_scale is not None
-        check_scale_value(kv_scale)
+        check_scale_value(kv_scale, kv_cache.dtype)
     num_tokens, num_requests = call.num_tokens, call.num_requests
+    if out is not None or lse is not None:
+        inputs = (("q", q), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens))
+        require_no_overlap("out", out, *inputs, ("query_start_loc", query_start_loc), ("lse", lse))
+        require_no_overlap("lse", lse, *inputs, ("query_start_loc", query_start_loc))
     qsl_values: list[int] | None = None
     max_qlen = 1
     if query_start_loc is not None:
@@ -208,7 +215,7 @@ def mla_decode(
     if lse is None and return_lse:
         lse = torch.empty(num_tokens, call.num_heads, dtype=torch.float32, device=q.device)
     result = (out, lse) if return_lse and lse is not None else out
-    if num_requests == 0:
+    if num_requests == 0 or num_tokens == 0 or call.num_heads == 0:  # nothing to attend
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
@@ -219,36 +226,49 @@ def mla_decode(
         entry = new_entry(call, q, kv_cache, block_table, softmax_scale, key[1], provider, strategy, platform)
         DECODE_PLANS.put(key, entry)
     backend = entry.backend
-    scale = backend.kv_scale_tensor(kv_scale)
-    if call.replay and decode_graphs.replay_allowed(q):
-        # A host query_start_loc is keyed by its values (the graph reads its own device copy),
-        # a device one also by its address (the graph reads it).
-        qsl_key = None
-        if qsl_values is not None:
-            qsl_key = (None if call.host_qsl else tensor_key(query_start_loc), tuple(qsl_values))
-        graph_key = (
-            call, tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
-            tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(), qsl_key,
-        )  # fmt: skip
-        state = entry.graphs.get(graph_key)
-        if isinstance(state, decode_graphs.CapturedCall):
-            state.graph.replay()
-            return result
-        if state is None:
-            entry.graphs.put(graph_key, decode_graphs.SEEN)
-        elif state is decode_graphs.SEEN:
-            _capture(
-                entry, graph_key, call, q, kv_cache, block_table, seq_lens, query_start_loc, out, lse, scale
-            )
-            return result
-    if query_start_loc is None:
-        qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
-    elif query_start_loc.device == q.device:
-        qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
-    else:
-        qsl = qsl_cpu.to(device=q.device, dtype=torch.int32, non_blocking=True)
-    run_step(call, backend, q, kv_cache, block_table, seq_lens, qsl_cpu, qsl, out, lse, scale)
-    return result
+    # One step at a time per cached plan: threads sharing it take turns (its backend's
+    # builds write the buffers its runs read).
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else backend.in_use:
+        scale = backend.kv_scale_tensor(kv_scale)
+        if call.replay and decode_graphs.replay_allowed(q):
+            # A host query_start_loc is keyed by its values (the graph reads its own device copy),
+            # a device one also by its address (the graph reads it).
+            qsl_key = None
+            if qsl_values is not None:
+                qsl_key = (None if call.host_qsl else tensor_key(query_start_loc), tuple(qsl_values))
+            graph_key = (
+                call, tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
+                tensor_key(out), tensor_key(lse), None if scale is None else scale.data_ptr(), qsl_key,
+            )  # fmt: skip
+            state = entry.graphs.get(graph_key)
+            if isinstance(state, decode_graphs.CapturedCall):
+                state.graph.replay()
+                return result
+            if state is None:
+                entry.graphs.put(graph_key, decode_graphs.SEEN)
+            elif state is decode_graphs.SEEN:
+                _capture(
+                    entry,
+                    graph_key,
+                    call,
+                    q,
+                    kv_cache,
+                    block_table,
+                    seq_lens,
+                    query_start_loc,
+                    out,
+                    lse,
+                    scale,
+                )
+                return result
+        if query_start_loc is None:
+            qsl_cpu, qsl = entry.unit_qsl_cpu, entry.unit_qsl
+        elif query_start_loc.device == q.device:
+            qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
+        else:
+            qsl = qsl_cpu.to(device=q.device, dtype=torch.int32, non_blocking=True)
+        run_step(call, backend, q, kv_cache, block_table, seq_lens, qsl_cpu, qsl, out, lse, scale)
+        return result
 
 
 def _capture(
@@ -389,6 +409,9 @@ def mla_prefill(
         require_output("out", out, (num_tokens, num_heads, v.shape[-1]), q.dtype, q.device)
     if lse is not None:
         require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
+    inputs = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    require_no_overlap("out", out, *inputs, ("lse", lse))
+    require_no_overlap("lse", lse, *inputs)
     cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
     cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
     require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), num_tokens, "q")
@@ -422,12 +445,13 @@ def mla_prefill(
         num_kv_tokens=k.shape[0],
         causal=causal,
     )
-    plan = entry.runner.build_metadata(batch)
     if out is None:
         out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    entry.runner.run(plan, q, k, v, out=out, lse=lse)
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else entry.lock:  # one call at a time
+        plan = entry.runner.build_metadata(batch)
+        entry.runner.run(plan, q, k, v, out=out, lse=lse)
     return (out, lse) if return_lse else out
 
 

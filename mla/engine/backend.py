@@ -15,8 +15,16 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from mla.core.errors import ConcurrentUseError, InvalidInputError, PlanMismatchError
 from mla.engine.builder import MetadataBuilder
 from mla.engine.impl import AttentionImpl
 from mla.engine.state import BackendState
@@ -44,12 +52,115 @@ class MLABackend(BackendState):
     ops run.
     """
 
-    @functools.cached_property
-    def builder(self) -> MetadataBuilder:
-        """Plans each step: ``builder.build(step)`` returns the step's :class:`MLAMetadata`."""
-        return MetadataBuilder(self)
+    builder: MetadataBuilder
+    """Plans each step: ``builder.build(step)`` returns the step's :class:`MLAMetadata`."""
+    impl: AttentionImpl
+    """Runs the current step: ``forward_decode``, ``forward_prefill`` and ``write_kv``."""
+    in_use: threading.RLock
+    """Held by the thread inside ``builder.build`` or an eager ``impl`` call (re-entrant): a
+    second thread's call raises :class:`~mla.core.errors.ConcurrentUseError`."""
 
-    @functools.cached_property
-    def impl(self) -> AttentionImpl:
-        """Runs the current step: ``forward_decode``, ``forward_prefill`` and ``write_kv``."""
-        return AttentionImpl(self)
+    if not TYPE_CHECKING:  # the checker sees BackendState.__init__'s signature
+
+        def __init__(self, *args, **kwargs):
+            _require_device_available(kwargs.get("device"))
+            super().__init__(*args, **kwargs)
+            # Plain attributes, made here: torch.compile(fullgraph=True) traces ``backend.impl``
+            # (a functools.cached_property takes an RLock on Python 3.11, which dynamo cannot
+            # enter), and two threads never race to make two of them.
+            self.in_use = threading.RLock()
+            self.builder = _GuardedBuilder(self)
+            self.impl = _GuardedImpl(self)
+            _LIVE_BACKENDS.add(self)
+
+    def check_current(self, metadata: MLAMetadata, phase: str) -> None:
+        """As :meth:`BackendState.check_current`, and metadata that another live backend built
+        (its current step) is named as such rather than as "another step" of this one."""
+        if metadata is not self.current_metadata and any(
+            other is not self and other.current_metadata is metadata for other in list(_LIVE_BACKENDS)
+        ):
+            raise PlanMismatchError(
+                "metadata was built by another MLABackend (its builder.build), not by this one: "
+                "pass each backend the metadata its own builder.build returned (a backend runs "
+                "only the plans it built, sized for its own dims, cache and buffers)"
+            )
+        super().check_current(metadata, phase)
+
+
+@contextlib.contextmanager
+def _one_thread(backend: MLABackend, call: str) -> Iterator[None]:
+    """Run ``call`` holding the backend (eager calls; a compiled graph is not guarded):
+    :class:`ConcurrentUseError` when another thread holds it."""
+    if not backend.in_use.acquire(blocking=False):
+        raise ConcurrentUseError(
+            f"{call} was called from thread {threading.current_thread().name!r} while another "
+            "thread's call on the same MLABackend was in progress; a backend serves one step at a "
+            "time (its builds write the buffers its runs read): serialize each step's build and "
+            "run (one thread per backend, or a lock), or give each thread its own backend"
+        )
+    try:
+        yield
+    finally:
+        backend.in_use.release()
+
+
+class _GuardedBuilder(MetadataBuilder):
+    """:class:`MetadataBuilder` whose ``build`` refuses a second thread's concurrent call."""
+
+    def build(self, step: StepInputs) -> MLAMetadata:
+        with _one_thread(self.backend, "builder.build"):  # type: ignore[arg-type]
+            return super().build(step)
+
+
+def _guarded(name: str) -> Callable[..., None]:
+    """``AttentionImpl.<name>`` holding the backend for an eager call (compiled calls pass)."""
+    method = getattr(AttentionImpl, name)
+
+    def call(self: AttentionImpl, *args: Any, **kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)  # type: ignore[no-any-return]
+        with _one_thread(self.backend, f"impl.{name}"):  # type: ignore[arg-type]
+            return method(self, *args, **kwargs)  # type: ignore[no-any-return]
+
+    functools.update_wrapper(call, method)
+    return call
+
+
+GUARDED_CALLS = (
+    "forward_decode",
+    "forward_prefill",
+    "write_kv",
+    "forward_sparse_decode",
+    "forward_sparse_prefill",
+    "index_topk",
+    "write_index_keys",
+)
+"""The impl's eager calls that refuse a second thread's concurrent call."""
+
+_GuardedImpl = type(
+    "_GuardedImpl",
+    (AttentionImpl,),
+    {"__doc__": "AttentionImpl whose eager calls refuse a second thread's concurrent call.",
+     **{name: _guarded(name) for name in GUARDED_CALLS}},
+)
+
+
+_LIVE_BACKENDS: weakref.WeakSet[MLABackend] = weakref.WeakSet()
+"""Every backend alive (to name metadata a different backend built)."""
+
+
+def _require_device_available(device: object) -> None:
+    """``device`` names an accelerator this torch can use (``device="cuda"`` on a CPU-only torch
+    raised torch's raw ``AssertionError`` at the first allocation)."""
+    if isinstance(device, str | torch.device):
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            return  # BackendState names the bad value
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise InvalidInputError(
+                "device",
+                f"{device!r} was asked for but torch sees no CUDA/ROCm device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+                "pass device='cpu' or install a torch build for your accelerator",
+            )

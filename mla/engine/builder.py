@@ -25,6 +25,7 @@ from mla.engine.resolver import Decision
 from mla.engine.state import BackendState
 from mla.engine.step import MLAMetadata, StepInputs
 from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
+from mla.providers.transforms import flat_token_ids
 from mla.sparse.base import SparseRows, rows_plan
 
 _INDEX = frozenset(INDEX_DTYPES)
@@ -506,7 +507,7 @@ class MetadataBuilder:
             blocks = block_table[_to_device(req, be.device), position // bs].to(torch.int64)
             chunks.append(
                 ContextChunk(
-                    token_indices=(blocks * bs + position % bs).to(torch.int32),
+                    token_indices=flat_token_ids(blocks, position, bs, be.cache.num_blocks).to(torch.int32),
                     cu_seqlens_k=_to_device(cu.to(torch.int32), be.device),
                     max_seqlen_k=int(counts.max()),
                     num_tokens=total,

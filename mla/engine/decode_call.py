@@ -22,10 +22,12 @@ from mla.core.validate import (
     ValidateMode,
     check_cache_scale,
     require_bool,
+    require_dequant_range,
     require_float,
     require_index,
     require_indptr_of_rows,
     require_int,
+    require_paged_cache,
     require_same_device,
     require_scale,
     require_softmax_scale,
@@ -75,7 +77,7 @@ def decode_signature(
     elif isinstance(kv_scale, bool) or not isinstance(kv_scale, numbers.Real):
         raise TypeError("kv_scale")
     return (
-        q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.dtype, kv_cache.device,
+        q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
         block_table.shape, block_table.dtype, block_table.device,
         seq_lens.shape, seq_lens.dtype, seq_lens.device,
         _described(query_start_loc), _described(out), _described(lse), scale,
@@ -137,6 +139,7 @@ def check_decode_call(
     seq_lens = require_index("seq_lens", seq_lens, ndim=1)
     require_float("q", q)
     require_float("kv_cache", kv_cache, allow_fp8=True)
+    require_paged_cache("kv_cache", kv_cache)
     tensors = [("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)]
     qsl = None
     if query_start_loc is not None:
@@ -202,13 +205,13 @@ def check_decode_call(
     )
 
 
-def check_scale_value(kv_scale: float | torch.Tensor) -> None:
-    """A repeated call's ``kv_scale`` held on the host: finite and > 0 (its kind and dtype were
-    checked with the signature)."""
+def check_scale_value(kv_scale: float | torch.Tensor, kv_dtype: torch.dtype) -> None:
+    """A repeated call's ``kv_scale`` held on the host: finite, > 0 and keeping the dequantized
+    ``kv_dtype`` cache finite (its kind and dtype were checked with the signature)."""
     if isinstance(kv_scale, torch.Tensor):
-        require_scale("kv_scale", float(kv_scale.detach().reshape(())))
+        require_dequant_range(require_scale("kv_scale", float(kv_scale.detach().reshape(()))), kv_dtype)
     else:
-        require_scale("kv_scale", kv_scale)
+        require_dequant_range(require_scale("kv_scale", kv_scale), kv_dtype)
 
 
 def query_start_values(call: DecodeCall, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -233,6 +236,46 @@ def new_entry(
 ) -> DecodeEntry:
     """A plan for the call's shapes: a backend sized for exactly this batch (no
     preallocation: the first build resolves and allocates), and the unit indptr."""
+    try:
+        return _new_entry(
+            call, q, kv_cache, block_table, softmax_scale, max_decode_qlen, provider, strategy, platform
+        )
+    except InvalidInputError as error:
+        # The backend's records name their own fields; the caller called mla_decode.
+        own = _DECODE_ARGUMENT.get(error.argument)
+        if own is None:
+            raise
+        name, what = own
+        message = str(error).split(": ", 1)[-1]
+        raise InvalidInputError(name, f"{what} {message}") from error
+
+
+_DECODE_ARGUMENT: dict[str, tuple[str, str]] = {
+    "num_heads": ("q", "q's head count (dim 1)"),
+    "num_blocks": ("kv_cache", "kv_cache's block count (dim 0)"),
+    "block_size": ("kv_cache", "kv_cache's block size (dim 1)"),
+    "qk_rope_head_dim": ("kv_cache", "kv_cache's rope width (last dim - kv_lora_rank)"),
+    "max_model_len": ("block_table", "block_table's capacity (columns x block size)"),
+    "max_num_seqs": ("seq_lens", "the request count (seq_lens' length)"),
+    "max_num_batched_tokens": ("q", "q's row count"),
+    "model_dtype": ("q", "q's dtype"),
+    "device": ("q", "q's device"),
+}
+"""The backend records' fields a functional decode derives from its own arguments: the
+argument an error names instead, and what the field is of it."""
+
+
+def _new_entry(
+    call: DecodeCall,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    max_decode_qlen: int,
+    provider: str | KernelProvider,
+    strategy: str | AnyStrategy | None,
+    platform: Platform | str | None,
+) -> DecodeEntry:
     plat = resolve_platform(platform, q.device)
     forced = None if strategy is None else Resolver().forced_strategy(strategy, Phase.DECODE)
     width = q.shape[-1]
@@ -250,7 +293,8 @@ def new_entry(
     )
     backend = MLABackend(
         dims,
-        KVCacheSpec(call.block_size, kv_cache.dtype, num_blocks=call.num_blocks),
+        # An empty cache (every request of length 0) has no count to record.
+        KVCacheSpec(call.block_size, kv_cache.dtype, num_blocks=call.num_blocks or None),
         limits,
         model_dtype=q.dtype,
         provider=available_provider(provider, plat),

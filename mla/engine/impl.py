@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_cache_scale, check_slots, require_index
+from mla.core.validate import check_cache_scale, check_slots, require_cache_dtype, require_index
 from mla.engine import ops
 from mla.engine.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
 from mla.engine.state import BackendState
@@ -49,6 +49,7 @@ class AttentionImpl:
             self._require_dense("forward_decode", "forward_sparse_decode")
         require_tensors(q=q, kv_cache=kv_cache, out=out)
         require_on_q_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
+        require_cache_dtype(kv_cache, be.cache.dtype)  # before kv_scale: the cache is the cause
         check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
         ops.decode(q, kv_cache, out, lse, be.kv_scale_tensor(kv_scale), be.op_id)
 
@@ -80,6 +81,7 @@ class AttentionImpl:
         require_on_q_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
         if kv_cache is None and kv_scale is not None:
             raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
+        require_cache_dtype(kv_cache, be.cache.dtype)
         check_cache_scale(kv_scale, be.cache.dtype, device=q.device, required=False)
         if lse is None:
             lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)

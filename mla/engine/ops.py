@@ -248,6 +248,8 @@ def _write_kv_impl(
     kv_scale: torch.Tensor | None,
     provider_id: int,
 ) -> None:
+    if slot_mapping.numel() == 0:  # no new token: nothing to write (valid, not an error)
+        return
     call = WriteKVCall(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping, kv_scale=kv_scale)
     _PROVIDERS.get(provider_id).write_kv(call)
 

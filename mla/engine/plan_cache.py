@@ -3,6 +3,7 @@ dtypes, device, scale, provider, strategy, platform and validate mode) and the p
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
@@ -80,6 +81,8 @@ class PrefillEntry:
 
     context: PrefillContext
     runner: PrefillStrategy
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+    """Held while a call builds and runs the plan (threads sharing it take turns)."""
 
 
 PREFILL_PLANS: PlanCache[tuple[object, ...], PrefillEntry] = PlanCache(PLAN_CACHE_SIZE)

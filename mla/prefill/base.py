@@ -11,7 +11,7 @@ import torch
 
 from mla.core.context import PrefillContext
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_cache_scale, require_tensor
+from mla.core.validate import check_cache_scale, require_no_overlap, require_tensor
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
 
 ContextExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -177,6 +177,9 @@ class PrefillStrategy(Strategy[PrefillContext]):
                 num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
             )
             check_cache_scale(kv_scale, cache.dtype, device=q.device, required=bool(plan.context_chunks))
+        inputs = (("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache))
+        require_no_overlap("out", out, *inputs, ("lse", lse))
+        require_no_overlap("lse", lse, *inputs)
         self.launch(
             plan,
             q,

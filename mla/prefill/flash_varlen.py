@@ -11,8 +11,9 @@ import torch
 from mla.core.capabilities import Contract
 from mla.core.config import is_fp8
 from mla.core.context import PrefillContext
+from mla.core.errors import InvalidInputError
 from mla.core.support import ReasonCollector
-from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
+from mla.prefill.base import ContextChunk, ContextExpander, PrefillPlan, PrefillStrategy
 from mla.providers.calls import MergeStatesCall, VarlenPrefillCall
 from mla.strategy import StrategyKind, require_dtype
 
@@ -83,17 +84,18 @@ class FlashVarlen(PrefillStrategy):
         part_lse = torch.empty_like(lse)
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         for index, chunk in enumerate(plan.context_chunks):
-            latent = flat[chunk.token_indices].to(torch.float32)
+            rows, inside, cu_seqlens_k = context_rows_inside(chunk, flat.shape[0])
+            latent = torch.where(inside[:, None], flat[rows].to(torch.float32), 0.0)
             if is_fp8(kv_cache.dtype) and kv_scale is not None:
                 latent = latent * kv_scale
-            k_ctx, v_ctx = expand_context(latent.to(q.dtype))
+            k_ctx, v_ctx = check_expanded(expand_context(latent.to(q.dtype)), latent.shape[0], q, v)
             target = (acc, acc_lse) if index == 0 else (part, part_lse)
             provider.varlen_attention(
                 attrs.evolve(
                     new_tokens,
                     k=k_ctx,
                     v=v_ctx,
-                    cu_seqlens_k=chunk.cu_seqlens_k,
+                    cu_seqlens_k=cu_seqlens_k,
                     max_seqlen_k=chunk.max_seqlen_k,
                     causal=False,
                     out=target[0],
@@ -109,3 +111,64 @@ class FlashVarlen(PrefillStrategy):
         provider.merge_states(
             MergeStatesCall(o_a=acc, lse_a=acc_lse, o_b=part, lse_b=part_lse, out=out, lse_out=lse)
         )
+
+
+def context_rows_inside(
+    chunk: ContextChunk, cache_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk's cache rows with those outside the cache masked, on the device (no sync).
+
+    A token id outside the ``cache_rows`` rows of the cache the run was handed (a block id past
+    it, negative, or the fill's -1 mark) is never read and counts as no key: the tokens inside
+    the cache move to the front of their request (stable order) and ``cu_seqlens_k`` counts
+    only them; the rest sort last, past ``cu_seqlens_k[-1]``, where no request attends them.
+    Returns ``(row ids clamped into the cache, inside mask, cu_seqlens_k)`` in that order.
+    """
+    ids = chunk.token_indices[: chunk.num_tokens].to(torch.int64)
+    cu = chunk.cu_seqlens_k.to(torch.int64)
+    num_requests = cu.numel() - 1
+    inside = (ids >= 0) & (ids < cache_rows)
+    position = torch.arange(ids.numel(), device=ids.device)
+    request = torch.searchsorted(cu[1:].contiguous(), position, right=True)
+    key = torch.where(inside, request, torch.full_like(request, num_requests))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_requests + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, key, torch.ones_like(key))
+    cu_inside = torch.zeros(num_requests + 1, dtype=torch.int32, device=ids.device)
+    cu_inside[1:] = torch.cumsum(counts[:num_requests], 0)
+    ids, inside = ids[order], inside[order]
+    return torch.clamp(ids, 0, max(cache_rows - 1, 0)), inside, cu_inside
+
+
+def check_expanded(
+    result: object, rows: int, q: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``expand_context`` callback's output: ``(k [rows, H, Dqk], v [rows, H, Dv])`` in q's
+    dtype on q's device, the shapes of the step's own k and v; :class:`InvalidInputError`
+    naming ``expand_context`` otherwise (before any kernel reads it)."""
+    heads, qk_dim, v_dim = q.shape[1], q.shape[2], v.shape[2]
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        raise InvalidInputError(
+            "expand_context", f"must return a (k, v) pair of tensors, got {type(result).__name__}"
+        )
+    k_ctx, v_ctx = result
+    for name, tensor, dim in (("k", k_ctx, qk_dim), ("v", v_ctx, v_dim)):
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidInputError(
+                "expand_context", f"returned {type(tensor).__name__} as {name}; expected a torch.Tensor"
+            )
+        if tuple(tensor.shape) != (rows, heads, dim):
+            raise InvalidInputError(
+                "expand_context",
+                f"returned {name} of shape {tuple(tensor.shape)} for {rows} latent rows; expected "
+                f"[{rows}, {heads}, {dim}] (one row per latent row, the step's heads and {name} head dim)",
+            )
+        if tensor.dtype != q.dtype:
+            raise InvalidInputError(
+                "expand_context", f"returned {name} in {tensor.dtype}; expected q's dtype {q.dtype}"
+            )
+        if tensor.device != q.device:
+            raise InvalidInputError(
+                "expand_context", f"returned {name} on {tensor.device}; expected q's device {q.device}"
+            )
+    return k_ctx, v_ctx

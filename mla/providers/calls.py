@@ -271,7 +271,8 @@ class FillPagesCall:
 
     * ``kv_indptr[0] = 0``, ``kv_indptr[b+1] = len_0 + ... + len_b``;
     * ``kv_indices[kv_indptr[b] + t] = blk * bs + t % bs`` for ``t < len_b``, where ``blk`` is
-      ``block_table[b, t // bs]``, clamped to ``[0, num_blocks)`` when ``num_blocks`` is given.
+      ``block_table[b, t // bs]``; -1 for a block outside ``[0, num_blocks)`` (when given),
+      a negative one or an id past int32 (readers mask it: never clamped into another block).
 
     Entries of ``kv_indices`` past ``kv_indptr[B]`` are unspecified (the last entry of the
     buffer may be written as scratch). No host sync; the work is sized by ``max_len``.
@@ -292,7 +293,7 @@ class FillPagesCall:
     table's capacity, the engine's ``max_model_len``) or the step's longest length when the
     host knows it."""
     num_blocks: int | None
-    """Blocks in the cache, when known (block ids are clamped into it: memory-safe)."""
+    """Blocks in the cache, when known (ids of blocks past it are written as -1)."""
     query_start_loc: torch.Tensor | None = None
     """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's
     own copy of the query indptr), or ``None``."""

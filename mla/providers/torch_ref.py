@@ -43,6 +43,7 @@ from mla.providers.calls import (
 )
 from mla.providers.formats import pack_ds_mla, scatter_rows
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.transforms import flat_token_ids
 
 _CHUNK_ELEMENTS = 1 << 24
 """Upper bound on gathered elements per vectorized chunk (bounds host/device memory)."""
@@ -98,7 +99,7 @@ def _latent_attention(
     n_rows, heads, dim = q.shape
     out = torch.zeros(n_rows, heads, value_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((n_rows, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    if n_rows == 0 or max_len == 0:
+    if n_rows == 0 or max_len == 0 or kv_cache.shape[0] == 0:  # no key, or none inside the cache
         return out, lse
     offsets = torch.arange(max_len, device=q.device)
     last_index = max(kv_indices.numel() - 1, 0)
@@ -109,6 +110,9 @@ def _latent_attention(
         valid = offsets[None, :] < lengths[lo:hi, None]
         pos = torch.clamp(starts[lo:hi, None].to(torch.int64) + offsets[None, :], 0, last_index)
         tok = torch.where(valid, kv_indices[pos].to(torch.int64), torch.zeros_like(pos))
+        # A token id outside this cache (a block id past it, or the fill's -1 mark) is masked:
+        # the row reads nothing (the clamp only keeps the gather in bounds) and counts no key.
+        valid = valid & (tok >= 0) & (tok <= last_row)
         rows = _dequant(kv_cache[torch.clamp(tok, 0, last_row)], kv_scale)
         rows = torch.where(valid[..., None], rows, 0.0)
         scores = torch.einsum("nhd,nkd->nhk", q[lo:hi].to(torch.float32), rows) * scale
@@ -322,6 +326,11 @@ class TorchProvider(KernelProvider):
     # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        if call.q.device.type == "cpu" and call.cu_seqlens_q.device.type == "cpu":
+            # On the host the lengths cost nothing to read: per-request work that follows
+            # the actual lengths, not the bound (max_seqlen_k) the fixed-shape form pays for.
+            call.out.copy_(_mha_varlen_host(call, call.lse))
+            return
         o, row_lse = _mha_varlen(
             call.q.to(torch.float32),
             call.k.to(torch.float32),
@@ -405,7 +414,7 @@ class TorchProvider(KernelProvider):
         req, _ = _token_requests(call.kv_indptr, num_tokens)
         offset = torch.arange(num_tokens, device=out.device) - call.kv_indptr[req]
         block = call.block_table[req, offset // block_size].to(torch.int64)
-        out[:num_tokens].copy_(block * block_size + offset % block_size)
+        out[:num_tokens].copy_(flat_token_ids(block, offset, block_size, None))
 
     def write_kv(self, call: WriteKVCall) -> None:
         kv_cache = call.kv_cache
@@ -481,3 +490,49 @@ def _mha_varlen(
         out[lo:hi] = torch.einsum("nhk,nkhv->nhv", probs, values)
         lse[lo:hi] = row_lse
     return out, lse
+
+
+def _mha_varlen_host(call: VarlenPrefillCall, lse: torch.Tensor) -> torch.Tensor:
+    """:func:`_mha_varlen` for host tensors, request by request (the indptrs read on the host):
+    batched matmuls over each request's own keys, query rows in chunks of bounded size, and
+    under causal masking only the keys a chunk's last row sees. Same float32 math and rules
+    (bottom-right causal; rows without keys give 0 and ``-inf``; a non-finite value reaches
+    only the rows that see it). Writes ``lse``; returns the float32 output."""
+    q, k, v = call.q.to(torch.float32), call.k.to(torch.float32), call.v.to(torch.float32)
+    num_tokens, heads, _ = q.shape
+    out = torch.zeros(num_tokens, heads, v.shape[-1], dtype=torch.float32)
+    lse.fill_(float("-inf"))
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    scale, causal = call.softmax_scale, call.causal
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        sq, sk = q1 - q0, k1 - k0
+        if sq <= 0 or sk <= 0:
+            continue
+        keys = k[k0:k1].transpose(0, 1)  # [H, sk, D]
+        values = v[k0:k1]  # [sk, H, V]
+        finite = torch.isfinite(values)
+        clean = torch.where(finite, values, 0.0).transpose(0, 1)  # [H, sk, V]
+        bad_keys = (~finite).any(dim=-1).any(dim=-1)  # [sk]
+        step = max(1, _CHUNK_ELEMENTS // (sk * heads))
+        for r0 in range(0, sq, step):
+            r1 = min(r0 + step, sq)
+            # Row r sees keys <= r + sk - sq (bottom-right); the chunk needs keys up to its last.
+            seen = min(sk, r1 + sk - sq) if causal else sk
+            if seen <= 0:
+                continue
+            rows = torch.arange(r0, r1)[:, None]
+            visible = (
+                torch.arange(seen)[None, :] <= rows + (sk - sq)
+                if causal
+                else torch.ones(r1 - r0, seen, dtype=torch.bool)
+            )
+            scores = torch.bmm(q[q0 + r0 : q0 + r1].transpose(0, 1), keys[:, :seen].transpose(1, 2)) * scale
+            probs, row_lse = _softmax_stats(scores, visible[None])
+            part = torch.bmm(probs, clean[:, :seen]).transpose(0, 1)  # [r, H, V]
+            sees_bad = (visible & bad_keys[None, :seen]).any(dim=-1)
+            if bool(sees_bad.any()):
+                part = torch.where(sees_bad[:, None, None], torch.full_like(part, float("nan")), part)
+            out[q0 + r0 : q0 + r1] = part
+            lse[q0 + r0 : q0 + r1] = row_lse.transpose(0, 1)
+    return out

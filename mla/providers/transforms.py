@@ -161,6 +161,29 @@ def gather_row_page_table(
     out[:total].copy_(kv_indices[kv_indptr[req] + offset])
 
 
+OUTSIDE_CACHE = -1
+"""The flat token id written for a block id outside the cache (negative, past
+``KVCacheSpec.num_blocks`` when known, or past what an int32 id can hold): every kernel that
+reads the cache by token id masks it (and any id past the cache tensor it is handed), so it
+reads no memory and counts no key; it is never clamped into another block."""
+
+_MAX_TOKEN_ID = (1 << 31) - 1
+
+
+def flat_token_ids(
+    blocks: torch.Tensor, offsets: torch.Tensor, block_size: int, num_blocks: int | None
+) -> torch.Tensor:
+    """``blocks * block_size + offsets % block_size`` (int64) where the block id is inside the
+    cache (``0 <= block < num_blocks`` when known, and the id fits int32), :data:`OUTSIDE_CACHE`
+    elsewhere."""
+    blocks = blocks.to(torch.int64)
+    ids = blocks * block_size + offsets % block_size
+    inside = (blocks >= 0) & (ids <= _MAX_TOKEN_ID)
+    if num_blocks is not None:
+        inside &= blocks < num_blocks
+    return torch.where(inside, ids, torch.full_like(ids, OUTSIDE_CACHE))
+
+
 def fill_page_indices(call: FillPagesCall) -> None:
     """The torch form of :class:`~mla.providers.calls.FillPagesCall` (any device, no host sync).
 
@@ -177,10 +200,8 @@ def fill_page_indices(call: FillPagesCall) -> None:
     if max_len == 0 or lens.numel() == 0:
         return
     position = torch.arange(max_len, device=table.device)
-    tokens = table.index_select(1, position // bs).to(torch.int64)
-    if call.num_blocks is not None:
-        tokens.clamp_(0, call.num_blocks - 1)
-    tokens = tokens * bs + position % bs
+    blocks = table.index_select(1, position // bs).to(torch.int64)
+    tokens = flat_token_ids(blocks, position[None, :], bs, call.num_blocks)
     scratch = call.kv_indices.numel() - 1
     dest = torch.where(
         position[None, :] < lens[:, None],

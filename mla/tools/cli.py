@@ -5,7 +5,8 @@
   order. ``--json`` for tools.
 * ``mla explain``: simulate one case on any machine (any arch, provider, head count, qlen, KV
   dtype, knobs) and print every candidate strategy with its reasons and the winner. Exit code 0
-  when a strategy fits, 2 when none does (``chosen`` is ``null`` in ``--json``); with an
+  when a strategy fits, 2 when none does (``chosen`` is ``null`` in ``--json``) or when the
+  limits refuse the step (``--qlen`` above ``--max-decode-qlen``: ``refused_by_limits``); with an
   unavailable provider nothing can run here, and the output says what it would choose if it
   were available.
 * ``mla demo``: a serving loop through :class:`~mla.engine.backend.MLABackend` checked against the
@@ -57,7 +58,7 @@ def cmd_explain(args: argparse.Namespace, out: IO[str]) -> int:
         dump_json(result.to_json(), out)
     else:
         out.write(render_explain(result) + "\n")
-    return EXIT_OK if result.explanation.chosen is not None else EXIT_UNSUPPORTED
+    return EXIT_OK if result.runs else EXIT_UNSUPPORTED
 
 
 # -- mla demo --------------------------------------------------------------------------------

@@ -34,6 +34,14 @@ class ExplainResult:
     explanation: Explanation
     kernel_note: str | None = None
     """The provider's word on which of its kernel families serves the case (``kernel_note``)."""
+    refused: str | None = None
+    """Why a backend with the case's limits refuses the step before any strategy is asked
+    (``--qlen`` above ``--max-decode-qlen``), or ``None``."""
+
+    @property
+    def runs(self) -> bool:
+        """A strategy fits and the limits admit the step (exit code 0)."""
+        return self.explanation.chosen is not None and self.refused is None
 
     def to_json(self) -> dict[str, Any]:
         """``Explanation.to_json()`` (``phase``, ``chosen``, ``candidates`` with ``name``,
@@ -49,6 +57,7 @@ class ExplainResult:
         }
         caps = self.view.capabilities
         payload["capabilities"] = caps.describe() if caps is not None else None
+        payload["refused_by_limits"] = self.refused
         return payload
 
 
@@ -88,8 +97,9 @@ def _provider_name(requested: str | None, platform: Platform) -> str:
 def explain_case(args: argparse.Namespace) -> ExplainResult:
     """Build the case's context the way the backend does and explain it.
 
-    ``--qlen`` above ``--max-decode-qlen`` is a case like any other (the persistent path says
-    why it declines). Raises :class:`ProviderUnavailableError` when the provider's capability
+    ``--qlen`` above ``--max-decode-qlen`` is explained like any other case (the persistent path
+    says why it declines), and the result records that a backend with those limits refuses the
+    step (``refused``: exit code 2). Raises :class:`ProviderUnavailableError` when the provider's capability
     record is unknown here.
     """
     platform = _explain_platform(args)
@@ -111,8 +121,8 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
         kv_dtype = caps.fp8_dtype if is_fp8(kv) else kv
     dims = MLADims(num_heads=args.heads, index_topk=getattr(args, "index_topk", None))
     cache = KVCacheSpec(block_size=args.block_size, dtype=kv_dtype)
+    max_decode_qlen = args.max_decode_qlen or args.qlen
     if args.phase == "decode":
-        max_decode_qlen = args.max_decode_qlen or args.qlen
         limits = EngineLimits(
             max_num_seqs=max(1, args.batch_size),
             max_model_len=4096,
@@ -151,7 +161,14 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
             kv_lora_rank=dims.kv_lora_rank,
             rope_dim=dims.qk_rope_head_dim,
         )
-    return ExplainResult(view, explanation, note)
+    refused = None
+    if args.phase == "decode" and args.qlen > max_decode_qlen:
+        refused = (
+            f"a backend with these limits refuses this step: --qlen {args.qlen} exceeds the engine's "
+            f"--max-decode-qlen {max_decode_qlen} (speculative tokens + 1); raise --max-decode-qlen "
+            f"to {args.qlen} to serve it"
+        )
+    return ExplainResult(view, explanation, note, refused)
 
 
 def render_explain(result: ExplainResult) -> str:
@@ -167,4 +184,6 @@ def render_explain(result: ExplainResult) -> str:
     lines.append(str(result.explanation))
     if result.kernel_note:
         lines.append(f"provider {view.name}: {result.kernel_note}")
+    if result.refused:
+        lines.append(result.refused)
     return "\n".join(lines)

@@ -120,6 +120,8 @@ class ServingLoop:
         self.composition: Counter[str] = Counter()
         tol = TOLERANCES[self.model_dtype]
         self.decode_tally = _PhaseTally("decode", tol)
+        self.decode_reference: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        """The last decode's float64 reference ``(out, lse)`` (read by :meth:`_on_decode` hooks)."""
         self.prefill_tally = _PhaseTally("prefill", tol)
         self.failures: list[StepFailure] = []
 
@@ -357,6 +359,7 @@ class ServingLoop:
         )
         assert metadata.decode is not None
         name = metadata.decode.strategy
+        self.decode_reference = (ref_out, ref_lse)
         self._on_decode(index, q, out, lse)
         return name, self._record(self.decode_tally, index, name, rows, (out, lse), (ref_out, ref_lse))
 

@@ -143,13 +143,16 @@ class DCPServingLoop(ServingLoop):
         self.dcp.forward_decode(
             self.metadata, q_rank, self.local_cache, out=got, lse=got_lse, kv_scale=self.kv_scale
         )
+        # Against the float64 reference, as the unsharded decode is: the sharded error is then
+        # comparable with the unsharded one (its own rounding is not counted twice).
+        ref_out, ref_lse = self.decode_reference
         self._record(
             self.dcp_tallies["decode"],
             index,
             self.metadata.decode.decode.strategy,
             q.shape[0],
             (got, got_lse),
-            (out[:, self.heads], lse[:, self.heads]),
+            (ref_out[:, self.heads], ref_lse[:, self.heads]),
         )
 
     def _on_prefill(

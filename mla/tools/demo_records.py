@@ -99,7 +99,10 @@ class DemoConfig:
             )
         if self.heads % self.dcp:
             raise InvalidInputError(
-                "heads", f"{self.heads} heads do not split over dcp={self.dcp} ranks; use a multiple"
+                "heads",
+                f"{self.heads} heads do not split over dcp={self.dcp} ranks; use a head count that "
+                f"is a multiple of {self.dcp} (--heads {self.dcp * max(1, self.heads // self.dcp)}), "
+                f"or a --dcp that divides {self.heads}",
             )
         if self.max_num_batched_tokens <= self.max_num_seqs * self.max_decode_qlen:
             raise InvalidInputError(

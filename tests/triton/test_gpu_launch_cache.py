@@ -65,7 +65,7 @@ class FillCase:
             lens[2] = max_len + 7  # longer than the bound: clamped
         table = torch.randint(0, blocks, (batch, width), generator=gen, dtype=torch.int32)
         if num_blocks is not None:
-            table[0, 0] = num_blocks + 3  # outside the cache: clamped
+            table[0, 0] = num_blocks + 3  # outside the cache: marked -1
         self.seq_lens = self._device(lens.to(lens_dtype), offset)
         self.table = self._device(table.view(-1), offset).view(batch, width)
         self.qsl = self._device(torch.arange(batch + 1, dtype=torch.int32) * 2, offset)

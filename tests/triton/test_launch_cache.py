@@ -89,7 +89,7 @@ def fill_args(
         "BLOCK_SIZE": block_size,
         "BLOCK": 1024,
         "BLOCK_B": 128,
-        "CLAMP_BLOCKS": num_blocks is not None,
+        "CHECK_BLOCKS": num_blocks is not None,
         "COPY_QO": copy_qo,
         "num_warps": 4,
     }

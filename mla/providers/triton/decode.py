@@ -37,6 +37,7 @@ from mla.providers.calls import PagedDecodeCall
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.merge import launch_merge, request_rows, split_work
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
+from mla.providers.triton.utils import interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -47,10 +48,13 @@ _MODE_SCHEDULED = 1
 
 
 @triton.jit
-def _load_tile_ids(index_base, n0, hi, offs_n):
-    """Flat token ids of KV positions ``n0 + offs_n`` (int64; 0 past ``hi``)."""
+def _load_tile_ids(index_base, n0, hi, offs_n, num_rows):
+    """Flat token ids of KV positions ``n0 + offs_n`` (int64): -1 past ``hi`` and for an id
+    outside the cache's ``num_rows`` rows (the fill's -1 mark, or a block past the cache), which
+    the tile loads and the softmax mask: such a key reads no memory and counts for nothing."""
     n = n0 + offs_n
-    return tl.load(index_base + n, mask=n < hi, other=0).to(tl.int64)
+    tok = tl.load(index_base + n, mask=n < hi, other=-1).to(tl.int64)
+    return tl.where((tok >= 0) & (tok < num_rows), tok, -1)
 
 
 @triton.jit
@@ -59,8 +63,9 @@ def _load_kv_tile(
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """The latent ``[BLOCK_N, BLOCK_L]`` and rope ``[BLOCK_N, BLOCK_R]`` parts of the cache rows
-    ``tok`` (rows past ``hi`` and padded columns read as 0, never as memory)."""
-    n_ok = n0 + offs_n < hi
+    ``tok`` (rows past ``hi``, ids outside the cache (-1) and padded columns read as 0, never as
+    memory)."""
+    n_ok = (n0 + offs_n < hi) & (tok >= 0)
     row_ptr = kv_ptr + tok[:, None] * stride_kv
     if BLOCK_L == L:
         k_lat = tl.load(row_ptr + offs_l[None, :], mask=n_ok[:, None], other=0.0)
@@ -75,7 +80,7 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_tile(
-    q_nope, q_pe, k_lat, k_rope, n, hi, row_limit, m_i, l_i, acc, qk_scale,
+    q_nope, q_pe, k_lat, k_rope, n, tok, row_limit, m_i, l_i, acc, qk_scale,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step (exp2 domain) over KV positions ``n``: returns ``m, l, acc``.
@@ -83,12 +88,13 @@ def _attend_tile(
     V is the same tile as K (its first ``L`` lanes): verify rows of one request share the tile,
     so a non-finite value in a key of the request's own that a row does not see reaches it as
     ``0 * NaN`` in the PV product. Keys outside the request (other requests, the null block,
-    the tail past ``hi``) are never loaded (masked loads give 0).
+    the tail past ``hi``) and ids outside the cache (``tok == -1``) are never loaded (masked
+    loads give 0) and never visible.
     """
     k_lat = k_lat.to(DOT_DTYPE)
     scores = tl.dot(q_nope, tl.trans(k_lat), input_precision=INPUT_PRECISION)
     scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)), scores, input_precision=INPUT_PRECISION)
-    visible = (n < hi)[None, :] & (n[None, :] < row_limit[:, None])
+    visible = (tok >= 0)[None, :] & (n[None, :] < row_limit[:, None])
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -100,7 +106,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _mla_decode_kernel(
     q_nope_ptr,
     q_pe_ptr,
@@ -131,6 +137,7 @@ def _mla_decode_kernel(
     stride_pl_q,
     qk_scale,
     kv_scale_ptr,
+    num_rows,
     H: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -211,29 +218,29 @@ def _mla_decode_kernel(
         # Hand-pipelined: the next tile's rows are loaded into registers before this tile is
         # computed (Triton's cp.async pipeliner does not take fp8 tiles that are widened
         # before the dots), and token ids run one tile further ahead.
-        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n)
+        tok = _load_tile_ids(index_base, lo, hi, offs_n, num_rows)
+        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows)
         k_lat, k_rope = _load_kv_tile(
-            kv_ptr, _load_tile_ids(index_base, lo, hi, offs_n), lo, hi, stride_kv, offs_n, offs_l, offs_r,
-            L, R, BLOCK_L, BLOCK_R,
+            kv_ptr, tok, lo, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
         )  # fmt: skip
         for n0 in range(lo, hi, BLOCK_N):
-            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n)
+            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows)
             k_lat_next, k_rope_next = _load_kv_tile(
                 kv_ptr, tok_next, n0 + BLOCK_N, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R
             )
             m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, m_i, l_i, acc, qk_scale,
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, tok, row_limit, m_i, l_i, acc, qk_scale,
                 DOT_DTYPE, INPUT_PRECISION,
             )  # fmt: skip
-            k_lat, k_rope, tok_next = k_lat_next, k_rope_next, tok_after
+            k_lat, k_rope, tok, tok_next = k_lat_next, k_rope_next, tok_next, tok_after
     else:
         for n0 in range(lo, hi, BLOCK_N):
+            tok = _load_tile_ids(index_base, n0, hi, offs_n, num_rows)
             k_lat, k_rope = _load_kv_tile(
-                kv_ptr, _load_tile_ids(index_base, n0, hi, offs_n), n0, hi, stride_kv, offs_n, offs_l, offs_r,
-                L, R, BLOCK_L, BLOCK_R,
+                kv_ptr, tok, n0, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
             )  # fmt: skip
             m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, hi, row_limit, m_i, l_i, acc, qk_scale,
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, tok, row_limit, m_i, l_i, acc, qk_scale,
                 DOT_DTYPE, INPUT_PRECISION,
             )  # fmt: skip
 
@@ -262,12 +269,13 @@ def _dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.dtype, s
     registers); an fp8 cache with a 16-bit query runs fp16 dots, since fp8 → fp16 is one
     instruction per two values (fp8 → bf16 is several) and fp16 holds every fp8 value exactly
     (the query is rounded to fp16: finer than bf16, range ±65504). fp32 queries run fp32 dots
-    in IEEE precision (a correctness path, slow).
+    in IEEE precision (a correctness path, slow). Under Triton's CPU interpreter, whose bf16
+    dots are wrong (errors ~1e9), bf16 operands are widened to fp32 dots (exact for bf16).
     """
     if kv_dtype.itemsize == 1 and q_dtype in (torch.bfloat16, torch.float16):
         return tl.float16, "tf32"
     if q_dtype == torch.bfloat16:
-        return tl.bfloat16, "tf32"
+        return (tl.float32, "ieee") if interpreting() else (tl.bfloat16, "tf32")
     if q_dtype == torch.float16:
         return tl.float16, "tf32"
     return tl.float32, "ieee"
@@ -346,6 +354,7 @@ def launch_decode(
         part_lse.stride(1),
         qk_scale,
         scale_arg,
+        kv_cache.shape[0],
         H=heads,
         L=rank,
         R=rope,

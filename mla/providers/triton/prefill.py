@@ -33,6 +33,7 @@ import triton.language as tl
 
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
+from mla.providers.triton.utils import interpreting
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled into the exp2 domain."""
@@ -454,6 +455,15 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
     ``config`` overrides :func:`choose_varlen_config` (benchmarks sweep it).
     """
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    if q.dtype == torch.bfloat16 and interpreting() and q.shape[0]:
+        # Triton's CPU interpreter computes bf16 dots wrongly (errors ~1e9): run the same
+        # kernel in fp32 on widened copies (exact for bf16 inputs) and round the output once.
+        wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        varlen_attention_fwd(
+            attrs.evolve(call, q=q.float(), k=k.float(), v=v.float(), out=wide), config=config
+        )
+        out.copy_(wide)
+        return
     cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
     max_seqlen_q, softmax_scale, causal = call.max_seqlen_q, call.softmax_scale, call.causal
     check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)

@@ -8,6 +8,8 @@ Each launcher is graph-capturable: grids come from tensor shapes and host ints
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,11 @@ from mla.core.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.sparse import write_kv_ds_mla
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -147,7 +154,10 @@ def _expand_page_indices_kernel(
         hi = tl.where(go_right, hi, mid - 1)
     t = i - tl.load(kv_indptr_ptr + lo, mask=ok, other=0)
     block = tl.load(block_table_ptr + lo.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=ok, other=0)
-    value = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
+    block = block.to(tl.int64)
+    value = block * BLOCK_SIZE + t % BLOCK_SIZE
+    # A negative block id, or one past an int32 token id, is marked outside the cache (-1).
+    value = tl.where((block >= 0) & (value <= 2147483647), value, -1)
     tl.store(out_ptr + i, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -198,11 +208,11 @@ def _fill_page_indices_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    CLAMP_BLOCKS: tl.constexpr,
+    CHECK_BLOCKS: tl.constexpr,
     COPY_QO: tl.constexpr,
 ):
     """Program (request ``b``, chunk ``c``): sum the clamped lengths of requests ``< b`` (its
-    start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids of tokens
+    start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids (-1 outside the cache) of tokens
     ``c*BLOCK .. (c+1)*BLOCK`` of request ``b``; chunk 0 also copies ``qsl[b+1]`` to
     ``qo[b+1]`` (``COPY_QO``)."""
     b = tl.program_id(0)
@@ -226,9 +236,13 @@ def _fill_page_indices_kernel(
     ok = t < length
     block = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=ok, other=0)
     block = block.to(tl.int64)
-    if CLAMP_BLOCKS:
-        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-    tl.store(out_ptr + start + t, (block * BLOCK_SIZE + t % BLOCK_SIZE).to(tl.int32), mask=ok)
+    value = block * BLOCK_SIZE + t % BLOCK_SIZE
+    # Block ids outside the cache are marked (-1, masked by every reader), never clamped into
+    # another block: negative, past ``num_blocks`` (``CHECK_BLOCKS``) or past an int32 id.
+    inside = (block >= 0) & (value <= 2147483647)
+    if CHECK_BLOCKS:
+        inside = inside & (block < num_blocks)
+    tl.store(out_ptr + start + t, tl.where(inside, value, -1).to(tl.int32), mask=ok)
 
 
 FILL_LAUNCH = LaunchCache(_fill_page_indices_kernel)
@@ -269,7 +283,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
         BLOCK_B=128,
-        CLAMP_BLOCKS=num_blocks is not None,
+        CHECK_BLOCKS=num_blocks is not None,
         COPY_QO=copy_qo,
         num_warps=4,
     )
