@@ -35,9 +35,9 @@ import triton.language as tl
 from mla.core.errors import PlanMismatchError
 from mla.providers.calls import PagedDecodeCall
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.interpreter import interpreting
 from mla.providers.triton.merge import launch_merge, request_rows, split_work
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
-from mla.providers.triton.utils import interpreting
 
 LOG2E = 1.4426950408889634
 

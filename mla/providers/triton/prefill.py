@@ -33,7 +33,7 @@ import triton.language as tl
 
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
-from mla.providers.triton.utils import interpreting
+from mla.providers.triton.interpreter import interpreting
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled into the exp2 domain."""

@@ -8,8 +8,6 @@ Each launcher is graph-capturable: grids come from tensor shapes and host ints
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -19,11 +17,6 @@ from mla.core.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.sparse import write_kv_ds_mla
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
