@@ -30,10 +30,11 @@ def _caps(provider: AiterProvider, arch: str = "gfx950"):  # type: ignore[no-unt
     return provider.capabilities(simulated_platform(arch))
 
 
-def test_a_complete_build_on_gfx950_has_every_contract(fake_aiter) -> None:
+def test_a_complete_build_on_gfx950_has_every_dense_contract(fake_aiter) -> None:
     fake_aiter("gfx950")
     caps = _caps(fake_provider())
-    assert caps.contracts == frozenset(Contract)
+    # Sparse attention and the indexer are not claimed on any aiter build (its record says why).
+    assert caps.contracts == frozenset(Contract) - {Contract.SPARSE_ATTENTION, Contract.INDEXER}
     assert caps.kv_dtypes == frozenset({torch.bfloat16, torch.float8_e4m3fn})
 
 
