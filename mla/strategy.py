@@ -94,16 +94,10 @@ class Strategy(abc.ABC, Generic[CtxT]):
     @classmethod
     def supports(cls, ctx: CtxT) -> Support:
         """Every reason this strategy cannot compute ``ctx`` with the provider at hand."""
-        reasons = ReasonCollector()
-        reasons.extend(ctx.provider_availability.reasons)
+        reasons = provider_reasons(
+            ctx.provider_availability, ctx.capabilities, cls.REQUIRES, where=f" on {ctx.platform.arch}"
+        )
         caps = ctx.capabilities
-        for contract in sorted(cls.REQUIRES, key=lambda c: c.value):
-            reasons.require(
-                caps.has(contract),
-                "missing-kernel",
-                f"provider {caps.provider!r} does not ship the {contract.value} kernel "
-                f"on {ctx.platform.arch}",
-            )
         if caps.archs is not None:
             reasons.require(
                 ctx.platform.arch in caps.archs,
@@ -142,6 +136,22 @@ class Strategy(abc.ABC, Generic[CtxT]):
                 f"{self.NAME}.run was handed a plan built by {plan.strategy!r}; the impl must "
                 "run the strategy recorded in the metadata"
             )
+
+
+def provider_reasons(
+    availability: Support, caps: ProviderCapabilities, requires: frozenset[Contract], *, where: str = ""
+) -> ReasonCollector:
+    """A collector holding why the provider cannot serve a strategy that ``requires`` these
+    contracts: it is not available here, or its record lacks one (``where``: e.g. " on gfx942")."""
+    reasons = ReasonCollector()
+    reasons.extend(availability.reasons)
+    for contract in sorted(requires, key=lambda c: c.value):
+        reasons.require(
+            caps.has(contract),
+            "missing-kernel",
+            f"provider {caps.provider!r} does not ship the {contract.value} kernel{where}",
+        )
+    return reasons
 
 
 def require_dtype(

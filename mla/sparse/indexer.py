@@ -17,10 +17,10 @@ import torch
 from mla.core.capabilities import Contract, ProviderCapabilities
 from mla.core.config import FLOAT_DTYPES, IndexerSpec, dtype_name
 from mla.core.errors import InvalidInputError
-from mla.core.support import ReasonCollector, Support
+from mla.core.support import Support
 from mla.providers.calls import IndexTopkCall, WriteIndexKeysCall
 from mla.sparse.base import SparsePlan, check_topk_indices
-from mla.strategy import StrategySetup, check_tensor
+from mla.strategy import StrategySetup, check_tensor, provider_reasons
 
 
 @attrs.frozen
@@ -48,15 +48,8 @@ class IndexerStrategy:
 
     @classmethod
     def supports(cls, ctx: IndexerContext) -> Support:
-        reasons = ReasonCollector()
-        reasons.extend(ctx.provider_availability.reasons)
+        reasons = provider_reasons(ctx.provider_availability, ctx.capabilities, cls.REQUIRES)
         caps = ctx.capabilities
-        for contract in sorted(cls.REQUIRES, key=lambda c: c.value):
-            reasons.require(
-                caps.has(contract),
-                "missing-kernel",
-                f"provider {caps.provider!r} does not ship the {contract.value} kernel",
-            )
         reasons.require(
             ctx.spec.key_dtype in caps.index_key_dtypes,
             "key-dtype",

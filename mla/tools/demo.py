@@ -19,6 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -142,7 +143,8 @@ class ServingLoop:
             v_head_dim=config.v_dim,
         )
 
-    def _backend(self, cache: KVCacheSpec) -> MLABackend:
+    def _backend(self, cache: KVCacheSpec, **options: Any) -> MLABackend:
+        """The loop's backend (``options``: further ``MLABackend`` arguments)."""
         config = self.config
         return MLABackend(
             self.dims,
@@ -153,6 +155,7 @@ class ServingLoop:
             platform=self.platform,
             device=self.device,
             context_chunk_tokens=config.context_chunk_tokens or config.max_num_seqs * config.block_size,
+            **options,
         )
 
     def _initial_cache(self, num_blocks: int) -> torch.Tensor:

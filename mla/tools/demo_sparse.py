@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -58,26 +59,10 @@ class SparseServingLoop(ServingLoop):
 
     @staticmethod
     def _dims(config: DemoConfig) -> MLADims:
-        return MLADims(
-            num_heads=config.heads,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_rope_head_dim=config.rope_dim,
-            qk_nope_head_dim=config.nope_dim,
-            v_head_dim=config.v_dim,
-            index_topk=config.index_topk,
-        )
+        return attrs.evolve(ServingLoop._dims(config), index_topk=config.index_topk)
 
-    def _backend(self, cache: KVCacheSpec) -> MLABackend:
-        return MLABackend(
-            self.dims,
-            cache,
-            self.limits,
-            model_dtype=self.model_dtype,
-            provider=self.provider,
-            platform=self.platform,
-            device=self.device,
-            indexer=self.indexer_spec,
-        )
+    def _backend(self, cache: KVCacheSpec, **options: Any) -> MLABackend:
+        return super()._backend(cache, indexer=self.indexer_spec, **options)
 
     def _initial_cache(self, num_blocks: int) -> torch.Tensor:
         if self.kv_dtype != DS_MLA_DTYPE:

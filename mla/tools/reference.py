@@ -68,33 +68,10 @@ def reference_decode(
 
     Rows not owned by a request, and rows with no visible key, give ``o = 0``, ``lse = -inf``.
     """
-    num_tokens, heads, _ = q.shape
-    block_size = kv_cache.shape[1]
-    cache = kv_cache.to(torch.float64)
-    if is_fp8(kv_cache.dtype):
-        cache = cache * (1.0 if kv_scale is None else kv_scale)
-    qsl = (
-        torch.arange(seq_lens.numel() + 1)
-        if query_start_loc is None
-        else query_start_loc.cpu().to(torch.int64)
+    qsl = torch.arange(seq_lens.numel() + 1) if query_start_loc is None else query_start_loc
+    return _paged_attention(
+        q, kv_cache, block_table, seq_lens, qsl, None, softmax_scale, kv_lora_rank, kv_scale
     )
-    lens = seq_lens.cpu().to(torch.int64)
-    table = block_table.cpu().to(torch.int64)
-    out = torch.zeros(num_tokens, heads, kv_lora_rank, dtype=torch.float64)
-    lse = torch.full((num_tokens, heads), float("-inf"), dtype=torch.float64)
-    qd = q.cpu().to(torch.float64)
-    for b in range(lens.numel()):
-        q0, q1, s = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
-        if q1 == q0 or s == 0:
-            continue
-        pos = torch.arange(s)
-        rows = cache.cpu()[table[b, pos // block_size], pos % block_size]  # [s, L+R]
-        visible = causal_visible(q1 - q0, s)
-        o, row_lse = _attend(
-            qd[q0:q1], rows[:, None, :], rows[:, None, :kv_lora_rank], visible, softmax_scale
-        )
-        out[q0:q1], lse[q0:q1] = o, row_lse
-    return out, lse
 
 
 def reference_prefill(
@@ -167,6 +144,26 @@ def reference_sparse(
     ``topk_indices[t]`` (request-local, ``-1`` pads) that are ``<= s_b - q_b + i``; rows not
     owned by a request, or left with no position, give ``o = 0`` and ``lse = -inf``.
     """
+    return _paged_attention(
+        q, kv_cache, block_table, seq_lens, query_start_loc, topk_indices, softmax_scale,
+        kv_lora_rank, kv_scale,
+    )  # fmt: skip
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    topk_indices: torch.Tensor | None,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    kv_scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention of each request's rows over its paged keys (right-aligned causal),
+    restricted to ``topk_indices`` when given (the dense decode is the sparse one with every
+    position selected)."""
     num_tokens, heads, width = q.shape
     block_size = kv_cache.shape[1]
     cache = dequantized_cache(
@@ -175,7 +172,7 @@ def reference_sparse(
     qsl = query_start_loc.cpu().to(torch.int64)
     lens = seq_lens.cpu().to(torch.int64)
     table = block_table.cpu().to(torch.int64)
-    indices = topk_indices.cpu().to(torch.int64)
+    indices = None if topk_indices is None else topk_indices.cpu().to(torch.int64)
     out = torch.zeros(num_tokens, heads, kv_lora_rank, dtype=torch.float64)
     lse = torch.full((num_tokens, heads), float("-inf"), dtype=torch.float64)
     qd = q.cpu().to(torch.float64)
@@ -183,7 +180,9 @@ def reference_sparse(
         q0, q1, s = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
         if q1 == q0 or s == 0:
             continue
-        visible = causal_visible(q1 - q0, s) & selected_mask(indices[q0:q1], s)
+        visible = causal_visible(q1 - q0, s)
+        if indices is not None:
+            visible = visible & selected_mask(indices[q0:q1], s)
         pos = torch.nonzero(visible.any(0))[:, 0]  # the positions some row attends
         visible = visible[:, pos]
         rows = cache[table[b, pos // block_size], pos % block_size]  # [n, L+R]
