@@ -64,35 +64,27 @@ def _join(values: Sequence[int]) -> str:
     return ".".join(str(v) for v in values)
 
 
-@attrs.frozen
-class DecodeCase:
-    """One decode batch to check: per-request query and KV lengths, geometry and dtypes.
+class _PagedBatch:
+    """What a decode-shaped batch's case records share (:class:`DecodeCase`,
+    :class:`~mla.testing.SparseCase`): its requests' rows and the latent geometry, and the one
+    statement of the rules its lengths, q dtype and ``max_decode_qlen`` follow."""
 
-    A request with ``seq_len == 0`` is a graph-padding request (any qlen, its rows give zeros and
-    ``-inf``); ``extra_rows`` rows of q past ``query_start_loc[-1]`` belong to no request (CUDA
-    graph padding). ``seq_len`` counts the KV including the request's new tokens.
-    """
-
+    __slots__ = ()
     heads: int
-    qlens: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
-    seq_lens: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
-    block_size: int = 16
-    q_dtype: torch.dtype = torch.bfloat16
-    kv_dtype: torch.dtype = torch.bfloat16
-    kv_scale: float = DEFAULT_FP8_KV_SCALE
-    """Dequant scale of an fp8 cache (ignored for float caches)."""
-    extra_rows: int = 0
-    kv_lora_rank: int = 512
-    rope_dim: int = 64
-    max_decode_qlen: int | None = None
-    """The engine's largest decode qlen (buffers are sized for it); default: the batch's."""
-    seed: int = 0
-    softmax_scale: float | None = None
-    """Default ``1/sqrt(kv_lora_rank + rope_dim)`` (scores of unit variance on random data)."""
+    qlens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_size: int
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_scale: float
+    extra_rows: int
+    kv_lora_rank: int
+    rope_dim: int
+    max_decode_qlen: int | None
+    softmax_scale: float | None
 
-    def __attrs_post_init__(self) -> None:
-        if self.heads <= 0 or self.block_size <= 0 or self.kv_lora_rank <= 0 or self.rope_dim <= 0:
-            raise ValueError(f"heads, block_size and dims must be > 0: {self}")
+    def _check_requests(self) -> None:
+        """Each request's ``0 <= qlen <= seq_len`` (or ``seq_len == 0``, a graph-padding one)."""
         if not self.qlens or len(self.qlens) != len(self.seq_lens):
             raise ValueError(f"need one qlen per seq_len (at least one request): {self}")
         for qlen, seq in zip(self.qlens, self.seq_lens, strict=True):
@@ -100,12 +92,12 @@ class DecodeCase:
                 raise ValueError(
                     f"request with qlen {qlen}, seq_len {seq}: need 0 <= qlen <= seq_len or seq_len 0"
                 )
-        if self.extra_rows < 0 or self.num_tokens == 0:
-            raise ValueError(f"the batch needs at least one query row: {self}")
+
+    def _check_q_dtype(self) -> None:
         if self.q_dtype not in FLOAT_DTYPES:
             raise ValueError(f"q_dtype must be bf16/fp16/fp32, got {self.q_dtype}")
-        if self.kv_dtype not in FLOAT_DTYPES and not is_fp8(self.kv_dtype):
-            raise ValueError(f"kv_dtype must be a float or fp8 dtype, got {self.kv_dtype}")
+
+    def _check_max_decode_qlen(self) -> None:
         if self.max_decode_qlen is not None and self.max_decode_qlen < self.max_qlen:
             raise ValueError(f"max_decode_qlen {self.max_decode_qlen} < the batch's max qlen {self.max_qlen}")
 
@@ -133,6 +125,49 @@ class DecodeCase:
     @property
     def kv_is_fp8(self) -> bool:
         return is_fp8(self.kv_dtype)
+
+    @property
+    def kv_scale_or_none(self) -> float | None:
+        """``kv_scale`` for a per-tensor fp8 cache, else ``None``."""
+        return self.kv_scale if self.kv_is_fp8 else None
+
+
+@attrs.frozen
+class DecodeCase(_PagedBatch):
+    """One decode batch to check: per-request query and KV lengths, geometry and dtypes.
+
+    A request with ``seq_len == 0`` is a graph-padding request (any qlen, its rows give zeros and
+    ``-inf``); ``extra_rows`` rows of q past ``query_start_loc[-1]`` belong to no request (CUDA
+    graph padding). ``seq_len`` counts the KV including the request's new tokens.
+    """
+
+    heads: int
+    qlens: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
+    seq_lens: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
+    block_size: int = 16
+    q_dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype = torch.bfloat16
+    kv_scale: float = DEFAULT_FP8_KV_SCALE
+    """Dequant scale of an fp8 cache (ignored for float caches)."""
+    extra_rows: int = 0
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    max_decode_qlen: int | None = None
+    """The engine's largest decode qlen (buffers are sized for it); default: the batch's."""
+    seed: int = 0
+    softmax_scale: float | None = None
+    """Default ``1/sqrt(kv_lora_rank + rope_dim)`` (scores of unit variance on random data)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.heads <= 0 or self.block_size <= 0 or self.kv_lora_rank <= 0 or self.rope_dim <= 0:
+            raise ValueError(f"heads, block_size and dims must be > 0: {self}")
+        self._check_requests()
+        if self.extra_rows < 0 or self.num_tokens == 0:
+            raise ValueError(f"the batch needs at least one query row: {self}")
+        self._check_q_dtype()
+        if self.kv_dtype not in FLOAT_DTYPES and not is_fp8(self.kv_dtype):
+            raise ValueError(f"kv_dtype must be a float or fp8 dtype, got {self.kv_dtype}")
+        self._check_max_decode_qlen()
 
     @property
     def id(self) -> str:

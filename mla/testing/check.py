@@ -4,7 +4,8 @@ it with the reference; a decode strategy runs with and without an LSE tensor."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from functools import partial
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 import torch
@@ -17,6 +18,7 @@ from mla.core.platform import Platform
 from mla.core.support import Reason, Support
 from mla.decode.base import DecodeStrategy
 from mla.engine.api import mla_prefill
+from mla.engine.backend import MLABackend, StepInputs
 from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
 from mla.engine.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
@@ -27,11 +29,53 @@ from mla.strategy import StrategySetup
 from mla.testing.cases import DecodeCase, PrefillCase
 from mla.testing.compare import TOLERANCES, Comparison, compare_to_reference, poisoned_empty, tolerance_for
 from mla.testing.contexts import as_platform, decode_case_backend, device_for, prefill_case_backend
-from mla.testing.inputs import make_decode_inputs, make_prefill_inputs
+from mla.testing.inputs import DecodeInputs, make_decode_inputs, make_prefill_inputs
+
+if TYPE_CHECKING:
+    from mla.testing.sparse import SparseInputs
+
+
+class _Verdict:
+    """What a check's result shares (:class:`CheckResult`,
+    :class:`~mla.testing.IndexerCheckResult`): whether the strategy could run, why not, and the
+    assertion that it ran and passed (``ok`` and ``__str__`` are the result's own)."""
+
+    __slots__ = ()
+    strategy: str
+    case: str
+    support: Support
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.support)
+
+    @property
+    def reasons(self) -> str:
+        """Every reason, readable (``"[heads] 130 heads: ..."``); for ``pytest.skip``."""
+        return str(self.support)
+
+    @property
+    def ok(self) -> bool:
+        raise NotImplementedError
+
+    def assert_passed(self) -> None:
+        """Raise ``AssertionError`` with the details unless the strategy ran and matched."""
+        if not self.ok:
+            raise AssertionError(str(self))
+
+    def _head(self, ran: str | None, made: str) -> str | None:
+        """``"<strategy> on <case>"``, or the whole message when it did not run or the backend
+        ``made`` (ran) another one (``None``: go on with the verdict)."""
+        head = f"{self.strategy} on {self.case}"
+        if not self.supported:
+            return f"{head}: not supported: {self.reasons}"
+        if ran != self.strategy:
+            return f"{head}: the backend {made} {ran!r} instead"
+        return None
 
 
 @attrs.frozen
-class CheckResult:
+class CheckResult(_Verdict):
     """The outcome of running one strategy on one case."""
 
     strategy: str
@@ -51,15 +95,6 @@ class CheckResult:
     (``backend.invalid_index_count()``); the kit's selections are valid, so it must be 0."""
 
     @property
-    def supported(self) -> bool:
-        return bool(self.support)
-
-    @property
-    def reasons(self) -> str:
-        """Every reason, readable (``"[heads] 130 heads: ..."``); for ``pytest.skip``."""
-        return str(self.support)
-
-    @property
     def ok(self) -> bool:
         return (
             self.supported
@@ -70,17 +105,11 @@ class CheckResult:
             and self.invalid_indices == 0
         )
 
-    def assert_passed(self) -> None:
-        """Raise ``AssertionError`` with the details unless the strategy ran and matched."""
-        if not self.ok:
-            raise AssertionError(str(self))
-
     def __str__(self) -> str:
+        early = self._head(self.ran, "ran")
+        if early is not None:
+            return early
         head = f"{self.strategy} on {self.case}"
-        if not self.supported:
-            return f"{head}: not supported: {self.reasons}"
-        if self.ran != self.strategy:
-            return f"{head}: the backend ran {self.ran!r} instead"
         if self.invalid_indices:
             head += f": {self.invalid_indices} valid top-k entries were masked as invalid"
         if self.without_lse is None:
@@ -98,6 +127,38 @@ def _unsupported(strategy: AnyStrategy, case_id: str, exc: UnsupportedError) -> 
     if not reasons:
         reasons = (Reason("unsupported", str(exc)),)
     return CheckResult(strategy.NAME, case_id, Support(reasons))
+
+
+def _with_and_without_lse(
+    label: str,
+    inputs: DecodeInputs | SparseInputs,
+    run: Callable[..., object],
+) -> tuple[Comparison, Comparison]:
+    """Run ``run(out=..., lse=...)`` on NaN-poisoned outputs with an LSE tensor, then with
+    ``lse=None`` (the production default), and compare both with ``inputs.reference()``; a run
+    with ``lse=None`` that raises raises ``AssertionError`` naming ``label``."""
+    ref_out, ref_lse = inputs.reference()
+    out, lse = inputs.poisoned_outputs()
+    run(out=out, lse=lse)
+    with_lse = compare_to_reference(out, lse, ref_out, ref_lse)
+    out, _ = inputs.poisoned_outputs()
+    try:
+        run(out=out, lse=None)
+    except Exception as exc:
+        raise AssertionError(
+            f"{label}: the run with lse=None (the production default) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    return with_lse, compare_to_reference(out, None, ref_out, ref_lse)
+
+
+def _build_support(backend: MLABackend, step: StepInputs, strategy: AnyStrategy, case_id: str) -> Support:
+    """Whether ``backend`` builds ``step``'s metadata with ``strategy`` forced: empty when it
+    does, else every reason."""
+    try:
+        backend.builder.build(step)
+    except UnsupportedError as exc:
+        return _unsupported(strategy, case_id, exc).support
+    return Support.yes()
 
 
 def decode_support(
@@ -120,11 +181,7 @@ def decode_support(
         device="cpu",
         num_blocks=inputs.kv_cache.shape[0],
     )
-    try:
-        backend.builder.build(inputs.step())
-    except UnsupportedError as exc:
-        return _unsupported(strategy_cls, case.id, exc).support
-    return Support.yes()
+    return _build_support(backend, inputs.step(), strategy_cls, case.id)
 
 
 def check_decode_strategy(
@@ -167,29 +224,15 @@ def check_decode_strategy(
     except UnsupportedError as exc:
         return _unsupported(strategy_cls, case.id, exc)
     assert metadata.decode is not None
-    ref_out, ref_lse = inputs.reference()
-    out, lse = inputs.poisoned_outputs()
-    backend.impl.forward_decode(
-        metadata, inputs.q, inputs.kv_cache, out=out, lse=lse, kv_scale=inputs.kv_scale
-    )
-    with_lse = compare_to_reference(out, lse, ref_out, ref_lse)
-    out, _ = inputs.poisoned_outputs()
-    try:
-        backend.impl.forward_decode(
-            metadata, inputs.q, inputs.kv_cache, out=out, lse=None, kv_scale=inputs.kv_scale
-        )
-    except Exception as exc:
-        raise AssertionError(
-            f"{strategy_cls.NAME} on {case.id}: the run with lse=None (the production default) "
-            f"raised {type(exc).__name__}: {exc}"
-        ) from exc
+    run = partial(backend.impl.forward_decode, metadata, inputs.q, inputs.kv_cache, kv_scale=inputs.kv_scale)
+    with_lse, without_lse = _with_and_without_lse(f"{strategy_cls.NAME} on {case.id}", inputs, run)
     return CheckResult(
         strategy_cls.NAME,
         case.id,
         Support.yes(),
         ran=metadata.decode.strategy,
         comparison=with_lse,
-        without_lse=compare_to_reference(out, None, ref_out, ref_lse),
+        without_lse=without_lse,
     )
 
 
@@ -225,11 +268,7 @@ def prefill_support(
             device="cpu",
             num_blocks=inputs.context.kv_cache.shape[0],
         )
-        try:
-            backend.builder.build(inputs.step())
-        except UnsupportedError as exc:
-            return _unsupported(strategy_cls, case.id, exc).support
-        return Support.yes()
+        return _build_support(backend, inputs.step(), strategy_cls, case.id)
     ctx = prefill_context(
         dims=case.dims,
         cache=KVCacheSpec(1, case.dtype),

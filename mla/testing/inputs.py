@@ -4,14 +4,15 @@ cumulative lengths for a case, with the reference math and NaN-poisoned outputs 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from mla.core.config import is_fp8
 from mla.engine.backend import StepInputs
-from mla.testing.cases import DecodeCase, PrefillCase
+from mla.testing.cases import DecodeCase, PrefillCase, _PagedBatch
 from mla.tools.reference import reference_decode, reference_prefill
 
 
@@ -55,8 +56,84 @@ def indptr(lengths: Sequence[int]) -> torch.Tensor:
     return out
 
 
+class _PagedInputs:
+    """What the inputs of a decode-shaped case share (:class:`DecodeInputs`,
+    :class:`~mla.testing.SparseInputs`): the paged cache and lengths, the reference call over
+    them, the engine step and the NaN-poisoned caller outputs."""
+
+    __slots__ = ()
+    case: _PagedBatch
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    kv_scale: float | None
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    def _reference_with(
+        self, reference: Callable[..., tuple[torch.Tensor, torch.Tensor]], *selection: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``reference`` (:func:`~mla.tools.reference.reference_decode` or ``reference_sparse``)
+        over these inputs (and the ``selection``, if any): float64 ``(out, lse)``."""
+        return reference(
+            self.q,
+            self.kv_cache,
+            self.block_table,
+            self.seq_lens,
+            self.query_start_loc,
+            *selection,
+            softmax_scale=self.case.scale,
+            kv_lora_rank=self.case.kv_lora_rank,
+            kv_scale=self.kv_scale,
+        )
+
+    def _step(self, *, decode: bool) -> StepInputs:
+        """The batch as a decode-only (``decode``) or a prefill-only engine step."""
+        qsl, case = self.query_start_loc, self.case
+        return StepInputs(
+            query_start_loc_cpu=qsl.cpu(),
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens.cpu(),
+            block_table=self.block_table,
+            num_decodes=case.num_requests if decode else 0,
+            num_decode_tokens=case.num_tokens if decode else 0,
+        )
+
+    def poisoned_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """NaN-filled ``out [T, H, L]`` (q dtype) and ``lse [T, H]`` (float32)."""
+        case, dev = self.case, self.q.device
+        out = torch.full(
+            (case.num_tokens, case.heads, case.kv_lora_rank), math.nan, dtype=case.q_dtype, device=dev
+        )
+        lse = torch.full((case.num_tokens, case.heads), math.nan, dtype=torch.float32, device=dev)
+        return out, lse
+
+
+def _paged_fields(
+    case: _PagedBatch,
+    device: torch.device | str,
+    *,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> dict[str, Any]:
+    """The :class:`_PagedInputs` fields of ``case`` on ``device`` (built on the CPU)."""
+    dev = torch.device(device)
+    return {
+        "case": case,
+        "q": q.to(dev),
+        "kv_cache": kv_cache.to(dev),
+        "kv_scale": case.kv_scale_or_none,
+        "block_table": block_table.to(dev),
+        "seq_lens": torch.tensor(case.seq_lens, dtype=torch.int32, device=dev),
+        "query_start_loc": query_start_loc.to(dev),
+    }
+
+
 @attrs.frozen(eq=False)
-class DecodeInputs:
+class DecodeInputs(_PagedInputs):
     """Random inputs of one :class:`DecodeCase` on one device (see :func:`make_decode_inputs`)."""
 
     case: DecodeCase
@@ -75,38 +152,11 @@ class DecodeInputs:
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ``(out [T, H, L], lse [T, H])`` on the CPU."""
-        return reference_decode(
-            self.q,
-            self.kv_cache,
-            self.block_table,
-            self.seq_lens,
-            self.query_start_loc,
-            softmax_scale=self.case.scale,
-            kv_lora_rank=self.case.kv_lora_rank,
-            kv_scale=self.kv_scale,
-        )
+        return self._reference_with(reference_decode)
 
     def step(self) -> StepInputs:
         """The batch as a decode-only engine step."""
-        qsl = self.query_start_loc
-        return StepInputs(
-            query_start_loc_cpu=qsl.cpu(),
-            query_start_loc=qsl,
-            seq_lens=self.seq_lens,
-            seq_lens_cpu=self.seq_lens.cpu(),
-            block_table=self.block_table,
-            num_decodes=self.case.num_requests,
-            num_decode_tokens=self.case.num_tokens,
-        )
-
-    def poisoned_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """NaN-filled ``out [T, H, L]`` (q dtype) and ``lse [T, H]`` (float32)."""
-        case, dev = self.case, self.q.device
-        out = torch.full(
-            (case.num_tokens, case.heads, case.kv_lora_rank), math.nan, dtype=case.q_dtype, device=dev
-        )
-        lse = torch.full((case.num_tokens, case.heads), math.nan, dtype=torch.float32, device=dev)
-        return out, lse
+        return self._step(decode=True)
 
 
 def make_decode_inputs(case: DecodeCase, device: torch.device | str = "cpu") -> DecodeInputs:
@@ -117,15 +167,10 @@ def make_decode_inputs(case: DecodeCase, device: torch.device | str = "cpu") -> 
     table, num_blocks = _paged_table(case.seq_lens, case.block_size, gen)
     cache = _random_cache(num_blocks, case.block_size, case.latent_dim, case.kv_dtype, case.kv_scale, gen)
     q = torch.randn(case.num_tokens, case.heads, case.latent_dim, generator=gen).to(case.q_dtype)
-    dev = torch.device(device)
     return DecodeInputs(
-        case=case,
-        q=q.to(dev),
-        kv_cache=cache.to(dev),
-        kv_scale=case.kv_scale if case.kv_is_fp8 else None,
-        block_table=table.to(dev),
-        seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=dev),
-        query_start_loc=indptr(case.qlens).to(dev),
+        **_paged_fields(
+            case, device, q=q, kv_cache=cache, block_table=table, query_start_loc=indptr(case.qlens)
+        )
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import attrs
@@ -63,13 +64,14 @@ from mla.testing.cases import (
     _combinations,
     _join,
     _padded,
+    _PagedBatch,
     _short,
     _tuple_of_ints,
 )
-from mla.testing.check import CheckResult, _unsupported
-from mla.testing.compare import compare_to_reference, tolerance_for
+from mla.testing.check import CheckResult, _unsupported, _Verdict, _with_and_without_lse
+from mla.testing.compare import tolerance_for
 from mla.testing.contexts import as_platform, device_for
-from mla.testing.inputs import _paged_table, indptr
+from mla.testing.inputs import _paged_fields, _paged_table, _PagedInputs, indptr
 from mla.tools.demo_sparse import SELECTION_TOLERANCE, selection_gap
 from mla.tools.reference import reference_index_scores, reference_sparse
 
@@ -95,7 +97,7 @@ def _cache_short(dtype: torch.dtype) -> str:
 
 
 @attrs.frozen
-class SparseCase:
+class SparseCase(_PagedBatch):
     """One batch of a sparse model: per-request query and KV lengths, geometry, dtypes, top-k.
 
     ``phase="decode"`` is a decode-only step (qlen 1 and up, mixed; a request with
@@ -135,40 +137,20 @@ class SparseCase:
             raise ValueError(f"heads, block_size, dims and topk must be > 0: {self}")
         if self.width is not None and not 0 <= self.width <= self.topk:
             raise ValueError(f"width {self.width} must be in [0, topk={self.topk}]")
-        if not self.qlens or len(self.qlens) != len(self.seq_lens):
-            raise ValueError(f"need one qlen per seq_len (at least one request): {self}")
+        self._check_requests()
         for qlen, seq in zip(self.qlens, self.seq_lens, strict=True):
-            if qlen < 0 or seq < 0 or 0 < seq < qlen:
-                raise ValueError(
-                    f"request with qlen {qlen}, seq_len {seq}: need 0 <= qlen <= seq_len or seq_len 0"
-                )
             if self.phase == "prefill" and not 0 < qlen <= seq:
                 raise ValueError(f"a prefill request needs 0 < qlen <= seq_len, got {qlen}, {seq}")
         if self.extra_rows < 0 or (self.extra_rows and self.phase == "prefill"):
             raise ValueError("extra (graph-padding) rows are only allowed in decode steps")
         if self.num_tokens == 0:
             raise ValueError(f"the batch needs at least one query row: {self}")
-        if self.q_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"q_dtype must be bf16/fp16/fp32, got {self.q_dtype}")
-        if self.kv_dtype not in FLOAT_DTYPES and not is_fp8(self.kv_dtype) and not self.kv_is_ds_mla:
+        self._check_q_dtype()
+        if self.kv_dtype not in FLOAT_DTYPES and not self.kv_is_fp8 and not self.kv_is_ds_mla:
             raise ValueError(f"kv_dtype must be a float, fp8 or 'fp8_ds_mla', got {self.kv_dtype}")
         if self.kv_is_ds_mla and self.kv_lora_rank % DS_MLA_TILE:
             raise ValueError(f"fp8_ds_mla needs kv_lora_rank a multiple of {DS_MLA_TILE}")
-        if self.max_decode_qlen is not None and self.max_decode_qlen < self.max_qlen:
-            raise ValueError(f"max_decode_qlen {self.max_decode_qlen} < the batch's max qlen {self.max_qlen}")
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.qlens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Rows of q: the requests' tokens plus the extra padding rows."""
-        return sum(self.qlens) + self.extra_rows
-
-    @property
-    def max_qlen(self) -> int:
-        return max(1, *self.qlens)
+        self._check_max_decode_qlen()
 
     @property
     def columns(self) -> int:
@@ -176,21 +158,8 @@ class SparseCase:
         return self.topk if self.width is None else self.width
 
     @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def scale(self) -> float:
-        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.latent_dim)
-
-    @property
     def kv_is_ds_mla(self) -> bool:
         return is_ds_mla(self.kv_dtype)
-
-    @property
-    def kv_scale_or_none(self) -> float | None:
-        """``kv_scale`` for a per-tensor fp8 cache, else ``None``."""
-        return self.kv_scale if is_fp8(self.kv_dtype) else None
 
     @property
     def dims(self) -> MLADims:
@@ -331,7 +300,7 @@ def poisoned_index_cache(
 
 
 @attrs.frozen(eq=False)
-class SparseInputs:
+class SparseInputs(_PagedInputs):
     """Random inputs of one :class:`SparseCase` on one device (see :func:`make_sparse_inputs`)."""
 
     case: SparseCase
@@ -355,31 +324,11 @@ class SparseInputs:
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ``(out [T, H, L], lse [T, H])`` on the CPU."""
-        return reference_sparse(
-            self.q,
-            self.kv_cache,
-            self.block_table,
-            self.seq_lens,
-            self.query_start_loc,
-            self.topk_indices,
-            softmax_scale=self.case.scale,
-            kv_lora_rank=self.case.kv_lora_rank,
-            kv_scale=self.kv_scale,
-        )
+        return self._reference_with(reference_sparse, self.topk_indices)
 
     def step(self) -> StepInputs:
         """The batch as a decode-only or a prefill-only engine step."""
-        qsl, case = self.query_start_loc, self.case
-        decode = case.phase == "decode"
-        return StepInputs(
-            query_start_loc_cpu=qsl.cpu(),
-            query_start_loc=qsl,
-            seq_lens=self.seq_lens,
-            seq_lens_cpu=self.seq_lens.cpu(),
-            block_table=self.block_table,
-            num_decodes=case.num_requests if decode else 0,
-            num_decode_tokens=case.num_tokens if decode else 0,
-        )
+        return self._step(decode=self.case.phase == "decode")
 
     def slots(self) -> list[list[int]]:
         """Per request, the flat cache slot of each of its positions ``0 .. seq_len - 1``."""
@@ -389,15 +338,6 @@ class SparseInputs:
             [int(table[b, p // bs]) * bs + p % bs for p in range(seq)]
             for b, seq in enumerate(self.case.seq_lens)
         ]
-
-    def poisoned_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """NaN-filled ``out [T, H, L]`` (q dtype) and ``lse [T, H]`` (float32)."""
-        case, dev = self.case, self.q.device
-        out = torch.full(
-            (case.num_tokens, case.heads, case.kv_lora_rank), math.nan, dtype=case.q_dtype, device=dev
-        )
-        lse = torch.full((case.num_tokens, case.heads), math.nan, dtype=torch.float32, device=dev)
-        return out, lse
 
 
 def random_selection(case: SparseCase, gen: torch.Generator) -> torch.Tensor:
@@ -445,16 +385,9 @@ def make_sparse_inputs(case: SparseCase, device: torch.device | str = "cpu") -> 
         values, case.kv_dtype, kv_lora_rank=case.kv_lora_rank, kv_scale=case.kv_scale_or_none
     ).view(num_blocks, case.block_size, -1)
     q = torch.randn(case.num_tokens, case.heads, case.latent_dim, generator=gen).to(case.q_dtype)
-    dev = torch.device(device)
     return SparseInputs(
-        case=case,
-        q=q.to(dev),
-        kv_cache=cache.to(dev),
-        kv_scale=case.kv_scale_or_none,
-        block_table=table.to(dev),
-        seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=dev),
-        query_start_loc=qsl.to(dev),
-        topk_indices=selection.to(dev),
+        **_paged_fields(case, device, q=q, kv_cache=cache, block_table=table, query_start_loc=qsl),
+        topk_indices=selection.to(torch.device(device)),
     )
 
 
@@ -580,32 +513,22 @@ def check_sparse_strategy(
         return _unsupported(strategy_cls, case.id, exc)
     plan = metadata.sparse_decode if phase == "decode" else metadata.sparse_prefill
     assert plan is not None
-    run = backend.impl.forward_sparse_decode if phase == "decode" else backend.impl.forward_sparse_prefill
-    ref_out, ref_lse = inputs.reference()
-    out, lse = inputs.poisoned_outputs()
-    args = (metadata, inputs.q, inputs.kv_cache, inputs.topk_indices)
-    run(*args, out=out, lse=lse, kv_scale=inputs.kv_scale)
-    with_lse = compare_to_reference(out, lse, ref_out, ref_lse)
-    out, _ = inputs.poisoned_outputs()
-    try:
-        run(*args, out=out, lse=None, kv_scale=inputs.kv_scale)
-    except Exception as exc:
-        raise AssertionError(
-            f"{strategy_cls.NAME} on {case.id}: the run with lse=None raised {type(exc).__name__}: {exc}"
-        ) from exc
+    forward = backend.impl.forward_sparse_decode if phase == "decode" else backend.impl.forward_sparse_prefill
+    run = partial(forward, metadata, inputs.q, inputs.kv_cache, inputs.topk_indices, kv_scale=inputs.kv_scale)
+    with_lse, without_lse = _with_and_without_lse(f"{strategy_cls.NAME} on {case.id}", inputs, run)
     return CheckResult(
         strategy_cls.NAME,
         case.id,
         Support.yes(),
         ran=plan.strategy,
         comparison=with_lse,
-        without_lse=compare_to_reference(out, None, ref_out, ref_lse),
+        without_lse=without_lse,
         invalid_indices=backend.invalid_index_count(),
     )
 
 
 @attrs.frozen
-class IndexerCheckResult:
+class IndexerCheckResult(_Verdict):
     """The outcome of running one indexer strategy on one case."""
 
     strategy: str
@@ -621,14 +544,6 @@ class IndexerCheckResult:
     """Whether every row past the requests' rows holds only ``-1``."""
 
     @property
-    def supported(self) -> bool:
-        return bool(self.support)
-
-    @property
-    def reasons(self) -> str:
-        return str(self.support)
-
-    @property
     def ok(self) -> bool:
         return (
             self.supported
@@ -637,16 +552,11 @@ class IndexerCheckResult:
             and self.padding_rows_ok
         )
 
-    def assert_passed(self) -> None:
-        if not self.ok:
-            raise AssertionError(str(self))
-
     def __str__(self) -> str:
+        early = self._head(self.ran, "made indexer")
+        if early is not None:
+            return early
         head = f"{self.strategy} on {self.case}"
-        if not self.supported:
-            return f"{head}: not supported: {self.reasons}"
-        if self.ran != self.strategy:
-            return f"{head}: the backend made indexer {self.ran!r} instead"
         verdict = "ok" if self.ok else "MISMATCH"
         padding = "" if self.padding_rows_ok else ", padding rows not all -1"
         return f"{head}: {verdict}: selection gap {self.gap:.3g} (tolerance {self.tolerance:g}){padding}"
