@@ -131,6 +131,15 @@ class _PagedBatch:
         """``kv_scale`` for a per-tensor fp8 cache, else ``None``."""
         return self.kv_scale if self.kv_is_fp8 else None
 
+    def _dims(self, index_topk: int | None = None) -> MLADims:
+        return MLADims(
+            num_heads=self.heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.rope_dim,
+            softmax_scale=self.scale,
+            index_topk=index_topk,
+        )
+
 
 @attrs.frozen
 class DecodeCase(_PagedBatch):

@@ -5,6 +5,8 @@ private registry.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mla.core.capabilities import ProviderCapabilities
@@ -20,7 +22,7 @@ from mla.prefill.base import PrefillStrategy
 from mla.providers import emulated_provider, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.strategy import Phase
-from mla.testing.cases import DecodeCase, PrefillCase
+from mla.testing.cases import DecodeCase, PrefillCase, _PagedBatch
 
 
 def scratch_registry(
@@ -143,6 +145,51 @@ def simulated_prefill_context(
     )
 
 
+def _decode_limits(case: _PagedBatch) -> EngineLimits:
+    """The limits of a decode step of ``case``: ``max_num_seqs`` its requests (or more, to hold
+    its rows), ``max_model_len`` its longest sequence, ``max_decode_qlen``
+    ``case.max_decode_qlen`` or its max qlen."""
+    max_decode_qlen = case.max_decode_qlen or case.max_qlen
+    return EngineLimits(
+        max_num_seqs=max(case.num_requests, -(-case.num_tokens // max_decode_qlen)),
+        max_model_len=max(1, *case.seq_lens),
+        max_num_batched_tokens=case.num_tokens,
+        max_decode_qlen=max_decode_qlen,
+    )
+
+
+def _case_backend(
+    dims: MLADims,
+    cache: KVCacheSpec,
+    limits: EngineLimits,
+    *,
+    model_dtype: torch.dtype,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    registry: Registry | None,
+    device: torch.device | str | None,
+    preallocate: bool,
+    **options: Any,
+) -> MLABackend:
+    """An :class:`~mla.engine.backend.MLABackend` of a case's records on ``platform`` (a
+    platform or an arch to simulate) with ``provider`` and a resolver over ``registry``
+    (default: the default registry); ``options`` (the forced strategies, the context
+    workspace, the indexer) go to the backend as they are."""
+    plat = as_platform(platform)
+    return MLABackend(
+        dims,
+        cache,
+        limits,
+        model_dtype=model_dtype,
+        provider=resolve_provider(provider, plat),
+        platform=plat,
+        device=device_for(plat, device),
+        resolver=Resolver(registry or DEFAULT_REGISTRY),
+        preallocate=preallocate,
+        **options,
+    )
+
+
 def decode_case_backend(
     case: DecodeCase,
     *,
@@ -158,31 +205,17 @@ def decode_case_backend(
     ``max_model_len`` its longest sequence, ``max_decode_qlen`` ``case.max_decode_qlen`` or its
     max qlen. ``strategy`` forces one (through the resolver's checks); ``registry`` is what the
     resolver reads (default: the default registry); ``num_blocks`` enables block-id checks."""
-    plat = as_platform(platform)
-    max_decode_qlen = case.max_decode_qlen or case.max_qlen
-    limits = EngineLimits(
-        max_num_seqs=max(case.num_requests, -(-case.num_tokens // max_decode_qlen)),
-        max_model_len=max(1, *case.seq_lens),
-        max_num_batched_tokens=case.num_tokens,
-        max_decode_qlen=max_decode_qlen,
-    )
-    dims = MLADims(
-        num_heads=case.heads,
-        kv_lora_rank=case.kv_lora_rank,
-        qk_rope_head_dim=case.rope_dim,
-        softmax_scale=case.scale,
-    )
-    return MLABackend(
-        dims,
+    return _case_backend(
+        case._dims(),
         KVCacheSpec(case.block_size, case.kv_dtype, num_blocks=num_blocks),
-        limits,
+        _decode_limits(case),
         model_dtype=case.q_dtype,
-        provider=resolve_provider(provider, plat),
-        platform=plat,
-        device=device_for(plat, device),
-        resolver=Resolver(registry or DEFAULT_REGISTRY),
-        decode_strategy=strategy,
+        provider=provider,
+        platform=platform,
+        registry=registry,
+        device=device,
         preallocate=preallocate,
+        decode_strategy=strategy,
     )
 
 
@@ -200,9 +233,8 @@ def prefill_case_backend(
     """A backend sized for ``case``'s prefill step (context + new tokens per request), with its
     context workspace (``case.context_chunk_tokens``); the other arguments as
     :func:`decode_case_backend`."""
-    plat = as_platform(platform)
     seq_lens = [c + n for c, n in zip(case.contexts, case.q_lens, strict=True)]
-    return MLABackend(
+    return _case_backend(
         case.dims,
         KVCacheSpec(case.block_size, case.cache_dtype, num_blocks=num_blocks),
         EngineLimits(
@@ -211,11 +243,11 @@ def prefill_case_backend(
             max_num_batched_tokens=sum(case.q_lens),
         ),
         model_dtype=case.dtype,
-        provider=resolve_provider(provider, plat),
-        platform=plat,
-        device=device_for(plat, device),
-        resolver=Resolver(registry or DEFAULT_REGISTRY),
-        prefill_strategy=strategy,
+        provider=provider,
+        platform=platform,
+        registry=registry,
+        device=device,
         preallocate=preallocate,
+        prefill_strategy=strategy,
         context_chunk_tokens=case.context_chunk_tokens,
     )

@@ -50,8 +50,7 @@ from mla.core.errors import UnsupportedError
 from mla.core.platform import Platform
 from mla.core.support import Reason, Support
 from mla.engine.backend import MLABackend, StepInputs
-from mla.engine.registry import DEFAULT_REGISTRY, Registry
-from mla.engine.resolver import Resolver
+from mla.engine.registry import Registry
 from mla.providers import resolve_provider
 from mla.providers.base import CONTRACT_METHODS, KernelProvider
 from mla.providers.formats import pack_ds_mla
@@ -70,7 +69,7 @@ from mla.testing.cases import (
 )
 from mla.testing.check import CheckResult, _unsupported, _Verdict, _with_and_without_lse
 from mla.testing.compare import tolerance_for
-from mla.testing.contexts import as_platform, device_for
+from mla.testing.contexts import _case_backend, _decode_limits, as_platform, device_for
 from mla.testing.inputs import _paged_fields, _paged_table, _PagedInputs, indptr
 from mla.tools.demo_sparse import SELECTION_TOLERANCE, selection_gap
 from mla.tools.reference import reference_index_scores, reference_sparse
@@ -163,13 +162,7 @@ class SparseCase(_PagedBatch):
 
     @property
     def dims(self) -> MLADims:
-        return MLADims(
-            num_heads=self.heads,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.rope_dim,
-            softmax_scale=self.scale,
-            index_topk=self.topk,
-        )
+        return self._dims(index_topk=self.topk)
 
     @property
     def indexer(self) -> IndexerSpec:
@@ -410,15 +403,8 @@ def sparse_case_backend(
     ``topk``, its indexer spec): ``strategy`` forces the phase's strategy (through the
     resolver's checks), ``indexer_strategy`` the indexer; the other arguments as
     :func:`~mla.testing.decode_case_backend`."""
-    plat = as_platform(platform)
     if case.phase == "decode":
-        max_decode_qlen = case.max_decode_qlen or case.max_qlen
-        limits = EngineLimits(
-            max_num_seqs=max(case.num_requests, -(-case.num_tokens // max_decode_qlen)),
-            max_model_len=max(1, *case.seq_lens),
-            max_num_batched_tokens=case.num_tokens,
-            max_decode_qlen=max_decode_qlen,
-        )
+        limits = _decode_limits(case)
     else:
         limits = EngineLimits(
             max_num_seqs=case.num_requests,
@@ -426,19 +412,19 @@ def sparse_case_backend(
             max_num_batched_tokens=case.num_tokens,
         )
     forced = {"decode_strategy" if case.phase == "decode" else "prefill_strategy": strategy}
-    return MLABackend(
+    return _case_backend(
         case.dims,
         KVCacheSpec(case.block_size, case.kv_dtype, num_blocks=num_blocks),
         limits,
         model_dtype=case.q_dtype,
-        provider=resolve_provider(provider, plat),
-        platform=plat,
-        device=device_for(plat, device),
-        resolver=Resolver(registry or DEFAULT_REGISTRY),
+        provider=provider,
+        platform=platform,
+        device=device,
+        registry=registry,
         preallocate=preallocate,
         indexer=case.indexer,
         indexer_strategy=indexer_strategy,
-        **forced,  # type: ignore[arg-type]
+        **forced,
     )
 
 
