@@ -20,18 +20,18 @@ from typing import Any
 
 import attrs
 import pytest
+import sparse_steps
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sparse_steps import assert_close
 from torch import nn
 from torch._dynamo.utils import counters
 
 import mla
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
 from mla.testing import encode_latent_cache, poisoned_index_cache, simulated_capabilities
-from mla.testing.sparse import SELECTION_POISON, selection_tolerance
-from mla.tools.demo_sparse import selection_gap
-from mla.tools.reference import reference_index_scores, reference_sparse
+from mla.testing.sparse import SELECTION_POISON
 
 RANK, ROPE, NOPE, VDIM = 128, 16, 16, 32
 BLOCK, NUM_BLOCKS, WIDTH = 8, 32, 6
@@ -170,14 +170,6 @@ class Step:
                 out[t] = latent[b][window - 1]
         return out
 
-    def phase_requests(self, prefill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(query_start_loc, seq_lens, block_table)`` of one phase's requests."""
-        nd = self.scenario.num_decodes
-        qsl, seq, table = self.inputs.query_start_loc, self.inputs.seq_lens, self.inputs.block_table
-        if prefill:
-            return qsl[nd:] - qsl[nd], seq[nd:], table[nd:]
-        return qsl[: nd + 1], seq[:nd], table[:nd]
-
 
 def make_step(scenario: Scenario, gen: torch.Generator) -> Step:
     """Blocks from a random permutation; columns past a request's blocks hold random (stale,
@@ -287,61 +279,17 @@ def attend(
     NaN-poisoned output."""
     out, lse = poisoned(step.rows, q.shape[1], q.dtype)
     nd = step.num_decode_tokens
-    if metadata.num_decodes:
-        backend.impl.forward_sparse_decode(
-            metadata, q[:nd], kv_cache, selection[:nd], out=out[:nd], lse=lse[:nd], kv_scale=kv_scale
-        )
-    if metadata.num_prefills:
-        backend.impl.forward_sparse_prefill(
-            metadata, q[nd:], kv_cache, selection[nd:], out=out[nd:], lse=lse[nd:], kv_scale=kv_scale
-        )
-    return out, lse
+    return sparse_steps.attend(backend, metadata, nd, q, kv_cache, selection, kv_scale, out, lse)
 
 
 def reference(
     step: Step, q: torch.Tensor, kv_cache: torch.Tensor, selection: torch.Tensor, kv_scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`reference_sparse` per phase, rows concatenated."""
-    nd = step.num_decode_tokens
-    parts = []
-    for prefill, rows in ((False, slice(0, nd)), (True, slice(nd, step.rows))):
-        qsl, seq, table = step.phase_requests(prefill)
-        parts.append(
-            reference_sparse(
-                q[rows],
-                kv_cache,
-                table,
-                seq,
-                qsl,
-                selection[rows],
-                softmax_scale=SCALE,
-                kv_lora_rank=RANK,
-                kv_scale=kv_scale,
-            )
-        )
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def assert_close(
-    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], tol: float, context: str
-) -> None:
-    """Relative Frobenius error of the output and absolute LSE error at most ``tol``; rows without
-    a position are exactly 0 with ``lse = -inf``; nothing left NaN."""
-    (out, lse), (ref_out, ref_lse) = got, want
-    o = out.double()
-    assert not torch.isnan(o).any(), f"{context}: output rows left unwritten (NaN)"
-    assert not torch.isnan(lse).any(), f"{context}: lse rows left unwritten (NaN)"
-    error = float(torch.linalg.vector_norm(o - ref_out)) / max(
-        float(torch.linalg.vector_norm(ref_out)), 1e-30
-    )
-    assert error <= tol, f"{context}: out rel. error {error:.3g} > {tol}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), f"{context}: -inf LSE rows differ"
-    assert bool((o[empty] == 0).all()), f"{context}: a head with no position is not 0"
-    finite = ~empty
-    if bool(finite.any()):
-        lse_error = float((lse.double()[finite] - ref_lse[finite]).abs().max())
-        assert lse_error <= tol, f"{context}: lse abs. error {lse_error:.3g} > {tol}"
+    return sparse_steps.reference(
+        step.inputs, step.scenario.num_decodes, step.num_decode_tokens, step.rows, q, kv_cache, selection,
+        kv_scale, softmax_scale=SCALE, kv_lora_rank=RANK,
+    )  # fmt: skip
 
 
 def index_inputs(step: Step, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,19 +309,9 @@ def check_selection(
     context: str,
 ) -> None:
     """Tie-robust top-k against the float64 scores; padding rows hold only ``-1``."""
-    scores = reference_index_scores(
-        index_q,
-        weights,
-        index_cache,
-        step.inputs.block_table,
-        step.inputs.seq_lens,
-        step.inputs.query_start_loc,
-        key_dtype=spec.key_dtype,
-        softmax_scale=spec.scale,
+    sparse_steps.check_selection(
+        step.inputs, step.owned, selected, index_q, weights, index_cache, spec, topk, context
     )
-    gap = selection_gap(scores, selected, topk)
-    assert gap <= selection_tolerance(index_q.dtype), f"{context}: selection gap {gap}"
-    assert bool((selected[step.owned :] == -1).all()), f"{context}: padding rows select positions"
 
 
 @pytest.fixture(autouse=True)

@@ -26,15 +26,14 @@ from typing import Any
 
 import attrs
 import pytest
+import sparse_steps
 import torch
 from gpu_providers import gpu_providers
 
 import mla
 from mla.core.config import DS_MLA_DTYPE, dtype_name
 from mla.testing import encode_latent_cache, poisoned_index_cache
-from mla.testing.sparse import SELECTION_POISON, selection_tolerance
-from mla.tools.demo_sparse import selection_gap
-from mla.tools.reference import reference_index_scores, reference_sparse
+from mla.testing.sparse import SELECTION_POISON
 
 pytestmark = pytest.mark.gpu
 
@@ -232,14 +231,6 @@ def _hand_selection(shape: StepShape, topk: int, gen: torch.Generator) -> torch.
     return out
 
 
-def _phase(step: mla.StepInputs, shape: StepShape, prefill: bool) -> tuple[torch.Tensor, ...]:
-    nd = shape.num_decodes
-    qsl, seq, table = step.query_start_loc, step.seq_lens, step.block_table
-    if prefill:
-        return qsl[nd:] - qsl[nd], seq[nd:], table[nd:]
-    return qsl[: nd + 1], seq[:nd], table[:nd]
-
-
 def _reference(
     step: mla.StepInputs,
     shape: StepShape,
@@ -249,45 +240,17 @@ def _reference(
     kv_scale: float | None,
     geo: Geometry,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    nd = shape.num_decode_tokens
-    parts = []
-    for prefill, rows in ((False, slice(0, nd)), (True, slice(nd, shape.rows))):
-        qsl, seq, table = _phase(step, shape, prefill)
-        parts.append(
-            reference_sparse(
-                q[rows],
-                kv_cache,
-                table,
-                seq,
-                qsl,
-                selection[rows],
-                softmax_scale=geo.scale,
-                kv_lora_rank=geo.rank,
-                kv_scale=kv_scale,
-            )
-        )
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return sparse_steps.reference(
+        step, shape.num_decodes, shape.num_decode_tokens, shape.rows, q, kv_cache, selection, kv_scale,
+        softmax_scale=geo.scale, kv_lora_rank=geo.rank,
+    )  # fmt: skip
 
 
 def _assert_close(
     got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], context: str
 ) -> None:
-    """Relative Frobenius error of the output and absolute LSE error at most :data:`TOL`; rows
-    without a position exactly 0 with ``lse = -inf``; nothing left NaN."""
-    out, lse = (x.detach().cpu() for x in got)
-    ref_out, ref_lse = want
-    o = out.double()
-    assert not torch.isnan(o).any(), f"{context}: output left unwritten (NaN)"
-    assert not torch.isnan(lse).any(), f"{context}: lse left unwritten (NaN)"
-    norm = max(float(torch.linalg.vector_norm(ref_out)), 1e-30)
-    error = float(torch.linalg.vector_norm(o - ref_out)) / norm
-    assert error <= TOL, f"{context}: out rel. error {error:.3g} > {TOL}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), f"{context}: -inf LSE rows differ"
-    assert bool((o[empty] == 0).all()), f"{context}: a head with no position is not 0"
-    if bool((~empty).any()):
-        lse_error = float((lse.double()[~empty] - ref_lse[~empty]).abs().max())
-        assert lse_error <= TOL, f"{context}: lse abs. error {lse_error:.3g} > {TOL}"
+    """:func:`sparse_steps.assert_close` at :data:`TOL`."""
+    sparse_steps.assert_close(got, want, TOL, context)
 
 
 def _check_selection(
@@ -301,14 +264,9 @@ def _check_selection(
     topk: int,
     context: str,
 ) -> None:
-    scores = reference_index_scores(
-        index_q, weights, index_cache, step.block_table, step.seq_lens, step.query_start_loc,
-        key_dtype=spec.key_dtype, softmax_scale=spec.scale,
-    )  # fmt: skip
-    chosen = selected.cpu()
-    gap = selection_gap(scores, chosen, topk)
-    assert gap <= selection_tolerance(index_q.dtype), f"{context}: selection gap {gap}"
-    assert bool((chosen[shape.owned :] == -1).all()), f"{context}: padding rows select positions"
+    sparse_steps.check_selection(
+        step, shape.owned, selected, index_q, weights, index_cache, spec, topk, context
+    )
 
 
 def _attend(
@@ -320,19 +278,12 @@ def _attend(
     selection: torch.Tensor,
     kv_scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    nd = shape.num_decode_tokens
     rank = backend.dims.kv_lora_rank
     out = torch.full((shape.rows, q.shape[1], rank), math.nan, dtype=BF16, device=q.device)
     lse = torch.full((shape.rows, q.shape[1]), math.nan, device=q.device)
-    if metadata.num_decodes:
-        backend.impl.forward_sparse_decode(
-            metadata, q[:nd], kv_cache, selection[:nd], out=out[:nd], lse=lse[:nd], kv_scale=kv_scale
-        )
-    if metadata.num_prefills:
-        backend.impl.forward_sparse_prefill(
-            metadata, q[nd:], kv_cache, selection[nd:], out=out[nd:], lse=lse[nd:], kv_scale=kv_scale
-        )
-    return out, lse
+    return sparse_steps.attend(
+        backend, metadata, shape.num_decode_tokens, q, kv_cache, selection, kv_scale, out, lse
+    )
 
 
 def run_engine_step(
