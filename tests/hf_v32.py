@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from hf_common import hook_outputs, mla_rows
 from torch.overrides import TorchFunctionMode
 
 transformers = pytest.importorskip(
@@ -200,16 +201,6 @@ class _TopkInputs(TorchFunctionMode):
 def capture(config: Any, attn: Any, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """Run HF's layer on one sequence ``[S, hidden]``; return the :data:`KEYS` tensors."""
     seen: dict[str, torch.Tensor] = {}
-
-    def keep(name: str) -> Any:
-        def hook(_module: Any, _args: Any, output: torch.Tensor) -> None:
-            seen[name] = output.detach()
-
-        return hook
-
-    def keep_input(_module: Any, args: tuple[torch.Tensor, ...]) -> None:
-        seen["o"] = args[0].detach()
-
     indexer = attn.indexer
     hooks = {
         "q": attn.q_b_proj,
@@ -220,8 +211,7 @@ def capture(config: Any, attn: Any, hidden: torch.Tensor) -> dict[str, torch.Ten
         "index_w": indexer.weights_proj,
         "topk": indexer,
     }
-    handles = [module.register_forward_hook(keep(name)) for name, module in hooks.items()]
-    handles.append(attn.o_proj.register_forward_pre_hook(keep_input))
+    handles = hook_outputs(hooks, attn.o_proj, seen)
     seq = hidden.shape[0]
     rotary = hf.DeepseekV32RotaryEmbedding(config=config)
     cos, sin = rotary(hidden[None], torch.arange(seq)[None])
@@ -232,27 +222,19 @@ def capture(config: Any, attn: Any, hidden: torch.Tensor) -> dict[str, torch.Ten
         for handle in handles:
             handle.remove()
     assert len(topk_inputs.inputs) == 1, "HF's layer should run topk once (the indexer's)"
-    heads, nope, rope_dim = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
     # MLA: interleaved rope on [B, H, S, R] / [B, 1, S, R] (unsqueeze_dim 1, as HF calls it).
-    q = seen["q"].view(1, seq, heads, nope + rope_dim).transpose(1, 2)
-    q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
-    k_rot = seen["kv"][..., config.kv_lora_rank :].view(1, 1, seq, rope_dim)
-    q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    rows = mla_rows(config, seen, seq, cos, sin, hf.apply_rotary_pos_emb_interleave)
     index_heads, index_dim = indexer.n_heads, indexer.head_dim
     index_q, index_k = _index_rope(
         config, seen["index_q"].view(1, seq, index_heads, index_dim), seen["index_k"].unsqueeze(2), cos, sin
     )
     return {
-        "q_nope": q_nope[0].transpose(0, 1).contiguous(),
-        "q_pe": q_rot[0].transpose(0, 1).contiguous(),
-        "kv_c": seen["kv_c"][0].contiguous(),
-        "k_pe": k_rot[0, 0].contiguous(),
+        **rows,
         "index_q": index_q[0].contiguous(),
         "index_k": index_k[0, :, 0].contiguous(),
         "index_weights": (seen["index_w"].float() * index_heads**-0.5)[0].contiguous(),
         "topk": seen["topk"][0].contiguous(),
         "index_scores": topk_inputs.inputs[0][0],
-        "out": seen["o"][0].view(seq, heads, config.v_head_dim),
     }
 
 

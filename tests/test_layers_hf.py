@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from hf_common import LENGTHS, STEPS, hook_outputs, mla_rows
 
 import mla
 from mla.layers import MLAAttention, deepseek_softmax_scale
@@ -33,19 +34,6 @@ TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float8_e4m3fn: 8e-2}
 """Largest ``max|out - hf| / max|hf|`` per step, by cache dtype (float32 model)."""
-
-LENGTHS = {"a": 19, "b": 26, "c": 18}
-"""Sequence length of each request; HF runs each whole sequence once."""
-
-# (decodes [(request, qlen)], prefills [(request, new tokens)]), decodes first as engines order them.
-STEPS: tuple[tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]], ...] = (
-    ((), (("a", 12), ("b", 8))),  # prefills without context
-    ((("a", 1),), (("b", 12), ("c", 5))),  # decode + prefill with context + prefill without
-    ((("a", 3), ("b", 1)), (("c", 7),)),  # verify qlen 3 next to a decode; prefill with context
-    ((("a", 2), ("b", 4), ("c", 1)), ()),  # mixed verify step (qlen 2 and 4)
-    ((("a", 1), ("b", 1), ("c", 3)), ()),
-    ((("c", 2),), ()),
-)
 
 
 @attrs.frozen
@@ -127,23 +115,9 @@ def capture(config: Any, attn: Any, hidden: torch.Tensor) -> dict[str, torch.Ten
     """Run HF's layer on one sequence ``[S, hidden]``; return its per-token MLA inputs and the
     attention output before ``o_proj``."""
     seen: dict[str, torch.Tensor] = {}
-
-    def keep(name: str) -> Any:
-        def hook(_module: Any, _args: Any, output: torch.Tensor) -> None:
-            seen[name] = output.detach()
-
-        return hook
-
-    def keep_input(_module: Any, args: tuple[torch.Tensor, ...]) -> None:
-        seen["o"] = args[0].detach()
-
     q_module = attn.q_proj if config.q_lora_rank is None else attn.q_b_proj
-    handles = [
-        q_module.register_forward_hook(keep("q")),
-        attn.kv_a_layernorm.register_forward_hook(keep("kv_c")),
-        attn.kv_a_proj_with_mqa.register_forward_hook(keep("kv")),
-        attn.o_proj.register_forward_pre_hook(keep_input),
-    ]
+    modules = {"q": q_module, "kv_c": attn.kv_a_layernorm, "kv": attn.kv_a_proj_with_mqa}
+    handles = hook_outputs(modules, attn.o_proj, seen)
     seq = hidden.shape[0]
     rotary = hf_ds.DeepseekV3RotaryEmbedding(config=config)
     cos, sin = rotary(hidden[None], torch.arange(seq)[None])
@@ -154,21 +128,10 @@ def capture(config: Any, attn: Any, hidden: torch.Tensor) -> dict[str, torch.Ten
     finally:
         for handle in handles:
             handle.remove()
-    heads, nope, rope_dim = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
-    q = seen["q"].view(1, seq, heads, nope + rope_dim).transpose(1, 2)
-    q_nope, q_rot = q.split([nope, rope_dim], dim=-1)
-    k_rot = seen["kv"][..., config.kv_lora_rank :].view(1, 1, seq, rope_dim)
     apply_rope = (
         hf_ds.apply_rotary_pos_emb_interleave if config.rope_interleave else hf_ds.apply_rotary_pos_emb
     )
-    q_rot, k_rot = apply_rope(q_rot, k_rot, cos, sin)
-    return {
-        "q_nope": q_nope[0].transpose(0, 1).contiguous(),
-        "q_pe": q_rot[0].transpose(0, 1).contiguous(),
-        "kv_c": seen["kv_c"][0].contiguous(),
-        "k_pe": k_rot[0, 0].contiguous(),
-        "out": seen["o"][0].view(seq, heads, config.v_head_dim),
-    }
+    return mla_rows(config, seen, seq, cos, sin, apply_rope)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

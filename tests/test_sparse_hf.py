@@ -24,21 +24,9 @@ import attrs
 import hf_v32
 import pytest
 import torch
+from hf_common import LENGTHS, STEPS
 
 import mla
-
-LENGTHS = {"a": 19, "b": 26, "c": 18}
-"""Sequence length of each request; HF runs each whole sequence once."""
-
-# (decodes [(request, qlen)], prefills [(request, new tokens)]), decodes first as engines order them.
-STEPS: tuple[tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]], ...] = (
-    ((), (("a", 12), ("b", 8))),  # prefills without context
-    ((("a", 1),), (("b", 12), ("c", 5))),  # decode + prefill with context + prefill without
-    ((("a", 3), ("b", 1)), (("c", 7),)),  # verify qlen 3 next to a decode; prefill with context
-    ((("a", 2), ("b", 4), ("c", 1)), ()),  # mixed verify step (qlen 2 and 4)
-    ((("a", 1), ("b", 1), ("c", 3)), ()),
-    ((("c", 2),), ()),
-)
 
 CACHES: dict[str, torch.dtype | str] = {"fp32": torch.float32, "bf16": "bf16", "fp8_ds_mla": "fp8_ds_mla"}
 """Latent-cache formats by test id (``KVCacheSpec.dtype``)."""
