@@ -10,7 +10,7 @@ prefill in MHA form, up-projecting cached context with its own ``kv_b_proj``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -203,7 +203,10 @@ class MLAAttention(nn.Module):
                 ``topk_indices [T, K]`` (request-local positions, ``-1`` pads) instead of
                 ``index_q``/``index_weights`` to reuse another layer's selection; ``index_k`` and
                 ``index_cache`` are still written when given. Every row, prefill included, then
-                attends only its selected tokens in the absorbed form.
+                attends only its selected tokens in the absorbed form. Under decode context
+                parallelism (decode steps only) the index keys go to this rank's shard and
+                ``topk_indices`` are this rank's local positions (``dcp.index_topk``); the row
+                attends the union of the ranks' selections.
 
         Returns ``[T, H, v]`` in the model dtype (graph-padding rows are 0), ready for
         ``o_proj`` after flattening the heads.
@@ -232,11 +235,6 @@ class MLAAttention(nn.Module):
             )
         self._write(metadata, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_scale)
         if dims.is_sparse:
-            if not isinstance(metadata, MLAMetadata) or not isinstance(self.attention, MLABackend):
-                raise InvalidInputError(
-                    "metadata", "sparse models run on an MLABackend (decode context parallelism "
-                    "does not serve DeepSeek Sparse Attention yet)"
-                )
             return self._forward_sparse(
                 metadata,
                 self.absorb_query(q_nope, q_pe),
@@ -292,7 +290,7 @@ class MLAAttention(nn.Module):
 
     def _forward_sparse(
         self,
-        metadata: MLAMetadata,
+        metadata: MLAMetadata | DCPMetadata,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor | None,
@@ -302,38 +300,63 @@ class MLAAttention(nn.Module):
         index: tuple[torch.Tensor | None, ...],
     ) -> torch.Tensor:
         """The DeepSeek Sparse Attention step over the written cache: index keys, top-k, then
-        every row's sparse attention in the absorbed form, up-projected by ``W_UV``."""
-        assert isinstance(self.attention, MLABackend)
-        impl = self.attention.impl
+        every row's sparse attention in the absorbed form, up-projected by ``W_UV``.
+
+        Under decode context parallelism (a decode step; the build refuses sparse prefills) the
+        index keys go to this rank's shard, each rank selects over its shard (``topk_indices``
+        are then this rank's local positions) and the ranks' sparse states are LSE-combined."""
         index_q, index_k, index_weights, index_cache, topk_indices = index
-        rows = q.shape[0]
-        if index_cache is not None and index_cache.shape[:2] != kv_cache.shape[:2]:
-            raise InvalidInputError(
-                "index_cache",
-                f"has {tuple(index_cache.shape[:2])} (blocks, block_size) but kv_cache has "
-                f"{tuple(kv_cache.shape[:2])}: the index-key cache shares the KV cache's block table",
+        if isinstance(metadata, DCPMetadata):
+            # _write has checked that the layer is built on DecodeContextParallel.
+            dcp = self.attention
+            assert isinstance(dcp, DecodeContextParallel)
+            if index_k is not None or index_cache is not None:
+                if index_k is None or index_cache is None:
+                    raise InvalidInputError(
+                        "index_k", "index_k and index_cache go together (the keys are written into the cache)"
+                    )
+                self._check_index_cache(index_cache, kv_cache)
+                dcp.write_index_keys(metadata, index_k, index_cache)
+            dcp_meta = metadata
+            topk_indices = self._topk(
+                q.shape[0],
+                index_q,
+                index_weights,
+                index_cache,
+                topk_indices,
+                q.device,
+                lambda iq, w, cache, sel: dcp.index_topk(dcp_meta, iq, w, cache, out=sel),
             )
+            dims = self.dims
+            latent_out = torch.empty(
+                (q.shape[0], dims.num_heads, dims.kv_lora_rank), dtype=q.dtype, device=q.device
+            )
+            dcp.forward_sparse_decode(
+                metadata, q, kv_cache, topk_indices, out=latent_out, kv_scale=kv_scale
+            )
+            out.copy_(torch.bmm(latent_out.transpose(0, 1), self.w_uv).transpose(0, 1))
+            return out
+        assert isinstance(self.attention, MLABackend)  # _write has checked it
+        impl = self.attention.impl
+        rows = q.shape[0]
+        if index_cache is not None:
+            self._check_index_cache(index_cache, kv_cache)
         if index_k is not None or index_cache is not None:
             if index_k is None or index_cache is None or slot_mapping is None:
                 raise InvalidInputError(
                     "index_k", "index_k and index_cache go together (the keys are written into the cache)"
                 )
             impl.write_index_keys(index_k, index_cache, slot_mapping)
-        if topk_indices is None:
-            if index_q is None or index_weights is None or index_cache is None:
-                raise InvalidInputError(
-                    "topk_indices",
-                    "a sparse model needs the indexer's inputs (index_q, index_weights, index_k and "
-                    "index_cache) or precomputed topk_indices",
-                )
-            topk = self.dims.index_topk
-            assert topk is not None
-            topk_indices = torch.empty((rows, topk), dtype=torch.int32, device=q.device)
-            impl.index_topk(metadata, index_q, index_weights, index_cache, out=topk_indices)
-        elif topk_indices.shape[0] != rows:
-            raise InvalidInputError(
-                "topk_indices", f"expected {rows} rows (the step's), got {topk_indices.shape[0]}"
-            )
+        plain = metadata
+        topk_indices = self._topk(
+            rows,
+            index_q,
+            index_weights,
+            index_cache,
+            topk_indices,
+            q.device,
+            lambda iq, w, cache, sel: impl.index_topk(plain, iq, w, cache, out=sel),
+        )
         dims = self.dims
         latent_out = torch.empty((rows, dims.num_heads, dims.kv_lora_rank), dtype=q.dtype, device=q.device)
         num_decode = metadata.num_decode_tokens
@@ -357,6 +380,45 @@ class MLAAttention(nn.Module):
             )
         out.copy_(torch.bmm(latent_out.transpose(0, 1), self.w_uv).transpose(0, 1))
         return out
+
+    @staticmethod
+    def _check_index_cache(index_cache: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        if index_cache.shape[:2] != kv_cache.shape[:2]:
+            raise InvalidInputError(
+                "index_cache",
+                f"has {tuple(index_cache.shape[:2])} (blocks, block_size) but kv_cache has "
+                f"{tuple(kv_cache.shape[:2])}: the index-key cache shares the KV cache's block table",
+            )
+
+    def _topk(
+        self,
+        rows: int,
+        index_q: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        index_cache: torch.Tensor | None,
+        topk_indices: torch.Tensor | None,
+        device: torch.device,
+        index_topk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """The given ``topk_indices`` (checked for the step's rows), or the indexer's selection
+        (``index_topk(index_q, index_weights, index_cache, out)``)."""
+        if topk_indices is not None:
+            if topk_indices.shape[0] != rows:
+                raise InvalidInputError(
+                    "topk_indices", f"expected {rows} rows (the step's), got {topk_indices.shape[0]}"
+                )
+            return topk_indices
+        if index_q is None or index_weights is None or index_cache is None:
+            raise InvalidInputError(
+                "topk_indices",
+                "a sparse model needs the indexer's inputs (index_q, index_weights, index_k and "
+                "index_cache) or precomputed topk_indices",
+            )
+        topk = self.dims.index_topk
+        assert topk is not None
+        selection = torch.empty((rows, topk), dtype=torch.int32, device=device)
+        index_topk(index_q, index_weights, index_cache, selection)
+        return selection
 
     def _write(
         self,

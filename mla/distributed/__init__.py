@@ -21,6 +21,13 @@ A rank that owns no token of a request contributes ``o = 0``, ``lse = -inf``. Pr
 context rows of the step's prefill requests from every rank (as vLLM does under DCP) and runs the
 ordinary prefill on them.
 
+Sparse models (DeepSeek Sparse Attention, ``MLADims.index_topk``) run decode steps the same way:
+each rank keeps its shard of the index-key cache too (:meth:`~DecodeContextParallel.write_index_keys`),
+selects the top-k of each row's window over its own shard
+(:meth:`~DecodeContextParallel.index_topk`, local positions) and attends that selection with the
+LSE (:meth:`~DecodeContextParallel.forward_sparse_decode`); the combine below then gives
+attention over the union of the ranks' selections. A sparse prefill step is refused by the build.
+
 The partial outputs are combined in float32 (computed in float32 by the torch and Triton
 providers, which write float32 partials) and rounded to the model dtype once, so the error does
 not grow with the number of ranks.

@@ -6,6 +6,7 @@ See :mod:`mla.distributed` for the layout and the combine.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -230,6 +231,15 @@ class DecodeContextParallel:
                 "num_decode_tokens",
                 f"got {step.num_decode_tokens}; the decode requests own {owned_decode} tokens "
                 "(extra graph-padding rows are allowed only in decode-only steps)",
+            )
+        if self.dims.is_sparse and num_requests > nd:
+            raise InvalidInputError(
+                "num_decodes",
+                f"the step has {num_requests - nd} prefill request(s); decode context parallelism "
+                "serves a sparse model (index_topk) in decode steps only (decode and verify rows): "
+                "its prefill gathers the context from every rank and attends it in the MHA form, "
+                "while each rank's sparse rows select over the rank's own shard; run sparse "
+                "prefills on an MLABackend without DCP",
             )
         total = step.num_decode_tokens + num_prefill_tokens
         if total > self.limits.max_num_batched_tokens:
@@ -456,6 +466,98 @@ class DecodeContextParallel:
         ``[.., H, L]`` and, when given, lse ``[.., H]`` float32: the same values the unsharded
         decode gives. Every rank of the group must call it for the same step.
         """
+        impl = self.decode_backend.impl
+
+        def run(q_local: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+            assert metadata.decode is not None
+            impl.forward_decode(metadata.decode, q_local, kv_cache, out=part, lse=part_lse, kv_scale=kv_scale)
+
+        wide = self.decode_backend.provider.name in FLOAT32_OUTPUT_PROVIDERS
+        self._decode_and_combine(metadata, q, out, lse, run, wide=wide)
+
+    def forward_sparse_decode(
+        self,
+        metadata: DCPMetadata,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        kv_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        """Sparse decode (DeepSeek Sparse Attention) of the step's decode and verify rows over
+        every rank's shard; collective over the group.
+
+        ``topk_indices`` int ``[num_decode_tokens, K]``: this rank's selection in **local**
+        positions of its shard (``-1`` pads), as :meth:`index_topk` writes it. Each rank attends
+        its own selection with the LSE and the ranks' states are combined as in
+        :meth:`forward_decode`, so the result is sparse attention over the union of the ranks'
+        selections (local position ``l`` of rank ``r`` is global position
+        ``layout.global_position(l, r)``). q, out and lse as in :meth:`forward_decode`.
+        """
+        impl = self.decode_backend.impl
+
+        def run(q_local: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+            assert metadata.decode is not None
+            impl.forward_sparse_decode(
+                metadata.decode, q_local, kv_cache, topk_indices, out=part, lse=part_lse, kv_scale=kv_scale
+            )
+
+        # The sparse kernels write their output in q's dtype.
+        self._decode_and_combine(metadata, q, out, lse, run, wide=False)
+
+    def index_topk(
+        self,
+        metadata: DCPMetadata,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        *,
+        out: torch.Tensor,
+    ) -> None:
+        """The lightning indexer over this rank's shard of the index-key cache, for the step's
+        decode rows (no collective): each row scores the positions of its causal window that
+        this rank holds and keeps its best ``index_topk``, written to ``out`` (int32
+        ``[num_decode_tokens, index_topk]``) as **local** positions of the shard (``-1`` pads),
+        ready for :meth:`forward_sparse_decode`. ``q [T, Hi, D]`` and ``weights [T, Hi]`` are
+        the indexer's (every index head; the same on every rank)."""
+        decode = self._sparse_decode_plan(metadata)
+        self.decode_backend.impl.index_topk(decode, q, weights, index_cache, out=out)
+
+    def write_index_keys(self, metadata: DCPMetadata, keys: torch.Tensor, index_cache: torch.Tensor) -> None:
+        """Write the step's index keys ``[T, D]`` that this rank owns into its shard of the
+        index-key cache (the same slots as :meth:`write_kv`)."""
+        rows = metadata.slot_mapping.numel()
+        require_tensor("index_k", keys, ndim=2)
+        if keys.shape[0] != rows:
+            raise InvalidInputError(
+                "index_k", f"expected {rows} rows (the step's tokens), got {keys.shape[0]}"
+            )
+        self.decode_backend.impl.write_index_keys(keys, index_cache, metadata.slot_mapping)
+
+    def _sparse_decode_plan(self, metadata: DCPMetadata) -> MLAMetadata:
+        if not self.dims.is_sparse:
+            raise InvalidInputError(
+                "metadata", "this group serves a dense model (MLADims.index_topk is None)"
+            )
+        if metadata.decode is None:
+            raise InvalidInputError("metadata", "this step has no decode requests")
+        return metadata.decode
+
+    def _decode_and_combine(
+        self,
+        metadata: DCPMetadata,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        *,
+        wide: bool,
+    ) -> None:
+        """Check q/out, gather q over heads (``split_heads``), ``run(q_local, part, part_lse)``
+        on this rank's shard, and combine the ranks' partial states into ``out``/``lse``
+        (``wide``: ``run`` writes float32 partials, so the combine rounds once)."""
         if metadata.num_decodes == 0:
             raise InvalidInputError("metadata", "this step has no decode requests")
         rows, heads, world = metadata.num_decode_tokens, self.dims.num_heads, self.layout.world_size
@@ -473,7 +575,6 @@ class DecodeContextParallel:
             q_local = q
         local_heads = q_local.shape[1]
         # float32 partials where the provider writes them, so the combine rounds once.
-        wide = self.decode_backend.provider.name in FLOAT32_OUTPUT_PROVIDERS
         part_dtype = torch.float32 if wide else out.dtype
         part = torch.empty((rows, local_heads, out.shape[-1]), dtype=part_dtype, device=out.device)
         part_lse = torch.empty((rows, local_heads), dtype=torch.float32, device=out.device)
@@ -481,9 +582,7 @@ class DecodeContextParallel:
             part.zero_()
             part_lse.fill_(float("-inf"))
         else:
-            self.decode_backend.impl.forward_decode(
-                metadata.decode, q_local, kv_cache, out=part, lse=part_lse, kv_scale=kv_scale
-            )
+            run(q_local, part, part_lse)
         combine_decode_states(
             part,
             part_lse,

@@ -40,6 +40,12 @@ class DCPLayout:
         """Position of each global position inside its owner's cache."""
         return (positions // self.stripe) * self.interleave + positions % self.interleave
 
+    def global_position(self, local: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """The global position of each local position of ``rank``'s cache (default: this rank;
+        the inverse of :meth:`local_position`)."""
+        rank = self.rank if rank is None else rank
+        return (local // self.interleave) * self.stripe + rank * self.interleave + local % self.interleave
+
     def local_length(self, lengths: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """Tokens of positions ``0 .. length-1`` that ``rank`` (default: this rank) holds."""
         rank = self.rank if rank is None else rank
