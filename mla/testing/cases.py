@@ -217,6 +217,21 @@ def _padded(
     return qlens, seq_lens, 0
 
 
+def _case_seed(seed: int, index: int) -> int:
+    r"""The seed of a generator's ``index``-th case (distinct across indices and ``seed``\ s)."""
+    return seed * 1_000_003 + index
+
+
+def _decode_lengths(
+    qlens: tuple[int, ...], max_seq_len: int, padding: PaddingKind, case_seed: int
+) -> tuple[tuple[int, ...], list[int], int]:
+    """``(qlens, seq_lens, extra_rows)`` of a decode case: seq lens random in
+    ``[qlen, max_seq_len]`` (deterministic per ``case_seed``), then ``padding`` added."""
+    rng = random.Random(case_seed)
+    seq_lens = [rng.randint(max(q, 1), max(max_seq_len, q)) for q in qlens]
+    return _padded(qlens, seq_lens, padding)
+
+
 def decode_cases(
     *,
     heads: Sequence[int] = DEFAULT_DECODE_HEADS,
@@ -245,10 +260,8 @@ def decode_cases(
     patterns = [tuple(int(q) for q in p) for p in qlen_patterns]
     sizes = (len(heads), len(patterns), len(block_sizes), len(dtypes), len(padding))
     for index, (ih, ip, ib, idt, ipad) in enumerate(_combinations(sizes, exhaustive)):
-        case_seed = seed * 1_000_003 + index
-        rng = random.Random(case_seed)
-        seq_lens = [rng.randint(max(q, 1), max(max_seq_len, q)) for q in patterns[ip]]
-        qlens, seq_lens, extra = _padded(patterns[ip], seq_lens, padding[ipad])
+        case_seed = _case_seed(seed, index)
+        qlens, seq_lens, extra = _decode_lengths(patterns[ip], max_seq_len, padding[ipad], case_seed)
         q_dtype, kv_dtype = dtypes[idt]
         yield DecodeCase(
             heads=heads[ih],
@@ -393,7 +406,7 @@ def prefill_cases(
             qk_nope_dim=qk_nope_dim,
             rope_dim=rope_dim,
             v_dim=v_dim,
-            seed=seed * 1_000_003 + index,
+            seed=_case_seed(seed, index),
         )
 
 
@@ -436,5 +449,5 @@ def context_prefill_cases(
             rope_dim=rope_dim,
             v_dim=v_dim,
             kv_lora_rank=kv_lora_rank,
-            seed=seed * 1_000_003 + index,
+            seed=_case_seed(seed, index),
         )

@@ -60,9 +60,10 @@ from mla.strategy import Phase
 from mla.testing.cases import (
     DEFAULT_FP8_KV_SCALE,
     PaddingKind,
+    _case_seed,
     _combinations,
+    _decode_lengths,
     _join,
-    _padded,
     _PagedBatch,
     _short,
     _tuple_of_ints,
@@ -233,12 +234,10 @@ def sparse_cases(
         pads = ("none",)
     sizes = (len(heads), len(patterns), len(block_sizes), len(dtypes), len(topks), len(pads))
     for index, (ih, ip, ib, idt, ik, ipad) in enumerate(_combinations(sizes, exhaustive)):
-        case_seed = seed * 1_000_003 + index
-        rng = random.Random(case_seed)
+        case_seed = _case_seed(seed, index)
         qlens, contexts = patterns[ip]
         if phase == "decode":
-            seq_lens = [rng.randint(max(q, 1), max(max_seq_len, q)) for q in qlens]
-            qlens, seq_lens, extra = _padded(qlens, seq_lens, pads[ipad])
+            qlens, seq_lens, extra = _decode_lengths(qlens, max_seq_len, pads[ipad], case_seed)
         else:
             seq_lens, extra = [c + q for c, q in zip(contexts, qlens, strict=True)], 0
         q_dtype, kv_dtype = dtypes[idt]
