@@ -24,7 +24,7 @@ import sparse_steps
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sparse_steps import assert_close
+from sparse_steps import assert_close, check_selection
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -298,22 +298,6 @@ def index_inputs(step: Step, dtype: torch.dtype, gen: torch.Generator) -> tuple[
     return index_q, weights
 
 
-def check_selection(
-    step: Step,
-    selected: torch.Tensor,
-    index_q: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    spec: mla.IndexerSpec,
-    topk: int,
-    context: str,
-) -> None:
-    """Tie-robust top-k against the float64 scores; padding rows hold only ``-1``."""
-    sparse_steps.check_selection(
-        step.inputs, step.owned, selected, index_q, weights, index_cache, spec, topk, context
-    )
-
-
 @pytest.fixture(autouse=True)
 def _one_thread() -> Any:
     """Tiny tensors: one intra-op thread. Parallel kernels only add thread wake-ups, which cost
@@ -451,7 +435,9 @@ def test_engine_steps_match_the_reference(fmt: KVFormat, heads: int, keys: str) 
         index_q, weights = index_inputs(step, fmt.model_dtype, gen)
         selected = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)
         backend.impl.index_topk(metadata, index_q, weights, caches.index_cache, out=selected)
-        check_selection(step, selected, index_q, weights, caches.index_cache, spec, TOPK, context)
+        check_selection(
+            step.inputs, step.owned, selected, index_q, weights, caches.index_cache, spec, TOPK, context
+        )
 
         for label, selection in (
             ("indexer", selected),
@@ -624,7 +610,9 @@ def test_layer_matches_a_plain_float64_recomputation() -> None:
         # The layer's indexer ran on these inputs: the same call gives its selection.
         selected = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)
         backend.impl.index_topk(metadata, index_q, weights, caches.index_cache, out=selected)
-        check_selection(step, selected, index_q, weights, caches.index_cache, spec, TOPK, scenario.name)
+        check_selection(
+            step.inputs, step.owned, selected, index_q, weights, caches.index_cache, spec, TOPK, scenario.name
+        )
         given = hand_selection(step, TOPK, gen)
         out_given = layer(*args, slot_mapping=slots, topk_indices=given, **index)
         for label, got, selection in (("indexer", out, selected), ("given", out_given, given)):

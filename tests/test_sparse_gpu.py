@@ -253,22 +253,6 @@ def _assert_close(
     sparse_steps.assert_close(got, want, TOL, context)
 
 
-def _check_selection(
-    step: mla.StepInputs,
-    shape: StepShape,
-    selected: torch.Tensor,
-    index_q: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    spec: mla.IndexerSpec,
-    topk: int,
-    context: str,
-) -> None:
-    sparse_steps.check_selection(
-        step, shape.owned, selected, index_q, weights, index_cache, spec, topk, context
-    )
-
-
 def _attend(
     backend: mla.MLABackend,
     metadata: mla.MLAMetadata,
@@ -328,7 +312,9 @@ def run_indexer_step(
         selected = torch.full((shape.rows, geo.topk), SELECTION_POISON, dtype=torch.int32, device=device)
         backend.impl.index_topk(metadata, index_q, weights, index_cache, out=selected)
         context = f"{provider} {dtype_name(key_dtype)} keys, {shape.qlens}"
-        _check_selection(step, shape, selected, index_q, weights, index_cache, spec, geo.topk, context)
+        sparse_steps.check_selection(
+            step, shape.owned, selected, index_q, weights, index_cache, spec, geo.topk, context
+        )
 
 
 def run_graph_replay(
@@ -416,7 +402,9 @@ def run_graph_replay(
         if capture:
             torch.cuda.synchronize()
         context = f"{provider} {kv} replay {index}"
-        _check_selection(step, shape, topk, index_q, weights, index_cache, spec, geo.topk, context)
+        sparse_steps.check_selection(
+            step, shape.owned, topk, index_q, weights, index_cache, spec, geo.topk, context
+        )
         want = _reference(step, shape, q, kv_cache, topk, kv_scale, geo)
         _assert_close((out, lse), want, context)
     assert backend.invalid_index_count() == 0
