@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+import mla
+
 LENGTHS = {"a": 19, "b": 26, "c": 18}
 """Sequence length of each request; HF runs each whole sequence once."""
 
@@ -64,3 +66,34 @@ def mla_rows(
         "k_pe": k_rot[0, 0].contiguous(),
         "out": seen["o"][0].view(seq, heads, config.v_head_dim),
     }
+
+
+def grow_slots(blocks: list[int], free: list[int], block_size: int, start: int, count: int) -> list[int]:
+    """The cache slots of positions ``start .. start + count - 1`` of a request that holds
+    ``blocks``, taking blocks from the end of ``free`` as it grows."""
+    while len(blocks) * block_size < start + count:
+        blocks.append(free.pop())
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
+
+def step_inputs(
+    picks: list[tuple[str, int, int]], blocks: dict[str, list[int]], num_decodes: int
+) -> mla.StepInputs:
+    """The engine step of ``picks`` (``(request, start, count)`` rows, the first ``num_decodes``
+    decodes) over each request's ``blocks`` (the table zero-padded to the longest)."""
+    qsl = [0]
+    for _, _, count in picks:
+        qsl.append(qsl[-1] + count)
+    width = max(len(blocks[n]) for n, _, _ in picks)
+    table = [blocks[n] + [0] * (width - len(blocks[n])) for n, _, _ in picks]
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    seq_t = torch.tensor([start + count for _, start, count in picks], dtype=torch.int32)
+    return mla.StepInputs(
+        query_start_loc_cpu=qsl_t,
+        query_start_loc=qsl_t,
+        seq_lens=seq_t,
+        seq_lens_cpu=seq_t,
+        block_table=torch.tensor(table, dtype=torch.int32),
+        num_decodes=num_decodes,
+        num_decode_tokens=sum(count for _, _, count in picks[:num_decodes]),
+    )

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from hf_common import LENGTHS, STEPS, hook_outputs, mla_rows
+from hf_common import LENGTHS, STEPS, grow_slots, hook_outputs, mla_rows, step_inputs
 
 import mla
 from mla.layers import MLAAttention, deepseek_softmax_scale
@@ -181,10 +181,7 @@ class Rank:
         self.blocks: dict[str, list[int]] = {name: [] for name in LENGTHS}
 
     def slots(self, name: str, start: int, count: int) -> list[int]:
-        blocks, bs = self.blocks[name], self.block_size
-        while len(blocks) * bs < start + count:
-            blocks.append(self.free.pop())
-        return [blocks[p // bs] * bs + p % bs for p in range(start, start + count)]
+        return grow_slots(self.blocks[name], self.free, self.block_size, start, count)
 
 
 def run_steps(model: Model, *, tp_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> list[float]:
@@ -197,26 +194,10 @@ def run_steps(model: Model, *, tp_size: int, kv_dtype: torch.dtype, model_dtype:
         done = dict.fromkeys(LENGTHS, 0)
         for decodes, prefills in STEPS:
             picks: list[tuple[str, int, int]] = [(n, done[n], q) for n, q in (*decodes, *prefills)]
-            qsl = [0]
-            seq_lens, slots, table = [], [], []
+            slots: list[int] = []
             for name, start, count in picks:
                 slots += rank.slots(name, start, count)
-                qsl.append(qsl[-1] + count)
-                seq_lens.append(start + count)
-            width = max(len(rank.blocks[n]) for n, _, _ in picks)
-            table = [rank.blocks[n] + [0] * (width - len(rank.blocks[n])) for n, _, _ in picks]
-            qsl_t = torch.tensor(qsl, dtype=torch.int32)
-            seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-            step = mla.StepInputs(
-                query_start_loc_cpu=qsl_t,
-                query_start_loc=qsl_t,
-                seq_lens=seq_t,
-                seq_lens_cpu=seq_t,
-                block_table=torch.tensor(table, dtype=torch.int32),
-                num_decodes=len(decodes),
-                num_decode_tokens=sum(q for _, q in decodes),
-            )
-            metadata = rank.backend.builder.build(step)
+            metadata = rank.backend.builder.build(step_inputs(picks, rank.blocks, len(decodes)))
 
             def rows(key: str, picks: list[tuple[str, int, int]] = picks) -> torch.Tensor:
                 return torch.cat([model.rows[n][key][s : s + c] for n, s, c in picks])

@@ -24,7 +24,7 @@ import attrs
 import hf_v32
 import pytest
 import torch
-from hf_common import LENGTHS, STEPS
+from hf_common import LENGTHS, STEPS, grow_slots, step_inputs
 
 import mla
 
@@ -90,29 +90,10 @@ class Engine:
         return torch.full((NUM_BLOCKS, BLOCK_SIZE, width), float("nan"), dtype=dtype)
 
     def slots(self, name: str, start: int, count: int) -> list[int]:
-        blocks = self.blocks[name]
-        while len(blocks) * BLOCK_SIZE < start + count:
-            blocks.append(self.free.pop())
-        return [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + count)]
+        return grow_slots(self.blocks[name], self.free, BLOCK_SIZE, start, count)
 
     def metadata(self, picks: list[tuple[str, int, int]], num_decodes: int) -> Any:
-        qsl = [0]
-        for _, _, count in picks:
-            qsl.append(qsl[-1] + count)
-        width = max(len(self.blocks[n]) for n, _, _ in picks)
-        table = [self.blocks[n] + [0] * (width - len(self.blocks[n])) for n, _, _ in picks]
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        seq_t = torch.tensor([start + count for _, start, count in picks], dtype=torch.int32)
-        step = mla.StepInputs(
-            query_start_loc_cpu=qsl_t,
-            query_start_loc=qsl_t,
-            seq_lens=seq_t,
-            seq_lens_cpu=seq_t,
-            block_table=torch.tensor(table, dtype=torch.int32),
-            num_decodes=num_decodes,
-            num_decode_tokens=sum(count for _, _, count in picks[:num_decodes]),
-        )
-        return self.backend.builder.build(step)
+        return self.backend.builder.build(step_inputs(picks, self.blocks, num_decodes))
 
 
 @attrs.frozen
