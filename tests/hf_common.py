@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 import mla
@@ -23,6 +24,19 @@ STEPS: tuple[tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]], ..
     ((("a", 1), ("b", 1), ("c", 3)), ()),
     ((("c", 2),), ()),
 )
+
+
+@attrs.frozen
+class Model:
+    """One HF config: its layer and the captures of each named sequence (request)."""
+
+    name: str
+    config: Any
+    attn: Any
+    rows: dict[str, dict[str, torch.Tensor]]
+    """request -> captured name -> tensor: :func:`mla_rows`' (``q_nope [S,H,n]``, ``q_pe
+    [S,H,R]``, ``kv_c [S,L]``, ``k_pe [S,R]``, ``out [S,H,v]``), for V3.2 all of
+    :data:`hf_v32.KEYS`."""
 
 
 def hook_outputs(modules: dict[str, Any], o_proj: Any, seen: dict[str, torch.Tensor]) -> list[Any]:

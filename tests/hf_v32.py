@@ -35,10 +35,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import pytest
 import torch
-from hf_common import hook_outputs, mla_rows
+from hf_common import Model, hook_outputs, mla_rows
 from torch.overrides import TorchFunctionMode
 
 transformers = pytest.importorskip(
@@ -335,17 +334,6 @@ def attend_selected(
     allowed = allowed[:, :seq] & (torch.arange(seq)[None] <= positions[:, None])
     probs = torch.softmax((logits * attn.scaling).masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("htp,phv->thv", probs, value)
-
-
-@attrs.frozen
-class Model:
-    """One HF config: its layer and the captures of each named sequence."""
-
-    name: str
-    config: Any
-    attn: Any
-    rows: dict[str, dict[str, torch.Tensor]]
-    """request -> :data:`KEYS` -> tensor."""
 
 
 def build_model(name: str, lengths: dict[str, int], *, seed: int = 7, margin: float = MARGIN) -> Model:

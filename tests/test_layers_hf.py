@@ -14,10 +14,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import attrs
 import pytest
 import torch
-from hf_common import LENGTHS, STEPS, grow_slots, hook_outputs, mla_rows, step_inputs
+from hf_common import LENGTHS, STEPS, Model, grow_slots, hook_outputs, mla_rows, step_inputs
 
 import mla
 from mla.layers import MLAAttention, deepseek_softmax_scale
@@ -34,17 +33,6 @@ TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float8_e4m3fn: 8e-2}
 """Largest ``max|out - hf| / max|hf|`` per step, by cache dtype (float32 model)."""
-
-
-@attrs.frozen
-class Model:
-    """One HF config: its layer's captured per-token inputs and outputs, per request."""
-
-    name: str
-    config: Any
-    attn: Any
-    rows: dict[str, dict[str, torch.Tensor]]
-    """request -> q_nope [S,H,n], q_pe [S,H,R], kv_c [S,L], k_pe [S,R], out [S,H,v]."""
 
 
 CONFIGS: dict[str, dict[str, Any]] = {
