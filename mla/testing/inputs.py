@@ -41,10 +41,15 @@ def _random_cache(
     kv_scale: float,
     gen: torch.Generator,
 ) -> torch.Tensor:
-    values = torch.randn(num_blocks, block_size, width, generator=gen)
+    return _cache_values(torch.randn(num_blocks, block_size, width, generator=gen), dtype, kv_scale)
+
+
+def _cache_values(values: torch.Tensor, dtype: torch.dtype, kv_scale: float | None) -> torch.Tensor:
+    """float ``values`` stored in a float cache ``dtype`` as they are, in a per-tensor fp8 one
+    as ``value / kv_scale`` (default 1) clamped to its finite range."""
     if is_fp8(dtype):
         finfo = torch.finfo(dtype)
-        return torch.clamp(values / kv_scale, finfo.min, finfo.max).to(dtype)
+        return torch.clamp(values / (1.0 if kv_scale is None else kv_scale), finfo.min, finfo.max).to(dtype)
     return values.to(dtype)
 
 

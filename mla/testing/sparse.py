@@ -44,7 +44,6 @@ from mla.core.config import (
     KVCacheSpec,
     MLADims,
     is_ds_mla,
-    is_fp8,
 )
 from mla.core.errors import UnsupportedError
 from mla.core.platform import Platform
@@ -71,7 +70,7 @@ from mla.testing.cases import (
 from mla.testing.check import CheckResult, _unsupported, _Verdict, _with_and_without_lse
 from mla.testing.compare import tolerance_for
 from mla.testing.contexts import _case_backend, _decode_limits, as_platform, device_for
-from mla.testing.inputs import _paged_fields, _paged_table, _PagedInputs, indptr
+from mla.testing.inputs import _cache_values, _paged_fields, _paged_table, _PagedInputs, indptr
 from mla.tools.demo_sparse import SELECTION_TOLERANCE, selection_gap
 from mla.tools.reference import reference_index_scores, reference_sparse
 
@@ -272,11 +271,8 @@ def encode_latent_cache(
     flat = values.reshape(-1, values.shape[-1]).to(torch.float32)
     if is_ds_mla(kv_dtype):
         rows = pack_ds_mla(flat[:, :kv_lora_rank], flat[:, kv_lora_rank:])
-    elif is_fp8(kv_dtype):
-        finfo = torch.finfo(kv_dtype)
-        rows = torch.clamp(flat / (1.0 if kv_scale is None else kv_scale), finfo.min, finfo.max).to(kv_dtype)
     else:
-        rows = flat.to(kv_dtype)
+        rows = _cache_values(flat, kv_dtype, kv_scale)
     return rows.reshape(*lead, rows.shape[-1])
 
 
