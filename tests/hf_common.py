@@ -26,6 +26,19 @@ STEPS: tuple[tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]], ..
 )
 
 
+YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+"""The YaRN rope parameters of the HF configs (short original context, so the tests' lengths
+scale)."""
+
+
 @attrs.frozen
 class Model:
     """One HF config: its layer and the captures of each named sequence (request)."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_common import Model, hook_outputs, mla_rows
+from hf_common import YARN, Model, hook_outputs, mla_rows
 from torch.overrides import TorchFunctionMode
 
 transformers = pytest.importorskip(
@@ -68,15 +68,6 @@ rope), ``index_weights [S,Hi]`` float32 (as the indexer scores with them), ``top
 tensor its indexer runs ``topk`` on, recorded with a ``TorchFunctionMode``: ``-inf`` where
 causally masked) and ``out [S,H,v]`` (``o_proj``'s input)."""
 
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "rope16": {"rope": {"rope_type": "default"}, "qk_rope_head_dim": 16, "index_head_dim": 32},

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_common import LENGTHS, STEPS, Model, grow_slots, hook_outputs, mla_rows, step_inputs
+from hf_common import LENGTHS, STEPS, YARN, Model, grow_slots, hook_outputs, mla_rows, step_inputs
 
 import mla
 from mla.layers import MLAAttention, deepseek_softmax_scale
@@ -41,15 +41,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "yarn": {
         "q_lora_rank": 24,
         "rope_interleave": True,
-        "rope": {
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 16,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
+        "rope": dict(YARN),
     },
     "yarn-mscale-differs": {
         "q_lora_rank": None,
