@@ -8,11 +8,12 @@ costs the kernels plus a small constant: no re-resolution, no buffer allocation,
 no device-to-host copy.
 :func:`write_kv` writes new latent rows into the paged cache. Engines use
 :class:`~mla.engine.backend.MLABackend` instead, which sizes buffers from the engine limits.
+Under ``torch.compile`` each call is one op of :mod:`mla.engine.functional_ops` whose body is
+the eager call (no graph break).
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Literal, overload
 
@@ -33,7 +34,7 @@ from mla.core.validate import (
     require_tensor,
     require_validate_mode,
 )
-from mla.engine import decode_graphs, ops
+from mla.engine import decode_graphs, functional_ops, ops
 from mla.engine.checks import check_kv_write
 from mla.engine.decode_call import (
     DECODE_CALLS,
@@ -46,7 +47,7 @@ from mla.engine.decode_call import (
     require_output,
     run_step,
 )
-from mla.engine.decode_graphs import GraphReplay, tensor_key
+from mla.engine.decode_graphs import GraphReplay, require_graph_replay, tensor_key
 from mla.engine.plan_cache import DECODE_PLANS, PREFILL_PLANS, DecodeEntry, available_provider, prefill_entry
 from mla.engine.registry import AnyStrategy
 from mla.prefill.base import PrefillBatch
@@ -168,8 +169,8 @@ def mla_decode(
     (:data:`~mla.engine.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls replay it:
     one launch, reading the tensors' current values and the current ``kv_scale`` (a float is
     written to a device buffer the graph reads). Calls run eagerly while the current stream is
-    capturing (the caller's own graph records them), under ``torch.compile``, with
-    ``validate="full"``, without ``out``, and when the strategy's build needs host data.
+    capturing (the caller's own graph records them), with ``validate="full"``, without ``out``,
+    and when the strategy's build needs host data.
 
     Returns:
         ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32 natural log)``, or ``out``
@@ -178,7 +179,15 @@ def mla_decode(
     Raises:
         InvalidInputError: bad shapes, dtypes, devices (or, with ``validate="full"``, values).
         UnsupportedError: no strategy (or not the forced one) supports the case.
+
+    Under ``torch.compile`` the call is one ``mla::functional_decode`` op (no graph break):
+    the outputs are allocated in the compiled code and the op runs this function.
     """
+    if torch.compiler.is_compiling():
+        return _traced_decode(
+            q, kv_cache, block_table, seq_lens, query_start_loc, softmax_scale, kv_lora_rank, kv_scale,
+            provider, strategy, platform, out, lse, return_lse, validate, graph,
+        )  # fmt: skip
     signature: tuple[object, ...] | None = None
     call = None
     try:
@@ -228,7 +237,7 @@ def mla_decode(
     backend = entry.backend
     # One step at a time per cached plan: threads sharing it take turns (its backend's
     # builds write the buffers its runs read).
-    with contextlib.nullcontext() if torch.compiler.is_compiling() else backend.in_use:
+    with backend.in_use:
         scale = backend.kv_scale_tensor(kv_scale)
         if call.replay and decode_graphs.replay_allowed(q):
             # A host query_start_loc is keyed by its values (the graph reads its own device copy),
@@ -381,8 +390,15 @@ def mla_prefill(
     ``cu_seqlens`` are copied to the host once per call (checked there and, for the fp8
     prefill, tiled there). Raises :class:`InvalidInputError` for bad input and
     :class:`UnsupportedError` when no strategy (or not the forced one: a class, ``NAME`` or
-    class name) fits.
+    class name) fits. Under ``torch.compile`` the call is one ``mla::functional_prefill`` op
+    (no graph break): the outputs are allocated in the compiled code and the op runs this
+    function.
     """
+    if torch.compiler.is_compiling():
+        return _traced_prefill(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            provider, strategy, platform, out, lse, return_lse,
+        )  # fmt: skip
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         require_tensor(name, tensor, ndim=3)
         require_float(name, tensor)
@@ -449,7 +465,7 @@ def mla_prefill(
         out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    with contextlib.nullcontext() if torch.compiler.is_compiling() else entry.lock:  # one call at a time
+    with entry.lock:  # one call at a time
         plan = entry.runner.build_metadata(batch)
         entry.runner.run(plan, q, k, v, out=out, lse=lse)
     return (out, lse) if return_lse else out
@@ -475,8 +491,12 @@ def write_kv(
     a 0-d / one-element float tensor on the cache's device, and ``None`` for a float cache.
     Slots outside the cache are skipped by every provider (memory-safe); ``validate="full"``
     reads ``slot_mapping`` on the host and rejects them, and any slot two tokens share. Runs
-    ``mla::write_kv``. Raises :class:`InvalidInputError` naming the bad argument.
+    ``mla::write_kv`` (under ``torch.compile``: one ``mla::functional_write_kv`` op, whose body
+    is this function). Raises :class:`InvalidInputError` naming the bad argument.
     """
+    if torch.compiler.is_compiling():
+        _traced_write_kv(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, provider, platform, validate)
+        return
     mode = require_validate_mode(validate)
     check_kv_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, mode)
     prov = available_provider(provider, resolve_platform(platform, kv_cache.device))
@@ -488,3 +508,210 @@ def write_kv(
     else:
         scale = None
     ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, scale, ops.provider_handle(prov))
+
+
+# -- under torch.compile: one op per call ------------------------------------------------------
+#
+# A compiled call allocates the outputs the eager call would (shapes from the inputs' shapes)
+# and records one op whose body is the eager call (mla.engine.functional_ops). Arguments of a
+# kind the op cannot carry are left to the eager call, which names the bad one (a graph break;
+# under fullgraph=True dynamo's error says so).
+
+_UNTRACEABLE = "an argument is not of the kind the op takes; the eager call names it"
+_eager_decode = torch.compiler.disable(mla_decode, reason=_UNTRACEABLE)  # type: ignore[no-untyped-call]
+_eager_prefill = torch.compiler.disable(mla_prefill, reason=_UNTRACEABLE)  # type: ignore[no-untyped-call]
+_eager_write_kv = torch.compiler.disable(write_kv, reason=_UNTRACEABLE)  # type: ignore[no-untyped-call]
+
+
+def _traced_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    kv_scale: float | torch.Tensor | None,
+    provider: str | KernelProvider,
+    strategy: str | AnyStrategy | None,
+    platform: Platform | str | None,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+    validate: ValidateMode,
+    graph: GraphReplay,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """What a compiled :func:`mla_decode` records: its outputs and ``mla::functional_decode``."""
+    scales = functional_ops.scale_arguments(kv_scale)
+    handle = -1
+    if (
+        scales is not None
+        and functional_ops.tensors(q, kv_cache, block_table, seq_lens)
+        and functional_ops.optional_tensors(query_start_loc, out, lse)
+        and functional_ops.is_number(softmax_scale)
+        and functional_ops.is_count(kv_lora_rank)
+        and functional_ops.is_flag(return_lse)
+        and q.dim() == 3
+    ):
+        # Eagerly, only a call given its outputs replays a CUDA graph (the op is always given them).
+        replayable = out is not None and (lse is not None or not return_lse)
+        handle = functional_ops.options_handle(provider, strategy, platform, validate, graph, replayable)
+    if scales is None or handle < 0:
+        return _eager_decode(  # type: ignore[no-any-return]
+            q, kv_cache, block_table, seq_lens, query_start_loc=query_start_loc,
+            softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale,
+            provider=provider, strategy=strategy, platform=platform, out=out, lse=lse,
+            return_lse=return_lse, validate=validate, graph=graph,
+        )  # fmt: skip
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    functional_ops.decode(
+        q, kv_cache, block_table, seq_lens, query_start_loc, float(softmax_scale), kv_lora_rank,
+        scales[0], scales[1], out, lse, return_lse, handle,
+    )  # fmt: skip
+    return (out, lse) if return_lse and lse is not None else out
+
+
+def _decode_body(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None,
+    kv_scale_value: float | None,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+    options: int,
+) -> None:
+    provider, strategy, platform, validate, graph, replayable = functional_ops.options(options)
+    if not replayable:  # the caller gave no outputs: eagerly, such a call never replays
+        require_graph_replay(graph)
+        graph = "off"
+    mla_decode(  # type: ignore[call-overload]  # return_lse: a bool, not a Literal
+        q, kv_cache, block_table, seq_lens, query_start_loc=query_start_loc, softmax_scale=softmax_scale,
+        kv_lora_rank=kv_lora_rank, kv_scale=kv_scale_value if kv_scale is None else kv_scale,
+        provider=provider, strategy=strategy, platform=platform, out=out, lse=lse,
+        return_lse=return_lse, validate=validate, graph=graph,
+    )  # fmt: skip
+
+
+def _traced_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    provider: str | KernelProvider,
+    strategy: str | AnyStrategy | None,
+    platform: Platform | str | None,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """What a compiled :func:`mla_prefill` records: its outputs and ``mla::functional_prefill``."""
+    handle = -1
+    if (
+        functional_ops.tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        and functional_ops.optional_tensors(out, lse)
+        and functional_ops.is_count(max_seqlen_q)
+        and functional_ops.is_count(max_seqlen_k)
+        and functional_ops.is_number(softmax_scale)
+        and functional_ops.is_flag(causal)
+        and functional_ops.is_flag(return_lse)
+        and q.dim() == 3
+        and v.dim() == 3
+    ):
+        handle = functional_ops.options_handle(provider, strategy, platform)
+    if handle < 0:
+        return _eager_prefill(  # type: ignore[no-any-return]
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale=softmax_scale, causal=causal, provider=provider, strategy=strategy,
+            platform=platform, out=out, lse=lse, return_lse=return_lse,
+        )  # fmt: skip
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    functional_ops.prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), causal,
+        out, lse, handle,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def _prefill_body(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    options: int,
+) -> None:
+    provider, strategy, platform = functional_ops.options(options)
+    mla_prefill(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, provider=provider, strategy=strategy, platform=platform, out=out, lse=lse,
+    )  # fmt: skip
+
+
+def _traced_write_kv(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: float | torch.Tensor | None,
+    provider: str | KernelProvider,
+    platform: Platform | str | None,
+    validate: ValidateMode,
+) -> None:
+    """What a compiled :func:`write_kv` records: ``mla::functional_write_kv``."""
+    scales = functional_ops.scale_arguments(kv_scale)
+    handle = -1
+    if scales is not None and functional_ops.tensors(kv_c, k_pe, kv_cache, slot_mapping):
+        handle = functional_ops.options_handle(provider, platform, validate)
+    if scales is None or handle < 0:
+        _eager_write_kv(
+            kv_c, k_pe, kv_cache, slot_mapping, kv_scale=kv_scale, provider=provider, platform=platform,
+            validate=validate,
+        )  # fmt: skip
+        return
+    functional_ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, scales[0], scales[1], handle)
+
+
+def _write_kv_body(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    kv_scale_value: float | None,
+    options: int,
+) -> None:
+    provider, platform, validate = functional_ops.options(options)
+    write_kv(
+        kv_c, k_pe, kv_cache, slot_mapping, kv_scale=kv_scale_value if kv_scale is None else kv_scale,
+        provider=provider, platform=platform, validate=validate,
+    )  # fmt: skip
+
+
+functional_ops.implement("functional_decode", _decode_body)
+functional_ops.implement("functional_prefill", _prefill_body)
+functional_ops.implement("functional_write_kv", _write_kv_body)
