@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 import torch
@@ -29,10 +29,7 @@ from mla.strategy import StrategySetup
 from mla.testing.cases import DecodeCase, PrefillCase
 from mla.testing.compare import TOLERANCES, Comparison, compare_to_reference, poisoned_empty, tolerance_for
 from mla.testing.contexts import as_platform, decode_case_backend, device_for, prefill_case_backend
-from mla.testing.inputs import DecodeInputs, make_decode_inputs, make_prefill_inputs
-
-if TYPE_CHECKING:
-    from mla.testing.sparse import SparseInputs
+from mla.testing.inputs import _PagedInputs, make_decode_inputs, make_prefill_inputs
 
 
 class _Verdict:
@@ -131,7 +128,7 @@ def _unsupported(strategy: AnyStrategy, case_id: str, exc: UnsupportedError) -> 
 
 def _with_and_without_lse(
     label: str,
-    inputs: DecodeInputs | SparseInputs,
+    inputs: _PagedInputs,
     run: Callable[..., object],
 ) -> tuple[Comparison, Comparison]:
     """Run ``run(out=..., lse=...)`` on NaN-poisoned outputs with an LSE tensor, then with

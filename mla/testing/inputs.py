@@ -75,6 +75,10 @@ class _PagedInputs:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
 
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``(out, lse)`` of the reference math over these inputs (each kind defines it)."""
+        raise NotImplementedError
+
     def _reference_with(
         self, reference: Callable[..., tuple[torch.Tensor, torch.Tensor]], *selection: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
