@@ -3,6 +3,7 @@ it with the reference; a decode strategy runs with and without an LSE tensor."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from functools import partial
 from typing import Literal
@@ -32,7 +33,7 @@ from mla.testing.contexts import as_platform, decode_case_backend, device_for, p
 from mla.testing.inputs import _PagedInputs, make_decode_inputs, make_prefill_inputs
 
 
-class _Verdict:
+class _Verdict(abc.ABC):
     """What a check's result shares (:class:`CheckResult`,
     :class:`~mla.testing.IndexerCheckResult`): whether the strategy could run, why not, and the
     assertion that it ran and passed (``ok`` and ``__str__`` are the result's own)."""
@@ -52,8 +53,9 @@ class _Verdict:
         return str(self.support)
 
     @property
+    @abc.abstractmethod
     def ok(self) -> bool:
-        raise NotImplementedError
+        """The strategy ran and its output matched the reference."""
 
     def assert_passed(self) -> None:
         """Raise ``AssertionError`` with the details unless the strategy ran and matched."""

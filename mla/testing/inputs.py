@@ -3,6 +3,7 @@ cumulative lengths for a case, with the reference math and NaN-poisoned outputs 
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,7 +62,7 @@ def indptr(lengths: Sequence[int]) -> torch.Tensor:
     return out
 
 
-class _PagedInputs:
+class _PagedInputs(abc.ABC):
     """What the inputs of a decode-shaped case share (:class:`DecodeInputs`,
     :class:`~mla.testing.SparseInputs`): the paged cache and lengths, the reference call over
     them, the engine step and the NaN-poisoned caller outputs."""
@@ -75,9 +76,9 @@ class _PagedInputs:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
 
+    @abc.abstractmethod
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ``(out, lse)`` of the reference math over these inputs (each kind defines it)."""
-        raise NotImplementedError
 
     def _reference_with(
         self, reference: Callable[..., tuple[torch.Tensor, torch.Tensor]], *selection: torch.Tensor
