@@ -105,9 +105,8 @@ class Strategy(abc.ABC, Generic[CtxT]):
                 f"arch {ctx.platform.arch} is not one of {sorted(caps.archs)} that "
                 f"{caps.provider!r} builds for",
             )
-        sparse_kind = cls.KIND is StrategyKind.SPARSE
         reasons.require(
-            ctx.dims.is_sparse == sparse_kind,
+            serves_model(cls.KIND, ctx.dims),
             "sparse" if ctx.dims.is_sparse else "dense",
             f"the model is sparse (index_topk={ctx.dims.index_topk}): {cls.NAME} attends every "
             "token; a sparse strategy (SparseDecode, SparsePrefill) runs it"
@@ -136,6 +135,12 @@ class Strategy(abc.ABC, Generic[CtxT]):
                 f"{self.NAME}.run was handed a plan built by {plan.strategy!r}; the impl must "
                 "run the strategy recorded in the metadata"
             )
+
+
+def serves_model(kind: StrategyKind, dims: MLADims) -> bool:
+    """Whether a strategy of ``kind`` serves a model of ``dims``: sparse strategies serve sparse
+    models (``MLADims.index_topk``), every other kind dense ones."""
+    return (kind is StrategyKind.SPARSE) == dims.is_sparse
 
 
 def provider_reasons(

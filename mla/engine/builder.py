@@ -332,7 +332,7 @@ class MetadataBuilder:
             )
             decode_decision = be.resolver.resolve(ctx, force=be.force_decode)
             decode_plan = be.sparse_strategy(decode_decision).build_metadata(
-                SparseRows(ctx, table, 0, num_decode_tokens, max_keys)
+                SparseRows(table, 0, num_decode_tokens, max_keys)
             )
         if prefill_rows:
             assert lens is not None
@@ -340,10 +340,10 @@ class MetadataBuilder:
             ctx = be.prefill_context(has_chunked_context=has_context)
             prefill_decision = be.resolver.resolve(ctx, force=be.force_prefill)
             prefill_plan = be.sparse_strategy(prefill_decision).build_metadata(
-                SparseRows(ctx, table, num_decode_tokens, prefill_rows, max_keys)
+                SparseRows(table, num_decode_tokens, prefill_rows, max_keys)
             )
         index_plan = rows_plan(
-            indexer.NAME, be.setup, buffers, SparseRows(None, table, 0, num_rows, max_keys)
+            indexer.NAME, be.setup, buffers, SparseRows(table, 0, num_rows, max_keys)
         )
         return _METADATA(
             num_decodes=nd,

@@ -45,8 +45,8 @@ class AttentionImpl:
         be = self.backend
         if not torch.compiler.is_compiling():
             require_instance("metadata", metadata, MLAMetadata)
-            be.check_current(metadata, "sparse_decode" if be.dims.is_sparse else "decode")
             self._require_dense("forward_decode", "forward_sparse_decode")
+            be.check_current(metadata, "decode")
         require_tensors(q=q, kv_cache=kv_cache, out=out)
         require_on_q_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
         require_cache_dtype(kv_cache, be.cache.dtype)  # before kv_scale: the cache is the cause
@@ -75,8 +75,8 @@ class AttentionImpl:
         compiling = torch.compiler.is_compiling()
         if not compiling:
             require_instance("metadata", metadata, MLAMetadata)
-            be.check_current(metadata, "sparse_prefill" if be.dims.is_sparse else "prefill")
             self._require_dense("forward_prefill", "forward_sparse_prefill")
+            be.check_current(metadata, "prefill")
         require_tensors(q=q, k=k, v=v, out=out)
         require_on_q_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
         if kv_cache is None and kv_scale is not None:

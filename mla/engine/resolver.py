@@ -11,7 +11,7 @@ from mla.core.explain import Candidate, ContextValue, Explanation
 from mla.core.support import Support
 from mla.engine.preference import decode_order, prefill_order
 from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.strategy import Phase, Strategy, StrategyKind
+from mla.strategy import Phase, Strategy, serves_model
 
 Context = DecodeContext | PrefillContext
 
@@ -74,10 +74,7 @@ class Resolver:
         phase = self.phase_of(ctx)
         # A sparse model is served by sparse strategies only, a dense one by the others: the
         # other family is not a candidate (forcing one still reports why it cannot run).
-        sparse = ctx.dims.is_sparse
-        regs = tuple(
-            r for r in self.registry.entries(phase) if (r.strategy.KIND is StrategyKind.SPARSE) == sparse
-        )
+        regs = tuple(r for r in self.registry.entries(phase) if serves_model(r.strategy.KIND, ctx.dims))
         # Rank by position: ``entries`` is in priority order, or in an override's given order.
         entries = [(r.name, rank, r.strategy.KIND, r.strategy.PERSISTENT) for rank, r in enumerate(regs)]
         by_name = {r.name: r.strategy for r in regs}

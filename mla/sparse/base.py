@@ -127,8 +127,6 @@ class SparsePlan(PlanBase):
 class SparseRows:
     """The rows of one phase of a sparse step, as the builder hands them to ``build_metadata``."""
 
-    context: DecodeContext | PrefillContext | None
-    """The phase's context (``None`` for the indexer's rows, which span both phases)."""
     block_table: torch.Tensor
     row_start: int
     """First row of the phase in the step's row map."""

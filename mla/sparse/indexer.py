@@ -19,7 +19,7 @@ from mla.core.config import FLOAT_DTYPES, IndexerSpec, dtype_name
 from mla.core.errors import InvalidInputError
 from mla.core.support import Support
 from mla.providers.calls import IndexTopkCall, WriteIndexKeysCall
-from mla.sparse.base import SparsePlan, check_topk_indices
+from mla.sparse.base import SparsePlan
 from mla.strategy import StrategySetup, check_tensor, provider_reasons
 
 
@@ -121,12 +121,7 @@ class IndexerStrategy:
             raise InvalidInputError("index_q", f"expected bf16, fp16 or fp32, got {dtype_name(q.dtype)}")
         check_tensor("index_weights", weights, shape=(rows, spec.num_heads), device=out.device)
         self.check_cache(index_cache, out.device)
-        check_topk_indices(out, rows=rows, topk=geo.topk, device=q.device)
-        if out.dtype != torch.int32 or out.shape[1] != geo.topk:
-            raise InvalidInputError(
-                "out", f"expected int32 [{rows}, {geo.topk}] (index_topk columns), got "
-                f"{dtype_name(out.dtype)} {tuple(out.shape)}"
-            )
+        check_tensor("out", out, shape=(rows, geo.topk), dtype=torch.int32, device=q.device)
         self.setup.provider.index_topk(
             IndexTopkCall(
                 q=q,
