@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from mla.engine.ops import register_void_fakes
+
 _OPTIONS: dict[tuple[Hashable, ...], int] = {}
 _BY_HANDLE: list[tuple[Hashable, ...]] = []
 _OPTIONS_LOCK = threading.Lock()
@@ -121,54 +123,7 @@ def implement(name: str, body: Callable[..., None]) -> None:
     _LIB.impl(name, body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("mla::functional_decode")  # type: ignore[untyped-decorator]
-def _decode_fake(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    softmax_scale: float,
-    kv_lora_rank: int,
-    kv_scale: torch.Tensor | None,
-    kv_scale_value: float | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    return_lse: bool,
-    options: int,
-) -> None:
-    return None
-
-
-@torch.library.register_fake("mla::functional_prefill")  # type: ignore[untyped-decorator]
-def _prefill_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    options: int,
-) -> None:
-    return None
-
-
-@torch.library.register_fake("mla::functional_write_kv")  # type: ignore[untyped-decorator]
-def _write_kv_fake(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    kv_scale_value: float | None,
-    options: int,
-) -> None:
-    return None
+register_void_fakes("functional_decode", "functional_prefill", "functional_write_kv")
 
 
 decode = torch.ops.mla.functional_decode.default

@@ -302,71 +302,19 @@ for _name, _impl in (
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("mla::decode")  # type: ignore[untyped-decorator]
-def _decode_fake(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    kv_scale: torch.Tensor | None,
-    backend_id: int,
-) -> None:
-    return None
+def register_void_fakes(*names: str) -> None:
+    """Register the fake (meta) implementation of ops ``mla::<name>`` that return nothing and only
+    write their mutable ``Tensor(a!)`` arguments, as every op of this package does: under
+    ``torch.compile`` there is nothing to compute or allocate for them."""
+
+    def fake(*_args: object, **_kwargs: object) -> None:
+        return None
+
+    for name in names:
+        torch.library.register_fake(f"mla::{name}")(fake)
 
 
-@torch.library.register_fake("mla::prefill")  # type: ignore[untyped-decorator]
-def _prefill_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    kv_cache: torch.Tensor | None,
-    kv_scale: torch.Tensor | None,
-    backend_id: int,
-    expander_id: int,
-) -> None:
-    return None
-
-
-@torch.library.register_fake("mla::write_kv")  # type: ignore[untyped-decorator]
-def _write_kv_fake(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    provider_id: int,
-) -> None:
-    return None
-
-
-@torch.library.register_fake("mla::sparse_attention")  # type: ignore[untyped-decorator]
-def _sparse_attention_fake(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_indices: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    kv_scale: torch.Tensor | None,
-    backend_id: int,
-    prefill: bool,
-) -> None:
-    return None
-
-
-@torch.library.register_fake("mla::index_topk")  # type: ignore[untyped-decorator]
-def _index_topk_fake(
-    q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor, backend_id: int
-) -> None:
-    return None
-
-
-@torch.library.register_fake("mla::write_index_keys")  # type: ignore[untyped-decorator]
-def _write_index_keys_fake(
-    keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor, backend_id: int
-) -> None:
-    return None
+register_void_fakes("decode", "prefill", "write_kv", "sparse_attention", "index_topk", "write_index_keys")
 
 
 decode = torch.ops.mla.decode.default
