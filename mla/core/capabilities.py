@@ -145,6 +145,15 @@ class ProviderCapabilities:
     )
     """Index-key cache dtypes the indexer reads."""
 
+    decode_masks_outside_ids: bool = True
+    """The decode kernels mask a token id outside the cache they are handed (the page fill's
+    ``-1`` mark included: no memory read, no key). ``False`` (Gluon's, aiter's kernels read every
+    id): the fill writes id 0 for a block outside the cache instead, memory-safe but block 0."""
+    decode_float32_out: bool = True
+    """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
+    reference computes in float32, the Triton kernels convert on store): padded-decode
+    workspaces and decode context parallelism's partials then stay float32 (one rounding)."""
+
     persistent_decode_preferred: bool = True
     """A preference hint, never a limit: whether the provider's persistent paged decode is the
     faster of its two paged modes (the resolver orders them by it)."""

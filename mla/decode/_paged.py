@@ -13,7 +13,6 @@ from mla.core.context import DecodeContext
 from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.decode.base import (
-    FLOAT32_OUTPUT_PROVIDERS,
     DecodeBatch,
     DecodeIndexBuffers,
     DecodePlan,
@@ -141,7 +140,7 @@ class PagedDecode(DecodeStrategy):
                 rows + 1,
                 heads,
                 dims.kv_lora_rank,
-                dtype=torch.float32 if setup.provider.name in FLOAT32_OUTPUT_PROVIDERS else setup.q_dtype,
+                dtype=torch.float32 if setup.capabilities.decode_float32_out else setup.q_dtype,
                 device=dev,
             ),
             lse_kernel=torch.zeros(rows + 1, heads, dtype=torch.float32, device=dev),

@@ -192,14 +192,11 @@ class DecodeIndexBuffers:
                 block_size=setup.cache.block_size,
                 max_len=bound,
                 num_blocks=setup.cache.num_blocks,
+                outside_id=-1 if setup.capabilities.decode_masks_outside_ids else 0,
                 query_start_loc=None if qo_indptr is None else batch.query_start_loc,
                 qo_indptr=qo_indptr,
             )
         )
-        if setup.provider.name not in MASKING_PROVIDERS:
-            # Kernels that read every id they are given (Gluon's, aiter's): the fill's -1 mark
-            # of a block outside the cache reads block 0 there, inside the cache (memory-safe).
-            self.kv_indices.clamp_(min=0)
         return indptr
 
     @staticmethod
@@ -214,16 +211,6 @@ class DecodeIndexBuffers:
         if view is None:
             view = self._views[num_requests] = self.kv_indptr[: num_requests + 1]
         return view
-
-
-MASKING_PROVIDERS = frozenset({"torch", "triton"})
-"""Providers whose decode kernels mask token ids outside the cache they are handed (the fill's
--1 mark included): such a key reads no memory and counts as no key."""
-
-FLOAT32_OUTPUT_PROVIDERS = frozenset({"torch", "triton"})
-"""Providers whose decode kernels also write a float32 ``out`` for a 16-bit query (the torch
-reference computes in float32; the Triton kernels convert on store): decode context parallelism
-keeps its per-rank partials in float32 there, so the combine rounds once."""
 
 
 class DecodeStrategy(Strategy[DecodeContext]):
@@ -297,7 +284,7 @@ class DecodeStrategy(Strategy[DecodeContext]):
             device=q.device,
             num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
         )
-        wide = out.dtype == torch.float32 and self.setup.provider.name in FLOAT32_OUTPUT_PROVIDERS
+        wide = out.dtype == torch.float32 and self.setup.capabilities.decode_float32_out
         check_tensor(
             "out",
             out,

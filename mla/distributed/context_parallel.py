@@ -22,7 +22,6 @@ from mla.core.validate import (
     require_index,
     require_tensor,
 )
-from mla.decode.base import FLOAT32_OUTPUT_PROVIDERS
 from mla.distributed.combine import all_gather_into, combine_decode_states
 from mla.distributed.layout import DCPLayout
 from mla.engine.backend import MLABackend, MLAMetadata, StepInputs
@@ -472,7 +471,7 @@ class DecodeContextParallel:
             assert metadata.decode is not None
             impl.forward_decode(metadata.decode, q_local, kv_cache, out=part, lse=part_lse, kv_scale=kv_scale)
 
-        wide = self.decode_backend.provider.name in FLOAT32_OUTPUT_PROVIDERS
+        wide = self.decode_backend.capabilities.decode_float32_out
         self._decode_and_combine(metadata, q, out, lse, run, wide=wide)
 
     def forward_sparse_decode(

@@ -294,6 +294,10 @@ class FillPagesCall:
     host knows it."""
     num_blocks: int | None
     """Blocks in the cache, when known (ids of blocks past it are written as -1)."""
+    outside_id: int = -1
+    """The id written for a token whose block is outside the cache: ``-1`` (masked by the
+    kernels that mask, ``ProviderCapabilities.decode_masks_outside_ids``) or ``0`` (block 0,
+    memory-safe for kernels that read every id)."""
     query_start_loc: torch.Tensor | None = None
     """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's
     own copy of the query indptr), or ``None``."""

@@ -171,17 +171,21 @@ _MAX_TOKEN_ID = (1 << 31) - 1
 
 
 def flat_token_ids(
-    blocks: torch.Tensor, offsets: torch.Tensor, block_size: int, num_blocks: int | None
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    block_size: int,
+    num_blocks: int | None,
+    outside: int = OUTSIDE_CACHE,
 ) -> torch.Tensor:
     """``blocks * block_size + offsets % block_size`` (int64) where the block id is inside the
-    cache (``0 <= block < num_blocks`` when known, and the id fits int32), :data:`OUTSIDE_CACHE`
-    elsewhere."""
+    cache (``0 <= block < num_blocks`` when known, and the id fits int32), ``outside``
+    (:data:`OUTSIDE_CACHE` by default) elsewhere."""
     blocks = blocks.to(torch.int64)
     ids = blocks * block_size + offsets % block_size
     inside = (blocks >= 0) & (ids <= _MAX_TOKEN_ID)
     if num_blocks is not None:
         inside &= blocks < num_blocks
-    return torch.where(inside, ids, torch.full_like(ids, OUTSIDE_CACHE))
+    return torch.where(inside, ids, torch.full_like(ids, outside))
 
 
 def fill_page_indices(call: FillPagesCall) -> None:
@@ -201,7 +205,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
         return
     position = torch.arange(max_len, device=table.device)
     blocks = table.index_select(1, position // bs).to(torch.int64)
-    tokens = flat_token_ids(blocks, position[None, :], bs, call.num_blocks)
+    tokens = flat_token_ids(blocks, position[None, :], bs, call.num_blocks, call.outside_id)
     scratch = call.kv_indices.numel() - 1
     dest = torch.where(
         position[None, :] < lens[:, None],

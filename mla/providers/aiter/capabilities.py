@@ -102,6 +102,8 @@ def aiter_capabilities(
     return ProviderCapabilities(
         provider=provider,
         contracts=frozenset(contracts),
+        decode_masks_outside_ids=False,
+        decode_float32_out=False,
         archs=frozenset({"gfx942", "gfx950"}),
         q_dtypes=_BF16,
         kv_dtypes=_BF16 | frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz}),
