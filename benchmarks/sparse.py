@@ -170,7 +170,7 @@ def dense_decode_row(label: str, *, batch: int, qlen: int, context: int, heads: 
 
 def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[dict[str, Any]]:
     """The indexer over one prefill of ``tokens`` new tokens (causal), fp8 keys: logits, top-k."""
-    from mla.providers.triton.sparse import index_scores
+    from mla.providers.triton.indexer import index_scores
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     block_size = 64
@@ -257,6 +257,18 @@ def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> lis
     dsa_step()
     dsa_us = bench_graph_us(dsa_step)
     rows.append({"case": f"dsa-step-dsmla-h{heads}-b{batch}-s{context}", "impl": "gluon", "us": dsa_us})
+    # The step's parts, each replayed alone (their sum exceeds the step by the launch gaps saved).
+    score_rows = torch.empty(batch, context, dtype=torch.float32, device="cuda")
+    parts: dict[str, Callable[[], object]] = {
+        "index-key write": lambda: sparse.impl.write_index_keys(keys, index_cache, slots),
+        "indexer (scores + top-k)": lambda: sparse.impl.index_topk(
+            meta, index_q, weights, index_cache, out=topk
+        ),
+        "top-k alone (torch.topk)": lambda: torch.topk(score_rows, TOPK, dim=1),
+        "sparse decode": lambda: sparse.impl.forward_sparse_decode(meta, q, cache, topk, out=out),
+    }
+    for part, fn in parts.items():
+        rows.append({"case": f"dsa-step part: {part}", "impl": "gluon", "us": bench_graph_us(fn)})
 
     dense = dense_decode_row(
         f"dense-decode-bf16-h{heads}-b{batch}-s{context}", batch=batch, qlen=1, context=context, heads=heads

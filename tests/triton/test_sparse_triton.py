@@ -28,6 +28,7 @@ pytest.importorskip("triton")
 
 from mla.core.capabilities import Contract
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
+from mla.core.errors import InvalidInputError
 from mla.core.platform import simulated_platform
 from mla.providers import get_provider
 from mla.providers.base import KernelProvider
@@ -43,6 +44,7 @@ from mla.providers.formats import write_index_keys as torch_write_index_keys
 from mla.providers.gluon.provider import GluonProvider
 from mla.providers.sparse_slots import sparse_slots as torch_sparse_slots
 from mla.providers.triton import TritonProvider
+from mla.providers.triton.indexer import index_scores, position_chunk
 from mla.providers.triton.sparse import (
     SparseLaunchConfig,
     sparse_attention,
@@ -415,6 +417,50 @@ def test_index_topk_matches_reference(q_dtype: torch.dtype, key_dtype: torch.dty
     indices = torch.full((batch.q.shape[0], topk), 12345, dtype=torch.int32, device=DEVICE)
     TRITON.index_topk(batch.call(topk=topk, max_keys=37, scale=0.2, indices=indices))
     assert_topk_matches(indices, batch, 0.2, topk, atol=2e-3 if q_dtype == torch.float16 else 1e-5)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    ("index_heads", "chunk", "key_dtype"),
+    [(4, None, E4M3), (4, 128, torch.float16), (130, 128, E4M3)],
+    ids=["h4-whole-fp8", "h4-chunks-f16", "h130-two-head-blocks-fp8"],
+)
+def test_index_scores_match_reference(index_heads: int, chunk: int | None, key_dtype: torch.dtype) -> None:
+    """Every score of the workspace: visible positions against the float64 reference, ``-inf``
+    past each row's window and past its last tile (positions split into chunks or not, one or
+    several head blocks per tile)."""
+    batch = make_index_batch(
+        qlens=[2, 1, 1], seq_lens=[300, 150, 0], index_heads=index_heads, head_dim=16, block_size=16,
+        q_dtype=torch.float16, key_dtype=key_dtype,
+    )  # fmt: skip
+    max_keys = 400
+    scores = torch.full((batch.q.shape[0], max_keys), float("nan"), device=DEVICE)
+    indices = torch.empty(batch.q.shape[0], 8, dtype=torch.int32, device=DEVICE)
+    index_scores(batch.call(topk=8, max_keys=max_keys, scale=0.3, indices=indices), scores, chunk=chunk)
+    want = torch.full((batch.q.shape[0], max_keys), float("-inf"), dtype=torch.float64)
+    rows = [row for score in batch.reference_scores(0.3) for row in score]
+    for t, row in enumerate(rows):
+        want[t, : row.numel()] = row
+    torch.testing.assert_close(scores.cpu().to(torch.float64), want, atol=2e-3, rtol=2e-3)
+
+
+def test_index_scores_rejects_a_chunk_off_the_tile() -> None:
+    batch = make_index_batch(
+        qlens=[1], seq_lens=[10], index_heads=4, head_dim=16, block_size=4, q_dtype=torch.float16,
+        key_dtype=torch.float16,
+    )  # fmt: skip
+    call = batch.call(topk=4, max_keys=10, scale=0.3, indices=torch.empty(2, 4, dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match="chunk"):
+        index_scores(call, torch.empty(2, 10), chunk=100)
+
+
+def test_position_chunk_fills_the_device_only_when_rows_do_not() -> None:
+    assert position_chunk(rows=8192, max_keys=8192, num_sms=132) == 8192  # one program per row
+    decode = position_chunk(rows=64, max_keys=32768, num_sms=132)
+    assert decode % 128 == 0
+    assert 64 * -(-32768 // decode) >= 4 * 132
+    assert position_chunk(rows=1, max_keys=100, num_sms=132) == 128  # never below one tile
+    assert position_chunk(rows=4, max_keys=4000, num_sms=132) >= 1024  # MIN_CHUNK positions
 
 
 # -- writes and slots (interpreter) ----------------------------------------------------------------

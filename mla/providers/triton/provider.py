@@ -49,10 +49,11 @@ from mla.providers.calls import (
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.decode import paged_decode
 from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
+from mla.providers.triton.indexer import index_topk
 from mla.providers.triton.prefill import varlen_attention_fwd
 from mla.providers.triton.schedule import allocate_schedule, plan_split_kv
 from mla.providers.triton.small_head import small_head_decode
-from mla.providers.triton.sparse import index_topk, sparse_attention, sparse_slots, write_index_keys
+from mla.providers.triton.sparse import sparse_attention, sparse_slots, write_index_keys
 from mla.providers.triton.utils import expand_page_indices, fill_page_indices, merge_states, write_kv
 
 _FLOATS = frozenset({torch.bfloat16, torch.float16, torch.float32})

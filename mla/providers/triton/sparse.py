@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""Triton kernels of DeepSeek Sparse Attention: sparse MLA attention, the lightning indexer's
-scores and top-k, index-key writes, ``fp8_ds_mla`` cache writes and the slot conversion.
+"""Triton kernels of DeepSeek Sparse Attention: sparse MLA attention, index-key writes,
+``fp8_ds_mla`` cache writes and the slot conversion (the indexer's scores and top-k are in
+:mod:`mla.providers.triton.indexer`).
 
 Sparse attention (:func:`sparse_attention`, contract ``sparse-attention``)
     A program owns one query row ``t``, a block of ``BLOCK_H`` of its heads (masked: any head
@@ -22,15 +23,6 @@ Sparse attention (:func:`sparse_attention`, contract ``sparse-attention``)
     ``num_splits`` ranges whose fp32 partials (normalised ``o``, natural-log ``lse``) are merged
     by the decode's split reduce (:func:`~mla.providers.triton.merge.launch_merge`, each query row
     a qlen-1 request). A row with no valid slot gets ``o = 0``, ``lse = -inf``.
-
-Indexer (:func:`index_topk`, contract ``indexer``)
-    A logits kernel writes ``scores[t, p]`` (float32 ``[T, max_keys]`` workspace) for
-    ``BLOCK_P`` positions per program: it reads the keys of those positions through the block
-    table once, runs ``q[t]`` (all index heads, ``BLOCK_H`` at a time) against them with
-    ``tl.dot``, and reduces ``sum_h w[t, h] · relu(scale · logit)``; fp8 keys are widened to the
-    dot dtype and their per-token scale multiplies the logits. Positions a row may not see
-    (``p >= row_keys[t]``), and positions whose block id is outside the cache, score ``-inf``.
-    ``torch.topk`` (sorted) picks the indices on the device and ``-inf`` becomes ``-1``.
 
 Writes (:func:`write_index_keys`, :func:`write_kv_ds_mla`)
     One program per new token; slots that are negative or past the cache are skipped. The fp8
@@ -61,7 +53,6 @@ import triton.language as tl
 from mla.core.config import DS_MLA_TILE, ds_mla_row_bytes, is_ds_mla
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import (
-    IndexTopkCall,
     SparseAttentionCall,
     SparseSlotsCall,
     WriteIndexKeysCall,
@@ -408,172 +399,6 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
         )
 
 
-# -- indexer ------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _index_logits_kernel(
-    q_ptr,
-    w_ptr,
-    cache_ptr,
-    block_table_ptr,
-    row_request_ptr,
-    row_keys_ptr,
-    scores_ptr,
-    Hi,
-    max_keys,
-    last_request,
-    max_blocks,
-    num_blocks,
-    stride_q_t,
-    stride_q_h,
-    stride_w_t,
-    stride_w_h,
-    stride_bt,
-    stride_c_blk,
-    stride_c_tok,
-    stride_sc_t,
-    softmax_scale,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    FP8: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """Program (row ``t``, ``BLOCK_P`` positions): ``scores[t, p]`` for those positions."""
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    row_keys = tl.load(row_keys_ptr + t)
-    out_ptrs = scores_ptr + t * stride_sc_t + p
-    if tl.program_id(1) * BLOCK_P >= row_keys:
-        tl.store(out_ptrs, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=p < max_keys)
-        return
-    # The request is clamped into the block table (memory safety, as the torch versions do).
-    req = tl.minimum(tl.maximum(tl.load(row_request_ptr + t), 0), last_request).to(tl.int64)
-    p_ok = (p < row_keys) & (p < max_keys) & (p // BLOCK_SIZE < max_blocks)
-    block = tl.load(block_table_ptr + req * stride_bt + p // BLOCK_SIZE, mask=p_ok, other=-1).to(tl.int64)
-    key_ok = p_ok & (block >= 0) & (block < num_blocks)
-    block = tl.where(key_ok, block, 0)
-    offset = p % BLOCK_SIZE
-    offs_d = tl.arange(0, BLOCK_D)
-    k_mask = key_ok[:, None] & (offs_d[None, :] < D)
-    if FP8:
-        base = cache_ptr + block * (BLOCK_SIZE * (D + 4))
-        keys = tl.load(base[:, None] + offset[:, None] * D + offs_d[None, :], mask=k_mask, other=0)
-        keys = keys.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-        scale_ptr = (base + BLOCK_SIZE * D + offset * 4).to(tl.pointer_type(tl.float32))
-        key_scale = tl.load(scale_ptr, mask=key_ok, other=0.0) * softmax_scale
-    else:
-        k_ptrs = cache_ptr + (block * stride_c_blk + offset * stride_c_tok)[:, None] + offs_d[None, :]
-        keys = tl.load(k_ptrs, mask=k_mask, other=0.0).to(DOT_DTYPE)
-        key_scale = tl.zeros([BLOCK_P], tl.float32) + softmax_scale
-    keys_t = tl.trans(keys)
-    score = tl.zeros([BLOCK_P], tl.float32)
-    offs_h = tl.arange(0, BLOCK_H)
-    for h0 in range(0, Hi, BLOCK_H):
-        h = h0 + offs_h
-        h_ok = h < Hi
-        q_ptrs = q_ptr + t * stride_q_t + h[:, None] * stride_q_h + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=h_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_DTYPE)
-        w = tl.load(w_ptr + t * stride_w_t + h * stride_w_h, mask=h_ok, other=0.0)
-        logits = tl.dot(q, keys_t, input_precision=INPUT_PRECISION)
-        logits = tl.maximum(logits * key_scale[None, :], 0.0)
-        score += tl.sum(logits * w[:, None], 0)
-    score = tl.where(key_ok, score, float("-inf"))
-    tl.store(out_ptrs, score, mask=p < max_keys)
-
-
-INDEX_LOGITS_LAUNCH = LaunchCache(_index_logits_kernel)
-
-
-def index_scores(call: IndexTopkCall, scores: torch.Tensor, *, block_p: int = 64) -> None:
-    """Fill ``scores`` (float32 ``[T, max_keys]``, last dim contiguous) with the indexer's scores
-    of ``call`` (``-inf`` where a row may not see the position)."""
-    q, weights, cache, table = call.q, call.weights, call.index_cache, call.block_table
-    rows, index_heads, head_dim = q.shape
-    if rows == 0 or call.max_keys == 0:
-        return
-    fp8 = call.key_dtype == E4M3
-    if fp8 and not cache.is_contiguous():
-        raise InvalidInputError("index_cache", "an fp8 index-key cache must be contiguous (its block layout)")
-    if q.stride(-1) != 1 or cache.stride(-1) != 1 or table.stride(-1) != 1 or scores.stride(-1) != 1:
-        raise InvalidInputError("q", "q, index_cache, block_table and scores need a contiguous last dim")
-    dot_dtype, precision = _dot_dtype(q.dtype, q.dtype)
-    INDEX_LOGITS_LAUNCH.launch(
-        (rows, triton.cdiv(call.max_keys, block_p)),
-        q,
-        weights,
-        cache,
-        table,
-        call.row_request,
-        call.row_keys,
-        scores,
-        index_heads,
-        call.max_keys,
-        max(table.shape[0] - 1, 0),
-        table.shape[1] if table.shape[0] else 0,  # an empty table: no position is in range
-        cache.shape[0],
-        q.stride(0),
-        q.stride(1),
-        weights.stride(0),
-        weights.stride(1),
-        table.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        scores.stride(0),
-        call.softmax_scale,
-        D=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_H=min(64, max(16, triton.next_power_of_2(index_heads))),
-        BLOCK_P=block_p,
-        BLOCK_SIZE=cache.shape[1],
-        FP8=fp8,
-        DOT_DTYPE=dot_dtype,
-        INPUT_PRECISION=precision,
-        num_warps=4,
-        num_stages=2,
-    )
-
-
-INDEX_WORKSPACE_BYTES = 256 << 20
-"""Bound on the float32 score workspace of one :func:`index_topk` chunk of rows (a prefill of
-8192 rows over 128K positions would need 4 GB at once)."""
-
-
-def index_topk(call: IndexTopkCall) -> None:
-    """The indexer's scores (a Triton launch into a float32 ``[rows, max_keys]`` workspace per
-    chunk of rows, at most :data:`INDEX_WORKSPACE_BYTES`) and a sorted ``torch.topk`` on the
-    device; positions scored ``-inf`` (not visible) become ``-1``, as do the columns past
-    ``max_keys``."""
-    indices = call.indices
-    rows, topk = indices.shape
-    if rows == 0 or topk == 0:
-        return
-    count = min(topk, call.max_keys)
-    if count < topk:
-        indices[:, count:].fill_(-1)
-    if count == 0:
-        return
-    step = max(1, min(rows, INDEX_WORKSPACE_BYTES // (4 * call.max_keys)))
-    scores = torch.empty(step, call.max_keys, dtype=torch.float32, device=indices.device)
-    for lo in range(0, rows, step):
-        hi = min(lo + step, rows)
-        chunk = call if (lo, hi) == (0, rows) else attrs.evolve(
-            call,
-            q=call.q[lo:hi],
-            weights=call.weights[lo:hi],
-            row_request=call.row_request[lo:hi],
-            row_keys=call.row_keys[lo:hi],
-            indices=indices[lo:hi],
-        )
-        index_scores(chunk, scores[: hi - lo])
-        values, positions = torch.topk(scores[: hi - lo], count, dim=1, largest=True, sorted=True)
-        indices[lo:hi, :count].copy_(torch.where(values == float("-inf"), -1, positions))
-
-
 # -- writes -------------------------------------------------------------------------------------
 
 
@@ -839,8 +664,6 @@ def sparse_slots(call: SparseSlotsCall) -> None:
 
 __all__ = [
     "SparseLaunchConfig",
-    "index_scores",
-    "index_topk",
     "sparse_attention",
     "sparse_launch_config",
     "sparse_slots",
