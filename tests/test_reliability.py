@@ -121,6 +121,51 @@ def test_negative_block_ids_are_masked_too() -> None:
     torch.testing.assert_close(outs[0], outs[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("provider", ["triton", "gluon"])
+def test_block_ids_outside_the_cache_are_masked_on_the_gpu(
+    provider: str, heads: int, kv_dtype: torch.dtype
+) -> None:
+    """The engine path on the GPU kernels (512/64 latent, 64-token blocks, ``validate="fast"``):
+    a block table holding a block past the cache and a negative one, in the middle of a request,
+    gives the torch provider's output on the same step (whose masking the CPU tests above pin):
+    those blocks' keys count as no key and nothing is read there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not mla.get_provider(provider).availability():
+        pytest.skip(f"{provider} is unavailable here")
+    blocks, block, rank, rope = 12, 64, 512, 64
+    gen = torch.Generator().manual_seed(3)
+    cache = (torch.randn(blocks, block, rank + rope, generator=gen) * 0.5).to(kv_dtype).cuda()
+    q = torch.randn(3, heads, rank + rope, generator=gen).to(torch.bfloat16).cuda()
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    seq = torch.tensor([100, 300], dtype=torch.int32)
+    step = mla.StepInputs(
+        query_start_loc_cpu=qsl, query_start_loc=qsl.cuda(), seq_lens=seq.cuda(), seq_lens_cpu=seq,
+        block_table=torch.tensor([[3, 4, 0, 0, 0], [7, 1 << 20, 2, -5, 9]], dtype=torch.int32).cuda(),
+        num_decodes=2, num_decode_tokens=3,
+    )  # fmt: skip
+    scale = torch.ones(1, device="cuda") if kv_dtype.itemsize == 1 else None
+    outs = []
+    for name in (provider, "torch"):
+        backend = mla.MLABackend(
+            mla.MLADims(heads, rank, rope, 128, 128, softmax_scale=0.07),
+            mla.KVCacheSpec(block, kv_dtype),
+            mla.EngineLimits(4, 8 * block, 64, max_decode_qlen=2),
+            provider=name,
+            device="cuda",
+        )
+        out = torch.full((3, heads, rank), float("nan"), dtype=torch.bfloat16, device="cuda")
+        backend.impl.forward_decode(backend.builder.build(step), q, cache, out=out, kv_scale=scale)
+        outs.append(out.float())
+    torch.cuda.synchronize()
+    got, want = outs
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 # -- 2. empty inputs are valid; odd strides get a typed error --------------------------------------
 
 R, P = cases.RANK, cases.ROPE

@@ -5,7 +5,9 @@ the Gluon launchers directly so every variant stays verified: the 64-row kernel 
 one or several splits, the planned schedule, the software-pipelined loop), the transposed
 few-rows kernel (16 and 32 rows), and the unit-qlen small-head path. Outputs are NaN-poisoned.
 
-Run: ``pytest -m gpu tests/gluon/test_gpu_kernels.py`` (skipped without a Hopper GPU).
+The variant and small-head runs put token ids outside the cache into their index lists (masked:
+never read, no key). Run: ``pytest -m gpu tests/gluon/test_gpu_kernels.py`` (skipped without a
+Hopper GPU).
 """
 
 from __future__ import annotations
@@ -35,7 +37,19 @@ def _hopper() -> None:
         pytest.skip(f"the gluon provider is unavailable here: {support}")
 
 
-def _case(heads: int, qlens: list[int], lens: list[int], block: int, kv_dtype: torch.dtype, seed: int):
+def _case(
+    heads: int,
+    qlens: list[int],
+    lens: list[int],
+    block: int,
+    kv_dtype: torch.dtype,
+    seed: int,
+    *,
+    outside: bool = False,
+):
+    """Inputs of one decode; ``outside``: three token ids of each request of 100+ keys point
+    outside the cache (``-1``, the row just past it, a row far past it), which every kernel must
+    mask (never read, no key) as the torch reference does."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-max(n, 1) // block) for n in lens]
     nblocks = sum(pages) + 2
@@ -46,6 +60,8 @@ def _case(heads: int, qlens: list[int], lens: list[int], block: int, kv_dtype: t
     ids, pos = [], 0
     for n, p in zip(lens, pages, strict=True):
         rows = (perm[pos : pos + p, None] * block + torch.arange(block)[None, :]).reshape(-1)[:n]
+        if outside and n >= 100:
+            rows[5], rows[n // 2], rows[n - 1] = -1, nblocks * block, nblocks * block + 4099
         ids.append(rows)
         pos += p
     kv_indices = torch.cat(ids).to(torch.int32).cuda()
@@ -118,7 +134,7 @@ def test_paged_decode_variants(
     from mla.providers.triton.decode import num_sms
     from mla.providers.triton.schedule import plan_split_kv
 
-    data = _case(heads, qlens, lens, block, kv_dtype, seed=heads + len(variant))
+    data = _case(heads, qlens, lens, block, kv_dtype, seed=heads + len(variant), outside=True)
     q = data[0]
     ref_out, ref_lse = _reference(data, qlens, lens)
     out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
@@ -281,7 +297,7 @@ def test_small_head_decode(heads: int, kv_dtype: torch.dtype) -> None:
     from mla.providers.gluon.decode import small_head_decode
 
     lens = [1200, 1, 0, 333, 64]
-    case = _case(heads, [1] * len(lens), lens, 16, kv_dtype, seed=heads)
+    case = _case(heads, [1] * len(lens), lens, 16, kv_dtype, seed=heads, outside=True)
     q, cache, kv_indptr, kv_indices, _qo, scale_t, block = case
     ref_out, ref_lse = _reference(case, [1] * len(lens), lens)
     out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")

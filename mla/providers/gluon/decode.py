@@ -139,6 +139,7 @@ def launch_gluon_decode(
     )
     strides = (
         num_splits,
+        kv_cache.shape[0],  # num_kv_rows: ids outside [0, rows) are masked, never read
         q_nope.stride(0),
         q_nope.stride(1),
         q_pe.stride(0),

@@ -97,6 +97,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
+    _key_ok,
     _paired_k,
     _query_to_smem,
     _row_info,
@@ -166,7 +167,7 @@ def _gather_tile(
 
 @gluon.jit
 def _loader(
-    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, stride_kv, lat_ring, rope_ring, landed, free,
+    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, landed, free,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % SLOTS``
@@ -182,15 +183,17 @@ def _loader(
     rows: gl.constexpr = gl.SliceLayout(1, box_ld)
     offs = gl.arange(0, BLOCK_N, layout=rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
-    idr, okr = _tile_ids(index_base, lo, hi, 0, BLOCK_N, gl.SliceLayout(1, rope_ld))
+    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows)
+    idr, okr = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld))
     for t in range(n_tiles):
         w = t % SLOTS
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, rows)
-        nidr, nokr = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, gl.SliceLayout(1, rope_ld))
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows)
+        nidr, nokr = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld))
         mbarrier.wait(free.index(w), (t // SLOTS) & 1)
         first = gl.min(ids, axis=0)
-        consecutive = gl.sum((ids != first + offs).to(gl.int32), axis=0) == 0
+        # (a row whose id is outside the cache breaks the run: such a tile is gathered, that row
+        # not read)
+        consecutive = gl.sum(((ids != first + offs) | ~ok).to(gl.int32), axis=0) == 0
         if consecutive & (lo + (t + 1) * BLOCK_N <= hi):
             mbarrier.expect(landed.index(w), BLOCK_N * (L + R))
             for b in gl.static_range(LB):
@@ -244,7 +247,7 @@ def _mma_warpgroup(
     warpgroups)."""
     (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
-        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
+        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_rows,
     ) = args  # fmt: skip
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
@@ -272,6 +275,8 @@ def _mma_warpgroup(
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(W, n_tiles, 2):
         s = t % SLOTS
+        n = t * BLOCK_N + lo + offs_n
+        key_ok = _key_ok(index_base, n, hi, num_rows)
         mbarrier.wait(landed.index(s), (t // SLOTS) & 1)
         a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)
         q_0 = q_nope_smem.slice(0, QK_CHUNK, dim=1).permute((1, 0))
@@ -285,8 +290,7 @@ def _mma_warpgroup(
         a_r = _paired_k(_row_swizzled(rope_ring.index(s))).load(a_layout).to(gl.float16)
         sc = warpgroup_mma(a_r, q_pe_smem.permute((1, 0)), sc, is_async=True)
         sc, a_r = warpgroup_mma_wait(num_outstanding=0, deps=(sc, a_r))
-        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        visible = gl.expand_dims(key_ok, 1) & (gl.expand_dims(n, 1) < gl.expand_dims(row_limit, 0))
         sc = gl.where(visible, sc * qk_scale, float("-inf"))
         # Each warp's row maxima of this tile into its slot; every warp reads all four after
         # the barrier that publishes P, so the exchange adds no barrier of its own.
@@ -429,6 +433,7 @@ def mla_decode_dual_kernel(
     lat_desc,
     rope_desc,
     num_splits,
+    num_kv_rows,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -516,16 +521,17 @@ def mla_decode_dual_kernel(
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     )  # fmt: skip
+    index_base = kv_indices_ptr + kv_start
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
-        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale,
+        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_kv_rows,
     )  # fmt: skip
     gl.warp_specialize(
         [
             (
                 _loader,
                 (
-                    kv_ptr, lat_desc, rope_desc, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring,
+                    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, num_kv_rows, stride_kv, lat_ring,
                     rope_ring, landed, free, L, R, BLOCK_N,
                 ),
             ),

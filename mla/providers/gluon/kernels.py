@@ -110,20 +110,29 @@ def _scales(sm_scale_log2, kv_scale_ptr, KV_FP8: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax(sc, m_i, l_i, n, hi, row_limit, qk_scale, AXIS: gl.constexpr):
+def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.constexpr):
     """One tile's step of the online softmax (exp2 domain, fp32). ``sc``: raw scores with the
     keys along ``AXIS`` (1: ``[rows, keys]``; 0: the transposed kernel's ``[keys, rows]``);
-    ``n``: the keys' positions; keys at ``>= hi`` or past a row's causal ``row_limit`` are
-    masked. Returns ``P``, ``alpha`` (the rescale of what came before), the new row max and
-    row sum."""
+    ``n``: the keys' positions; keys not ``key_ok`` (:func:`_key_ok`) or past a row's causal
+    ``row_limit`` are masked. Returns ``P``, ``alpha`` (the rescale of what came before), the
+    new row max and row sum."""
     keys = gl.expand_dims(n, 1 - AXIS)
-    visible = (keys < hi) & (keys < gl.expand_dims(row_limit, AXIS))
+    visible = gl.expand_dims(key_ok, 1 - AXIS) & (keys < gl.expand_dims(row_limit, AXIS))
     sc = gl.where(visible, sc * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, AXIS))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(sc - gl.expand_dims(m_use, AXIS))
     return p, alpha, m_new, l_i * alpha + gl.sum(p, AXIS)
+
+
+@gluon.jit
+def _key_ok(index_base, n, hi, num_rows):
+    """Whether the keys at positions ``n`` count: inside ``[.., hi)`` and with a token id inside
+    the cache (``0 <= id < num_rows``; an id outside it, e.g. the ``-1`` of a block id past the
+    cache, is masked like a position past ``hi``). Re-reads the ids the loads used (cached)."""
+    ids = gl.load(index_base + n, mask=n < hi, other=-1)
+    return (ids >= 0) & (ids < num_rows)
 
 
 @gluon.jit
@@ -218,12 +227,15 @@ def _paired_k(x):
 
 
 @gluon.jit
-def _tile_ids(index_base, lo, hi, t, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+def _tile_ids(index_base, lo, hi, t, num_rows, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
     """Flat token ids of tile ``t``'s rows of ``[lo, hi)`` (``ROWS``: the row slice of the copy
-    layout) and their validity (``< hi``; id 0 past it). Shared by the warp-specialised kernels'
-    loaders (ping-pong and dual-chain)."""
+    layout) and their validity (``< hi`` and an id inside the cache, ``< num_rows``; id 0 where
+    not valid, and such rows are never loaded). Shared by the warp-specialised kernels' loaders
+    (ping-pong and dual-chain)."""
     n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
-    return gl.load(index_base + n, mask=n < hi, other=0), n < hi
+    ids = gl.load(index_base + n, mask=n < hi, other=0)
+    ok = (n < hi) & (ids >= 0) & (ids < num_rows)
+    return gl.where(ok, ids, 0), ok
 
 
 @gluon.jit
@@ -251,29 +263,31 @@ def _issue_ids(
 
 @gluon.jit
 def _issue_tile(
-    kv_ptr, idx_ring, a, lo, hi, stride_kv, lat_dst, rope_dst,
+    kv_ptr, idx_ring, a, lo, hi, num_rows, stride_kv, lat_dst, rope_dst,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
 ):  # fmt: skip
     """cp.async the latent and rope parts of tile ``a``'s cache rows (ids from the id ring;
-    rows past ``hi`` zero-filled)."""
+    rows past ``hi``, and rows whose id is outside the cache, zero-filled and never read)."""
     ids = idx_ring.index(a % ID_SLOTS)
     n0 = lo + a * BLOCK_N
     tok_l = ids.load(gl.SliceLayout(1, LAT_LD)).to(gl.int64)
     n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_LD))
+    ok_l = (n_l < hi) & (tok_l >= 0) & (tok_l < num_rows)
     cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
     ptr_l = kv_ptr + tok_l[:, None] * stride_kv + cols_l[None, :]
-    async_copy.async_copy_global_to_shared(lat_dst, ptr_l, mask=(n_l < hi)[:, None])
+    async_copy.async_copy_global_to_shared(lat_dst, ptr_l, mask=ok_l[:, None])
     tok_r = ids.load(gl.SliceLayout(1, ROPE_LD)).to(gl.int64)
     n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_LD))
+    ok_r = (n_r < hi) & (tok_r >= 0) & (tok_r < num_rows)
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
     ptr_r = kv_ptr + tok_r[:, None] * stride_kv + L + cols_r[None, :]
-    async_copy.async_copy_global_to_shared(rope_dst, ptr_r, mask=(n_r < hi)[:, None])
+    async_copy.async_copy_global_to_shared(rope_dst, ptr_r, mask=ok_r[:, None])
 
 
 @gluon.jit
 def _refill_ring(
-    kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+    kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     ID_SLOTS: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
 ):  # fmt: skip
@@ -283,7 +297,7 @@ def _refill_ring(
     gl.thread_barrier()
     ahead = t + NUM_STAGES - 1
     _issue_tile(
-        kv_ptr, idx_ring, ahead, lo, hi, stride_kv,
+        kv_ptr, idx_ring, ahead, lo, hi, num_rows, stride_kv,
         lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
         L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD,
     )  # fmt: skip
@@ -327,7 +341,7 @@ def _mma_operands(
 
 @gluon.jit
 def _take_tile(
-    kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
+    kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
     NEXT: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr, ID_SLOTS: gl.constexpr, KV_FP8: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
@@ -336,7 +350,7 @@ def _take_tile(
     and return its MMA operands (:func:`_mma_operands`). ``NEXT`` is 0, or 1 for a loop that
     issues the QKᵀ of the next tile beside the PV of this one."""
     _refill_ring(
-        kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring,
+        kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
         L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD,
     )  # fmt: skip
     async_copy.wait_group(NUM_STAGES - 1 - NEXT)
@@ -364,6 +378,7 @@ def mla_decode_kernel(
     part_lse_ptr,
     kv_scale_ptr,
     num_splits,
+    num_kv_rows,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -454,7 +469,7 @@ def mla_decode_kernel(
     gl.thread_barrier()
     for st in gl.static_range(NUM_STAGES - 1):
         _issue_tile(
-            kv_ptr, idx_ring, st, lo, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
             L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
         )  # fmt: skip
         async_copy.commit_group()
@@ -484,10 +499,10 @@ def mla_decode_kernel(
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
         acc = warpgroup_mma_init(acc)
         for t in range(n_tiles):
+            n = t * BLOCK_N + lo + offs_n
+            key_ok = _key_ok(index_base, n, hi, num_kv_rows)
             sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
-            p, alpha, m_i, l_i = _online_softmax(
-                sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 1
-            )
+            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             v_cur = lat_wide.index(t % WIDE_STAGES) if KV_FP8 else lat_ring.index(t % NUM_STAGES)
@@ -495,8 +510,9 @@ def mla_decode_kernel(
             # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled;
             # then tile t+1 (zero rows past the last tile: its scores are never used).
             k_lat, k_rope = _take_tile(
-                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
-                1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld,
+                kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
+                lat_wide, rope_wide, 1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
+                lat_ld, rope_ld, id_ld,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -504,15 +520,16 @@ def mla_decode_kernel(
     else:
         for t in range(n_tiles):
             k_lat, k_rope = _take_tile(
-                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
-                0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8, lat_ld, rope_ld, id_ld,
+                kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
+                lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
+                lat_ld, rope_ld, id_ld,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
+            n = t * BLOCK_N + lo + offs_n
+            key_ok = _key_ok(index_base, n, hi, num_kv_rows)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(
-                sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 1
-            )
+            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, k_lat, acc, is_async=True)

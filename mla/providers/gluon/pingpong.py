@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
+    _key_ok,
     _online_softmax,
     _query_ptrs,
     _row_info,
@@ -113,7 +114,7 @@ def _load_chunk(
 
 @gluon.jit
 def _loader(
-    kv_ptr, index_base, lo, hi, stride_kv, lat_ring, rope_ring, ready, empty,
+    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES``, half
@@ -124,11 +125,11 @@ def _loader(
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows)
     for t in range(n_tiles):
         s = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, BLOCK_N, rows)
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows)
         kv_row = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
         lat, rope = lat_ring.index(s), rope_ring.index(s)
         if t % 2 == 0:
@@ -252,6 +253,7 @@ def _mma_warpgroup(
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+        index_base, num_rows,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
         stride_pl_w, stride_pl_q, qk_scale,
     ) = args  # fmt: skip
@@ -282,14 +284,19 @@ def _mma_warpgroup(
         # serialises no wgmma to protect the accumulators).
         if n_tiles > 0:
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
+            key_ok = _key_ok(index_base, lo + offs_n, hi, num_rows)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, lo + offs_n, hi, row_limit, qk_scale, 1)
+            p, alpha, m_i, l_i = _online_softmax(
+                scores, m_i, l_i, lo + offs_n, key_ok, row_limit, qk_scale, 1
+            )
             acc, l_o = _add_own_tile(
                 lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
                 0, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
             )  # fmt: skip
     for t in range(2 - W, n_tiles, 2):
         sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi, W, NUM_STAGES)
+        n = t * BLOCK_N + lo + offs_n
+        key_ok = _key_ok(index_base, n, hi, num_rows)
         # The other warpgroup's tile t - 1 (its running max is this tile's starting point): its
         # P·V runs while this tile's softmax does; its ring slot is released once it is done.
         acc, l_i, l_o, m_i = _issue_other_tile(
@@ -297,9 +304,7 @@ def _mma_warpgroup(
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-        p, alpha, m_i, l_i = _online_softmax(
-            scores, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 1
-        )
+        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
         acc, l_o = _add_own_tile(
@@ -356,6 +361,7 @@ def mla_decode_pingpong_kernel(
     part_lse_ptr,
     kv_scale_ptr,
     num_splits,
+    num_kv_rows,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -447,10 +453,13 @@ def mla_decode_pingpong_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    index_base = kv_indices_ptr + kv_start
+    num_rows = num_kv_rows
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
+        index_base, num_rows,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
         stride_pl_w, stride_pl_q, sm_scale_log2,
     )  # fmt: skip
@@ -459,7 +468,7 @@ def mla_decode_pingpong_kernel(
             (
                 _loader,
                 (
-                    kv_ptr, kv_indices_ptr + kv_start, lo, hi, stride_kv, lat_ring, rope_ring, ready, empty,
+                    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, ready, empty,
                     L, R, BLOCK_N, NUM_STAGES,
                 ),
             ),

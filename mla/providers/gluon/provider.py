@@ -125,7 +125,6 @@ class GluonProvider(KernelProvider):
             # Non-persistent measured as fast or faster on every case but one long request
             # (docs/performance.md, "Kernel choices").
             persistent_decode_preferred=False,
-            decode_masks_outside_ids=False,
             decode_float32_out=False,
         )
 

@@ -47,6 +47,7 @@ from mla.providers.gluon.fold import grid_barrier, merge_output_slice
 from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
+    _key_ok,
     _kv_copy_layouts,
     _mma_operands,
     _online_softmax,
@@ -114,6 +115,7 @@ def mla_decode_rows_kernel(
     kv_scale_ptr,
     barrier_ptr,
     num_splits,
+    num_kv_rows,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -204,7 +206,7 @@ def mla_decode_rows_kernel(
     gl.thread_barrier()
     for st in gl.static_range(AHEAD):
         _issue_tile(
-            kv_ptr, idx_ring, st, lo, hi, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
             L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
         )  # fmt: skip
         async_copy.commit_group()
@@ -234,23 +236,23 @@ def mla_decode_rows_kernel(
             )
             ahead = t + NUM_STAGES
             _issue_tile(
-                kv_ptr, idx_ring, ahead, lo, hi, stride_kv, lat_ring.index(t % NUM_STAGES),
+                kv_ptr, idx_ring, ahead, lo, hi, num_kv_rows, stride_kv, lat_ring.index(t % NUM_STAGES),
                 rope_ring.index(t % NUM_STAGES), L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
             )  # fmt: skip
             _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
             async_copy.commit_group()
         else:
             k_lat, k_rope = _take_tile(
-                kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
-                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
+                kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
+                lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
             )  # fmt: skip
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
+        n = t * BLOCK_N + lo + offs_n
+        key_ok = _key_ok(index_base, n, hi, num_kv_rows)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
-        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 0)
         acc = acc * alpha[None, :]
         p_smem.store(p.to(dtype))
         fence_async_shared()
