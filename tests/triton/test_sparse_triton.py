@@ -244,6 +244,7 @@ SMALL_CASES = [
     (torch.float16, "fp8", 3, 128, SPLIT2, True),
     (torch.float16, "ds_mla", 4, 256, None, True),
     (torch.float32, "ds_mla", 17, 256, SPLIT2, True),
+    (torch.bfloat16, "ds_mla", 6, 512, SPLIT2, False),  # the tile-scaled kernel over 4 tiles
 ]
 
 
