@@ -246,8 +246,6 @@ SMALL_CASES = [
     (torch.float16, "ds_mla", 4, 256, None, True),
     (torch.float32, "ds_mla", 17, 256, SPLIT2, True),
     (torch.bfloat16, "ds_mla", 6, 512, SPLIT2, False),  # the tile-scaled kernel over 4 tiles
-    (torch.float32, "ds_mla", 17, 256, attrs.evolve(SPLIT3, prefetch=True), True),
-    (torch.bfloat16, "ds_mla", 6, 512, attrs.evolve(SPLIT2, prefetch=True), True),
 ]
 
 
@@ -256,9 +254,7 @@ SMALL_CASES = [
     ("q_dtype", "kv_format", "heads", "rank", "config", "with_lse"),
     SMALL_CASES,
     ids=[
-        f"{c[1]}-q{str(c[0])[-2:]}-h{c[2]}-r{c[3]}-{'split' if c[4] else 'auto'}"
-        f"{'-prefetch' * bool(c[4] and c[4].prefetch)}{'-lse' * c[5]}"
-        for c in SMALL_CASES
+        f"{c[1]}-q{str(c[0])[-2:]}-h{c[2]}-{'split' if c[4] else 'auto'}{'-lse' * c[5]}" for c in SMALL_CASES
     ],
 )
 def test_sparse_attention_matches_reference(

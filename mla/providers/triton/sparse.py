@@ -238,38 +238,6 @@ def _ds_mla_tile(
 
 
 @triton.jit
-def _ds_mla_gather(
-    kv_ptr, slot_row, n0, end, num_rows, stride_kv, offs_n, offs_t, offs_r,
-    L: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
-):  # fmt: skip
-    """Issue the loads of the slots ``[n0, n0 + BLOCK_N)`` (of ``< end``): validity, the raw
-    bytes of latent tiles 0-3 (tiles past ``TILES`` are not read), their scales and the bf16
-    rope part. Nothing is widened here, so the loads stay in flight until first use."""
-    n = n0 + offs_n
-    ids = tl.load(slot_row + n, mask=n < end, other=-1)
-    valid = (ids >= 0) & (ids < num_rows)
-    row = kv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_kv
-    scale_ptr = (row + L).to(tl.pointer_type(tl.float32))
-    raw0 = tl.load(row[:, None] + offs_t[None, :], mask=valid[:, None], other=0)
-    raw1 = tl.load(row[:, None] + TILE + offs_t[None, :], mask=valid[:, None] & (TILES > 1), other=0)
-    raw2 = tl.load(row[:, None] + 2 * TILE + offs_t[None, :], mask=valid[:, None] & (TILES > 2), other=0)
-    raw3 = tl.load(row[:, None] + 3 * TILE + offs_t[None, :], mask=valid[:, None] & (TILES > 3), other=0)
-    sc0 = tl.load(scale_ptr, mask=valid, other=0.0)
-    sc1 = tl.load(scale_ptr + 1, mask=valid & (TILES > 1), other=0.0)
-    sc2 = tl.load(scale_ptr + 2, mask=valid & (TILES > 2), other=0.0)
-    sc3 = tl.load(scale_ptr + 3, mask=valid & (TILES > 3), other=0.0)
-    rope_ptr = (row + L + 4 * TILES).to(tl.pointer_type(tl.bfloat16))
-    rope_mask = valid[:, None] & (offs_r[None, :] < R)
-    rope = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=rope_mask, other=0.0)
-    return valid, raw0, raw1, raw2, raw3, sc0, sc1, sc2, sc3, rope
-
-
-@triton.jit
-def _widen(raw, DOT_DTYPE: tl.constexpr):
-    return raw.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-
-
-@triton.jit
 def _ds_mla_query_tile(
     q_row, h_ok, offs_t, c: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr
 ):
@@ -314,7 +282,6 @@ def _sparse_ds_mla_kernel(
     TILE: tl.constexpr,
     TILES: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """The ``fp8_ds_mla`` program (row ``t``, head block, split) with the tile scales kept out of
     the K tile: ``S = q_pe·K_ropeᵀ + Σ_c scale_c ⊙ (q_c·K_cᵀ)`` and ``O_c += (P ⊙ scale_c)·K_c``
@@ -351,78 +318,40 @@ def _sparse_ds_mla_kernel(
     acc1 = tl.zeros([BLOCK_H, TILE], tl.float32)
     acc2 = tl.zeros([BLOCK_H, TILE], tl.float32)
     acc3 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    if PREFETCH:
-        # Software-pipelined by hand: tile i+1's loads are issued before tile i is computed.
-        nxt = _ds_mla_gather(
-            kv_ptr, slot_row, lo, end, num_rows, stride_kv, offs_n, offs_t, offs_r, L, R, TILE, TILES
-        )
-        for n0 in range(lo, end, BLOCK_N):
-            valid, raw0, raw1, raw2, raw3, s0, s1, s2, s3, k_rope = nxt
-            nxt = _ds_mla_gather(
-                kv_ptr, slot_row, n0 + BLOCK_N, end, num_rows, stride_kv, offs_n, offs_t, offs_r,
-                L, R, TILE, TILES,
-            )  # fmt: skip
-            scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)))
-            k0 = _widen(raw0, DOT_DTYPE)
-            scores += tl.dot(q0, tl.trans(k0)) * s0[None, :]
-            if TILES > 1:
-                k1 = _widen(raw1, DOT_DTYPE)
-                scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-            if TILES > 2:
-                k2 = _widen(raw2, DOT_DTYPE)
-                scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-            if TILES > 3:
-                k3 = _widen(raw3, DOT_DTYPE)
-                scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-            scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(scores - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc0 = tl.dot((p * s0[None, :]).to(DOT_DTYPE), k0, acc0 * alpha[:, None])
-            if TILES > 1:
-                acc1 = tl.dot((p * s1[None, :]).to(DOT_DTYPE), k1, acc1 * alpha[:, None])
-            if TILES > 2:
-                acc2 = tl.dot((p * s2[None, :]).to(DOT_DTYPE), k2, acc2 * alpha[:, None])
-            if TILES > 3:
-                acc3 = tl.dot((p * s3[None, :]).to(DOT_DTYPE), k3, acc3 * alpha[:, None])
-            m_i = m_new
-    else:
-        for n0 in range(lo, end, BLOCK_N):
-            n = n0 + offs_n
-            ids = tl.load(slot_row + n, mask=n < end, other=-1)
-            valid = (ids >= 0) & (ids < num_rows)
-            row = kv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_kv
-            rope_ptr = (row + L + 4 * TILES).to(tl.pointer_type(tl.bfloat16))
-            rope_mask = valid[:, None] & (offs_r[None, :] < R)
-            k_rope = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=rope_mask, other=0.0)
-            scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)))
-            k0, s0 = _ds_mla_tile(row, valid, offs_t, 0, L, TILE, DOT_DTYPE)
-            scores += tl.dot(q0, tl.trans(k0)) * s0[None, :]
-            if TILES > 1:
-                k1, s1 = _ds_mla_tile(row, valid, offs_t, 1, L, TILE, DOT_DTYPE)
-                scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-            if TILES > 2:
-                k2, s2 = _ds_mla_tile(row, valid, offs_t, 2, L, TILE, DOT_DTYPE)
-                scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-            if TILES > 3:
-                k3, s3 = _ds_mla_tile(row, valid, offs_t, 3, L, TILE, DOT_DTYPE)
-                scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-            scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(scores - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc0 = tl.dot((p * s0[None, :]).to(DOT_DTYPE), k0, acc0 * alpha[:, None])
-            if TILES > 1:
-                acc1 = tl.dot((p * s1[None, :]).to(DOT_DTYPE), k1, acc1 * alpha[:, None])
-            if TILES > 2:
-                acc2 = tl.dot((p * s2[None, :]).to(DOT_DTYPE), k2, acc2 * alpha[:, None])
-            if TILES > 3:
-                acc3 = tl.dot((p * s3[None, :]).to(DOT_DTYPE), k3, acc3 * alpha[:, None])
-            m_i = m_new
+    for n0 in range(lo, end, BLOCK_N):
+        n = n0 + offs_n
+        ids = tl.load(slot_row + n, mask=n < end, other=-1)
+        valid = (ids >= 0) & (ids < num_rows)
+        row = kv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_kv
+        rope_ptr = (row + L + 4 * TILES).to(tl.pointer_type(tl.bfloat16))
+        rope_mask = valid[:, None] & (offs_r[None, :] < R)
+        k_rope = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=rope_mask, other=0.0)
+        scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)))
+        k0, s0 = _ds_mla_tile(row, valid, offs_t, 0, L, TILE, DOT_DTYPE)
+        scores += tl.dot(q0, tl.trans(k0)) * s0[None, :]
+        if TILES > 1:
+            k1, s1 = _ds_mla_tile(row, valid, offs_t, 1, L, TILE, DOT_DTYPE)
+            scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
+        if TILES > 2:
+            k2, s2 = _ds_mla_tile(row, valid, offs_t, 2, L, TILE, DOT_DTYPE)
+            scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
+        if TILES > 3:
+            k3, s3 = _ds_mla_tile(row, valid, offs_t, 3, L, TILE, DOT_DTYPE)
+            scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(scores - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc0 = tl.dot((p * s0[None, :]).to(DOT_DTYPE), k0, acc0 * alpha[:, None])
+        if TILES > 1:
+            acc1 = tl.dot((p * s1[None, :]).to(DOT_DTYPE), k1, acc1 * alpha[:, None])
+        if TILES > 2:
+            acc2 = tl.dot((p * s2[None, :]).to(DOT_DTYPE), k2, acc2 * alpha[:, None])
+        if TILES > 3:
+            acc3 = tl.dot((p * s3[None, :]).to(DOT_DTYPE), k3, acc3 * alpha[:, None])
+        m_i = m_new
 
     has_keys = l_i != 0.0  # a NaN sum (a selected row holds a NaN) stays NaN
     safe_l = tl.where(has_keys, l_i, 1.0)
@@ -471,9 +400,6 @@ class SparseLaunchConfig:
     num_stages: int
     num_splits: int = 1
     """Ranges each row's slot list is cut into (1 writes the output directly)."""
-    prefetch: bool = False
-    """``fp8_ds_mla``: issue the next tile's loads before computing this one (by hand, instead of
-    Triton's ``num_stages`` pipelining)."""
 
 
 def sparse_launch_config(
@@ -590,8 +516,8 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
             call.softmax_scale * LOG2E,
             L=rank, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=config.block_h,
             BLOCK_N=config.block_n, NUM_SPLITS=splits, WRITE_LSE=lse is not None, DOT_DTYPE=dot_dtype,
-            TILE=DS_MLA_TILE, TILES=rank // DS_MLA_TILE, SCAN_BLOCK=SCAN_BLOCK, PREFETCH=config.prefetch,
-            num_warps=config.num_warps, num_stages=1 if config.prefetch else config.num_stages,
+            TILE=DS_MLA_TILE, TILES=rank // DS_MLA_TILE, SCAN_BLOCK=SCAN_BLOCK,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     else:
         SPARSE_LAUNCH.launch(
