@@ -53,7 +53,6 @@ from mla.providers.triton.sparse import (
     write_index_keys,
     write_kv_ds_mla,
 )
-from mla.providers.triton.topk import topk_positions
 from mla.testing import assert_matches_reference
 from mla.testing.inputs import indptr
 from mla.tools.reference import reference_index_scores, reference_sparse, reference_topk
@@ -465,44 +464,6 @@ def test_position_chunk_fills_the_device_only_when_rows_do_not() -> None:
     assert position_chunk(rows=4, max_keys=4000, num_sms=132) >= 1024  # MIN_CHUNK positions
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize(("n", "k"), [(5000, 64), (100, 128), (3000, 16), (1, 4)], ids=str)
-def test_topk_positions_match_torch_topk(n: int, k: int) -> None:
-    """Per row: the values at the chosen positions are torch.topk's, descending (ties in either
-    order), distinct, ``-1`` for ``-inf`` values and past ``min(k, n)``; rows with many ties,
-    half ``-inf`` and all ``-inf``."""
-    gen = torch.Generator().manual_seed(n + k)
-    scores = torch.randn(4, n, generator=gen)
-    scores[0, n // 2 :] = float("-inf")
-    scores[1] = torch.round(scores[1] * 2) / 2
-    scores[2] = float("-inf")
-    out = torch.full((4, k), 777, dtype=torch.int32, device=DEVICE)
-    topk_positions(scores.to(DEVICE), out)
-    out = out.cpu()
-    values, _ = torch.topk(scores, min(k, n), dim=1)
-    count = min(k, n)
-    for r in range(4):
-        got = out[r].cpu()
-        assert bool((got[count:] == -1).all())
-        chosen = got[:count]
-        picked = torch.where(chosen >= 0, scores[r, chosen.clamp(min=0).long()], torch.tensor(float("-inf")))
-        torch.testing.assert_close(picked, values[r])
-        real = chosen[chosen >= 0]
-        assert real.unique().numel() == real.numel()
-        assert bool((scores[r, real.long()] > float("-inf")).all())
-
-
-def test_topk_positions_rejects_bad_arguments() -> None:
-    with pytest.raises(InvalidInputError, match="float32"):
-        topk_positions(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 4, dtype=torch.int32))
-    with pytest.raises(InvalidInputError, match="int32"):
-        topk_positions(torch.zeros(2, 8), torch.zeros(2, 4, dtype=torch.int64))
-    with pytest.raises(InvalidInputError, match="rows"):
-        topk_positions(torch.zeros(2, 8), torch.zeros(3, 4, dtype=torch.int32))
-    with pytest.raises(InvalidInputError, match="16384"):
-        topk_positions(torch.zeros(1, 8), torch.zeros(1, 16385, dtype=torch.int32))
-
-
 # -- writes and slots (interpreter) ----------------------------------------------------------------
 
 
@@ -679,26 +640,6 @@ def test_gpu_index_topk(provider: str, key_dtype: torch.dtype) -> None:
     torch.cuda.synchronize()
     # Exact bf16 (or widened e4m3) operands, fp32 accumulation: near ties may still swap.
     assert_topk_matches(indices, batch, 128**-0.5, 2048, atol=1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [8192, 131072])
-def test_gpu_topk_positions_match_torch_topk(n: int) -> None:
-    """2048 of up to 128K positions per row (rows with ties and ``-inf`` tails): torch.topk's
-    values, descending."""
-    gen = torch.Generator(device=DEVICE).manual_seed(n)
-    scores = torch.randn(16, n, generator=gen, device=DEVICE)
-    scores[1] = torch.round(scores[1] * 4) / 4
-    scores[2, 1000:] = float("-inf")
-    out = torch.full((16, 2048), 777, dtype=torch.int32, device=DEVICE)
-    topk_positions(scores, out)
-    values, _ = torch.topk(scores, 2048, dim=1)
-    picked = torch.where(out >= 0, scores.gather(1, out.clamp(min=0).long()), float("-inf"))
-    torch.testing.assert_close(picked, values)
-    for r in range(16):
-        real = out[r][out[r] >= 0]
-        assert real.unique().numel() == real.numel()
-    assert int((out[2] >= 0).sum()) == 1000
 
 
 @pytest.mark.gpu

@@ -20,9 +20,8 @@ Scores (:func:`index_scores`)
     clamped into it (memory safety, as the torch provider does).
 
 Top-k (:func:`index_topk`)
-    The scores of a chunk of rows (workspace bounded by :data:`INDEX_WORKSPACE_BYTES`), then the
-    radix-select top-k of :mod:`mla.providers.triton.topk` (descending; ``-inf`` positions
-    become ``-1``).
+    The scores of a chunk of rows (workspace bounded by :data:`INDEX_WORKSPACE_BYTES`), then a
+    sorted ``torch.topk`` on the device; ``-inf`` positions become ``-1``.
 
 Both launchers are graph-capturable: grids and workspaces are sized by shapes and Python ints.
 """
@@ -39,7 +38,6 @@ from mla.providers.calls import IndexTopkCall
 from mla.providers.formats import E4M3
 from mla.providers.triton.decode import _dot_dtype, num_sms
 from mla.providers.triton.launch_cache import LaunchCache
-from mla.providers.triton.topk import topk_positions
 
 BLOCK_P = 128
 """Positions per tile of the scores kernel (the dot's M dimension)."""
@@ -247,9 +245,9 @@ INDEX_WORKSPACE_BYTES = 256 << 20
 
 def index_topk(call: IndexTopkCall) -> None:
     """The indexer's scores (:func:`index_scores` into a float32 ``[rows, max_keys]`` workspace
-    per chunk of rows, at most :data:`INDEX_WORKSPACE_BYTES`) and their top-k
-    (:func:`~mla.providers.triton.topk.topk_positions`, descending); positions scored ``-inf``
-    (not visible) become ``-1``, as do the columns past ``max_keys``."""
+    per chunk of rows, at most :data:`INDEX_WORKSPACE_BYTES`) and a sorted ``torch.topk`` on the
+    device; positions scored ``-inf`` (not visible) become ``-1``, as do the columns past
+    ``max_keys``."""
     indices = call.indices
     rows, topk = indices.shape
     if rows == 0 or topk == 0:
@@ -276,7 +274,8 @@ def index_topk(call: IndexTopkCall) -> None:
             )
         )
         index_scores(chunk, scores[: hi - lo])
-        topk_positions(scores[: hi - lo], indices[lo:hi, :count])
+        values, positions = torch.topk(scores[: hi - lo], count, dim=1, largest=True, sorted=True)
+        indices[lo:hi, :count].copy_(torch.where(values == float("-inf"), -1, positions))
 
 
 __all__ = ["BLOCK_P", "INDEX_WORKSPACE_BYTES", "index_scores", "index_topk", "position_chunk"]
