@@ -244,7 +244,7 @@ SMALL_CASES = [
     (torch.float16, "fp8", 3, 128, SPLIT2, True),
     (torch.float16, "ds_mla", 4, 256, None, True),
     (torch.float32, "ds_mla", 17, 256, SPLIT2, True),
-    (torch.bfloat16, "ds_mla", 6, 512, SPLIT2, False),  # the tile-scaled kernel over 4 tiles
+    (torch.bfloat16, "ds_mla", 6, 512, SPLIT2, False),  # four 128-wide tiles
 ]
 
 
@@ -299,7 +299,9 @@ def test_launch_config_heads_and_splits() -> None:
     assert one.num_splits == 16  # 2048 slots / 128 per split, well under the 132 SMs
     wide = sparse_launch_config(rows=4, heads=128, topk=2048, kv_elem_size=1, num_sms=132)
     assert (wide.block_h, wide.block_n, wide.num_stages) == (64, 64, 3)  # 1-byte rows, 3 deep
-    assert wide.num_splits == 16  # 8 programs: 132 // 8
+    assert wide.num_splits == 16  # 8 programs: 2 * 132 // 8, at most 2048 / 128
+    decode = sparse_launch_config(rows=64, heads=16, topk=2048, kv_elem_size=2, num_sms=132)
+    assert decode.num_splits == 4  # 64 programs: two per SM
     small = sparse_launch_config(rows=256, heads=16, topk=2048, kv_elem_size=1, num_sms=132)
     assert (small.block_n, small.num_stages, small.num_splits) == (32, 2, 1)
     busy = sparse_launch_config(rows=4096, heads=8, topk=2048, kv_elem_size=2, num_sms=132)
@@ -457,10 +459,9 @@ def test_index_scores_rejects_a_chunk_off_the_tile() -> None:
 
 def test_position_chunk_fills_the_device_only_when_rows_do_not() -> None:
     assert position_chunk(rows=8192, max_keys=8192, num_sms=132) == 8192  # one program per row
-    decode = position_chunk(rows=64, max_keys=32768, num_sms=132)
-    assert decode % 128 == 0
-    assert 64 * -(-32768 // decode) >= 4 * 132
-    assert position_chunk(rows=1, max_keys=100, num_sms=132) == 128  # never below one tile
+    # 64 decode rows: 8 chunks fill the 4 x 132 program slots without a partial wave (9 would not)
+    assert position_chunk(rows=64, max_keys=32768, num_sms=132) == 4096
+    assert position_chunk(rows=1, max_keys=50, num_sms=132) == 64  # never below one tile
     assert position_chunk(rows=4, max_keys=4000, num_sms=132) >= 1024  # MIN_CHUNK positions
 
 

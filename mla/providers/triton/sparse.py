@@ -225,169 +225,6 @@ def _sparse_mla_kernel(
 SPARSE_LAUNCH = LaunchCache(_sparse_mla_kernel)
 
 
-@triton.jit
-def _ds_mla_tile(
-    row, valid, offs_t, c: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr
-):
-    """Latent tile ``c`` (columns ``[c·TILE, (c+1)·TILE)``) of ``fp8_ds_mla`` rows as raw e4m3
-    values widened to ``DOT_DTYPE`` (exact), and the tile's float32 scale per row (0 where not
-    ``valid``)."""
-    raw = tl.load(row[:, None] + c * TILE + offs_t[None, :], mask=valid[:, None], other=0)
-    scale = tl.load((row + L + 4 * c).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-    return raw.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE), scale
-
-
-@triton.jit
-def _ds_mla_query_tile(
-    q_row, h_ok, offs_t, c: tl.constexpr, TILES: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr
-):
-    """Query columns ``[c·TILE, (c+1)·TILE)`` (zeros for a tile past ``TILES``)."""
-    q = tl.load(q_row + c * TILE + offs_t[None, :], mask=h_ok[:, None] & (c < TILES), other=0.0)
-    return q.to(DOT_DTYPE)
-
-
-@triton.jit
-def _sparse_ds_mla_kernel(
-    q_ptr,
-    kv_ptr,
-    slots_ptr,
-    out_ptr,
-    lse_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    H,
-    K,
-    num_rows,
-    chunk,
-    stride_q_t,
-    stride_q_h,
-    stride_kv,
-    stride_s_t,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_lse_h,
-    stride_po_w,
-    stride_po_h,
-    stride_pl_w,
-    qk_scale,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    TILE: tl.constexpr,
-    TILES: tl.constexpr,
-    SCAN_BLOCK: tl.constexpr,
-):
-    """The ``fp8_ds_mla`` program (row ``t``, head block, split) with the tile scales kept out of
-    the K tile: ``S = q_pe·K_ropeᵀ + Σ_c scale_c ⊙ (q_c·K_cᵀ)`` and ``O_c += (P ⊙ scale_c)·K_c``
-    over the raw e4m3 tiles ``K_c`` (``c < TILES ≤ 4``), so no ``[BLOCK_N, L]`` dequantization
-    runs: a tile only widens its bytes and scales ``BLOCK_H × BLOCK_N`` scores per latent tile."""
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    h_ok = heads < H
-    offs_t = tl.arange(0, TILE)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_n = tl.arange(0, BLOCK_N)
-    q_row = q_ptr + t * stride_q_t + heads[:, None] * stride_q_h
-    q0 = _ds_mla_query_tile(q_row, h_ok, offs_t, 0, TILES, TILE, DOT_DTYPE)
-    q1 = _ds_mla_query_tile(q_row, h_ok, offs_t, 1, TILES, TILE, DOT_DTYPE)
-    q2 = _ds_mla_query_tile(q_row, h_ok, offs_t, 2, TILES, TILE, DOT_DTYPE)
-    q3 = _ds_mla_query_tile(q_row, h_ok, offs_t, 3, TILES, TILE, DOT_DTYPE)
-    q_pe = tl.load(q_row + L + offs_r[None, :], mask=h_ok[:, None] & (offs_r[None, :] < R), other=0.0)
-    q_pe = q_pe.to(DOT_DTYPE)
-
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, K)
-    slot_row = slots_ptr + t * stride_s_t
-    offs_scan = tl.arange(0, SCAN_BLOCK)
-    end = lo
-    for b0 in range(lo, hi, SCAN_BLOCK):
-        n = b0 + offs_scan
-        ids = tl.load(slot_row + n, mask=n < hi, other=-1)
-        end = tl.maximum(end, tl.max(tl.where((ids >= 0) & (ids < num_rows), n + 1, 0), 0))
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    for n0 in range(lo, end, BLOCK_N):
-        n = n0 + offs_n
-        ids = tl.load(slot_row + n, mask=n < end, other=-1)
-        valid = (ids >= 0) & (ids < num_rows)
-        row = kv_ptr + tl.where(valid, ids, 0).to(tl.int64) * stride_kv
-        rope_ptr = (row + L + 4 * TILES).to(tl.pointer_type(tl.bfloat16))
-        rope_mask = valid[:, None] & (offs_r[None, :] < R)
-        k_rope = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=rope_mask, other=0.0)
-        scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)))
-        k0, s0 = _ds_mla_tile(row, valid, offs_t, 0, L, TILE, DOT_DTYPE)
-        scores += tl.dot(q0, tl.trans(k0)) * s0[None, :]
-        if TILES > 1:
-            k1, s1 = _ds_mla_tile(row, valid, offs_t, 1, L, TILE, DOT_DTYPE)
-            scores += tl.dot(q1, tl.trans(k1)) * s1[None, :]
-        if TILES > 2:
-            k2, s2 = _ds_mla_tile(row, valid, offs_t, 2, L, TILE, DOT_DTYPE)
-            scores += tl.dot(q2, tl.trans(k2)) * s2[None, :]
-        if TILES > 3:
-            k3, s3 = _ds_mla_tile(row, valid, offs_t, 3, L, TILE, DOT_DTYPE)
-            scores += tl.dot(q3, tl.trans(k3)) * s3[None, :]
-        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(scores - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc0 = tl.dot((p * s0[None, :]).to(DOT_DTYPE), k0, acc0 * alpha[:, None])
-        if TILES > 1:
-            acc1 = tl.dot((p * s1[None, :]).to(DOT_DTYPE), k1, acc1 * alpha[:, None])
-        if TILES > 2:
-            acc2 = tl.dot((p * s2[None, :]).to(DOT_DTYPE), k2, acc2 * alpha[:, None])
-        if TILES > 3:
-            acc3 = tl.dot((p * s3[None, :]).to(DOT_DTYPE), k3, acc3 * alpha[:, None])
-        m_i = m_new
-
-    has_keys = l_i != 0.0  # a NaN sum (a selected row holds a NaN) stays NaN
-    safe_l = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.math.log2(safe_l)) * 0.6931471805599453, float("-inf"))
-    inv = tl.where(has_keys, 1.0 / safe_l, 0.0)[:, None]
-    o_mask = h_ok[:, None] & (offs_t[None, :] < TILE)
-    if NUM_SPLITS == 1:
-        o_row = out_ptr + t * stride_o_t + heads[:, None] * stride_o_h + offs_t[None, :]
-        dtype = out_ptr.dtype.element_ty
-        tl.store(o_row, (acc0 * inv).to(dtype), mask=o_mask)
-        if TILES > 1:
-            tl.store(o_row + TILE, (acc1 * inv).to(dtype), mask=o_mask)
-        if TILES > 2:
-            tl.store(o_row + 2 * TILE, (acc2 * inv).to(dtype), mask=o_mask)
-        if TILES > 3:
-            tl.store(o_row + 3 * TILE, (acc3 * inv).to(dtype), mask=o_mask)
-        if WRITE_LSE:
-            tl.store(lse_ptr + t * stride_lse_t + heads * stride_lse_h, lse, mask=h_ok)
-    else:
-        work = t * NUM_SPLITS + split
-        po_row = part_o_ptr + work * stride_po_w + heads[:, None] * stride_po_h + offs_t[None, :]
-        tl.store(po_row, acc0 * inv, mask=o_mask)
-        if TILES > 1:
-            tl.store(po_row + TILE, acc1 * inv, mask=o_mask)
-        if TILES > 2:
-            tl.store(po_row + 2 * TILE, acc2 * inv, mask=o_mask)
-        if TILES > 3:
-            tl.store(po_row + 3 * TILE, acc3 * inv, mask=o_mask)
-        tl.store(part_lse_ptr + work * stride_pl_w + heads, lse, mask=h_ok)
-
-
-SPARSE_DS_MLA_LAUNCH = LaunchCache(_sparse_ds_mla_kernel)
-MAX_TILE_SCALED = 4
-"""Most latent tiles (of 128) the tile-scaled ``fp8_ds_mla`` kernel takes (DeepSeek's 512)."""
-
-
 @attrs.frozen
 class SparseLaunchConfig:
     """Shape of one sparse-attention launch."""
@@ -413,9 +250,10 @@ def sparse_launch_config(
     tiles two deep, or 64-slot tiles three deep for a 64-head block (the fastest of a sweep of
     tile, warp, stage and split counts on the H200, docs/performance.md). fp32 queries or
     caches (a correctness path) take 32-slot tiles without pipelining: a 64 × 576 fp32 tile,
-    twice for two stages, would not fit in an sm_90 SM's shared memory. The slot list is split only
-    while ``rows × head blocks`` programs leave SMs idle, at least :data:`MIN_SPLIT_SLOTS` a
-    split.
+    twice for two stages, would not fit in an sm_90 SM's shared memory. The slot list is split
+    while ``rows × head blocks`` programs are fewer than two per SM (the loop is latency-bound:
+    at 64 rows of 16 heads, 4 splits ran 58.7 µs against 74.3 for 2, bf16, H200), at least
+    :data:`MIN_SPLIT_SLOTS` a split.
     """
     block_h = min(64, max(16, triton.next_power_of_2(max(1, heads))))
     one_byte = kv_elem_size == 1
@@ -430,8 +268,8 @@ def sparse_launch_config(
     num_warps = 4 if block_h == 16 else 8
     programs = rows * triton.cdiv(max(1, heads), block_h)
     splits = 1
-    if 0 < programs < num_sms:
-        splits = max(1, min(num_sms // programs, triton.cdiv(topk, MIN_SPLIT_SLOTS), MAX_SPLITS))
+    if 0 < programs < 2 * num_sms:
+        splits = max(1, min(2 * num_sms // programs, triton.cdiv(topk, MIN_SPLIT_SLOTS), MAX_SPLITS))
     return SparseLaunchConfig(
         block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=splits
     )
@@ -505,63 +343,48 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
     lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
     kv_format = _KV_DS_MLA if ds_mla else _KV_FP8 if fp8 else _KV_FLOAT
     dot_dtype, precision = _sparse_dot_dtype(q.dtype, kv_cache.dtype)
-    if ds_mla and rank <= MAX_TILE_SCALED * DS_MLA_TILE and dot_dtype != tl.float16:
-        # (fp16 dots would round a scaled P below fp16's range: those take the kernel below)
-        SPARSE_DS_MLA_LAUNCH.launch(
-            (rows, triton.cdiv(heads, config.block_h), splits),
-            q, kv_cache, slots, out, lse_arg, part_o, part_lse,
-            heads, topk, kv_cache.shape[0], chunk,
-            q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
-            lse_arg.stride(0), lse_arg.stride(1), part_o.stride(0), part_o.stride(2), part_lse.stride(0),
-            call.softmax_scale * LOG2E,
-            L=rank, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=config.block_h,
-            BLOCK_N=config.block_n, NUM_SPLITS=splits, WRITE_LSE=lse is not None, DOT_DTYPE=dot_dtype,
-            TILE=DS_MLA_TILE, TILES=rank // DS_MLA_TILE, SCAN_BLOCK=SCAN_BLOCK,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )  # fmt: skip
-    else:
-        SPARSE_LAUNCH.launch(
-            (rows, triton.cdiv(heads, config.block_h), splits),
-            q,
-            kv_cache,
-            slots,
-            out,
-            lse_arg,
-            part_o,
-            part_lse,
-            call.kv_scale if fp8 else lse_arg,
-            heads,
-            topk,
-            kv_cache.shape[0],
-            chunk,
-            q.stride(0),
-            q.stride(1),
-            kv_cache.stride(0),
-            slots.stride(0),
-            out.stride(0),
-            out.stride(1),
-            lse_arg.stride(0),
-            lse_arg.stride(1),
-            part_o.stride(0),
-            part_o.stride(2),
-            part_lse.stride(0),
-            call.softmax_scale * LOG2E,
-            L=rank,
-            R=rope,
-            BLOCK_L=max(DS_MLA_TILE if ds_mla else 16, triton.next_power_of_2(rank)),
-            BLOCK_R=max(16, triton.next_power_of_2(rope)),
-            BLOCK_H=config.block_h,
-            BLOCK_N=config.block_n,
-            NUM_SPLITS=splits,
-            KV_FORMAT=kv_format,
-            WRITE_LSE=lse is not None,
-            DOT_DTYPE=dot_dtype,
-            INPUT_PRECISION=precision,
-            TILE=DS_MLA_TILE,
-            SCAN_BLOCK=SCAN_BLOCK,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+    SPARSE_LAUNCH.launch(
+        (rows, triton.cdiv(heads, config.block_h), splits),
+        q,
+        kv_cache,
+        slots,
+        out,
+        lse_arg,
+        part_o,
+        part_lse,
+        call.kv_scale if fp8 else lse_arg,
+        heads,
+        topk,
+        kv_cache.shape[0],
+        chunk,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        slots.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse_arg.stride(0),
+        lse_arg.stride(1),
+        part_o.stride(0),
+        part_o.stride(2),
+        part_lse.stride(0),
+        call.softmax_scale * LOG2E,
+        L=rank,
+        R=rope,
+        BLOCK_L=max(DS_MLA_TILE if ds_mla else 16, triton.next_power_of_2(rank)),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=splits,
+        KV_FORMAT=kv_format,
+        WRITE_LSE=lse is not None,
+        DOT_DTYPE=dot_dtype,
+        INPUT_PRECISION=precision,
+        TILE=DS_MLA_TILE,
+        SCAN_BLOCK=SCAN_BLOCK,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
     if splits > 1:
         launch_merge(
             part_o=part_o,
