@@ -345,3 +345,60 @@ def test_an_argument_the_op_cannot_take_is_left_to_the_eager_call() -> None:
     with pytest.raises(mla.InvalidInputError) as info, torch.no_grad():
         compiled(kv_cache=_cache(torch.float32), **_decode_call([20, 37, 5], None, seed=0))
     assert info.value.argument == "softmax_scale"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton", "gluon"])
+def test_compiled_functional_calls_on_the_gpu(provider: str) -> None:
+    """DeepSeek's shapes on the GPU kernels (512/64 latent in 64-token blocks, 192/128 prefill):
+    ``write_kv`` + ``mla_decode`` and ``mla_prefill`` compiled with ``fullgraph=True`` (inductor)
+    give the eager outputs with no graph break and one graph over calls with other lengths."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not mla.get_provider(provider).availability():
+        pytest.skip(f"{provider} is unavailable here")
+    rank, rope, heads, block, blocks = 512, 64, 16, 64, 40
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def decode_step(
+        q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        mla.write_kv(kv[:, :rank], kv[:, rank:], cache, slots, provider=provider)
+        return mla.mla_decode(
+            q, cache, table, lens, softmax_scale=0.07, kv_lora_rank=rank, provider=provider, return_lse=False
+        )
+
+    def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        return mla.mla_prefill(
+            q, k, v, cu, cu, 1024, 1024, softmax_scale=192**-0.5, provider=provider, return_lse=False
+        )
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_decode = torch.compile(decode_step, fullgraph=True)
+    compiled_prefill = torch.compile(prefill, fullgraph=True)
+    table = torch.randperm(blocks, generator=gen, device="cuda")[:32].view(4, 8).to(torch.int32)
+    eager_cache = torch.randn(blocks, block, rank + rope, generator=gen, device="cuda").to(torch.bfloat16)
+    compiled_cache = eager_cache.clone()
+    for lens_list in ([300, 17, 512, 64], [40, 500, 129, 1]):
+        lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+        last = [n - 1 for n in lens_list]  # each request's new token is its last position
+        slots = torch.stack([table[b, p // block].long() * block + p % block for b, p in enumerate(last)])
+        q = torch.randn(4, heads, rank + rope, generator=gen, device="cuda").to(torch.bfloat16)
+        kv = torch.randn(4, rank + rope, generator=gen, device="cuda").to(torch.bfloat16)
+        expected = decode_step(q, kv, eager_cache, table, lens, slots)
+        got = compiled_decode(q, kv, compiled_cache, table, lens, slots)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(compiled_cache, eager_cache)
+        tokens = 812  # two requests, split differently per call
+        cu = torch.tensor([0, lens_list[0], tokens], dtype=torch.int32, device="cuda")
+        pq = torch.randn(tokens, heads, 192, generator=gen, device="cuda").to(torch.bfloat16)
+        pk = torch.randn(tokens, heads, 192, generator=gen, device="cuda").to(torch.bfloat16)
+        pv = torch.randn(tokens, heads, 128, generator=gen, device="cuda").to(torch.bfloat16)
+        torch.testing.assert_close(compiled_prefill(pq, pk, pv, cu), prefill(pq, pk, pv, cu))
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    explained = torch._dynamo.explain(decode_step)(q, kv, compiled_cache, table, lens, slots)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    explained = torch._dynamo.explain(prefill)(pq, pk, pv, cu)
+    assert explained.graph_break_count == 0, explained.break_reasons
