@@ -119,11 +119,7 @@ ROUTES = {
 
 
 def _kernel(config: GluonLaunchConfig) -> str:
-    if config.dual:
-        return "dual"
-    if config.pingpong:
-        return "pingpong"
-    return "rows" if config.transposed else "row64"
+    return config.kernel.value
 
 
 def choices() -> str:

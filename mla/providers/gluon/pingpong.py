@@ -41,8 +41,9 @@ buffers; it still flags the start-up hand-off that Triton generates for ``gl.war
 (the partitions' state and arguments, ordered by full-CTA barriers in the PTX; a 60-line probe,
 ``probes/ws_mbarrier_probe.py``, shows the same reports).
 
-Selected by ``GluonLaunchConfig(pingpong=True)``, which :func:`.planner.launch_config` picks for
-every 64-row tile of a 16-bit cache.
+Selected by ``GluonLaunchConfig(kernel=GluonKernel.PINGPONG)``, which
+:func:`.planner.launch_config` picks for every 64-row tile of a 16-bit cache (the planner's
+kernel table).
 
 16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
 outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
