@@ -13,9 +13,9 @@ printed beside it. Rows: ``<provider> np|pers|small`` are the provider's ``paged
 (non-persistent / planned schedule) and ``small_head_decode``; ``gluon-kernel`` is the Gluon
 kernel called directly where the provider routes the case to the Triton kernel (fp8);
 ``gluon-64row`` is the provider's launch with the 64-row kernel in place of the ping-pong
-kernel it picks for 64-row tiles of 16-bit caches (``GluonLaunchConfig(pingpong=False)``);
+kernel it picks for 64-row tiles of 16-bit caches (``kernel=GluonKernel.ROW64``);
 ``gluon-rows`` is the provider's launch with the few-rows kernel in place of the dual-chain
-kernel it picks for 16-row tiles of fp8 caches (``GluonLaunchConfig(dual=False)``); ``vllm`` is
+kernel it picks for 16-row tiles of fp8 caches (``kernel=GluonKernel.ROWS``); ``vllm`` is
 vLLM's ``decode_attention_fwd`` (qlen 1, 16-bit caches; skipped with a note without
 ``--vllm-decode``). Metrics follow FlashMLA: bytes = KV read once + q read + o written; FLOPs =
 2·s_q·Σs_k·h·(576+512). ``copy%`` is the bandwidth over the measured 4.25 TB/s device copy.
@@ -68,6 +68,7 @@ from mla.providers.calls import (
     PlanDecodeScheduleCall,
     SmallHeadDecodeCall,
 )
+from mla.providers.gluon.planner import GluonKernel
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
@@ -267,10 +268,11 @@ class Problem:
 
         return run
 
-    def gluon_variant_fn(self, **overrides: bool) -> Callable[[], None]:
+    def gluon_variant_fn(self, **overrides: object) -> Callable[[], None]:
         """The Gluon provider's own launch configuration with ``overrides`` applied: e.g.
-        ``pingpong=False`` (the 64-row kernel instead of the ping-pong kernel) or ``dual=False``
-        (the few-rows kernel instead of the dual-chain kernel for 16 rows of an fp8 cache)."""
+        ``kernel=GluonKernel.ROW64`` (the 64-row kernel instead of the ping-pong kernel) or
+        ``kernel=GluonKernel.ROWS`` (the few-rows kernel instead of the dual-chain kernel for 16
+        rows of an fp8 cache)."""
         from mla.providers.gluon.decode import paged_decode as gluon_decode
         from mla.providers.gluon.planner import launch_config
 
@@ -374,9 +376,9 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
         if name == "gluon" and shape.kv == "fp8":
             impls.append(("gluon-kernel np", prob.gluon_kernel_fn(), True))
         if name == "gluon" and shape.kv == "bf16" and shape.heads * shape.qlen > 32:
-            impls.append(("gluon-64row np", prob.gluon_variant_fn(pingpong=False), True))
+            impls.append(("gluon-64row np", prob.gluon_variant_fn(kernel=GluonKernel.ROW64), True))
         if name == "gluon" and shape.kv == "fp8" and shape.heads * shape.qlen <= 16:
-            impls.append(("gluon-rows np", prob.gluon_variant_fn(dual=False), True))
+            impls.append(("gluon-rows np", prob.gluon_variant_fn(kernel=GluonKernel.ROWS), True))
     if vllm is None:
         notes.append(f"{label(shape)}: vllm skipped (no --vllm-decode file)")
     elif shape.qlen != 1 or shape.kv != "bf16":

@@ -31,7 +31,7 @@ from benchmarks.decode import RANK, Problem, Shape, check_before_timing, label
 from mla.providers import get_provider
 from mla.providers.gluon.decode import paged_decode
 from mla.providers.gluon.fold import fold_slice, foldable_splits
-from mla.providers.gluon.planner import GluonLaunchConfig, launch_config
+from mla.providers.gluon.planner import GluonKernel, GluonLaunchConfig, launch_config
 from mla.providers.triton.decode import num_sms
 from probes.gluon_dev import kernel_times
 
@@ -54,7 +54,7 @@ def configs(shape: Shape, sms: int) -> dict[str, GluonLaunchConfig]:
         batch=shape.batch, rows=shape.heads * shape.qlen, max_seqlen_k=shape.seq, num_sms=sms,
         persistent=False, kv_fp8=shape.kv == "fp8",
     )  # fmt: skip
-    base = attrs.evolve(auto, dual=False)
+    base = attrs.evolve(auto, kernel=GluonKernel.ROWS)
     splits = foldable_splits(base.num_splits, rows=base.row_tile, rank=RANK)
     return {"separate": base, "fold": attrs.evolve(base, num_splits=splits, fold=True)}
 

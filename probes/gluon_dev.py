@@ -25,7 +25,7 @@ from benchmarks._common import bench_graph_us, print_table, rel_error
 from benchmarks.decode import SCALE, Problem, label
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon import decode as gd
-from mla.providers.gluon.planner import GluonLaunchConfig, launch_config, schedule_units
+from mla.providers.gluon.planner import GluonKernel, GluonLaunchConfig, launch_config, schedule_units
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
@@ -130,7 +130,7 @@ def run_variant(c: dict[str, Any], variant: str, with_lse: bool) -> tuple[torch.
     elif variant == "np64":
         config = GluonLaunchConfig(num_splits=2)
     elif variant.startswith("rows"):
-        config = attrs.evolve(auto, dual=False, num_splits=int(variant[4:] or auto.num_splits))
+        config = attrs.evolve(auto, kernel=GluonKernel.ROWS, num_splits=int(variant[4:] or auto.num_splits))
     elif variant.startswith("np") and variant[2:]:
         config = attrs.evolve(auto, num_splits=int(variant[2:]))
     gd.paged_decode(
@@ -229,7 +229,7 @@ def sweep(rows: list[dict[str, Any]]) -> None:
         )  # fmt: skip
         plan_split_kv(sched, prob.kv_indptr, shape.batch)
         for name, cfg, sc in [
-            ("64-row np", attrs.evolve(auto, row_tile=64, transposed=False), None),
+            ("64-row np", attrs.evolve(auto, row_tile=64, kernel=GluonKernel.ROW64), None),
             (f"{auto.row_tile}-row np", auto, None),
             (f"{auto.row_tile}-row pers", None, sched),
         ]:
@@ -318,14 +318,14 @@ def breakdown(rows: list[dict[str, Any]], only: list[str]) -> None:
                 ("triton provider", None, "triton"),
             ]
             if shape.heads * shape.qlen <= 16:
-                variants += [("rows np", attrs.evolve(auto, dual=False), None)]
+                variants += [("rows np", attrs.evolve(auto, kernel=GluonKernel.ROWS), None)]
         if shape.heads * shape.qlen > 32 and shape.kv == "bf16":
-            variants += [("64-row np", attrs.evolve(auto, pingpong=False), None)]
+            variants += [("64-row np", attrs.evolve(auto, kernel=GluonKernel.ROW64), None)]
             # 32-row tiles on the few-rows kernel: two row blocks per request read the same KV
             # (the second read from L2), so one split can fill the SMs without a reduce.
-            t32 = attrs.evolve(auto, row_tile=32, transposed=True, num_stages=2, pingpong=False)
+            t32 = attrs.evolve(auto, row_tile=32, kernel=GluonKernel.ROWS, num_stages=2)
             variants += [(f"t32 np k{k}", attrs.evolve(t32, num_splits=k), None) for k in (1, 2)]
-            t64 = attrs.evolve(auto, row_tile=64, transposed=True, num_stages=2, pingpong=False)
+            t64 = attrs.evolve(auto, row_tile=64, kernel=GluonKernel.ROWS, num_stages=2)
             variants += [("t64 np", t64, None)]
             variants += [(f"t64 np k{k}", attrs.evolve(t64, num_splits=k), None) for k in (1, 2, 4)]
         for name, cfg, sc in variants:

@@ -70,3 +70,20 @@ def test_sparse_example_runs() -> None:
     assert isinstance(topk, torch.Tensor)
     assert bool((topk[0] >= 0).all())  # request 0 sees 41 positions: 16 are kept
     assert bool(torch.isfinite(scope["out"]).all())  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("name", ["adding-a-kernel.md", "adding-a-provider.md"])
+def test_every_example_of_the_kernel_and_provider_guides_runs(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Python block of the two guides, in order, in one scope; the provider registry is
+    restored afterwards (the provider guide registers one)."""
+    from mla.providers import registry
+
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    monkeypatch.setattr(registry, "_INSTANCES", dict(registry._INSTANCES))
+    blocks = _blocks(ROOT / "docs" / name)
+    assert blocks, f"docs/{name} has no Python example"
+    scope: dict[str, object] = {"__name__": f"docs_{name.removesuffix('.md').replace('-', '_')}"}
+    for block in blocks:
+        exec(compile(block, f"docs/{name}", "exec"), scope)

@@ -11,6 +11,7 @@ import attrs
 import pytest
 
 import mla.providers
+import mla.providers.registry
 from mla.core.capabilities import REFERENCE_CAPABILITIES, Contract, ProviderCapabilities
 from mla.core.platform import Platform, simulated_platform
 from mla.core.support import Support
@@ -40,12 +41,18 @@ class FakeProvider(KernelProvider):
 
 
 @pytest.fixture
-def fake_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+def registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The provider registry as it is, restored after the test."""
+    monkeypatch.setattr(mla.providers.registry, "_ENTRIES", dict(mla.providers.registry._ENTRIES))
+    monkeypatch.setattr(mla.providers.registry, "_INSTANCES", dict(mla.providers.registry._INSTANCES))
+
+
+@pytest.fixture
+def fake_provider(monkeypatch: pytest.MonkeyPatch, registry: None) -> None:
     module = types.ModuleType("fake_mla_provider")
     module.FakeProvider = FakeProvider  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fake_mla_provider", module)
-    monkeypatch.setitem(mla.providers.PROVIDER_MODULES, "fake", ("fake_mla_provider", "FakeProvider"))
-    monkeypatch.delitem(mla.providers._INSTANCES, "fake", raising=False)
+    mla.providers.register_provider("fake", "fake_mla_provider:FakeProvider")
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
@@ -75,8 +82,8 @@ def test_emulation_uses_the_static_record(fake_provider: None) -> None:
     assert caps.archs == frozenset({"gfx942"})
 
 
-def test_a_provider_module_that_does_not_import_has_no_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(mla.providers.PROVIDER_MODULES, "broken", ("no_such_module_here", "Nope"))
+def test_a_provider_module_that_does_not_import_has_no_record(registry: None) -> None:
+    mla.providers.register_provider("broken", "no_such_module_here:Nope")
     view = cli.provider_view("broken", simulated_platform("cpu"))
     assert view.provider is None
     assert view.capabilities is None

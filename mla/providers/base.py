@@ -16,7 +16,7 @@ from typing import ClassVar, NoReturn
 import torch
 
 from mla.core.capabilities import Contract, ProviderCapabilities
-from mla.core.errors import UnsupportedError
+from mla.core.errors import InvalidInputError, UnsupportedError
 from mla.core.platform import Platform
 from mla.core.support import Support
 from mla.providers.calls import (
@@ -79,6 +79,18 @@ class KernelProvider(abc.ABC):
         library or a device (``None``: only :meth:`capabilities` can say). Emulation and
         ``mla explain`` use it, so they give the same answer on every machine."""
         return None
+
+    @classmethod
+    def assume(
+        cls, caps: ProviderCapabilities, platform: Platform, features: frozenset[str]
+    ) -> ProviderCapabilities:
+        """``caps`` with the optional ``features`` of this provider's kernels assumed present on
+        ``platform`` (emulation and ``mla explain`` ask for them by name). The base knows no
+        feature: :class:`InvalidInputError` naming ``assume`` for any."""
+        raise InvalidInputError(
+            "assume",
+            f"provider {cls.name!r} has no optional feature to assume (asked: {', '.join(sorted(features))})",
+        )
 
     def describe_probes(self) -> dict[str, object]:
         """Feature probes shown by ``mla info`` (library versions, optional kernels)."""

@@ -18,6 +18,21 @@ import torch
 
 from mla.core.errors import PlanMismatchError
 
+
+def wave_splits(programs: int, *, slots: int, cap: int) -> int:
+    """Split count ``k`` in ``1..cap`` with the fewest waves per unit of work,
+    ``ceil(programs·k / slots) / k`` (the smallest such ``k``): the non-persistent split rule of
+    the Triton and Gluon decode launches, where a program that starts in a second, mostly empty
+    wave costs as much as a full one."""
+    programs = max(1, programs)
+    best, best_cost = 1, float(-(-programs // slots))
+    for k in range(2, max(1, cap) + 1):
+        cost = -(-programs * k // slots) / k
+        if cost < best_cost:
+            best, best_cost = k, cost
+    return best
+
+
 WORK_FIELDS = 4
 """Columns of ``work_info``: request (``-1`` = idle item), kv_start, kv_end, split ordinal."""
 

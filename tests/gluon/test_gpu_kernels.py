@@ -129,7 +129,7 @@ def test_paged_decode_variants(
 ) -> None:
     heads, qlens, lens, block = case
     from mla.providers.gluon.decode import paged_decode
-    from mla.providers.gluon.planner import BLOCK_M, launch_config, schedule_units
+    from mla.providers.gluon.planner import BLOCK_M, GluonKernel, launch_config, schedule_units
     from mla.providers.split_kv import SplitKVSchedule
     from mla.providers.triton.decode import num_sms
     from mla.providers.triton.schedule import plan_split_kv
@@ -157,45 +157,32 @@ def test_paged_decode_variants(
     elif variant == "rows16-splits3":
         if kv_dtype.itemsize != 1:
             pytest.skip("16 rows of a 16-bit cache run on the few-rows kernel anyway (splits3)")
-        config = attrs.evolve(auto, dual=False, num_splits=3)
+        config = attrs.evolve(auto, kernel=GluonKernel.ROWS, num_splits=3)
     elif variant == "row64":
-        config = attrs.evolve(
-            auto, row_tile=BLOCK_M, transposed=False, num_splits=2, num_stages=2, pingpong=False, dual=False
-        )
+        config = attrs.evolve(auto, row_tile=BLOCK_M, kernel=GluonKernel.ROW64, num_splits=2, num_stages=2)
     elif variant == "t64":
         if kv_dtype.itemsize == 1:
             pytest.skip("the 64-row transposed kernel takes 16-bit caches (check_config)")
-        config = attrs.evolve(
-            auto, row_tile=BLOCK_M, transposed=True, num_stages=2, pingpong=False, dual=False
-        )
+        config = attrs.evolve(auto, row_tile=BLOCK_M, kernel=GluonKernel.ROWS, num_stages=2)
     elif variant == "pingpong":
         if kv_dtype.itemsize == 1:
             pytest.skip("the ping-pong kernel takes 16-bit caches (check_config)")
-        config = attrs.evolve(
-            auto, row_tile=BLOCK_M, transposed=False, num_stages=2, pingpong=True, dual=False
-        )
+        config = attrs.evolve(auto, row_tile=BLOCK_M, kernel=GluonKernel.PINGPONG, num_stages=2)
     elif variant == "rows16":
         if kv_dtype.itemsize != 1:
             pytest.skip("16 rows of a 16-bit cache run on the few-rows kernel anyway (auto)")
-        config = attrs.evolve(auto, dual=False)
+        config = attrs.evolve(auto, kernel=GluonKernel.ROWS)
     elif variant.startswith("dual"):
         if kv_dtype.itemsize != 1:
             pytest.skip("the dual-chain kernel takes fp8 caches (check_config)")
         splits = {"dual-splits3": 3, "dual-schedule": 1}.get(variant, auto.num_splits)
-        config = attrs.evolve(auto, dual=True, num_splits=splits)
+        config = attrs.evolve(auto, kernel=GluonKernel.DUAL, num_splits=splits)
     elif variant == "fold":
         splits = _fold_splits(len(lens), q.device, rows=auto.row_tile)
-        config = attrs.evolve(auto, dual=False, num_splits=splits, fold=True)
+        config = attrs.evolve(auto, kernel=GluonKernel.ROWS, num_splits=splits, fold=True)
     elif variant == "overlap":
         config = attrs.evolve(
-            auto,
-            row_tile=BLOCK_M,
-            transposed=False,
-            block_n=32,
-            num_stages=4,
-            overlap=True,
-            pingpong=False,
-            dual=False,
+            auto, row_tile=BLOCK_M, kernel=GluonKernel.ROW64, block_n=32, num_stages=4, overlap=True
         )
     paged_decode(_call(data, qlens, lens, out, lse, schedule), config=config)
     torch.cuda.synchronize()

@@ -25,8 +25,9 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import torch
     from mla.providers.gluon.decode import launch_gluon_decode
-    from mla.providers.gluon.planner import GluonLaunchConfig
+    from mla.providers.gluon.planner import GluonKernel, GluonLaunchConfig
     from mla.providers.split_kv import SplitKVSchedule
+    from mla.providers.triton.decode_launch import DecodeInputs
     from mla.testing.triton_driver import stand_in_driver
 
     RANK, ROPE = 512, 64
@@ -41,15 +42,14 @@ SCRIPT = textwrap.dedent(
             schedule = SplitKVSchedule.allocate(
                 max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads,
                 kv_lora_rank=RANK, num_units=8, device=torch.device("cpu"))
-        launch_gluon_decode(
-            q_nope=q[..., :RANK], q_pe=q[..., RANK:], kv_cache=cache,
-            kv_indptr=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-            kv_indices=torch.zeros(sum(lens), dtype=torch.int32),
-            qo_indptr=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),
-            num_requests=len(lens), max_qlen=max(qlens), softmax_scale=0.07,
-            kv_scale=torch.ones(1) if fp8 else None,
-            out=torch.zeros(tokens, heads, RANK, dtype=torch.bfloat16),
-            lse=torch.zeros(tokens, heads), config=config, schedule=schedule)
+        inputs = DecodeInputs(
+            q[..., :RANK], q[..., RANK:], cache,
+            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+            torch.zeros(sum(lens), dtype=torch.int32),
+            torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),
+            len(lens), max(qlens), max(lens), 0.07, torch.ones(1) if fp8 else None,
+            torch.zeros(tokens, heads, RANK, dtype=torch.bfloat16), torch.zeros(tokens, heads), schedule)
+        launch_gluon_decode(inputs, config)
 
     cases = {
         "few16-bf16-split2": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16, num_splits=2)),
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
         "few16-fp8-split3": (8, [1, 1, 1], [900, 5, 64], True, GluonLaunchConfig(row_tile=16, num_splits=3)),
         "row64-bf16-direct": (16, [4, 4], [300, 70], False, GluonLaunchConfig()),
         "row64-fp8-split2": (128, [1, 1], [300, 70], True, GluonLaunchConfig(num_splits=2)),
-        "t64-bf16-direct": (16, [4], [300], False, GluonLaunchConfig(row_tile=64, transposed=True)),
+        "t64-bf16-direct": (16, [4], [300], False, GluonLaunchConfig(row_tile=64, kernel=GluonKernel.ROWS)),
         "few16-bf16-scheduled": (16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16), True),
         "few16-bf16-fold4": (
             16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16, num_splits=4, fold=True)
@@ -66,14 +66,17 @@ SCRIPT = textwrap.dedent(
             16, [2, 2], [300, 70], True, GluonLaunchConfig(row_tile=32, num_splits=2, fold=True)
         ),
         "pingpong-bf16-split2": (
-            16, [4, 4], [300, 70], False, GluonLaunchConfig(pingpong=True, num_splits=2)
+            16, [4, 4], [300, 70], False, GluonLaunchConfig(kernel=GluonKernel.PINGPONG, num_splits=2)
         ),
-        "dual-fp8-direct": (16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, dual=True)),
+        "dual-fp8-direct": (
+            16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL)
+        ),
         "dual-fp8-split3": (
-            8, [1, 1, 1], [900, 5, 64], True, GluonLaunchConfig(row_tile=16, dual=True, num_splits=3)
+            8, [1, 1, 1], [900, 5, 64], True,
+            GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL, num_splits=3)
         ),
         "dual-fp8-scheduled": (
-            16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, dual=True), True
+            16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL), True
         ),
     }
     out = {}

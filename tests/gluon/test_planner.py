@@ -10,14 +10,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mla.core.errors import InvalidInputError
 from mla.providers.gluon.planner import (
     BLOCK_M,
+    KERNEL_TABLE,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
+    RULES,
+    GluonKernel,
     GluonLaunchConfig,
     check_config,
     decode_kernel,
+    few_rows_tile,
     launch_config,
+    pick_kernel,
     schedule_units,
     wave_splits,
 )
@@ -53,12 +59,12 @@ def test_launch_config_examples() -> None:
     assert big.row_blocks(128) == 2
     assert big.num_splits == 1
     # 64-row tiles run on the ping-pong kernel for 16-bit caches, on the 64-row kernel for fp8.
-    assert big.pingpong
-    assert not _cfg(batch=64, rows=128, max_seqlen_k=4096, kv_fp8=True).pingpong
-    assert not _cfg(batch=64, rows=16, max_seqlen_k=4096).pingpong
+    assert big.kernel is GluonKernel.PINGPONG
+    assert _cfg(batch=64, rows=128, max_seqlen_k=4096, kv_fp8=True).kernel is GluonKernel.ROW64
+    assert _cfg(batch=64, rows=16, max_seqlen_k=4096).kernel is GluonKernel.ROWS
     # 16-row tiles of an fp8 cache run on the dual-chain kernel; 32-row ones on the few-rows kernel.
-    assert _cfg(batch=64, rows=16, max_seqlen_k=4096, kv_fp8=True).dual
-    assert not _cfg(batch=64, rows=32, max_seqlen_k=4096, kv_fp8=True).dual
+    assert _cfg(batch=64, rows=16, max_seqlen_k=4096, kv_fp8=True).kernel is GluonKernel.DUAL
+    assert _cfg(batch=64, rows=32, max_seqlen_k=4096, kv_fp8=True).kernel is GluonKernel.ROWS
     # Persistent launches take their splits from the schedule.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
 
@@ -76,9 +82,9 @@ def test_split_count_respects_its_caps(batch: int, rows: int, max_seqlen_k: int,
     # The cache dtype picks the kernel (64 rows: ping-pong or 64-row kernel; 16 rows: few-rows or
     # dual-chain kernel), never the tiles or the splits.
     cfg = configs[False]
-    assert attrs.evolve(cfg, pingpong=False, dual=cfg.row_tile == 16) == configs[True]
-    assert cfg.pingpong == (cfg.row_tile == BLOCK_M)
-    assert not cfg.dual
+    fp8_kernel = {16: GluonKernel.DUAL, 32: GluonKernel.ROWS, BLOCK_M: GluonKernel.ROW64}[cfg.row_tile]
+    assert attrs.evolve(cfg, kernel=fp8_kernel) == configs[True]
+    assert cfg.kernel is (GluonKernel.PINGPONG if cfg.row_tile == BLOCK_M else GluonKernel.ROWS)
     assert 1 <= cfg.num_splits <= MAX_SPLITS
     assert cfg.num_splits <= max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS))
     assert cfg.row_tile == (16 if rows <= 16 else 32 if rows <= 32 else BLOCK_M)
@@ -119,21 +125,21 @@ def test_kernel_choice_and_reasons() -> None:
 @pytest.mark.parametrize(
     ("config", "fp8"),
     [
-        (GluonLaunchConfig(row_tile=16, transposed=False), False),  # the 64-row kernel takes 64 only
-        (GluonLaunchConfig(row_tile=64, transposed=True), True),  # fp8 ring + 64 rows: no room
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.ROW64), False),  # the 64-row kernel takes 64 only
+        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.ROWS), True),  # fp8 ring + 64 rows: no room
         (GluonLaunchConfig(row_tile=48), False),
         (GluonLaunchConfig(row_tile=16, block_n=32), False),
         (GluonLaunchConfig(row_tile=32, num_stages=3, overlap=True), False),
-        (GluonLaunchConfig(pingpong=True), True),
-        (GluonLaunchConfig(row_tile=32, pingpong=True), False),
-        (GluonLaunchConfig(pingpong=True, num_stages=3), False),
-        (GluonLaunchConfig(pingpong=True, block_n=32), False),
-        (GluonLaunchConfig(row_tile=16, dual=True), False),
-        (GluonLaunchConfig(row_tile=32, dual=True), True),
-        (GluonLaunchConfig(dual=True), True),
-        (GluonLaunchConfig(row_tile=16, dual=True, pingpong=True), True),
-        (GluonLaunchConfig(row_tile=16, dual=True, fold=True), True),
-        (GluonLaunchConfig(pingpong=True, fold=True), False),
+        (GluonLaunchConfig(kernel=GluonKernel.PINGPONG), True),
+        (GluonLaunchConfig(row_tile=32, kernel=GluonKernel.PINGPONG), False),
+        (GluonLaunchConfig(kernel=GluonKernel.PINGPONG, num_stages=3), False),
+        (GluonLaunchConfig(kernel=GluonKernel.PINGPONG, block_n=32), False),
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL), False),
+        (GluonLaunchConfig(row_tile=32, kernel=GluonKernel.DUAL), True),
+        (GluonLaunchConfig(kernel=GluonKernel.DUAL), True),
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL, block_n=32), True),
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL, fold=True), True),
+        (GluonLaunchConfig(kernel=GluonKernel.PINGPONG, fold=True), False),
         (GluonLaunchConfig(fold=True), False),
     ],
     ids=[
@@ -149,17 +155,18 @@ def test_kernel_choice_and_reasons() -> None:
         "dual-bf16",
         "dual-32-rows",
         "dual-64-rows",
-        "dual-and-pingpong",
+        "dual-block32",
         "dual-fold",
         "pingpong-fold",
         "64-row-kernel-fold",
     ],
 )
 def test_check_config_rejects_launches_the_kernels_cannot_run(config: GluonLaunchConfig, fp8: bool) -> None:
-    from mla.core.errors import InvalidInputError
-
-    with pytest.raises(InvalidInputError, match="config"):
+    with pytest.raises(InvalidInputError, match="config") as caught:
         check_config(config, kv_fp8=fp8)
+    # The message names the kernel and the kernels that would take the row tile.
+    assert f"kernel={config.kernel.value}" in str(caught.value)
+    assert f"kernels taking {config.row_tile}-row tiles" in str(caught.value)
 
 
 def test_check_config_accepts_the_kernels_tiles() -> None:
@@ -168,12 +175,41 @@ def test_check_config_accepts_the_kernels_tiles() -> None:
         (GluonLaunchConfig(), True),
         (GluonLaunchConfig(row_tile=16), True),
         (GluonLaunchConfig(row_tile=32, num_stages=3), True),
-        (GluonLaunchConfig(row_tile=64, transposed=True), False),
-        (GluonLaunchConfig(pingpong=True), False),
-        (GluonLaunchConfig(row_tile=16, dual=True), True),
+        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.ROWS), False),
+        (GluonLaunchConfig(kernel=GluonKernel.PINGPONG), False),
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL), True),
+        (GluonLaunchConfig(num_stages=3, overlap=True), False),
         (GluonLaunchConfig(row_tile=16, num_splits=8, fold=True), False),
         (GluonLaunchConfig(row_tile=32, num_splits=8, fold=True), True),
     ]:
         check_config(config, kv_fp8=fp8)
-    assert GluonLaunchConfig(row_tile=32).transposed
-    assert not GluonLaunchConfig().transposed
+    assert GluonLaunchConfig(row_tile=32).kernel is GluonKernel.ROWS
+    assert GluonLaunchConfig().kernel is GluonKernel.ROW64
+
+
+def test_the_kernel_table_has_one_row_and_one_pick_per_case() -> None:
+    """Every kernel has one row; every (row tile, cache) the heuristic can give has exactly one
+    kernel picked for it, and that kernel takes it (so :func:`launch_config` never builds a
+    launch :func:`check_config` refuses); a kernel is picked only where it takes the tile."""
+    assert [rule.kernel for rule in KERNEL_TABLE] == list(GluonKernel)
+    assert set(RULES) == set(GluonKernel)
+    tiles = sorted({few_rows_tile(rows) for rows in range(1, 200)})
+    assert tiles == [16, 32, BLOCK_M]
+    for fp8 in (False, True):
+        for tile in tiles:
+            pickers = [rule.kernel for rule in KERNEL_TABLE if (tile, fp8) in rule.picked_for]
+            assert len(pickers) == 1, (tile, fp8, pickers)
+            assert pick_kernel(tile, kv_fp8=fp8) is pickers[0]
+            check_config(GluonLaunchConfig(row_tile=tile, kernel=pickers[0]), kv_fp8=fp8)
+    for rule in KERNEL_TABLE:
+        for tile, fp8 in rule.picked_for:
+            assert tile in rule.tiles_for(fp8), rule
+    with pytest.raises(InvalidInputError, match="row_tile"):
+        pick_kernel(48, kv_fp8=False)
+
+
+def test_every_kernel_has_a_launcher() -> None:
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mla.providers.gluon.decode import LAUNCHERS
+
+    assert set(LAUNCHERS) == set(GluonKernel)

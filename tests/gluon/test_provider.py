@@ -17,6 +17,7 @@ from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.provider import DELEGATED, hopper_support
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
+from mla.providers.triton.decode_launch import DecodeInputs
 from mla.testing import assert_matches_reference
 
 
@@ -159,6 +160,16 @@ def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> No
     assert "provider gluon: decode runs on the Gluon kernels: fp8 cache (torch.float8_e4m3fn)" in text
 
 
+def _unit_qlen_inputs(q: torch.Tensor, cache: torch.Tensor, rank: int) -> DecodeInputs:
+    """Two qlen-1 requests of ``q`` (latent width ``rank``) over ``cache``; the launcher must
+    refuse them before reading anything."""
+    indptr, indices = torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    out = torch.zeros(2, q.shape[1], rank, dtype=q.dtype)
+    return DecodeInputs(
+        q[..., :rank], q[..., rank:], cache, indptr, indices, None, 2, 1, 8, 0.1, None, out, None, None
+    )
+
+
 @pytest.mark.parametrize(
     ("rank", "rope", "q_dtype", "kv_dtype"),
     [(256, 64, torch.bfloat16, torch.bfloat16), (512, 32, torch.bfloat16, torch.bfloat16),
@@ -171,14 +182,10 @@ def test_launcher_rejects_cases_the_kernels_do_not_take(
     from mla.providers.gluon.decode import launch_gluon_decode
     from mla.providers.gluon.planner import GluonLaunchConfig
 
-    q = torch.zeros(2, 16, rank + rope, dtype=q_dtype)
+    q, cache = torch.zeros(2, 16, rank + rope, dtype=q_dtype), torch.zeros(8, rank + rope, dtype=kv_dtype)
+    inputs = _unit_qlen_inputs(q, cache, rank)
     with pytest.raises(InvalidInputError, match="Triton provider"):
-        launch_gluon_decode(
-            q_nope=q[..., :rank], q_pe=q[..., rank:], kv_cache=torch.zeros(8, rank + rope, dtype=kv_dtype),
-            kv_indptr=torch.zeros(3, dtype=torch.int32), kv_indices=torch.zeros(8, dtype=torch.int32),
-            qo_indptr=None, num_requests=2, max_qlen=1, softmax_scale=0.1, kv_scale=None,
-            out=torch.zeros(2, 16, rank, dtype=q_dtype), lse=None, config=GluonLaunchConfig(), schedule=None,
-        )  # fmt: skip
+        launch_gluon_decode(inputs, GluonLaunchConfig())
 
 
 @pytest.mark.parametrize(
@@ -197,10 +204,4 @@ def test_launcher_rejects_caches_whose_rows_are_not_16_byte_aligned(cache: torch
 
     q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     with pytest.raises(InvalidInputError, match=r"kv_cache.*16-byte"):
-        launch_gluon_decode(
-            q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=cache,
-            kv_indptr=torch.zeros(3, dtype=torch.int32), kv_indices=torch.zeros(8, dtype=torch.int32),
-            qo_indptr=None, num_requests=2, max_qlen=1, softmax_scale=0.1, kv_scale=None,
-            out=torch.zeros(2, 16, 512, dtype=torch.bfloat16), lse=None, config=GluonLaunchConfig(),
-            schedule=None,
-        )  # fmt: skip
+        launch_gluon_decode(_unit_qlen_inputs(q, cache, 512), GluonLaunchConfig())

@@ -39,7 +39,7 @@ import torch
 
 from mla.core.capabilities import Contract, ProviderCapabilities
 from mla.core.config import FP8_DTYPES
-from mla.core.errors import ProviderUnavailableError
+from mla.core.errors import InvalidInputError, ProviderUnavailableError
 from mla.core.platform import Platform
 from mla.core.support import Support
 from mla.providers.aiter import decode_calls, prefill_calls
@@ -50,6 +50,7 @@ from mla.providers.aiter.capabilities import (
     ARCH_FP8,
     aiter_capabilities,
     real_kernel_limits,
+    with_native_h24,
 )
 from mla.providers.aiter.detect import AiterLibrary, detect_aiter
 from mla.providers.aiter.probes import AiterProbes, probe_library
@@ -80,6 +81,11 @@ def _rocm_device_support() -> Support:
     if not torch.cuda.is_available():
         return Support.no("no-rocm-device", "no ROCm GPU is visible (torch.cuda.is_available() is False)")
     return Support.yes()
+
+
+AITER_FEATURES = frozenset({"native_h24"})
+"""aiter's optional kernels that emulation and ``mla explain`` may assume present
+(:meth:`AiterProvider.assume`)."""
 
 
 class AiterProvider(KernelProvider):
@@ -141,6 +147,22 @@ class AiterProvider(KernelProvider):
         """aiter's kernels as shipped on ``platform.arch`` (:func:`aiter_capabilities`); no aiter
         needed, the same on every machine."""
         return aiter_capabilities(platform.arch)
+
+    @classmethod
+    def assume(
+        cls, caps: ProviderCapabilities, platform: Platform, features: frozenset[str]
+    ) -> ProviderCapabilities:
+        """``caps`` with aiter's optional kernels in ``features`` assumed present: ``native_h24``
+        (the native-H24 reducer and planner, :func:`with_native_h24`: 24 heads unpadded on
+        gfx950). :class:`InvalidInputError` naming ``assume`` for any other feature."""
+        unknown = features - AITER_FEATURES
+        if unknown:
+            raise InvalidInputError(
+                "assume",
+                f"aiter has no optional feature {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(sorted(AITER_FEATURES))}",
+            )
+        return with_native_h24(caps, platform.arch) if "native_h24" in features else caps
 
     def capabilities(self, platform: Platform) -> ProviderCapabilities:
         """The record for ``platform.arch``: aiter's table narrowed by what this build ships.

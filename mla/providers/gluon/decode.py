@@ -1,48 +1,48 @@
 """Launchers of the Gluon MLA decode: paged MQA decode and small-head decode.
 
-Contracts (same as the Triton provider's, see :mod:`mla.providers.base`): q ``[T, H, L+R]`` (or
-``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` strided views with a contiguous last dim), flat cache
-``[N_tok, L+R]`` (16-bit, or fp8 with a per-tensor scale given as a one-element float32 device
-tensor; rows on 16-byte boundaries, see :func:`_check_cache_rows`),
+Contracts (same as the Triton provider's, see :mod:`mla.providers.base` and
+:mod:`mla.providers.triton.decode_launch`, whose skeleton every launch here runs on): q
+``[T, H, L+R]`` (or ``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` strided views with a contiguous
+last dim), flat cache ``[N_tok, L+R]`` (16-bit, or fp8 with a per-tensor scale given as a
+one-element float32 device tensor; rows on 16-byte boundaries, see :func:`_check_cache_rows`),
 ``kv_indptr``/``kv_indices``/``qo_indptr`` int32 on the device, out ``[T, H, L]``, lse
 ``[T, H]`` fp32 or ``None`` (not written). Split-KV partials are combined by the Triton
 provider's reduce kernel (:func:`mla.providers.triton.merge.launch_merge`), or in the few-rows
 kernel itself with ``GluonLaunchConfig(fold=True)`` (:mod:`.fold`). Everything is
 graph-capturable: grids come from shapes and Python ints.
+
+The kernel of a launch is ``config.kernel``; what each kernel takes is the planner's
+:data:`~mla.providers.gluon.planner.KERNEL_TABLE` and how each is launched is :data:`LAUNCHERS`
+(the operands every decode kernel shares come from the skeleton's
+:class:`~mla.providers.triton.decode_launch.DecodeLaunch`; a launcher adds its kernel's own).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mla.core.errors import InvalidInputError, PlanMismatchError
+from mla.core.errors import InvalidInputError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.fold import barrier_words, fold_slice
-from mla.providers.gluon.kernels import MODE_SCHEDULED, MODE_SPLIT, mla_decode_kernel
+from mla.providers.gluon.kernels import mla_decode_kernel
 from mla.providers.gluon.pingpong import LOADER_WARPS as PINGPONG_LOADER_WARPS
 from mla.providers.gluon.pingpong import mla_decode_pingpong_kernel
 from mla.providers.gluon.planner import (
     BLOCK_M,
     NUM_WARPS,
+    GluonKernel,
     GluonLaunchConfig,
     check_config,
     decode_kernel,
     launch_config,
 )
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
-from mla.providers.split_kv import SplitKVSchedule
-from mla.providers.triton.decode import num_sms
-from mla.providers.triton.merge import launch_merge, split_work
-
-LOG2E = 1.4426950408889634
-
-
-def _is_fp8(kv_cache: torch.Tensor) -> bool:
-    """Whether the cache is one of the fp8 formats the kernels widen (one byte per element)."""
-    return kv_cache.element_size() == 1
+from mla.providers.triton.decode_launch import DecodeInputs, DecodeLaunch, launch_split_decode, num_sms
 
 
 def _check_cache_rows(kv_cache: torch.Tensor) -> None:
@@ -70,140 +70,98 @@ def _kv_box_descriptors(
     return lat, rope
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _constexprs(decode: DecodeLaunch, config: GluonLaunchConfig) -> dict[str, int | bool]:
+    """The shared constexprs plus the KV tile every Gluon kernel takes."""
+    return {**decode.constexprs(), "BLOCK_N": config.block_n}
 
 
-def launch_gluon_decode(
-    *,
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor | None,
-    num_requests: int,
-    max_qlen: int,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    config: GluonLaunchConfig,
-    schedule: SplitKVSchedule | None,
-) -> None:
-    """Launch the decode kernel (and the reduce when any request is split).
+def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
+    """The transposed few-rows kernel (16-, 32- or 64-row tiles; 4 warps below 64 rows), with
+    the split reduce folded in when ``config.fold`` asks for it (then it reports the reduce done)."""
+    out = decode.inputs.out
+    words = _fold_barrier(config, grid=decode.grid[0], rank=out.shape[-1], device=out.device)
+    folds = words is not None
+    mla_decode_rows_kernel[decode.grid](
+        # Without a fold the kernel never reads barrier_ptr: any device pointer will do.
+        *decode.tensors(), decode.kv_scale, words if folds else decode.kv_scale, *decode.scalars(),
+        decode.num_rows, **_constexprs(decode, config), NUM_STAGES=config.num_stages,
+        KV_FP8=decode.inputs.kv_fp8, NR=config.row_tile, FOLD_SPLITS=config.num_splits if folds else 0,
+        num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=folds,
+    )  # fmt: skip
+    return folds
 
-    ``qo_indptr is None``: row ``b`` of q is request ``b`` with qlen 1 (small-head mode).
-    Non-persistent when ``schedule is None`` (``config.num_splits`` splits per request).
-    ``kv_scale`` is required for an fp8 cache (``None`` otherwise).
+
+def _launch_row64(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
+    """The 64-row kernel (8 warps; 16-bit or fp8 caches; optionally overlapped MMAs)."""
+    mla_decode_kernel[decode.grid](
+        *decode.tensors(), decode.kv_scale, *decode.scalars(), decode.num_rows,
+        **_constexprs(decode, config), NUM_STAGES=config.num_stages, KV_FP8=decode.inputs.kv_fp8,
+        OVERLAP=config.overlap, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return False
+
+
+def _launch_pingpong(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
+    """The ping-pong kernel (64 rows of a 16-bit cache; the launch's warps are its loader)."""
+    mla_decode_pingpong_kernel[decode.grid](
+        *decode.tensors(), decode.kv_scale, *decode.scalars(), decode.num_rows,
+        **_constexprs(decode, config), NUM_STAGES=config.num_stages, num_warps=PINGPONG_LOADER_WARPS.value,
+    )  # fmt: skip
+    return False
+
+
+def _launch_dual(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
+    """The dual-chain kernel (16 rows of an fp8 cache): a merge buffer per program, through
+    which its second MMA warpgroup hands over its output, row max and row sum, and the TMA
+    descriptors of the cache's latent and rope boxes."""
+    x = decode.inputs
+    rank = x.q_nope.shape[2]
+    merge = x.out.new_empty(decode.grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
+    boxes = _kv_box_descriptors(x.kv_cache, rank, config.block_n)
+    mla_decode_dual_kernel[decode.grid](
+        *decode.tensors(), decode.kv_scale, merge, *boxes, *decode.scalars(), decode.num_rows,
+        **_constexprs(decode, config), NR=config.row_tile, num_warps=DUAL_LOADER_WARPS.value,
+    )  # fmt: skip
+    return False
+
+
+LAUNCHERS: dict[GluonKernel, Callable[[DecodeLaunch, GluonLaunchConfig], bool]] = {
+    GluonKernel.ROWS: _launch_rows,
+    GluonKernel.ROW64: _launch_row64,
+    GluonKernel.PINGPONG: _launch_pingpong,
+    GluonKernel.DUAL: _launch_dual,
+}
+"""How each kernel of :data:`~mla.providers.gluon.planner.KERNEL_TABLE` is launched: its own
+operands around the shared ones of the :class:`~mla.providers.triton.decode_launch.DecodeLaunch`
+(pointers, then the kernel's extra pointers, then the shared scalars), its constexprs and warps.
+Returns whether the kernel reduced its splits itself."""
+
+
+def launch_gluon_decode(inputs: DecodeInputs, config: GluonLaunchConfig) -> None:
+    """Launch ``config.kernel`` (and the reduce when any request is split and the kernel does
+    not fold it) through the shared skeleton.
+
+    Raises :class:`InvalidInputError` before any launch for a case the Gluon kernels do not take
+    (argument ``q``: :func:`~mla.providers.gluon.planner.decode_kernel` routes it to Triton), a
+    ``config`` its kernel cannot run (:func:`~mla.providers.gluon.planner.check_config`), cache
+    rows off 16-byte boundaries (``kv_cache``) or an fp8 cache without ``kv_scale``.
     """
-    heads, rank = q_nope.shape[1], q_nope.shape[2]
-    rope = q_pe.shape[2]
+    rank, rope = inputs.q_nope.shape[2], inputs.q_pe.shape[2]
     kernel, why = decode_kernel(
-        q_dtype=q_nope.dtype, kv_dtype=kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope
+        q_dtype=inputs.q_nope.dtype, kv_dtype=inputs.kv_cache.dtype, kv_lora_rank=rank, rope_dim=rope
     )
     if kernel != "gluon":
         raise InvalidInputError("q", f"not a Gluon kernel case ({why}); run it on the Triton provider")
-    rows = heads * max_qlen
-    if num_requests == 0 or rows == 0:
+    if inputs.num_requests == 0 or inputs.rows == 0:
         return
-    row_blocks = config.row_blocks(rows)
-    kv_fp8 = _is_fp8(kv_cache)
+    kv_fp8 = inputs.kv_fp8
     check_config(config, kv_fp8=kv_fp8)
-    _check_cache_rows(kv_cache)
-    if kv_fp8 and kv_scale is None:
+    _check_cache_rows(inputs.kv_cache)
+    if kv_fp8 and inputs.kv_scale is None:
         raise InvalidInputError("kv_scale", "an fp8 cache needs its per-tensor scale (float32 [1] tensor)")
-    scale_arg = kv_scale if kv_scale is not None else out.new_empty(1, dtype=torch.float32)
-    write_lse = lse is not None
-    lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
-    unit_qlen = qo_indptr is None
-    qo = kv_indptr if qo_indptr is None else qo_indptr
-    mode, num_splits = (MODE_SPLIT, config.num_splits) if schedule is None else (MODE_SCHEDULED, 1)
-    num_work, part_o, part_lse, work_info, split_indptr = split_work(
-        schedule=schedule, num_splits=num_splits, num_requests=num_requests, max_qlen=max_qlen,
-        heads=heads, rank=rank, kv_indptr=kv_indptr, out=out,
-    )  # fmt: skip
-    common = (
-        q_nope,
-        q_pe,
-        kv_cache,
-        kv_indptr,
-        kv_indices,
-        qo,
-        work_info,
-        split_indptr,
-        out,
-        lse_arg,
-        part_o,
-        part_lse,
-    )
-    strides = (
-        num_splits,
-        kv_cache.shape[0],  # num_kv_rows: ids outside [0, rows) are masked, never read
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0),
-        out.stride(0),
-        out.stride(1),
-        lse_arg.stride(0),
-        lse_arg.stride(1),
-        part_o.stride(0),
-        part_o.stride(1),
-        part_o.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        softmax_scale * LOG2E,
-    )
-    constexprs = {
-        "H": heads, "L": rank, "R": rope, "BLOCK_N": config.block_n, "NUM_STAGES": config.num_stages,
-        "ROW_BLOCKS": row_blocks, "MODE": mode, "UNIT_QLEN": unit_qlen, "WRITE_LSE": write_lse,
-        "KV_FP8": kv_fp8,
-    }  # fmt: skip
-    grid = (num_work * row_blocks,)
-    if config.dual:
-        del constexprs["KV_FP8"], constexprs["NUM_STAGES"]
-        # Each program's second MMA warpgroup hands its output, row max and row sum over here.
-        merge = out.new_empty(grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
-        boxes = _kv_box_descriptors(kv_cache, rank, config.block_n)
-        mla_decode_dual_kernel[grid](
-            *common, scale_arg, merge, *boxes, *strides, **constexprs, NR=config.row_tile,
-            num_warps=DUAL_LOADER_WARPS.value,
-        )  # fmt: skip
-    elif config.transposed:
-        words = _fold_barrier(config, grid=grid[0], rank=rank, device=out.device)
-        folds = words is not None
-        mla_decode_rows_kernel[grid](
-            # Without a fold the kernel never reads barrier_ptr: any device pointer will do.
-            *common, scale_arg, words if folds else scale_arg, *strides, **constexprs, NR=config.row_tile,
-            FOLD_SPLITS=config.num_splits if folds else 0,
-            num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=folds,
-        )  # fmt: skip
-        if folds:
-            return
-    elif config.pingpong:
-        del constexprs["KV_FP8"]
-        mla_decode_pingpong_kernel[grid](
-            *common, scale_arg, *strides, **constexprs, num_warps=PINGPONG_LOADER_WARPS.value
-        )
-    else:
-        mla_decode_kernel[grid](
-            *common, scale_arg, *strides, **constexprs, OVERLAP=config.overlap, num_warps=NUM_WARPS
-        )
-    if mode == MODE_SPLIT and num_splits == 1:
-        return
-    launch_merge(
-        part_o=part_o,
-        part_lse=part_lse,
-        out=out,
-        lse=lse,
-        qo_indptr=qo_indptr,
-        split_indptr=split_indptr,
-        num_requests=num_requests,
-        max_qlen=max_qlen,
-        num_splits=num_splits if mode == MODE_SPLIT else None,
-        num_sms=num_sms(out.device),
+    launcher = LAUNCHERS[config.kernel]
+    launch_split_decode(
+        inputs, row_tile=config.row_tile, num_splits=config.num_splits, launch=lambda d: launcher(d, config)
     )
 
 
@@ -228,72 +186,31 @@ def _fold_barrier(
     return barrier_words(device)
 
 
+def _auto_config(inputs: DecodeInputs) -> GluonLaunchConfig:
+    """The launch heuristic's configuration for ``inputs`` (:func:`.planner.launch_config`)."""
+    return launch_config(
+        batch=inputs.num_requests,
+        rows=inputs.rows,
+        max_seqlen_k=inputs.max_seqlen_k,
+        num_sms=num_sms(inputs.q_nope.device),
+        persistent=inputs.schedule is not None,
+        kv_fp8=inputs.kv_fp8,
+    )
+
+
 def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
     """Paged MQA decode on the Gluon kernels (the ``paged-decode`` contract; ``call.schedule``
     selects the planned split-KV path and must be a :class:`~mla.providers.split_kv.SplitKVSchedule`).
     ``config`` overrides the launch heuristic (benchmarks)."""
-    schedule = call.schedule
-    if schedule is not None and not isinstance(schedule, SplitKVSchedule):
-        raise PlanMismatchError(f"the gluon provider takes a SplitKVSchedule, got {type(schedule).__name__}")
-    q, out = call.q, call.out
-    num_requests = call.qo_indptr.numel() - 1
-    rank = out.shape[-1]
-    if config is None:
-        config = launch_config(
-            batch=num_requests,
-            rows=q.shape[1] * call.max_qlen,
-            max_seqlen_k=call.max_seqlen_k,
-            num_sms=num_sms(q.device),
-            persistent=schedule is not None,
-            kv_fp8=_is_fp8(call.kv_cache),
-        )
-    launch_gluon_decode(
-        q_nope=q[..., :rank],
-        q_pe=q[..., rank:],
-        kv_cache=call.kv_cache,
-        kv_indptr=call.kv_indptr,
-        kv_indices=call.kv_indices,
-        qo_indptr=call.qo_indptr,
-        num_requests=num_requests,
-        max_qlen=call.max_qlen,
-        softmax_scale=call.softmax_scale,
-        kv_scale=call.kv_scale,
-        out=out,
-        lse=call.lse,
-        config=config,
-        schedule=schedule,
-    )
+    inputs = DecodeInputs.paged(call, provider="gluon")
+    launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
 
 
 def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
     """Small-head decode on the Gluon kernels: row ``t`` of q is an independent qlen-1 decode
     over ``page_table[seq_info[t] : seq_info[t+1]]`` (the paged kernels in unit-qlen mode)."""
-    rows = call.q_nope.shape[0]
-    if config is None:
-        config = launch_config(
-            batch=rows,
-            rows=call.q_nope.shape[1],
-            max_seqlen_k=call.max_seqlen_k,
-            num_sms=num_sms(call.q_nope.device),
-            persistent=False,
-            kv_fp8=_is_fp8(call.kv_cache),
-        )
-    launch_gluon_decode(
-        q_nope=_last_dim_contiguous(call.q_nope),
-        q_pe=_last_dim_contiguous(call.q_pe),
-        kv_cache=call.kv_cache,
-        kv_indptr=call.seq_info,
-        kv_indices=call.page_table,
-        qo_indptr=None,
-        num_requests=rows,
-        max_qlen=1,
-        softmax_scale=call.softmax_scale,
-        kv_scale=call.kv_scale,
-        out=call.out,
-        lse=call.lse,
-        config=config,
-        schedule=None,
-    )
+    inputs = DecodeInputs.small_head(call)
+    launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
 
 
-__all__ = ["launch_gluon_decode", "paged_decode", "small_head_decode"]
+__all__ = ["LAUNCHERS", "launch_gluon_decode", "paged_decode", "small_head_decode"]

@@ -41,8 +41,9 @@ buffers; it still flags the start-up hand-off that Triton generates for ``gl.war
 (the partitions' state and arguments, ordered by full-CTA barriers in the PTX; a 60-line probe,
 ``probes/ws_mbarrier_probe.py``, shows the same reports).
 
-Selected by ``GluonLaunchConfig(pingpong=True)``, which :func:`.planner.launch_config` picks for
-every 64-row tile of a 16-bit cache.
+Selected by ``GluonLaunchConfig(kernel=GluonKernel.PINGPONG)``, which
+:func:`.planner.launch_config` picks for every 64-row tile of a 16-bit cache (the planner's
+kernel table).
 
 16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
 outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
@@ -361,7 +362,6 @@ def mla_decode_pingpong_kernel(
     part_lse_ptr,
     kv_scale_ptr,
     num_splits,
-    num_kv_rows,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -377,6 +377,7 @@ def mla_decode_pingpong_kernel(
     stride_pl_w,
     stride_pl_q,
     sm_scale_log2,
+    num_kv_rows,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,

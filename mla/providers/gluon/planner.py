@@ -26,7 +26,13 @@ The transposed kernel on two warpgroups (64 rows, each warpgroup owning 32) meas
 the 64-row kernel at 64 rows (verify q4 and 128 heads; ``docs/performance.md``, "Kernel
 choices"): both warpgroups read the whole K tile for QKᵀ and Vᵀ for PV (about 350 KB of shared
 memory per tile against 280 KB), so 33–64 rows stay on the 64-row kernel;
-``GluonLaunchConfig(row_tile=64, transposed=True)`` selects it explicitly.
+``GluonLaunchConfig(row_tile=64, kernel=GluonKernel.ROWS)`` selects it explicitly.
+
+Which kernel takes which launch is one table, :data:`KERNEL_TABLE` (a :class:`KernelRule` per
+:class:`GluonKernel`: the row tiles it takes on 16-bit and fp8 caches, the launch fields it is
+built for, whether it may overlap its MMAs or fold the split reduce, and the (row tile, cache)
+pairs :func:`launch_config` picks it for). :func:`check_config` and :func:`launch_config` read
+only the table; the launcher of each kernel is :data:`mla.providers.gluon.decode.LAUNCHERS`.
 
 Splits are sized in whole waves (a program in a mostly empty second wave costs a full one):
 
@@ -40,10 +46,13 @@ Splits are sized in whole waves (a program in a mostly empty second wave costs a
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 import torch
 
 from mla.core.errors import InvalidInputError
+from mla.providers.split_kv import wave_splits
 
 MIN_SPLIT_TOKENS = 256
 """Smallest KV range a split is given (non-persistent) and the persistent planner's min chunk."""
@@ -64,6 +73,92 @@ SUPPORTED_ROPE = 64
 """The only rope width the kernel is built for."""
 
 
+class GluonKernel(enum.Enum):
+    """The Gluon decode kernels (what each takes: :data:`KERNEL_TABLE`)."""
+
+    ROWS = "rows"
+    """The transposed few-rows kernel of :mod:`.transposed` (rows as the MMA N dimension)."""
+    ROW64 = "row64"
+    """The 64-row kernel of :mod:`.kernels` (8 warps; each MMA split across two warpgroups)."""
+    PINGPONG = "pingpong"
+    """The ping-pong kernel of :mod:`.pingpong` (a loader warpgroup, two MMA warpgroups taking
+    alternate KV tiles)."""
+    DUAL = "dual"
+    """The dual-chain fp8 kernel of :mod:`.dual` (a loader warpgroup, two MMA warpgroups taking
+    alternate tiles, each widening its own, merged at the end)."""
+
+
+@attrs.frozen
+class KernelRule:
+    """One row of the Gluon decode kernel table: the launches one kernel takes.
+
+    A launch packs ``rows = heads × qlen`` query rows into tiles of ``row_tile`` rows
+    (``ceil(rows / row_tile)`` row blocks over the same KV range), so a kernel's row tiles are
+    the head × qlen products it serves per program, whatever the qlen. Every Gluon kernel takes
+    bf16 or fp16 queries with a cache of the query's dtype ("16-bit") or fp8 (e4m3/e5m2);
+    :func:`decode_kernel` routes every other case to the Triton kernel.
+    """
+
+    kernel: GluonKernel
+    name: str
+    """How messages call it."""
+    tiles: tuple[int, ...]
+    """Row tiles it takes on a 16-bit cache (empty: it takes no 16-bit cache)."""
+    fp8_tiles: tuple[int, ...]
+    """Row tiles it takes on an fp8 cache (empty: it takes no fp8 cache)."""
+    block_n: int | None = 64
+    """The KV tile it is built for (``None``: any)."""
+    num_stages: int | None = None
+    """The ring depth it is built for (``None``: any, or unused)."""
+    overlap: bool = False
+    """Whether it may software-pipeline its MMAs (``GluonLaunchConfig.overlap``)."""
+    fold: bool = False
+    """Whether it may fold the split reduce into itself (``GluonLaunchConfig.fold``)."""
+    picked_for: tuple[tuple[int, bool], ...] = ()
+    """The ``(row tile, fp8 cache)`` launches :func:`launch_config` gives it (each one measured
+    fastest there: ``docs/performance.md``, "Kernel choices")."""
+
+    def tiles_for(self, kv_fp8: bool) -> tuple[int, ...]:
+        """The row tiles it takes on an fp8 (``kv_fp8``) or a 16-bit cache."""
+        return self.fp8_tiles if kv_fp8 else self.tiles
+
+
+KERNEL_TABLE: tuple[KernelRule, ...] = (
+    # 64 rows of fp8 do not fit: the fp8 ring and the widened tile beside a 512 x 64 Oᵀ.
+    KernelRule(GluonKernel.ROWS, "transposed few-rows", (16, 32, BLOCK_M), (16, 32), fold=True,
+               picked_for=((16, False), (32, False), (32, True))),
+    KernelRule(GluonKernel.ROW64, "64-row", (BLOCK_M,), (BLOCK_M,), block_n=None, overlap=True,
+               picked_for=((BLOCK_M, True),)),
+    KernelRule(GluonKernel.PINGPONG, "ping-pong", (BLOCK_M,), (), num_stages=2,
+               picked_for=((BLOCK_M, False),)),
+    # num_stages is unused: the kernel has its own fp8 ring.
+    KernelRule(GluonKernel.DUAL, "dual-chain", (), (16,), picked_for=((16, True),)),
+)  # fmt: skip
+"""The Gluon decode kernels: what each takes and where the launch heuristic picks it. A new
+kernel is a row here, a :class:`GluonKernel` member and a launcher in
+:data:`mla.providers.gluon.decode.LAUNCHERS` (``docs/adding-a-kernel.md``)."""
+
+RULES: dict[GluonKernel, KernelRule] = {rule.kernel: rule for rule in KERNEL_TABLE}
+""":data:`KERNEL_TABLE` by kernel."""
+
+
+def pick_kernel(row_tile: int, *, kv_fp8: bool) -> GluonKernel:
+    """The kernel :data:`KERNEL_TABLE` picks for tiles of ``row_tile`` rows of an fp8
+    (``kv_fp8``) or a 16-bit cache; exactly one row claims each tile :func:`few_rows_tile`
+    gives (a test checks it). :class:`InvalidInputError` naming ``row_tile`` when none does."""
+    for rule in KERNEL_TABLE:
+        if (row_tile, kv_fp8) in rule.picked_for:
+            return rule.kernel
+    cache = "an fp8" if kv_fp8 else "a 16-bit"
+    raise InvalidInputError(
+        "row_tile", f"no Gluon decode kernel is picked for {row_tile}-row tiles of {cache} cache"
+    )
+
+
+def _default_kernel(config: GluonLaunchConfig) -> GluonKernel:
+    return GluonKernel.ROWS if config.row_tile != BLOCK_M else GluonKernel.ROW64
+
+
 @attrs.frozen
 class GluonLaunchConfig:
     """Compile-time shape of one Gluon decode launch plus its run-time split count."""
@@ -82,30 +177,16 @@ class GluonLaunchConfig:
     """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
     row_tile: int = BLOCK_M
     """Packed query rows per program: 16, 32 or 64."""
-    transposed: bool = attrs.field(
-        default=attrs.Factory(lambda self: self.row_tile != BLOCK_M, takes_self=True)
-    )
-    """Run the transposed few-rows kernel of :mod:`.transposed` (rows as the MMA N dimension; 64
-    rows on two warpgroups) instead of the 64-row kernel of :mod:`.kernels`. Default: exactly
-    when ``row_tile`` is below 64 (the 64-row kernel takes only 64)."""
-    pingpong: bool = False
-    """Run 64 rows on the ping-pong kernel of :mod:`.pingpong` (two MMA warpgroups taking
-    alternate KV tiles, a loader warpgroup; 16-bit caches, 64-token tiles, two stages) instead of
-    the 64-row kernel of :mod:`.kernels`. :func:`launch_config` picks it for every 16-bit launch
-    of 64-row tiles: it was faster on every 64-row case measured
-    (``docs/performance.md``, "Kernel choices")."""
-
-    dual: bool = False
-    """Run 16 rows of an fp8 cache on the dual-chain kernel of :mod:`.dual` (a loader
-    warpgroup that gathers the fp8 tiles, two MMA warpgroups taking alternate tiles, each
-    widening its own in registers, with a running output each, merged at the end) instead of
-    the few-rows kernel. :func:`launch_config` picks it for every fp8 launch of 16-row tiles: it
-    takes about 40% off the few-rows kernel's time on fp8 (``docs/performance.md``, "Kernel choices")."""
-
+    kernel: GluonKernel = attrs.field(default=attrs.Factory(_default_kernel, takes_self=True))
+    """The kernel that runs the launch (:data:`KERNEL_TABLE`). Default: the few-rows kernel for
+    tiles below 64 rows, the 64-row kernel for 64 (:func:`launch_config` picks from the table:
+    the ping-pong kernel for 64-row tiles of a 16-bit cache, the dual-chain kernel for 16-row
+    tiles of an fp8 cache)."""
     fold: bool = False
     """Fold the split reduce into the few-rows kernel (:mod:`.fold`: a cooperative launch, a
     grid barrier, then each split's program merges ``1 / num_splits`` of its row block's output)
-    instead of launching the separate reduce. Needs the transposed kernel (16-bit or fp8 cache),
+    instead of launching the separate reduce. Needs a kernel that folds (the table's ``fold``:
+    the few-rows kernel, 16-bit or fp8 cache),
     ``num_splits`` that :func:`.fold.fold_slice` accepts (a power of two from 2 up: 128 splits of
     a 16-row block merge 64 values each) and the whole grid in one wave (checked at launch).
     :func:`launch_config` leaves it off: it ties the separate reduce on one long request and
@@ -139,32 +220,19 @@ def decode_kernel(
     return "gluon", "16-bit cache, 512+64 dims"
 
 
-def wave_splits(programs: int, *, slots: int, cap: int) -> int:
-    """Split count ``k`` in ``1..cap`` with the fewest waves per unit of work,
-    ``ceil(programs·k / slots) / k`` (the smallest such ``k``)."""
-    programs = max(1, programs)
-    best, best_cost = 1, float(-(-programs // slots))
-    for k in range(2, max(1, cap) + 1):
-        cost = -(-programs * k // slots) / k
-        if cost < best_cost:
-            best, best_cost = k, cost
-    return best
-
-
 def launch_config(
     *, batch: int, rows: int, max_seqlen_k: int, num_sms: int, persistent: bool, kv_fp8: bool
 ) -> GluonLaunchConfig:
     """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows.
 
-    Tiles and splits are the same for 16-bit and fp8 caches; 64-row tiles of a 16-bit cache
-    (``kv_fp8=False``) run on the ping-pong kernel, 16-row tiles of an fp8 cache on the
-    dual-chain kernel. Persistent launches take their splits from
-    the schedule (``num_splits`` stays 1).
+    The row tile is :func:`few_rows_tile`'s and the kernel the table's pick for it
+    (:func:`pick_kernel`: 64-row tiles of a 16-bit cache on the ping-pong kernel, of an fp8
+    cache on the 64-row kernel; 16-row tiles of an fp8 cache on the dual-chain kernel; the
+    others on the few-rows kernel). Tiles and splits are the same for 16-bit and fp8 caches.
+    Persistent launches take their splits from the schedule (``num_splits`` stays 1).
     """
     row_tile = few_rows_tile(rows)
-    tile = GluonLaunchConfig(
-        row_tile=row_tile, pingpong=row_tile == BLOCK_M and not kv_fp8, dual=row_tile == 16 and kv_fp8
-    )
+    tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8))
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
@@ -173,66 +241,31 @@ def launch_config(
 
 
 def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
-    """Raise :class:`InvalidInputError` (argument ``config``) for a launch the kernels cannot
-    run: the transposed kernel takes 16, 32 or 64 rows (fp8: 16 or 32, shared memory), 64-token
-    tiles and no overlap; the 64-row kernel takes 64 rows; the ping-pong kernel 64 rows of a
-    16-bit cache in 64-token tiles, two stages, no overlap; the dual-chain kernel 16 rows of an
-    fp8 cache in 64-token tiles, no overlap (it has its own fp8 ring: ``num_stages`` is unused).
-    Only the transposed kernel folds the split reduce (``fold``; the launch checks the grid)."""
-    if config.dual:
-        _require_fixed_shape(
-            config, kv_fp8, kernel="dual-chain", flag="dual", fp8_cache=True,
-            shape={
-                "row_tile": 16, "transposed": True, "block_n": 64, "overlap": False, "pingpong": False,
-                "fold": False,
-            },
-        )  # fmt: skip
-        return
-    if config.pingpong:
-        _require_fixed_shape(
-            config, kv_fp8, kernel="ping-pong", flag="pingpong", fp8_cache=False,
-            shape={
-                "row_tile": BLOCK_M, "transposed": False, "block_n": 64, "num_stages": 2, "overlap": False,
-                "fold": False,
-            },
-        )  # fmt: skip
-        return
-    if config.transposed:
-        tiles = (16, 32) if kv_fp8 else (16, 32, BLOCK_M)
-        if config.row_tile not in tiles or config.block_n != 64 or config.overlap:
-            raise InvalidInputError(
-                "config",
-                f"the transposed kernel takes row_tile in {tiles}, block_n=64 and overlap=False "
-                f"(got row_tile={config.row_tile}, block_n={config.block_n}, overlap={config.overlap}); "
-                "or set transposed=False for the 64-row kernel",
-            )
-    elif config.row_tile != BLOCK_M or config.fold:
+    """Raise :class:`InvalidInputError` (argument ``config``) for a launch its kernel cannot
+    run, by the kernel's row of :data:`KERNEL_TABLE`: a row tile it takes on this cache, the KV
+    tile and ring depth it is built for, overlap and a folded reduce only where it has them (the
+    launch checks a fold's grid). The message names every mismatch and the kernels that take
+    the row tile on this cache."""
+    rule = RULES[config.kernel]
+    cache = "an fp8 cache" if kv_fp8 else "a 16-bit cache"
+    tiles = rule.tiles_for(kv_fp8)
+    wrong = []
+    if config.row_tile not in tiles:
+        wrong.append(f"row_tile={config.row_tile} (it takes {list(tiles) or 'no tile'} on {cache})")
+    if rule.block_n is not None and config.block_n != rule.block_n:
+        wrong.append(f"block_n={config.block_n} (it is built for {rule.block_n})")
+    if rule.num_stages is not None and config.num_stages != rule.num_stages:
+        wrong.append(f"num_stages={config.num_stages} (it is built for {rule.num_stages})")
+    if config.overlap and not rule.overlap:
+        wrong.append("overlap=True (it does not overlap its MMAs)")
+    if config.fold and not rule.fold:
+        wrong.append("fold=True (it does not fold the split reduce)")
+    if wrong:
+        others = [r.kernel.value for r in KERNEL_TABLE if config.row_tile in r.tiles_for(kv_fp8)]
         raise InvalidInputError(
             "config",
-            f"the 64-row kernel takes row_tile={BLOCK_M} and no fold (got row_tile={config.row_tile}, "
-            f"fold={config.fold}); set transposed=True for 16 or 32 rows or a folded reduce",
-        )
-
-
-def _require_fixed_shape(
-    config: GluonLaunchConfig,
-    kv_fp8: bool,
-    *,
-    kernel: str,
-    flag: str,
-    fp8_cache: bool,
-    shape: dict[str, object],
-) -> None:
-    """Raise :class:`InvalidInputError` unless ``config`` has exactly the fields of ``shape`` and
-    the cache is fp8 exactly when ``fp8_cache`` (a kernel built for one launch shape)."""
-    got = {name: getattr(config, name) for name in shape}
-    if kv_fp8 != fp8_cache or got != shape:
-        cache = "an fp8 cache" if fp8_cache else "a 16-bit cache"
-        wanted = ", ".join(f"{name}={value}" for name, value in shape.items())
-        seen = ", ".join(f"{name}={value}" for name, value in got.items())
-        raise InvalidInputError(
-            "config",
-            f"the {kernel} kernel takes {cache} and {wanted} (got fp8={kv_fp8}, {seen}); or set {flag}=False",
+            f"the {rule.name} kernel (kernel={config.kernel.value}) cannot take {'; '.join(wrong)}; "
+            f"kernels taking {config.row_tile}-row tiles of {cache}: {', '.join(others) or 'none'}",
         )
 
 
@@ -255,13 +288,18 @@ __all__ = [
     "BLOCK_M",
     "FEW_ROWS_MAX",
     "FP8_KV_DTYPES",
+    "KERNEL_TABLE",
     "MAX_SPLITS",
     "MIN_SPLIT_TOKENS",
     "NUM_WARPS",
+    "RULES",
+    "GluonKernel",
     "GluonLaunchConfig",
+    "KernelRule",
     "check_config",
     "decode_kernel",
     "launch_config",
+    "pick_kernel",
     "schedule_units",
     "wave_splits",
 ]

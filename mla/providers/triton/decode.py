@@ -32,19 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.core.errors import PlanMismatchError
 from mla.providers.calls import PagedDecodeCall
-from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.decode_launch import LOG2E, DecodeInputs, DecodeLaunch, launch_split_decode, num_sms
 from mla.providers.triton.interpreter import interpreting
-from mla.providers.triton.merge import launch_merge, request_rows, split_work
+from mla.providers.triton.merge import request_rows
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
-
-LOG2E = 1.4426950408889634
-
-_MODE_SPLIT = 0
-"""Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
-_MODE_SCHEDULED = 1
-"""Persistent: program ``work`` reads item ``work`` of the schedule's ``work_info``."""
 
 
 @triton.jit
@@ -281,156 +273,52 @@ def _dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.dtype, s
     return tl.float32, "ieee"
 
 
-def launch_decode(
-    *,
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor | None,
-    num_requests: int,
-    max_qlen: int,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    config: DecodeLaunchConfig,
-    schedule: SplitKVSchedule | None,
-) -> None:
-    """Launch the decode (and the reduce when any request is split).
+def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
+    """Launch the decode (and the reduce when any request is split) through the shared skeleton
+    (:func:`~mla.providers.triton.decode_launch.launch_split_decode`, whose module states the
+    operands' contract). Non-persistent when ``inputs.schedule is None`` (``config.num_splits``
+    splits per request); ``lse is None``: the final LSE is not stored."""
+    dot_dtype, precision = _dot_dtype(inputs.q_nope.dtype, inputs.kv_cache.dtype)
 
-    ``q_nope [T, H, L]`` / ``q_pe [T, H, R]`` may be strided views (last dim contiguous);
-    ``qo_indptr is None`` means row ``b`` of q is request ``b`` with qlen 1 (small-head mode).
-    Non-persistent when ``schedule is None`` (``config.num_splits`` splits per request).
-    ``lse is None``: the final LSE is not stored (the kernels get a one-element stand-in pointer);
-    ``kv_scale`` is a float32 one-element device tensor or ``None``.
-    """
-    heads, rank = q_nope.shape[1], q_nope.shape[2]
-    rope = q_pe.shape[2]
-    rows = heads * max_qlen
-    row_blocks = config.row_blocks(rows)
-    if num_requests == 0 or rows == 0:
-        return
-    dot_dtype, precision = _dot_dtype(q_nope.dtype, kv_cache.dtype)
-    qk_scale = softmax_scale * LOG2E
-    unit_qlen = qo_indptr is None
-    qo = kv_indptr if qo_indptr is None else qo_indptr
-    write_lse = lse is not None
-    lse_arg = lse if lse is not None else out.new_empty(1, 1, dtype=torch.float32)
-    scale_arg = kv_scale if kv_scale is not None else lse_arg
-    mode, num_splits = (_MODE_SPLIT, config.num_splits) if schedule is None else (_MODE_SCHEDULED, 1)
-    num_work, part_o, part_lse, work_info, split_indptr = split_work(
-        schedule=schedule, num_splits=num_splits, num_requests=num_requests, max_qlen=max_qlen,
-        heads=heads, rank=rank, kv_indptr=kv_indptr, out=out,
-    )  # fmt: skip
-    _mla_decode_kernel[(num_work * row_blocks,)](
-        q_nope,
-        q_pe,
-        kv_cache,
-        kv_indptr,
-        kv_indices,
-        qo,
-        work_info,
-        split_indptr,
-        out,
-        lse_arg,
-        part_o,
-        part_lse,
-        num_splits,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0),
-        out.stride(0),
-        out.stride(1),
-        lse_arg.stride(0),
-        lse_arg.stride(1),
-        part_o.stride(0),
-        part_o.stride(1),
-        part_o.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        qk_scale,
-        scale_arg,
-        kv_cache.shape[0],
-        H=heads,
-        L=rank,
-        R=rope,
-        BLOCK_L=max(16, triton.next_power_of_2(rank)),
-        BLOCK_R=max(16, triton.next_power_of_2(rope)),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        ROW_BLOCKS=row_blocks,
-        MODE=mode,
-        UNIT_QLEN=unit_qlen,
-        WRITE_LSE=write_lse,
-        HAS_KV_SCALE=kv_scale is not None,
-        DOT_DTYPE=dot_dtype,
-        INPUT_PRECISION=precision,
-        REG_PIPELINE=config.reg_pipeline,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if mode == _MODE_SPLIT and num_splits == 1:
-        return
-    launch_merge(
-        part_o=part_o,
-        part_lse=part_lse,
-        out=out,
-        lse=lse,
-        qo_indptr=qo_indptr,
-        split_indptr=split_indptr,
-        num_requests=num_requests,
-        max_qlen=max_qlen,
-        num_splits=num_splits if mode == _MODE_SPLIT else None,
-        num_sms=num_sms(out.device),
-    )
+    def launch(decode: DecodeLaunch) -> bool:
+        rank, rope = decode.inputs.q_nope.shape[2], decode.inputs.q_pe.shape[2]
+        _mla_decode_kernel[decode.grid](
+            *decode.tensors(),
+            *decode.scalars(),
+            decode.kv_scale,
+            decode.num_rows,
+            **decode.constexprs(),
+            BLOCK_L=max(16, triton.next_power_of_2(rank)),
+            BLOCK_R=max(16, triton.next_power_of_2(rope)),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            HAS_KV_SCALE=inputs.kv_scale is not None,
+            DOT_DTYPE=dot_dtype,
+            INPUT_PRECISION=precision,
+            REG_PIPELINE=config.reg_pipeline,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        return False
 
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors (compute units) of ``device``; 8 in the CPU interpreter."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 8
+    launch_split_decode(inputs, row_tile=config.block_m, num_splits=config.num_splits, launch=launch)
 
 
 def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = None) -> None:
     """Paged MQA decode (the ``paged-decode`` contract; ``call.schedule`` selects the persistent
     path, which takes a :class:`~mla.providers.split_kv.SplitKVSchedule`). ``config`` overrides the
     heuristic (benchmarks)."""
-    schedule = call.schedule
-    if schedule is not None and not isinstance(schedule, SplitKVSchedule):
-        raise PlanMismatchError(f"the triton provider takes a SplitKVSchedule, got {type(schedule).__name__}")
-    q, out = call.q, call.out
-    num_requests = call.qo_indptr.numel() - 1
-    kv_lora_rank = out.shape[-1]
+    inputs = DecodeInputs.paged(call, provider="triton")
     if config is None:
         config = decode_launch_config(
-            batch=num_requests,
-            rows=q.shape[1] * call.max_qlen,
-            max_seqlen_k=call.max_seqlen_k,
-            num_sms=num_sms(q.device),
+            batch=inputs.num_requests,
+            rows=inputs.rows,
+            max_seqlen_k=inputs.max_seqlen_k,
+            num_sms=num_sms(call.q.device),
             kv_elem_size=call.kv_cache.element_size(),
-            persistent=schedule is not None,
+            persistent=inputs.schedule is not None,
         )
-    launch_decode(
-        q_nope=q[..., :kv_lora_rank],
-        q_pe=q[..., kv_lora_rank:],
-        kv_cache=call.kv_cache,
-        kv_indptr=call.kv_indptr,
-        kv_indices=call.kv_indices,
-        qo_indptr=call.qo_indptr,
-        num_requests=num_requests,
-        max_qlen=call.max_qlen,
-        softmax_scale=call.softmax_scale,
-        kv_scale=call.kv_scale,
-        out=out,
-        lse=call.lse,
-        config=config,
-        schedule=schedule,
-    )
+    launch_decode(inputs, config)
 
 
-__all__ = ["launch_decode", "num_sms", "paged_decode"]
+__all__ = ["LOG2E", "launch_decode", "num_sms", "paged_decode"]

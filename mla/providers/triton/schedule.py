@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from mla.core.errors import PlanMismatchError
-from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.split_kv import SplitKVSchedule, wave_splits
 from mla.providers.triton.launch_cache import LaunchCache
 
 MIN_SPLIT_TOKENS = 256
@@ -126,18 +126,6 @@ def decode_launch_config(
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
     slots = num_sms * tile.programs_per_sm
     return attrs.evolve(tile, num_splits=wave_splits(batch * tile.row_blocks(rows), slots=slots, cap=cap))
-
-
-def wave_splits(programs: int, *, slots: int, cap: int) -> int:
-    """Split count ``k`` in ``1..cap`` with the fewest waves per unit of work,
-    ``ceil(programs·k / slots) / k`` (the smallest such ``k``)."""
-    programs = max(1, programs)
-    best, best_cost = 1, float(-(-programs // slots))
-    for k in range(2, max(1, cap) + 1):
-        cost = -(-programs * k // slots) / k
-        if cost < best_cost:
-            best, best_cost = k, cost
-    return best
 
 
 def schedule_units(*, num_sms: int, rows: int) -> int:
