@@ -115,6 +115,13 @@ def unregister_provider(name: str) -> ProviderEntry:
     return _ENTRIES.pop(name)
 
 
+def forget_instance(name: str) -> None:
+    """Drop the shared instance of provider ``name`` (if one was made): the next
+    :func:`get_provider` makes a new one, which probes its library again (after the library was
+    installed or replaced, e.g. in tests)."""
+    _INSTANCES.pop(name, None)
+
+
 def provider_entries() -> tuple[ProviderEntry, ...]:
     """Every registered provider, in the order of registration."""
     return tuple(_ENTRIES.values())
@@ -247,6 +254,7 @@ __all__ = [
     "ProviderFactory",
     "auto_order",
     "auto_provider",
+    "forget_instance",
     "get_provider",
     "provider_entries",
     "provider_names",

@@ -101,29 +101,25 @@ class SplitKVSchedule:
         if batch_size > self.max_batch:
             raise PlanMismatchError(f"batch_size {batch_size} exceeds the schedule's {self.max_batch}")
         indptr = kv_indptr[: batch_size + 1].to(torch.int64)
-        kv_len = indptr[1:] - indptr[:-1]
-        total = kv_len.sum()
-        chunk = torch.clamp((total + self.num_units - 1) // self.num_units, min=self.min_chunk)
-        splits = torch.clamp((kv_len + chunk - 1) // chunk, min=1)
-        ends = torch.cumsum(splits, 0)
+        units = self.num_units
+        # total = indptr[B] - indptr[0]; chunk = max(ceil(total / units), min_chunk), as [1]
+        chunk = ((indptr[-1:] - indptr[:1] + (units - 1)) // units).clamp_(min=self.min_chunk)
+        self.chunk.copy_(chunk)
         self.split_indptr[:1].zero_()  # a device fill: assigning a Python 0 copies from the host
+        if batch_size == 0:
+            self.work_info.zero_()[:, 0] = -1
+            return
+        splits = ((indptr[1:] - indptr[:-1] + (chunk - 1)) // chunk).clamp_(min=1)
+        ends = torch.cumsum(splits, 0)
         self.split_indptr[1 : batch_size + 1].copy_(ends)
         work = torch.arange(self.max_work, device=indptr.device)
         req = torch.searchsorted(ends, work, right=True)
         valid = req < batch_size
-        req_c = torch.clamp(req, max=batch_size - 1)
-        first = ends[req_c] - splits[req_c]
-        ordinal = work - first
-        start = indptr[req_c] + ordinal * chunk
-        end = torch.minimum(start + chunk, indptr[req_c + 1])
-        info = torch.stack(
-            [
-                torch.where(valid, req_c, torch.full_like(req_c, -1)),
-                torch.where(valid, start, torch.zeros_like(start)),
-                torch.where(valid, end, torch.zeros_like(end)),
-                torch.where(valid, ordinal, torch.zeros_like(ordinal)),
-            ],
-            dim=1,
-        )
+        req = req.clamp_(max=batch_size - 1)
+        ordinal = work - (ends - splits).index_select(0, req)
+        start = indptr.index_select(0, req) + ordinal * chunk
+        end = torch.minimum(start + chunk, indptr[1:].index_select(0, req))
+        # Idle items (past the last request's): [-1, 0, 0, 0].
+        info = torch.stack([req + 1, start, end, ordinal], dim=1).mul_(valid[:, None])
+        info[:, 0] -= 1
         self.work_info.copy_(info)
-        self.chunk.copy_(chunk.reshape(1))

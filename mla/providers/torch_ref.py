@@ -1,8 +1,14 @@
 """The torch reference provider: every kernel contract in plain PyTorch.
 
-Exact (float32 accumulation), any device, slow. Written like a kernel: fixed shapes derived from
-the static bounds it is given, no host syncs, no boolean-mask indexing, so it also runs inside a
-captured CUDA graph. Its capability record can be replaced (``TorchProvider(capabilities=...)``)
+Rules, for every contract: exact (float32 accumulation); no host read of device data and no
+shape that depends on tensor values (shapes come from the static bounds a call carries:
+``max_seqlen_k``, token counts, a schedule's size), so a decode step captured in a CUDA graph
+replays right; no boolean-mask indexing. The work follows the call, not the engine's limits:
+the decode is one pass over the query tokens and the ``max_seqlen_k`` keys they may see, and a
+planned split-KV schedule is emulated by its coverage of the keys, not item by item
+(:mod:`mla.providers.torch_attention`). One exception reads values: the varlen prefill of host
+tensors reads the indptrs on the host (no device is involved) and works request by request over
+the actual lengths. Its capability record can be replaced (``TorchProvider(capabilities=...)``)
 to emulate another provider's limits on a CPU.
 
 Fixed shapes mean masked positions still gather a row (the clamped index's: the null block,
@@ -24,7 +30,7 @@ from mla.core.config import is_ds_mla
 from mla.core.errors import PlanMismatchError
 from mla.core.platform import Platform
 from mla.core.support import Support
-from mla.providers import torch_sparse
+from mla.providers import torch_attention, torch_sparse
 from mla.providers.base import KernelProvider
 from mla.providers.calls import (
     DecodeScheduleBuffersCall,
@@ -43,83 +49,13 @@ from mla.providers.calls import (
 )
 from mla.providers.formats import pack_ds_mla, scatter_rows
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.torch_attention import CHUNK_ELEMENTS, dequant, row_chunks, softmax_stats, token_requests
 from mla.providers.transforms import flat_token_ids
-
-_CHUNK_ELEMENTS = 1 << 24
-"""Upper bound on gathered elements per vectorized chunk (bounds host/device memory)."""
 
 FP8_PREFILL_TILE_Q = 256
 """Query rows per fp8 prefill tile (aiter's ``_FP8_PREFILL_TILE_Q``)."""
 FP8_PREFILL_KV_SPLIT = 1024
 """KV tokens per fp8 prefill work item; longer ranges become several partials."""
-
-
-def _dequant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    out = x.to(torch.float32)
-    return out if scale is None else out * scale
-
-
-def _softmax_stats(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax over the last dim: returns unnormalised probabilities and the LSE.
-
-    Rows without a valid key give zero probabilities and ``lse = -inf``; a NaN score among the
-    valid keys gives NaN, as in the reference math.
-    """
-    scores = scores.masked_fill(~valid, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    probs = torch.exp(scores - safe_max)
-    denom = probs.sum(dim=-1)
-    lse = torch.where(
-        denom == 0, torch.full_like(denom, float("-inf")), torch.log(denom) + safe_max.squeeze(-1)
-    )
-    probs = probs / denom.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    return probs, lse
-
-
-def _row_chunks(rows: int, per_row: int) -> range:
-    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
-    return range(0, rows, step)
-
-
-def _latent_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_indices: torch.Tensor,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    max_len: int,
-    value_dim: int,
-    scale: float,
-    kv_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row ``n`` of q ``[N, H, D]`` attends cache rows ``kv_indices[starts[n] + j]`` for
-    ``j < lengths[n]``; values are the first ``value_dim`` lanes. Returns float32 o, lse."""
-    n_rows, heads, dim = q.shape
-    out = torch.zeros(n_rows, heads, value_dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((n_rows, heads), float("-inf"), dtype=torch.float32, device=q.device)
-    if n_rows == 0 or max_len == 0 or kv_cache.shape[0] == 0:  # no key, or none inside the cache
-        return out, lse
-    offsets = torch.arange(max_len, device=q.device)
-    last_index = max(kv_indices.numel() - 1, 0)
-    last_row = kv_cache.shape[0] - 1
-    step = _row_chunks(n_rows, max_len * dim).step
-    for lo in range(0, n_rows, step):
-        hi = min(lo + step, n_rows)
-        valid = offsets[None, :] < lengths[lo:hi, None]
-        pos = torch.clamp(starts[lo:hi, None].to(torch.int64) + offsets[None, :], 0, last_index)
-        tok = torch.where(valid, kv_indices[pos].to(torch.int64), torch.zeros_like(pos))
-        # A token id outside this cache (a block id past it, or the fill's -1 mark) is masked:
-        # the row reads nothing (the clamp only keeps the gather in bounds) and counts no key.
-        valid = valid & (tok >= 0) & (tok <= last_row)
-        rows = _dequant(kv_cache[torch.clamp(tok, 0, last_row)], kv_scale)
-        rows = torch.where(valid[..., None], rows, 0.0)
-        scores = torch.einsum("nhd,nkd->nhk", q[lo:hi].to(torch.float32), rows) * scale
-        probs, row_lse = _softmax_stats(scores, valid[:, None, :])
-        out[lo:hi] = torch.einsum("nhk,nkv->nhv", probs, rows[..., :value_dim])
-        lse[lo:hi] = row_lse
-    return out, lse
 
 
 def _visible_values_product(probs: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -131,15 +67,6 @@ def _visible_values_product(probs: torch.Tensor, values: torch.Tensor, visible: 
     bad_keys = (~finite).any(dim=-1).to(torch.float32)  # [K, H]
     sees_bad = torch.einsum("qk,kh->qh", visible.to(torch.float32), bad_keys) > 0
     return torch.where(sees_bad[..., None], torch.full_like(out, float("nan")), out)
-
-
-def _token_requests(indptr: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For tokens ``0..num_tokens-1``: their request (clamped) and whether one owns them."""
-    num_requests = indptr.numel() - 1
-    tokens = torch.arange(num_tokens, device=indptr.device)
-    req = torch.searchsorted(indptr[1:].contiguous(), tokens.to(indptr.dtype), right=True)
-    owned = req < num_requests
-    return torch.clamp(req, max=max(num_requests - 1, 0)).to(torch.int64), owned
 
 
 def _merge_into(
@@ -203,87 +130,7 @@ class TorchProvider(KernelProvider):
     # -- decode -----------------------------------------------------------------------------
 
     def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
-        if call.schedule is not None:
-            if not isinstance(call.schedule, SplitKVSchedule):
-                raise PlanMismatchError(
-                    f"the torch provider takes a SplitKVSchedule, got {type(call.schedule).__name__}"
-                )
-            self._scheduled_decode(call, call.schedule)
-            return
-        q, qo_indptr, kv_indptr = call.q, call.qo_indptr, call.kv_indptr
-        num_tokens = q.shape[0]
-        req, owned = _token_requests(qo_indptr, num_tokens)
-        row = torch.arange(num_tokens, device=q.device) - qo_indptr[req]
-        qlen = qo_indptr[req + 1] - qo_indptr[req]
-        kv_len = kv_indptr[req + 1] - kv_indptr[req]
-        visible = torch.clamp(kv_len - qlen + row + 1, min=0)
-        visible = torch.where(owned, torch.minimum(visible, kv_len), torch.zeros_like(visible))
-        o, row_lse = _latent_attention(
-            q,
-            call.kv_cache,
-            call.kv_indices,
-            kv_indptr[req],
-            visible,
-            max_len=call.max_seqlen_k,
-            value_dim=call.out.shape[-1],
-            scale=call.softmax_scale,
-            kv_scale=call.kv_scale,
-        )
-        call.out.copy_(o)
-        if call.lse is not None:
-            call.lse.copy_(row_lse)
-
-    def _scheduled_decode(self, call: PagedDecodeCall, schedule: SplitKVSchedule) -> None:
-        q, qo_indptr, kv_indptr, max_qlen = call.q, call.qo_indptr, call.kv_indptr, call.max_qlen
-        num_tokens, heads, _ = q.shape
-        # Live items come first, ordered by request, and a request of at most max_seqlen_k
-        # keys has at most ceil(max_seqlen_k / min_chunk) of them: only that prefix is
-        # computed, so the work follows the batch rather than the schedule's capacity.
-        batch = kv_indptr.numel() - 1
-        per_request = max(1, -(-call.max_seqlen_k // schedule.min_chunk))
-        items = min(schedule.max_work, batch + schedule.num_units, batch * per_request)
-        info = schedule.work_info[:items].to(torch.int64)
-        req = torch.clamp(info[:, 0], min=0)
-        live = info[:, 0] >= 0
-        qlen = qo_indptr[req + 1] - qo_indptr[req]
-        kv_len = kv_indptr[req + 1] - kv_indptr[req]
-        rows = torch.arange(max_qlen, device=q.device)
-        row_live = live[:, None] & (rows[None, :] < qlen[:, None])
-        token = torch.clamp(qo_indptr[req][:, None] + rows[None, :], 0, max(num_tokens - 1, 0))
-        visible_end = kv_indptr[req][:, None] + torch.clamp(
-            kv_len[:, None] - qlen[:, None] + rows[None, :] + 1, min=0
-        )
-        end = torch.minimum(info[:, 2][:, None], visible_end)
-        length = torch.where(row_live, torch.clamp(end - info[:, 1][:, None], min=0), 0)
-        start = info[:, 1][:, None].expand(-1, max_qlen)
-        o_part, lse_part = _latent_attention(
-            q[token.reshape(-1)],
-            call.kv_cache,
-            call.kv_indices,
-            start.reshape(-1),
-            length.reshape(-1),
-            max_len=call.max_seqlen_k,
-            value_dim=call.out.shape[-1],
-            scale=call.softmax_scale,
-            kv_scale=call.kv_scale,
-        )
-        # Partials go through the schedule's own buffers, as a kernel's would.
-        partial_o = schedule.partial_o[:items, :max_qlen]
-        partial_lse = schedule.partial_lse[:items, :max_qlen]
-        partial_o.copy_(o_part.view(items, max_qlen, heads, -1))
-        partial_lse.copy_(lse_part.view(items, max_qlen, heads))
-        target = torch.where(row_live, token, torch.full_like(token, num_tokens))
-        o, row_lse = _merge_into(
-            partial_o.reshape(items * max_qlen, heads, -1),
-            torch.where(
-                row_live[..., None], partial_lse, torch.full_like(partial_lse, float("-inf"))
-            ).reshape(items * max_qlen, heads),
-            target.reshape(-1),
-            num_tokens,
-        )
-        call.out.copy_(o)
-        if call.lse is not None:
-            call.lse.copy_(row_lse)
+        torch_attention.paged_decode(call)
 
     def decode_schedule_buffers(self, call: DecodeScheduleBuffersCall) -> SplitKVSchedule:
         return SplitKVSchedule.allocate(
@@ -304,24 +151,7 @@ class TorchProvider(KernelProvider):
         call.schedule.plan(call.kv_indptr, call.batch_size)
 
     def small_head_decode(self, call: SmallHeadDecodeCall) -> None:
-        q = torch.cat([call.q_nope, call.q_pe], dim=-1)
-        rows = q.shape[0]
-        starts = call.seq_info[:rows]
-        lengths = call.seq_info[1 : rows + 1] - starts
-        o, row_lse = _latent_attention(
-            q,
-            call.kv_cache,
-            call.page_table,
-            starts,
-            lengths,
-            max_len=call.max_seqlen_k,
-            value_dim=call.out.shape[-1],
-            scale=call.softmax_scale,
-            kv_scale=call.kv_scale,
-        )
-        call.out.copy_(o)
-        if call.lse is not None:
-            call.lse.copy_(row_lse)
+        torch_attention.small_head_decode(call)
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -367,8 +197,8 @@ class TorchProvider(KernelProvider):
             raise PlanMismatchError(
                 f"the torch provider takes Fp8PrefillTiles, got {type(schedule).__name__}"
             )
-        qf = _dequant(q, call.q_scale)
-        kf, vf = _dequant(call.k, call.k_scale), _dequant(call.v, call.v_scale)
+        qf = dequant(q, call.q_scale)
+        kf, vf = dequant(call.k, call.k_scale), dequant(call.v, call.v_scale)
         num_tokens = q.shape[0]
         parts_o: list[torch.Tensor] = []
         parts_lse: list[torch.Tensor] = []
@@ -378,7 +208,7 @@ class TorchProvider(KernelProvider):
             rows = torch.arange(q0, q1, device=q.device)[:, None]
             keys = torch.arange(k0, k1, device=q.device)[None, :]
             valid = (keys <= rows + offset)[None]
-            probs, part_lse = _softmax_stats(scores, valid)
+            probs, part_lse = softmax_stats(scores, ~valid)
             parts_o.append(_visible_values_product(probs, vf[k0:k1], valid[0]))
             parts_lse.append(part_lse.transpose(0, 1))
             targets.append(torch.arange(q0, q1, device=q.device))
@@ -411,7 +241,7 @@ class TorchProvider(KernelProvider):
         num_tokens, block_size, out = call.num_tokens, call.block_size, call.out
         if num_tokens == 0:
             return
-        req, _ = _token_requests(call.kv_indptr, num_tokens)
+        req, _ = token_requests(call.kv_indptr, num_tokens)
         offset = torch.arange(num_tokens, device=out.device) - call.kv_indptr[req]
         block = call.block_table[req, offset // block_size].to(torch.int64)
         out[:num_tokens].copy_(flat_token_ids(block, offset, block_size, None))
@@ -471,14 +301,14 @@ def _mha_varlen(
     lse = torch.full((num_tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_seqlen_k == 0 or k.shape[0] == 0:
         return out, lse
-    req, owned = _token_requests(cu_q, num_tokens)
+    req, owned = token_requests(cu_q, num_tokens)
     row = torch.arange(num_tokens, device=q.device) - cu_q[req]
     sq = cu_q[req + 1] - cu_q[req]
     sk = cu_k[req + 1] - cu_k[req]
     limit = torch.clamp(row + sk - sq + 1, min=0) if causal else sk
     limit = torch.where(owned, torch.minimum(limit, sk), torch.zeros_like(limit))
     offsets = torch.arange(max_seqlen_k, device=q.device)
-    step = _row_chunks(num_tokens, max_seqlen_k * heads * dim).step
+    step = row_chunks(num_tokens, max_seqlen_k * heads * dim).step
     for lo in range(0, num_tokens, step):
         hi = min(lo + step, num_tokens)
         valid = offsets[None, :] < limit[lo:hi, None]
@@ -486,7 +316,7 @@ def _mha_varlen(
         keys = torch.where(valid[..., None, None], k[pos], 0.0)
         values = torch.where(valid[..., None, None], v[pos], 0.0)
         scores = torch.einsum("nhd,nkhd->nhk", q[lo:hi], keys) * scale
-        probs, row_lse = _softmax_stats(scores, valid[:, None, :])
+        probs, row_lse = softmax_stats(scores, ~valid[:, None, :])
         out[lo:hi] = torch.einsum("nhk,nkhv->nhv", probs, values)
         lse[lo:hi] = row_lse
     return out, lse
@@ -514,7 +344,7 @@ def _mha_varlen_host(call: VarlenPrefillCall, lse: torch.Tensor) -> torch.Tensor
         finite = torch.isfinite(values)
         clean = torch.where(finite, values, 0.0).transpose(0, 1)  # [H, sk, V]
         bad_keys = (~finite).any(dim=-1).any(dim=-1)  # [sk]
-        step = max(1, _CHUNK_ELEMENTS // (sk * heads))
+        step = max(1, CHUNK_ELEMENTS // (sk * heads))
         for r0 in range(0, sq, step):
             r1 = min(r0 + step, sq)
             # Row r sees keys <= r + sk - sq (bottom-right); the chunk needs keys up to its last.
@@ -528,7 +358,7 @@ def _mha_varlen_host(call: VarlenPrefillCall, lse: torch.Tensor) -> torch.Tensor
                 else torch.ones(r1 - r0, seen, dtype=torch.bool)
             )
             scores = torch.bmm(q[q0 + r0 : q0 + r1].transpose(0, 1), keys[:, :seen].transpose(1, 2)) * scale
-            probs, row_lse = _softmax_stats(scores, visible[None])
+            probs, row_lse = softmax_stats(scores, ~visible[None])
             part = torch.bmm(probs, clean[:, :seen]).transpose(0, 1)  # [r, H, V]
             sees_bad = (visible & bad_keys[None, :seen]).any(dim=-1)
             if bool(sees_bad.any()):

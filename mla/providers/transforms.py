@@ -182,10 +182,13 @@ def flat_token_ids(
     (:data:`OUTSIDE_CACHE` by default) elsewhere."""
     blocks = blocks.to(torch.int64)
     ids = blocks * block_size + offsets % block_size
-    inside = (blocks >= 0) & (ids <= _MAX_TOKEN_ID)
-    if num_blocks is not None:
-        inside &= blocks < num_blocks
-    return torch.where(inside, ids, torch.full_like(ids, outside))
+    if num_blocks is not None and num_blocks * block_size - 1 <= _MAX_TOKEN_ID:
+        inside = (blocks >= 0) & (blocks < num_blocks)  # every id inside fits int32
+    else:
+        inside = (blocks >= 0) & (ids <= _MAX_TOKEN_ID)
+        if num_blocks is not None:
+            inside &= blocks < num_blocks
+    return torch.where(inside, ids, outside)
 
 
 def fill_page_indices(call: FillPagesCall) -> None:
@@ -196,7 +199,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
     """
     bs, table, max_len = call.block_size, call.block_table, call.max_len
     indptr = call.kv_indptr
-    lens = torch.clamp(call.seq_lens.to(torch.int64), 0, max_len)
+    lens = call.seq_lens.clamp(0, max_len)
     indptr[:1].zero_()
     indptr[1:].copy_(torch.cumsum(lens, 0))
     if call.query_start_loc is not None and call.qo_indptr is not None:
@@ -204,12 +207,10 @@ def fill_page_indices(call: FillPagesCall) -> None:
     if max_len == 0 or lens.numel() == 0:
         return
     position = torch.arange(max_len, device=table.device)
-    blocks = table.index_select(1, position // bs).to(torch.int64)
-    tokens = flat_token_ids(blocks, position[None, :], bs, call.num_blocks, call.outside_id)
-    scratch = call.kv_indices.numel() - 1
-    dest = torch.where(
-        position[None, :] < lens[:, None],
-        indptr[:-1, None].to(torch.int64) + position[None, :],
-        scratch,
+    tokens = flat_token_ids(
+        table.index_select(1, position // bs), position, bs, call.num_blocks, call.outside_id
     )
+    # Lanes past a request's length write the scratch entry.
+    scratch = call.kv_indices.numel() - 1
+    dest = torch.where(position < lens[:, None], indptr[:-1, None] + position, scratch)
     call.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))

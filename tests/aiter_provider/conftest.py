@@ -121,7 +121,7 @@ def fake_aiter(tmp_path: Path) -> Iterator[FakeInstaller]:
             (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         sys.path.insert(0, str(site))
         _purge_aiter_modules()
-        mla.providers._INSTANCES.pop("aiter", None)
+        mla.providers.forget_instance("aiter")
         return FakeAiter(site)
 
     yield install
@@ -129,4 +129,4 @@ def fake_aiter(tmp_path: Path) -> Iterator[FakeInstaller]:
         if str(site) in sys.path:
             sys.path.remove(str(site))
     _purge_aiter_modules()
-    mla.providers._INSTANCES.pop("aiter", None)
+    mla.providers.forget_instance("aiter")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def fresh_provider() -> None:
-    mla.providers._INSTANCES.pop("aiter", None)
+    mla.providers.forget_instance("aiter")
 
 
 def _reason_codes(payload: dict) -> set[str]:  # type: ignore[type-arg]
