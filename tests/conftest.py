@@ -22,8 +22,16 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without a CUDA/ROCm device the ``gpu``-marked tests are deselected: the summary counts
-    them in one number ("N deselected") instead of a skip line each."""
+    them in one number ("N deselected") instead of a skip line each. With a device (and without
+    ``TRITON_INTERPRET=1``) the ``interpret``-marked tests are deselected instead: they hand the
+    Triton kernels CPU tensors, which only the interpreter runs (the GPU tests cover the
+    kernels on the device)."""
     if torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            cpu_only = [item for item in items if "interpret" in item.keywords]
+            if cpu_only:
+                config.hook.pytest_deselected(items=cpu_only)
+                items[:] = [item for item in items if "interpret" not in item.keywords]
         return
     gpu = [item for item in items if "gpu" in item.keywords]
     if gpu:
