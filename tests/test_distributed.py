@@ -86,7 +86,7 @@ def test_needs_an_initialized_process_group() -> None:
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(InvalidInputError) as info:
         DecodeContextParallel(
-            mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16),
+            mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, softmax_scale=144**-0.5),
             mla.KVCacheSpec(4),
             mla.EngineLimits(4, 64, 32),
         )
@@ -145,7 +145,14 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-DIMS = mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+DIMS = mla.MLADims(
+    num_heads=2,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    softmax_scale=32**-0.5,
+)
 
 
 def small_dcp() -> DecodeContextParallel:

@@ -332,7 +332,7 @@ def test_two_token_decode_with_large_limits_is_sized_by_the_batch() -> None:
     batch's longest sequence and the schedule's live items, not for ``max_model_len`` and the
     schedule's capacity. Took 22-64 s per step when sized by the limits."""
     backend = mla.MLABackend(
-        mla.MLADims(16),
+        mla.MLADims(16, softmax_scale=192**-0.5),
         mla.KVCacheSpec(64, torch.bfloat16, num_blocks=64),
         mla.EngineLimits(256, 32768, 32768),
         provider=emulated_provider("aiter", "gfx950"),

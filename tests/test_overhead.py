@@ -550,7 +550,8 @@ def test_capturable_build_declarations() -> None:
         strategy: str, qlen: int, provider: str | mla.KernelProvider = "torch", platform: str = "cpu"
     ) -> tuple[bool, str]:
         emulated = platform != "cpu"  # aiter's record: 512/64 latent dims, bf16
-        dims = mla.MLADims(8, 512, 64, softmax_scale=SCALE) if emulated else mla.MLADims(HEADS, RANK, ROPE)
+        shape = (8, 512, 64) if emulated else (HEADS, RANK, ROPE)
+        dims = mla.MLADims(*shape, softmax_scale=SCALE)
         dtype = torch.bfloat16 if emulated else torch.float32
         backend = mla.MLABackend(
             dims,

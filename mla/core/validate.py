@@ -15,15 +15,18 @@ from typing import Literal
 import attrs
 import torch
 
-from mla.core.config import DS_MLA_TILE, FP8_DTYPES, ds_mla_row_bytes, dtype_name, is_ds_mla, is_fp8
+from mla.core.config import (
+    DS_MLA_TILE,
+    FP8_DTYPES,
+    SOFTMAX_SCALE_HINT,
+    ds_mla_row_bytes,
+    dtype_name,
+    is_ds_mla,
+    is_fp8,
+)
 from mla.core.errors import InvalidInputError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-SOFTMAX_SCALE_HINT = (
-    "pass the model's softmax scale, e.g. 192**-0.5 for DeepSeek-V3's qk head dim 192 (times "
-    "YaRN's mscale**2 when the model uses YaRN rope scaling); kernels' 1/sqrt(576) is never right"
-)
 
 
 def _describe(value: object) -> str:

@@ -119,7 +119,9 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
     else:
         kv = normalize_dtype(args.kv_dtype, argument="--kv-dtype")
         kv_dtype = caps.fp8_dtype if is_fp8(kv) else kv
-    dims = MLADims(num_heads=args.heads, index_topk=getattr(args, "index_topk", None))
+    # The softmax scale decides nothing: DeepSeek's 192 ** -0.5 stands in for the model's.
+    index_topk = getattr(args, "index_topk", None)
+    dims = MLADims(num_heads=args.heads, softmax_scale=192**-0.5, index_topk=index_topk)
     cache = KVCacheSpec(block_size=args.block_size, dtype=kv_dtype)
     max_decode_qlen = args.max_decode_qlen or args.qlen
     if args.phase == "decode":
