@@ -4,7 +4,7 @@ A strategy is mostly data: capability-style constraints as ClassVars, a ``suppor
 returns every reason, ``build_metadata`` (host side, once per step, may sync, writes into the
 buffers the strategy allocated at init) and ``run`` (device side: no host sync, no
 data-dependent shapes, graph-capturable for decode). New kernels are added by subclassing and
-registering (:func:`mla.engine.registry.register`), with no edit to the resolver.
+registering (:func:`mla.engine.decision.registry.register`), with no edit to the resolver.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class GraphSupport(enum.Enum):
 
 
 class StrategyKind(enum.Enum):
-    """Families the preference rules (:mod:`mla.engine.preference`) order; support is not preference."""
+    """Families the preference rules (:mod:`mla.engine.decision.preference`) order; support is
+    not preference."""
 
     SMALL_HEAD = "small-head"
     PAGED = "paged"

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
 from mla.core.validate import HostLengths
-from mla.engine import decode_graphs
-from mla.engine.plan_cache import DECODE_PLANS, DecodeEntry
+from mla.engine.functional import decode_graphs
+from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
 from mla.testing import assert_matches_reference, emulated_provider
 from mla.tools.reference import reference_decode
 

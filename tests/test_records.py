@@ -55,7 +55,7 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
     from mla.decode._paged import PagedPlan
     from mla.decode._small_head import SmallHeadPlan
     from mla.decode.base import DecodeBatch, DecodeGeometry
-    from mla.engine.step import MLAMetadata
+    from mla.engine.backend.step import MLAMetadata
     from mla.providers.calls import FillPagesCall
 
     t = torch.arange(5, dtype=torch.int32)

@@ -16,8 +16,8 @@ from mla.core.platform import Knobs, Platform, simulated_platform
 from mla.core.support import Support
 from mla.decode.base import DecodeStrategy
 from mla.engine.backend import MLABackend
-from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.engine.resolver import Resolver
+from mla.engine.decision.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.engine.decision.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
 from mla.providers import emulated_provider, resolve_provider
 from mla.providers.base import KernelProvider

@@ -21,7 +21,7 @@ from mla.core.context import DecodeContext, PrefillContext, decode_context, pref
 from mla.core.errors import ProviderUnavailableError
 from mla.core.explain import Explanation
 from mla.core.platform import Knobs, Platform, detect_platform, simulated_platform
-from mla.engine.resolver import Resolver
+from mla.engine.decision.resolver import Resolver
 from mla.providers import auto_order, auto_provider
 from mla.tools.cli_info import ProviderView, emulated_view, provider_view, reasons_json, static_capabilities
 

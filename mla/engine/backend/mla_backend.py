@@ -1,4 +1,5 @@
-"""The engine-facing backend: a metadata builder and an attention impl over one resolver.
+"""The engine-facing backend (:class:`MLABackend`): a metadata builder and an attention impl
+over one resolver.
 
 Shaped like vLLM's builder/impl pair. The builder turns a step's inputs into
 :class:`MLAMetadata`, resolving each phase exactly once; the impl runs the strategy recorded in
@@ -25,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mla.core.errors import ConcurrentUseError, InvalidInputError, PlanMismatchError
-from mla.engine.builder import MetadataBuilder
-from mla.engine.impl import AttentionImpl
-from mla.engine.state import BackendState
-from mla.engine.step import MLAMetadata, StepInputs
+from mla.engine.backend.builder import MetadataBuilder
+from mla.engine.backend.impl import AttentionImpl
+from mla.engine.backend.state import BackendState
+from mla.engine.backend.step import MLAMetadata, StepInputs
 
-__all__ = ["AttentionImpl", "MLABackend", "MLAMetadata", "MetadataBuilder", "StepInputs"]
+__all__ = ["MLABackend"]
 
 
 class MLABackend(BackendState):
     """Owns the provider, the resolver, the strategies and their persistent buffers (the
-    :class:`~mla.engine.state.BackendState`), with the ``builder``/``impl`` pair over them.
+    :class:`~mla.engine.backend.state.BackendState`), with the ``builder``/``impl`` pair over them.
 
     Decode strategies for every step the limits allow are resolved and allocated at init (an
     unsupported qlen within the limits raises :class:`UnsupportedError` here, not mid-run).
@@ -47,7 +48,7 @@ class MLABackend(BackendState):
     the host in ``builder.build``; ``"full"`` adds the host checks of every block id and checks
     that the device ``query_start_loc``/``seq_lens`` equal their host copies.
 
-    The backend registers itself with the custom ops (:mod:`mla.engine.ops`) under ``op_id``;
+    The backend registers itself with the custom ops (:mod:`mla.engine.backend.ops`) under ``op_id``;
     ``builder.build`` makes the step's metadata the backend's ``current_metadata``, which the
     ops run.
     """

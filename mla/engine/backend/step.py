@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from mla.decode.base import DecodePlan
-from mla.engine.resolver import Decision
+from mla.engine.decision.resolver import Decision
 from mla.prefill.base import PrefillPlan
 from mla.sparse.base import SparsePlan
 

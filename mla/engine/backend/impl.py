@@ -1,5 +1,5 @@
 """The attention impl: checks each call's tensors and runs the backend's current plan through
-the custom ops of :mod:`mla.engine.ops`."""
+the custom ops of :mod:`mla.engine.backend.ops`."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import torch
 
 from mla.core.errors import InvalidInputError
 from mla.core.validate import check_cache_scale, check_slots, require_cache_dtype, require_index
-from mla.engine import ops
-from mla.engine.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
-from mla.engine.state import BackendState
-from mla.engine.step import MLAMetadata
+from mla.engine.backend import ops
+from mla.engine.backend.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
+from mla.engine.backend.state import BackendState
+from mla.engine.backend.step import MLAMetadata
 from mla.prefill.base import ContextExpander
 from mla.sparse.base import check_topk_positions
 
 
 class AttentionImpl:
-    """Runs decode, prefill and the KV write through the custom ops of :mod:`mla.engine.ops`.
+    """Runs decode, prefill and the KV write through the custom ops of :mod:`mla.engine.backend.ops`.
 
     Each method checks its inputs, then calls one op with the backend's handle; the op runs the
     backend's current plan. Eager calls also check that ``metadata`` is the current step's

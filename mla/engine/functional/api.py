@@ -3,12 +3,12 @@
 :func:`mla_decode` and :func:`mla_prefill` validate their inputs, resolve the strategy (or check
 the forced one) and run it. The plan (a backend or strategy with its persistent buffers) is
 cached per (shapes, dtypes, device, scale, provider, strategy, platform, validate) in a small
-LRU (:data:`~mla.engine.plan_cache.PLAN_CACHE_SIZE` entries per function), so a repeated call
+LRU (:data:`~mla.engine.functional.plan_cache.PLAN_CACHE_SIZE` entries per function), so a repeated call
 costs the kernels plus a small constant: no re-resolution, no buffer allocation, and for decode
 no device-to-host copy.
 :func:`write_kv` writes new latent rows into the paged cache. Engines use
 :class:`~mla.engine.backend.MLABackend` instead, which sizes buffers from the engine limits.
-Under ``torch.compile`` each call is one op of :mod:`mla.engine.functional_ops` whose body is
+Under ``torch.compile`` each call is one op of :mod:`mla.engine.functional.ops` whose body is
 the eager call (no graph break).
 """
 
@@ -34,9 +34,12 @@ from mla.core.validate import (
     require_tensor,
     require_validate_mode,
 )
-from mla.engine import decode_graphs, functional_ops, ops
-from mla.engine.checks import check_kv_write
-from mla.engine.decode_call import (
+from mla.engine.backend import ops
+from mla.engine.backend.checks import check_kv_write
+from mla.engine.decision.registry import AnyStrategy
+from mla.engine.functional import decode_graphs
+from mla.engine.functional import ops as functional_ops
+from mla.engine.functional.decode_call import (
     DECODE_CALLS,
     DecodeCall,
     check_decode_call,
@@ -47,9 +50,14 @@ from mla.engine.decode_call import (
     require_output,
     run_step,
 )
-from mla.engine.decode_graphs import GraphReplay, require_graph_replay, tensor_key
-from mla.engine.plan_cache import DECODE_PLANS, PREFILL_PLANS, DecodeEntry, available_provider, prefill_entry
-from mla.engine.registry import AnyStrategy
+from mla.engine.functional.decode_graphs import GraphReplay, require_graph_replay, tensor_key
+from mla.engine.functional.plan_cache import (
+    DECODE_PLANS,
+    PREFILL_PLANS,
+    DecodeEntry,
+    available_provider,
+    prefill_entry,
+)
 from mla.prefill.base import PrefillBatch
 from mla.providers.base import KernelProvider
 
@@ -154,7 +162,7 @@ def mla_decode(
             read nothing and count for nothing; memory-safe, not an error).
             ``"full"`` (debug) copies them and raises on any bad length or block id.
         graph: ``"auto"`` (default) replays repeated calls from a CUDA graph on a CUDA device
-            (below); ``"off"`` always runs eagerly (``mla.engine.decode_graphs.GRAPH_REPLAY =
+            (below); ``"off"`` always runs eagerly (``mla.engine.functional.decode_graphs.GRAPH_REPLAY =
             False`` turns replay off for every call).
 
     Repeated calls: the plan (strategy and persistent buffers) is cached per shapes, dtypes,
@@ -166,7 +174,7 @@ def mla_decode(
     query_start_loc, out, lse and a ``kv_scale`` tensor; the same ``query_start_loc`` values)
     also captures the step (metadata build and kernels, sized by the block table, never by the
     data) in a :class:`torch.cuda.CUDAGraph` kept with the plan
-    (:data:`~mla.engine.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls replay it:
+    (:data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls replay it:
     one launch, reading the tensors' current values and the current ``kv_scale`` (a float is
     written to a device buffer the graph reads). Calls run eagerly while the current stream is
     capturing (the caller's own graph records them), with ``validate="full"``, without ``out``,
@@ -513,7 +521,7 @@ def write_kv(
 # -- under torch.compile: one op per call ------------------------------------------------------
 #
 # A compiled call allocates the outputs the eager call would (shapes from the inputs' shapes)
-# and records one op whose body is the eager call (mla.engine.functional_ops). Arguments of a
+# and records one op whose body is the eager call (mla.engine.functional.ops). Arguments of a
 # kind the op cannot carry are left to the eager call, which names the bad one (a graph break;
 # under fullgraph=True dynamo's error says so).
 

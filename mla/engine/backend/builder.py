@@ -20,10 +20,10 @@ from mla.core.validate import (
     used_cache_blocks,
 )
 from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
-from mla.engine.checks import check_paged_step, require_instance
-from mla.engine.resolver import Decision
-from mla.engine.state import BackendState
-from mla.engine.step import MLAMetadata, StepInputs
+from mla.engine.backend.checks import check_paged_step, require_instance
+from mla.engine.backend.state import BackendState
+from mla.engine.backend.step import MLAMetadata, StepInputs
+from mla.engine.decision.resolver import Decision
 from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
 from mla.providers.transforms import flat_token_ids
 from mla.sparse.base import SparseRows, rows_plan

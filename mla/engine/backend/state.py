@@ -24,11 +24,11 @@ from mla.core.errors import InvalidInputError, PlanMismatchError, ProviderUnavai
 from mla.core.platform import Platform, resolve_platform
 from mla.core.validate import ValidateMode, check_kv_scale, require_int, require_validate_mode
 from mla.decode.base import DecodeIndexBuffers, DecodeStrategy
-from mla.engine import ops
-from mla.engine.checks import require_instance
-from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Decision, Resolver
-from mla.engine.step import MLAMetadata
+from mla.engine.backend import ops
+from mla.engine.backend.checks import require_instance
+from mla.engine.backend.step import MLAMetadata
+from mla.engine.decision.registry import AnyStrategy
+from mla.engine.decision.resolver import Decision, Resolver
 from mla.prefill.base import ContextExpander, PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider

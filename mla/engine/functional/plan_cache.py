@@ -15,9 +15,9 @@ from mla.core.config import EngineLimits, KVCacheSpec, MLADims
 from mla.core.context import PrefillContext, prefill_context
 from mla.core.platform import Platform, resolve_platform
 from mla.engine.backend import MLABackend
-from mla.engine.decode_graphs import GRAPHS_PER_PLAN, GraphState
-from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Resolver
+from mla.engine.decision.registry import AnyStrategy
+from mla.engine.decision.resolver import Resolver
+from mla.engine.functional.decode_graphs import GRAPHS_PER_PLAN, GraphState
 from mla.prefill.base import PrefillStrategy
 from mla.providers import require_available, resolve_provider
 from mla.providers.base import KernelProvider
@@ -59,7 +59,7 @@ class PlanCache(Generic[K, V]):
 @attrs.frozen(eq=False)
 class DecodeEntry:
     """A cached decode plan: a backend sized for the call's shapes, its unit indptr and the
-    CUDA graphs of its repeated calls (:mod:`mla.engine.decode_graphs`)."""
+    CUDA graphs of its repeated calls (:mod:`mla.engine.functional.decode_graphs`)."""
 
     backend: MLABackend
     unit_qsl_cpu: torch.Tensor
@@ -69,7 +69,7 @@ class DecodeEntry:
     graphs: PlanCache[Hashable, GraphState] = attrs.field(factory=lambda: PlanCache(GRAPHS_PER_PLAN))
     """Per call key (tensors' data pointers and strides, host ``query_start_loc`` values,
     ``kv_scale`` tensor): seen once, captured, or eager-only; at most
-    :data:`~mla.engine.decode_graphs.GRAPHS_PER_PLAN`."""
+    :data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN`."""
 
 
 DECODE_PLANS: PlanCache[tuple[object, ...], DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)

@@ -35,12 +35,12 @@ from mla.core.validate import (
     require_validate_mode,
 )
 from mla.engine.backend import MLABackend
-from mla.engine.checks import check_paged_step
-from mla.engine.decode_graphs import require_graph_replay
-from mla.engine.plan_cache import PLAN_CACHE_SIZE, DecodeEntry, PlanCache, available_provider
-from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Resolver
-from mla.engine.step import StepInputs
+from mla.engine.backend.checks import check_paged_step
+from mla.engine.backend.step import StepInputs
+from mla.engine.decision.registry import AnyStrategy
+from mla.engine.decision.resolver import Resolver
+from mla.engine.functional.decode_graphs import require_graph_replay
+from mla.engine.functional.plan_cache import PLAN_CACHE_SIZE, DecodeEntry, PlanCache, available_provider
 from mla.providers.base import KernelProvider
 from mla.strategy import Phase
 
@@ -102,7 +102,7 @@ class DecodeCall:
     host_qsl: bool
     """``query_start_loc`` is given on the host."""
     replay: bool
-    """Static conditions of the CUDA-graph replay hold (see :mod:`mla.engine.decode_graphs`)."""
+    """Static conditions of the CUDA-graph replay hold (see :mod:`mla.engine.functional.decode_graphs`)."""
     scale_on_host: bool
     """``kv_scale`` is a float or a host tensor: its value is checked per call."""
 
