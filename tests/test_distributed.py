@@ -187,6 +187,10 @@ def step(
         (step([1, 3], [5, 3], decodes=1, rows=2), "num_decode_tokens"),
         (step([2, 2], [5, 3], decodes=2, rows=5), "num_decode_tokens"),
         (step([1, 12], [5, 12], decodes=1), "query_start_loc"),
+        (step([1, 1, 1], [5, 5, 5], decodes=3), "query_start_loc"),
+        (step([3], [5], decodes=1), "query_start_loc"),
+        (step([3], [0], decodes=0), "seq_lens"),
+        (step([1], [5], decodes=-1), "num_decodes"),
     ],
     ids=[
         "seq-below-qlen",
@@ -196,12 +200,25 @@ def step(
         "padding-with-prefill",
         "too-many-decode-rows",
         "too-many-rows",
+        "too-many-requests",
+        "decode-qlen-beyond-the-limit",
+        "empty-prefill",
+        "negative-num-decodes",
     ],
 )
 def test_build_rejects_bad_steps(inputs: mla.StepInputs, argument: str) -> None:
+    """DCP checks the global step with the engine's one step checker: the builder's rules, the
+    same errors (and the block table against the largest share one rank holds)."""
     with pytest.raises(InvalidInputError) as info:
         small_dcp().build(inputs)
     assert info.value.argument == argument
+    dcp = small_dcp()
+    backend = mla.MLABackend(
+        DIMS, mla.KVCacheSpec(4, num_blocks=8), dcp.limits, model_dtype=torch.float32, provider="torch"
+    )
+    with pytest.raises(InvalidInputError) as same:
+        backend.builder.build(inputs)
+    assert same.value.argument == argument
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -457,7 +457,7 @@ def test_the_uniform_indptr_shortcut_finds_what_the_general_path_finds(
     equal :meth:`HostLengths.from_indptr`'s on every indptr."""
     builder = shortcut_backend().builder
     lens = [7 * i + 3 for i in range(len(qsl) - 1)] if with_lens else None
-    got = builder._host_lengths(qsl, lens)
+    got = builder.checker.host_lengths(qsl, lens)
     want = HostLengths.from_indptr(qsl, lens)
     assert attrs.astuple(got, recurse=False) == attrs.astuple(want, recurse=False)
 
@@ -475,7 +475,7 @@ def test_the_previous_uniform_indptr_is_matched_only_by_an_equal_one() -> None:
         ([0, 2, 4, 6], [-1, 3, 4]),
         ([0, 1, 2, 3], []),
     ):
-        got = builder._host_lengths(qsl, lens)
+        got = builder.checker.host_lengths(qsl, lens)
         assert attrs.astuple(got, recurse=False) == attrs.astuple(
             HostLengths.from_indptr(qsl, lens), recurse=False
         )

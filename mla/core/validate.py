@@ -362,10 +362,12 @@ def check_paged_request_values(
     block_size: int,
     max_model_len: int | None = None,
     lengths: HostLengths | None = None,
+    table_lens: Sequence[int] | None = None,
 ) -> None:
     """:func:`check_paged_requests` on host values (each request's query length and seq_len):
     a few comparisons of their ranges (``lengths``, computed when not given) on the fast path,
-    a per-request scan only to name a failure."""
+    a per-request scan only to name a failure. ``table_lens``: the keys each request's
+    block-table row holds when that is not its seq_len (a rank's share of a sharded cache)."""
     if len(seq_lens) != len(query_lens):
         raise InvalidInputError(
             "seq_lens",
@@ -376,11 +378,12 @@ def check_paged_request_values(
     if lengths is None:
         lengths = HostLengths.of(list(query_lens), list(seq_lens))
     shortest, longest = lengths.min_seq, lengths.max_seq
+    widest = longest if table_lens is None else max(table_lens)
     width = block_table_shape[1]
     # A request needs ceil(len / bs) <= width blocks, i.e. len <= width * bs.
     if (
         shortest < 0
-        or longest > width * block_size
+        or widest > width * block_size
         or block_table_shape[0] < len(seq_lens)
         or (max_model_len is not None and longest > max_model_len)
         or (
@@ -388,10 +391,11 @@ def check_paged_request_values(
         )
     ):
         lens = torch.tensor(seq_lens, dtype=torch.int64)
+        held = lens if table_lens is None else torch.tensor(table_lens, dtype=torch.int64)
         _explain_paged_requests(
             torch.tensor(query_lens, dtype=torch.int64),
             lens,
-            (lens + block_size - 1) // block_size,
+            (held + block_size - 1) // block_size,
             block_table_shape,
             block_size,
             max_model_len,

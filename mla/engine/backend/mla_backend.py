@@ -30,6 +30,7 @@ from mla.engine.backend.builder import MetadataBuilder
 from mla.engine.backend.impl import AttentionImpl
 from mla.engine.backend.state import BackendState
 from mla.engine.backend.step import MLAMetadata, StepInputs
+from mla.engine.backend.step_check import CheckedStep
 
 __all__ = ["MLABackend"]
 
@@ -106,11 +107,15 @@ def _one_thread(backend: MLABackend, call: str) -> Iterator[None]:
 
 
 class _GuardedBuilder(MetadataBuilder):
-    """:class:`MetadataBuilder` whose ``build`` refuses a second thread's concurrent call."""
+    """:class:`MetadataBuilder` whose ``build`` and ``plan`` refuse a second thread's concurrent call."""
 
     def build(self, step: StepInputs) -> MLAMetadata:
         with _one_thread(self.backend, "builder.build"):  # type: ignore[arg-type]
             return super().build(step)
+
+    def plan(self, step: CheckedStep) -> MLAMetadata:
+        with _one_thread(self.backend, "builder.plan"):  # type: ignore[arg-type]
+            return super().plan(step)
 
 
 def _guarded(name: str) -> Callable[..., None]:
