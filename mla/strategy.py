@@ -24,7 +24,6 @@ from mla.core.platform import Platform
 from mla.core.support import ReasonCollector, Support
 from mla.core.validate import require_paged_cache
 from mla.providers.base import KernelProvider
-from mla.providers.quant import ScaleBuffer
 
 
 class Phase(enum.Enum):
@@ -86,8 +85,6 @@ class Strategy(abc.ABC, Generic[CtxT]):
 
     def __init__(self, setup: StrategySetup) -> None:
         self.setup = setup
-        self.kv_scale_buffer = ScaleBuffer.allocate(setup.device)
-        """Device copy of a float ``kv_scale`` passed to ``run`` (kernels read scales on the device)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(provider={self.setup.provider.name!r})"

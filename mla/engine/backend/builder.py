@@ -51,7 +51,12 @@ class MetadataBuilder:
     def build(self, step: StepInputs) -> MLAMetadata:
         """Check one step and plan it (:meth:`plan`); the metadata is also the backend's
         current metadata."""
-        return self.plan(self.checker.check(step))
+        held = self.backend.hold("builder.build")
+        try:
+            return self.plan(self.checker.check(step))
+        finally:
+            if held:
+                self.backend.in_use.release()
 
     def plan(self, step: CheckedStep) -> MLAMetadata:
         """Plan a checked step and make it the backend's current metadata (also returned).
@@ -62,18 +67,24 @@ class MetadataBuilder:
         engine derived from a checked one, :func:`~mla.engine.backend.step_check.derived_step`).
         """
         be = self.backend
-        nd, num_requests = step.num_decodes, step.num_requests
-        if be.dims.is_sparse:
-            metadata = self._build_sparse(step)
+        held = be.hold("builder.plan")
+        try:
+            metadata = self._build_sparse(step) if be.dims.is_sparse else self._build_dense(step)
             be.current_metadata = metadata
             return metadata
+        finally:
+            if held:
+                be.in_use.release()
+
+    def _build_dense(self, step: CheckedStep) -> MLAMetadata:
+        nd, num_requests = step.num_decodes, step.num_requests
         decode_plan = prefill_plan = None
         decode_decision = prefill_decision = None
         if nd:
             decode_decision, decode_plan = self._build_decode(step)
         if nd < num_requests:
             prefill_decision, prefill_plan = self._build_prefill(step)
-        metadata = _METADATA(
+        return _METADATA(
             num_decodes=nd,
             num_decode_tokens=step.num_decode_tokens,
             num_prefills=num_requests - nd,
@@ -86,8 +97,6 @@ class MetadataBuilder:
             sparse_prefill=None,
             index=None,
         )
-        be.current_metadata = metadata
-        return metadata
 
     def _build_sparse(self, step: CheckedStep) -> MLAMetadata:
         """A sparse model's checked step: the row map of all rows on the device, one plan per

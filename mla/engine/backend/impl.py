@@ -1,12 +1,15 @@
-"""The attention impl: checks each call's tensors and runs the backend's current plan through
-the custom ops of :mod:`mla.engine.backend.ops`."""
+"""The attention impl: the engine's door for running a step. Each call checks what the caller
+passed once (kinds, devices, the cache dtype, the fp8 ``kv_scale``, which the backend's
+:class:`~mla.engine.backend.scale.KVScale` converts once) and calls one custom op of
+:mod:`mla.engine.backend.ops`, whose body checks the tensors against the current plan and runs
+it; nothing after that checks again."""
 
 from __future__ import annotations
 
 import torch
 
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_cache_scale, check_slots, require_cache_dtype, require_index
+from mla.core.validate import check_slots, require_cache_dtype, require_index
 from mla.engine.backend import ops
 from mla.engine.backend.checks import check_kv_write, require_instance, require_on_q_device, require_tensors
 from mla.engine.backend.state import BackendState
@@ -20,8 +23,10 @@ class AttentionImpl:
 
     Each method checks its inputs, then calls one op with the backend's handle; the op runs the
     backend's current plan. Eager calls also check that ``metadata`` is the current step's
-    (:class:`PlanMismatchError` otherwise). Under ``torch.compile`` the metadata argument is not
-    read, so the compiled graph neither guards on it nor changes from step to step.
+    (:class:`PlanMismatchError` otherwise) and hold the backend (a second thread's concurrent
+    call raises :class:`~mla.core.errors.ConcurrentUseError`). Under ``torch.compile`` the
+    metadata argument is not read, so the compiled graph neither guards on it nor changes from
+    step to step.
     """
 
     def __init__(self, backend: BackendState) -> None:
@@ -43,15 +48,20 @@ class AttentionImpl:
         ``kv_scale`` (fp8 cache) is a float or a one-element device tensor; kernels read it on
         the device, so a captured graph replays with the tensor's current value."""
         be = self.backend
-        if not torch.compiler.is_compiling():
-            require_instance("metadata", metadata, MLAMetadata)
-            self._require_dense("forward_decode", "forward_sparse_decode")
-            be.check_current(metadata, "decode")
-        require_tensors(q=q, kv_cache=kv_cache, out=out)
-        require_on_q_device(q, kv_cache=kv_cache, out=out, lse=lse, kv_scale=kv_scale)
-        require_cache_dtype(kv_cache, be.cache.dtype)  # before kv_scale: the cache is the cause
-        check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
-        ops.decode(q, kv_cache, out, lse, be.kv_scale_tensor(kv_scale), be.op_id)
+        eager = be.hold("impl.forward_decode")  # False under torch.compile
+        try:
+            if eager:
+                require_instance("metadata", metadata, MLAMetadata)
+                self._require_dense("forward_decode", "forward_sparse_decode")
+                be.check_current(metadata, "decode")
+            require_tensors(q=q, kv_cache=kv_cache, out=out)
+            require_on_q_device(q, kv_cache=kv_cache, out=out, lse=lse)
+            require_cache_dtype(kv_cache, be.cache.dtype)  # before kv_scale: the cache is the cause
+            scale = be.kv_scale.tensor(kv_scale, device=q.device)
+            ops.decode(q, kv_cache, out, lse, scale, be.op_id)
+        finally:
+            if eager:
+                be.in_use.release()
 
     def forward_prefill(
         self,
@@ -72,35 +82,38 @@ class AttentionImpl:
         ``torch.compile``) its handle from :func:`mla.register_context_expander`.
         """
         be = self.backend
-        compiling = torch.compiler.is_compiling()
-        if not compiling:
-            require_instance("metadata", metadata, MLAMetadata)
-            self._require_dense("forward_prefill", "forward_sparse_prefill")
-            be.check_current(metadata, "prefill")
-        require_tensors(q=q, k=k, v=v, out=out)
-        require_on_q_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale)
-        if kv_cache is None and kv_scale is not None:
-            raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
-        require_cache_dtype(kv_cache, be.cache.dtype)
-        check_cache_scale(kv_scale, be.cache.dtype, device=q.device, required=False)
-        if lse is None:
-            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        scale = be.kv_scale_tensor(kv_scale)
-        if expand_context is None or isinstance(expand_context, ops.ContextExpanderHandle):
-            expander_id = 0 if expand_context is None else expand_context.id
-            ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, expander_id)
-            return
-        if compiling:
-            raise InvalidInputError(
-                "expand_context",
-                "under torch.compile pass a handle: register the callback once with "
-                "mla.register_context_expander(fn) (e.g. at layer init) and pass the handle",
-            )
-        handle = ops.register_context_expander(expand_context)
+        eager = be.hold("impl.forward_prefill")
         try:
-            ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, handle.id)
+            if eager:
+                require_instance("metadata", metadata, MLAMetadata)
+                self._require_dense("forward_prefill", "forward_sparse_prefill")
+                be.check_current(metadata, "prefill")
+            require_tensors(q=q, k=k, v=v, out=out)
+            require_on_q_device(q, k=k, v=v, out=out, lse=lse, kv_cache=kv_cache)
+            if kv_cache is None and kv_scale is not None:
+                raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
+            require_cache_dtype(kv_cache, be.cache.dtype)
+            scale = be.kv_scale.tensor(kv_scale, device=q.device, required=False)
+            if lse is None:
+                lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+            if expand_context is None or isinstance(expand_context, ops.ContextExpanderHandle):
+                expander_id = 0 if expand_context is None else expand_context.id
+                ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, expander_id)
+                return
+            if not eager:
+                raise InvalidInputError(
+                    "expand_context",
+                    "under torch.compile pass a handle: register the callback once with "
+                    "mla.register_context_expander(fn) (e.g. at layer init) and pass the handle",
+                )
+            handle = ops.register_context_expander(expand_context)
+            try:
+                ops.prefill(q, k, v, out, lse, kv_cache, scale, be.op_id, handle.id)
+            finally:
+                handle.release()
         finally:
-            handle.release()
+            if eager:
+                be.in_use.release()
 
     def write_kv(
         self,
@@ -117,8 +130,13 @@ class AttentionImpl:
         and shared slots on the host; vLLM's ``concat_and_cache_mla`` argument order). fp8
         caches store ``value / kv_scale``."""
         be = self.backend
-        check_kv_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, be.validate)
-        ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, be.kv_scale_tensor(kv_scale), be.provider_id)
+        eager = be.hold("impl.write_kv")
+        try:
+            check_kv_write(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, be.validate)
+            ops.write_kv(kv_c, k_pe, kv_cache, slot_mapping, be.kv_scale.convert(kv_scale), be.provider_id)
+        finally:
+            if eager:
+                be.in_use.release()
 
     # -- sparse (DeepSeek Sparse Attention) ------------------------------------------------------
 
@@ -175,24 +193,26 @@ class AttentionImpl:
         kv_scale: float | torch.Tensor | None,
     ) -> None:
         be = self.backend
-        if not torch.compiler.is_compiling():
-            require_instance("metadata", metadata, MLAMetadata)
-            if not be.dims.is_sparse:
-                raise InvalidInputError(
-                    "metadata", "this backend serves a dense model (MLADims.index_topk is None)"
-                )
-            be.check_current(metadata, phase)
-            if be.validate == "full" and isinstance(topk_indices, torch.Tensor):
-                plan = getattr(metadata, phase)
-                check_topk_positions(topk_indices, plan.row_keys)
-        require_tensors(q=q, kv_cache=kv_cache, topk_indices=topk_indices, out=out)
-        require_on_q_device(
-            q, kv_cache=kv_cache, topk_indices=topk_indices, out=out, lse=lse, kv_scale=kv_scale
-        )
-        check_cache_scale(kv_scale, be.cache.dtype, device=q.device)
-        scale = be.kv_scale_tensor(kv_scale)
-        prefill = phase == "sparse_prefill"
-        ops.sparse_attention(q, kv_cache, topk_indices, out, lse, scale, be.op_id, prefill)
+        eager = be.hold(f"impl.forward_{phase}")
+        try:
+            if eager:
+                require_instance("metadata", metadata, MLAMetadata)
+                if not be.dims.is_sparse:
+                    raise InvalidInputError(
+                        "metadata", "this backend serves a dense model (MLADims.index_topk is None)"
+                    )
+                be.check_current(metadata, phase)
+                if be.validate == "full" and isinstance(topk_indices, torch.Tensor):
+                    plan = getattr(metadata, phase)
+                    check_topk_positions(topk_indices, plan.row_keys)
+            require_tensors(q=q, kv_cache=kv_cache, topk_indices=topk_indices, out=out)
+            require_on_q_device(q, kv_cache=kv_cache, topk_indices=topk_indices, out=out, lse=lse)
+            scale = be.kv_scale.tensor(kv_scale, device=q.device)
+            prefill = phase == "sparse_prefill"
+            ops.sparse_attention(q, kv_cache, topk_indices, out, lse, scale, be.op_id, prefill)
+        finally:
+            if eager:
+                be.in_use.release()
 
     def index_topk(
         self,
@@ -209,14 +229,21 @@ class AttentionImpl:
         ``index_topk`` request-local positions of each row into ``out`` (int32 ``[T, index_topk]``,
         descending score, ``-1`` pads)."""
         be = self.backend
-        if not torch.compiler.is_compiling():
-            require_instance("metadata", metadata, MLAMetadata)
-            if not be.dims.is_sparse:
-                raise InvalidInputError("metadata", "this backend serves a dense model: it has no indexer")
-            be.check_current(metadata, "index")
-        require_tensors(index_q=q, index_weights=weights, index_cache=index_cache, out=out)
-        require_on_q_device(q, index_weights=weights, index_cache=index_cache, out=out)
-        ops.index_topk(q, weights, index_cache, out, be.op_id)
+        eager = be.hold("impl.index_topk")
+        try:
+            if eager:
+                require_instance("metadata", metadata, MLAMetadata)
+                if not be.dims.is_sparse:
+                    raise InvalidInputError(
+                        "metadata", "this backend serves a dense model: it has no indexer"
+                    )
+                be.check_current(metadata, "index")
+            require_tensors(index_q=q, index_weights=weights, index_cache=index_cache, out=out)
+            require_on_q_device(q, index_weights=weights, index_cache=index_cache, out=out)
+            ops.index_topk(q, weights, index_cache, out, be.op_id)
+        finally:
+            if eager:
+                be.in_use.release()
 
     def write_index_keys(
         self, keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -224,9 +251,16 @@ class AttentionImpl:
         """Write the step's index keys ``[N, D]`` (after the key norm and rope) into the index-key
         cache at ``slot_mapping [N]`` (negative slots skipped); fp8 keys are quantized per token."""
         be = self.backend
-        require_tensors(index_k=keys, index_cache=index_cache)
-        require_index("slot_mapping", slot_mapping, ndim=1)
-        require_on_q_device(keys, index_cache=index_cache, slot_mapping=slot_mapping)
-        if be.validate == "full":
-            check_slots(slot_mapping.cpu(), num_blocks=index_cache.shape[0], block_size=index_cache.shape[1])
-        ops.write_index_keys(keys, index_cache, slot_mapping, be.op_id)
+        eager = be.hold("impl.write_index_keys")
+        try:
+            require_tensors(index_k=keys, index_cache=index_cache)
+            require_index("slot_mapping", slot_mapping, ndim=1)
+            require_on_q_device(keys, index_cache=index_cache, slot_mapping=slot_mapping)
+            if be.validate == "full":
+                check_slots(
+                    slot_mapping.cpu(), num_blocks=index_cache.shape[0], block_size=index_cache.shape[1]
+                )
+            ops.write_index_keys(keys, index_cache, slot_mapping, be.op_id)
+        finally:
+            if eager:
+                be.in_use.release()

@@ -246,7 +246,7 @@ def mla_decode(
     # One step at a time per cached plan: threads sharing it take turns (its backend's
     # builds write the buffers its runs read).
     with backend.in_use:
-        scale = backend.kv_scale_tensor(kv_scale)
+        scale = backend.kv_scale.convert(kv_scale)  # checked with the call's signature and values
         if call.replay and decode_graphs.replay_allowed(q):
             # A host query_start_loc is keyed by its values (the graph reads its own device copy),
             # a device one also by its address (the graph reads it).

@@ -34,7 +34,7 @@ from mla.core.validate import (
     require_tensor,
     require_validate_mode,
 )
-from mla.engine.backend import MLABackend
+from mla.engine.backend import MLABackend, ops
 from mla.engine.backend.checks import check_paged_step
 from mla.engine.backend.step import StepInputs
 from mla.engine.decision.registry import AnyStrategy
@@ -347,7 +347,7 @@ def run_step(
             num_decode_tokens=call.num_tokens,
         )
     )
-    backend.run_decode(q, kv_cache, out, lse, kv_scale)
+    ops.decode_body(q, kv_cache, out, lse, kv_scale, backend.op_id)
 
 
 def require_output(
