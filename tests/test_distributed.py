@@ -222,6 +222,26 @@ def test_build_rejects_bad_steps(inputs: mla.StepInputs, argument: str) -> None:
 
 
 @pytest.mark.usefixtures("one_rank")
+def test_build_checks_the_global_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The global step goes through the step checker once; the local steps derived from it are
+    planned by the two backends without a second check."""
+    from mla.engine.backend.step_check import StepChecker
+
+    checked: list[int] = []
+    real = StepChecker.check_values
+
+    def counted(self: StepChecker, inputs: mla.StepInputs) -> object:
+        checked.append(inputs.num_decodes)
+        return real(self, inputs)
+
+    monkeypatch.setattr(StepChecker, "check_values", counted)
+    meta = small_dcp().build(step([1, 3], [9, 6], decodes=1))
+    assert meta.decode is not None
+    assert meta.prefill is not None
+    assert checked == [1]
+
+
+@pytest.mark.usefixtures("one_rank")
 def test_one_rank_equals_the_backend_and_rejects_bad_calls() -> None:
     """With one rank DCP is the plain backend; wrong tensors and phases raise typed errors."""
     dcp = small_dcp()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
-from mla.core.validate import HostLengths
+from mla.core.step_rules import HostLengths
 from mla.engine.functional import decode_graphs
 from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
 from mla.testing import assert_matches_reference, emulated_provider

@@ -140,3 +140,92 @@ def test_a_device_kv_scale_tensor_reaches_the_provider_as_it_is(monkeypatch: pyt
         metadata, torch.randn(2, HEADS, RANK + ROPE), cache, out=torch.empty(2, HEADS, RANK), kv_scale=scale
     )
     assert seen["kv_scale"].data_ptr() == scale.data_ptr()
+
+
+def test_mla_decode_and_mla_prefill_take_the_same_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both functional calls: their door, a cached backend's builder, then the strategy's
+    ``run`` and ``launch`` (no strategy is called around the engine pair)."""
+    from mla.providers.torch_ref import TorchProvider
+
+    routes: dict[str, list[str]] = {}
+    plans: list[str] = []
+    for method in ("paged_mqa_decode", "small_head_decode", "varlen_attention"):
+        real = getattr(TorchProvider, method)
+
+        def recorded(self: Any, call: Any, _real: Any = real, _method: str = method) -> None:
+            routes[_method] = _mla_frames()
+            _real(self, call)
+
+        monkeypatch.setattr(TorchProvider, method, recorded)
+    for name in ("plan", "plan_varlen"):
+        real_plan = getattr(mla.MetadataBuilder, name)
+
+        def planned(self: Any, step: Any, _real: Any = real_plan, _name: str = name) -> Any:
+            plans.append(_name)
+            return _real(self, step)
+
+        monkeypatch.setattr(mla.MetadataBuilder, name, planned)
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(8, BLOCK, RANK + ROPE, generator=gen)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    mla.mla_decode(
+        torch.randn(2, HEADS, RANK + ROPE, generator=gen),
+        cache,
+        table,
+        torch.tensor([5, 9], dtype=torch.int32),
+        softmax_scale=0.1,
+        kv_lora_rank=RANK,
+        provider="torch",
+        graph="off",
+    )
+    qk, v = torch.randn(6, HEADS, NOPE + ROPE, generator=gen), torch.randn(6, HEADS, VDIM, generator=gen)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    mla.mla_prefill(qk, qk.clone(), v, cu, cu, 4, 4, softmax_scale=0.1, provider="torch")
+    assert plans == ["plan", "plan_varlen"]
+    (decode_method,) = {"paged_mqa_decode", "small_head_decode"} & set(routes)
+    decode, prefill = routes[decode_method], routes["varlen_attention"]
+    assert decode[decode.index("engine/functional/decode.py:mla_decode") :][:3] == [
+        "engine/functional/decode.py:mla_decode",
+        "engine/functional/decode.py:_decode",
+        "engine/functional/decode_call.py:run_step",
+    ]
+    assert decode[-2] == "decode/base.py:run"
+    assert prefill[prefill.index("engine/functional/prefill.py:mla_prefill") :] == [
+        "engine/functional/prefill.py:mla_prefill",
+        "engine/functional/prefill.py:_prefill",
+        "prefill/base.py:run",
+        "prefill/flash_varlen.py:launch",
+    ]
+
+
+def test_a_step_is_checked_once_by_the_one_step_checker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``builder.build`` and ``mla_decode`` check their step with the step checker, once: the
+    builder's ``plan`` and the strategies' ``run`` check nothing again."""
+    from mla.engine.backend.step_check import StepChecker
+
+    calls: list[int] = []
+    real = StepChecker.check_values
+
+    def counted(self: StepChecker, step: mla.StepInputs) -> Any:
+        calls.append(step.num_decodes)
+        return real(self, step)
+
+    monkeypatch.setattr(StepChecker, "check_values", counted)
+    backend = _backend("asm-non-persistent")
+    _decode_step(backend)
+    assert calls == [2]
+    gen = torch.Generator().manual_seed(2)
+    for mode in ("fast", "full"):
+        calls.clear()
+        mla.mla_decode(
+            torch.randn(3, HEADS, RANK + ROPE, generator=gen),
+            torch.randn(8, BLOCK, RANK + ROPE, generator=gen),
+            torch.arange(8, dtype=torch.int32).view(2, 4),
+            torch.tensor([5, 9], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1, 3]),
+            softmax_scale=0.1,
+            kv_lora_rank=RANK,
+            provider="torch",
+            validate=mode,
+        )
+        assert calls == [2]

@@ -11,7 +11,8 @@ import torch
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
 from mla.core.records import fast_constructor
-from mla.core.validate import HostLengths, require_no_overlap
+from mla.core.step_rules import HostLengths
+from mla.core.validate import require_no_overlap
 from mla.providers.calls import FillPagesCall
 from mla.strategy import (
     GraphSupport,

@@ -8,13 +8,13 @@ import torch
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext, PrefillContext
 from mla.core.records import fast_constructor
-from mla.core.validate import used_cache_blocks
+from mla.core.step_rules import used_cache_blocks
 from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
 from mla.engine.backend.state import BackendState
-from mla.engine.backend.step import MLAMetadata, StepInputs
+from mla.engine.backend.step import MLAMetadata, StepInputs, VarlenStep
 from mla.engine.backend.step_check import CheckedStep, StepChecker, StepRules
 from mla.engine.decision.resolver import Decision
-from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan
+from mla.prefill.base import ContextChunk, PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.providers.transforms import flat_token_ids
 from mla.sparse.base import SparseRows, rows_plan
 
@@ -47,6 +47,7 @@ class MetadataBuilder:
             )
         )
         self._decode_choices: dict[tuple[int, bool, int], tuple[DecodeContext, Decision, DecodeStrategy]] = {}
+        self._prefill_choices: dict[tuple[bool, int], tuple[PrefillContext, Decision, PrefillStrategy]] = {}
 
     def build(self, step: StepInputs) -> MLAMetadata:
         """Check one step and plan it (:meth:`plan`); the metadata is also the backend's
@@ -70,6 +71,46 @@ class MetadataBuilder:
         held = be.hold("builder.plan")
         try:
             metadata = self._build_sparse(step) if be.dims.is_sparse else self._build_dense(step)
+            be.current_metadata = metadata
+            return metadata
+        finally:
+            if held:
+                be.in_use.release()
+
+    def plan_varlen(self, step: VarlenStep) -> MLAMetadata:
+        """Plan a prefill over given keys (the functional ``mla_prefill``'s step, checked by its
+        caller: no cached context) and make it the backend's current metadata."""
+        be = self.backend
+        held = be.hold("builder.plan_varlen")
+        try:
+            ctx, decision, strategy = self._prefill_choice(has_context=False)
+            cu_q, cu_k = step.cu_seqlens_q_cpu, step.cu_seqlens_k_cpu
+            num_requests, num_tokens = cu_q.numel() - 1, int(cu_q[-1])
+            batch = PrefillBatch(
+                context=ctx,
+                cu_seqlens_q_cpu=cu_q,
+                cu_seqlens_k_cpu=cu_k,
+                cu_seqlens_q=step.cu_seqlens_q,
+                cu_seqlens_k=step.cu_seqlens_k,
+                max_seqlen_q=step.max_seqlen_q,
+                max_seqlen_k=step.max_seqlen_k,
+                num_tokens=num_tokens,
+                num_kv_tokens=int(cu_k[-1]),
+                causal=step.causal,
+            )
+            metadata = _METADATA(
+                num_decodes=0,
+                num_decode_tokens=0,
+                num_prefills=num_requests,
+                num_prefill_tokens=num_tokens,
+                decode=None,
+                prefill=strategy.build_metadata(batch),
+                decode_decision=None,
+                prefill_decision=decision,
+                sparse_decode=None,
+                sparse_prefill=None,
+                index=None,
+            )
             be.current_metadata = metadata
             return metadata
         finally:
@@ -164,6 +205,18 @@ class MetadataBuilder:
             choice = self._decode_choices[key] = (ctx, decision, be.decode_strategy(decision))
         return choice
 
+    def _prefill_choice(self, *, has_context: bool) -> tuple[PrefillContext, Decision, PrefillStrategy]:
+        """The context, decision and strategy instance of a prefill (resolved once per
+        chunked-context presence and registry version)."""
+        be = self.backend
+        key = (has_context, be.resolver.registry.version)
+        choice = self._prefill_choices.get(key)
+        if choice is None:
+            ctx = be.prefill_context(has_chunked_context=has_context)
+            decision = be.resolver.resolve(ctx, force=be.force_prefill)
+            choice = self._prefill_choices[key] = (ctx, decision, be.prefill_strategy(decision))
+        return choice
+
     def _build_decode(self, step: CheckedStep) -> tuple[Decision, DecodePlan]:
         """The decode part of a checked step (its first ``num_decodes`` requests and
         ``num_decode_tokens`` rows) planned by the strategy of its shape."""
@@ -221,9 +274,7 @@ class MetadataBuilder:
         qlens = torch.tensor(step.lengths.query_lens[nd:], dtype=torch.int64)
         context_lens = torch.tensor(step.lengths.seq_lens[nd:], dtype=torch.int64) - qlens
         has_context = bool((context_lens > 0).any())
-        ctx = be.prefill_context(has_chunked_context=has_context)
-        decision = be.resolver.resolve(ctx, force=be.force_prefill)
-        strategy = be.prefill_strategy(decision)
+        ctx, decision, strategy = self._prefill_choice(has_context=has_context)
         cu_q = _to_device(cu_q_cpu, be.device)
         table = step.inputs.block_table[nd:]
         chunks = self._context_chunks(context_lens, table) if has_context else ()

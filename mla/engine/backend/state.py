@@ -338,14 +338,24 @@ class BackendState:
 
     # -- what the custom ops run -------------------------------------------------------------
 
+    def current_decode(self) -> tuple[DecodeStrategy, DecodePlan]:
+        """The current step's decode plan and the strategy that runs it."""
+        plan = self._current("decode").decode
+        assert plan is not None
+        return self.decode_strategy(plan.strategy), plan
+
+    def current_prefill(self) -> tuple[PrefillStrategy, PrefillPlan]:
+        """The current step's prefill plan and the strategy that runs it."""
+        plan = self._current("prefill").prefill
+        assert plan is not None
+        return self.prefill_strategy(plan.strategy), plan
+
     def checked_decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
     ) -> tuple[DecodeStrategy, DecodePlan]:
-        """The current step's decode plan and its strategy, with the inputs checked against the
-        plan (:meth:`DecodeStrategy.check_inputs`): what the body of ``mla::decode`` runs."""
-        plan = self._current("decode").decode
-        assert plan is not None
-        strategy = self.decode_strategy(plan.strategy)
+        """:meth:`current_decode`, with the inputs checked against the plan
+        (:meth:`DecodeStrategy.check_inputs`): what the body of ``mla::decode`` runs."""
+        strategy, plan = self.current_decode()
         strategy.check_inputs(plan, q, kv_cache, out, lse)
         return strategy, plan
 
@@ -360,11 +370,9 @@ class BackendState:
         has_kv_scale: bool,
         expand_context: ContextExpander | None,
     ) -> tuple[PrefillStrategy, PrefillPlan]:
-        """The current step's prefill plan and its strategy, with the inputs checked against the
-        plan (:meth:`PrefillStrategy.check_inputs`): what the body of ``mla::prefill`` runs."""
-        plan = self._current("prefill").prefill
-        assert plan is not None
-        strategy = self.prefill_strategy(plan.strategy)
+        """:meth:`current_prefill`, with the inputs checked against the plan
+        (:meth:`PrefillStrategy.check_inputs`): what the body of ``mla::prefill`` runs."""
+        strategy, plan = self.current_prefill()
         strategy.check_inputs(
             plan,
             q,

@@ -38,17 +38,14 @@ from torch import Tensor
 from mla.core.config import EngineLimits
 from mla.core.errors import InvalidInputError
 from mla.core.records import fast_constructor
-from mla.core.validate import (
-    INDEX_DTYPES,
+from mla.core.step_rules import (
     HostLengths,
-    ValidateMode,
     check_block_ids,
     check_indptr_values,
     check_paged_request_values,
-    require_index,
     require_indptr_of_rows,
-    require_int,
 )
+from mla.core.validate import INDEX_DTYPES, ValidateMode, require_index, require_int
 from mla.engine.backend.step import StepInputs
 
 _INDEX = frozenset(INDEX_DTYPES)
@@ -76,6 +73,9 @@ class StepRules:
     rows_of: str | None = None
     """The caller's name of the step's rows when every row must belong to a request (the
     functional ``mla_decode``'s ``q``: no graph-padding rows); ``None`` for an engine step."""
+    model_len: bool = True
+    """Check seq_lens against ``limits.max_model_len`` (a functional call has no model length:
+    its block table alone bounds each request)."""
 
 
 @attrs.frozen(eq=False)
@@ -112,6 +112,18 @@ class CheckedStep:
     @property
     def num_prefill_tokens(self) -> int:
         return self.query_start_loc[-1] - self.owned_decode_tokens
+
+    def with_inputs(self, inputs: StepInputs) -> CheckedStep:
+        """This checked step over ``inputs``: the same values in other tensors (a caller that
+        checked the step with host tensors and runs it with their device copies)."""
+        return _CHECKED_STEP(
+            inputs=inputs,
+            query_start_loc=self.query_start_loc,
+            lengths=self.lengths,
+            num_decodes=self.num_decodes,
+            num_decode_tokens=self.num_decode_tokens,
+            block_table_cpu=self.block_table_cpu,
+        )
 
 
 _CHECKED_STEP = fast_constructor(CheckedStep)
@@ -231,7 +243,7 @@ class StepChecker:
                 seq_lens=lens,
                 block_table_shape=table_shape,
                 block_size=rules.block_size,
-                max_model_len=limits.max_model_len,
+                max_model_len=limits.max_model_len if rules.model_len else None,
                 lengths=lengths,
                 table_lens=table_lens,
             )

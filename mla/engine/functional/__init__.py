@@ -7,6 +7,8 @@ builder and op bodies; under ``torch.compile`` each call is one op
 (:mod:`~mla.engine.functional.ops`).
 """
 
-from mla.engine.functional.api import mla_decode, mla_prefill, write_kv
+from mla.engine.functional.decode import mla_decode
+from mla.engine.functional.prefill import mla_prefill
+from mla.engine.functional.write import write_kv
 
 __all__ = ["mla_decode", "mla_prefill", "write_kv"]

@@ -2,7 +2,7 @@
 :func:`mla.write_kv` record in a compiled graph.
 
 Under ``torch.compile`` each functional call becomes one opaque op call whose eager body is the
-functional call itself (checks, plan cache, run: :mod:`mla.engine.functional.api` registers the bodies), so
+functional call itself (checks, plan cache, run: the functional modules register the bodies), so
 a compiled function around them has no graph break and the eager calls cost what they always
 did. The traced code allocates the outputs the call would allocate (shapes from the inputs'
 shapes) and passes them as mutated arguments.
@@ -39,6 +39,9 @@ from typing import Any
 import torch
 
 from mla.engine.backend.ops import register_void_fakes
+
+UNTRACEABLE = "an argument is not of the kind the op takes; the eager call names it"
+"""Why a compiled functional call leaves its arguments to the eager call (a graph break)."""
 
 _OPTIONS: dict[tuple[Hashable, ...], int] = {}
 _BY_HANDLE: list[tuple[Hashable, ...]] = []
