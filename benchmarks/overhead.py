@@ -138,10 +138,10 @@ def run_shape(
     # The kernels alone: the cached plan's run (what every call launches after planning).
     cached = mla.engine.functional.plan_cache.DECODE_PLANS._entries.values()
     plans = [e for e in cached if e.backend.device.type == dev.type]
-    backend = plans[-1].backend
+    strategy, plan = plans[-1].backend.current_decode()
 
     def kernels() -> None:
-        backend.run_decode(q, cache, out, None, None)
+        strategy.run(plan, q, cache, kv_scale=None, out=out, lse=None)
 
     kernel_us = bench_graph_us(kernels) if gpu else wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
 
