@@ -195,7 +195,8 @@ def check_decode_call(args: DecodeArgs) -> DecodeCall:
         and (not isinstance(kv_scale, torch.Tensor) or kv_scale.device.type == "cpu"),
         checker=checker,
         unit_qsl_cpu=unit,
-        unit_qsl=unit.to(device=q.device, dtype=torch.int32),
+        # Made on the device (a kernel, not a host-to-device copy: nothing to synchronize).
+        unit_qsl=torch.arange(num_requests + 1, dtype=torch.int32, device=q.device),
     )
 
 
