@@ -97,7 +97,7 @@ def bench_sequence(
     heads, bs = args.heads, args.block
     kv = mla.core.config.normalize_dtype(args.kv)
     limits = mla.EngineLimits(max_num_seqs=1, max_model_len=seq, max_num_batched_tokens=64)
-    dims = mla.MLADims(num_heads=heads)
+    dims = mla.MLADims(num_heads=heads, softmax_scale=192**-0.5)
     blocks = -(-seq // bs)
     platform = mla.detect_platform(device)
     if mla.core.config.is_fp8(kv):
@@ -124,7 +124,10 @@ def bench_sequence(
     ref = torch.empty(1, heads, 512, device=device, dtype=torch.bfloat16)
     ref_split = torch.empty(1, 2 * heads, 512, device=device, dtype=torch.bfloat16)
     single_32 = mla.MLABackend(
-        mla.MLADims(num_heads=2 * heads), mla.KVCacheSpec(bs, kv, num_blocks=blocks), limits, device=device
+        mla.MLADims(num_heads=2 * heads, softmax_scale=192**-0.5),
+        mla.KVCacheSpec(bs, kv, num_blocks=blocks),
+        limits,
+        device=device,
     )
     single.impl.forward_decode(meta, q[:, :heads].contiguous(), cache, out=ref, kv_scale=scale)
     single_32.impl.forward_decode(

@@ -23,7 +23,7 @@ Per shape it prints:
 
 ``mla_decode`` is called with ``out=`` and ``return_lse=False`` on the same tensors every call,
 so from the third call on it replays the CUDA graph it captured on the second
-(:mod:`mla.engine.decode_graphs`); ``--no-graph`` measures the eager path instead.
+(:mod:`mla.engine.functional.decode_graphs`); ``--no-graph`` measures the eager path instead.
 """
 
 from __future__ import annotations
@@ -136,12 +136,12 @@ def run_shape(
     call_us = wall_us(call, calls=calls, rounds=rounds, sync=sync)
     sync_call_us = wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
     # The kernels alone: the cached plan's run (what every call launches after planning).
-    cached = mla.engine.plan_cache.DECODE_PLANS._entries.values()
+    cached = mla.engine.functional.plan_cache.DECODE_PLANS._entries.values()
     plans = [e for e in cached if e.backend.device.type == dev.type]
-    backend = plans[-1].backend
+    strategy, plan = plans[-1].backend.current_decode()
 
     def kernels() -> None:
-        backend.run_decode(q, cache, out, None, None)
+        strategy.run(plan, q, cache, kv_scale=None, out=out, lse=None)
 
     kernel_us = bench_graph_us(kernels) if gpu else wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
 

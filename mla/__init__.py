@@ -22,15 +22,11 @@ from mla.decode.base import DecodeBatch, DecodePlan, DecodeStrategy
 from mla.decode.gluon import GluonDecode
 from mla.decode.gluon_verify_flatten import GluonVerifyFlatten
 from mla.distributed import DCPLayout, DCPMetadata, DecodeContextParallel
-from mla.engine import ops
-from mla.engine.api import mla_decode, mla_prefill, write_kv
-from mla.engine.backend import MLABackend
-from mla.engine.builder import MetadataBuilder
-from mla.engine.impl import AttentionImpl
-from mla.engine.ops import ContextExpanderHandle, register_context_expander
-from mla.engine.registry import DEFAULT_REGISTRY, Registry, override, register
-from mla.engine.resolver import Decision, Resolver
-from mla.engine.step import MLAMetadata, StepInputs
+from mla.engine.backend import AttentionImpl, MetadataBuilder, MLABackend, MLAMetadata, StepInputs, ops
+from mla.engine.backend.ops import ContextExpanderHandle, register_context_expander
+from mla.engine.decision.registry import DEFAULT_REGISTRY, Registry, override, register
+from mla.engine.decision.resolver import Decision, Resolver
+from mla.engine.functional import mla_decode, mla_prefill, write_kv
 from mla.layers import MLAAttention, deepseek_softmax_scale, yarn_mscale
 from mla.prefill.base import PrefillBatch, PrefillPlan, PrefillStrategy
 from mla.prefill.flash_varlen import FlashVarlen

@@ -4,7 +4,7 @@ A strategy is mostly data: capability-style constraints as ClassVars, a ``suppor
 returns every reason, ``build_metadata`` (host side, once per step, may sync, writes into the
 buffers the strategy allocated at init) and ``run`` (device side: no host sync, no
 data-dependent shapes, graph-capturable for decode). New kernels are added by subclassing and
-registering (:func:`mla.engine.registry.register`), with no edit to the resolver.
+registering (:func:`mla.engine.decision.registry.register`), with no edit to the resolver.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from mla.core.platform import Platform
 from mla.core.support import ReasonCollector, Support
 from mla.core.validate import require_paged_cache
 from mla.providers.base import KernelProvider
-from mla.providers.quant import ScaleBuffer
 
 
 class Phase(enum.Enum):
@@ -42,7 +41,8 @@ class GraphSupport(enum.Enum):
 
 
 class StrategyKind(enum.Enum):
-    """Families the preference rules (:mod:`mla.engine.preference`) order; support is not preference."""
+    """Families the preference rules (:mod:`mla.engine.decision.preference`) order; support is
+    not preference."""
 
     SMALL_HEAD = "small-head"
     PAGED = "paged"
@@ -85,8 +85,6 @@ class Strategy(abc.ABC, Generic[CtxT]):
 
     def __init__(self, setup: StrategySetup) -> None:
         self.setup = setup
-        self.kv_scale_buffer = ScaleBuffer.allocate(setup.device)
-        """Device copy of a float ``kv_scale`` passed to ``run`` (kernels read scales on the device)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(provider={self.setup.provider.name!r})"

@@ -123,6 +123,7 @@ class Scenario:
             qk_rope_head_dim=geo.rope,
             qk_nope_head_dim=geo.nope,
             v_head_dim=geo.v,
+            softmax_scale=(geo.nope + geo.rope) ** -0.5,
         )
         self.dims_global = attrs.evolve(dims, num_heads=global_heads)
         max_len = 80

@@ -395,7 +395,7 @@ def test_plan_handed_to_the_wrong_strategy_raises() -> None:
 
 def test_prefill_plan_handed_to_the_wrong_strategy_raises() -> None:
     backend = mla.MLABackend(
-        mla.MLADims(16, RANK, ROPE, NOPE, V_DIM),
+        mla.MLADims(16, RANK, ROPE, NOPE, V_DIM, softmax_scale=(NOPE + ROPE) ** -0.5),
         mla.KVCacheSpec(16, FP8),
         mla.EngineLimits(2, 64, 64),
         provider=emulated_provider("aiter", "gfx950"),

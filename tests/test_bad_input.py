@@ -374,7 +374,7 @@ def test_backend_context_workspace_smaller_than_a_block_per_request() -> None:
 def test_backend_head_count_no_strategy_accepts() -> None:
     with pytest.raises(UnsupportedError, match="130 heads"):
         mla.MLABackend(
-            mla.MLADims(130, RANK, ROPE),
+            mla.MLADims(130, RANK, ROPE, softmax_scale=(128 + ROPE) ** -0.5),
             mla.KVCacheSpec(16, torch.bfloat16),
             mla.EngineLimits(4, 64, 64),
             provider=emulated_provider("aiter", "gfx942"),
@@ -783,6 +783,8 @@ RECORD_CASES = [
     ("softmax_scale", lambda: mla.MLADims(16, softmax_scale=math.nan)),
     ("softmax_scale", lambda: mla.MLADims(16, softmax_scale=-1.0)),
     ("softmax_scale", lambda: mla.MLADims(16, softmax_scale="0.07")),
+    ("softmax_scale", lambda: mla.MLADims(16, softmax_scale=None)),
+    ("softmax_scale", lambda: mla.MLADims(16)),
     ("block_size", lambda: mla.KVCacheSpec(16.0)),
     ("num_blocks", lambda: mla.KVCacheSpec(16, num_blocks=0)),
     ("kv_cache_dtype", lambda: mla.KVCacheSpec(16, dtype=3)),
@@ -796,6 +798,14 @@ RECORD_CASES = [
 )
 def test_configuration_records_reject(argument: str, make: Callable[[], object]) -> None:
     expect_invalid(argument, make)
+
+
+def test_mla_dims_has_no_default_softmax_scale() -> None:
+    """No silent ``1/sqrt(qk_head_dim)``: a missing scale is an error that says how to compute it."""
+    error = expect_invalid("softmax_scale", lambda: mla.MLADims(16, 512, 64, 128, 128))
+    assert "required" in str(error)
+    assert "deepseek_softmax_scale" in str(error)
+    assert mla.MLADims(16, softmax_scale=0.1).scale == 0.1
 
 
 BACKEND_CASES = [
@@ -817,7 +827,7 @@ BACKEND_CASES = [
 )
 def test_backend_rejects(argument: str, change: dict[str, Any], match: str) -> None:
     options: dict[str, Any] = {
-        "dims": mla.MLADims(4, RANK, ROPE, 32, 24),
+        "dims": mla.MLADims(4, RANK, ROPE, 32, 24, softmax_scale=(32 + ROPE) ** -0.5),
         "cache": mla.KVCacheSpec(16, torch.float32, num_blocks=8),
         "limits": mla.EngineLimits(4, 64, 64),
         "model_dtype": torch.float32,
@@ -852,7 +862,7 @@ def test_backend_qlen_error_names_the_speculative_limit_only_when_qlen_is_the_ca
     # persistent one fails at qlen 5 and says how to stay within what it runs.
     with pytest.raises(UnsupportedError, match=r"allow decode qlen 5 .*\(max_decode_qlen <= 4\)"):
         mla.MLABackend(
-            mla.MLADims(8, RANK, ROPE, 32, 24),
+            mla.MLADims(8, RANK, ROPE, 32, 24, softmax_scale=(32 + ROPE) ** -0.5),
             mla.KVCacheSpec(16, torch.bfloat16),
             mla.EngineLimits(4, 64, 64, max_decode_qlen=5),
             provider=emulated_provider("aiter", "gfx942"),

@@ -58,7 +58,7 @@ def backend_for(config: Config) -> tuple[mla.MLABackend, frozenset[int]]:
     at init."""
     if config not in _BACKENDS:
         backend = mla.MLABackend(
-            mla.MLADims(config.heads, RANK, ROPE, 32, 24),
+            mla.MLADims(config.heads, RANK, ROPE, 32, 24, softmax_scale=(32 + ROPE) ** -0.5),
             mla.KVCacheSpec(BLOCK_SIZE, config.kv_dtype, num_blocks=config.num_blocks),
             LIMITS,
             model_dtype=torch.bfloat16 if config.provider == "aiter" else torch.float32,

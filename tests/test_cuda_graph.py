@@ -54,7 +54,7 @@ def _backend(provider: str, strategy: type[mla.DecodeStrategy], qlen: int) -> ml
         prov = provider
         heads = HEADS
     return mla.MLABackend(
-        mla.MLADims(heads, RANK, ROPE),
+        mla.MLADims(heads, RANK, ROPE, softmax_scale=(128 + ROPE) ** -0.5),
         mla.KVCacheSpec(BLOCK, BF16, num_blocks=MAX_SEQS * MAX_MODEL_LEN // BLOCK + 1),
         mla.EngineLimits(
             MAX_SEQS, MAX_MODEL_LEN, MAX_SEQS * qlen, max_decode_qlen=qlen, graph_mode=mla.GraphMode.FULL

@@ -86,7 +86,7 @@ def test_needs_an_initialized_process_group() -> None:
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(InvalidInputError) as info:
         DecodeContextParallel(
-            mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16),
+            mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, softmax_scale=144**-0.5),
             mla.KVCacheSpec(4),
             mla.EngineLimits(4, 64, 32),
         )
@@ -145,7 +145,14 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-DIMS = mla.MLADims(num_heads=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+DIMS = mla.MLADims(
+    num_heads=2,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    softmax_scale=32**-0.5,
+)
 
 
 def small_dcp() -> DecodeContextParallel:
@@ -180,6 +187,10 @@ def step(
         (step([1, 3], [5, 3], decodes=1, rows=2), "num_decode_tokens"),
         (step([2, 2], [5, 3], decodes=2, rows=5), "num_decode_tokens"),
         (step([1, 12], [5, 12], decodes=1), "query_start_loc"),
+        (step([1, 1, 1], [5, 5, 5], decodes=3), "query_start_loc"),
+        (step([3], [5], decodes=1), "query_start_loc"),
+        (step([3], [0], decodes=0), "seq_lens"),
+        (step([1], [5], decodes=-1), "num_decodes"),
     ],
     ids=[
         "seq-below-qlen",
@@ -189,12 +200,45 @@ def step(
         "padding-with-prefill",
         "too-many-decode-rows",
         "too-many-rows",
+        "too-many-requests",
+        "decode-qlen-beyond-the-limit",
+        "empty-prefill",
+        "negative-num-decodes",
     ],
 )
 def test_build_rejects_bad_steps(inputs: mla.StepInputs, argument: str) -> None:
+    """DCP checks the global step with the engine's one step checker: the builder's rules, the
+    same errors (and the block table against the largest share one rank holds)."""
     with pytest.raises(InvalidInputError) as info:
         small_dcp().build(inputs)
     assert info.value.argument == argument
+    dcp = small_dcp()
+    backend = mla.MLABackend(
+        DIMS, mla.KVCacheSpec(4, num_blocks=8), dcp.limits, model_dtype=torch.float32, provider="torch"
+    )
+    with pytest.raises(InvalidInputError) as same:
+        backend.builder.build(inputs)
+    assert same.value.argument == argument
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_build_checks_the_global_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The global step goes through the step checker once; the local steps derived from it are
+    planned by the two backends without a second check."""
+    from mla.engine.backend.step_check import StepChecker
+
+    checked: list[int] = []
+    real = StepChecker.check_values
+
+    def counted(self: StepChecker, inputs: mla.StepInputs) -> object:
+        checked.append(inputs.num_decodes)
+        return real(self, inputs)
+
+    monkeypatch.setattr(StepChecker, "check_values", counted)
+    meta = small_dcp().build(step([1, 3], [9, 6], decodes=1))
+    assert meta.decode is not None
+    assert meta.prefill is not None
+    assert checked == [1]
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -21,6 +21,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import mla
+from mla.engine.functional import plan_cache
 from mla.testing import assert_matches_reference, emulated_provider
 from mla.tools.reference import reference_decode
 
@@ -206,7 +207,7 @@ def test_decode_op_reads_the_current_plan_and_rejects_stale_metadata() -> None:
         backend.impl.forward_decode(first, q, cache, out=out)
     assert torch.isnan(out).all()
     lse = torch.full((2, HEADS), math.nan)
-    mla.engine.ops.decode(q, cache, out, lse, None, backend.op_id)
+    mla.engine.backend.ops.decode(q, cache, out, lse, None, backend.op_id)
     step = _step([1, 1], [5, 9], 2)
     ref = reference_decode(
         q,
@@ -332,7 +333,7 @@ def test_two_token_decode_with_large_limits_is_sized_by_the_batch() -> None:
     batch's longest sequence and the schedule's live items, not for ``max_model_len`` and the
     schedule's capacity. Took 22-64 s per step when sized by the limits."""
     backend = mla.MLABackend(
-        mla.MLADims(16),
+        mla.MLADims(16, softmax_scale=192**-0.5),
         mla.KVCacheSpec(64, torch.bfloat16, num_blocks=64),
         mla.EngineLimits(256, 32768, 32768),
         provider=emulated_provider("aiter", "gfx950"),
@@ -423,7 +424,7 @@ def test_write_kv_rejects_bad_input(argument: str, change: dict[str, Any], match
 
 
 def test_mla_decode_reuses_its_plan_and_writes_given_outputs() -> None:
-    mla.engine.plan_cache.DECODE_PLANS.clear()
+    plan_cache.DECODE_PLANS.clear()
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, HEADS, RANK + ROPE, generator=gen)
     cache = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE, generator=gen)
@@ -446,18 +447,18 @@ def test_mla_decode_reuses_its_plan_and_writes_given_outputs() -> None:
         only_out = mla.mla_decode(q, cache, table, seq_lens, return_lse=False, **args)
         assert isinstance(only_out, torch.Tensor)
         torch.testing.assert_close(only_out, out)
-    assert len(mla.engine.plan_cache.DECODE_PLANS) == 1
+    assert len(plan_cache.DECODE_PLANS) == 1
 
 
 def test_mla_decode_plan_cache_is_bounded() -> None:
-    mla.engine.plan_cache.DECODE_PLANS.clear()
+    plan_cache.DECODE_PLANS.clear()
     cache = torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE)
-    for batch in range(1, mla.engine.plan_cache.PLAN_CACHE_SIZE + 4):
+    for batch in range(1, plan_cache.PLAN_CACHE_SIZE + 4):
         q = torch.randn(batch, HEADS, RANK + ROPE)
         table = torch.zeros(batch, 1, dtype=torch.int32)
         lens = torch.ones(batch, dtype=torch.int32)
         mla.mla_decode(q, cache, table, lens, softmax_scale=SCALE, kv_lora_rank=RANK, provider="torch")
-    assert len(mla.engine.plan_cache.DECODE_PLANS) == mla.engine.plan_cache.PLAN_CACHE_SIZE
+    assert len(plan_cache.DECODE_PLANS) == plan_cache.PLAN_CACHE_SIZE
 
 
 def test_mla_decode_device_kv_scale() -> None:
@@ -478,7 +479,7 @@ def test_mla_decode_device_kv_scale() -> None:
 
 
 def test_mla_prefill_reuses_its_plan_and_accepts_outputs() -> None:
-    mla.engine.plan_cache.PREFILL_PLANS.clear()
+    plan_cache.PREFILL_PLANS.clear()
     gen = torch.Generator().manual_seed(7)
     q, k = (
         torch.randn(6, HEADS, NOPE + ROPE, generator=gen),
@@ -493,7 +494,7 @@ def test_mla_prefill_reuses_its_plan_and_accepts_outputs() -> None:
         )
         assert got is out
         assert not torch.isnan(out).any()
-    assert len(mla.engine.plan_cache.PREFILL_PLANS) == 1
+    assert len(plan_cache.PREFILL_PLANS) == 1
 
 
 # -- GPU: compiled steps in CUDA graphs, no syncs in builds ---------------------------------------

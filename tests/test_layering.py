@@ -18,7 +18,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("mla.core",)),
     ("providers", ("mla.providers",)),
     ("strategies", ("mla.strategy", "mla.decode", "mla.prefill", "mla.sparse")),
-    ("engine", ("mla.engine",)),
+    ("decision", ("mla.engine.decision",)),
+    ("engine", ("mla.engine", "mla.engine.backend")),
+    ("functional", ("mla.engine.functional",)),
     ("model", ("mla.layers", "mla.distributed")),
     ("tools", ("mla", "mla.__main__", "mla.tools", "mla.testing")),
 )
@@ -132,7 +134,10 @@ def test_the_checks_catch_a_cycle_and_an_upward_import() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert layer_of("mla.core.support") < layer_of("mla.providers.base") < layer_of("mla.decode.base")
-    assert layer_of("mla.decode.base") < layer_of("mla.engine.backend") < layer_of("mla.tools.cli")
+    assert layer_of("mla.decode.base") < layer_of("mla.engine.decision.resolver")
+    assert layer_of("mla.engine.decision.resolver") < layer_of("mla.engine.backend.builder")
+    assert layer_of("mla.engine.backend") < layer_of("mla.engine.functional.decode")
+    assert layer_of("mla.engine.functional.decode") < layer_of("mla.tools.cli")
     assert "mla.core.errors" in GRAPH["mla.core.config"]
     # A package's __init__ counts the submodules it hands on.
     assert "mla.providers.aiter.provider" in GRAPH["mla.providers.aiter"]

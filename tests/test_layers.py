@@ -33,7 +33,9 @@ def make_backend(
     heads: int, kv_dtype: str, provider: Any, *, platform: Any = "cpu", head_dim: int = 32, **options: Any
 ) -> mla.MLABackend:
     """DeepSeek's 512/64 latent, ``head_dim``-wide nope and v heads, a bf16 model."""
-    dims = mla.MLADims(num_heads=heads, qk_nope_head_dim=head_dim, v_head_dim=head_dim)
+    dims = mla.MLADims(
+        num_heads=heads, qk_nope_head_dim=head_dim, v_head_dim=head_dim, softmax_scale=(head_dim + 64) ** -0.5
+    )
     if isinstance(platform, str):
         platform = mla.simulated_platform(platform)
     fp8 = provider.capabilities(platform).fp8_dtype
@@ -201,7 +203,14 @@ def test_fp8_prefill_without_context_through_the_layer() -> None:
 
 def test_weights_are_split_per_rank() -> None:
     """Rank r keeps heads r*H..r*H+H-1 of kv_b_proj: W_UK rows then W_UV rows of each head."""
-    dims = mla.MLADims(num_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=3, v_head_dim=5)
+    dims = mla.MLADims(
+        num_heads=2,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=3,
+        v_head_dim=5,
+        softmax_scale=7**-0.5,
+    )
     backend = mla.MLABackend(
         dims, mla.KVCacheSpec(4), mla.EngineLimits(2, 16, 16), model_dtype=torch.float32, provider="torch"
     )
@@ -242,7 +251,14 @@ def test_softmax_scale_convention() -> None:
 
 
 def small_layer() -> tuple[MLAAttention, mla.MLABackend]:
-    dims = mla.MLADims(num_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
+    dims = mla.MLADims(
+        num_heads=2,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        softmax_scale=8**-0.5,
+    )
     backend = mla.MLABackend(
         dims,
         mla.KVCacheSpec(4, num_blocks=4),

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
-from mla.core.validate import HostLengths
-from mla.engine import decode_graphs
-from mla.engine.plan_cache import DECODE_PLANS, DecodeEntry
+from mla.core.step_rules import HostLengths
+from mla.engine.functional import decode_graphs
+from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
 from mla.testing import assert_matches_reference, emulated_provider
 from mla.tools.reference import reference_decode
 
@@ -457,7 +457,7 @@ def test_the_uniform_indptr_shortcut_finds_what_the_general_path_finds(
     equal :meth:`HostLengths.from_indptr`'s on every indptr."""
     builder = shortcut_backend().builder
     lens = [7 * i + 3 for i in range(len(qsl) - 1)] if with_lens else None
-    got = builder._host_lengths(qsl, lens)
+    got = builder.checker.host_lengths(qsl, lens)
     want = HostLengths.from_indptr(qsl, lens)
     assert attrs.astuple(got, recurse=False) == attrs.astuple(want, recurse=False)
 
@@ -475,7 +475,7 @@ def test_the_previous_uniform_indptr_is_matched_only_by_an_equal_one() -> None:
         ([0, 2, 4, 6], [-1, 3, 4]),
         ([0, 1, 2, 3], []),
     ):
-        got = builder._host_lengths(qsl, lens)
+        got = builder.checker.host_lengths(qsl, lens)
         assert attrs.astuple(got, recurse=False) == attrs.astuple(
             HostLengths.from_indptr(qsl, lens), recurse=False
         )
@@ -550,7 +550,8 @@ def test_capturable_build_declarations() -> None:
         strategy: str, qlen: int, provider: str | mla.KernelProvider = "torch", platform: str = "cpu"
     ) -> tuple[bool, str]:
         emulated = platform != "cpu"  # aiter's record: 512/64 latent dims, bf16
-        dims = mla.MLADims(8, 512, 64, softmax_scale=SCALE) if emulated else mla.MLADims(HEADS, RANK, ROPE)
+        shape = (8, 512, 64) if emulated else (HEADS, RANK, ROPE)
+        dims = mla.MLADims(*shape, softmax_scale=SCALE)
         dtype = torch.bfloat16 if emulated else torch.float32
         backend = mla.MLABackend(
             dims,

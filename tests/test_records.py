@@ -51,11 +51,11 @@ def test_decode_context_rejects_counts_below_one(field: str) -> None:
 
 def _hot_records() -> list[tuple[type, dict[str, object]]]:
     """The records a decode build makes through fast constructors, with field values."""
-    from mla.core.validate import HostLengths
+    from mla.core.step_rules import HostLengths
     from mla.decode._paged import PagedPlan
     from mla.decode._small_head import SmallHeadPlan
     from mla.decode.base import DecodeBatch, DecodeGeometry
-    from mla.engine.step import MLAMetadata
+    from mla.engine.backend.step import MLAMetadata
     from mla.providers.calls import FillPagesCall
 
     t = torch.arange(5, dtype=torch.int32)

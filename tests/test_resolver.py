@@ -283,7 +283,7 @@ def test_forced_strategy_with_130_heads_names_the_head_rule() -> None:
 def test_backend_with_130_heads_fails_at_init() -> None:
     with pytest.raises(UnsupportedError, match="130 heads"):
         mla.MLABackend(
-            MLADims(130),
+            MLADims(130, softmax_scale=192**-0.5),
             KVCacheSpec(16, "bf16"),
             EngineLimits(4, 256, 256),
             provider=emulated_provider("aiter", "gfx942"),
@@ -527,7 +527,12 @@ def test_unavailable_provider_fails_the_backend_at_init() -> None:
             return Support.no("provider-unavailable", "test-absent has no device here")
 
     with pytest.raises(UnsupportedError, match="no device here"):
-        mla.MLABackend(MLADims(16), KVCacheSpec(16, "bf16"), EngineLimits(4, 256, 256), provider=Absent())
+        mla.MLABackend(
+            MLADims(16, softmax_scale=192**-0.5),
+            KVCacheSpec(16, "bf16"),
+            EngineLimits(4, 256, 256),
+            provider=Absent(),
+        )
 
 
 def test_every_reason_is_reported_not_only_the_first() -> None:
@@ -552,7 +557,7 @@ def test_rule_dims() -> None:
         REFERENCE_CAPABILITIES, latent_dims=frozenset({(512, 64)}), fp8_prefill_dims=frozenset({(192, 128)})
     )
     small = decode_context(
-        dims=MLADims(8, kv_lora_rank=64, qk_rope_head_dim=16),
+        dims=MLADims(8, kv_lora_rank=64, qk_rope_head_dim=16, softmax_scale=144**-0.5),
         cache=KVCacheSpec(16, "bf16"),
         q_dtype=BF16,
         platform=simulated_platform("cpu"),
@@ -566,7 +571,7 @@ def test_rule_dims() -> None:
         assert _codes(strategy, small) == ("dims",)
     assert mla.GluonDecode.supports(decode_ctx("cpu", 8, caps=caps))
     prefill = prefill_context(
-        dims=MLADims(16, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24),
+        dims=MLADims(16, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, softmax_scale=48**-0.5),
         cache=KVCacheSpec(16, "fp8"),
         q_dtype=BF16,
         platform=simulated_platform("cpu"),

@@ -332,7 +332,7 @@ def test_sparse_model_resolves_the_sparse_strategies_for_every_qlen() -> None:
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-model", "sparse-model"])
 def test_explanations_list_only_the_models_family(sparse: bool) -> None:
-    dims = mla.MLADims(16, index_topk=2048 if sparse else None)
+    dims = mla.MLADims(16, softmax_scale=192**-0.5, index_topk=2048 if sparse else None)
     caps = simulated_capabilities("cpu", "torch")
     common: dict[str, Any] = {
         "dims": dims,
@@ -371,7 +371,11 @@ def test_forcing_a_dense_strategy_on_a_sparse_model_names_the_sparse_reason() ->
     assert "index_topk" in str(explanation)
     # And the other way round: a sparse strategy forced on a dense model names the dense model.
     dense = mla.MLABackend(
-        mla.MLADims(3, RANK, ROPE), mla.KVCacheSpec(BLOCK, F32), LIMITS, provider="torch", platform="cpu"
+        mla.MLADims(3, RANK, ROPE, softmax_scale=SCALE),
+        mla.KVCacheSpec(BLOCK, F32),
+        LIMITS,
+        provider="torch",
+        platform="cpu",
     )
     ctx = dense.decode_context(max_qlen=1, uniform_qlen=True)
     explanation = dense.resolver.explain(ctx, force="sparse-decode")
@@ -383,7 +387,7 @@ def test_aiter_record_refuses_sparse_for_its_missing_kernel() -> None:
     caps = mla.aiter_capabilities("gfx950")
     assert not caps.has(mla.Contract.SPARSE_ATTENTION)
     ctx = mla.decode_context(
-        dims=mla.MLADims(16, index_topk=2048),
+        dims=mla.MLADims(16, softmax_scale=192**-0.5, index_topk=2048),
         cache=mla.KVCacheSpec(64, BF16),
         q_dtype=BF16,
         platform=mla.simulated_platform("gfx950"),
@@ -402,7 +406,7 @@ def test_aiter_record_refuses_sparse_for_its_missing_kernel() -> None:
     # A backend on the emulated aiter provider refuses the sparse model the same way.
     with pytest.raises(mla.UnsupportedError, match="aiter"):
         mla.MLABackend(
-            mla.MLADims(16, index_topk=2048),
+            mla.MLADims(16, softmax_scale=192**-0.5, index_topk=2048),
             mla.KVCacheSpec(64, BF16),
             mla.EngineLimits(8, 4096, 64),
             provider=mla.testing.emulated_provider("aiter", "gfx950"),
@@ -784,7 +788,7 @@ def test_dense_forward_decode_on_a_sparse_backend_names_metadata() -> None:
 
 
 def test_an_indexer_for_a_dense_model_is_rejected() -> None:
-    dims, cache = mla.MLADims(4, RANK, ROPE), mla.KVCacheSpec(BLOCK, F32)
+    dims, cache = mla.MLADims(4, RANK, ROPE, softmax_scale=SCALE), mla.KVCacheSpec(BLOCK, F32)
     expect_invalid(
         "indexer",
         lambda: mla.MLABackend(dims, cache, LIMITS, indexer=_indexer(), provider="torch", platform="cpu"),

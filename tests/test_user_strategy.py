@@ -193,7 +193,7 @@ def test_a_full_graph_engine_refuses_an_uncapturable_strategy(mode: mla.GraphMod
 
 
 def test_the_backend_refuses_to_force_an_uncapturable_strategy_under_full_graphs() -> None:
-    dims, cache = mla.MLADims(8), mla.KVCacheSpec(16, "bf16")
+    dims, cache = mla.MLADims(8, softmax_scale=192**-0.5), mla.KVCacheSpec(16, "bf16")
     full = mla.EngineLimits(4, 64, 64, graph_mode=mla.GraphMode.FULL)
     with pytest.raises(mla.UnsupportedError, match="not capturable") as raised:
         mla.MLABackend(

@@ -104,8 +104,32 @@ def _finite_positive(_inst: object, _attribute: attrs.Attribute[float], value: f
         raise ValueError(f"{value!r} is not a finite float > 0")
 
 
+SOFTMAX_SCALE_HINT = (
+    "pass the model's softmax scale: qk_head_dim**-0.5 (192**-0.5 for DeepSeek-V3's "
+    "128 + 64), times YaRN's mscale**2 when the model uses YaRN rope scaling "
+    "(mla.deepseek_softmax_scale(qk_head_dim, rope_scaling) computes both); the kernels' "
+    "1/sqrt(576) is never right"
+)
+"""How to compute the softmax scale, for the errors of a missing or bad one."""
+
+_MISSING_SCALE: float = float("nan")
+"""``MLADims.softmax_scale``'s default: a private object that only stands for "not given" (the
+validator refuses it, naming the argument), so the field stays a ``float``."""
+
+
+def _required_softmax_scale(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value is _MISSING_SCALE:
+        raise InvalidInputError(attribute.name, f"is required (there is no default); {SOFTMAX_SCALE_HINT}")
+    try:
+        _finite_positive(_inst, attribute, value)
+    except ValueError:
+        raise InvalidInputError(
+            attribute.name, f"must be a finite float > 0, got {value!r}; {SOFTMAX_SCALE_HINT}"
+        ) from None
+
+
 _softmax_scale = attrs.validators.optional(
-    input_validator(_finite_positive, "a finite float > 0 (or None for 1/sqrt(qk_head_dim))")
+    input_validator(_finite_positive, "a finite float > 0 (or None for head_dim ** -0.5)")
 )
 
 
@@ -124,10 +148,11 @@ class MLADims:
     qk_rope_head_dim: int = attrs.field(default=64, validator=_positive)
     qk_nope_head_dim: int = attrs.field(default=128, validator=_positive)
     v_head_dim: int = attrs.field(default=128, validator=_positive)
-    softmax_scale: float | None = attrs.field(default=None, validator=_softmax_scale)
-    """The model's softmax scale; ``None`` means ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``,
-    DeepSeek's convention without YaRN (never the kernel default ``1/sqrt(576)``). Models with
-    YaRN rope scaling (DeepSeek-V3) must pass theirs (``mscale**2 / sqrt(192)``)."""
+    softmax_scale: float = attrs.field(default=_MISSING_SCALE, validator=_required_softmax_scale)
+    """The model's softmax scale, required (a finite float > 0; no default): ``qk_head_dim **
+    -0.5`` times YaRN's ``mscale ** 2`` when the model scales its rope with YaRN (DeepSeek-V3),
+    as :func:`mla.deepseek_softmax_scale` computes it; never the kernels' ``1/sqrt(576)``.
+    Leaving it out raises :class:`InvalidInputError` naming ``softmax_scale``."""
     index_topk: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive), kw_only=True
     )
@@ -151,9 +176,8 @@ class MLADims:
 
     @property
     def scale(self) -> float:
-        if self.softmax_scale is not None:
-            return self.softmax_scale
-        return 1.0 / math.sqrt(self.qk_head_dim)
+        """:attr:`softmax_scale` (the name the strategies read)."""
+        return self.softmax_scale
 
 
 def _kv_cache_dtype(value: torch.dtype | str) -> torch.dtype:

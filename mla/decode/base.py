@@ -11,7 +11,8 @@ import torch
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
 from mla.core.records import fast_constructor
-from mla.core.validate import HostLengths, check_cache_scale, require_no_overlap
+from mla.core.step_rules import HostLengths
+from mla.core.validate import require_no_overlap
 from mla.providers.calls import FillPagesCall
 from mla.strategy import (
     GraphSupport,
@@ -220,8 +221,9 @@ class DecodeStrategy(Strategy[DecodeContext]):
     ``run(plan, q, kv_cache, kv_scale=, out=, lse=)`` reads only the plan.
     q ``[T, H, L+R]`` in the model dtype, kv_cache ``[blocks, block_size, L+R]``,
     out ``[T, H, L]`` (q's dtype), lse ``[T, H]`` float32 (natural log) or ``None`` when the
-    caller needs no LSE (the provider then skips computing it). ``run`` takes ``kv_scale`` as a
-    float or a one-element tensor; ``launch`` gets it as a float32 ``[1]`` device tensor.
+    caller needs no LSE (the provider then skips computing it). ``kv_scale`` reaches ``run`` and
+    ``launch`` as the float32 ``[1]`` device tensor the engine converted once (``None``: a float
+    cache). The engine checks a run's tensors with :meth:`check_inputs` before ``run``.
     """
 
     PHASE: ClassVar[Phase] = Phase.DECODE
@@ -257,20 +259,17 @@ class DecodeStrategy(Strategy[DecodeContext]):
         """Device side: the kernels for one validated call (no host sync); ``lse=None``: the
         caller wants no LSE, so none is written."""
 
-    def run(
+    def check_inputs(
         self,
         plan: DecodePlan,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
-        *,
-        kv_scale: float | torch.Tensor | None,
         out: torch.Tensor,
-        lse: torch.Tensor | None = None,
+        lse: torch.Tensor | None,
     ) -> None:
-        """Execute ``plan``: check inputs against its geometry, then launch.
-
-        ``lse`` (checked only when given) receives the LSE; ``None`` skips computing it.
-        """
+        """The engine's check of a run's tensors against ``plan`` (typed errors naming each
+        argument), made once before :meth:`run`: q, the cache, ``out`` and ``lse`` (when given)
+        fit its geometry, and no output overlaps an input."""
         self.check_plan(plan)
         geo = plan.geometry
         dims = self.setup.dims
@@ -296,11 +295,29 @@ class DecodeStrategy(Strategy[DecodeContext]):
             check_tensor(
                 "lse", lse, shape=(geo.num_tokens, geo.num_heads), dtype=torch.float32, device=q.device
             )
-        check_cache_scale(kv_scale, geo.kv_dtype, device=q.device)
         require_no_overlap("out", out, ("kv_cache", kv_cache), ("q", q), ("lse", lse))
         require_no_overlap("lse", lse, ("kv_cache", kv_cache), ("q", q))
-        scale = self.kv_scale_buffer.tensor(kv_scale)
-        self.launch(plan, q, kv_cache.view(-1, dims.latent_dim), kv_scale=scale, out=out, lse=lse)
+
+    def run(
+        self,
+        plan: DecodePlan,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        kv_scale: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """Execute ``plan`` on inputs checked against it (:meth:`check_inputs`, which the
+        engine runs at its door): only the plan's strategy and row count are asserted here.
+
+        ``kv_scale`` is the float32 ``[1]`` device tensor of an fp8 cache (``None`` for a float
+        cache); ``lse=None`` skips computing the LSE.
+        """
+        self.check_plan(plan)
+        assert q.shape[0] == out.shape[0] == plan.geometry.num_tokens, "run: inputs of another plan"
+        kv_flat = kv_cache.view(-1, self.setup.dims.latent_dim)
+        self.launch(plan, q, kv_flat, kv_scale=kv_scale, out=out, lse=lse)
 
     def base_geometry(
         self, batch: DecodeBatch, *, kernel_heads: int, kernel_qlen: int, num_kernel_rows: int

@@ -34,7 +34,7 @@ not grow with the number of ranks.
 
 Step consistency: every rank must build the same global step. At the start of
 :meth:`~DecodeContextParallel.build` each rank all-gathers a fixed-size fingerprint of the step
-it is building (:func:`~mla.distributed.context_parallel.step_fingerprint`: counts and CRC-32s
+it is building (:func:`~mla.distributed.step.step_fingerprint`: counts and CRC-32s
 of the host ``query_start_loc`` and ``seq_lens``) and compares them on the host; a difference
 raises :class:`StepMismatchError` on every rank, before any collective whose size depends on the
 step (so no rank hangs in one). ``DecodeContextParallel(check_steps=False)`` skips it.
@@ -45,14 +45,9 @@ can be captured in a CUDA graph and replayed after an in-place rebuild.
 """
 
 from mla.distributed.combine import combine_decode_states, lse_weights
-from mla.distributed.context_parallel import (
-    ContextGather,
-    DCPMetadata,
-    DecodeContextParallel,
-    StepMismatchError,
-    step_fingerprint,
-)
+from mla.distributed.context_parallel import DecodeContextParallel
 from mla.distributed.layout import DCPLayout
+from mla.distributed.step import ContextGather, DCPMetadata, StepMismatchError, step_fingerprint
 
 __all__ = [
     "ContextGather",

@@ -5,7 +5,6 @@ See :mod:`mla.distributed` for the layout and the combine.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,102 +13,14 @@ import torch
 import torch.distributed as dist
 
 from mla.core.config import EngineLimits, KVCacheSpec, MLADims
-from mla.core.errors import InvalidInputError, PlanMismatchError
-from mla.core.validate import (
-    check_block_ids,
-    check_indptr,
-    check_paged_requests,
-    require_index,
-    require_tensor,
-)
+from mla.core.errors import InvalidInputError
+from mla.core.validate import require_tensor
 from mla.distributed.combine import all_gather_into, combine_decode_states
 from mla.distributed.layout import DCPLayout
+from mla.distributed.step import ContextGather, DCPMetadata, compare_fingerprints, fingerprint_of
 from mla.engine.backend import MLABackend, MLAMetadata, StepInputs
+from mla.engine.backend.step_check import StepChecker, StepRules, derived_step
 from mla.prefill.base import ContextExpander
-
-
-@attrs.frozen(eq=False)
-class ContextGather:
-    """How one step's prefill context is gathered from every rank (planned at build time)."""
-
-    send_slots: torch.Tensor
-    """int64 ``[M]``: this rank's cache slots of the context rows it sends (padded with a valid
-    slot), ``M`` the largest share of any rank."""
-    source_rows: torch.Tensor
-    """int64 ``[C]``: row of the all-gathered ``[W * M]`` buffer holding each context token."""
-    target_slots: torch.Tensor
-    """int64 ``[C]``: slot of each context token in :attr:`workspace`."""
-    workspace: torch.Tensor
-    """``[blocks, block_size, L+R]`` in the cache dtype: the prefill requests' gathered context,
-    each request on its own contiguous blocks (the prefill plan's block table points here)."""
-
-
-@attrs.frozen(eq=False)
-class DCPMetadata:
-    """One step under decode context parallelism, on one rank (from :meth:`DecodeContextParallel.build`).
-
-    The counts are the global step's, as in :class:`~mla.engine.backend.MLAMetadata`.
-    """
-
-    num_decodes: int
-    num_decode_tokens: int
-    num_prefills: int
-    num_prefill_tokens: int
-    slot_mapping: torch.Tensor
-    """int64 ``[num_decode_tokens + num_prefill_tokens]`` view of a persistent buffer: this
-    rank's cache slot of each new token it owns, ``-1`` for tokens other ranks own and padding."""
-    local_seq_lens_cpu: torch.Tensor
-    """int64 ``[owned decode rows]``: keys each decode row sees on this rank."""
-    decode: MLAMetadata | None
-    """The local decode step: one qlen-1 request per decode row, over this rank's shard."""
-    prefill: MLAMetadata | None
-    """The prefill step over :attr:`ContextGather.workspace`."""
-    context: ContextGather | None
-    fingerprint: tuple[int, ...] = ()
-    """A cheap digest of the global step this rank built (its counts and CRC-32s of the host
-    ``query_start_loc`` and ``seq_lens``): the ranks compare it at the start of
-    :meth:`DecodeContextParallel.build`, before any collective of the step
-    (:class:`StepMismatchError`)."""
-
-
-class StepMismatchError(PlanMismatchError):
-    """The ranks of a decode-context-parallel group are building different steps. Raised by
-    :meth:`DecodeContextParallel.build` on every rank (each compares every rank's step
-    fingerprint), before any collective whose size depends on the step, so no rank is left
-    waiting in one; combining such partial states would be silently wrong."""
-
-
-FINGERPRINT_LENGTH = 6
-"""int64 entries of :attr:`DCPMetadata.fingerprint`."""
-
-
-def _fingerprint_of(step: object) -> tuple[int, ...]:
-    """:func:`step_fingerprint` of a step as given (before its checks: the ranks compare it
-    first); a step it cannot read gives ``-1``s (its checks then fail alike on every rank)."""
-    try:
-        qsl = step.query_start_loc_cpu.cpu().to(torch.int64).reshape(-1)  # type: ignore[attr-defined]
-        lens = step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens  # type: ignore[attr-defined]
-        seq = lens.cpu().to(torch.int64).reshape(-1)
-        return step_fingerprint(qsl, seq, int(step.num_decodes), int(step.num_decode_tokens))  # type: ignore[attr-defined]
-    except (AttributeError, TypeError, RuntimeError, ValueError):
-        return (-1,) * FINGERPRINT_LENGTH
-
-
-def step_fingerprint(
-    qsl: torch.Tensor, seq: torch.Tensor, num_decodes: int, num_decode_tokens: int
-) -> tuple[int, ...]:
-    """The digest of a global step: request and token counts, and CRC-32s of the host
-    ``query_start_loc`` and ``seq_lens`` values (int64). Block ids (device data) are not in it."""
-    qsl_bytes = qsl.to(torch.int64).contiguous().numpy().tobytes()
-    seq_bytes = seq.to(torch.int64).contiguous().numpy().tobytes()
-    return (
-        num_decodes,
-        num_decode_tokens,
-        seq.numel(),
-        int(qsl[-1]) if qsl.numel() else 0,
-        zlib.crc32(qsl_bytes),
-        zlib.crc32(seq_bytes),
-    )
 
 
 class DecodeContextParallel:
@@ -183,9 +94,23 @@ class DecodeContextParallel:
         self.device = self.decode_backend.device
         self.model_dtype = self.decode_backend.model_dtype
         self.local_blocks = -(-local_len // cache.block_size)
+        self.checker = StepChecker(
+            StepRules(
+                limits=limits,
+                block_size=cache.block_size,
+                num_blocks=cache.num_blocks,
+                device=self.device,
+                validate=self.decode_backend.validate,
+                table_lengths=self._largest_shares,
+                host_seq_lens=True,
+            )
+        )
+        """Checks each global step (the engine's step rules; see :meth:`build`)."""
         dev = self.device
         # Persistent step buffers: a captured decode reads these addresses on every replay.
-        self._slot_mapping = torch.full((limits.max_num_batched_tokens,), -1, dtype=torch.int64, device=dev)
+        # A step has at most max_num_batched_tokens rows, or max_decode_tokens with graph padding.
+        slots = max(limits.max_num_batched_tokens, limits.max_decode_tokens)
+        self._slot_mapping = torch.full((slots,), -1, dtype=torch.int64, device=dev)
         self._qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev)
         self._seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
         self._block_table = torch.zeros(rows, self.local_blocks, dtype=torch.int32, device=dev)
@@ -202,35 +127,20 @@ class DecodeContextParallel:
     def build(self, step: StepInputs) -> DCPMetadata:
         """Derive this rank's local step from the engine's global one and plan it.
 
-        Host work on ``query_start_loc_cpu`` and ``seq_lens_cpu`` (``seq_lens`` is copied from
-        the device when the host copy is missing); block ids are read on the device, and checked
-        on the host only with ``validate="full"``. Every rank runs the same checks on the same
-        global values, so a bad step raises :class:`~mla.core.errors.InvalidInputError` on every rank
-        (a malformed step, or a block table too narrow for rank 0's share of a request).
+        The ranks first compare their steps' fingerprints (:meth:`check_same_step`), then the
+        global step is checked once by :attr:`checker` (the engine's step rules against the
+        global limits; the block table must hold the largest share one rank keeps of each
+        request). Host work on ``query_start_loc_cpu`` and ``seq_lens_cpu`` (``seq_lens`` is
+        copied from the device when the host copy is missing); block ids are read on the
+        device, and checked on the host only with ``validate="full"``. Every rank runs the same
+        checks on the same global values, so a bad step raises
+        :class:`~mla.core.errors.InvalidInputError` on every rank. The local steps derived from
+        the checked one are planned by the two backends without checking them again.
         """
-        fingerprint = _fingerprint_of(step)
+        fingerprint = fingerprint_of(step)
         self.check_same_step(fingerprint)
-        qsl = require_index("query_start_loc_cpu", step.query_start_loc_cpu, ndim=1).cpu().to(torch.int64)
-        require_index("block_table", step.block_table, ndim=2)
-        seq = (step.seq_lens_cpu if step.seq_lens_cpu is not None else step.seq_lens).cpu().to(torch.int64)
-        check_indptr("query_start_loc", qsl)
-        num_requests, nd = seq.numel(), step.num_decodes
-        if qsl.numel() != num_requests + 1:
-            raise InvalidInputError(
-                "query_start_loc_cpu", f"has {qsl.numel()} entries for {num_requests} requests"
-            )
-        if not 0 <= nd <= num_requests:
-            raise InvalidInputError("num_decodes", f"must be in [0, {num_requests}], got {nd}")
-        owned_decode = int(qsl[nd])
-        num_prefill_tokens = int(qsl[-1]) - owned_decode
-        if step.num_decode_tokens < owned_decode or (
-            num_prefill_tokens and step.num_decode_tokens != owned_decode
-        ):
-            raise InvalidInputError(
-                "num_decode_tokens",
-                f"got {step.num_decode_tokens}; the decode requests own {owned_decode} tokens "
-                "(extra graph-padding rows are allowed only in decode-only steps)",
-            )
+        checked = self.checker.check(step)
+        nd, num_requests = checked.num_decodes, checked.num_requests
         if self.dims.is_sparse and num_requests > nd:
             raise InvalidInputError(
                 "num_decodes",
@@ -240,48 +150,13 @@ class DecodeContextParallel:
                 "while each rank's sparse rows select over the rank's own shard; run sparse "
                 "prefills on an MLABackend without DCP",
             )
-        total = step.num_decode_tokens + num_prefill_tokens
-        if total > self.limits.max_num_batched_tokens:
-            raise InvalidInputError(
-                "query_start_loc",
-                f"{total} rows exceed max_num_batched_tokens {self.limits.max_num_batched_tokens}",
-            )
-        if step.num_decode_tokens > self.limits.max_decode_tokens:
-            raise InvalidInputError(
-                "num_decode_tokens",
-                f"{step.num_decode_tokens} exceeds max_num_seqs * max_decode_qlen = "
-                f"{self.limits.max_decode_tokens}",
-            )
-        # Every rank checks the same (global, rank-0) quantities, so a bad step raises on all
-        # ranks alike instead of leaving some waiting in a collective.
+        assert checked.lengths.seq_lens is not None  # the rules read them on the host
+        qsl = torch.tensor(checked.query_start_loc, dtype=torch.int64)
+        seq = torch.tensor(checked.lengths.seq_lens, dtype=torch.int64)
+        owned_decode = checked.owned_decode_tokens
+        total = checked.num_decode_tokens + checked.num_prefill_tokens
         lay = self.layout
         qlens = qsl[1:] - qsl[:-1]
-        short = (seq > 0) & (seq < qlens)
-        if bool(short.any()) or bool((seq < 0).any()):
-            b = int(torch.nonzero(short | (seq < 0))[0, 0])
-            raise InvalidInputError(
-                "seq_lens",
-                f"request {b} has seq_len {int(seq[b])} for {int(qlens[b])} new tokens; seq_len counts "
-                "the KV including the new tokens (0 marks a graph-padding request)",
-            )
-        if num_requests and int(seq.max()) > self.limits.max_model_len:
-            raise InvalidInputError(
-                "seq_lens", f"max seq_len {int(seq.max())} exceeds max_model_len {self.limits.max_model_len}"
-            )
-        largest_share = lay.local_length(seq, 0)
-        check_paged_requests(
-            query_start_loc_cpu=torch.zeros(num_requests + 1, dtype=torch.int64),
-            seq_lens_cpu=largest_share,
-            block_table_shape=tuple(step.block_table.shape),
-            block_size=self.cache.block_size,
-        )
-        if self.decode_backend.validate == "full":
-            check_block_ids(
-                seq_lens_cpu=largest_share,
-                block_table_cpu=step.block_table.cpu(),
-                block_size=self.cache.block_size,
-                num_blocks=self.cache.num_blocks or (1 << 62),
-            )
         row_req = torch.repeat_interleave(torch.arange(num_requests), qlens)
         row_pos = seq[row_req] - qlens[row_req] + torch.arange(int(qsl[-1])) - qsl[row_req]
         real = seq[row_req] > 0
@@ -296,9 +171,9 @@ class DecodeContextParallel:
             prefill, context = self._build_prefill(step, qsl, seq, nd)
         return DCPMetadata(
             num_decodes=nd,
-            num_decode_tokens=step.num_decode_tokens,
+            num_decode_tokens=checked.num_decode_tokens,
             num_prefills=num_requests - nd,
-            num_prefill_tokens=num_prefill_tokens,
+            num_prefill_tokens=checked.num_prefill_tokens,
             slot_mapping=slot_mapping,
             local_seq_lens_cpu=row_local,
             decode=decode,
@@ -307,29 +182,18 @@ class DecodeContextParallel:
             fingerprint=fingerprint,
         )
 
+    def _largest_shares(self, seq_lens: list[int]) -> list[int]:
+        """Keys of each request the block table must hold: the largest share of one rank."""
+        shares: list[int] = self.layout.local_length(torch.tensor(seq_lens, dtype=torch.int64), 0).tolist()
+        return shares
+
     def check_same_step(self, fingerprint: tuple[int, ...]) -> None:
-        """Every rank of the group is building the same step: one all-gather of
-        :data:`FINGERPRINT_LENGTH` ints (the same size whatever the step) and a comparison on
-        the host; :class:`StepMismatchError` on every rank otherwise. Collective over the group
-        (:meth:`build` runs it first, before any check that could fail on one rank only);
-        skipped with ``check_steps=False`` and with one rank. On GPUs it reads the gathered
-        digests on the host (a few dozen bytes, in the build, never in the run path)."""
-        world = self.layout.world_size
-        if not self.check_steps or world == 1:
-            return
-        mine = torch.tensor(fingerprint, dtype=torch.int64)
-        gathered = torch.empty(world * FINGERPRINT_LENGTH, dtype=torch.int64, device=self.device)
-        all_gather_into(gathered, mine.to(self.device), self.group)
-        prints = gathered.view(world, FINGERPRINT_LENGTH).cpu()
-        differ = [r for r in range(world) if not torch.equal(prints[r], mine)]
-        if differ:
-            raise StepMismatchError(
-                f"rank {self.layout.rank} built a different step than rank(s) {differ} of its "
-                f"decode-context-parallel group (step fingerprints {mine.tolist()} here, "
-                f"{prints[differ[0]].tolist()} on rank {differ[0]}: decodes, decode rows, requests, "
-                "tokens, CRC-32 of query_start_loc, CRC-32 of seq_lens); every rank must build the "
-                "same global step (same StepInputs) before running it"
-            )
+        """Every rank of the group is building the same step (:func:`~mla.distributed.step.
+        compare_fingerprints`; :class:`StepMismatchError` on every rank otherwise). Collective
+        over the group (:meth:`build` runs it first, before any check that could fail on one
+        rank only); skipped with ``check_steps=False`` and with one rank."""
+        if self.check_steps and self.layout.world_size > 1:
+            compare_fingerprints(fingerprint, self.layout, self.group, self.device)
 
     def _slots(self, block_table: torch.Tensor, requests: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Cache slots of local positions ``local`` of ``requests`` (host int64 -> device int64)."""
@@ -361,8 +225,9 @@ class DecodeContextParallel:
         width = min(step.block_table.shape[1], self.local_blocks)
         self._seq_lens[:rows].copy_(row_local.to(torch.int32), non_blocking=True)
         self._block_table[:rows, :width].copy_(step.block_table[row_req.to(self.device), :width])
+        qsl = list(range(rows + 1))
         local = StepInputs(
-            query_start_loc_cpu=torch.arange(rows + 1, dtype=torch.int64),
+            query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int64),
             query_start_loc=self._qsl[: rows + 1],
             seq_lens=self._seq_lens[:rows],
             seq_lens_cpu=row_local,
@@ -370,7 +235,7 @@ class DecodeContextParallel:
             num_decodes=rows,
             num_decode_tokens=step.num_decode_tokens,
         )
-        return self.decode_backend.builder.build(local)
+        return self.decode_backend.builder.plan(derived_step(local, qsl, row_local.tolist()))
 
     def _build_prefill(
         self, step: StepInputs, qsl: torch.Tensor, seq: torch.Tensor, nd: int
@@ -378,13 +243,7 @@ class DecodeContextParallel:
         lay, bs, dev = self.layout, self.cache.block_size, self.device
         qlens = (qsl[nd + 1 :] - qsl[nd:-1]).to(torch.int64)
         lens = seq[nd:]
-        context = lens - qlens
-        if bool((context < 0).any()):
-            b = int(torch.nonzero(context < 0)[0, 0])
-            raise InvalidInputError(
-                "seq_lens",
-                f"prefill request {nd + b} has seq_len {int(lens[b])} < query length {int(qlens[b])}",
-            )
+        context = lens - qlens  # >= 0: the checker checked each prefill's seq_len covers its query
         # Each prefill request gets contiguous workspace blocks covering its whole sequence.
         blocks = (lens + bs - 1) // bs
         base = torch.cumsum(blocks, 0) - blocks
@@ -392,17 +251,16 @@ class DecodeContextParallel:
         cols = torch.arange(width)[None, :]
         table = torch.where(cols < blocks[:, None], base[:, None] + cols, 0).to(torch.int32)
         cu = (qsl[nd:] - qsl[nd]).to(torch.int32)
-        prefill = self.prefill_backend.builder.build(
-            StepInputs(
-                query_start_loc_cpu=cu,
-                query_start_loc=cu.to(dev),
-                seq_lens=lens.to(torch.int32).to(dev),
-                seq_lens_cpu=lens,
-                block_table=table.to(dev),
-                num_decodes=0,
-                num_decode_tokens=0,
-            )
+        local = StepInputs(
+            query_start_loc_cpu=cu,
+            query_start_loc=cu.to(dev),
+            seq_lens=lens.to(torch.int32).to(dev),
+            seq_lens_cpu=lens,
+            block_table=table.to(dev),
+            num_decodes=0,
+            num_decode_tokens=0,
         )
+        prefill = self.prefill_backend.builder.plan(derived_step(local, cu.tolist(), lens.tolist()))
         total = int(context.sum())
         if total == 0:
             return prefill, None

@@ -9,9 +9,10 @@ from typing import ClassVar
 import attrs
 import torch
 
+from mla.core.config import dtype_name
 from mla.core.context import PrefillContext
 from mla.core.errors import InvalidInputError
-from mla.core.validate import check_cache_scale, require_no_overlap, require_tensor
+from mla.core.validate import require_no_overlap, require_tensor
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
 
 ContextExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -123,7 +124,7 @@ class PrefillStrategy(Strategy[PrefillContext]):
         """Device side: the kernels for one validated call (``kv_scale`` as a float32 ``[1]``
         device tensor)."""
 
-    def run(
+    def check_inputs(
         self,
         plan: PrefillPlan,
         q: torch.Tensor,
@@ -132,12 +133,14 @@ class PrefillStrategy(Strategy[PrefillContext]):
         *,
         out: torch.Tensor,
         lse: torch.Tensor,
-        kv_cache: torch.Tensor | None = None,
-        kv_scale: float | torch.Tensor | None = None,
-        expand_context: ContextExpander | None = None,
+        kv_cache: torch.Tensor | None,
+        has_kv_scale: bool,
+        expand_context: ContextExpander | None,
     ) -> None:
-        """Execute ``plan``: check inputs against its geometry, then launch. ``kv_scale`` (a float
-        or a one-element tensor) dequantizes an fp8 ``kv_cache``'s context rows."""
+        """The engine's check of a run's tensors against ``plan`` (typed errors naming each
+        argument), made once before :meth:`run`: q, k, v, ``out`` and ``lse`` fit its geometry,
+        a plan with cached context has a ``kv_cache`` (and, for an fp8 cache, a ``kv_scale``:
+        ``has_kv_scale``) and a callable ``expand_context``, and no output overlaps an input."""
         self.check_plan(plan)
         geo = plan.geometry
         require_tensor("q", q, ndim=3)
@@ -163,10 +166,7 @@ class PrefillStrategy(Strategy[PrefillContext]):
             raise InvalidInputError(
                 "expand_context", f"expected a callable latent -> (k, v), got {type(expand_context).__name__}"
             )
-        if kv_cache is None:
-            if kv_scale is not None:
-                raise InvalidInputError("kv_scale", "was given without a kv_cache; pass both or neither")
-        else:
+        if kv_cache is not None:
             cache = self.setup.cache
             check_cache(
                 kv_cache,
@@ -176,10 +176,35 @@ class PrefillStrategy(Strategy[PrefillContext]):
                 device=q.device,
                 num_blocks=max(cache.num_blocks or 0, geo.cache_blocks),
             )
-            check_cache_scale(kv_scale, cache.dtype, device=q.device, required=bool(plan.context_chunks))
+            if plan.context_chunks and cache.is_fp8 and not has_kv_scale:
+                raise InvalidInputError(
+                    "kv_scale",
+                    f"an fp8 kv_cache ({dtype_name(cache.dtype)}) needs kv_scale, its per-tensor "
+                    "dequant scale (value = stored * kv_scale), to read this step's cached context",
+                )
         inputs = (("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache))
         require_no_overlap("out", out, *inputs, ("lse", lse))
         require_no_overlap("lse", lse, *inputs)
+
+    def run(
+        self,
+        plan: PrefillPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        kv_cache: torch.Tensor | None = None,
+        kv_scale: torch.Tensor | None = None,
+        expand_context: ContextExpander | None = None,
+    ) -> None:
+        """Execute ``plan`` on inputs checked against it (:meth:`check_inputs`, which the
+        engine runs at its door): only the plan's strategy and row count are asserted here.
+        ``kv_scale`` (the float32 ``[1]`` device tensor the engine converted) dequantizes an
+        fp8 ``kv_cache``'s context rows."""
+        self.check_plan(plan)
+        assert q.shape[0] == out.shape[0] == plan.geometry.num_tokens, "run: inputs of another plan"
         self.launch(
             plan,
             q,
@@ -188,6 +213,6 @@ class PrefillStrategy(Strategy[PrefillContext]):
             out=out,
             lse=lse,
             kv_cache=kv_cache,
-            kv_scale=self.kv_scale_buffer.tensor(kv_scale),
+            kv_scale=kv_scale,
             expand_context=expand_context,
         )

@@ -20,7 +20,6 @@ from mla.core.config import FLOAT_DTYPES, dtype_name
 from mla.core.context import DecodeContext, PrefillContext
 from mla.core.errors import InvalidInputError
 from mla.core.support import ReasonCollector
-from mla.core.validate import check_cache_scale
 from mla.providers.calls import SparseAttentionCall, SparseSlotsCall
 from mla.strategy import PlanBase, Strategy, StrategyKind, StrategySetup, check_tensor, require_dtype
 
@@ -189,28 +188,26 @@ class SparseStrategy(Strategy[CtxT]):
         """Views of the step's row map (written by the builder) for this phase's rows."""
         return rows_plan(self.NAME, self.setup, self.buffers, rows)
 
-    def run(
+    def check_inputs(
         self,
         plan: SparsePlan,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         topk_indices: torch.Tensor,
-        *,
-        kv_scale: float | torch.Tensor | None,
         out: torch.Tensor,
-        lse: torch.Tensor | None = None,
+        lse: torch.Tensor | None,
     ) -> None:
-        """Check the inputs against the plan, convert positions to slots, attend."""
+        """The engine's check of a run's tensors against ``plan`` (typed errors naming each
+        argument), made once before :meth:`run`."""
         self.check_plan(plan)
         geo = plan.geometry
         dims, cache = self.setup.dims, self.setup.cache
         rows = geo.num_rows
         check_tensor("q", q, shape=(rows, geo.num_heads, dims.latent_dim), dtype=geo.q_dtype)
-        width = cache.row_width(dims)
         check_sparse_cache(
             kv_cache,
             block_size=cache.block_size,
-            width=width,
+            width=cache.row_width(dims),
             dtype=geo.kv_dtype,
             device=q.device,
             num_blocks=cache.num_blocks or 0,
@@ -221,8 +218,26 @@ class SparseStrategy(Strategy[CtxT]):
         if lse is not None:
             check_tensor("lse", lse, shape=(rows, geo.num_heads), dtype=torch.float32, device=q.device)
         check_topk_indices(topk_indices, rows=rows, topk=geo.topk, device=q.device)
-        check_cache_scale(kv_scale, geo.kv_dtype, device=q.device)
-        scale = self.kv_scale_buffer.tensor(kv_scale)
+
+    def run(
+        self,
+        plan: SparsePlan,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        kv_scale: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """Convert positions to slots and attend, on inputs checked against ``plan``
+        (:meth:`check_inputs`, which the engine runs at its door; only the plan's strategy and
+        row count are asserted here). ``kv_scale``: the float32 ``[1]`` device tensor the engine
+        converted (``None`` unless the cache is per-tensor fp8)."""
+        self.check_plan(plan)
+        assert q.shape[0] == out.shape[0] == plan.geometry.num_rows, "run: inputs of another plan"
+        dims, cache = self.setup.dims, self.setup.cache
+        width = cache.row_width(dims)
         k = topk_indices.shape[1]
         slots = plan.slots[:, :k]
         provider = self.setup.provider
@@ -248,7 +263,7 @@ class SparseStrategy(Strategy[CtxT]):
                 kv_lora_rank=dims.kv_lora_rank,
                 rope_dim=dims.qk_rope_head_dim,
                 softmax_scale=dims.scale,
-                kv_scale=scale,
+                kv_scale=kv_scale,
             )
         )
 

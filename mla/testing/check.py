@@ -18,10 +18,10 @@ from mla.core.explain import Explanation
 from mla.core.platform import Platform
 from mla.core.support import Reason, Support
 from mla.decode.base import DecodeStrategy
-from mla.engine.api import mla_prefill
 from mla.engine.backend import MLABackend, StepInputs
-from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.engine.resolver import Resolver
+from mla.engine.decision.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.engine.decision.resolver import Resolver
+from mla.engine.functional import mla_prefill
 from mla.prefill.base import PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider

@@ -16,13 +16,16 @@ from mla.core.platform import Knobs, Platform, simulated_platform
 from mla.core.support import Support
 from mla.decode.base import DecodeStrategy
 from mla.engine.backend import MLABackend
-from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
-from mla.engine.resolver import Resolver
+from mla.engine.decision.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.engine.decision.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
 from mla.providers import emulated_provider, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.strategy import Phase
 from mla.testing.cases import DecodeCase, PrefillCase, _PagedBatch
+
+DECISION_SCALE = 192**-0.5
+"""The softmax scale of the simulated contexts (DeepSeek-V3's, without YaRN): no rule reads it."""
 
 
 def scratch_registry(
@@ -103,7 +106,7 @@ def simulated_decode_context(
         else simulated_capabilities(plat, provider, native_h24=native_h24)
     )
     return decode_context(
-        dims=MLADims(heads),
+        dims=MLADims(heads, softmax_scale=DECISION_SCALE),
         cache=KVCacheSpec(block_size, kv_dtype),
         q_dtype=q_dtype,
         platform=plat,
@@ -135,7 +138,7 @@ def simulated_prefill_context(
     plat = as_platform(platform, knobs=knobs)
     caps = capabilities if capabilities is not None else simulated_capabilities(plat, provider)
     return prefill_context(
-        dims=MLADims(heads),
+        dims=MLADims(heads, softmax_scale=DECISION_SCALE),
         cache=KVCacheSpec(block_size, kv_dtype),
         q_dtype=q_dtype,
         platform=plat,

@@ -49,7 +49,7 @@ from mla.core.errors import UnsupportedError
 from mla.core.platform import Platform
 from mla.core.support import Reason, Support
 from mla.engine.backend import MLABackend, StepInputs
-from mla.engine.registry import Registry
+from mla.engine.decision.registry import Registry
 from mla.providers import resolve_provider
 from mla.providers.base import CONTRACT_METHODS, KernelProvider
 from mla.providers.formats import pack_ds_mla

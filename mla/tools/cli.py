@@ -25,7 +25,7 @@ import mla
 from mla.core.config import GraphMode
 from mla.core.errors import InvalidInputError, MLAError, UnsupportedError
 from mla.core.platform import FP8_PREFILL_MODES, KNOWN_ARCHS, SMALL_HEAD_MODES, normalize_arch
-from mla.engine.registry import DEFAULT_REGISTRY
+from mla.engine.decision.registry import DEFAULT_REGISTRY
 from mla.providers import provider_names
 from mla.tools.cli_explain import explain_case, render_explain
 from mla.tools.cli_info import dump_json, info_payload, provider_view, render_info

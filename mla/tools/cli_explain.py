@@ -21,7 +21,7 @@ from mla.core.context import DecodeContext, PrefillContext, decode_context, pref
 from mla.core.errors import ProviderUnavailableError
 from mla.core.explain import Explanation
 from mla.core.platform import Knobs, Platform, detect_platform, simulated_platform
-from mla.engine.resolver import Resolver
+from mla.engine.decision.resolver import Resolver
 from mla.providers import auto_order, auto_provider
 from mla.tools.cli_info import ProviderView, emulated_view, provider_view, reasons_json, static_capabilities
 
@@ -119,7 +119,9 @@ def explain_case(args: argparse.Namespace) -> ExplainResult:
     else:
         kv = normalize_dtype(args.kv_dtype, argument="--kv-dtype")
         kv_dtype = caps.fp8_dtype if is_fp8(kv) else kv
-    dims = MLADims(num_heads=args.heads, index_topk=getattr(args, "index_topk", None))
+    # The softmax scale decides nothing: DeepSeek's 192 ** -0.5 stands in for the model's.
+    index_topk = getattr(args, "index_topk", None)
+    dims = MLADims(num_heads=args.heads, softmax_scale=192**-0.5, index_topk=index_topk)
     cache = KVCacheSpec(block_size=args.block_size, dtype=kv_dtype)
     max_decode_qlen = args.max_decode_qlen or args.qlen
     if args.phase == "decode":

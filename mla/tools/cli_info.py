@@ -16,7 +16,7 @@ from mla.core.capabilities import ProviderCapabilities
 from mla.core.errors import ProviderUnavailableError
 from mla.core.platform import Platform, detect_platform
 from mla.core.support import Support
-from mla.engine.registry import DEFAULT_REGISTRY, Registry
+from mla.engine.decision.registry import DEFAULT_REGISTRY, Registry
 from mla.providers import (
     PROVIDER_MODULES,
     auto_provider,

@@ -141,6 +141,7 @@ class ServingLoop:
             qk_rope_head_dim=config.rope_dim,
             qk_nope_head_dim=config.nope_dim,
             v_head_dim=config.v_dim,
+            softmax_scale=(config.nope_dim + config.rope_dim) ** -0.5,
         )
 
     def _backend(self, cache: KVCacheSpec, **options: Any) -> MLABackend:

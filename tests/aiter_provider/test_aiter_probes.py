@@ -104,7 +104,7 @@ def test_without_flash_attn_varlen_only_the_fp8_prefill_remains(fake_aiter) -> N
 
     def explain(chunked: bool):  # type: ignore[no-untyped-def]
         ctx = prefill_context(
-            dims=MLADims(16),
+            dims=MLADims(16, softmax_scale=192**-0.5),
             cache=KVCacheSpec(16, torch.float8_e4m3fn),
             q_dtype=torch.bfloat16,
             platform=GFX950,

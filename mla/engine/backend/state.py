@@ -4,6 +4,7 @@ the custom ops run (:class:`BackendState`, the base of :class:`~mla.engine.backe
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,19 +21,25 @@ from mla.core.config import (
     normalize_dtype,
 )
 from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
-from mla.core.errors import InvalidInputError, PlanMismatchError, ProviderUnavailableError, UnsupportedError
+from mla.core.errors import (
+    ConcurrentUseError,
+    InvalidInputError,
+    PlanMismatchError,
+    ProviderUnavailableError,
+    UnsupportedError,
+)
 from mla.core.platform import Platform, resolve_platform
-from mla.core.validate import ValidateMode, check_kv_scale, require_int, require_validate_mode
-from mla.decode.base import DecodeIndexBuffers, DecodeStrategy
-from mla.engine import ops
-from mla.engine.checks import require_instance
-from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Decision, Resolver
-from mla.engine.step import MLAMetadata
-from mla.prefill.base import ContextExpander, PrefillStrategy
+from mla.core.validate import ValidateMode, require_int, require_validate_mode
+from mla.decode.base import DecodeIndexBuffers, DecodePlan, DecodeStrategy
+from mla.engine.backend import ops
+from mla.engine.backend.checks import require_instance
+from mla.engine.backend.scale import KVScale
+from mla.engine.backend.step import MLAMetadata
+from mla.engine.decision.registry import AnyStrategy
+from mla.engine.decision.resolver import Decision, Resolver
+from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
 from mla.providers import resolve_provider
 from mla.providers.base import KernelProvider
-from mla.providers.quant import ScaleBuffer
 from mla.sparse.base import SparseBuffers, SparsePlan, SparseStrategy
 from mla.sparse.indexer import INDEXER_STRATEGIES, IndexerContext, IndexerStrategy
 from mla.strategy import Phase, StrategySetup
@@ -148,7 +155,13 @@ class BackendState:
             self._preallocate()
         self.current_metadata: MLAMetadata | None = None
         """The metadata of the step being run (set by ``builder.build``)."""
-        self.kv_scale_buffer = ScaleBuffer.allocate(self.device)
+        self.in_use = threading.RLock()
+        """Held by the thread inside ``builder.build``/``plan`` or an eager ``impl`` call
+        (re-entrant): a second thread's call raises :class:`~mla.core.errors.ConcurrentUseError`
+        (:meth:`hold`)."""
+        self.kv_scale = KVScale(cache.dtype, self.device)
+        """The one owner of the fp8 ``kv_scale``: the doors check a caller's value and convert it
+        here once (:class:`~mla.engine.backend.scale.KVScale`)."""
         self.op_id = ops.register_runner(self)
         self.provider_id = ops.provider_handle(self.provider)
         self.initialized = True
@@ -325,21 +338,28 @@ class BackendState:
 
     # -- what the custom ops run -------------------------------------------------------------
 
-    def run_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        kv_scale: torch.Tensor | None,
-    ) -> None:
-        """Run the current step's decode plan (the body of ``mla::decode``)."""
+    def current_decode(self) -> tuple[DecodeStrategy, DecodePlan]:
+        """The current step's decode plan and the strategy that runs it."""
         plan = self._current("decode").decode
         assert plan is not None
-        strategy = self.decode_strategy(plan.strategy)
-        strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
+        return self.decode_strategy(plan.strategy), plan
 
-    def run_prefill(
+    def current_prefill(self) -> tuple[PrefillStrategy, PrefillPlan]:
+        """The current step's prefill plan and the strategy that runs it."""
+        plan = self._current("prefill").prefill
+        assert plan is not None
+        return self.prefill_strategy(plan.strategy), plan
+
+    def checked_decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
+    ) -> tuple[DecodeStrategy, DecodePlan]:
+        """:meth:`current_decode`, with the inputs checked against the plan
+        (:meth:`DecodeStrategy.check_inputs`): what the body of ``mla::decode`` runs."""
+        strategy, plan = self.current_decode()
+        strategy.check_inputs(plan, q, kv_cache, out, lse)
+        return strategy, plan
+
+    def checked_prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -347,14 +367,13 @@ class BackendState:
         out: torch.Tensor,
         lse: torch.Tensor,
         kv_cache: torch.Tensor | None,
-        kv_scale: torch.Tensor | None,
+        has_kv_scale: bool,
         expand_context: ContextExpander | None,
-    ) -> None:
-        """Run the current step's prefill plan (the body of ``mla::prefill``)."""
-        plan = self._current("prefill").prefill
-        assert plan is not None
-        strategy = self.prefill_strategy(plan.strategy)
-        strategy.run(
+    ) -> tuple[PrefillStrategy, PrefillPlan]:
+        """:meth:`current_prefill`, with the inputs checked against the plan
+        (:meth:`PrefillStrategy.check_inputs`): what the body of ``mla::prefill`` runs."""
+        strategy, plan = self.current_prefill()
+        strategy.check_inputs(
             plan,
             q,
             k,
@@ -362,27 +381,28 @@ class BackendState:
             out=out,
             lse=lse,
             kv_cache=kv_cache,
-            kv_scale=kv_scale,
+            has_kv_scale=has_kv_scale,
             expand_context=expand_context,
         )
+        return strategy, plan
 
-    def run_sparse(
+    def checked_sparse(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         topk_indices: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None,
-        kv_scale: torch.Tensor | None,
         prefill: bool,
-    ) -> None:
-        """Run the current step's sparse decode or prefill plan (the body of ``mla::sparse_attention``)."""
+    ) -> tuple[SparseStrategy[Any], SparsePlan]:
+        """The current step's sparse decode or prefill plan and its strategy, with the inputs
+        checked against the plan: what the body of ``mla::sparse_attention`` runs."""
         phase = "sparse_prefill" if prefill else "sparse_decode"
         plan = getattr(self._current(phase), phase)
         assert isinstance(plan, SparsePlan)
-        self.sparse_strategy(plan.strategy).run(
-            plan, q, kv_cache, topk_indices, kv_scale=kv_scale, out=out, lse=lse
-        )
+        strategy = self.sparse_strategy(plan.strategy)
+        strategy.check_inputs(plan, q, kv_cache, topk_indices, out, lse)
+        return strategy, plan
 
     def run_index_topk(
         self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor
@@ -409,6 +429,21 @@ class BackendState:
             return 0
         return int(self.sparse_buffers.invalid_count.item())
 
+    def hold(self, call: str) -> bool:
+        """Take :attr:`in_use` for an eager ``call`` (the caller releases it when this returns
+        ``True``): :class:`ConcurrentUseError` when another thread holds it. ``False`` under
+        ``torch.compile``: a compiled graph is not guarded."""
+        if torch.compiler.is_compiling():
+            return False
+        if not self.in_use.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{call} was called from thread {threading.current_thread().name!r} while another "
+                "thread's call on the same MLABackend was in progress; a backend serves one step at "
+                "a time (its builds write the buffers its runs read): serialize each step's build "
+                "and run (one thread per backend, or a lock), or give each thread its own backend"
+            )
+        return True
+
     def _current(self, phase: str) -> MLAMetadata:
         metadata = self.current_metadata
         if metadata is None:
@@ -427,14 +462,3 @@ class BackendState:
                 "layers before building the next step"
             )
         self._current(phase)
-
-    def kv_scale_tensor(self, kv_scale: float | torch.Tensor | None) -> torch.Tensor | None:
-        """``kv_scale`` as the float32 ``[1]`` device tensor the ops take (``None`` stays).
-
-        A tensor (0-d or one element, float, on the backend's device) is used as is (converted
-        to float32 when needed), so a captured graph reads its current value; a float is written
-        into the backend's :class:`~mla.providers.quant.ScaleBuffer`.
-        """
-        if isinstance(kv_scale, torch.Tensor):
-            check_kv_scale(kv_scale, self.device)
-        return self.kv_scale_buffer.tensor(kv_scale)

@@ -9,8 +9,8 @@ from mla.core.context import DecodeContext, PrefillContext
 from mla.core.errors import UnsupportedError
 from mla.core.explain import Candidate, ContextValue, Explanation
 from mla.core.support import Support
-from mla.engine.preference import decode_order, prefill_order
-from mla.engine.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
+from mla.engine.decision.preference import decode_order, prefill_order
+from mla.engine.decision.registry import DEFAULT_REGISTRY, AnyStrategy, Registry
 from mla.strategy import Phase, Strategy, serves_model
 
 Context = DecodeContext | PrefillContext

@@ -42,30 +42,29 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import torch
 
 from mla.core.errors import InvalidInputError
-from mla.prefill.base import ContextExpander
+from mla.decode.base import DecodePlan, DecodeStrategy
+from mla.prefill.base import ContextExpander, PrefillPlan, PrefillStrategy
 from mla.providers.base import KernelProvider
 from mla.providers.calls import WriteKVCall
+from mla.sparse.base import SparsePlan, SparseStrategy
 
 
 class OpRunner(Protocol):
-    """What the ops call: an owner of the current plan (an ``MLABackend``)."""
+    """What the ops call: an owner of the current plan (an ``MLABackend``). Each ``checked_*``
+    returns the current plan of its phase and the strategy that runs it, with the op's inputs
+    checked against the plan; the op's body then calls the strategy's ``run``."""
 
-    def run_decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        kv_scale: torch.Tensor | None,
-    ) -> None: ...
+    def checked_decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
+    ) -> tuple[DecodeStrategy, DecodePlan]: ...
 
-    def run_prefill(
+    def checked_prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -73,20 +72,19 @@ class OpRunner(Protocol):
         out: torch.Tensor,
         lse: torch.Tensor,
         kv_cache: torch.Tensor | None,
-        kv_scale: torch.Tensor | None,
+        has_kv_scale: bool,
         expand_context: ContextExpander | None,
-    ) -> None: ...
+    ) -> tuple[PrefillStrategy, PrefillPlan]: ...
 
-    def run_sparse(
+    def checked_sparse(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         topk_indices: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor | None,
-        kv_scale: torch.Tensor | None,
         prefill: bool,
-    ) -> None: ...
+    ) -> tuple[SparseStrategy[Any], SparsePlan]: ...
 
     def run_index_topk(
         self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, out: torch.Tensor
@@ -214,7 +212,7 @@ _LIB.define(  # type: ignore[no-untyped-call]
 )
 
 
-def _decode_impl(
+def decode_body(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     out: torch.Tensor,
@@ -222,10 +220,13 @@ def _decode_impl(
     kv_scale: torch.Tensor | None,
     backend_id: int,
 ) -> None:
-    _RUNNERS.get(backend_id).run_decode(q, kv_cache, out, lse, kv_scale)
+    """The body of ``mla::decode`` (the functional API calls it directly): the backend's
+    current decode plan, its inputs checked against the plan once, run by its strategy."""
+    strategy, plan = _RUNNERS.get(backend_id).checked_decode(q, kv_cache, out, lse)
+    strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
 
 
-def _prefill_impl(
+def prefill_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -236,8 +237,14 @@ def _prefill_impl(
     backend_id: int,
     expander_id: int,
 ) -> None:
+    """The body of ``mla::prefill`` (the functional API calls it directly): the backend's
+    current prefill plan, its inputs checked against the plan once, run by its strategy."""
     expander = lookup_expander(expander_id) if expander_id else None
-    _RUNNERS.get(backend_id).run_prefill(q, k, v, out, lse, kv_cache, kv_scale, expander)
+    runner = _RUNNERS.get(backend_id)
+    strategy, plan = runner.checked_prefill(q, k, v, out, lse, kv_cache, kv_scale is not None, expander)
+    strategy.run(
+        plan, q, k, v, out=out, lse=lse, kv_cache=kv_cache, kv_scale=kv_scale, expand_context=expander
+    )
 
 
 def _write_kv_impl(
@@ -276,7 +283,8 @@ def _sparse_attention_impl(
     backend_id: int,
     prefill: bool,
 ) -> None:
-    _RUNNERS.get(backend_id).run_sparse(q, kv_cache, topk_indices, out, lse, kv_scale, prefill)
+    strategy, plan = _RUNNERS.get(backend_id).checked_sparse(q, kv_cache, topk_indices, out, lse, prefill)
+    strategy.run(plan, q, kv_cache, topk_indices, kv_scale=kv_scale, out=out, lse=lse)
 
 
 def _index_topk_impl(
@@ -291,8 +299,8 @@ def _write_index_keys_impl(
     _RUNNERS.get(backend_id).run_write_index_keys(keys, index_cache, slot_mapping)
 
 
-_LIB.impl("decode", _decode_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-_LIB.impl("prefill", _prefill_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("decode", decode_body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("prefill", prefill_body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 _LIB.impl("write_kv", _write_kv_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 for _name, _impl in (
     ("sparse_attention", _sparse_attention_impl),

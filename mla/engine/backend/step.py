@@ -1,4 +1,5 @@
-"""One engine step's inputs (:class:`StepInputs`) and the metadata planned for it (:class:`MLAMetadata`)."""
+"""One engine step's inputs (:class:`StepInputs`, or :class:`VarlenStep` for a prefill over given keys)
+and the metadata planned for it (:class:`MLAMetadata`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import attrs
 import torch
 
 from mla.decode.base import DecodePlan
-from mla.engine.resolver import Decision
+from mla.engine.decision.resolver import Decision
 from mla.prefill.base import PrefillPlan
 from mla.sparse.base import SparsePlan
 
@@ -33,6 +34,25 @@ class StepInputs:
     """Host copy of ``seq_lens``. When omitted, a decode-only step plans its page indices on the
     device (no copy, work sized by the block table); a step with prefills (or
     ``validate="full"``) copies ``seq_lens`` from the device."""
+
+
+@attrs.frozen(eq=False)
+class VarlenStep:
+    """A prefill step over given keys and values, without a paged cache: the step of the
+    functional :func:`mla.mla_prefill` (``q`` rows ``cu_seqlens_q``, ``k``/``v`` rows
+    ``cu_seqlens_k`` per request), checked by its caller."""
+
+    cu_seqlens_q_cpu: torch.Tensor
+    """int32 ``[B+1]`` on the host."""
+    cu_seqlens_k_cpu: torch.Tensor
+    """int32 ``[B+1]`` on the host."""
+    cu_seqlens_q: torch.Tensor
+    """int32 ``[B+1]`` on the device."""
+    cu_seqlens_k: torch.Tensor
+    """int32 ``[B+1]`` on the device."""
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
 
 
 @attrs.frozen(eq=False)

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from mla.core.errors import InvalidInputError
 from mla.core.validate import (
-    HostLengths,
     ValidateMode,
-    check_block_ids,
-    check_paged_request_values,
     check_slots,
     check_write_kv,
     require_same_device,
@@ -34,41 +29,6 @@ def require_tensors(**tensors: object) -> None:
 def require_on_q_device(q: torch.Tensor, **others: object) -> None:
     """Every tensor argument is on q's device (the op dispatches on the devices it is given)."""
     require_same_device(("q", q), *((name, t) for name, t in others.items() if isinstance(t, torch.Tensor)))
-
-
-def check_paged_step(
-    *,
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    block_table: torch.Tensor,
-    block_size: int,
-    num_blocks: int,
-    max_model_len: int | None = None,
-    block_ids: bool,
-    lengths: HostLengths | None = None,
-) -> torch.Tensor | None:
-    """The host rules of a paged step's requests (on host values: each request's query length
-    and seq_len, with their ``lengths`` when the caller has them); with ``block_ids``
-    (``validate="full"``) also every block id, reading ``block_table`` on the host. Returns
-    that host table (else ``None``)."""
-    check_paged_request_values(
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_table_shape=tuple(block_table.shape),
-        block_size=block_size,
-        max_model_len=max_model_len,
-        lengths=lengths,
-    )
-    if not block_ids:
-        return None
-    table_cpu = block_table.cpu()
-    check_block_ids(
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
-        block_table_cpu=table_cpu,
-        block_size=block_size,
-        num_blocks=num_blocks,
-    )
-    return table_cpu
 
 
 def check_kv_write(

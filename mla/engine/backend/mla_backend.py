@@ -1,4 +1,5 @@
-"""The engine-facing backend: a metadata builder and an attention impl over one resolver.
+"""The engine-facing backend (:class:`MLABackend`): a metadata builder and an attention impl
+over one resolver.
 
 Shaped like vLLM's builder/impl pair. The builder turns a step's inputs into
 :class:`MLAMetadata`, resolving each phase exactly once; the impl runs the strategy recorded in
@@ -15,27 +16,23 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from mla.core.errors import ConcurrentUseError, InvalidInputError, PlanMismatchError
-from mla.engine.builder import MetadataBuilder
-from mla.engine.impl import AttentionImpl
-from mla.engine.state import BackendState
-from mla.engine.step import MLAMetadata, StepInputs
+from mla.core.errors import InvalidInputError, PlanMismatchError
+from mla.engine.backend.builder import MetadataBuilder
+from mla.engine.backend.impl import AttentionImpl
+from mla.engine.backend.state import BackendState
+from mla.engine.backend.step import MLAMetadata
 
-__all__ = ["AttentionImpl", "MLABackend", "MLAMetadata", "MetadataBuilder", "StepInputs"]
+__all__ = ["MLABackend"]
 
 
 class MLABackend(BackendState):
     """Owns the provider, the resolver, the strategies and their persistent buffers (the
-    :class:`~mla.engine.state.BackendState`), with the ``builder``/``impl`` pair over them.
+    :class:`~mla.engine.backend.state.BackendState`), with the ``builder``/``impl`` pair over them.
 
     Decode strategies for every step the limits allow are resolved and allocated at init (an
     unsupported qlen within the limits raises :class:`UnsupportedError` here, not mid-run).
@@ -47,7 +44,7 @@ class MLABackend(BackendState):
     the host in ``builder.build``; ``"full"`` adds the host checks of every block id and checks
     that the device ``query_start_loc``/``seq_lens`` equal their host copies.
 
-    The backend registers itself with the custom ops (:mod:`mla.engine.ops`) under ``op_id``;
+    The backend registers itself with the custom ops (:mod:`mla.engine.backend.ops`) under ``op_id``;
     ``builder.build`` makes the step's metadata the backend's ``current_metadata``, which the
     ops run.
     """
@@ -56,9 +53,6 @@ class MLABackend(BackendState):
     """Plans each step: ``builder.build(step)`` returns the step's :class:`MLAMetadata`."""
     impl: AttentionImpl
     """Runs the current step: ``forward_decode``, ``forward_prefill`` and ``write_kv``."""
-    in_use: threading.RLock
-    """Held by the thread inside ``builder.build`` or an eager ``impl`` call (re-entrant): a
-    second thread's call raises :class:`~mla.core.errors.ConcurrentUseError`."""
 
     if not TYPE_CHECKING:  # the checker sees BackendState.__init__'s signature
 
@@ -68,9 +62,8 @@ class MLABackend(BackendState):
             # Plain attributes, made here: torch.compile(fullgraph=True) traces ``backend.impl``
             # (a functools.cached_property takes an RLock on Python 3.11, which dynamo cannot
             # enter), and two threads never race to make two of them.
-            self.in_use = threading.RLock()
-            self.builder = _GuardedBuilder(self)
-            self.impl = _GuardedImpl(self)
+            self.builder = MetadataBuilder(self)
+            self.impl = AttentionImpl(self)
             _LIVE_BACKENDS.add(self)
 
     def check_current(self, metadata: MLAMetadata, phase: str) -> None:
@@ -85,64 +78,6 @@ class MLABackend(BackendState):
                 "only the plans it built, sized for its own dims, cache and buffers)"
             )
         super().check_current(metadata, phase)
-
-
-@contextlib.contextmanager
-def _one_thread(backend: MLABackend, call: str) -> Iterator[None]:
-    """Run ``call`` holding the backend (eager calls; a compiled graph is not guarded):
-    :class:`ConcurrentUseError` when another thread holds it."""
-    if not backend.in_use.acquire(blocking=False):
-        raise ConcurrentUseError(
-            f"{call} was called from thread {threading.current_thread().name!r} while another "
-            "thread's call on the same MLABackend was in progress; a backend serves one step at a "
-            "time (its builds write the buffers its runs read): serialize each step's build and "
-            "run (one thread per backend, or a lock), or give each thread its own backend"
-        )
-    try:
-        yield
-    finally:
-        backend.in_use.release()
-
-
-class _GuardedBuilder(MetadataBuilder):
-    """:class:`MetadataBuilder` whose ``build`` refuses a second thread's concurrent call."""
-
-    def build(self, step: StepInputs) -> MLAMetadata:
-        with _one_thread(self.backend, "builder.build"):  # type: ignore[arg-type]
-            return super().build(step)
-
-
-def _guarded(name: str) -> Callable[..., None]:
-    """``AttentionImpl.<name>`` holding the backend for an eager call (compiled calls pass)."""
-    method = getattr(AttentionImpl, name)
-
-    def call(self: AttentionImpl, *args: Any, **kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
-            return method(self, *args, **kwargs)  # type: ignore[no-any-return]
-        with _one_thread(self.backend, f"impl.{name}"):  # type: ignore[arg-type]
-            return method(self, *args, **kwargs)  # type: ignore[no-any-return]
-
-    functools.update_wrapper(call, method)
-    return call
-
-
-GUARDED_CALLS = (
-    "forward_decode",
-    "forward_prefill",
-    "write_kv",
-    "forward_sparse_decode",
-    "forward_sparse_prefill",
-    "index_topk",
-    "write_index_keys",
-)
-"""The impl's eager calls that refuse a second thread's concurrent call."""
-
-_GuardedImpl = type(
-    "_GuardedImpl",
-    (AttentionImpl,),
-    {"__doc__": "AttentionImpl whose eager calls refuse a second thread's concurrent call.",
-     **{name: _guarded(name) for name in GUARDED_CALLS}},
-)
 
 
 _LIVE_BACKENDS: weakref.WeakSet[MLABackend] = weakref.WeakSet()

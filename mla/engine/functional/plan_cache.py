@@ -1,9 +1,9 @@
-"""The functional API's plan caches (a small LRU per entry point, keyed by the call's shapes,
-dtypes, device, scale, provider, strategy, platform and validate mode) and the prefill entries."""
+"""The functional API's plan caches: a small LRU per entry point, keyed by the call's shapes,
+dtypes, device, scale, provider, strategy, platform and validate mode, of backends sized for the
+call (the engine pair the call runs through)."""
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
@@ -12,16 +12,14 @@ import attrs
 import torch
 
 from mla.core.config import EngineLimits, KVCacheSpec, MLADims
-from mla.core.context import PrefillContext, prefill_context
 from mla.core.platform import Platform, resolve_platform
 from mla.engine.backend import MLABackend
-from mla.engine.decode_graphs import GRAPHS_PER_PLAN, GraphState
-from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Resolver
-from mla.prefill.base import PrefillStrategy
+from mla.engine.decision.registry import AnyStrategy
+from mla.engine.decision.resolver import Resolver
+from mla.engine.functional.decode_graphs import GRAPHS_PER_PLAN, GraphState
 from mla.providers import require_available, resolve_provider
 from mla.providers.base import KernelProvider
-from mla.strategy import StrategySetup
+from mla.strategy import Phase
 
 PLAN_CACHE_SIZE = 16
 """Cached plans per functional entry point (least recently used evicted first)."""
@@ -58,34 +56,21 @@ class PlanCache(Generic[K, V]):
 
 @attrs.frozen(eq=False)
 class DecodeEntry:
-    """A cached decode plan: a backend sized for the call's shapes, its unit indptr and the
-    CUDA graphs of its repeated calls (:mod:`mla.engine.decode_graphs`)."""
+    """A cached decode plan: a backend sized for the call's shapes and the CUDA graphs of its
+    repeated calls (:mod:`mla.engine.functional.decode_graphs`)."""
 
     backend: MLABackend
-    unit_qsl_cpu: torch.Tensor
-    """int64 ``[B+1]`` ``0..B`` on the host (one token per request)."""
-    unit_qsl: torch.Tensor
-    """The same on the device."""
     graphs: PlanCache[Hashable, GraphState] = attrs.field(factory=lambda: PlanCache(GRAPHS_PER_PLAN))
     """Per call key (tensors' data pointers and strides, host ``query_start_loc`` values,
     ``kv_scale`` tensor): seen once, captured, or eager-only; at most
-    :data:`~mla.engine.decode_graphs.GRAPHS_PER_PLAN`."""
+    :data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN`."""
 
 
 DECODE_PLANS: PlanCache[tuple[object, ...], DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)
+"""Per decode plan key: the cached plan."""
 
-
-@attrs.frozen(eq=False)
-class PrefillEntry:
-    """A cached prefill plan: the call's context and the strategy that runs it."""
-
-    context: PrefillContext
-    runner: PrefillStrategy
-    lock: threading.Lock = attrs.field(factory=threading.Lock)
-    """Held while a call builds and runs the plan (threads sharing it take turns)."""
-
-
-PREFILL_PLANS: PlanCache[tuple[object, ...], PrefillEntry] = PlanCache(PLAN_CACHE_SIZE)
+PREFILL_PLANS: PlanCache[tuple[object, ...], MLABackend] = PlanCache(PLAN_CACHE_SIZE)
+"""Per prefill plan key: a backend sized for the call's shapes."""
 
 
 def available_provider(provider: str | KernelProvider, platform: Platform) -> KernelProvider:
@@ -96,7 +81,7 @@ def available_provider(provider: str | KernelProvider, platform: Platform) -> Ke
     return prov
 
 
-def prefill_entry(
+def prefill_backend(
     q: torch.Tensor,
     v: torch.Tensor,
     num_requests: int,
@@ -104,40 +89,28 @@ def prefill_entry(
     provider: str | KernelProvider,
     strategy: str | AnyStrategy | None,
     platform: Platform | str | None,
-) -> PrefillEntry:
-    """A prefill plan for ``q``/``v``'s shapes: the resolved (or forced) strategy, allocated."""
+) -> MLABackend:
+    """A backend for a prefill of ``q``/``v``'s shapes (no preallocation: the first plan
+    resolves, or checks the forced ``strategy``, and allocates); the latent dims it records are
+    placeholders (a varlen prefill reads no cache), the head dims are q's and v's."""
     num_tokens, num_heads, qk_dim = q.shape
     plat = resolve_platform(platform, q.device)
-    prov = available_provider(provider, plat)
-    caps = prov.capabilities(plat)
     rope = min(64, qk_dim - 1) if qk_dim > 1 else 0
-    dims = MLADims(
-        num_heads=num_heads,
-        qk_nope_head_dim=max(1, qk_dim - rope),
-        qk_rope_head_dim=max(1, rope),
-        v_head_dim=v.shape[-1],
-        softmax_scale=softmax_scale,
-    )
-    ctx = prefill_context(
-        dims=dims,
-        cache=KVCacheSpec(1, q.dtype),
-        q_dtype=q.dtype,
+    forced = None if strategy is None else Resolver().forced_strategy(strategy, Phase.PREFILL)
+    return MLABackend(
+        MLADims(
+            num_heads=num_heads,
+            qk_nope_head_dim=max(1, qk_dim - rope),
+            qk_rope_head_dim=max(1, rope),
+            v_head_dim=v.shape[-1],
+            softmax_scale=softmax_scale,
+        ),
+        KVCacheSpec(1, q.dtype),
+        EngineLimits(max(1, num_requests), max(1, v.shape[0]), max(1, num_tokens)),
+        model_dtype=q.dtype,
+        provider=available_provider(provider, plat),
         platform=plat,
-        capabilities=caps,
-        availability=prov.availability(),
-        has_chunked_context=False,
-    )
-    decision = Resolver().resolve(ctx, force=strategy)
-    cls = decision.strategy
-    assert issubclass(cls, PrefillStrategy)
-    setup = StrategySetup(
-        dims=dims,
-        cache=KVCacheSpec(1, q.dtype),
-        limits=EngineLimits(max(1, num_requests), max(1, v.shape[0]), max(1, num_tokens)),
-        q_dtype=q.dtype,
-        platform=plat,
-        provider=prov,
-        capabilities=caps,
         device=q.device,
+        prefill_strategy=forced,
+        preallocate=False,
     )
-    return PrefillEntry(ctx, cls(setup))

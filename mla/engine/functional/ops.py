@@ -2,7 +2,7 @@
 :func:`mla.write_kv` record in a compiled graph.
 
 Under ``torch.compile`` each functional call becomes one opaque op call whose eager body is the
-functional call itself (checks, plan cache, run: :mod:`mla.engine.api` registers the bodies), so
+functional call itself (checks, plan cache, run: the functional modules register the bodies), so
 a compiled function around them has no graph break and the eager calls cost what they always
 did. The traced code allocates the outputs the call would allocate (shapes from the inputs'
 shapes) and passes them as mutated arguments.
@@ -26,7 +26,7 @@ Op schemas::
         Tensor slot_mapping, Tensor? kv_scale, float? kv_scale_value, int options) -> ()
 
 ``kv_scale`` crosses as the tensor the caller gave (``kv_scale``) or the float
-(``kv_scale_value``). Like :mod:`mla.engine.ops`, the ops are registered with
+(``kv_scale_value``). Like :mod:`mla.engine.backend.ops`, the ops are registered with
 ``torch.library.Library.define``/``impl`` and ``register_fake``.
 """
 
@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 
-from mla.engine.ops import register_void_fakes
+from mla.engine.backend.ops import register_void_fakes
+
+UNTRACEABLE = "an argument is not of the kind the op takes; the eager call names it"
+"""Why a compiled functional call leaves its arguments to the eager call (a graph break)."""
 
 _OPTIONS: dict[tuple[Hashable, ...], int] = {}
 _BY_HANDLE: list[tuple[Hashable, ...]] = []

@@ -1,15 +1,16 @@
-"""The parts of :func:`mla.mla_decode` behind its fast path: the checks of a call's signature
-(cached), the per-call value checks, the plan entry and the step it runs.
+"""The door of :func:`mla.mla_decode`: the checks of a call's signature (cached), its step (one
+:class:`~mla.engine.backend.step_check.StepChecker` per signature), the plan entry and the step
+it runs.
 
-A call's *signature* is everything its shape, dtype and device checks depend on: each tensor's
-shape, dtype and device, and the scalar options. The checks run once per signature; a repeated
-call then checks only values that may change between calls (a float ``kv_scale``, the host
-``query_start_loc``). The :class:`DecodeCall` record caches what the checks derived.
+A call's *signature* is everything the checks of its own arguments depend on: each tensor's
+shape, dtype and device, and the scalar options. Those checks run once per signature; the
+:class:`DecodeCall` record caches what they derived, with the checker of the call's step (the
+engine's step rules, for a backend sized by the call's shapes). A repeated call then checks only
+values that may change between calls: a float ``kv_scale``, and its step's values.
 """
 
 from __future__ import annotations
 
-import itertools
 import numbers
 
 import attrs
@@ -17,15 +18,13 @@ import torch
 
 from mla.core.config import EngineLimits, KVCacheSpec, MLADims, dtype_name
 from mla.core.errors import InvalidInputError
-from mla.core.platform import Platform, resolve_platform
+from mla.core.platform import resolve_platform
 from mla.core.validate import (
-    ValidateMode,
     check_cache_scale,
     require_bool,
     require_dequant_range,
     require_float,
     require_index,
-    require_indptr_of_rows,
     require_int,
     require_paged_cache,
     require_same_device,
@@ -34,14 +33,12 @@ from mla.core.validate import (
     require_tensor,
     require_validate_mode,
 )
-from mla.engine.backend import MLABackend
-from mla.engine.checks import check_paged_step
-from mla.engine.decode_graphs import require_graph_replay
-from mla.engine.plan_cache import PLAN_CACHE_SIZE, DecodeEntry, PlanCache, available_provider
-from mla.engine.registry import AnyStrategy
-from mla.engine.resolver import Resolver
-from mla.engine.step import StepInputs
-from mla.providers.base import KernelProvider
+from mla.engine.backend import MLABackend, StepInputs
+from mla.engine.backend.step_check import CheckedStep, StepChecker, StepRules
+from mla.engine.decision.resolver import Resolver
+from mla.engine.functional.args import DecodeArgs
+from mla.engine.functional.decode_graphs import require_graph_replay
+from mla.engine.functional.plan_cache import PLAN_CACHE_SIZE, DecodeEntry, PlanCache, available_provider
 from mla.strategy import Phase
 
 _FLOAT_SCALE = "float"
@@ -51,27 +48,13 @@ def _described(tensor: torch.Tensor | None) -> tuple[object, ...] | None:
     return None if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
 
 
-def decode_signature(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    softmax_scale: float,
-    kv_lora_rank: int,
-    kv_scale: object,
-    provider: str | KernelProvider,
-    strategy: str | AnyStrategy | None,
-    platform: Platform | str | None,
-    out: torch.Tensor | None,
-    lse: torch.Tensor | None,
-    return_lse: bool,
-    validate: ValidateMode,
-    graph: str,
-) -> tuple[object, ...]:
+def decode_signature(args: DecodeArgs) -> tuple[object, ...]:
     """What the call's checks depend on (hashable). Raises ``AttributeError``/``TypeError``
     for arguments of the wrong kind: the caller then runs the checks, which name them."""
+    q, kv_cache, block_table, seq_lens = args.q, args.kv_cache, args.block_table, args.seq_lens
+    qsl = args.query_start_loc
     scale: object = _FLOAT_SCALE
+    kv_scale: object = args.kv_scale
     if kv_scale is None or isinstance(kv_scale, torch.Tensor):
         scale = _described(kv_scale)
     elif isinstance(kv_scale, bool) or not isinstance(kv_scale, numbers.Real):
@@ -80,9 +63,10 @@ def decode_signature(
         q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
         block_table.shape, block_table.dtype, block_table.device,
         seq_lens.shape, seq_lens.dtype, seq_lens.device,
-        _described(query_start_loc), _described(out), _described(lse), scale,
-        type(softmax_scale), softmax_scale, type(kv_lora_rank), kv_lora_rank,
-        provider, strategy, platform, type(return_lse), return_lse, validate, graph,
+        _described(qsl), _described(args.out), _described(args.lse), scale,
+        type(args.softmax_scale), args.softmax_scale, type(args.kv_lora_rank), args.kv_lora_rank,
+        args.provider, args.strategy, args.platform, type(args.return_lse), args.return_lse,
+        args.validate, args.graph,
     )  # fmt: skip
 
 
@@ -96,60 +80,49 @@ class DecodeCall:
     kv_lora_rank: int
     block_size: int
     num_blocks: int
-    mode: ValidateMode
     base_key: tuple[object, ...]
     """The plan key without the decode qlen bound (which depends on ``query_start_loc``)."""
     host_qsl: bool
     """``query_start_loc`` is given on the host."""
     replay: bool
-    """Static conditions of the CUDA-graph replay hold (see :mod:`mla.engine.decode_graphs`)."""
+    """Static conditions of the CUDA-graph replay hold (see :mod:`mla.engine.functional.decode_graphs`)."""
     scale_on_host: bool
     """``kv_scale`` is a float or a host tensor: its value is checked per call."""
+    checker: StepChecker
+    """The step rules of the call's shapes (no graph-padding rows: every row of q is a request's)."""
+    unit_qsl_cpu: torch.Tensor
+    """int64 ``[B+1]`` ``0..B`` on the host: the indptr of one token per request."""
+    unit_qsl: torch.Tensor
+    """The same, int32 on q's device."""
 
 
 DECODE_CALLS: PlanCache[tuple[object, ...], DecodeCall] = PlanCache(4 * PLAN_CACHE_SIZE)
 """Checked signatures (least recently used evicted first)."""
 
 
-def check_decode_call(
-    q: object,
-    kv_cache: object,
-    block_table: object,
-    seq_lens: object,
-    query_start_loc: object,
-    softmax_scale: object,
-    kv_lora_rank: object,
-    kv_scale: object,
-    provider: str | KernelProvider,
-    strategy: str | AnyStrategy | None,
-    platform: Platform | str | None,
-    out: object,
-    lse: object,
-    return_lse: object,
-    validate: object,
-    graph: object,
-) -> DecodeCall:
-    """Every check of :func:`mla.mla_decode` that depends on the signature alone (the value
-    checks of a float ``kv_scale`` included); :class:`InvalidInputError` naming the argument."""
-    mode = require_validate_mode(validate)
-    replay = require_graph_replay(graph)
-    q = require_tensor("q", q, ndim=3)
-    kv_cache = require_tensor("kv_cache", kv_cache, ndim=3)
-    block_table = require_index("block_table", block_table, ndim=2)
-    seq_lens = require_index("seq_lens", seq_lens, ndim=1)
+def check_decode_call(args: DecodeArgs) -> DecodeCall:
+    """Every check of :func:`mla.mla_decode`'s own arguments that depends on the signature alone
+    (the value checks of a float ``kv_scale`` included); :class:`InvalidInputError` naming the
+    argument. The step's values are the ``checker``'s."""
+    mode = require_validate_mode(args.validate)
+    replay = require_graph_replay(args.graph)
+    q = require_tensor("q", args.q, ndim=3)
+    kv_cache = require_tensor("kv_cache", args.kv_cache, ndim=3)
+    block_table = require_index("block_table", args.block_table, ndim=2)
+    seq_lens = require_index("seq_lens", args.seq_lens, ndim=1)
     require_float("q", q)
     require_float("kv_cache", kv_cache, allow_fp8=True)
     require_paged_cache("kv_cache", kv_cache)
     tensors = [("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)]
     qsl = None
-    if query_start_loc is not None:
-        qsl = require_index("query_start_loc", query_start_loc, ndim=1)
+    if args.query_start_loc is not None:
+        qsl = require_index("query_start_loc", args.query_start_loc, ndim=1)
         if qsl.device.type != "cpu":
             tensors.append(("query_start_loc", qsl))
     require_same_device(("q", q), *tensors)
-    scale = require_softmax_scale(softmax_scale)
-    rank = require_int("kv_lora_rank", kv_lora_rank, minimum=1)
-    require_bool("return_lse", return_lse)
+    scale = require_softmax_scale(args.softmax_scale)
+    rank = require_int("kv_lora_rank", args.kv_lora_rank, minimum=1)
+    require_bool("return_lse", args.return_lse)
     num_tokens, num_heads, width = q.shape
     cache_width = kv_cache.shape[-1]
     if cache_width <= rank:
@@ -165,11 +138,11 @@ def check_decode_call(
             f"{rank} + rope {cache_width - rank}): pass the absorbed query "
             "[q_nope @ W_UK^T | q_pe]",
         )
-    check_cache_scale(kv_scale, kv_cache.dtype, device=q.device)
-    if out is not None:
-        require_output("out", out, (num_tokens, num_heads, rank), q.dtype, q.device)
-    if lse is not None:
-        require_output("lse", lse, (num_tokens, num_heads), torch.float32, q.device)
+    check_cache_scale(args.kv_scale, kv_cache.dtype, device=q.device)
+    if args.out is not None:
+        require_output("out", args.out, (num_tokens, num_heads, rank), q.dtype, q.device)
+    if args.lse is not None:
+        require_output("lse", args.lse, (num_tokens, num_heads), torch.float32, q.device)
     num_requests = seq_lens.numel()
     if qsl is not None and qsl.numel() != num_requests + 1:
         raise InvalidInputError(
@@ -182,26 +155,48 @@ def check_decode_call(
             f"has {num_tokens} rows for {num_requests} single-token requests (query_start_loc=None); "
             "pass query_start_loc for multi-token requests, or one row per request",
         )
+    block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    checker = StepChecker(
+        StepRules(
+            limits=EngineLimits(
+                max_num_seqs=max(1, num_requests),
+                max_model_len=max(1, block_table.shape[1] * block_size),
+                max_num_batched_tokens=max(1, num_tokens),
+                max_decode_qlen=max(1, num_tokens),
+            ),
+            block_size=max(1, block_size),
+            num_blocks=num_blocks,
+            device=q.device,
+            validate=mode,
+            rows_of="q",
+            model_len=False,
+        )
+    )
+    unit = torch.arange(num_requests + 1, dtype=torch.int64)
     base_key = (
         tuple(q.shape), q.dtype, q.device, tuple(kv_cache.shape), kv_cache.dtype,
-        tuple(block_table.shape), scale, rank, provider, strategy, platform, mode,
+        tuple(block_table.shape), scale, rank, args.provider, args.strategy, args.platform, mode,
     )  # fmt: skip
+    kv_scale = args.kv_scale
     return DecodeCall(
         num_tokens=num_tokens,
         num_heads=num_heads,
         num_requests=num_requests,
         kv_lora_rank=rank,
-        block_size=kv_cache.shape[1],
-        num_blocks=kv_cache.shape[0],
-        mode=mode,
+        block_size=block_size,
+        num_blocks=num_blocks,
         base_key=base_key,
         host_qsl=qsl is not None and qsl.device.type == "cpu",
         replay=replay == "auto"
         and mode == "fast"
-        and out is not None
-        and (lse is not None or not return_lse),
+        and args.out is not None
+        and (args.lse is not None or not args.return_lse),
         scale_on_host=kv_scale is not None
         and (not isinstance(kv_scale, torch.Tensor) or kv_scale.device.type == "cpu"),
+        checker=checker,
+        unit_qsl_cpu=unit,
+        # Made on the device (a kernel, not a host-to-device copy: nothing to synchronize).
+        unit_qsl=torch.arange(num_requests + 1, dtype=torch.int32, device=q.device),
     )
 
 
@@ -214,32 +209,39 @@ def check_scale_value(kv_scale: float | torch.Tensor, kv_dtype: torch.dtype) -> 
         require_dequant_range(require_scale("kv_scale", kv_scale), kv_dtype)
 
 
-def query_start_values(call: DecodeCall, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """The host copy of ``query_start_loc`` (one device-to-host copy for a device tensor) and
-    its values, checked: an indptr whose last entry is q's row count."""
-    host = query_start_loc if call.host_qsl else query_start_loc.cpu()
-    values: list[int] = host.tolist()
-    require_indptr_of_rows("query_start_loc", values, call.num_tokens, "q")
-    return host, values
+def check_step(call: DecodeCall, args: DecodeArgs) -> CheckedStep:
+    """The call's step, checked by the call's ``checker`` (the engine's step rules): one request
+    per ``seq_lens`` entry, all of them decodes, every row of q a request's. Host tensors only
+    (a device ``query_start_loc`` is copied to the host once): the step's device tensors are
+    made by :func:`device_step` when it runs."""
+    qsl = args.query_start_loc
+    host = call.unit_qsl_cpu if qsl is None else qsl if call.host_qsl else qsl.cpu()
+    step = StepInputs(host, host, args.seq_lens, args.block_table, call.num_requests, call.num_tokens)
+    return call.checker.check_values(step)
 
 
-def new_entry(
-    call: DecodeCall,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    max_decode_qlen: int,
-    provider: str | KernelProvider,
-    strategy: str | AnyStrategy | None,
-    platform: Platform | str | None,
-) -> DecodeEntry:
-    """A plan for the call's shapes: a backend sized for exactly this batch (no
-    preallocation: the first build resolves and allocates), and the unit indptr."""
-    try:
-        return _new_entry(
-            call, q, kv_cache, block_table, softmax_scale, max_decode_qlen, provider, strategy, platform
+def device_step(checked: CheckedStep, query_start_loc: torch.Tensor) -> CheckedStep:
+    """``checked`` over the device tensors a run reads: ``query_start_loc`` (int32 on q's
+    device), and ``seq_lens`` and ``block_table`` as int32."""
+    step = checked.inputs
+    seq_lens, table = step.seq_lens, step.block_table
+    return checked.with_inputs(
+        StepInputs(
+            query_start_loc_cpu=step.query_start_loc_cpu,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32),
+            block_table=table if table.dtype == torch.int32 else table.to(torch.int32),
+            num_decodes=step.num_decodes,
+            num_decode_tokens=step.num_decode_tokens,
         )
+    )
+
+
+def new_entry(call: DecodeCall, args: DecodeArgs, max_decode_qlen: int) -> DecodeEntry:
+    """A plan for the call's shapes: a backend sized for exactly this batch (no preallocation:
+    the first build resolves and allocates)."""
+    try:
+        return _new_entry(call, args, max_decode_qlen)
     except InvalidInputError as error:
         # The backend's records name their own fields; the caller called mla_decode.
         own = _DECODE_ARGUMENT.get(error.argument)
@@ -265,89 +267,53 @@ _DECODE_ARGUMENT: dict[str, tuple[str, str]] = {
 argument an error names instead, and what the field is of it."""
 
 
-def _new_entry(
-    call: DecodeCall,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    softmax_scale: float,
-    max_decode_qlen: int,
-    provider: str | KernelProvider,
-    strategy: str | AnyStrategy | None,
-    platform: Platform | str | None,
-) -> DecodeEntry:
-    plat = resolve_platform(platform, q.device)
+def _new_entry(call: DecodeCall, args: DecodeArgs, max_decode_qlen: int) -> DecodeEntry:
+    q, softmax_scale = args.q, args.softmax_scale
+    plat = resolve_platform(args.platform, q.device)
+    strategy = args.strategy
     forced = None if strategy is None else Resolver().forced_strategy(strategy, Phase.DECODE)
-    width = q.shape[-1]
     dims = MLADims(
         num_heads=call.num_heads,
         kv_lora_rank=call.kv_lora_rank,
-        qk_rope_head_dim=width - call.kv_lora_rank,
+        qk_rope_head_dim=q.shape[-1] - call.kv_lora_rank,
         softmax_scale=softmax_scale,
     )
     limits = EngineLimits(
         max_num_seqs=call.num_requests,
-        max_model_len=max(1, block_table.shape[1] * call.block_size),
+        max_model_len=max(1, args.block_table.shape[1] * call.block_size),
         max_num_batched_tokens=max(1, call.num_tokens),
         max_decode_qlen=max_decode_qlen,
     )
     backend = MLABackend(
         dims,
         # An empty cache (every request of length 0) has no count to record.
-        KVCacheSpec(call.block_size, kv_cache.dtype, num_blocks=call.num_blocks or None),
+        KVCacheSpec(call.block_size, args.kv_cache.dtype, num_blocks=call.num_blocks or None),
         limits,
         model_dtype=q.dtype,
-        provider=available_provider(provider, plat),
+        provider=available_provider(args.provider, plat),
         platform=plat,
         device=q.device,
         decode_strategy=forced,
         preallocate=False,
-        validate=call.mode,
+        validate=call.checker.rules.validate,
     )
-    unit = torch.arange(call.num_requests + 1, dtype=torch.int64)
-    return DecodeEntry(backend, unit, unit.to(device=q.device, dtype=torch.int32))
+    return DecodeEntry(backend)
 
 
 def run_step(
-    call: DecodeCall,
     backend: MLABackend,
+    step: CheckedStep,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qsl_cpu: torch.Tensor,
-    qsl: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor | None,
     kv_scale: torch.Tensor | None,
 ) -> None:
-    """Build the step and run it (device work only under ``validate="fast"``: what a CUDA
-    graph captures). ``validate="full"`` reads ``seq_lens`` and ``block_table`` on the host
-    and raises on any bad length or block id first."""
-    seq_cpu = None
-    if call.mode == "full":
-        seq_cpu = seq_lens.cpu()
-        qsl_values = qsl_cpu.tolist()
-        check_paged_step(
-            query_lens=[b - a for a, b in itertools.pairwise(qsl_values)],
-            seq_lens=seq_cpu.tolist(),
-            block_table=block_table,
-            block_size=call.block_size,
-            num_blocks=call.num_blocks,
-            block_ids=True,
-        )
-    backend.builder.build(
-        StepInputs(
-            query_start_loc_cpu=qsl_cpu,
-            query_start_loc=qsl,
-            seq_lens=seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32),
-            seq_lens_cpu=seq_cpu,
-            block_table=block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32),
-            num_decodes=call.num_requests,
-            num_decode_tokens=call.num_tokens,
-        )
-    )
-    backend.run_decode(q, kv_cache, out, lse, kv_scale)
+    """Plan the checked step on ``backend`` and run its decode (device work only under
+    ``validate="fast"``: what a CUDA graph captures); the call's door checked everything."""
+    backend.builder.plan(step)
+    strategy, plan = backend.current_decode()
+    strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
 
 
 def require_output(

@@ -40,7 +40,7 @@ GraphReplay = Literal["auto", "off"]
 ``"off"`` always runs eagerly."""
 
 GRAPH_REPLAY = True
-"""Process-wide switch: ``mla.engine.decode_graphs.GRAPH_REPLAY = False`` turns replay off for
+"""Process-wide switch: ``mla.engine.functional.decode_graphs.GRAPH_REPLAY = False`` turns replay off for
 every call (as ``graph="off"`` does for one)."""
 
 GRAPHS_PER_PLAN = 4
@@ -70,7 +70,7 @@ class CapturedCall:
 
 
 GraphState = CapturedCall | _Marker
-"""What a plan entry records per call key (:attr:`~mla.engine.plan_cache.DecodeEntry.graphs`)."""
+"""What a plan entry records per call key (:attr:`~mla.engine.functional.plan_cache.DecodeEntry.graphs`)."""
 
 
 def require_graph_replay(value: object) -> GraphReplay:
