@@ -91,6 +91,7 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
                 "max_len": 4,
                 "num_blocks": None,
                 "outside_id": -1,
+                "compact": False,
                 "query_start_loc": None,
                 "qo_indptr": None,
             },

@@ -12,12 +12,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import reliability_cases as cases
 import torch
 
 import mla
 from mla import InvalidInputError
+from mla.providers.calls import PagedDecodeCall
+from mla.providers.torch_ref import TorchProvider
 from mla.testing import PrefillCase, make_prefill_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +122,44 @@ def test_negative_block_ids_are_masked_too() -> None:
         backend.impl.forward_decode(metadata, q, cache, out=out)
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1])
+
+
+class _RecordingProvider(TorchProvider):
+    """The torch provider with aiter's rule that its decode kernels read every id they are
+    given; records each paged decode's token ids and ranges."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            capabilities=attrs.evolve(TorchProvider().capabilities(None), decode_masks_outside_ids=False)
+        )
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def paged_mqa_decode(self, call: PagedDecodeCall) -> None:
+        self.seen.append((call.kv_indptr.clone(), call.kv_indices.clone()))
+        super().paged_mqa_decode(call)
+
+
+def test_kernels_that_read_every_id_are_handed_none_outside_the_cache() -> None:
+    """For a provider whose decode kernels read every id (aiter's), the page fill leaves the
+    tokens of a block past the cache or a negative block out of their request's range: the
+    kernel sees only ids inside the cache, and the answer is that of the keys inside it."""
+    provider = _RecordingProvider()
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(8, cases.BLOCK, cases.RANK + cases.ROPE, generator=gen)
+    q = torch.randn(3, cases.HEADS, cases.RANK + cases.ROPE, generator=gen)
+    outs = []
+    for lens, last in (((20, 37), cases.FAR_BLOCK), ((20, 32), 0), ((20, 37), -3)):
+        backend = cases.backend(provider, 8)  # type: ignore[arg-type]
+        metadata = backend.builder.build(cases.step(lens, last))
+        out = torch.full((3, cases.HEADS, cases.RANK), float("nan"))
+        backend.impl.forward_decode(metadata, q, cache, out=out)
+        outs.append(out)
+        indptr, indices = provider.seen[-1]
+        used = indices[int(indptr[0]) : int(indptr[-1])]
+        assert bool(((used >= 0) & (used < 8 * cases.BLOCK)).all()), used
+    torch.testing.assert_close(outs[0], outs[1])  # blocks 5, 2 + the far block: keys 0..31
+    torch.testing.assert_close(outs[2], outs[1])  # a negative block: the same
+    assert int(provider.seen[0][0][-1]) == 20 + 32  # the 5 tokens of the far block left out
 
 
 @pytest.mark.gpu

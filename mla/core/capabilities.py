@@ -147,8 +147,9 @@ class ProviderCapabilities:
 
     decode_masks_outside_ids: bool = True
     """The decode kernels mask a token id outside the cache they are handed (the page fill's
-    ``-1`` mark included: no memory read, no key). ``False`` (Gluon's, aiter's kernels read every
-    id): the fill writes id 0 for a block outside the cache instead, memory-safe but block 0."""
+    ``-1`` mark included: no memory read, no key). ``False`` (aiter's kernels read every id):
+    the page fill leaves the tokens of a block outside the cache out of the request's range
+    (``FillPagesCall.compact``), so the kernel never sees their ids."""
     decode_float32_out: bool = True
     """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
     reference computes in float32, the Triton kernels convert on store): padded-decode

@@ -162,8 +162,10 @@ class DecodeIndexBuffers:
         can be captured in a CUDA graph). Lengths are clamped to that bound; a block id outside
         the cache (negative, or past ``KVCacheSpec.num_blocks`` when known) becomes the token
         id -1, and the kernels mask every id outside the cache tensor they are handed, so bad
-        input cannot make a kernel read outside the cache or another block;
-        ``validate="full"`` rejects such input on the host instead.
+        input cannot make a kernel read outside the cache or another block. For a provider whose
+        kernels read every id (``ProviderCapabilities.decode_masks_outside_ids`` false: aiter's)
+        such tokens are left out of their request's range instead (``FillPagesCall.compact``).
+        ``validate="full"`` rejects such input on the host.
         """
         indptr = self.fill_indptr(setup, batch, qo_indptr=qo_indptr)
         lengths = batch.lengths
@@ -193,7 +195,9 @@ class DecodeIndexBuffers:
                 block_size=setup.cache.block_size,
                 max_len=bound,
                 num_blocks=setup.cache.num_blocks,
-                outside_id=-1 if setup.capabilities.decode_masks_outside_ids else 0,
+                outside_id=-1,
+                # Kernels that read every id they are given get a range without such tokens.
+                compact=not setup.capabilities.decode_masks_outside_ids,
                 query_start_loc=None if qo_indptr is None else batch.query_start_loc,
                 qo_indptr=qo_indptr,
             )

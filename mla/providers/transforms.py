@@ -194,8 +194,9 @@ def flat_token_ids(
 def fill_page_indices(call: FillPagesCall) -> None:
     """The torch form of :class:`~mla.providers.calls.FillPagesCall` (any device, no host sync).
 
-    Work is ``B x max_len`` lanes; the lanes past each request's length scatter into the last
-    entry of ``kv_indices`` (scratch).
+    Work is ``B x max_len`` lanes; the lanes past each request's length (and, with
+    ``call.compact``, the tokens outside the cache) scatter into the last entry of
+    ``kv_indices`` (scratch).
     """
     bs, table, max_len = call.block_size, call.block_table, call.max_len
     indptr = call.kv_indptr
@@ -212,5 +213,14 @@ def fill_page_indices(call: FillPagesCall) -> None:
     )
     # Lanes past a request's length write the scratch entry.
     scratch = call.kv_indices.numel() - 1
-    dest = torch.where(position < lens[:, None], indptr[:-1, None] + position, scratch)
+    live = position < lens[:, None]
+    if call.compact:
+        # Tokens outside the cache are left out of their request's range: each request's kept
+        # tokens take consecutive entries, and kv_indptr counts only them.
+        live = live & (tokens >= 0)
+        kept = torch.cumsum(live.to(lens.dtype), 1)
+        indptr[1:].copy_(torch.cumsum(kept[:, -1], 0))
+        dest = torch.where(live, indptr[:-1, None] + kept - 1, scratch)
+    else:
+        dest = torch.where(live, indptr[:-1, None] + position, scratch)
     call.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))

@@ -15,6 +15,7 @@ import triton.language as tl
 from mla.core.config import is_ds_mla
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import ExpandPagesCall, FillPagesCall, MergeStatesCall, WriteKVCall
+from mla.providers.transforms import fill_page_indices as torch_fill_page_indices
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.sparse import write_kv_ds_mla
 
@@ -250,6 +251,9 @@ def fill_page_indices(call: FillPagesCall) -> None:
     ``BLOCK`` tokens of ``max_len``), each summing the lengths before its request itself (no
     second pass, no host sync), with the ``qo_indptr`` copy folded in; launched through
     :data:`FILL_LAUNCH`."""
+    if call.compact:  # (a per-request count of the kept tokens first: the torch form's scans)
+        torch_fill_page_indices(call)
+        return
     block_table, seq_lens, qsl, qo = call.block_table, call.seq_lens, call.query_start_loc, call.qo_indptr
     num_requests = seq_lens.numel()
     copy_qo = qsl is not None and qo is not None
