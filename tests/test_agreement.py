@@ -109,12 +109,17 @@ def _spy(instance: Any, log: list[tuple[str, object]]) -> None:
     instance.launch = launch
 
 
+def cache_blocks(config: Config) -> int:
+    """Blocks of every example's cache (and of the spec): room for the longest step's table."""
+    return MAX_SEQS * -(-MAX_MODEL_LEN // config.block_size) + 1
+
+
 def backend_for(config: Config) -> tuple[mla.MLABackend, list[tuple[str, object]]]:
     """One backend per config, reused across examples: buffers sized at init must fit them all."""
     if config not in _BACKENDS:
         backend = mla.MLABackend(
             mla.MLADims(config.heads, RANK, ROPE, NOPE, V_DIM, softmax_scale=1 / math.sqrt(RANK + ROPE)),
-            mla.KVCacheSpec(config.block_size, config.kv_dtype),
+            mla.KVCacheSpec(config.block_size, config.kv_dtype, num_blocks=cache_blocks(config)),
             mla.EngineLimits(MAX_SEQS, MAX_MODEL_LEN, 128, max_decode_qlen=config.max_decode_qlen),
             model_dtype=config.q_dtype,
             provider=emulated_provider(config.provider, config.arch),
@@ -239,8 +244,8 @@ def _run_step(config: Config, step: Step) -> None:
         *(c + q for c, q in zip(step.prefill_contexts, step.prefill_qlens, strict=True)),
     ]
     qlens = [*step.decode_qlens, *step.prefill_qlens]
-    table, num_blocks = _table(seq_lens, config.block_size, gen)
-    values = torch.randn(num_blocks, config.block_size, RANK + ROPE, generator=gen)
+    table, _used = _table(seq_lens, config.block_size, gen)
+    values = torch.randn(cache_blocks(config), config.block_size, RANK + ROPE, generator=gen)
     if config.kv_dtype == FP8:
         cache = (values / KV_SCALE).to(FP8)
         kv_scale: float | None = KV_SCALE
@@ -366,7 +371,7 @@ def test_init_allocates_every_strategy_the_limits_need() -> None:
 def _two_plans() -> tuple[mla.MLABackend, mla.MLAMetadata, mla.MLAMetadata, torch.Tensor]:
     backend, _ = backend_for(CONFIGS[1])
     table = torch.arange(2 * MAX_MODEL_LEN, dtype=torch.int32).view(2, MAX_MODEL_LEN)
-    cache = torch.randn(2 * MAX_MODEL_LEN, 1, RANK + ROPE).to(BF16)
+    cache = torch.randn(cache_blocks(CONFIGS[1]), 1, RANK + ROPE).to(BF16)
 
     def build(qlen: int) -> mla.MLAMetadata:
         qsl = torch.tensor([0, qlen, 2 * qlen], dtype=torch.int32)

@@ -46,7 +46,8 @@ class Config:
 
 CONFIGS = [
     Config("torch", "cpu", 4, torch.float32, NUM_BLOCKS, "full"),
-    Config("aiter", "gfx942", 8, torch.bfloat16, None, "fast"),
+    Config("torch", "cpu", 8, torch.bfloat16, None, "fast"),
+    Config("aiter", "gfx942", 8, torch.bfloat16, NUM_BLOCKS, "fast"),
     Config("aiter", "gfx950", 12, torch.bfloat16, NUM_BLOCKS, "fast"),
     Config("aiter", "gfx950", 16, torch.float8_e4m3fn, NUM_BLOCKS, "full"),
 ]
@@ -236,3 +237,22 @@ def test_steps_within_the_limits_build_without_late_allocation_and_beyond_them_f
         assert backend.late_allocations == []
         instances = [*backend.decode_strategies.values(), *backend.prefill_strategies.values()]
         assert frozenset(id(s) for s in instances) == allocated
+
+
+def test_a_provider_that_reads_every_id_needs_the_cache_block_count() -> None:
+    """aiter's decode kernels read every token id: without ``KVCacheSpec.num_blocks`` the page
+    fill could not keep a block past the cache out of their ranges, so a decode build refuses."""
+    backend = mla.MLABackend(
+        mla.MLADims(8, RANK, ROPE, 32, 24, softmax_scale=(32 + ROPE) ** -0.5),
+        mla.KVCacheSpec(BLOCK_SIZE, torch.bfloat16),
+        LIMITS,
+        model_dtype=torch.bfloat16,
+        provider=emulated_provider("aiter", "gfx942"),
+        platform="gfx942",
+    )
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    step = mla.StepInputs(qsl, qsl, lens, torch.zeros(1, 1, dtype=torch.int32), 1, 1, seq_lens_cpu=lens)
+    with pytest.raises(InvalidInputError, match="num_blocks") as info:
+        backend.builder.build(step)
+    assert info.value.argument == "cache"

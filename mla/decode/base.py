@@ -10,6 +10,7 @@ import torch
 
 from mla.core.config import GraphMode
 from mla.core.context import DecodeContext
+from mla.core.errors import InvalidInputError
 from mla.core.records import fast_constructor
 from mla.core.step_rules import HostLengths
 from mla.core.validate import require_no_overlap
@@ -182,6 +183,16 @@ class DecodeIndexBuffers:
         """:meth:`fill` without the total token count (what a build needs): returns the
         ``kv_indptr`` view."""
         indptr = self.indptr_view(batch.num_requests)
+        compact = not setup.capabilities.decode_masks_outside_ids
+        if compact and setup.cache.num_blocks is None:
+            # Such kernels read every id they are given: only this fill can keep a block past the
+            # cache out of their ranges, and it knows the cache's size from the spec alone.
+            raise InvalidInputError(
+                "cache",
+                f"provider {setup.capabilities.provider!r}'s decode kernels read every token id "
+                "they are given: give KVCacheSpec(num_blocks=...) (the cache's block count) so "
+                "that block ids past the cache are left out of each request's keys",
+            )
         bound = self.kv_bound(setup, batch)
         lengths = batch.lengths
         if lengths.seq_lens and lengths.min_seq >= 0 and lengths.max_seq <= bound:
@@ -197,7 +208,7 @@ class DecodeIndexBuffers:
                 num_blocks=setup.cache.num_blocks,
                 outside_id=-1,
                 # Kernels that read every id they are given get a range without such tokens.
-                compact=not setup.capabilities.decode_masks_outside_ids,
+                compact=compact,
                 query_start_loc=None if qo_indptr is None else batch.query_start_loc,
                 qo_indptr=qo_indptr,
             )
