@@ -136,11 +136,7 @@ class ServingLoop:
     @staticmethod
     def _dims(config: DemoConfig) -> MLADims:
         return MLADims(
-            num_heads=config.heads,
-            kv_lora_rank=config.kv_lora_rank,
-            qk_rope_head_dim=config.rope_dim,
-            qk_nope_head_dim=config.nope_dim,
-            v_head_dim=config.v_dim,
+            config.heads, config.kv_lora_rank, config.rope_dim, config.nope_dim, config.v_dim,
             softmax_scale=(config.nope_dim + config.rope_dim) ** -0.5,
         )
 
@@ -166,8 +162,7 @@ class ServingLoop:
     # -- random data -------------------------------------------------------------------------
 
     def _randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        data = torch.randn(*shape, generator=self.gen, dtype=torch.float32)
-        return data.to(device=self.device, dtype=dtype or self.model_dtype)
+        return torch.randn(*shape, generator=self.gen).to(device=self.device, dtype=dtype or self.model_dtype)
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -493,10 +488,8 @@ def run_demo(config: DemoConfig, progress: Callable[[StepRecord], None] | None =
     ``config.dcp > 1`` is :func:`mla.tools.demo_dcp.run_dcp_demo`'s (which builds on this module).
     """
     if config.dcp > 1:
-        raise InvalidInputError(
-            "config.dcp",
-            f"run_demo serves one process; use mla.tools.demo_dcp.run_dcp_demo for dcp={config.dcp}",
-        )
+        message = f"run_demo serves one process; use mla.tools.demo_dcp.run_dcp_demo for dcp={config.dcp}"
+        raise InvalidInputError("config.dcp", message)
     start = time.perf_counter()
     loop = ServingLoop(config)
     for index in range(config.steps):
