@@ -41,7 +41,8 @@ scores without depending on how ties break.
 
 Modules: :mod:`~mla.testing.compare` (tolerances, comparison, NaN poisoning),
 :mod:`~mla.testing.cases` (case records and generators), :mod:`~mla.testing.inputs` (input
-builders), :mod:`~mla.testing.sparse` (sparse cases, inputs and checks),
+builders), :mod:`~mla.testing.sparse_cases` (sparse cases and inputs),
+:mod:`~mla.testing.sparse` (sparse checks),
 :mod:`~mla.testing.contexts` (context, backend and registry factories),
 :mod:`~mla.testing.check` (check runners), :mod:`~mla.testing.triton_driver` (a stand-in
 Triton driver: Triton's launch path on a machine without a GPU, launches recorded; imported on
