@@ -90,7 +90,6 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
                 "block_size": 16,
                 "max_len": 4,
                 "num_blocks": None,
-                "outside_id": -1,
                 "compact": False,
                 "query_start_loc": None,
                 "qo_indptr": None,

@@ -206,7 +206,6 @@ class DecodeIndexBuffers:
                 block_size=setup.cache.block_size,
                 max_len=bound,
                 num_blocks=setup.cache.num_blocks,
-                outside_id=-1,
                 # Kernels that read every id they are given get a range without such tokens.
                 compact=compact,
                 query_start_loc=None if qo_indptr is None else batch.query_start_loc,

@@ -294,15 +294,11 @@ class FillPagesCall:
     host knows it."""
     num_blocks: int | None
     """Blocks in the cache, when known (ids of blocks past it are written as -1)."""
-    outside_id: int = -1
-    """The id written for a token whose block is outside the cache: ``-1`` (masked by the
-    kernels that mask, ``ProviderCapabilities.decode_masks_outside_ids``) or ``0`` (block 0,
-    memory-safe for kernels that read every id)."""
     compact: bool = False
     """Leave tokens outside the cache out of their request's range instead of marking them:
     ``kv_indptr`` counts each request's tokens inside the cache and ``kv_indices`` holds only
     those, in order (for kernels that read every id they are given, such as aiter's: a token
-    left out is no key, as a masked one is; ``outside_id`` is then unused). Only tokens the
+    left out is no key, as a masked one is). Only tokens the
     fill can tell are outside (a negative block id, or one past ``num_blocks``) are left out."""
     query_start_loc: torch.Tensor | None = None
     """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's

@@ -209,7 +209,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
         return
     position = torch.arange(max_len, device=table.device)
     tokens = flat_token_ids(
-        table.index_select(1, position // bs), position, bs, call.num_blocks, call.outside_id
+        table.index_select(1, position // bs), position, bs, call.num_blocks
     )
     # Lanes past a request's length write the scratch entry.
     scratch = call.kv_indices.numel() - 1

@@ -82,7 +82,6 @@ def fill_args(
         width,
         max_len,
         num_blocks or 1,
-        -1,  # outside_id
         qsl if copy_qo else seq_lens,
     )
     args += (qo if copy_qo else seq_lens,)

@@ -181,14 +181,10 @@ def index_scores(
     scores: torch.Tensor,
     *,
     chunk: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-    block_p: int = BLOCK_P,
 ) -> None:
     """Fill ``scores`` (float32 ``[T, max_keys]``, last dim contiguous) with the indexer's scores
     of ``call`` (``-inf`` where a row may not see the position). ``chunk`` overrides
-    :func:`position_chunk` (a multiple of ``block_p``), ``num_warps``, ``num_stages`` and
-    ``block_p`` (positions per tile) the launch's (tests, benchmarks)."""
+    :func:`position_chunk` (a multiple of :data:`BLOCK_P`; tests)."""
     q, weights, cache, table = call.q, call.weights, call.index_cache, call.block_table
     rows, index_heads, head_dim = q.shape
     if rows == 0 or call.max_keys == 0:
@@ -200,8 +196,8 @@ def index_scores(
         raise InvalidInputError("q", "q, index_cache, block_table and scores need a contiguous last dim")
     if chunk is None:
         chunk = position_chunk(rows=rows, max_keys=call.max_keys, num_sms=num_sms(q.device))
-    elif chunk <= 0 or chunk % block_p:
-        raise InvalidInputError("chunk", f"must be a positive multiple of {block_p}, got {chunk}")
+    elif chunk <= 0 or chunk % BLOCK_P:
+        raise InvalidInputError("chunk", f"must be a positive multiple of {BLOCK_P}, got {chunk}")
     dot_dtype, precision = _dot_dtype(q.dtype, call.key_dtype)
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(index_heads)))
     INDEX_SCORES_LAUNCH.launch(
@@ -233,13 +229,13 @@ def index_scores(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_H=block_h,
         HEAD_BLOCKS=triton.cdiv(index_heads, block_h),
-        BLOCK_P=block_p,
+        BLOCK_P=BLOCK_P,
         BLOCK_SIZE=cache.shape[1],
         FP8=fp8,
         DOT_DTYPE=dot_dtype,
         INPUT_PRECISION=precision,
-        num_warps=num_warps or (8 if block_h > 64 else 4),  # 4 for 64 index heads
-        num_stages=num_stages,
+        num_warps=8 if block_h > 64 else 4,  # 4 for 64 index heads
+        num_stages=2,
     )
 
 

@@ -182,7 +182,7 @@ def expand_page_indices(call: ExpandPagesCall) -> None:
     )
 
 
-FILL_DO_NOT_SPECIALIZE = ("num_requests", "stride_bt", "max_len", "num_blocks", "outside_id")
+FILL_DO_NOT_SPECIALIZE = ("num_requests", "stride_bt", "max_len", "num_blocks")
 """The fill kernel's int arguments that change per step: not specialized on (one compiled
 kernel for every batch size and bound)."""
 
@@ -197,7 +197,6 @@ def _fill_page_indices_kernel(
     stride_bt,
     max_len,
     num_blocks,
-    outside_id,
     qsl_ptr,
     qo_ptr,
     BLOCK_SIZE: tl.constexpr,
@@ -207,7 +206,7 @@ def _fill_page_indices_kernel(
     COPY_QO: tl.constexpr,
 ):
     """Program (request ``b``, chunk ``c``): sum the clamped lengths of requests ``< b`` (its
-    start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids (``outside_id`` outside the cache) of tokens
+    start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids (-1 outside the cache) of tokens
     ``c*BLOCK .. (c+1)*BLOCK`` of request ``b``; chunk 0 also copies ``qsl[b+1]`` to
     ``qo[b+1]`` (``COPY_QO``)."""
     b = tl.program_id(0)
@@ -232,13 +231,12 @@ def _fill_page_indices_kernel(
     block = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=ok, other=0)
     block = block.to(tl.int64)
     value = block * BLOCK_SIZE + t % BLOCK_SIZE
-    # Block ids outside the cache are marked (``outside_id``: -1, masked by kernels that mask;
-    # 0 for kernels that read every id): negative, past ``num_blocks`` (``CHECK_BLOCKS``) or
-    # past an int32 id.
+    # Block ids outside the cache are marked -1 (the kernels mask it): negative, past
+    # ``num_blocks`` (``CHECK_BLOCKS``) or past an int32 id.
     inside = (block >= 0) & (value <= 2147483647)
     if CHECK_BLOCKS:
         inside = inside & (block < num_blocks)
-    tl.store(out_ptr + start + t, tl.where(inside, value, outside_id).to(tl.int32), mask=ok)
+    tl.store(out_ptr + start + t, tl.where(inside, value, -1).to(tl.int32), mask=ok)
 
 
 FILL_LAUNCH = LaunchCache(_fill_page_indices_kernel)
@@ -277,7 +275,6 @@ def fill_page_indices(call: FillPagesCall) -> None:
         strides[0],
         max_len,
         num_blocks or 1,
-        call.outside_id,
         qsl if copy_qo else seq_lens,
         qo if copy_qo else seq_lens,
         BLOCK_SIZE=call.block_size,
