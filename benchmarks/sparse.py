@@ -279,8 +279,7 @@ def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> lis
 
 SECTIONS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     **{
-        # The gluon provider serves sparse attention with the Triton kernel: one row stands for both.
-        case.name: (lambda c=case: attention_rows(c, ("triton", "torch")))
+        case.name: (lambda c=case: attention_rows(c, ("gluon", "triton", "torch")))
         for case in ATTENTION_CASES
     },
     "indexer": indexer_rows,

@@ -24,7 +24,9 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
+    from mla.providers.calls import SparseAttentionCall
     from mla.providers.gluon.decode import launch_gluon_decode
+    from mla.providers.gluon.provider import GluonProvider
     from mla.providers.gluon.planner import GluonKernel, GluonLaunchConfig
     from mla.providers.split_kv import SplitKVSchedule
     from mla.providers.triton.decode_launch import DecodeInputs
@@ -79,11 +81,34 @@ SCRIPT = textwrap.dedent(
             16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL), True
         ),
     }
+    def sparse(heads, rows, kv_format):
+        q = torch.zeros(rows, heads, RANK + ROPE, dtype=torch.bfloat16)
+        width, dtype = {"ds_mla": (656, torch.uint8), "fp8": (576, torch.float8_e4m3fn),
+                        "bf16": (576, torch.bfloat16)}[kv_format]
+        call = SparseAttentionCall(
+            q=q, kv_cache=torch.zeros(4096, width, dtype=dtype),
+            slots=torch.zeros(rows, 2048, dtype=torch.int32),
+            out=torch.zeros(rows, heads, RANK, dtype=torch.bfloat16), lse=torch.zeros(rows, heads),
+            kv_lora_rank=RANK, rope_dim=ROPE, softmax_scale=0.07,
+            kv_scale=torch.ones(1) if kv_format == "fp8" else None)
+        GluonProvider().sparse_attention(call)
+
+    sparse_cases = {
+        "sparse-dsmla-h16": (16, 4, "ds_mla"),
+        "sparse-dsmla-h32": (32, 4, "ds_mla"),
+        "sparse-dsmla-h128": (128, 16, "ds_mla"),
+        "sparse-bf16-h16": (16, 4, "bf16"),
+        "sparse-fp8-h64": (64, 16, "fp8"),
+    }
     out = {}
     with stand_in_driver(compile_kernels=True) as driver:
         for name, args in cases.items():
             driver.launches.clear()
             launch(*args)
+            out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+        for name, args in sparse_cases.items():
+            driver.launches.clear()
+            sparse(*args)
             out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
     json.dump(out, sys.stdout)
     """
@@ -122,6 +147,14 @@ DUAL = "mla_decode_dual_kernel"
         ("dual-fp8-direct", [DUAL]),
         ("dual-fp8-split3", [DUAL, MERGE]),
         ("dual-fp8-scheduled", [DUAL, MERGE]),
+        # Sparse attention: each query row a qlen-1 request over its 2048 slots; fp8_ds_mla rows
+        # dequantized by their tile scales in the few-rows (16, 32 rows) or 64-row kernel. 4 rows
+        # on the 8 SMs the CPU reports split their slot lists in two.
+        ("sparse-dsmla-h16", [DECODE_ROWS, MERGE]),
+        ("sparse-dsmla-h32", [DECODE_ROWS, MERGE]),
+        ("sparse-dsmla-h128", [DECODE_64]),
+        ("sparse-bf16-h16", [DECODE_ROWS, MERGE]),
+        ("sparse-fp8-h64", [DECODE_64]),
     ],
 )
 def test_every_gluon_variant_compiles_and_launches(

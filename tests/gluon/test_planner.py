@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mla.core.errors import InvalidInputError
 from mla.providers.gluon.planner import (
     BLOCK_M,
+    DS_MLA_STAGES,
     KERNEL_TABLE,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
@@ -67,6 +68,12 @@ def test_launch_config_examples() -> None:
     assert _cfg(batch=64, rows=32, max_seqlen_k=4096, kv_fp8=True).kernel is GluonKernel.ROWS
     # Persistent launches take their splits from the schedule.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
+    # fp8_ds_mla rows: never the dual-chain kernel; 16-row tiles with a deeper ring.
+    ds16 = _cfg(batch=64, rows=16, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
+    assert (ds16.kernel, ds16.num_stages) == (GluonKernel.ROWS, DS_MLA_STAGES)
+    ds32 = _cfg(batch=64, rows=32, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
+    assert (ds32.kernel, ds32.num_stages) == (GluonKernel.ROWS, 2)
+    assert _cfg(batch=64, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True).kernel is GluonKernel.ROW64
 
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
@@ -206,6 +213,19 @@ def test_the_kernel_table_has_one_row_and_one_pick_per_case() -> None:
             assert tile in rule.tiles_for(fp8), rule
     with pytest.raises(InvalidInputError, match="row_tile"):
         pick_kernel(48, kv_fp8=False)
+    for tile in tiles:
+        # fp8_ds_mla rows: a kernel that reads them for every tile, and only such a kernel.
+        kernel = pick_kernel(tile, kv_fp8=True, ds_mla=True)
+        assert RULES[kernel].ds_mla
+        check_config(GluonLaunchConfig(row_tile=tile, kernel=kernel), kv_fp8=True, ds_mla=True)
+
+
+@pytest.mark.parametrize("kernel", [k for k in GluonKernel if not RULES[k].ds_mla], ids=lambda k: k.value)
+def test_check_config_rejects_ds_mla_on_kernels_without_it(kernel: GluonKernel) -> None:
+    tile = RULES[kernel].fp8_tiles[0] if RULES[kernel].fp8_tiles else RULES[kernel].tiles[0]
+    with pytest.raises(InvalidInputError, match="fp8_ds_mla rows") as info:
+        check_config(GluonLaunchConfig(row_tile=tile, kernel=kernel), kv_fp8=True, ds_mla=True)
+    assert info.value.argument == "config"
 
 
 def test_every_kernel_has_a_launcher() -> None:

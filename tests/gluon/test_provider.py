@@ -12,9 +12,10 @@ import torch
 from mla.core.capabilities import Contract
 from mla.core.platform import simulated_platform
 from mla.providers import auto_order, get_provider
-from mla.providers.calls import PagedDecodeCall, WriteKVCall
+from mla.providers.calls import PagedDecodeCall, SparseAttentionCall, WriteKVCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.provider import DELEGATED, hopper_support
+from mla.providers.gluon.sparse import sparse_on_gluon
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
 from mla.providers.triton.decode_launch import DecodeInputs
@@ -74,6 +75,7 @@ def test_capabilities_compose_the_triton_record() -> None:
         Contract.PAGED_DECODE,
         Contract.DECODE_SCHEDULE,
         Contract.SMALL_HEAD_DECODE,
+        Contract.SPARSE_ATTENTION,
     } == set(caps.contracts)
     probes = GluonProvider().describe_probes()
     assert probes["delegated_to_triton"] == sorted(c.value for c in DELEGATED)
@@ -205,3 +207,31 @@ def test_launcher_rejects_caches_whose_rows_are_not_16_byte_aligned(cache: torch
     q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     with pytest.raises(InvalidInputError, match=r"kv_cache.*16-byte"):
         launch_gluon_decode(_unit_qlen_inputs(q, cache, 512), GluonLaunchConfig())
+
+
+@pytest.mark.parametrize(
+    ("rank", "q_dtype", "kv", "kv_scale", "on_gluon", "why"),
+    [
+        (512, torch.bfloat16, (576, torch.bfloat16), False, True, "16-bit cache"),
+        (512, torch.bfloat16, (576, torch.float8_e4m3fn), True, True, "fp8 cache"),
+        (512, torch.bfloat16, (576, torch.float8_e4m3fn), False, False, "without kv_scale"),
+        (512, torch.bfloat16, (656, torch.uint8), False, True, "fp8 cache"),
+        (512, torch.float16, (656, torch.uint8), False, False, "need a bf16 query"),
+        (512, torch.bfloat16, (600, torch.uint8), False, False, "bytes, not 656"),
+        (128, torch.bfloat16, (192, torch.bfloat16), False, False, "latent/rope dims"),
+        (512, torch.float32, (576, torch.float32), False, False, "query dtype"),
+    ],
+    ids=["bf16", "fp8", "fp8-no-scale", "ds_mla", "ds_mla-fp16-q", "ds_mla-bad-width", "rank128", "fp32"],
+)
+def test_sparse_attention_runs_on_the_gluon_kernels_where_they_apply(
+    rank: int, q_dtype: torch.dtype, kv: tuple[int, torch.dtype], kv_scale: bool, on_gluon: bool, why: str
+) -> None:
+    width, kv_dtype = kv
+    call = SparseAttentionCall(
+        q=torch.zeros(2, 16, rank + 64, dtype=q_dtype), kv_cache=torch.zeros(8, width, dtype=kv_dtype),
+        slots=torch.zeros(2, 4, dtype=torch.int32), out=torch.zeros(2, 16, rank, dtype=q_dtype), lse=None,
+        kv_lora_rank=rank, rope_dim=64, softmax_scale=0.1, kv_scale=torch.ones(1) if kv_scale else None,
+    )  # fmt: skip
+    decision, reason = sparse_on_gluon(call)
+    assert decision is on_gluon
+    assert why in reason

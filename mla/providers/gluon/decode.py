@@ -24,8 +24,9 @@ from collections.abc import Callable
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mla.core.config import ds_mla_row_bytes
 from mla.core.errors import InvalidInputError
-from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
+from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall, SparseAttentionCall
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.fold import barrier_words, fold_slice
@@ -41,6 +42,7 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     launch_config,
 )
+from mla.providers.gluon.sparse import sparse_inputs
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.triton.decode_launch import DecodeInputs, DecodeLaunch, launch_split_decode, num_sms
 
@@ -70,6 +72,14 @@ def _kv_box_descriptors(
     return lat, rope
 
 
+def kv_ds_mla(inputs: DecodeInputs) -> bool:
+    """Whether the cache rows are ``fp8_ds_mla`` (the sparse attention hands them over as an
+    fp8 view of the byte rows: ``L`` e4m3 latent values, ``L / 128`` float32 scales, ``R``
+    bf16 rope values, wider than a per-tensor fp8 row of ``L + R``)."""
+    rank, rope = int(inputs.q_nope.shape[2]), int(inputs.q_pe.shape[2])
+    return inputs.kv_fp8 and int(inputs.kv_cache.shape[1]) == ds_mla_row_bytes(rank, rope)
+
+
 def _constexprs(decode: DecodeLaunch, config: GluonLaunchConfig) -> dict[str, int | bool]:
     """The shared constexprs plus the KV tile every Gluon kernel takes."""
     return {**decode.constexprs(), "BLOCK_N": config.block_n}
@@ -85,7 +95,8 @@ def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
         # Without a fold the kernel never reads barrier_ptr: any device pointer will do.
         *decode.tensors(), decode.kv_scale, words if folds else decode.kv_scale, *decode.scalars(),
         decode.num_rows, **_constexprs(decode, config), NUM_STAGES=config.num_stages,
-        KV_FP8=decode.inputs.kv_fp8, NR=config.row_tile, FOLD_SPLITS=config.num_splits if folds else 0,
+        KV_FP8=decode.inputs.kv_fp8, KV_DS_MLA=kv_ds_mla(decode.inputs), NR=config.row_tile,
+        FOLD_SPLITS=config.num_splits if folds else 0,
         num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=folds,
     )  # fmt: skip
     return folds
@@ -96,7 +107,7 @@ def _launch_row64(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     mla_decode_kernel[decode.grid](
         *decode.tensors(), decode.kv_scale, *decode.scalars(), decode.num_rows,
         **_constexprs(decode, config), NUM_STAGES=config.num_stages, KV_FP8=decode.inputs.kv_fp8,
-        OVERLAP=config.overlap, num_warps=NUM_WARPS,
+        KV_DS_MLA=kv_ds_mla(decode.inputs), OVERLAP=config.overlap, num_warps=NUM_WARPS,
     )  # fmt: skip
     return False
 
@@ -154,10 +165,12 @@ def launch_gluon_decode(inputs: DecodeInputs, config: GluonLaunchConfig) -> None
         raise InvalidInputError("q", f"not a Gluon kernel case ({why}); run it on the Triton provider")
     if inputs.num_requests == 0 or inputs.rows == 0:
         return
-    kv_fp8 = inputs.kv_fp8
-    check_config(config, kv_fp8=kv_fp8)
+    kv_fp8, ds_mla = inputs.kv_fp8, kv_ds_mla(inputs)
+    check_config(config, kv_fp8=kv_fp8, ds_mla=ds_mla)
     _check_cache_rows(inputs.kv_cache)
-    if kv_fp8 and inputs.kv_scale is None:
+    if ds_mla and inputs.q_nope.dtype != torch.bfloat16:
+        raise InvalidInputError("q", "fp8_ds_mla rows carry bf16 rope lanes: the query must be bf16")
+    if kv_fp8 and not ds_mla and inputs.kv_scale is None:
         raise InvalidInputError("kv_scale", "an fp8 cache needs its per-tensor scale (float32 [1] tensor)")
     launcher = LAUNCHERS[config.kernel]
     launch_split_decode(
@@ -195,6 +208,7 @@ def _auto_config(inputs: DecodeInputs) -> GluonLaunchConfig:
         num_sms=num_sms(inputs.q_nope.device),
         persistent=inputs.schedule is not None,
         kv_fp8=inputs.kv_fp8,
+        ds_mla=kv_ds_mla(inputs),
     )
 
 
@@ -206,6 +220,16 @@ def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = No
     launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
 
 
+def sparse_decode(call: SparseAttentionCall, *, config: GluonLaunchConfig | None = None) -> None:
+    """Sparse attention on the Gluon kernels: query row ``t`` is a qlen-1 decode over its slot
+    list ``slots[t]`` (the kernels' unit-qlen mode; ``-1`` slots and slots past the cache are
+    masked keys), so each row's top-k tiles are gathered once for all its heads.
+    ``fp8_ds_mla`` byte rows are read through an fp8 view (:func:`kv_ds_mla`); a per-tensor fp8
+    cache needs ``kv_scale``. :func:`.sparse.sparse_on_gluon` says which calls this takes."""
+    inputs = sparse_inputs(call)
+    launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
+
+
 def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
     """Small-head decode on the Gluon kernels: row ``t`` of q is an independent qlen-1 decode
     over ``page_table[seq_info[t] : seq_info[t+1]]`` (the paged kernels in unit-qlen mode)."""
@@ -213,4 +237,11 @@ def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | 
     launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
 
 
-__all__ = ["LAUNCHERS", "launch_gluon_decode", "paged_decode", "small_head_decode"]
+__all__ = [
+    "LAUNCHERS",
+    "kv_ds_mla",
+    "launch_gluon_decode",
+    "paged_decode",
+    "small_head_decode",
+    "sparse_decode",
+]

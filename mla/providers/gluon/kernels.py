@@ -265,10 +265,13 @@ def _issue_ids(
 def _issue_tile(
     kv_ptr, idx_ring, a, lo, hi, num_rows, stride_kv, lat_dst, rope_dst,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr,
-    LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr,
+    LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, scale_ring=None, scale_slot=0, DS_MLA: gl.constexpr = False,
 ):  # fmt: skip
     """cp.async the latent and rope parts of tile ``a``'s cache rows (ids from the id ring;
-    rows past ``hi``, and rows whose id is outside the cache, zero-filled and never read)."""
+    rows past ``hi``, and rows whose id is outside the cache, zero-filled and never read).
+    ``DS_MLA``: ``fp8_ds_mla`` rows (``kv_ptr`` an fp8 pointer): the ``L`` fp8 latent bytes, the
+    ``L / 128`` float32 tile scales into slot ``scale_slot`` of ``scale_ring`` and the bf16 rope
+    after them."""
     ids = idx_ring.index(a % ID_SLOTS)
     n0 = lo + a * BLOCK_N
     tok_l = ids.load(gl.SliceLayout(1, LAT_LD)).to(gl.int64)
@@ -281,7 +284,20 @@ def _issue_tile(
     n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_LD))
     ok_r = (n_r < hi) & (tok_r >= 0) & (tok_r < num_rows)
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
-    ptr_r = kv_ptr + tok_r[:, None] * stride_kv + L + cols_r[None, :]
+    if DS_MLA:
+        TILES: gl.constexpr = L // 128
+        row_r = (kv_ptr + tok_r * stride_kv + L + 4 * TILES).to(gl.pointer_type(gl.bfloat16))
+        ptr_r = row_r[:, None] + cols_r[None, :]
+        SCALE_LD: gl.constexpr = gl.BlockedLayout([1, TILES], [32, 1], [gl.num_warps(), 1], [1, 0])
+        tok_s = ids.load(gl.SliceLayout(1, SCALE_LD)).to(gl.int64)
+        n_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_LD))
+        ok_s = (n_s < hi) & (tok_s >= 0) & (tok_s < num_rows)
+        cols_s = gl.arange(0, TILES, layout=gl.SliceLayout(0, SCALE_LD))
+        row_s = (kv_ptr + tok_s * stride_kv + L).to(gl.pointer_type(gl.float32))
+        ptr_s = row_s[:, None] + cols_s[None, :]
+        async_copy.async_copy_global_to_shared(scale_ring.index(scale_slot), ptr_s, mask=ok_s[:, None])
+    else:
+        ptr_r = kv_ptr + tok_r[:, None] * stride_kv + L + cols_r[None, :]
     async_copy.async_copy_global_to_shared(rope_dst, ptr_r, mask=ok_r[:, None])
 
 
@@ -290,6 +306,7 @@ def _refill_ring(
     kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     ID_SLOTS: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
+    scale_ring=None, DS_MLA: gl.constexpr = False,
 ):  # fmt: skip
     """At tile ``t``: wait until every warp is past the MMAs that read the ring slot of tile
     ``t - 1``, then refill that slot with tile ``t + NUM_STAGES - 1`` and fetch the token ids
@@ -299,16 +316,33 @@ def _refill_ring(
     _issue_tile(
         kv_ptr, idx_ring, ahead, lo, hi, num_rows, stride_kv,
         lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD,
+        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD, scale_ring, ahead % NUM_STAGES, DS_MLA,
     )  # fmt: skip
     _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, ID_LD)
     async_copy.commit_group()
 
 
 @gluon.jit
+def _widen_ds_mla(lat_slot, scale_slot, k_lat, BLOCK_N: gl.constexpr, L: gl.constexpr):
+    """Dequantize an ``fp8_ds_mla`` latent tile: ``k_lat[n, c] = lat_slot[n, c] ·
+    scale_slot[n, c // 128]`` in ``k_lat``'s dtype (power-of-two scales: exact for every value
+    in the 16-bit range), 16 rows at a time, 8 values a thread (bank-conflict-free as in
+    :func:`_mma_operands`)."""
+    TILES: gl.constexpr = L // 128
+    STEP: gl.constexpr = 16
+    wide3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
+    lat_tiles = lat_slot.reshape([BLOCK_N, TILES, 128])
+    for c in gl.static_range(BLOCK_N // STEP):
+        x = lat_tiles.slice(c * STEP, STEP, dim=0).load(wide3)
+        sc = scale_slot.slice(c * STEP, STEP, dim=0).load(gl.SliceLayout(2, wide3))
+        y = (x.to(gl.float32) * gl.expand_dims(sc, 2)).to(k_lat.dtype)
+        k_lat.slice(c * STEP, STEP, dim=0).store(y.reshape([STEP, L]))
+
+
+@gluon.jit
 def _mma_operands(
     lat_ring, rope_ring, lat_wide, rope_wide, t, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
-    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr,
+    BLOCK_N: gl.constexpr, KV_FP8: gl.constexpr, scale_ring=None, DS_MLA: gl.constexpr = False,
 ):  # fmt: skip
     """The shared-memory K tile of tile ``t`` for the MMAs, after its cp.async group completed.
 
@@ -318,7 +352,13 @@ def _mma_operands(
     side conflicts on a bank. Ends with the proxy fence and barrier the MMAs need.
     """
     stage = t % NUM_STAGES
-    if KV_FP8:
+    if DS_MLA:
+        # The rope lanes arrive as bf16 in the MMA layout; only the latent is widened.
+        gl.thread_barrier()
+        k_lat = lat_wide.index(t % WIDE_STAGES)
+        k_rope = rope_ring.index(stage)
+        _widen_ds_mla(lat_ring.index(stage), scale_ring.index(stage), k_lat, BLOCK_N, lat_ring.shape[2])
+    elif KV_FP8:
         gl.thread_barrier()
         slot = t % WIDE_STAGES
         k_lat = lat_wide.index(slot)
@@ -345,17 +385,28 @@ def _take_tile(
     NEXT: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr, ID_SLOTS: gl.constexpr, KV_FP8: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
+    scale_ring=None, DS_MLA: gl.constexpr = False,
 ):  # fmt: skip
     """At tile ``t``: refill the ring (:func:`_refill_ring`), wait until tile ``t + NEXT`` landed
     and return its MMA operands (:func:`_mma_operands`). ``NEXT`` is 0, or 1 for a loop that
     issues the QKᵀ of the next tile beside the PV of this one."""
     _refill_ring(
         kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
-        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD,
+        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD, scale_ring, DS_MLA,
     )  # fmt: skip
     async_copy.wait_group(NUM_STAGES - 1 - NEXT)
     return _mma_operands(
-        lat_ring, rope_ring, lat_wide, rope_wide, t + NEXT, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8
+        lat_ring,
+        rope_ring,
+        lat_wide,
+        rope_wide,
+        t + NEXT,
+        NUM_STAGES,
+        WIDE_STAGES,
+        BLOCK_N,
+        KV_FP8,
+        scale_ring,
+        DS_MLA,
     )
 
 
@@ -404,6 +455,7 @@ def mla_decode_kernel(
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
+    KV_DS_MLA: gl.constexpr,
     OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -424,14 +476,13 @@ def mla_decode_kernel(
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     lat_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[0]
-    rope_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[1]
+    rope_ld: gl.constexpr = _kv_copy_layouts(KV_FP8 and not KV_DS_MLA, num_warps)[1]
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ring_smem: gl.constexpr = (
-        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]) if KV_FP8 else mma_smem
-    )
+    plain_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ring_smem: gl.constexpr = plain_smem if KV_FP8 else mma_smem
 
     # -- the work item ---------------------------------------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -442,15 +493,24 @@ def mla_decode_kernel(
         req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
         MODE, UNIT_QLEN, BLOCK_N,
     )  # fmt: skip
-    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8)
+    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8 and not KV_DS_MLA)
 
     # -- shared memory ---------------------------------------------------------------------------
     q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
     lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
-    if KV_FP8:
+    if KV_DS_MLA:
+        # bf16 rope lanes land in the MMA layout; the latent tile scales beside them.
+        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+        scale_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], plain_smem)
+    else:
+        rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+        scale_ring = None
+    if KV_DS_MLA:
+        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
+        rope_wide = rope_ring
+    elif KV_FP8:
         lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
         rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], mma_smem)
     else:
@@ -470,7 +530,7 @@ def mla_decode_kernel(
     for st in gl.static_range(NUM_STAGES - 1):
         _issue_tile(
             kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA,
         )  # fmt: skip
         async_copy.commit_group()
 
@@ -493,7 +553,17 @@ def mla_decode_kernel(
         # waited together, so the tensor cores see both while the ring streams tiles ahead.
         async_copy.wait_group(NUM_STAGES - 2)
         k_lat, k_rope = _mma_operands(
-            lat_ring, rope_ring, lat_wide, rope_wide, 0, NUM_STAGES, WIDE_STAGES, BLOCK_N, KV_FP8
+            lat_ring,
+            rope_ring,
+            lat_wide,
+            rope_wide,
+            0,
+            NUM_STAGES,
+            WIDE_STAGES,
+            BLOCK_N,
+            KV_FP8,
+            scale_ring,
+            KV_DS_MLA,
         )
         sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -512,7 +582,7 @@ def mla_decode_kernel(
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
-                lat_ld, rope_ld, id_ld,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -522,7 +592,7 @@ def mla_decode_kernel(
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
-                lat_ld, rope_ld, id_ld,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)

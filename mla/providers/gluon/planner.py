@@ -71,6 +71,12 @@ SUPPORTED_LATENT = 512
 """The only latent width the kernel is built for (two warpgroups × 256-wide wgmma N)."""
 SUPPORTED_ROPE = 64
 """The only rope width the kernel is built for."""
+DS_MLA_STAGES = 3
+"""Ring depth of the few-rows kernel on 16-row tiles of ``fp8_ds_mla`` rows (two tiles in
+flight: its ring slot holds the bf16 rope lanes the MMAs read, so it is refilled a tile later
+than a per-tensor fp8 slot; 32-row tiles fit two stages only)."""
+DS_MLA_DEEP_TILE = 16
+"""The row tile that runs :data:`DS_MLA_STAGES` stages on ``fp8_ds_mla`` rows."""
 
 
 class GluonKernel(enum.Enum):
@@ -114,6 +120,9 @@ class KernelRule:
     """Whether it may software-pipeline its MMAs (``GluonLaunchConfig.overlap``)."""
     fold: bool = False
     """Whether it may fold the split reduce into itself (``GluonLaunchConfig.fold``)."""
+    ds_mla: bool = False
+    """Whether it reads ``fp8_ds_mla`` rows (its fp8 row tiles, each 128-wide latent tile
+    dequantized by its scale; the sparse attention's cache format)."""
     picked_for: tuple[tuple[int, bool], ...] = ()
     """The ``(row tile, fp8 cache)`` launches :func:`launch_config` gives it (each one measured
     fastest there: ``docs/performance.md``, "Kernel choices")."""
@@ -126,9 +135,9 @@ class KernelRule:
 KERNEL_TABLE: tuple[KernelRule, ...] = (
     # 64 rows of fp8 do not fit: the fp8 ring and the widened tile beside a 512 x 64 Oᵀ.
     KernelRule(GluonKernel.ROWS, "transposed few-rows", (16, 32, BLOCK_M), (16, 32), fold=True,
-               picked_for=((16, False), (32, False), (32, True))),
+               ds_mla=True, picked_for=((16, False), (32, False), (32, True))),
     KernelRule(GluonKernel.ROW64, "64-row", (BLOCK_M,), (BLOCK_M,), block_n=None, overlap=True,
-               picked_for=((BLOCK_M, True),)),
+               ds_mla=True, picked_for=((BLOCK_M, True),)),
     KernelRule(GluonKernel.PINGPONG, "ping-pong", (BLOCK_M,), (), num_stages=2,
                picked_for=((BLOCK_M, False),)),
     # num_stages is unused: the kernel has its own fp8 ring.
@@ -142,12 +151,16 @@ RULES: dict[GluonKernel, KernelRule] = {rule.kernel: rule for rule in KERNEL_TAB
 """:data:`KERNEL_TABLE` by kernel."""
 
 
-def pick_kernel(row_tile: int, *, kv_fp8: bool) -> GluonKernel:
+def pick_kernel(row_tile: int, *, kv_fp8: bool, ds_mla: bool = False) -> GluonKernel:
     """The kernel :data:`KERNEL_TABLE` picks for tiles of ``row_tile`` rows of an fp8
     (``kv_fp8``) or a 16-bit cache; exactly one row claims each tile :func:`few_rows_tile`
-    gives (a test checks it). :class:`InvalidInputError` naming ``row_tile`` when none does."""
+    gives (a test checks it). ``fp8_ds_mla`` rows (``ds_mla``) go to the first kernel that reads
+    them with that fp8 tile. :class:`InvalidInputError` naming ``row_tile`` when none does."""
     for rule in KERNEL_TABLE:
-        if (row_tile, kv_fp8) in rule.picked_for:
+        if ds_mla:
+            if rule.ds_mla and row_tile in rule.fp8_tiles:
+                return rule.kernel
+        elif (row_tile, kv_fp8) in rule.picked_for:
             return rule.kernel
     cache = "an fp8" if kv_fp8 else "a 16-bit"
     raise InvalidInputError(
@@ -221,7 +234,14 @@ def decode_kernel(
 
 
 def launch_config(
-    *, batch: int, rows: int, max_seqlen_k: int, num_sms: int, persistent: bool, kv_fp8: bool
+    *,
+    batch: int,
+    rows: int,
+    max_seqlen_k: int,
+    num_sms: int,
+    persistent: bool,
+    kv_fp8: bool,
+    ds_mla: bool = False,
 ) -> GluonLaunchConfig:
     """The launch configuration for ``batch`` requests of ``rows`` = heads × qlen packed rows.
 
@@ -230,9 +250,13 @@ def launch_config(
     cache on the 64-row kernel; 16-row tiles of an fp8 cache on the dual-chain kernel; the
     others on the few-rows kernel). Tiles and splits are the same for 16-bit and fp8 caches.
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
+    ``fp8_ds_mla`` rows (``ds_mla``, an fp8 cache) run on the few-rows kernel (16-row tiles with
+    :data:`DS_MLA_STAGES` ring stages) or the 64-row kernel.
     """
     row_tile = few_rows_tile(rows)
-    tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8))
+    tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8, ds_mla=ds_mla))
+    if ds_mla and tile.kernel == GluonKernel.ROWS and row_tile == DS_MLA_DEEP_TILE:
+        tile = attrs.evolve(tile, num_stages=DS_MLA_STAGES)
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
@@ -240,7 +264,7 @@ def launch_config(
     return attrs.evolve(tile, num_splits=splits)
 
 
-def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
+def check_config(config: GluonLaunchConfig, *, kv_fp8: bool, ds_mla: bool = False) -> None:
     """Raise :class:`InvalidInputError` (argument ``config``) for a launch its kernel cannot
     run, by the kernel's row of :data:`KERNEL_TABLE`: a row tile it takes on this cache, the KV
     tile and ring depth it is built for, overlap and a folded reduce only where it has them (the
@@ -260,6 +284,8 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool) -> None:
         wrong.append("overlap=True (it does not overlap its MMAs)")
     if config.fold and not rule.fold:
         wrong.append("fold=True (it does not fold the split reduce)")
+    if ds_mla and not rule.ds_mla:
+        wrong.append("fp8_ds_mla rows (it reads per-tensor fp8 or 16-bit rows only)")
     if wrong:
         others = [r.kernel.value for r in KERNEL_TABLE if config.row_tile in r.tiles_for(kv_fp8)]
         raise InvalidInputError(
@@ -286,6 +312,7 @@ def schedule_units(*, num_sms: int, rows: int) -> int:
 
 __all__ = [
     "BLOCK_M",
+    "DS_MLA_STAGES",
     "FEW_ROWS_MAX",
     "FP8_KV_DTYPES",
     "KERNEL_TABLE",

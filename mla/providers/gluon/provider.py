@@ -5,11 +5,13 @@ runs on the Gluon kernels of :mod:`.kernels` / :mod:`.transposed` wherever
 :func:`~mla.providers.gluon.planner.decode_kernel` says they apply (16-bit queries with a cache
 of the same dtype, 512 + 64 latent/rope dims); every other decode case runs on the Triton
 provider's decode kernel, and the contracts the Gluon kernels do not implement (varlen and fp8
-prefill, merge, page expansion, KV write, sparse attention and the indexer) are the Triton
-provider's kernels. An engine builds one backend with one provider for both phases, so composing
-the Triton provider is what lets ``provider="auto"`` pick ``gluon`` on Hopper without losing a
-contract; ``mla info`` lists the delegated contracts and the routing rules under the provider's
-probes.
+prefill, merge, page expansion, KV write and the indexer) are the Triton provider's kernels.
+Sparse attention runs on the Gluon decode kernels (each query row a qlen-1 decode over its
+slots, :mod:`.sparse`) for 512 + 64 dims with a 16-bit, per-tensor fp8 or ``fp8_ds_mla``
+cache, on the Triton sparse kernel otherwise. An engine builds one backend with one provider
+for both phases, so composing the Triton provider is what lets ``provider="auto"`` pick
+``gluon`` on Hopper without losing a contract; ``mla info`` lists the delegated contracts and
+the routing rules under the provider's probes.
 
 Available on an NVIDIA sm_90 device where ``triton.experimental.gluon.language.nvidia.hopper``
 imports (Triton >= 3.6); elsewhere :meth:`GluonProvider.availability` says why.
@@ -51,6 +53,7 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     schedule_units,
 )
+from mla.providers.gluon.sparse import sparse_on_gluon
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton import TritonProvider
 
@@ -64,10 +67,10 @@ DELEGATED: tuple[Contract, ...] = (
     Contract.MERGE_STATES,
     Contract.EXPAND_PAGES,
     Contract.KV_WRITE,
-    Contract.SPARSE_ATTENTION,
     Contract.INDEXER,
 )
-"""Contracts served by the Triton provider's kernels."""
+"""Contracts served by the Triton provider's kernels (sparse attention too, for the calls
+:func:`~mla.providers.gluon.sparse.sparse_on_gluon` declines)."""
 
 
 def hopper_support(capability: tuple[int, int] | None, import_error: str | None) -> Support:
@@ -137,6 +140,10 @@ class GluonProvider(KernelProvider):
             f"kernel up to {FEW_ROWS_MAX} (16-bit or fp8; 16 rows of fp8 on the dual-chain kernel: "
             "loader and two MMA warpgroups); Triton decode kernel for other latent/rope "
             "dims than 512+64, fp32 queries, mixed 16-bit dtypes"
+        )
+        probes["sparse_attention"] = (
+            "Gluon decode kernels, each query row a qlen-1 decode over its slots (512+64 dims; "
+            "16-bit, per-tensor fp8 or fp8_ds_mla rows with a bf16 query); Triton sparse kernel otherwise"
         )
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
         return probes
@@ -235,7 +242,14 @@ class GluonProvider(KernelProvider):
         self._triton.write_kv(call)
 
     def sparse_attention(self, call: SparseAttentionCall) -> None:
-        self._triton.sparse_attention(call)
+        # Where the Gluon decode kernels take the call (sparse_on_gluon), each query row runs as
+        # a qlen-1 decode over its slots; elsewhere on the Triton sparse kernel.
+        if sparse_on_gluon(call)[0]:
+            from mla.providers.gluon.decode import sparse_decode  # noqa: PLC0415 (kernels load lazily)
+
+            sparse_decode(call)
+        else:
+            self._triton.sparse_attention(call)
 
     def write_index_keys(self, call: WriteIndexKeysCall) -> None:
         self._triton.write_index_keys(call)

@@ -142,15 +142,18 @@ def mla_decode_rows_kernel(
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
+    KV_DS_MLA: gl.constexpr,
     FOLD_SPLITS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4 or num_warps == 8, "one or two warpgroups")  # noqa: PLR1714 (constexprs)
     gl.static_assert(BLOCK_N == 64, "the KV tile is the wgmma M dimension (64 rows per warpgroup)")
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
-    # The MMA operand dtype: the query's, or fp16 for fp8 caches (fp8 -> fp16 is one conversion
-    # per two values, fp16 holds every fp8 value exactly; the query is rounded to fp16).
-    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_nope_ptr.dtype.element_ty
+    # The MMA operand dtype: the query's, or fp16 for per-tensor fp8 caches (fp8 -> fp16 is one
+    # conversion per two values, fp16 holds every fp8 value exactly; the query is rounded to
+    # fp16). fp8_ds_mla keeps the query's (bf16: its rope lanes are bf16, its scaled values may
+    # pass fp16's range).
+    dtype: gl.constexpr = gl.float16 if KV_FP8 and not KV_DS_MLA else q_nope_ptr.dtype.element_ty
 
     # Two warpgroups (8 warps) each own half of the NR query rows (the N dimension of both
     # products): both read the whole K tile, neither needs the other's softmax statistics.
@@ -160,7 +163,7 @@ def mla_decode_rows_kernel(
     )
     ot_layout: gl.constexpr = st_layout
     lat_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[0]
-    rope_ld: gl.constexpr = _kv_copy_layouts(KV_FP8, num_warps)[1]
+    rope_ld: gl.constexpr = _kv_copy_layouts(KV_FP8 and not KV_DS_MLA, num_warps)[1]
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # fp8: a ring of NUM_STAGES fp8 slots, all in flight while one widened fp16 tile feeds the
@@ -168,9 +171,8 @@ def mla_decode_rows_kernel(
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
-    ring_smem: gl.constexpr = (
-        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]) if KV_FP8 else mma_smem
-    )
+    plain_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ring_smem: gl.constexpr = plain_smem if KV_FP8 else mma_smem
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -181,15 +183,24 @@ def mla_decode_rows_kernel(
         req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
         MODE, UNIT_QLEN, BLOCK_N,
     )  # fmt: skip
-    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8)
+    qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8 and not KV_DS_MLA)
 
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_smem_layout)
     lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
-    rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
-    if KV_FP8:
+    if KV_DS_MLA:
+        # bf16 rope lanes land in the MMA layout; the latent tile scales beside them.
+        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+        scale_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], plain_smem)
+    else:
+        rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+        scale_ring = None
+    if KV_DS_MLA:
+        lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
+        rope_wide = rope_ring
+    elif KV_FP8:
         lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
         rope_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R], mma_smem)
     else:
@@ -197,9 +208,12 @@ def mla_decode_rows_kernel(
         rope_wide = rope_ring
 
     index_base = kv_indices_ptr + kv_start
-    # fp8 refills a slot right after widening its tile, so all NUM_STAGES tiles start in flight.
-    AHEAD: gl.constexpr = NUM_STAGES if KV_FP8 else NUM_STAGES - 1
-    for j in gl.static_range(ID_SLOTS if KV_FP8 else 2 * NUM_STAGES - 1):
+    # Per-tensor fp8 refills a slot right after widening its tile, so all NUM_STAGES tiles start
+    # in flight. fp8_ds_mla's MMAs read the bf16 rope lanes in the ring slot itself, so its slot
+    # is refilled a tile later, as a 16-bit cache's.
+    EARLY_REFILL: gl.constexpr = KV_FP8 and not KV_DS_MLA
+    AHEAD: gl.constexpr = NUM_STAGES if EARLY_REFILL else NUM_STAGES - 1
+    for j in gl.static_range(ID_SLOTS if EARLY_REFILL else 2 * NUM_STAGES - 1):
         _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
     async_copy.commit_group()
     async_copy.wait_group(0)
@@ -207,7 +221,7 @@ def mla_decode_rows_kernel(
     for st in gl.static_range(AHEAD):
         _issue_tile(
             kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA,
         )  # fmt: skip
         async_copy.commit_group()
 
@@ -226,7 +240,7 @@ def mla_decode_rows_kernel(
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(n_tiles):
-        if KV_FP8:
+        if EARLY_REFILL:
             # Tile t landed (tiles t+1 .. t+NUM_STAGES-1 still in flight): widen it (the barrier
             # inside also tells that every warp is past the last tile's PV), then refill its slot
             # with tile t+NUM_STAGES, whose ids came with tile t, and fetch the ids a ring further.
@@ -238,13 +252,15 @@ def mla_decode_rows_kernel(
             _issue_tile(
                 kv_ptr, idx_ring, ahead, lo, hi, num_kv_rows, stride_kv, lat_ring.index(t % NUM_STAGES),
                 rope_ring.index(t % NUM_STAGES), L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
+                scale_ring, t % NUM_STAGES, KV_DS_MLA,
             )  # fmt: skip
             _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
             async_copy.commit_group()
         else:
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
-                lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
+                lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, KV_DS_MLA,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA,
             )  # fmt: skip
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
