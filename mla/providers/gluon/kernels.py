@@ -410,6 +410,42 @@ def _take_tile(
     )
 
 
+@gluon.jit
+def _kv_rings(
+    kv_dtype: gl.constexpr, dtype: gl.constexpr, NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, L: gl.constexpr, R: gl.constexpr, KV_FP8: gl.constexpr, KV_DS_MLA: gl.constexpr,
+):  # fmt: skip
+    """The shared-memory KV buffers of the 64-row and few-rows kernels: ``(lat_ring, rope_ring,
+    lat_wide, rope_wide)``. 16-bit caches: ``NUM_STAGES`` MMA-layout slots, read by the MMAs in
+    place (the wide buffers are the rings). Per-tensor fp8: unswizzled fp8 slots widened into
+    ``WIDE_STAGES`` MMA-layout tiles. ``fp8_ds_mla``: fp8 latent slots widened (with the tile
+    scales of :func:`_scale_ring`), bf16 rope lanes in MMA-layout slots read in place."""
+    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    plain_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ring_smem: gl.constexpr = plain_smem if KV_FP8 else mma_smem
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
+    if KV_DS_MLA:
+        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
+        rope_wide = rope_ring
+    elif KV_FP8:
+        rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
+        rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], mma_smem)
+    else:
+        rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
+        lat_wide = lat_ring
+        rope_wide = rope_ring
+    return lat_ring, rope_ring, lat_wide, rope_wide
+
+
+@gluon.jit
+def _scale_ring(NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr):
+    """The float32 ``[NUM_STAGES, BLOCK_N, L / 128]`` ring of ``fp8_ds_mla`` tile scales."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    return gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], layout)
+
+
 # ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
 # one split turns it into the constant 1 (an LLVM-lowering assertion), and one binary serves
 # every split count anyway.
@@ -481,8 +517,6 @@ def mla_decode_kernel(
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    plain_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    ring_smem: gl.constexpr = plain_smem if KV_FP8 else mma_smem
 
     # -- the work item ---------------------------------------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -498,24 +532,11 @@ def mla_decode_kernel(
     # -- shared memory ---------------------------------------------------------------------------
     q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
-    if KV_DS_MLA:
-        # bf16 rope lanes land in the MMA layout; the latent tile scales beside them.
-        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
-        scale_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], plain_smem)
-    else:
-        rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
-        scale_ring = None
-    if KV_DS_MLA:
-        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
-        rope_wide = rope_ring
-    elif KV_FP8:
-        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
-        rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], mma_smem)
-    else:
-        lat_wide = lat_ring
-        rope_wide = rope_ring
+    lat_ring, rope_ring, lat_wide, rope_wide = _kv_rings(
+        kv_dtype, dtype, NUM_STAGES, WIDE_STAGES, BLOCK_N, L, R, KV_FP8, KV_DS_MLA
+    )
+    scale_ring = _scale_ring(NUM_STAGES, BLOCK_N, L) if KV_DS_MLA else None
 
     # Token ids travel NUM_STAGES tiles ahead of the KV rows they address, through a ring of
     # 2·NUM_STAGES slots filled by cp.async in the same groups as the KV tiles: the group that

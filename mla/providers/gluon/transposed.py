@@ -49,12 +49,14 @@ from mla.providers.gluon.kernels import (
     _issue_tile,
     _key_ok,
     _kv_copy_layouts,
+    _kv_rings,
     _mma_operands,
     _online_softmax,
     _query_to_smem,
     _row_info,
     _row_lse,
     _safe_sum,
+    _scale_ring,
     _scales,
     _take_tile,
     _work_item,
@@ -171,8 +173,6 @@ def mla_decode_rows_kernel(
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
     mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
-    plain_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    ring_smem: gl.constexpr = plain_smem if KV_FP8 else mma_smem
 
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -188,24 +188,11 @@ def mla_decode_rows_kernel(
     q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_smem_layout)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
-    if KV_DS_MLA:
-        # bf16 rope lanes land in the MMA layout; the latent tile scales beside them.
-        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
-        scale_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], plain_smem)
-    else:
-        rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
-        scale_ring = None
-    if KV_DS_MLA:
-        lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
-        rope_wide = rope_ring
-    elif KV_FP8:
-        lat_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, L], mma_smem)
-        rope_wide = gl.allocate_shared_memory(dtype, [1, BLOCK_N, R], mma_smem)
-    else:
-        lat_wide = lat_ring
-        rope_wide = rope_ring
+    lat_ring, rope_ring, lat_wide, rope_wide = _kv_rings(
+        kv_dtype, dtype, NUM_STAGES, 1, BLOCK_N, L, R, KV_FP8, KV_DS_MLA
+    )
+    scale_ring = _scale_ring(NUM_STAGES, BLOCK_N, L) if KV_DS_MLA else None
 
     index_base = kv_indices_ptr + kv_start
     # Per-tensor fp8 refills a slot right after widening its tile, so all NUM_STAGES tiles start
