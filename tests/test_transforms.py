@@ -315,9 +315,7 @@ def fill_case(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
         block_table=table,
         kv_indptr=torch.full((len(seq_lens) + 1,), 77, dtype=torch.int32),
-        kv_indices=(
-            torch.full((len(seq_lens) * max_len + 1,), -9, dtype=torch.int32) if token_ids else None
-        ),
+        kv_indices=(torch.full((len(seq_lens) * max_len + 1,), -9, dtype=torch.int32) if token_ids else None),
         block_size=block_size,
         max_len=max_len,
         num_blocks=num_blocks,

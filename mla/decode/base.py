@@ -163,9 +163,7 @@ class DecodeIndexBuffers:
     _views: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     @classmethod
-    def allocate(
-        cls, setup: StrategySetup, invalid_count: torch.Tensor | None = None
-    ) -> DecodeIndexBuffers:
+    def allocate(cls, setup: StrategySetup, invalid_count: torch.Tensor | None = None) -> DecodeIndexBuffers:
         """The indptr and the counter (``invalid_count``: a counter the backend shares, else a
         new one); no per-token list until a strategy asks for one."""
         limits, dev = setup.limits, setup.device

@@ -12,7 +12,11 @@ One kernel serves every decode contract of the provider:
 
 A program owns one (request, KV range) work item and ``BLOCK_M`` packed query rows
 (``row = qi·H + h``), so verify rows and small head counts share the MMA M dimension instead of
-padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows by flat token id, computes
+padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows, found either through the engine's
+block table (``PAGE_SIZE > 0``: position ``p`` of the request is row ``table[b, p // PAGE_SIZE]
+* PAGE_SIZE + p % PAGE_SIZE``, one block id per page of the tile, a block outside the cache
+masked; ``ROW_MAP``: a small-head verify row reads its request's table row) or by flat token id
+(the per-token view the gluon provider's fallback hands it), computes
 ``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` (two dots), an online softmax in the exp2 domain, and
 ``O += P·K_lat`` (V is the latent part of the same tile, loaded once). fp8 caches are loaded as
 fp8 and widened to the dot dtype in registers; the per-tensor scale (read from its device tensor)

@@ -195,8 +195,9 @@ class DecodeLaunch(NamedTuple):
     part_lse: torch.Tensor
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The leading pointer operands: q_nope, q_pe, kv cache, kv_indptr, kv_indices,
-        qo_indptr, work_info, split_indptr, out, lse, part_o, part_lse."""
+        """The leading pointer operands: q_nope, q_pe, kv cache, kv_indptr, kv_indices (the
+        block table when :attr:`DecodeInputs.blocks` is set), qo_indptr, work_info,
+        split_indptr, out, lse, part_o, part_lse."""
         x = self.inputs
         return (
             x.q_nope, x.q_pe, x.kv_cache, x.kv_indptr, x.kv_indices, self.qo, self.work_info,
