@@ -330,7 +330,7 @@ class FillPagesCall:
     """Leave tokens outside the cache out of their request's range instead of marking them:
     ``kv_indptr`` counts each request's tokens inside the cache and ``kv_indices`` holds only
     those, in order (for kernels that read every id they are given, such as aiter's: a token
-    left out is no key, as a masked one is). Only tokens the
+    left out is no key, as a masked one is; only with ``kv_indices``). Only tokens the
     fill can tell are outside (a negative block id, or one past ``num_blocks``) are left out."""
     query_start_loc: torch.Tensor | None = None
     """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's
