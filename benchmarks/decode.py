@@ -180,15 +180,18 @@ class Problem:
         schedule: SplitKVSchedule | None = None,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        block_table: bool = False,
     ) -> PagedDecodeCall:
-        """The paged decode of the first ``requests`` requests (default: all)."""
+        """The paged decode of the first ``requests`` requests (default: all), over the flat
+        per-token ids or (``block_table``) the block table itself."""
         s = self.shape
         k = s.batch if requests is None else requests
         return PagedDecodeCall(
             q=self.q[: k * s.qlen],
             kv_cache=self.flat,
             kv_indptr=self.kv_indptr[: k + 1],
-            kv_indices=self.kv_indices,
+            kv_indices=None if block_table else self.kv_indices,
+            block_table=self.block_table[:k] if block_table else None,
             qo_indptr=self.qo_indptr[: k + 1],
             out=self.out if out is None else out,
             lse=self.lse if lse is None else lse,
@@ -215,8 +218,11 @@ class Problem:
 
         return run
 
-    def provider_fn(self, provider: KernelProvider, *, persistent: bool) -> Callable[[], None]:
-        """``provider.paged_mqa_decode`` on these inputs (with its own schedule, planned here)."""
+    def provider_fn(
+        self, provider: KernelProvider, *, persistent: bool, block_table: bool = False
+    ) -> Callable[[], None]:
+        """``provider.paged_mqa_decode`` on these inputs (with its own schedule, planned here;
+        ``block_table``: the kernel reads the block table instead of flat ids)."""
         s = self.shape
         schedule = None
         if persistent:
@@ -242,7 +248,7 @@ class Problem:
                     uniform_qlen=True,
                 )
             )
-        call = self.paged_call(schedule=schedule)
+        call = self.paged_call(schedule=schedule, block_table=block_table)
 
         def run() -> None:
             provider.paged_mqa_decode(call)
@@ -371,6 +377,11 @@ def implementations(prob: Problem, vllm: Any) -> tuple[list[tuple[str, Callable[
             continue
         impls.append((f"{name} np", prob.provider_fn(provider, persistent=False), True))
         impls.append((f"{name} pers", prob.provider_fn(provider, persistent=True), True))
+        if provider.capabilities(detect_platform("cuda")).decode_reads_block_table:
+            # What the engine runs on this provider: the kernel reads the block table.
+            impls.append(
+                (f"{name} table np", prob.provider_fn(provider, persistent=False, block_table=True), True)
+            )
         if shape.name == "heads":
             impls.append((f"{name} small", prob.provider_small_fn(provider), True))
         if name == "gluon" and shape.kv == "fp8":
@@ -580,7 +591,8 @@ def run_sweep() -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks decode",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="two small shapes only")
     parser.add_argument(
@@ -628,4 +640,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         title=f"MLA decode on {gpu_name()} (µs = CUDA-graph replay median; MHz, W: means while timed; "
         "capped: fraction of samples power-capped)",
     )  # fmt: skip
-

@@ -208,7 +208,10 @@ def _check_decode_geometry(backend: mla.MLABackend, metadata: mla.MLAMetadata, s
     assert geo.kv_dtype == backend.cache.dtype
     total_kv = sum(step.decode_seq_lens)
     assert int(plan.kv_indptr[-1]) == total_kv
-    assert backend.index_buffers.kv_indices.numel() >= total_kv
+    indices = backend.index_buffers.kv_indices
+    # The per-token list exists only for kernels that take flat ids; others read the table.
+    assert (indices is None) == (not caps.decode_token_ids)
+    assert indices is None or indices.numel() >= total_kv
     if isinstance(strategy, PagedDecode):
         ws = strategy.workspace
         assert geo.kernel_heads == caps.padded_heads(geo.num_heads) == ws.q_kernel.shape[1]
@@ -232,7 +235,10 @@ def _check_decode_geometry(backend: mla.MLABackend, metadata: mla.MLAMetadata, s
         assert geo.kernel_qlen == 1
         ws_small = strategy.workspace
         assert geo.num_tokens + 1 <= ws_small.row_indptr.numel()
-        assert int(plan.row_indptr[-1]) <= ws_small.row_page_table.numel()  # type: ignore[attr-defined]
+        if ws_small.row_page_table is not None:
+            assert int(plan.row_indptr[-1]) <= ws_small.row_page_table.numel()  # type: ignore[attr-defined]
+        else:
+            assert plan.page_table is None  # type: ignore[attr-defined]
 
 
 def _run_step(config: Config, step: Step) -> None:

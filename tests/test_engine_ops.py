@@ -21,7 +21,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import mla
+from mla.core.capabilities import REFERENCE_CAPABILITIES
 from mla.engine.functional import plan_cache
+from mla.providers.torch_ref import TorchProvider
 from mla.testing import assert_matches_reference, emulated_provider
 from mla.tools.reference import reference_decode
 
@@ -262,15 +264,25 @@ def test_full_validation_reads_the_device_and_checks_block_ids() -> None:
     _backend().builder.build(step)  # the fast default trusts block ids
 
 
-def test_device_planned_indices_match_host_planned() -> None:
+@pytest.mark.parametrize("token_ids", [False, True], ids=["block-table", "per-token"])
+def test_device_planned_indices_match_host_planned(token_ids: bool) -> None:
     """Without ``seq_lens_cpu`` a decode step plans its page indices on the device; the plan
-    reads the same cache rows as the host-planned one."""
-    backend = _backend(limits=mla.EngineLimits(4, 48, 64))
+    reads the same cache rows as the host-planned one (the same flat ids, for kernels that take
+    them; no per-token list at all for kernels that read the block table)."""
+    provider = TorchProvider(
+        capabilities=attrs.evolve(REFERENCE_CAPABILITIES, decode_reads_block_table=not token_ids)
+    )
+    backend = _backend(limits=mla.EngineLimits(4, 48, 64), provider=provider)
     step = _step([1, 1, 1], [20, 37, 0], 3)
     host_plan = backend.builder.build(step).decode
     assert host_plan is not None
     host_indptr = host_plan.kv_indptr.clone()
-    host_indices = host_plan.kv_indices[: int(host_indptr[-1])].clone()
+    if not token_ids:
+        assert host_plan.kv_indices is None
+        assert backend.index_buffers.kv_indices is None
+    host_indices = (
+        None if host_plan.kv_indices is None else host_plan.kv_indices[: int(host_indptr[-1])].clone()
+    )
     device_step = mla.StepInputs(
         query_start_loc_cpu=step.query_start_loc_cpu,
         query_start_loc=step.query_start_loc,
@@ -282,7 +294,9 @@ def test_device_planned_indices_match_host_planned() -> None:
     device_plan = backend.builder.build(device_step).decode
     assert device_plan is not None
     torch.testing.assert_close(device_plan.kv_indptr, host_indptr)
-    torch.testing.assert_close(device_plan.kv_indices[: int(host_indptr[-1])], host_indices)
+    if host_indices is not None:
+        assert device_plan.kv_indices is not None
+        torch.testing.assert_close(device_plan.kv_indices[: int(host_indptr[-1])], host_indices)
 
 
 # -- work sized by the batch --------------------------------------------------------------------

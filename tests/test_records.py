@@ -93,9 +93,13 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
                 "compact": False,
                 "query_start_loc": None,
                 "qo_indptr": None,
+                "invalid_count": t[:1],
             },
         ),
-        (SmallHeadPlan, {**plan, "row_indptr": t, "page_table": t}),
+        (
+            SmallHeadPlan,
+            {**plan, "row_indptr": t, "page_table": t, "block_table": None, "row_request": None},
+        ),
         (
             PagedPlan,
             {
@@ -106,6 +110,7 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
                 "source_keep": t,
                 "kernel_row": t,
                 "schedule": None,
+                "block_table": t.view(5, 1),
             },
         ),
         (

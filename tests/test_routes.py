@@ -229,3 +229,48 @@ def test_a_step_is_checked_once_by_the_one_step_checker(monkeypatch: pytest.Monk
             validate=mode,
         )
         assert calls == [2]
+
+
+@pytest.mark.parametrize("strategy", ["asm-non-persistent", "asm-padded-persistent", "gluon-verify-flatten"])
+def test_the_block_table_reaches_the_decode_call_with_no_per_token_expansion(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/index.md, "the block table": on a provider whose kernels read the block table,
+    ``mla_decode``'s ``block_table`` reaches the provider's decode call as the caller's tensor;
+    the build's one fill writes the indptr only (no per-token list), nothing expands pages."""
+    from mla.providers.torch_ref import TorchProvider
+
+    seen: dict[str, Any] = {}
+    for method in ("paged_mqa_decode", "small_head_decode", "fill_page_indices", "expand_page_indices"):
+        real = getattr(TorchProvider, method)
+
+        def recorded(self: Any, call: Any, _real: Any = real, _method: str = method) -> None:
+            seen[_method] = call
+            _real(self, call)
+
+        monkeypatch.setattr(TorchProvider, method, recorded)
+    gen = torch.Generator().manual_seed(2)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
+    mla.mla_decode(
+        torch.randn(4, HEADS, RANK + ROPE, generator=gen),
+        torch.randn(8, BLOCK, RANK + ROPE, generator=gen),
+        table,
+        torch.tensor([5, 9], dtype=torch.int32),
+        query_start_loc=qsl,
+        softmax_scale=0.1,
+        kv_lora_rank=RANK,
+        provider="torch",
+        strategy=strategy,
+        graph="off",
+    )
+    assert "expand_page_indices" not in seen
+    assert seen["fill_page_indices"].kv_indices is None
+    call = seen["small_head_decode" if strategy == "gluon-verify-flatten" else "paged_mqa_decode"]
+    assert call.block_table.data_ptr() == table.data_ptr()
+    if strategy == "gluon-verify-flatten":
+        assert call.page_table is None
+        assert call.row_request.tolist() == [0, 0, 1, 1]  # the row map instead of a token list
+        assert call.seq_info.tolist() == [0, 4, 9, 17, 26]  # windows 4, 5 (5 keys) and 8, 9 (9 keys)
+    else:
+        assert call.kv_indices is None

@@ -300,10 +300,11 @@ def _fill_expected(
 
 
 def fill_case(
-    block_size: int, seq_lens: list[int], seed: int, num_blocks: int | None
+    block_size: int, seq_lens: list[int], seed: int, num_blocks: int | None, *, token_ids: bool = True
 ) -> tuple[FillPagesCall, torch.Tensor, int]:
     """A fill call over a random table (ids -3..40, some outside ``num_blocks``), with lengths
-    from -2 up past the table's capacity, and its query indptr to copy."""
+    from -2 up past the table's capacity, and its query indptr to copy; ``token_ids=False``:
+    no per-token list (the indptr and the count alone, for kernels that read the table)."""
     gen = torch.Generator().manual_seed(seed)
     width = max(1, -(-max(*seq_lens, 1) // block_size))
     max_len = max(0, min(width * block_size, max(seq_lens) - 3))
@@ -314,12 +315,13 @@ def fill_case(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
         block_table=table,
         kv_indptr=torch.full((len(seq_lens) + 1,), 77, dtype=torch.int32),
-        kv_indices=torch.full((len(seq_lens) * max_len + 1,), -9, dtype=torch.int32),
+        kv_indices=(torch.full((len(seq_lens) * max_len + 1,), -9, dtype=torch.int32) if token_ids else None),
         block_size=block_size,
         max_len=max_len,
         num_blocks=num_blocks,
         query_start_loc=qsl,
         qo_indptr=torch.full((len(seq_lens) + 1,), -5, dtype=torch.int32),
+        invalid_count=torch.full((1,), 5, dtype=torch.int32),
     )
     return call, qsl, max_len
 
@@ -327,23 +329,29 @@ def fill_case(
 def check_fill(call: FillPagesCall, qsl: torch.Tensor, seq_lens: list[int], max_len: int) -> None:
     indptr, indices = _fill_expected(call.block_table, seq_lens, call.block_size, max_len, call.num_blocks)
     assert call.kv_indptr.tolist() == indptr
-    assert call.kv_indices[: indptr[-1]].tolist() == indices
+    if call.kv_indices is not None:
+        assert call.kv_indices[: indptr[-1]].tolist() == indices
     assert call.qo_indptr is not None
     assert call.qo_indptr.tolist() == qsl.tolist()
+    # The tokens outside the cache (the -1 marks) are added to the counter (it started at 5).
+    assert call.invalid_count is not None
+    assert int(call.invalid_count) == 5 + indices.count(-1)
 
 
+@pytest.mark.parametrize("token_ids", [True, False], ids=["per-token", "block-table"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_blocks", [None, 25])
 @settings(max_examples=20, deadline=None)
 @given(seq_lens=st.lists(st.integers(-2, 90), min_size=1, max_size=6), seed=st.integers(0, 1000))
 def test_fill_page_indices_default(
-    block_size: int, num_blocks: int | None, seq_lens: list[int], seed: int
+    token_ids: bool, block_size: int, num_blocks: int | None, seq_lens: list[int], seed: int
 ) -> None:
-    call, qsl, max_len = fill_case(block_size, seq_lens, seed, num_blocks)
+    call, qsl, max_len = fill_case(block_size, seq_lens, seed, num_blocks, token_ids=token_ids)
     TorchProvider().fill_page_indices(call)
     check_fill(call, qsl, seq_lens, max_len)
 
 
+@pytest.mark.parametrize("token_ids", [True, False], ids=["per-token", "block-table"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_blocks", [None, 25])
 @pytest.mark.parametrize(
@@ -352,14 +360,15 @@ def test_fill_page_indices_default(
     ids=["one", "mixed", "130-requests", "long"],
 )
 def test_fill_page_indices_triton_kernel(
-    block_size: int, num_blocks: int | None, seq_lens: list[int]
+    token_ids: bool, block_size: int, num_blocks: int | None, seq_lens: list[int]
 ) -> None:
     """The Triton provider's one-launch fill (interpreted on a CPU): the same definition,
-    including more requests than one prefix block (128) and several token chunks (1024)."""
+    including more requests than one prefix block (128) and several token (or page) chunks
+    (1024), and the count of the tokens outside the cache."""
     pytest.importorskip("triton")
     from mla.providers.triton import TritonProvider
 
-    call, qsl, max_len = fill_case(block_size, seq_lens, 3, num_blocks)
+    call, qsl, max_len = fill_case(block_size, seq_lens, 3, num_blocks, token_ids=token_ids)
     TritonProvider().fill_page_indices(call)
     check_fill(call, qsl, seq_lens, max_len)
 

@@ -150,6 +150,14 @@ class ProviderCapabilities:
     ``-1`` mark included: no memory read, no key). ``False`` (aiter's kernels read every id):
     the page fill leaves the tokens of a block outside the cache out of the request's range
     (``FillPagesCall.compact``), so the kernel never sees their ids."""
+    decode_reads_block_table: bool = False
+    """The decode kernels (paged and small-head) read the engine's block table themselves
+    (``PagedDecodeCall.block_table``, ``SmallHeadDecodeCall.block_table``: position ``p`` of a
+    request is cache row ``block_table[b, p // page_size] * page_size + p % page_size``, a block
+    id outside the cache masked; so this needs ``decode_masks_outside_ids``). The builder then
+    allocates and fills no per-token list (its index memory is O(requests x pages)); ``False``
+    (aiter's and the gluon provider's kernels): the page fill expands the table into flat
+    per-token ids (``FillPagesCall.kv_indices``; :attr:`decode_token_ids`)."""
     decode_float32_out: bool = True
     """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
     reference computes in float32, the Triton kernels convert on store): padded-decode
@@ -161,6 +169,14 @@ class ProviderCapabilities:
 
     def has(self, contract: Contract) -> bool:
         return contract in self.contracts
+
+    @property
+    def decode_token_ids(self) -> bool:
+        """Whether the decode kernels take the flat per-token view (the page fill expands the
+        block table for them): unless they read the block table, which they can only do if
+        they also mask the ids outside the cache (a kernel that reads every id it is given
+        gets a compacted per-token range instead)."""
+        return not (self.decode_reads_block_table and self.decode_masks_outside_ids)
 
     def padded_heads(self, num_heads: int) -> int:
         """Kernel head count for ``num_heads`` query heads in the paged decode."""
@@ -225,5 +241,6 @@ def _json_value(value: object) -> object:
     return value
 
 
-REFERENCE_CAPABILITIES = ProviderCapabilities(provider="torch")
-"""The torch provider's own record: every contract, no head or qlen limit, any float/fp8 dtype."""
+REFERENCE_CAPABILITIES = ProviderCapabilities(provider="torch", decode_reads_block_table=True)
+"""The torch provider's own record: every contract, no head or qlen limit, any float/fp8 dtype,
+decode over the block table."""

@@ -17,6 +17,7 @@ from mla.decode.base import (
     DecodeIndexBuffers,
     DecodePlan,
     DecodeStrategy,
+    same_view,
 )
 from mla.providers.calls import (
     DecodeSchedule,
@@ -45,6 +46,10 @@ class PagedPlan(DecodePlan):
     """int64 ``[T]`` (view): kernel row per caller row, ``Tk`` = the zero sink row."""
     schedule: DecodeSchedule | None
     """The provider's persistent schedule buffers, planned for this step (``None``: not persistent)."""
+    block_table: torch.Tensor | None
+    """The step's block table (the engine's tensor, its decode rows), which the provider's
+    kernels read (``ProviderCapabilities.decode_reads_block_table``); ``None``: they read
+    ``kv_indices``."""
 
 
 _PAGED_PLAN = fast_constructor(PagedPlan)
@@ -104,6 +109,12 @@ class PagedDecode(DecodeStrategy):
 
     KIND: ClassVar[StrategyKind] = StrategyKind.PAGED
     REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.PAGED_DECODE, Contract.EXPAND_PAGES})
+
+    @classmethod
+    def needs_token_ids(cls, setup: StrategySetup) -> bool:
+        """Only where the provider's kernels take flat per-token ids (aiter's, the gluon
+        provider's)."""
+        return setup.capabilities.decode_token_ids
 
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
         super().__init__(setup, index_buffers)
@@ -217,9 +228,11 @@ class PagedDecode(DecodeStrategy):
                     uniform_qlen=uniform_rows,
                 )
             )
+        table = None if self.needs_token_ids(setup) else batch.block_table
         plan = self._last_plan
         if (
             plan is not None
+            and same_view(plan.block_table, table)
             and plan.geometry is geometry
             and plan.kv_indptr is kv_indptr
             and plan.qo_indptr is qo_indptr
@@ -240,6 +253,7 @@ class PagedDecode(DecodeStrategy):
             source_keep=source_keep,
             kernel_row=kernel_row,
             schedule=ws.schedule,
+            block_table=table,
         )
         return plan
 
@@ -289,7 +303,7 @@ class PagedDecode(DecodeStrategy):
                 q=q_kernel,
                 kv_cache=kv_flat,
                 kv_indptr=plan.kv_indptr,
-                kv_indices=plan.kv_indices,
+                kv_indices=None if plan.block_table is not None else plan.kv_indices,
                 qo_indptr=plan.qo_indptr,
                 out=o_target,
                 lse=lse_target,
@@ -299,6 +313,7 @@ class PagedDecode(DecodeStrategy):
                 softmax_scale=setup.dims.scale,
                 kv_scale=kv_scale,
                 schedule=plan.schedule,
+                block_table=plan.block_table,
             )
         )
         owned = geo.num_owned_tokens

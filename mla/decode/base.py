@@ -26,6 +26,23 @@ from mla.strategy import (
 )
 
 
+def same_view(held: torch.Tensor | None, given: torch.Tensor | None) -> bool:
+    """Whether a plan holding ``held`` reads what ``given`` holds: the same tensor, or a view of
+    the same memory with the same shape and strides (an engine slices its persistent block
+    table anew every step: ``block_table[:num_reqs]``), or both ``None``."""
+    if held is given:
+        return True
+    if held is None or given is None:
+        return False
+    return (
+        held.data_ptr() == given.data_ptr()
+        and held.shape == given.shape
+        and held.stride() == given.stride()
+        and held.dtype == given.dtype
+        and held.device == given.device
+    )
+
+
 def _host_values(batch: DecodeBatch) -> list[int]:
     values: list[int] = batch.query_start_loc_cpu.tolist()
     return values
@@ -119,13 +136,14 @@ _FILL_PAGES_CALL = fast_constructor(FillPagesCall)
 
 @attrs.frozen(eq=False)
 class DecodePlan(PlanBase):
-    """Base decode plan: geometry plus the flat page indices every decode kernel reads."""
+    """Base decode plan: geometry plus the page indices of the step."""
 
     geometry: DecodeGeometry
     kv_indptr: torch.Tensor
-    """int32 ``[B+1]`` view of the persistent buffer."""
-    kv_indices: torch.Tensor
-    """int32 flat token ids: the whole persistent buffer (static size)."""
+    """int32 ``[B+1]`` view of the persistent buffer: the requests' key counts."""
+    kv_indices: torch.Tensor | None
+    """int32 flat token ids: the whole persistent buffer (static size), or ``None`` when no
+    strategy of the backend reads the per-token view (:meth:`DecodeStrategy.needs_token_ids`)."""
 
 
 @attrs.define
@@ -134,36 +152,56 @@ class DecodeIndexBuffers:
 
     kv_indptr: torch.Tensor
     """int32 ``[max_num_seqs + 1]``."""
-    kv_indices: torch.Tensor
-    """int32 ``[max_num_seqs * max_model_len + 1]``; the last entry is a scratch slot that the
-    device-side fill may write its masked-off lanes to."""
+    invalid_count: torch.Tensor
+    """int32 ``[1]`` device counter: each fill adds the keys it found outside the cache (the
+    backend's ``invalid_index_count``)."""
+    kv_indices: torch.Tensor | None = None
+    """int32 ``[max_num_seqs * max_model_len + 1]`` flat per-token ids, allocated only when a
+    strategy reads them (:meth:`require_token_ids`; ``None`` otherwise: the kernels read the
+    block table); the last entry is a scratch slot that the device-side fill may write its
+    masked-off lanes to."""
     _views: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     @classmethod
-    def allocate(cls, setup: StrategySetup) -> DecodeIndexBuffers:
+    def allocate(cls, setup: StrategySetup, invalid_count: torch.Tensor | None = None) -> DecodeIndexBuffers:
+        """The indptr and the counter (``invalid_count``: a counter the backend shares, else a
+        new one); no per-token list until a strategy asks for one."""
         limits, dev = setup.limits, setup.device
+        if invalid_count is None:
+            invalid_count = torch.zeros(1, dtype=torch.int32, device=dev)
         return cls(
             kv_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
-            kv_indices=torch.zeros(
-                limits.max_num_seqs * limits.max_model_len + 1, dtype=torch.int32, device=dev
-            ),
+            invalid_count=invalid_count,
         )
+
+    def require_token_ids(self, setup: StrategySetup) -> torch.Tensor:
+        """The flat per-token list (``max_num_seqs * max_model_len + 1`` int32), allocated on
+        the first call: from then on every fill writes it."""
+        if self.kv_indices is None:
+            limits = setup.limits
+            self.kv_indices = torch.zeros(
+                limits.max_num_seqs * limits.max_model_len + 1, dtype=torch.int32, device=setup.device
+            )
+        return self.kv_indices
 
     def fill(
         self, setup: StrategySetup, batch: DecodeBatch, *, qo_indptr: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int | None]:
-        """Write this step's kv_indptr and flat indices from the device ``seq_lens`` (one
-        :meth:`~mla.providers.base.KernelProvider.fill_page_indices`: one kernel on the Triton
-        provider, no host-to-device copy, no sync), and copy ``batch.query_start_loc`` into
-        ``qo_indptr`` when given (same launch); return the indptr view and the total token
-        count (``None`` when it is known only on the device; :meth:`fill_indptr` skips it).
+        """Write this step's kv_indptr (and the flat indices, when allocated) from the device
+        ``seq_lens`` (one :meth:`~mla.providers.base.KernelProvider.fill_page_indices`: one
+        kernel on the Triton provider, no host-to-device copy, no sync), and copy
+        ``batch.query_start_loc`` into ``qo_indptr`` when given (same launch); return the indptr
+        view and the total token count (``None`` when it is known only on the device;
+        :meth:`fill_indptr` skips it).
 
         Work is sized by the batch's longest length when the host knows it, else by the block
         table's capacity ``min(max_blocks * block_size, max_model_len)`` (static, so the fill
         can be captured in a CUDA graph). Lengths are clamped to that bound; a block id outside
         the cache (negative, or past ``KVCacheSpec.num_blocks`` when known) becomes the token
         id -1, and the kernels mask every id outside the cache tensor they are handed, so bad
-        input cannot make a kernel read outside the cache or another block. For a provider whose
+        input cannot make a kernel read outside the cache or another block; the fill adds such
+        tokens to :attr:`invalid_count` (once per build). Without the flat list (kernels that
+        read the block table) the fill writes the indptr and counts, per page. For a provider whose
         kernels read every id (``ProviderCapabilities.decode_masks_outside_ids`` false: aiter's)
         such tokens are left out of their request's range instead (``FillPagesCall.compact``).
         ``validate="full"`` rejects such input on the host.
@@ -210,6 +248,7 @@ class DecodeIndexBuffers:
                 compact=compact,
                 query_start_loc=None if qo_indptr is None else batch.query_start_loc,
                 qo_indptr=qo_indptr,
+                invalid_count=self.invalid_count,
             )
         )
         return indptr
@@ -246,7 +285,18 @@ class DecodeStrategy(Strategy[DecodeContext]):
     def __init__(self, setup: StrategySetup, index_buffers: DecodeIndexBuffers | None = None) -> None:
         super().__init__(setup)
         self.index_buffers = index_buffers or DecodeIndexBuffers.allocate(setup)
+        if self.needs_token_ids(setup):
+            self.index_buffers.require_token_ids(setup)
         self._last_geometry: tuple[tuple[int, ...], DecodeGeometry] | None = None
+
+    @classmethod
+    def needs_token_ids(cls, setup: StrategySetup) -> bool:
+        """Whether the strategy reads the flat per-token list (``index_buffers.kv_indices``):
+        then it is allocated at init (``max_num_seqs * max_model_len`` int32) and every fill
+        writes it. ``True`` unless a strategy knows better (a strategy written against
+        ``kv_indices`` keeps it); the built-in ones need it only on providers whose kernels do
+        not read the block table (``ProviderCapabilities.decode_reads_block_table``)."""
+        return True
 
     @abc.abstractmethod
     def build_metadata(self, batch: DecodeBatch) -> DecodePlan:

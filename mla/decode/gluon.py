@@ -20,8 +20,9 @@ class GluonDecode(SmallHeadDecode):
     provider), Triton's on other GPUs, the torch reference on the CPU.
 
     Applies when the batch's max qlen is 1 and the head count, query and KV dtypes fit the
-    kernel. Rows are requests; their page table is the flat ``kv_indices`` itself. Graph
-    contract: uniform batch (rebuild in place, replay).
+    kernel. Rows are requests; their keys are their block-table rows (providers whose kernels
+    read the block table) or the flat ``kv_indices`` itself. Graph contract: uniform batch
+    (rebuild in place, replay).
     """
 
     NAME: ClassVar[str] = "gluon-decode"

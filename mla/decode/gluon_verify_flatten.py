@@ -19,8 +19,10 @@ class GluonVerifyFlatten(SmallHeadDecode):
 
     Row ``t`` of a request with ``q`` tokens and ``s`` keys attends the first
     ``clamp(s - (q - 1) + t, 0)`` keys: the right-aligned causal window (vLLM #50476 gave every
-    row the whole range and let drafts see later drafts). The per-row page table is gathered on
-    the device in ``build_metadata``. Graph contract: uniform batch.
+    row the whole range and let drafts see later drafts). ``build_metadata`` gives each row its
+    request and key count (a row map the kernel reads the request's block-table row with, on
+    providers whose kernels read the block table), or gathers a per-row page table on the device
+    (providers whose kernels take flat ids). Graph contract: uniform batch.
     """
 
     NAME: ClassVar[str] = "gluon-verify-flatten"

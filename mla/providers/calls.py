@@ -52,8 +52,15 @@ class DecodeSchedule(Protocol):
 class PagedDecodeCall:
     """Asm-style paged MQA decode (contract ``paged-decode``).
 
-    Query row ``i`` of request ``b`` (``q_b`` rows, ``s_b`` keys) attends keys
-    ``0 .. s_b - q_b + i`` of its request.
+    Query row ``i`` of request ``b`` (``q_b`` rows, ``s_b = kv_indptr[b+1] - kv_indptr[b]``
+    keys) attends keys ``0 .. s_b - q_b + i`` of its request. Key position ``p`` of request
+    ``b`` is a cache row given one of two ways (exactly one of ``kv_indices`` and
+    ``block_table`` is set):
+
+    * ``block_table`` (providers whose record says ``decode_reads_block_table``): cache row
+      ``block_table[b, p // page_size] * page_size + p % page_size``; a block id outside
+      ``[0, N_tok // page_size)`` is masked (no memory read, no key), never clamped;
+    * ``kv_indices``: the flat per-token view, cache row ``kv_indices[kv_indptr[b] + p]``.
     """
 
     q: torch.Tensor
@@ -61,12 +68,13 @@ class PagedDecodeCall:
     kv_cache: torch.Tensor
     """Flat cache ``[N_tok, L+R]`` (a float dtype, or fp8 with ``kv_scale``)."""
     kv_indptr: torch.Tensor
-    """int32 ``[B+1]``: request ``b`` reads ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``."""
-    kv_indices: torch.Tensor
-    """int32 flat cache row ids (a persistent buffer; entries past ``kv_indptr[B]`` are unused).
-    Each request's ids come in runs of ``page_size`` consecutive rows starting at request
-    positions that are multiples of ``page_size`` (one run per cache block; the last may be
-    partial)."""
+    """int32 ``[B+1]``: request ``b`` has ``kv_indptr[b+1] - kv_indptr[b]`` keys (with
+    ``kv_indices``: it reads ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``)."""
+    kv_indices: torch.Tensor | None
+    """int32 flat cache row ids (a persistent buffer; entries past ``kv_indptr[B]`` are unused),
+    or ``None`` when ``block_table`` is given. Each request's ids come in runs of ``page_size``
+    consecutive rows starting at request positions that are multiples of ``page_size`` (one run
+    per cache block; the last may be partial)."""
     qo_indptr: torch.Tensor
     """int32 ``[B+1]``: query rows per request."""
     out: torch.Tensor
@@ -87,6 +95,10 @@ class PagedDecodeCall:
     schedule: DecodeSchedule | None = None
     """The provider's persistent schedule planned for this step (its split-KV path), or
     ``None`` (non-persistent)."""
+    block_table: torch.Tensor | None = None
+    """int32 ``[B, max_blocks]`` (last dim contiguous): the engine's block table, read by the
+    kernel (one block id per page of keys), or ``None`` (``kv_indices`` is given). Every
+    request's key count is at most ``max_blocks * page_size``."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -128,7 +140,16 @@ class PlanDecodeScheduleCall:
 @attrs.frozen(kw_only=True, eq=False)
 class SmallHeadDecodeCall:
     """Gluon-style decode (contract ``small-head-decode``): each of the ``T`` rows is an
-    independent qlen-1 decode over its own key list."""
+    independent qlen-1 decode over its own keys: row ``t`` has ``seq_info[t+1] - seq_info[t]``
+    keys, given one of two ways (exactly one of ``page_table`` and ``block_table`` is set):
+
+    * ``block_table``: key ``j`` of row ``t`` is cache row ``block_table[r, j // page_size] *
+      page_size + j % page_size`` with ``r = row_request[t]`` (``r = t`` without
+      ``row_request``): the rows of one request read its block-table row, each its own prefix
+      (a verify row's causal window), with no per-token list; a block id outside the cache is
+      masked;
+    * ``page_table``: key ``j`` of row ``t`` is ``page_table[seq_info[t] + j]``.
+    """
 
     q_nope: torch.Tensor
     """``[T, H, L]`` (a strided view of the ``[T, H, L+R]`` query; last dim contiguous)."""
@@ -136,12 +157,13 @@ class SmallHeadDecodeCall:
     """``[T, H, R]`` (likewise a view)."""
     kv_cache: torch.Tensor
     """Flat cache ``[N_tok, L+R]``."""
-    page_table: torch.Tensor
-    """int32 flat cache row ids. Each row's ids are a prefix of its request's page list, so
-    they come in runs of ``page_size`` consecutive rows starting at row positions that are
-    multiples of ``page_size``."""
+    page_table: torch.Tensor | None
+    """int32 flat cache row ids, or ``None`` when ``block_table`` is given. Each row's ids are a
+    prefix of its request's page list, so they come in runs of ``page_size`` consecutive rows
+    starting at row positions that are multiples of ``page_size``."""
     seq_info: torch.Tensor
-    """int32 ``[T+1]`` indptr into ``page_table`` per row (rows at most ``max_seqlen_k`` long)."""
+    """int32 ``[T+1]`` indptr of the rows' key counts (into ``page_table`` when given; rows at
+    most ``max_seqlen_k`` long)."""
     out: torch.Tensor
     """``[T, H, L]`` in q's dtype."""
     lse: torch.Tensor | None
@@ -152,6 +174,12 @@ class SmallHeadDecodeCall:
     softmax_scale: float
     kv_scale: torch.Tensor | None
     """float32 ``[1]`` dequant scale of an fp8 cache, or ``None``."""
+    block_table: torch.Tensor | None = None
+    """int32 ``[B, max_blocks]`` (last dim contiguous), or ``None`` (``page_table`` is given).
+    A row's key count is at most ``max_blocks * page_size``."""
+    row_request: torch.Tensor | None = None
+    """int32 ``[T]``: the block-table row of each query row (in ``[0, B)``), or ``None``: row
+    ``t`` reads block-table row ``t`` (one row per request). Only with ``block_table``."""
 
 
 # -- prefill ----------------------------------------------------------------------------------
@@ -273,6 +301,10 @@ class FillPagesCall:
     * ``kv_indices[kv_indptr[b] + t] = blk * bs + t % bs`` for ``t < len_b``, where ``blk`` is
       ``block_table[b, t // bs]``; -1 for a block outside ``[0, num_blocks)`` (when given),
       a negative one or an id past int32 (readers mask it: never clamped into another block).
+      With ``kv_indices=None`` (kernels that read the block table) only ``kv_indptr`` (and
+      ``qo_indptr``, ``invalid_count``) are written: the work is per page, not per token;
+    * ``invalid_count`` (when given) grows by the number of tokens ``t < len_b`` whose block is
+      outside the cache as above (the keys the kernels mask).
 
     Entries of ``kv_indices`` past ``kv_indptr[B]`` are unspecified (the last entry of the
     buffer may be written as scratch). No host sync; the work is sized by ``max_len``.
@@ -284,8 +316,8 @@ class FillPagesCall:
     """int32 ``[B, max_blocks]``, last dim contiguous."""
     kv_indptr: torch.Tensor
     """int32 ``[B+1]`` (written)."""
-    kv_indices: torch.Tensor
-    """int32, at least ``B * max_len + 1`` long (written)."""
+    kv_indices: torch.Tensor | None
+    """int32, at least ``B * max_len + 1`` long (written), or ``None``: no per-token ids."""
     block_size: int
     """``bs``, the cache block size in tokens."""
     max_len: int
@@ -298,13 +330,16 @@ class FillPagesCall:
     """Leave tokens outside the cache out of their request's range instead of marking them:
     ``kv_indptr`` counts each request's tokens inside the cache and ``kv_indices`` holds only
     those, in order (for kernels that read every id they are given, such as aiter's: a token
-    left out is no key, as a masked one is). Only tokens the
+    left out is no key, as a masked one is; only with ``kv_indices``). Only tokens the
     fill can tell are outside (a negative block id, or one past ``num_blocks``) are left out."""
     query_start_loc: torch.Tensor | None = None
     """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's
     own copy of the query indptr), or ``None``."""
     qo_indptr: torch.Tensor | None = None
     """int32 ``[B+1]`` (written when ``query_start_loc`` is given)."""
+    invalid_count: torch.Tensor | None = None
+    """int32 ``[1]`` device counter the masked tokens are added to (the backend's
+    ``invalid_index_count``), or ``None``."""
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -20,6 +20,8 @@ such item).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mla.core.errors import PlanMismatchError
@@ -75,11 +77,52 @@ def token_requests(indptr: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor,
     return req.clamp_(max=max(num_requests - 1, 0)), owned
 
 
+class KeyRows(NamedTuple):
+    """Where the keys of the rows of one :func:`latent_attention` call are in the cache: key
+    ``j`` of row ``n`` is ``ids[starts[n] + j]`` (flat per-token ids: ``table`` is ``None``), or
+    ``table[rows[n], j // page_size] * page_size + j % page_size`` (a block table)."""
+
+    ids: torch.Tensor | None
+    starts: torch.Tensor | None
+    table: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    page_size: int = 1
+
+    @classmethod
+    def flat(cls, ids: torch.Tensor, starts: torch.Tensor) -> KeyRows:
+        return cls(ids, starts)
+
+    @classmethod
+    def paged(cls, table: torch.Tensor, rows: torch.Tensor, page_size: int) -> KeyRows:
+        return cls(None, None, table, rows, page_size)
+
+    def cache_rows(
+        self, lo: int, hi: int, offsets: torch.Tensor, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``lo..hi``'s cache row ids ``[hi - lo, len(offsets)]`` (int64, clamped into the
+        cache) and which of them are outside the cache (a masked key, never clamped into use)."""
+        last_row = num_rows - 1
+        if self.table is None:
+            assert self.ids is not None
+            assert self.starts is not None
+            pos = (self.starts[lo:hi, None] + offsets).clamp_(0, max(self.ids.numel() - 1, 0))
+            tok = self.ids.index_select(0, pos.view(-1)).view(hi - lo, -1).to(torch.int64)
+            row_ids = tok.clamp(0, last_row)
+            return row_ids, row_ids != tok
+        assert self.rows is not None
+        ps, table = self.page_size, self.table
+        page = (offsets // ps).clamp_(max=max(table.shape[1] - 1, 0))
+        blocks = table.index_select(0, self.rows[lo:hi].to(torch.int64)).index_select(1, page)
+        blocks = blocks.to(torch.int64)
+        outside = (blocks < 0) | (blocks >= num_rows // ps)
+        row_ids = torch.where(outside, 0, blocks * ps + offsets % ps)
+        return row_ids, outside
+
+
 def latent_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    kv_indices: torch.Tensor,
-    starts: torch.Tensor,
+    keys: KeyRows,
     lengths: torch.Tensor,
     *,
     max_len: int,
@@ -88,33 +131,29 @@ def latent_attention(
     kv_scale: torch.Tensor | None,
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row ``n`` of q ``[N, H, D]`` attends cache rows ``kv_indices[starts[n] + j]`` for
-    ``j < lengths[n]`` (``j < max_len``); values are the first ``value_dim`` lanes. ``weights``
-    ``[N, max_len]`` counts key ``j`` of row ``n`` that many times (0: left out). A token id
-    outside the cache (a block past it, or the fill's ``-1`` mark) reads nothing and counts no
-    key. Returns float32 o ``[N, H, value_dim]``, lse ``[N, H]``."""
+    """Each row ``n`` of q ``[N, H, D]`` attends its keys ``j < lengths[n]`` (``j < max_len``),
+    found in the cache by ``keys``; values are the first ``value_dim`` lanes. ``weights``
+    ``[N, max_len]`` counts key ``j`` of row ``n`` that many times (0: left out). A key outside
+    the cache (a block past it or negative, the fill's ``-1`` mark) reads nothing and counts
+    for nothing. Returns float32 o ``[N, H, value_dim]``, lse ``[N, H]``."""
     n_rows, heads, dim = q.shape
-    if n_rows == 0 or max_len == 0 or kv_cache.shape[0] == 0:  # no key, or none inside the cache
+    no_table = keys.table is not None and keys.table.shape[1] == 0
+    if n_rows == 0 or max_len == 0 or kv_cache.shape[0] == 0 or no_table:  # no key in the cache
         return (
             q.new_zeros(n_rows, heads, value_dim, dtype=torch.float32),
             q.new_full((n_rows, heads), float("-inf"), dtype=torch.float32),
         )
     offsets = torch.arange(max_len, device=q.device)
-    last_index = max(kv_indices.numel() - 1, 0)
-    last_row = kv_cache.shape[0] - 1
     outs, lses = [], []
     step = row_chunks(n_rows, max_len * dim).step
     for lo in range(0, n_rows, step):
         hi = min(lo + step, n_rows)
-        pos = (starts[lo:hi, None] + offsets).clamp_(0, last_index)
-        tok = kv_indices.index_select(0, pos.view(-1))
-        # The clamp keeps the gather in bounds; an id it moves (outside the cache) is left out.
-        row_ids = tok.clamp(0, last_row)
+        row_ids, outside = keys.cache_rows(lo, hi, offsets, kv_cache.shape[0])
         # Keys left out: ids outside the cache, past the row's length, none of the schedule's.
-        masked = (row_ids != tok).view(hi - lo, max_len) | (offsets >= lengths[lo:hi, None])
+        masked = outside | (offsets >= lengths[lo:hi, None])
         if weights is not None:
             masked |= weights[lo:hi] == 0
-        rows = dequant(kv_cache.index_select(0, row_ids).view(hi - lo, max_len, dim), kv_scale)
+        rows = dequant(kv_cache.index_select(0, row_ids.view(-1)).view(hi - lo, max_len, dim), kv_scale)
         rows = torch.where(masked[..., None], 0.0, rows)  # a left-out key's row reads as 0
         scores = torch.matmul(q[lo:hi].to(torch.float32), rows.transpose(1, 2)).mul_(scale)
         probs, row_lse = softmax_stats(
@@ -176,11 +215,15 @@ def paged_decode(call: PagedDecodeCall) -> None:
         batch = kv_indptr.numel() - 1
         coverage = schedule_coverage(schedule, kv_indptr, batch=batch, max_len=call.max_seqlen_k)
         weights = coverage.index_select(0, req)
+    if call.block_table is not None:
+        keys = KeyRows.paged(call.block_table, req, call.page_size)
+    else:
+        assert call.kv_indices is not None, "paged decode: neither kv_indices nor block_table"
+        keys = KeyRows.flat(call.kv_indices, kv_start)
     o, lse = latent_attention(
         q,
         call.kv_cache,
-        call.kv_indices,
-        kv_start,
+        keys,
         visible,
         max_len=call.max_seqlen_k,
         value_dim=call.out.shape[-1],
@@ -194,16 +237,23 @@ def paged_decode(call: PagedDecodeCall) -> None:
 
 
 def small_head_decode(call: SmallHeadDecodeCall) -> None:
-    """The ``small-head-decode`` contract: row ``t`` of q attends
-    ``page_table[seq_info[t] : seq_info[t+1]]``."""
+    """The ``small-head-decode`` contract: row ``t`` of q attends its ``seq_info[t+1] -
+    seq_info[t]`` keys, from ``page_table[seq_info[t]:]`` or its block-table row."""
     q = torch.cat([call.q_nope, call.q_pe], dim=-1)
     rows = q.shape[0]
     starts = call.seq_info[:rows]
+    if call.block_table is not None:
+        table_rows = call.row_request
+        if table_rows is None:
+            table_rows = torch.arange(rows, device=q.device)
+        keys = KeyRows.paged(call.block_table, table_rows[:rows], call.page_size)
+    else:
+        assert call.page_table is not None, "small-head decode: neither page_table nor block_table"
+        keys = KeyRows.flat(call.page_table, starts)
     o, lse = latent_attention(
         q,
         call.kv_cache,
-        call.page_table,
-        starts,
+        keys,
         call.seq_info[1 : rows + 1] - starts,
         max_len=call.max_seqlen_k,
         value_dim=call.out.shape[-1],
@@ -217,6 +267,7 @@ def small_head_decode(call: SmallHeadDecodeCall) -> None:
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "KeyRows",
     "dequant",
     "latent_attention",
     "paged_decode",

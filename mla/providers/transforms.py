@@ -196,7 +196,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
 
     Work is ``B x max_len`` lanes; the lanes past each request's length (and, with
     ``call.compact``, the tokens outside the cache) scatter into the last entry of
-    ``kv_indices`` (scratch).
+    ``kv_indices`` (scratch). Without ``kv_indices`` the work is ``B x pages``.
     """
     bs, table, max_len = call.block_size, call.block_table, call.max_len
     indptr = call.kv_indptr
@@ -207,6 +207,10 @@ def fill_page_indices(call: FillPagesCall) -> None:
         call.qo_indptr.copy_(call.query_start_loc)
     if max_len == 0 or lens.numel() == 0:
         return
+    if call.kv_indices is None:
+        if call.invalid_count is not None:
+            call.invalid_count.add_(outside_page_tokens(table, lens, bs, max_len, call.num_blocks))
+        return
     position = torch.arange(max_len, device=table.device)
     tokens = flat_token_ids(
         table.index_select(1, position // bs), position, bs, call.num_blocks
@@ -214,6 +218,8 @@ def fill_page_indices(call: FillPagesCall) -> None:
     # Lanes past a request's length write the scratch entry.
     scratch = call.kv_indices.numel() - 1
     live = position < lens[:, None]
+    if call.invalid_count is not None:
+        call.invalid_count.add_((live & (tokens < 0)).sum().to(torch.int32).reshape(1))
     if call.compact:
         # Tokens outside the cache are left out of their request's range: each request's kept
         # tokens take consecutive entries, and kv_indptr counts only them.
@@ -224,3 +230,19 @@ def fill_page_indices(call: FillPagesCall) -> None:
     else:
         dest = torch.where(live, indptr[:-1, None] + position, scratch)
     call.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))
+
+
+def outside_page_tokens(
+    block_table: torch.Tensor, lens: torch.Tensor, block_size: int, max_len: int, num_blocks: int | None
+) -> torch.Tensor:
+    """int32 ``[1]``: the tokens ``t < lens[b]`` (``lens`` already clamped to ``max_len``) whose
+    block ``block_table[b, t // block_size]`` is outside the cache (negative, or past
+    ``num_blocks`` when known), counted per page (``B x pages`` work, no host sync)."""
+    pages = -(-max_len // block_size)
+    blocks = block_table[:, :pages].to(torch.int64)
+    starts = torch.arange(pages, device=block_table.device) * block_size
+    in_page = (lens[:, None].to(torch.int64) - starts).clamp_(0, block_size)
+    outside = blocks < 0
+    if num_blocks is not None:
+        outside |= blocks >= num_blocks
+    return (in_page * outside).sum().to(torch.int32).reshape(1)

@@ -221,6 +221,109 @@ def test_small_head_decode_strided_views(kv_dtype: torch.dtype) -> None:
     assert bool((results[0][0][1] == 0).all())
 
 
+class _BlockTableBatch:
+    """The mixed batch above over a paged cache (page size 4): each request's block-table row,
+    with a negative block and a block past the cache in the middle of request 2, and the flat
+    per-token ids of the same keys (-1 for those two blocks' keys) for the reference."""
+
+    def __init__(self, *, heads: int, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(heads)
+        self.qlens, self.seq_lens, self.heads, self.dtype = [1, 3, 2, 0, 4], [37, 5, 70, 0, 2], heads, dtype
+        self.page, num_blocks, width = 4, 40, 18
+        self.cache = torch.randn(num_blocks * self.page, 48, generator=gen).to(dtype).to(DEVICE)
+        table = torch.randint(0, num_blocks, (len(self.seq_lens), width), generator=gen, dtype=torch.int32)
+        table[2, 3], table[2, 9] = -2, num_blocks + 5  # keys 12..15 and 36..39 of request 2: masked
+        ids = []
+        for b, length in enumerate(self.seq_lens):
+            for p in range(length):
+                block = int(table[b, p // self.page])
+                ids.append(block * self.page + p % self.page if 0 <= block < num_blocks else -1)
+        self.table = table.to(DEVICE)
+        self.kv_indices = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+        self.kv_indptr, self.qo_indptr = _indptr(self.seq_lens), _indptr(self.qlens)
+        self.q = torch.randn(sum(self.qlens), heads, 48, generator=gen).to(dtype).to(DEVICE)
+
+    def run(
+        self, decode: Callable[..., None], *, block_table: bool, schedule: SplitKVSchedule | None = None,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        out, lse = _poisoned(self.q.shape[0], self.heads, 32, self.dtype)
+        decode(
+            PagedDecodeCall(
+                q=self.q, kv_cache=self.cache, kv_indptr=self.kv_indptr,
+                kv_indices=None if block_table else self.kv_indices, qo_indptr=self.qo_indptr, out=out,
+                lse=lse, max_qlen=4, max_seqlen_k=80, page_size=self.page, softmax_scale=0.3, kv_scale=None,
+                schedule=schedule, block_table=self.table if block_table else None,
+            ),
+            **kwargs,
+        )  # fmt: skip
+        return out, lse
+
+
+@pytest.mark.parametrize(
+    ("splits", "block_n", "reg_pipeline"), [(1, 16, False), (3, 16, True), (2, 32, False)]
+)
+def test_paged_decode_reads_the_block_table(splits: int, block_n: int, reg_pipeline: bool) -> None:
+    """The kernel over the block table (one block id per page of a tile; a negative block and
+    one past the cache mid-request masked) equals the reference over the flat ids, tiles of 16
+    and 32 keys spanning several pages of 4, split or not."""
+    batch = _BlockTableBatch(heads=4, dtype=torch.float16)
+    config = DecodeLaunchConfig(
+        block_m=16, block_n=block_n, num_warps=4, num_stages=1, num_splits=splits, reg_pipeline=reg_pipeline
+    )
+    want = batch.run(REF.paged_mqa_decode, block_table=False)
+    _assert_close(batch.run(paged_decode, block_table=True, config=config), want)
+    _assert_close(batch.run(REF.paged_mqa_decode, block_table=True), want)
+
+
+def test_scheduled_decode_reads_the_block_table() -> None:
+    batch = _BlockTableBatch(heads=3, dtype=torch.float32)
+    num_requests = len(batch.qlens)
+    schedule = allocate_schedule(
+        max_batch=num_requests, max_kernel_qlen=4, kernel_heads=3, kv_lora_rank=32, num_sms=3, device=DEVICE
+    )
+    schedule.min_chunk = 16
+    TRITON.plan_decode_schedule(
+        PlanDecodeScheduleCall(
+            schedule=schedule, qo_indptr=batch.qo_indptr, kv_indptr=batch.kv_indptr,
+            batch_size=num_requests, kernel_qlen=4, uniform_qlen=False,
+        )
+    )  # fmt: skip
+    want = batch.run(REF.paged_mqa_decode, block_table=False)
+    _assert_close(batch.run(TRITON.paged_mqa_decode, block_table=True, schedule=schedule), want)
+
+
+def test_small_head_rows_read_their_requests_block_table_rows() -> None:
+    """Verify rows as the small-head contract takes them on a block-table provider: a row map
+    (row -> request, row's key count) over the block table, no per-row token list."""
+    batch = _BlockTableBatch(heads=2, dtype=torch.float16)
+    row_request = torch.tensor([2, 2, 2, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+    windows = [68, 69, 70, 37, 4, 0]  # prefixes of their requests' keys (the last: graph padding)
+    seq_info = _indptr(windows)
+    flat = torch.cat(
+        [
+            batch.kv_indices[int(batch.kv_indptr[r]) :][:w]
+            for r, w in zip(row_request.tolist(), windows, strict=True)
+        ]
+    )
+    q = torch.randn(len(windows), 2, 48, generator=torch.Generator().manual_seed(1)).half().to(DEVICE)
+    results = []
+    for provider, table in ((TRITON, True), (REF, True), (REF, False)):
+        out, lse = _poisoned(len(windows), 2, 32, torch.float16)
+        provider.small_head_decode(
+            SmallHeadDecodeCall(
+                q_nope=q[..., :32], q_pe=q[..., 32:], kv_cache=batch.cache,
+                page_table=None if table else flat, seq_info=seq_info, out=out, lse=lse, max_seqlen_k=80,
+                page_size=batch.page, softmax_scale=0.25, kv_scale=None,
+                block_table=batch.table if table else None, row_request=row_request if table else None,
+            )
+        )  # fmt: skip
+        results.append((out, lse))
+    _assert_close(results[0], results[2])
+    _assert_close(results[1], results[2])
+    assert bool(torch.isneginf(results[0][1][5]).all())
+
+
 def test_merge_states_with_empty_rows_and_alias() -> None:
     gen = torch.Generator().manual_seed(5)
     o_a = torch.randn(6, 3, 40, generator=gen).to(DEVICE)

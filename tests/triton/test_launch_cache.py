@@ -63,6 +63,7 @@ def fill_args(
     num_blocks: int | None = 512,
     block_size: int = 16,
     copy_qo: bool = True,
+    write_ids: bool = True,
 ) -> tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]:
     """``(grid, args, kwargs)`` of one fill launch; ``offset`` elements shift the tensors' start
     (an offset of 1 makes them 4 or 8 bytes off 16-byte alignment)."""
@@ -84,13 +85,15 @@ def fill_args(
         num_blocks or 1,
         qsl if copy_qo else seq_lens,
     )
-    args += (qo if copy_qo else seq_lens,)
+    args += (qo if copy_qo else seq_lens, torch.zeros(1, dtype=torch.int32))
     kwargs = {
         "BLOCK_SIZE": block_size,
         "BLOCK": 1024,
         "BLOCK_B": 128,
         "CHECK_BLOCKS": num_blocks is not None,
         "COPY_QO": copy_qo,
+        "WRITE_IDS": write_ids,
+        "COUNT": True,
         "num_warps": 4,
     }
     return (batch, max(1, -(-max_len // 1024))), args, kwargs
@@ -111,6 +114,7 @@ FILL_CASES: list[dict[str, Any]] = [
     {"batch": 2, "max_len": 1 << 31},
     {"batch": 7, "block_size": 1},
     {"batch": 7, "block_size": 64, "copy_qo": False},
+    {"batch": 6, "write_ids": False},
     {"batch": 128},
 ]
 
@@ -126,12 +130,13 @@ def test_cached_fill_launches_tritons_kernel_with_the_same_arguments(driver: Sta
         cached = driver.launches[-1]
         kernel[grid](*args, **kwargs)
         assert same_launch(cached, driver.launches[-1]), case
-    # One launch through Triton per specialization, every other one cached: the cases make 8
+    # One launch through Triton per specialization, every other one cached: the cases make 9
     # kernels (int32 lens aligned/not, int64 lens aligned/not, no clamp, an i64 max_len, block
-    # sizes 1 and 64), and the cache's keys split them no further.
-    assert len(kernel.device_caches[0][0]) == 8
-    assert cache.slow_launches == 8
-    assert cache.fast_launches == 2 * len(FILL_CASES) - 8
+    # sizes 1 and 64, the indptr-only fill of block-table providers), and the cache's keys
+    # split them no further.
+    assert len(kernel.device_caches[0][0]) == 9
+    assert cache.slow_launches == 9
+    assert cache.fast_launches == 2 * len(FILL_CASES) - 9
 
 
 @needs_verified_triton

@@ -331,9 +331,12 @@ class MetadataBuilder:
             req = torch.searchsorted(cu[1:], pos, right=True)
             position = _to_device(starts[req] + pos - cu[req], be.device)
             blocks = block_table[_to_device(req, be.device), position // bs].to(torch.int64)
+            token_ids = flat_token_ids(blocks, position, bs, be.cache.num_blocks)
+            # Context tokens outside the cache are masked by expand_context and counted here.
+            be.invalid_count.add_((token_ids < 0).sum().to(torch.int32).reshape(1))
             chunks.append(
                 ContextChunk(
-                    token_indices=flat_token_ids(blocks, position, bs, be.cache.num_blocks).to(torch.int32),
+                    token_indices=token_ids.to(torch.int32),
                     cu_seqlens_k=_to_device(cu.to(torch.int32), be.device),
                     max_seqlen_k=int(counts.max()),
                     num_tokens=total,

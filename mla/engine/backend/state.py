@@ -135,9 +135,14 @@ class BackendState:
         self.sparse_buffers: SparseBuffers | None = None
         self.indexer: IndexerStrategy | None = None
         self.sparse_strategies: dict[str, SparseStrategy[Any]] = {}
+        self.invalid_count = torch.zeros(1, dtype=torch.int32, device=self.device)
+        """int32 ``[1]`` device counter of the keys masked because they pointed outside the cache
+        (:meth:`invalid_index_count`): the sparse slot conversion and the dense page fill both
+        add to it."""
         if dims.is_sparse:
             self.indexer = self._make_indexer(indexer, indexer_strategy)
             self.sparse_buffers = SparseBuffers.allocate(self.setup)
+            self.invalid_count = self.sparse_buffers.invalid_count
         elif indexer is not None or indexer_strategy is not None:
             raise InvalidInputError(
                 "indexer",
@@ -178,7 +183,7 @@ class BackendState:
     def index_buffers(self) -> DecodeIndexBuffers:
         """The dense decode strategies' shared page-index buffers (allocated on first use)."""
         if self._index_buffers is None:
-            self._index_buffers = DecodeIndexBuffers.allocate(self.setup)
+            self._index_buffers = DecodeIndexBuffers.allocate(self.setup, self.invalid_count)
         return self._index_buffers
 
     def _make_indexer(
@@ -422,12 +427,15 @@ class BackendState:
         self.indexer.write_keys(keys, index_cache, slot_mapping)
 
     def invalid_index_count(self) -> int:
-        """Top-k entries masked since the backend was made because they pointed outside their
-        row's causal window, the block table or the cache (reads one device int: a sync; call
-        it between steps, e.g. in a health check). Always 0 for a dense model."""
-        if self.sparse_buffers is None:
-            return 0
-        return int(self.sparse_buffers.invalid_count.item())
+        """Keys masked since the backend was made because they pointed outside the cache (reads
+        one device int: a sync; call it between steps, e.g. in a health check).
+
+        A sparse model counts top-k entries outside their row's causal window, the block table
+        or the cache (at each layer's slot conversion). A dense model counts, once per build,
+        the decode keys (positions below a request's length) and the prefill's cached-context
+        tokens whose block id is negative or past ``KVCacheSpec.num_blocks`` (when given): the
+        kernels mask those keys, never clamp them into another block."""
+        return int(self.invalid_count.item())
 
     def hold(self, call: str) -> bool:
         """Take :attr:`in_use` for an eager ``call`` (the caller releases it when this returns

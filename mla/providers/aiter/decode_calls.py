@@ -72,6 +72,12 @@ def kernel_query(
     return q8.contiguous(), scale.reshape(1)
 
 
+_FLAT_IDS = (
+    "aiter's decode kernels read flat per-token ids (page size 1), not a block table: its "
+    "capability record says decode_reads_block_table=False, so the builder expands the table"
+)
+
+
 def paged_decode(
     aiter: Any,
     probes: AiterProbes,
@@ -80,6 +86,8 @@ def paged_decode(
 ) -> None:
     """``mla_decode_fwd`` over the flat cache for ``call`` (the :meth:`KernelProvider.paged_mqa_decode`
     contract); ``page_lens_ones(batch, device)`` gives int32 ones when no schedule is passed."""
+    if call.kv_indices is None:
+        raise PlanMismatchError(_FLAT_IDS)
     q, kv_cache, out, lse, kv_scale = call.q, call.kv_cache, call.out, call.lse, call.kv_scale
     qo_indptr, kv_indptr, max_qlen = call.qo_indptr, call.kv_indptr, call.max_qlen
     rows, heads, width = q.shape
@@ -208,6 +216,8 @@ def plan_schedule(aiter: Any, call: PlanDecodeScheduleCall) -> None:
 
 def small_head_decode(probes: AiterProbes, call: SmallHeadDecodeCall) -> None:
     """The Gluon small-head kernel (``mla_gluon`` or ``mla_decode_gluon``) for ``call``."""
+    if call.page_table is None:
+        raise PlanMismatchError(_FLAT_IDS)
     q_nope, q_pe, out, lse, kv_scale = call.q_nope, call.q_pe, call.out, call.lse, call.kv_scale
     gluon = probes.gluon_fn
     if gluon is None:

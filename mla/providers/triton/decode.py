@@ -12,7 +12,11 @@ One kernel serves every decode contract of the provider:
 
 A program owns one (request, KV range) work item and ``BLOCK_M`` packed query rows
 (``row = qi·H + h``), so verify rows and small head counts share the MMA M dimension instead of
-padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows by flat token id, computes
+padding heads. Per KV tile it gathers ``BLOCK_N`` cache rows, found either through the engine's
+block table (``PAGE_SIZE > 0``: position ``p`` of the request is row ``table[b, p // PAGE_SIZE]
+* PAGE_SIZE + p % PAGE_SIZE``, one block id per page of the tile, a block outside the cache
+masked; ``ROW_MAP``: a small-head verify row reads its request's table row) or by flat token id
+(the per-token view the gluon provider's fallback hands it), computes
 ``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` (two dots), an online softmax in the exp2 domain, and
 ``O += P·K_lat`` (V is the latent part of the same tile, loaded once). fp8 caches are loaded as
 fp8 and widened to the dot dtype in registers; the per-tensor scale (read from its device tensor)
@@ -40,11 +44,20 @@ from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_conf
 
 
 @triton.jit
-def _load_tile_ids(index_base, n0, hi, offs_n, num_rows):
+def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr):
     """Flat token ids of KV positions ``n0 + offs_n`` (int64): -1 past ``hi`` and for an id
     outside the cache's ``num_rows`` rows (the fill's -1 mark, or a block past the cache), which
-    the tile loads and the softmax mask: such a key reads no memory and counts for nothing."""
+    the tile loads and the softmax mask: such a key reads no memory and counts for nothing.
+
+    ``PAGE_SIZE > 0``: ``index_base`` is the request's block-table row and position ``n`` is row
+    ``block * PAGE_SIZE + n % PAGE_SIZE`` of block ``index_base[n // PAGE_SIZE]`` (the lanes of
+    one page load the same id: one block-table read per page run of the tile); a block outside
+    ``[0, num_rows // PAGE_SIZE)`` is masked, never clamped."""
     n = n0 + offs_n
+    if PAGE_SIZE > 0:
+        block = tl.load(index_base + n // PAGE_SIZE, mask=n < hi, other=-1).to(tl.int64)
+        inside = (block >= 0) & (block < num_rows // PAGE_SIZE)
+        return tl.where(inside, block * PAGE_SIZE + n % PAGE_SIZE, -1)
     tok = tl.load(index_base + n, mask=n < hi, other=-1).to(tl.int64)
     return tl.where((tok >= 0) & (tok < num_rows), tok, -1)
 
@@ -98,7 +111,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "stride_bt"])
 def _mla_decode_kernel(
     q_nope_ptr,
     q_pe_ptr,
@@ -130,6 +143,8 @@ def _mla_decode_kernel(
     qk_scale,
     kv_scale_ptr,
     num_rows,
+    stride_bt,
+    row_request_ptr,
     H: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -145,6 +160,8 @@ def _mla_decode_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     REG_PIPELINE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    ROW_MAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rb = pid % ROW_BLOCKS
@@ -205,18 +222,26 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    index_base = kv_indices_ptr + kv_start
+    if PAGE_SIZE > 0:
+        # Block-table keys: the request's (or, ROW_MAP, the row's request's) table row.
+        if ROW_MAP:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+            table_row = tl.load(row_request_ptr + req).to(tl.int64)
+        else:
+            table_row = req.to(tl.int64)
+        index_base = kv_indices_ptr + table_row * stride_bt
+    else:
+        index_base = kv_indices_ptr + kv_start
     if REG_PIPELINE:
         # Hand-pipelined: the next tile's rows are loaded into registers before this tile is
         # computed (Triton's cp.async pipeliner does not take fp8 tiles that are widened
         # before the dots), and token ids run one tile further ahead.
-        tok = _load_tile_ids(index_base, lo, hi, offs_n, num_rows)
-        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows)
+        tok = _load_tile_ids(index_base, lo, hi, offs_n, num_rows, PAGE_SIZE)
+        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE)
         k_lat, k_rope = _load_kv_tile(
             kv_ptr, tok, lo, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
         )  # fmt: skip
         for n0 in range(lo, hi, BLOCK_N):
-            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows)
+            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE)
             k_lat_next, k_rope_next = _load_kv_tile(
                 kv_ptr, tok_next, n0 + BLOCK_N, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R
             )
@@ -227,7 +252,7 @@ def _mla_decode_kernel(
             k_lat, k_rope, tok, tok_next = k_lat_next, k_rope_next, tok_next, tok_after
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            tok = _load_tile_ids(index_base, n0, hi, offs_n, num_rows)
+            tok = _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE)
             k_lat, k_rope = _load_kv_tile(
                 kv_ptr, tok, n0, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
             )  # fmt: skip
@@ -279,6 +304,10 @@ def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
     operands' contract). Non-persistent when ``inputs.schedule is None`` (``config.num_splits``
     splits per request); ``lse is None``: the final LSE is not stored."""
     dot_dtype, precision = _dot_dtype(inputs.q_nope.dtype, inputs.kv_cache.dtype)
+    blocks = inputs.blocks
+    # Block-table keys: the table's row stride and page size; the rows' requests (verify rows).
+    stride_bt = inputs.kv_indices.stride(0) if blocks is not None else 0
+    row_request = blocks.row_request if blocks is not None else None
 
     def launch(decode: DecodeLaunch) -> bool:
         rank, rope = decode.inputs.q_nope.shape[2], decode.inputs.q_pe.shape[2]
@@ -287,6 +316,8 @@ def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
             *decode.scalars(),
             decode.kv_scale,
             decode.num_rows,
+            stride_bt,
+            row_request if row_request is not None else decode.inputs.kv_indptr,
             **decode.constexprs(),
             BLOCK_L=max(16, triton.next_power_of_2(rank)),
             BLOCK_R=max(16, triton.next_power_of_2(rope)),
@@ -296,6 +327,8 @@ def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=precision,
             REG_PIPELINE=config.reg_pipeline,
+            PAGE_SIZE=blocks.page_size if blocks is not None else 0,
+            ROW_MAP=row_request is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -308,7 +341,7 @@ def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = N
     """Paged MQA decode (the ``paged-decode`` contract; ``call.schedule`` selects the persistent
     path, which takes a :class:`~mla.providers.split_kv.SplitKVSchedule`). ``config`` overrides the
     heuristic (benchmarks)."""
-    inputs = DecodeInputs.paged(call, provider="triton")
+    inputs = DecodeInputs.paged(call, provider="triton", block_table=True)
     if config is None:
         config = decode_launch_config(
             batch=inputs.num_requests,

@@ -21,8 +21,12 @@ Contract of the operands (:class:`DecodeInputs`): q_nope ``[T, H, L]`` / q_pe ``
 (strided views allowed, last dim contiguous), flat cache ``[N_tok, L+R]`` (16-bit, or fp8 with
 ``kv_scale``, a float32 ``[1]`` device tensor), int32 ``kv_indptr`` / ``kv_indices`` /
 ``qo_indptr`` on the device (``qo_indptr=None``: row ``b`` of q is request ``b`` with qlen 1),
-out ``[T, H, L]``, lse ``[T, H]`` float32 or ``None`` (not written). Everything is
-graph-capturable: grids come from shapes and Python ints, never from tensor values.
+out ``[T, H, L]``, lse ``[T, H]`` float32 or ``None`` (not written). ``kv_indices`` is the flat
+per-token view, or, when :attr:`DecodeInputs.blocks` is set, the engine's block table
+``[B, max_blocks]`` (only launch functions that read a block table take such inputs: the
+Triton kernel; :meth:`DecodeInputs.paged` and :meth:`DecodeInputs.small_head` refuse them for
+the others). Everything is graph-capturable: grids come from shapes and Python ints, never
+from tensor values.
 
 The per-launch records are named tuples, not attrs records: a decode launch is on the engine's
 per-step path, where their construction costs a fraction of a microsecond.
@@ -35,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from mla.core.errors import PlanMismatchError
+from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton.merge import launch_merge, split_work
@@ -61,6 +65,17 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
+class BlockTableKeys(NamedTuple):
+    """How a kernel finds keys in a block table (:attr:`DecodeInputs.kv_indices` is the table):
+    position ``p`` of work request ``r`` is cache row ``table[row, p // page_size] * page_size
+    + p % page_size`` with ``row = row_request[r]`` (``row = r`` without ``row_request``); a
+    block id outside ``[0, N_tok // page_size)`` is masked."""
+
+    page_size: int
+    row_request: torch.Tensor | None
+    """int32 ``[T]`` block-table row per query row (small-head verify rows), or ``None``."""
+
+
 class DecodeInputs(NamedTuple):
     """The operands of one decode launch (see the module docstring for the contract), from
     either decode contract: :meth:`paged` or :meth:`small_head`."""
@@ -81,33 +96,45 @@ class DecodeInputs(NamedTuple):
     lse: torch.Tensor | None
     schedule: SplitKVSchedule | None
     """The planned split-KV schedule (persistent), or ``None`` (non-persistent)."""
+    blocks: BlockTableKeys | None = None
+    """``kv_indices`` is a block table read this way, or ``None``: flat per-token ids."""
 
     @classmethod
-    def paged(cls, call: PagedDecodeCall, *, provider: str) -> DecodeInputs:
+    def paged(cls, call: PagedDecodeCall, *, provider: str, block_table: bool = False) -> DecodeInputs:
         """The ``paged-decode`` contract's operands; ``call.schedule`` must be a
         :class:`~mla.providers.split_kv.SplitKVSchedule` (:class:`PlanMismatchError` naming
-        ``provider`` otherwise)."""
+        ``provider`` otherwise). ``block_table``: the caller's kernel reads a block table
+        (a call with ``block_table`` raises :class:`PlanMismatchError` otherwise)."""
         schedule = call.schedule
         if schedule is not None and not isinstance(schedule, SplitKVSchedule):
             raise PlanMismatchError(
                 f"the {provider} provider takes a SplitKVSchedule, got {type(schedule).__name__}"
             )
+        indices, blocks = _key_operands(
+            call.kv_indices, call.block_table, None, call.page_size, provider, block_table
+        )
         q, rank = call.q, call.out.shape[-1]
         return cls(
-            q[..., :rank], q[..., rank:], call.kv_cache, call.kv_indptr, call.kv_indices, call.qo_indptr,
+            q[..., :rank], q[..., rank:], call.kv_cache, call.kv_indptr, indices, call.qo_indptr,
             call.qo_indptr.numel() - 1, call.max_qlen, call.max_seqlen_k, call.softmax_scale, call.kv_scale,
-            call.out, call.lse, schedule,
+            call.out, call.lse, schedule, blocks,
         )  # fmt: skip
 
     @classmethod
-    def small_head(cls, call: SmallHeadDecodeCall) -> DecodeInputs:
+    def small_head(
+        cls, call: SmallHeadDecodeCall, *, provider: str = "calling", block_table: bool = False
+    ) -> DecodeInputs:
         """The ``small-head-decode`` contract's operands: row ``t`` of q is a qlen-1 request
-        over ``page_table[seq_info[t] : seq_info[t+1]]``."""
+        over its ``seq_info[t+1] - seq_info[t]`` keys (``page_table[seq_info[t]:]``, or its
+        block-table row when the caller's kernel reads one: ``block_table``)."""
         rows = call.q_nope.shape[0]
+        indices, blocks = _key_operands(
+            call.page_table, call.block_table, call.row_request, call.page_size, provider, block_table
+        )
         return cls(
             _last_dim_contiguous(call.q_nope), _last_dim_contiguous(call.q_pe), call.kv_cache, call.seq_info,
-            call.page_table, None, rows, 1, call.max_seqlen_k, call.softmax_scale, call.kv_scale, call.out,
-            call.lse, None,
+            indices, None, rows, 1, call.max_seqlen_k, call.softmax_scale, call.kv_scale, call.out,
+            call.lse, None, blocks,
         )  # fmt: skip
 
     @property
@@ -119,6 +146,29 @@ class DecodeInputs(NamedTuple):
     def kv_fp8(self) -> bool:
         """Whether the cache is one of the fp8 formats the kernels widen (one byte per value)."""
         return self.kv_cache.element_size() == 1
+
+
+def _key_operands(
+    ids: torch.Tensor | None,
+    table: torch.Tensor | None,
+    row_request: torch.Tensor | None,
+    page_size: int,
+    provider: str,
+    reads_table: bool,
+) -> tuple[torch.Tensor, BlockTableKeys | None]:
+    """The key-index operand of a call and how to read it: the flat ids, or the block table."""
+    if table is None:
+        if ids is None:
+            raise PlanMismatchError(f"the {provider} provider got a decode call with no key indices")
+        return ids, None
+    if not reads_table:
+        raise PlanMismatchError(
+            f"the {provider} provider's decode kernels read flat per-token ids, not a block table "
+            "(its capability record says decode_reads_block_table=False)"
+        )
+    if table.stride(-1) != 1:
+        raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
+    return table, BlockTableKeys(page_size, row_request)
 
 
 class DecodeLaunch(NamedTuple):
@@ -145,8 +195,9 @@ class DecodeLaunch(NamedTuple):
     part_lse: torch.Tensor
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The leading pointer operands: q_nope, q_pe, kv cache, kv_indptr, kv_indices,
-        qo_indptr, work_info, split_indptr, out, lse, part_o, part_lse."""
+        """The leading pointer operands: q_nope, q_pe, kv cache, kv_indptr, kv_indices (the
+        block table when :attr:`DecodeInputs.blocks` is set), qo_indptr, work_info,
+        split_indptr, out, lse, part_o, part_lse."""
         x = self.inputs
         return (
             x.q_nope, x.q_pe, x.kv_cache, x.kv_indptr, x.kv_indices, self.qo, self.work_info,
@@ -235,6 +286,7 @@ __all__ = [
     "LOG2E",
     "MODE_SCHEDULED",
     "MODE_SPLIT",
+    "BlockTableKeys",
     "DecodeInputs",
     "DecodeLaunch",
     "KernelLaunch",

@@ -141,6 +141,8 @@ class TritonProvider(KernelProvider):
             # Non-persistent measured as fast or faster on every case but one long request
             # (docs/performance.md, "Kernel choices").
             persistent_decode_preferred=False,
+            # The decode kernel reads block ids from the engine's block table (one per page).
+            decode_reads_block_table=True,
         )
 
     def describe_probes(self) -> dict[str, object]:

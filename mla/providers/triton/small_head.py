@@ -20,7 +20,7 @@ from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_conf
 def small_head_decode(call: SmallHeadDecodeCall, *, config: DecodeLaunchConfig | None = None) -> None:
     """Small-head decode (the ``small-head-decode`` contract); ``config`` overrides the launch
     heuristic (benchmarks)."""
-    inputs = DecodeInputs.small_head(call)
+    inputs = DecodeInputs.small_head(call, provider="triton", block_table=True)
     if config is None:
         config = decode_launch_config(
             batch=inputs.num_requests,

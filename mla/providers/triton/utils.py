@@ -199,16 +199,20 @@ def _fill_page_indices_kernel(
     num_blocks,
     qsl_ptr,
     qo_ptr,
+    count_ptr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     CHECK_BLOCKS: tl.constexpr,
     COPY_QO: tl.constexpr,
+    WRITE_IDS: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """Program (request ``b``, chunk ``c``): sum the clamped lengths of requests ``< b`` (its
     start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids (-1 outside the cache) of tokens
-    ``c*BLOCK .. (c+1)*BLOCK`` of request ``b``; chunk 0 also copies ``qsl[b+1]`` to
-    ``qo[b+1]`` (``COPY_QO``)."""
+    ``c*BLOCK .. (c+1)*BLOCK`` of request ``b`` (``WRITE_IDS``; without it the chunk is
+    ``BLOCK`` pages and writes no id); chunk 0 also copies ``qsl[b+1]`` to ``qo[b+1]``
+    (``COPY_QO``). ``COUNT``: the chunk's tokens outside the cache are added to ``count``."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs_b = tl.arange(0, BLOCK_B)
@@ -226,17 +230,31 @@ def _fill_page_indices_kernel(
             tl.store(qo_ptr + b + 1, tl.load(qsl_ptr + b + 1).to(tl.int32))
             if b == 0:
                 tl.store(qo_ptr, tl.load(qsl_ptr).to(tl.int32))
-    t = c * BLOCK + tl.arange(0, BLOCK)
-    ok = t < length
-    block = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + t // BLOCK_SIZE, mask=ok, other=0)
-    block = block.to(tl.int64)
-    value = block * BLOCK_SIZE + t % BLOCK_SIZE
-    # Block ids outside the cache are marked -1 (the kernels mask it): negative, past
-    # ``num_blocks`` (``CHECK_BLOCKS``) or past an int32 id.
-    inside = (block >= 0) & (value <= 2147483647)
-    if CHECK_BLOCKS:
-        inside = inside & (block < num_blocks)
-    tl.store(out_ptr + start + t, tl.where(inside, value, -1).to(tl.int32), mask=ok)
+    row = block_table_ptr + b.to(tl.int64) * stride_bt
+    if WRITE_IDS:
+        t = c * BLOCK + tl.arange(0, BLOCK)
+        ok = t < length
+        block = tl.load(row + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        value = block * BLOCK_SIZE + t % BLOCK_SIZE
+        # Block ids outside the cache are marked -1 (the kernels mask it): negative, past
+        # ``num_blocks`` (``CHECK_BLOCKS``) or past an int32 id.
+        inside = (block >= 0) & (value <= 2147483647)
+        if CHECK_BLOCKS:
+            inside = inside & (block < num_blocks)
+        tl.store(out_ptr + start + t, tl.where(inside, value, -1).to(tl.int32), mask=ok)
+        bad = tl.sum((ok & ~inside).to(tl.int32), 0)
+    else:
+        # One block id per page: the tokens of an outside page are counted, nothing is written.
+        page = c * BLOCK + tl.arange(0, BLOCK)
+        in_page = tl.minimum(tl.maximum(length - page.to(tl.int64) * BLOCK_SIZE, 0), BLOCK_SIZE)
+        block = tl.load(row + page, mask=in_page > 0, other=0).to(tl.int64)
+        outside = block < 0
+        if CHECK_BLOCKS:
+            outside = outside | (block >= num_blocks)
+        bad = tl.sum(tl.where(outside, in_page, 0), 0).to(tl.int32)
+    if COUNT:  # noqa: SIM102 (a constexpr branch around a run-time one)
+        if bad > 0:
+            tl.atomic_add(count_ptr, bad)
 
 
 FILL_LAUNCH = LaunchCache(_fill_page_indices_kernel)
@@ -252,6 +270,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
     if call.compact:  # (a per-request count of the kept tokens first: the torch form's scans)
         torch_fill_page_indices(call)
         return
+    write_ids = call.kv_indices is not None
     block_table, seq_lens, qsl, qo = call.block_table, call.seq_lens, call.query_start_loc, call.qo_indptr
     num_requests = seq_lens.numel()
     copy_qo = qsl is not None and qo is not None
@@ -263,25 +282,29 @@ def fill_page_indices(call: FillPagesCall) -> None:
     strides = block_table.stride()
     if strides[-1] != 1:
         raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
-    block, max_len, num_blocks = 1024, call.max_len, call.num_blocks
-    chunks = -(-max_len // block)
+    block, max_len, num_blocks, count = 1024, call.max_len, call.num_blocks, call.invalid_count
+    units = max_len if write_ids else -(-max_len // call.block_size)  # tokens, or pages
+    chunks = -(-units // block)
     FILL_LAUNCH.launch(
         (num_requests, chunks if chunks > 1 else 1),
         seq_lens,
         block_table,
         call.kv_indptr,
-        call.kv_indices,
+        call.kv_indices if call.kv_indices is not None else seq_lens,
         num_requests,
         strides[0],
         max_len,
         num_blocks or 1,
         qsl if copy_qo else seq_lens,
         qo if copy_qo else seq_lens,
+        count if count is not None else seq_lens,
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
         BLOCK_B=128,
         CHECK_BLOCKS=num_blocks is not None,
         COPY_QO=copy_qo,
+        WRITE_IDS=write_ids,
+        COUNT=count is not None,
         num_warps=4,
     )
 
