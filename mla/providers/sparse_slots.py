@@ -27,4 +27,3 @@ def sparse_slots(call: SparseSlotsCall) -> None:
     slots.copy_(torch.where(valid, flat, -1).to(slots.dtype))
     bad = (~valid & (positions != -1)).sum(dtype=torch.int32)
     call.invalid_count.add_(bad.reshape(1))
-

@@ -212,9 +212,7 @@ def fill_page_indices(call: FillPagesCall) -> None:
             call.invalid_count.add_(outside_page_tokens(table, lens, bs, max_len, call.num_blocks))
         return
     position = torch.arange(max_len, device=table.device)
-    tokens = flat_token_ids(
-        table.index_select(1, position // bs), position, bs, call.num_blocks
-    )
+    tokens = flat_token_ids(table.index_select(1, position // bs), position, bs, call.num_blocks)
     # Lanes past a request's length write the scratch entry.
     scratch = call.kv_indices.numel() - 1
     live = position < lens[:, None]

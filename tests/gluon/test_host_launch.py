@@ -29,12 +29,12 @@ SCRIPT = textwrap.dedent(
     from mla.providers.gluon.provider import GluonProvider
     from mla.providers.gluon.planner import GluonKernel, GluonLaunchConfig
     from mla.providers.split_kv import SplitKVSchedule
-    from mla.providers.triton.decode_launch import DecodeInputs
+    from mla.providers.triton.decode_launch import BlockTableKeys, DecodeInputs
     from mla.testing.triton_driver import stand_in_driver
 
     RANK, ROPE = 512, 64
 
-    def launch(heads, qlens, lens, fp8, config, scheduled=False):
+    def launch(heads, qlens, lens, fp8, config, scheduled=False, table=False):
         tokens = sum(qlens)
         q = torch.zeros(tokens, heads, RANK + ROPE, dtype=torch.bfloat16)
         cache = torch.zeros(sum(lens) + 64, RANK + ROPE,
@@ -44,13 +44,17 @@ SCRIPT = textwrap.dedent(
             schedule = SplitKVSchedule.allocate(
                 max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads,
                 kv_lora_rank=RANK, num_units=8, device=torch.device("cpu"))
+        # table: the keys through a [B, max_blocks] block table of 64-token pages.
+        keys = (torch.zeros(len(lens), -(-max(lens) // 64), dtype=torch.int32) if table
+                else torch.zeros(sum(lens), dtype=torch.int32))
         inputs = DecodeInputs(
             q[..., :RANK], q[..., RANK:], cache,
             torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-            torch.zeros(sum(lens), dtype=torch.int32),
+            keys,
             torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32),
             len(lens), max(qlens), max(lens), 0.07, torch.ones(1) if fp8 else None,
-            torch.zeros(tokens, heads, RANK, dtype=torch.bfloat16), torch.zeros(tokens, heads), schedule)
+            torch.zeros(tokens, heads, RANK, dtype=torch.bfloat16), torch.zeros(tokens, heads), schedule,
+            BlockTableKeys(64, None) if table else None)
         launch_gluon_decode(inputs, config)
 
     cases = {
@@ -79,6 +83,18 @@ SCRIPT = textwrap.dedent(
         ),
         "dual-fp8-scheduled": (
             16, [1, 1], [300, 70], True, GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL), True
+        ),
+        # Keys through the block table (the engine's paged decode on the gluon provider).
+        "table-few16-bf16-split2": (
+            16, [1, 1], [300, 70], False, GluonLaunchConfig(row_tile=16, num_splits=2), False, True
+        ),
+        "table-row64-fp8-direct": (128, [1, 1], [300, 70], True, GluonLaunchConfig(), False, True),
+        "table-pingpong-bf16": (
+            16, [4, 4], [300, 70], False, GluonLaunchConfig(kernel=GluonKernel.PINGPONG), False, True
+        ),
+        "table-dual-fp8-split3": (
+            8, [1, 1, 1], [900, 5, 64], True,
+            GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL, num_splits=3), False, True
         ),
     }
     def sparse(heads, rows, kv_format):
@@ -147,6 +163,10 @@ DUAL = "mla_decode_dual_kernel"
         ("dual-fp8-direct", [DUAL]),
         ("dual-fp8-split3", [DUAL, MERGE]),
         ("dual-fp8-scheduled", [DUAL, MERGE]),
+        ("table-few16-bf16-split2", [DECODE_ROWS, MERGE]),
+        ("table-row64-fp8-direct", [DECODE_64]),
+        ("table-pingpong-bf16", ["mla_decode_pingpong_kernel"]),
+        ("table-dual-fp8-split3", [DUAL, MERGE]),
         # Sparse attention: each query row a qlen-1 request over its 2048 slots; fp8_ds_mla rows
         # dequantized by their tile scales in the few-rows (16, 32 rows) or 64-row kernel. 4 rows
         # on the 8 SMs the CPU reports split their slot lists in two.

@@ -81,8 +81,8 @@ def kv_ds_mla(inputs: DecodeInputs) -> bool:
 
 
 def _constexprs(decode: DecodeLaunch, config: GluonLaunchConfig) -> dict[str, int | bool]:
-    """The shared constexprs plus the KV tile every Gluon kernel takes."""
-    return {**decode.constexprs(), "BLOCK_N": config.block_n}
+    """The shared constexprs (the key operand's too) plus the KV tile every Gluon kernel takes."""
+    return {**decode.constexprs(), **decode.key_constexprs(), "BLOCK_N": config.block_n}
 
 
 def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
@@ -94,7 +94,7 @@ def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     mla_decode_rows_kernel[decode.grid](
         # Without a fold the kernel never reads barrier_ptr: any device pointer will do.
         *decode.tensors(), decode.kv_scale, words if folds else decode.kv_scale, *decode.scalars(),
-        decode.num_rows, **_constexprs(decode, config), NUM_STAGES=config.num_stages,
+        *decode.key_operands(), **_constexprs(decode, config), NUM_STAGES=config.num_stages,
         KV_FP8=decode.inputs.kv_fp8, KV_DS_MLA=kv_ds_mla(decode.inputs), NR=config.row_tile,
         FOLD_SPLITS=config.num_splits if folds else 0,
         num_warps=4 if config.row_tile < BLOCK_M else 8, launch_cooperative_grid=folds,
@@ -105,7 +105,7 @@ def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
 def _launch_row64(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     """The 64-row kernel (8 warps; 16-bit or fp8 caches; optionally overlapped MMAs)."""
     mla_decode_kernel[decode.grid](
-        *decode.tensors(), decode.kv_scale, *decode.scalars(), decode.num_rows,
+        *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NUM_STAGES=config.num_stages, KV_FP8=decode.inputs.kv_fp8,
         KV_DS_MLA=kv_ds_mla(decode.inputs), OVERLAP=config.overlap, num_warps=NUM_WARPS,
     )  # fmt: skip
@@ -115,7 +115,7 @@ def _launch_row64(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
 def _launch_pingpong(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     """The ping-pong kernel (64 rows of a 16-bit cache; the launch's warps are its loader)."""
     mla_decode_pingpong_kernel[decode.grid](
-        *decode.tensors(), decode.kv_scale, *decode.scalars(), decode.num_rows,
+        *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NUM_STAGES=config.num_stages, num_warps=PINGPONG_LOADER_WARPS.value,
     )  # fmt: skip
     return False
@@ -130,7 +130,7 @@ def _launch_dual(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     merge = x.out.new_empty(decode.grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
     boxes = _kv_box_descriptors(x.kv_cache, rank, config.block_n)
     mla_decode_dual_kernel[decode.grid](
-        *decode.tensors(), decode.kv_scale, merge, *boxes, *decode.scalars(), decode.num_rows,
+        *decode.tensors(), decode.kv_scale, merge, *boxes, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NR=config.row_tile, num_warps=DUAL_LOADER_WARPS.value,
     )  # fmt: skip
     return False
@@ -216,7 +216,7 @@ def paged_decode(call: PagedDecodeCall, *, config: GluonLaunchConfig | None = No
     """Paged MQA decode on the Gluon kernels (the ``paged-decode`` contract; ``call.schedule``
     selects the planned split-KV path and must be a :class:`~mla.providers.split_kv.SplitKVSchedule`).
     ``config`` overrides the launch heuristic (benchmarks)."""
-    inputs = DecodeInputs.paged(call, provider="gluon")
+    inputs = DecodeInputs.paged(call, provider="gluon", block_table=True)
     launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
 
 
@@ -233,7 +233,7 @@ def sparse_decode(call: SparseAttentionCall, *, config: GluonLaunchConfig | None
 def small_head_decode(call: SmallHeadDecodeCall, *, config: GluonLaunchConfig | None = None) -> None:
     """Small-head decode on the Gluon kernels: row ``t`` of q is an independent qlen-1 decode
     over ``page_table[seq_info[t] : seq_info[t+1]]`` (the paged kernels in unit-qlen mode)."""
-    inputs = DecodeInputs.small_head(call)
+    inputs = DecodeInputs.small_head(call, provider="gluon", block_table=True)
     launch_gluon_decode(inputs, config if config is not None else _auto_config(inputs))
 
 

@@ -98,6 +98,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla.providers.gluon.kernels import (
     _key_ok,
+    _key_operand,
     _paired_k,
     _query_to_smem,
     _row_info,
@@ -168,7 +169,7 @@ def _gather_tile(
 @gluon.jit
 def _loader(
     kv_ptr, lat_desc, rope_desc, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, landed, free,
-    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % SLOTS``
     once the tile before in it has been read, announced on ``landed[t % SLOTS]`` when the
@@ -183,12 +184,14 @@ def _loader(
     rows: gl.constexpr = gl.SliceLayout(1, box_ld)
     offs = gl.arange(0, BLOCK_N, layout=rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows)
-    idr, okr = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld))
+    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows, PAGE_SIZE)
+    idr, okr = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE)
     for t in range(n_tiles):
         w = t % SLOTS
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows)
-        nidr, nokr = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld))
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows, PAGE_SIZE)
+        nidr, nokr = _tile_ids(
+            index_base, lo, hi, t + 1, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE
+        )
         mbarrier.wait(free.index(w), (t // SLOTS) & 1)
         first = gl.min(ids, axis=0)
         # (a row whose id is outside the cache breaks the run: such a tile is gathered, that row
@@ -237,7 +240,7 @@ def _row_swizzled(box):
 @gluon.jit
 def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, NR: gl.constexpr, BLOCK_N: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
+    WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` from ring slot ``t % SLOTS`` (``Sᵀ = K·Qᵀ``
     and ``Oᵀ += Vᵀ·Pᵀ``, both with the fp8 tile widened in registers, and the softmax against a
@@ -276,7 +279,7 @@ def _mma_warpgroup(
     for t in range(W, n_tiles, 2):
         s = t % SLOTS
         n = t * BLOCK_N + lo + offs_n
-        key_ok = _key_ok(index_base, n, hi, num_rows)
+        key_ok = _key_ok(index_base, n, hi, num_rows, PAGE_SIZE)
         mbarrier.wait(landed.index(s), (t // SLOTS) & 1)
         a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)
         q_0 = q_nope_smem.slice(0, QK_CHUNK, dim=1).permute((1, 0))
@@ -449,6 +452,8 @@ def mla_decode_dual_kernel(
     stride_pl_q,
     sm_scale_log2,
     num_kv_rows,
+    stride_bt,
+    row_request_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -458,6 +463,8 @@ def mla_decode_dual_kernel(
     MODE: gl.constexpr,
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    ROW_MAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
@@ -521,7 +528,7 @@ def mla_decode_dual_kernel(
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     )  # fmt: skip
-    index_base = kv_indices_ptr + kv_start
+    index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
         outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_kv_rows,
@@ -532,11 +539,11 @@ def mla_decode_dual_kernel(
                 _loader,
                 (
                     kv_ptr, lat_desc, rope_desc, index_base, lo, hi, num_kv_rows, stride_kv, lat_ring,
-                    rope_ring, landed, free, L, R, BLOCK_N,
+                    rope_ring, landed, free, L, R, BLOCK_N, PAGE_SIZE,
                 ),
             ),
-            (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE)),
-            (_mma_warpgroup, (mma_args, 1, H, L, NR, BLOCK_N, WRITE_LSE)),
+            (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE, PAGE_SIZE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, NR, BLOCK_N, WRITE_LSE, PAGE_SIZE)),
         ],
         [4, 4],
         [MMA_REGS, MMA_REGS],

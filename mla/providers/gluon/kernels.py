@@ -127,12 +127,47 @@ def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.const
 
 
 @gluon.jit
-def _key_ok(index_base, n, hi, num_rows):
+def _key_operand(
+    kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE: gl.constexpr, ROW_MAP: gl.constexpr
+):
+    """Where work request ``req`` finds its keys (``index_base`` of the helpers below): its
+    slice ``kv_indices[kv_start:]`` of flat token ids (``PAGE_SIZE == 0``), or its block-table row
+    (``PAGE_SIZE > 0``: ``kv_indices`` is the table, ``stride_bt`` its row stride; ``ROW_MAP``: the
+    row of request ``row_request[req]``, a small-head verify row's)."""
+    if PAGE_SIZE > 0:
+        if ROW_MAP:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+            table_row = gl.load(row_request_ptr + req).to(gl.int64)
+        else:
+            table_row = req.to(gl.int64)
+        index_base = kv_indices_ptr + table_row * stride_bt
+    else:
+        index_base = kv_indices_ptr + kv_start
+    return index_base
+
+
+@gluon.jit
+def _token_ids(raw, n, num_rows, PAGE_SIZE: gl.constexpr):
+    """Cache row ids of key positions ``n`` from what the key operand holds for them (``raw``:
+    the flat ids, or with ``PAGE_SIZE > 0`` the block ids ``table[n // PAGE_SIZE]``) and whether each is
+    inside the cache (a block id outside ``[0, num_rows // PAGE_SIZE)``, or a flat id outside
+    ``[0, num_rows)``, is not: such a key is masked, never clamped into another block)."""
+    if PAGE_SIZE > 0:
+        ok = (raw >= 0) & (raw < num_rows // PAGE_SIZE)
+        ids = raw * PAGE_SIZE + n % PAGE_SIZE
+    else:
+        ok = (raw >= 0) & (raw < num_rows)
+        ids = raw
+    return ids, ok
+
+
+@gluon.jit
+def _key_ok(index_base, n, hi, num_rows, PAGE_SIZE: gl.constexpr = 0):
     """Whether the keys at positions ``n`` count: inside ``[.., hi)`` and with a token id inside
-    the cache (``0 <= id < num_rows``; an id outside it, e.g. the ``-1`` of a block id past the
+    the cache (:func:`_token_ids`; an id outside it, e.g. the ``-1`` of a block id past the
     cache, is masked like a position past ``hi``). Re-reads the ids the loads used (cached)."""
-    ids = gl.load(index_base + n, mask=n < hi, other=-1)
-    return (ids >= 0) & (ids < num_rows)
+    step: gl.constexpr = PAGE_SIZE if PAGE_SIZE > 0 else 1
+    raw = gl.load(index_base + n // step, mask=n < hi, other=-1)
+    return _token_ids(raw, n, num_rows, PAGE_SIZE)[1] & (n < hi)
 
 
 @gluon.jit
@@ -227,14 +262,18 @@ def _paired_k(x):
 
 
 @gluon.jit
-def _tile_ids(index_base, lo, hi, t, num_rows, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
-    """Flat token ids of tile ``t``'s rows of ``[lo, hi)`` (``ROWS``: the row slice of the copy
-    layout) and their validity (``< hi`` and an id inside the cache, ``< num_rows``; id 0 where
-    not valid, and such rows are never loaded). Shared by the warp-specialised kernels' loaders
-    (ping-pong and dual-chain)."""
+def _tile_ids(
+    index_base, lo, hi, t, num_rows, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr = 0
+):
+    """Cache row ids of tile ``t``'s rows of ``[lo, hi)`` (``ROWS``: the row slice of the copy
+    layout) and their validity (``< hi`` and an id inside the cache, :func:`_token_ids`; id 0
+    where not valid, and such rows are never loaded). Shared by the warp-specialised kernels'
+    loaders (ping-pong and dual-chain)."""
     n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
-    ids = gl.load(index_base + n, mask=n < hi, other=0)
-    ok = (n < hi) & (ids >= 0) & (ids < num_rows)
+    step: gl.constexpr = PAGE_SIZE if PAGE_SIZE > 0 else 1
+    raw = gl.load(index_base + n // step, mask=n < hi, other=-1)
+    ids, inside = _token_ids(raw, n, num_rows, PAGE_SIZE)
+    ok = (n < hi) & inside
     return gl.where(ok, ids, 0), ok
 
 
@@ -254,11 +293,24 @@ def _query_ptrs(
 
 @gluon.jit
 def _issue_ids(
-    index_base, idx_ring, j, lo, hi, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr, ID_LD: gl.constexpr
-):
-    """cp.async the flat token ids of tile ``j`` into id-ring slot ``j % ID_SLOTS`` (0 past ``hi``)."""
+    index_base, idx_ring, j, lo, hi, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr, ID_LD: gl.constexpr,
+    PAGE_SIZE: gl.constexpr = 0,
+):  # fmt: skip
+    """cp.async what the key operand holds for tile ``j`` (flat token ids, or with ``PAGE_SIZE > 0``
+    each position's block id) into id-ring slot ``j % ID_SLOTS`` (0 past ``hi``)."""
     n = lo + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=ID_LD)
-    async_copy.async_copy_global_to_shared(idx_ring.index(j % ID_SLOTS), index_base + n, mask=n < hi)
+    step: gl.constexpr = PAGE_SIZE if PAGE_SIZE > 0 else 1
+    async_copy.async_copy_global_to_shared(idx_ring.index(j % ID_SLOTS), index_base + n // step, mask=n < hi)
+
+
+@gluon.jit
+def _ring_ids(ids_slot, n0, hi, num_rows, BLOCK_N: gl.constexpr, LD: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """The int64 cache row ids of a tile's positions ``n0 ..`` from its id-ring slot (in the
+    row slice of copy layout ``LD``) and whether each is loaded (``< hi``, inside the cache)."""
+    raw = ids_slot.load(gl.SliceLayout(1, LD)).to(gl.int64)
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    tok, inside = _token_ids(raw, n, num_rows, PAGE_SIZE)
+    return tok, (n < hi) & inside
 
 
 @gluon.jit
@@ -266,6 +318,7 @@ def _issue_tile(
     kv_ptr, idx_ring, a, lo, hi, num_rows, stride_kv, lat_dst, rope_dst,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, scale_ring=None, scale_slot=0, DS_MLA: gl.constexpr = False,
+    PAGE_SIZE: gl.constexpr = 0,
 ):  # fmt: skip
     """cp.async the latent and rope parts of tile ``a``'s cache rows (ids from the id ring;
     rows past ``hi``, and rows whose id is outside the cache, zero-filled and never read).
@@ -274,24 +327,18 @@ def _issue_tile(
     after them."""
     ids = idx_ring.index(a % ID_SLOTS)
     n0 = lo + a * BLOCK_N
-    tok_l = ids.load(gl.SliceLayout(1, LAT_LD)).to(gl.int64)
-    n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_LD))
-    ok_l = (n_l < hi) & (tok_l >= 0) & (tok_l < num_rows)
+    tok_l, ok_l = _ring_ids(ids, n0, hi, num_rows, BLOCK_N, LAT_LD, PAGE_SIZE)
     cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
     ptr_l = kv_ptr + tok_l[:, None] * stride_kv + cols_l[None, :]
     async_copy.async_copy_global_to_shared(lat_dst, ptr_l, mask=ok_l[:, None])
-    tok_r = ids.load(gl.SliceLayout(1, ROPE_LD)).to(gl.int64)
-    n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_LD))
-    ok_r = (n_r < hi) & (tok_r >= 0) & (tok_r < num_rows)
+    tok_r, ok_r = _ring_ids(ids, n0, hi, num_rows, BLOCK_N, ROPE_LD, PAGE_SIZE)
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
     if DS_MLA:
         TILES: gl.constexpr = L // 128
         row_r = (kv_ptr + tok_r * stride_kv + L + 4 * TILES).to(gl.pointer_type(gl.bfloat16))
         ptr_r = row_r[:, None] + cols_r[None, :]
         SCALE_LD: gl.constexpr = gl.BlockedLayout([1, TILES], [32, 1], [gl.num_warps(), 1], [1, 0])
-        tok_s = ids.load(gl.SliceLayout(1, SCALE_LD)).to(gl.int64)
-        n_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_LD))
-        ok_s = (n_s < hi) & (tok_s >= 0) & (tok_s < num_rows)
+        tok_s, ok_s = _ring_ids(ids, n0, hi, num_rows, BLOCK_N, SCALE_LD, PAGE_SIZE)
         cols_s = gl.arange(0, TILES, layout=gl.SliceLayout(0, SCALE_LD))
         row_s = (kv_ptr + tok_s * stride_kv + L).to(gl.pointer_type(gl.float32))
         ptr_s = row_s[:, None] + cols_s[None, :]
@@ -306,7 +353,7 @@ def _refill_ring(
     kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     ID_SLOTS: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
-    scale_ring=None, DS_MLA: gl.constexpr = False,
+    scale_ring=None, DS_MLA: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
 ):  # fmt: skip
     """At tile ``t``: wait until every warp is past the MMAs that read the ring slot of tile
     ``t - 1``, then refill that slot with tile ``t + NUM_STAGES - 1`` and fetch the token ids
@@ -316,9 +363,9 @@ def _refill_ring(
     _issue_tile(
         kv_ptr, idx_ring, ahead, lo, hi, num_rows, stride_kv,
         lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD, scale_ring, ahead % NUM_STAGES, DS_MLA,
+        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD, scale_ring, ahead % NUM_STAGES, DS_MLA, PAGE_SIZE,
     )  # fmt: skip
-    _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, ID_LD)
+    _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, ID_LD, PAGE_SIZE)
     async_copy.commit_group()
 
 
@@ -385,14 +432,14 @@ def _take_tile(
     NEXT: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr, ID_SLOTS: gl.constexpr, KV_FP8: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
-    scale_ring=None, DS_MLA: gl.constexpr = False,
+    scale_ring=None, DS_MLA: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
 ):  # fmt: skip
     """At tile ``t``: refill the ring (:func:`_refill_ring`), wait until tile ``t + NEXT`` landed
     and return its MMA operands (:func:`_mma_operands`). ``NEXT`` is 0, or 1 for a loop that
     issues the QKᵀ of the next tile beside the PV of this one."""
     _refill_ring(
         kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
-        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD, scale_ring, DS_MLA,
+        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD, scale_ring, DS_MLA, PAGE_SIZE,
     )  # fmt: skip
     async_copy.wait_group(NUM_STAGES - 1 - NEXT)
     return _mma_operands(
@@ -481,6 +528,8 @@ def mla_decode_kernel(
     stride_pl_q,
     sm_scale_log2,
     num_kv_rows,
+    stride_bt,
+    row_request_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -492,6 +541,8 @@ def mla_decode_kernel(
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
     KV_DS_MLA: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    ROW_MAP: gl.constexpr,
     OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -542,16 +593,16 @@ def mla_decode_kernel(
     # 2·NUM_STAGES slots filled by cp.async in the same groups as the KV tiles: the group that
     # brings KV tile a also brings the ids of tile a + NUM_STAGES, so issuing a KV tile never
     # waits on a global load (an id load one tile ahead cost a full memory latency per tile).
-    index_base = kv_indices_ptr + kv_start
+    index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     for j in gl.static_range(2 * NUM_STAGES - 1):
-        _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+        _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld, PAGE_SIZE)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
     for st in gl.static_range(NUM_STAGES - 1):
         _issue_tile(
             kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA,
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA, PAGE_SIZE,
         )  # fmt: skip
         async_copy.commit_group()
 
@@ -591,7 +642,7 @@ def mla_decode_kernel(
         acc = warpgroup_mma_init(acc)
         for t in range(n_tiles):
             n = t * BLOCK_N + lo + offs_n
-            key_ok = _key_ok(index_base, n, hi, num_kv_rows)
+            key_ok = _key_ok(index_base, n, hi, num_kv_rows, PAGE_SIZE)
             sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
             p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -603,7 +654,7 @@ def mla_decode_kernel(
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
-                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -613,12 +664,12 @@ def mla_decode_kernel(
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
-                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
             n = t * BLOCK_N + lo + offs_n
-            key_ok = _key_ok(index_base, n, hi, num_kv_rows)
+            key_ok = _key_ok(index_base, n, hi, num_kv_rows, PAGE_SIZE)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]

@@ -63,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla.providers.gluon.kernels import (
     _key_ok,
+    _key_operand,
     _online_softmax,
     _query_ptrs,
     _row_info,
@@ -117,6 +118,7 @@ def _load_chunk(
 def _loader(
     kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES``, half
     by half as the MMA warpgroups release them (the half its owner frees first, first). Token
@@ -126,11 +128,11 @@ def _loader(
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows, PAGE_SIZE)
     for t in range(n_tiles):
         s = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows)
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows, PAGE_SIZE)
         kv_row = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
         lat, rope = lat_ring.index(s), rope_ring.index(s)
         if t % 2 == 0:
@@ -244,7 +246,7 @@ def _issue_other_tile(
 @gluon.jit
 def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
     tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the
@@ -285,7 +287,7 @@ def _mma_warpgroup(
         # serialises no wgmma to protect the accumulators).
         if n_tiles > 0:
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
-            key_ok = _key_ok(index_base, lo + offs_n, hi, num_rows)
+            key_ok = _key_ok(index_base, lo + offs_n, hi, num_rows, PAGE_SIZE)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             p, alpha, m_i, l_i = _online_softmax(
                 scores, m_i, l_i, lo + offs_n, key_ok, row_limit, qk_scale, 1
@@ -297,7 +299,7 @@ def _mma_warpgroup(
     for t in range(2 - W, n_tiles, 2):
         sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi, W, NUM_STAGES)
         n = t * BLOCK_N + lo + offs_n
-        key_ok = _key_ok(index_base, n, hi, num_rows)
+        key_ok = _key_ok(index_base, n, hi, num_rows, PAGE_SIZE)
         # The other warpgroup's tile t - 1 (its running max is this tile's starting point): its
         # P·V runs while this tile's softmax does; its ring slot is released once it is done.
         acc, l_i, l_o, m_i = _issue_other_tile(
@@ -378,6 +380,8 @@ def mla_decode_pingpong_kernel(
     stride_pl_q,
     sm_scale_log2,
     num_kv_rows,
+    stride_bt,
+    row_request_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -387,6 +391,8 @@ def mla_decode_pingpong_kernel(
     MODE: gl.constexpr,
     UNIT_QLEN: gl.constexpr,
     WRITE_LSE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    ROW_MAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64
@@ -454,7 +460,7 @@ def mla_decode_pingpong_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    index_base = kv_indices_ptr + kv_start
+    index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     num_rows = num_kv_rows
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
@@ -470,11 +476,11 @@ def mla_decode_pingpong_kernel(
                 _loader,
                 (
                     kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, ready, empty,
-                    L, R, BLOCK_N, NUM_STAGES,
+                    L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE,
                 ),
             ),
-            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
-            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
+            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, PAGE_SIZE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, PAGE_SIZE)),
         ],
         [4, 4],
         [MMA_REGS, MMA_REGS],

@@ -129,9 +129,6 @@ class GluonProvider(KernelProvider):
             # (docs/performance.md, "Kernel choices").
             persistent_decode_preferred=False,
             decode_float32_out=False,
-            # The Gluon kernels read flat per-token ids (and so does their Triton fallback here):
-            # the page fill expands the block table for them.
-            decode_reads_block_table=False,
         )
 
     def describe_probes(self) -> dict[str, object]:

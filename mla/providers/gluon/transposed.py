@@ -48,6 +48,7 @@ from mla.providers.gluon.kernels import (
     _issue_ids,
     _issue_tile,
     _key_ok,
+    _key_operand,
     _kv_copy_layouts,
     _kv_rings,
     _mma_operands,
@@ -133,6 +134,8 @@ def mla_decode_rows_kernel(
     stride_pl_q,
     sm_scale_log2,
     num_kv_rows,
+    stride_bt,
+    row_request_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -145,6 +148,8 @@ def mla_decode_rows_kernel(
     WRITE_LSE: gl.constexpr,
     KV_FP8: gl.constexpr,
     KV_DS_MLA: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    ROW_MAP: gl.constexpr,
     FOLD_SPLITS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -194,21 +199,21 @@ def mla_decode_rows_kernel(
     )
     scale_ring = _scale_ring(NUM_STAGES, BLOCK_N, L) if KV_DS_MLA else None
 
-    index_base = kv_indices_ptr + kv_start
+    index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     # Per-tensor fp8 refills a slot right after widening its tile, so all NUM_STAGES tiles start
     # in flight. fp8_ds_mla's MMAs read the bf16 rope lanes in the ring slot itself, so its slot
     # is refilled a tile later, as a 16-bit cache's.
     EARLY_REFILL: gl.constexpr = KV_FP8 and not KV_DS_MLA
     AHEAD: gl.constexpr = NUM_STAGES if EARLY_REFILL else NUM_STAGES - 1
     for j in gl.static_range(ID_SLOTS if EARLY_REFILL else 2 * NUM_STAGES - 1):
-        _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+        _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld, PAGE_SIZE)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
     for st in gl.static_range(AHEAD):
         _issue_tile(
             kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA,
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA, PAGE_SIZE,
         )  # fmt: skip
         async_copy.commit_group()
 
@@ -239,20 +244,20 @@ def mla_decode_rows_kernel(
             _issue_tile(
                 kv_ptr, idx_ring, ahead, lo, hi, num_kv_rows, stride_kv, lat_ring.index(t % NUM_STAGES),
                 rope_ring.index(t % NUM_STAGES), L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
-                scale_ring, t % NUM_STAGES, KV_DS_MLA,
+                scale_ring, t % NUM_STAGES, KV_DS_MLA, PAGE_SIZE,
             )  # fmt: skip
-            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld)
+            _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld, PAGE_SIZE)
             async_copy.commit_group()
         else:
             k_lat, k_rope = _take_tile(
                 kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, KV_DS_MLA,
-                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE,
             )  # fmt: skip
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
         n = t * BLOCK_N + lo + offs_n
-        key_ok = _key_ok(index_base, n, hi, num_kv_rows)
+        key_ok = _key_ok(index_base, n, hi, num_kv_rows, PAGE_SIZE)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
         p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 0)

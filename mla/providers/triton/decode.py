@@ -304,10 +304,6 @@ def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
     operands' contract). Non-persistent when ``inputs.schedule is None`` (``config.num_splits``
     splits per request); ``lse is None``: the final LSE is not stored."""
     dot_dtype, precision = _dot_dtype(inputs.q_nope.dtype, inputs.kv_cache.dtype)
-    blocks = inputs.blocks
-    # Block-table keys: the table's row stride and page size; the rows' requests (verify rows).
-    stride_bt = inputs.kv_indices.stride(0) if blocks is not None else 0
-    row_request = blocks.row_request if blocks is not None else None
 
     def launch(decode: DecodeLaunch) -> bool:
         rank, rope = decode.inputs.q_nope.shape[2], decode.inputs.q_pe.shape[2]
@@ -315,10 +311,9 @@ def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
             *decode.tensors(),
             *decode.scalars(),
             decode.kv_scale,
-            decode.num_rows,
-            stride_bt,
-            row_request if row_request is not None else decode.inputs.kv_indptr,
+            *decode.key_operands(),
             **decode.constexprs(),
+            **decode.key_constexprs(),
             BLOCK_L=max(16, triton.next_power_of_2(rank)),
             BLOCK_R=max(16, triton.next_power_of_2(rope)),
             BLOCK_M=config.block_m,
@@ -327,8 +322,6 @@ def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=precision,
             REG_PIPELINE=config.reg_pipeline,
-            PAGE_SIZE=blocks.page_size if blocks is not None else 0,
-            ROW_MAP=row_request is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

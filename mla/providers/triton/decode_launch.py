@@ -231,6 +231,25 @@ class DecodeLaunch(NamedTuple):
         """Rows of the cache: the kernels mask a token id outside ``[0, num_rows)``."""
         return int(self.inputs.kv_cache.shape[0])
 
+    def key_operands(self) -> tuple[int, int, torch.Tensor]:
+        """The operands that say how the kernel finds its keys, after the scalars: the cache's
+        row count (ids outside it are masked), the block table's row stride (0 for flat ids)
+        and the verify rows' request map (a stand-in pointer without one, never read)."""
+        x = self.inputs
+        blocks = x.blocks
+        stride_bt = x.kv_indices.stride(0) if blocks is not None else 0
+        row_request = blocks.row_request if blocks is not None else None
+        return self.num_rows, stride_bt, row_request if row_request is not None else x.kv_indptr
+
+    def key_constexprs(self) -> dict[str, int | bool]:
+        """``PAGE_SIZE`` (0: flat per-token ids; else the block table's page size) and
+        ``ROW_MAP`` (the block-table row of a work request is ``row_request[request]``)."""
+        blocks = self.inputs.blocks
+        return {
+            "PAGE_SIZE": blocks.page_size if blocks is not None else 0,
+            "ROW_MAP": blocks is not None and blocks.row_request is not None,
+        }
+
 
 KernelLaunch = Callable[[DecodeLaunch], bool]
 """A provider's kernel launch: launches the decode kernel for a :class:`DecodeLaunch` and
