@@ -1,12 +1,12 @@
 """The Gluon varlen prefill on an H100/H200 against the float64 torch reference.
 
 Drives :func:`~mla.providers.gluon.prefill_launch.launch_gluon_prefill` directly (every launch
-variant: warp-specialized and plain, 128- and 64-key tiles, 192/128 and 128/128, bf16 and fp16,
-causal and not, LSE on and off) and the gluon provider's ``varlen_attention`` (the route, the
-contract's NaN rules, head-dim slices of one buffer, CUDA graph capture). Batches hold empty
-and one-token requests, requests with more queries than keys, and lengths that are not tile
-multiples. Outputs are NaN-poisoned before each run. Run: ``pytest -m gpu
-tests/gluon/test_gpu_prefill.py`` (skipped without a Hopper GPU).
+variant: the three warp splits of ``PrefillKernel``, 128- and 64-key tiles, 192/128 and
+128/128, bf16 and fp16, causal and not, LSE on and off) and the gluon provider's
+``varlen_attention`` (the route, the contract's NaN rules, head-dim slices of one buffer, CUDA
+graph capture). Batches hold empty and one-token requests, requests with more queries than
+keys, and lengths that are not tile multiples. Outputs are NaN-poisoned before each run. Run:
+``pytest -m gpu tests/gluon/test_gpu_prefill.py`` (skipped without a Hopper GPU).
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ import torch
 
 from mla.providers import get_provider
 from mla.providers.calls import VarlenPrefillCall
-from mla.providers.gluon.prefill_launch import PrefillLaunchConfig, launch_gluon_prefill, prefill_route
+from mla.providers.gluon.prefill_launch import (
+    PrefillKernel,
+    PrefillLaunchConfig,
+    launch_gluon_prefill,
+    prefill_route,
+)
 from mla.tools.reference import reference_prefill
 
 pytestmark = pytest.mark.gpu
@@ -83,24 +88,29 @@ def _check(call: VarlenPrefillCall, *, lse_written: bool = True, tol: float | No
         assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("kernel", [PrefillKernel.PRODUCER, PrefillKernel.SPLIT], ids=lambda k: k.name)
 @pytest.mark.parametrize("heads", [1, 16, 128])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_matches_reference(batch: str, causal: bool, heads: int) -> None:
+def test_prefill_matches_reference(batch: str, causal: bool, heads: int, kernel: PrefillKernel) -> None:
     if heads == 128 and batch == "long":
         pytest.skip("the float64 reference is slow at this size; 128 heads run the other batches")
     call = _call(batch, heads, 192, 128, torch.bfloat16, causal, seed=heads + len(batch))
     assert prefill_route(call.q, call.k, call.v, call.out)[0] == "gluon"
-    launch_gluon_prefill(call)
+    launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
     _check(call)
 
 
+PLAIN, SPLIT = PrefillKernel.PLAIN, PrefillKernel.SPLIT
 VARIANTS = {
-    "plain": (192, torch.bfloat16, PrefillLaunchConfig(warp_specialize=False)),
+    "plain": (192, torch.bfloat16, PrefillLaunchConfig(kernel=PLAIN)),
     "n64": (192, torch.bfloat16, PrefillLaunchConfig(block_n=64, num_stages=3)),
+    "split-n64": (192, torch.bfloat16, PrefillLaunchConfig(block_n=64, num_stages=3, kernel=SPLIT)),
     "fp16": (192, torch.float16, None),
+    "split-fp16": (192, torch.float16, PrefillLaunchConfig(kernel=SPLIT)),
     "d128": (128, torch.bfloat16, None),
-    "d128-fp16-plain": (128, torch.float16, PrefillLaunchConfig(warp_specialize=False)),
+    "d128-fp16-plain": (128, torch.float16, PrefillLaunchConfig(kernel=PLAIN)),
+    "d128-split": (128, torch.bfloat16, PrefillLaunchConfig(kernel=SPLIT, num_stages=3)),
 }
 
 
@@ -114,11 +124,14 @@ def test_every_launch_variant_matches_reference(variant: str, batch: str, causal
     _check(call)
 
 
+KERNELS = pytest.mark.parametrize("kernel", list(PrefillKernel), ids=lambda k: k.name)
+
+
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("warp_specialize", [True, False])
-def test_lse_is_written_only_when_asked(causal: bool, warp_specialize: bool) -> None:
+@KERNELS
+def test_lse_is_written_only_when_asked(causal: bool, kernel: PrefillKernel) -> None:
     call = _call("mixed", 4, 192, 128, torch.bfloat16, causal, seed=2)
-    launch_gluon_prefill(call, PrefillLaunchConfig(warp_specialize=warp_specialize), write_lse=False)
+    launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel), write_lse=False)
     _check(call, lse_written=False)
 
 
@@ -138,7 +151,8 @@ def test_provider_runs_head_dim_slices_of_one_buffer() -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_nan_key_stays_in_the_rows_that_see_it(causal: bool) -> None:
+@pytest.mark.parametrize("kernel", [None, *PrefillKernel], ids=lambda k: "provider" if k is None else k.name)
+def test_nan_key_stays_in_the_rows_that_see_it(causal: bool, kernel: PrefillKernel | None) -> None:
     """A NaN key (k and v) of request 1 shows in the rows that see it and nowhere else: not in
     requests 0 and 2 (whose tiles run into request 1's rows), not in request 1's earlier rows
     (causal: the key's tile is a diagonal tile of theirs)."""
@@ -157,7 +171,10 @@ def test_nan_key_stays_in_the_rows_that_see_it(causal: bool) -> None:
         q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=out, lse=lse, max_seqlen_q=140,
         max_seqlen_k=140, softmax_scale=192**-0.5, causal=causal,
     )  # fmt: skip
-    get_provider("gluon").varlen_attention(call)
+    if kernel is None:
+        get_provider("gluon").varlen_attention(call)
+    else:
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
     sees = torch.zeros(tokens, dtype=torch.bool)
     sees[(bad if causal else 33) : 33 + 140] = True
     clean_k, clean_v = k.clone(), v.clone()

@@ -16,9 +16,10 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 SCRIPT = textwrap.dedent(
     """
     import json, sys
+    import attrs
     import torch
     from mla.providers.calls import VarlenPrefillCall
-    from mla.providers.gluon.prefill_launch import PrefillLaunchConfig, launch_gluon_prefill
+    from mla.providers.gluon.prefill_launch import PrefillKernel, PrefillLaunchConfig, launch_gluon_prefill
     from mla.providers.gluon.provider import GluonProvider
     from mla.testing.triton_driver import stand_in_driver
 
@@ -42,6 +43,8 @@ SCRIPT = textwrap.dedent(
             max_seqlen_q=max(LQ), max_seqlen_k=max(LK), softmax_scale=0.07, causal=causal)
 
     bf16, fp16 = torch.bfloat16, torch.float16
+    PLAIN = PrefillLaunchConfig(kernel=PrefillKernel.PLAIN)
+    SPLIT = PrefillLaunchConfig(kernel=PrefillKernel.SPLIT)
     cases = {
         # name: (dqk, dv, causal, dtype, write_lse, config)
         "192-causal-lse": (192, 128, True, bf16, True, None),
@@ -50,8 +53,11 @@ SCRIPT = textwrap.dedent(
         "192-causal-fp16": (192, 128, True, fp16, True, None),
         "128-causal-lse": (128, 128, True, bf16, True, None),
         "128-full-nolse": (128, 128, False, fp16, False, None),
-        "192-causal-plain": (192, 128, True, bf16, True, PrefillLaunchConfig(warp_specialize=False)),
-        "128-full-plain": (128, 128, False, bf16, True, PrefillLaunchConfig(warp_specialize=False)),
+        "192-causal-plain": (192, 128, True, bf16, True, PLAIN),
+        "128-full-plain": (128, 128, False, bf16, True, PLAIN),
+        "192-causal-split": (192, 128, True, bf16, True, SPLIT),
+        "192-full-split-nolse": (192, 128, False, bf16, False, SPLIT),
+        "128-causal-split-fp16": (128, 128, True, fp16, True, attrs.evolve(SPLIT, num_stages=3)),
         "192-causal-n64": (192, 128, True, bf16, True, PrefillLaunchConfig(block_n=64, num_stages=3)),
     }
     out = {}
@@ -92,6 +98,9 @@ def launches() -> dict[str, list[list[object]]]:
         "128-full-nolse",
         "192-causal-plain",
         "128-full-plain",
+        "192-causal-split",
+        "192-full-split-nolse",
+        "128-causal-split-fp16",
         "192-causal-n64",
         "provider-192",
     ],

@@ -12,10 +12,14 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   K and V tiles of ``BLOCK_N`` keys go through a ``NUM_STAGES`` ring with a ``ready``
   (transaction-count) and an ``empty`` barrier per slot for K and for V apart, so ``QKᵀ`` of a
   tile waits only for its K.
-* **Producer.** With ``WARP_SPECIALIZE`` a one-warp worker partition issues every load
-  (``gl.warp_specialize``), running up to ``NUM_STAGES`` tiles ahead of the consumers; without
-  it the consumer partition issues them itself, ``NUM_STAGES - 1`` tiles ahead (the fallback
-  kernel: same ring, same barriers, no worker).
+* **Warp split** (``MODE``, :class:`~mla.providers.gluon.prefill_launch.PrefillKernel`):
+  ``1`` (the default) a one-warp producer partition issues every load (``gl.warp_specialize``),
+  up to ``NUM_STAGES`` tiles ahead of one 8-warp consumer partition; ``0`` (plain) the
+  consumers issue the loads themselves, ``NUM_STAGES - 1`` tiles ahead (same ring, same
+  barriers, no worker); ``2`` (split) a 4-warp producer (the launch's warps) and each consumer
+  warpgroup a partition of its own, 64 query rows each, releasing ring slots apart (``empty``
+  counts two arrivals), so the two warpgroups run out of step and one's softmax overlaps the
+  other's ``wgmma``. In the 8-warp consumer both warpgroups meet at a barrier at each release.
 * **Consumer.** ``S = q·Kᵀ`` and ``O += P·V`` by ``warpgroup_mma`` (q and K from shared memory,
   ``P`` from registers), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e``
   folded into one multiply), normalisation deferred to the epilogue.
@@ -30,8 +34,11 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
 * **NaN rules** (those of the Triton kernel): in a masked tile a value row a query row must not
   see (a later key of its request, or the next request's) is read as 0 (non-finite lanes of
   the V tile are zeroed in shared memory before ``P·V``, so ``0·NaN`` cannot reach the row),
-  and a row that does see a non-finite value gets NaN. A row that sees no key gets ``out = 0``
-  and ``lse = -inf``.
+  and a row that does see a non-finite value gets NaN. The 8-warp consumer cleans the tile
+  itself; in the split kernel the producer does (V of a masked tile lands on ``v_landed``,
+  the producer cleans it, records the keys that had a non-finite lane in ``flags`` and then
+  arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads. A row
+  that sees no key gets ``out = 0`` and ``lse = -inf``.
 
 The grid is flat, the query tile index fastest and reversed: the programs of one
 (request, head) run together (its K/V stays in L2) and the heaviest causal tiles start first.
@@ -59,6 +66,12 @@ PRODUCER_REGS = gl.constexpr(24)
 """Registers per producer thread (``setmaxnreg``): it only issues TMA copies."""
 TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 """Shared layout of every q/K/V tile and of its TMA descriptor's boxes: 128-byte swizzle."""
+SPLIT_PRODUCER_WARPS = gl.constexpr(4)
+"""Warps of the split kernel's producer (its default partition: the launch's ``num_warps``)."""
+SPLIT_CONSUMER_REGS = gl.constexpr(232)
+"""Registers per consumer thread of the split kernel (``setmaxnreg``; 64-row S and O: 128)."""
+FLAGS_LAYOUT = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+"""Shared layout of the split kernel's per-key flags."""
 BOX = gl.constexpr(64)
 """Columns of a TMA box: 128 bytes, one swizzle row (192 is not a power of two: 3 boxes)."""
 LN2 = gl.constexpr(0.6931471805599453)
@@ -117,6 +130,50 @@ def _producer(
 
 
 @gluon.jit
+def _split_producer(
+    k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, k_row0, k_col,
+    v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The split kernel's producer (its 4-warp default partition): every key tile into the ring.
+    The V of a masked tile (``t >= n_full``) lands on ``v_landed``; the producer zeroes its
+    non-finite lanes in shared memory, writes which keys had one into ``flags[s]``, then
+    announces it on ``v_ready[s]`` (both consumer warpgroups read the cleaned tile: neither
+    writes it)."""
+    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
+    NV: gl.constexpr = v_ring.shape[2] // BOX
+    for t in range(n_tiles):
+        s = t % NUM_STAGES
+        phase = (t // NUM_STAGES) & 1
+        row = k_row0 + t * BLOCK_N
+        mbarrier.wait(k_empty.index(s), phase)
+        _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
+        mbarrier.wait(v_empty.index(s), phase)
+        if t < n_full:
+            _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, NV, True)
+        else:
+            _copy_boxes(v_desc, row, v_col, v_landed, v_ring.index(s), 0, NV, True)
+            mbarrier.wait(v_landed, (t - n_full) & 1)
+            _clean_v(v_ring.index(s), flags.index(s), BLOCK_N)
+            mbarrier.arrive(v_ready.index(s))
+
+
+@gluon.jit
+def _clean_v(v_slot, flag_slot, BLOCK_N: gl.constexpr):
+    """Zero the non-finite lanes of a V tile in shared memory, 16 keys at a time, and write 1.0
+    into ``flag_slot[n]`` for each key ``n`` that had one (0.0 otherwise); by the 4 producer warps."""
+    CH: gl.constexpr = 16
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [SPLIT_PRODUCER_WARPS, 1], [1, 0])
+    for r in gl.static_range(BLOCK_N // CH):
+        chunk = v_slot.slice(r * CH, CH, dim=0)
+        v = chunk.load(ld).to(gl.float32)
+        finite = (v - v) == 0.0
+        chunk.store(gl.where(finite, v, 0.0).to(v_slot.dtype))
+        flag_slot.slice(r * CH, CH, dim=0).store(gl.max(gl.where(finite, 0.0, 1.0), axis=1))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _release(bar):
     """Every consumer thread is done with a ring slot (its ``wgmma`` reads waited for): one
     arrival on the slot's ``empty`` barrier."""
@@ -141,28 +198,36 @@ def _sanitize_v(v_slot, BLOCK_N: gl.constexpr, D_V: gl.constexpr, KEYS: gl.const
 
 @gluon.jit
 def _attend_tile(
-    q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last, qk_scale,
+    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last, qk_scale,
     MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
-    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
+    FLAGS: gl.constexpr,
 ):  # fmt: skip
-    """Online softmax of key tile ``t`` (ring slot ``t % NUM_STAGES``) into ``(acc, m_i, l_i)``;
-    ``MASKED``: key ``n`` counts for row ``r`` only when ``n <= row_last[r]``."""
+    """Online softmax of key tile ``t`` (ring slot ``t % NUM_STAGES``) into ``(acc, m_i, l_i)``
+    for the query rows ``[W·M, (W+1)·M)`` of the tile; ``MASKED``: key ``n`` counts for row ``r``
+    only when ``n <= row_last[r]``. In a masked tile the V tile's non-finite lanes are zeroed
+    here, or (``FLAGS``) were zeroed by the producer, which wrote which keys had one in
+    ``flags[s]``."""
     s = t % NUM_STAGES
     phase = (t // NUM_STAGES) & 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     mbarrier.wait(k_ready.index(s), phase)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
     NQ: gl.constexpr = q_smem.shape[0]
     sc = s_zero
     for c in gl.static_range(NQ):
         k_box = k_ring.index(s * NQ + c).permute((1, 0))
-        sc = warpgroup_mma(q_smem.index(c), k_box, sc, use_acc=c > 0, is_async=True)
+        q_box = q_smem.index(c) if M == BLOCK_M else q_smem.index(c).slice(W * M, M, dim=0)
+        sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
     if MASKED:
         # (while QKᵀ runs) the tile's V, its non-finite lanes zeroed
         mbarrier.wait(v_ready.index(s), phase)
-        key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
+        if FLAGS:
+            key_bad = flags.index(s).load(keys_layout)
+        else:
+            key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     _release(k_empty.index(s))
     if MASKED:
@@ -195,22 +260,25 @@ def _attend_tile(
 @gluon.jit
 def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
-    ISSUE_LOADS: gl.constexpr,
+    ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr,
 ):  # fmt: skip
-    """The consumer partition (8 warps): every key tile of the query tile, then the output rows
-    of the request (and their LSE). ``ISSUE_LOADS``: no producer partition, the consumer keeps
-    ``NUM_STAGES - 1`` tiles in flight itself. ``args``: the kernel's buffers, barriers, query
-    tile and strides (one tuple)."""
+    """A consumer partition of ``WARPS`` warps (8: both warpgroups, the whole query tile; 4: one
+    warpgroup, query rows ``[64·W, 64·(W+1))`` of the split kernel): every key tile of the
+    query tile, then its output rows of the request (and their LSE). ``ISSUE_LOADS``: no
+    producer partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight itself. ``args``:
+    the kernel's buffers, barriers, query tile and strides (one tuple)."""
+    M: gl.constexpr = 16 * WARPS
+    FLAGS: gl.constexpr = WARPS == 4
     (
-        q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
+        q_smem, k_ring, v_ring, flags, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
         lse_ptr, q_begin, m0, seq_q, seq_k, k_row0, k_col, v_col, h, shift, n_full, n_tiles,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
     ) = args  # fmt: skip
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1], instr_shape=[16, D_V, 16]
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, D_V, 16]
     )
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -225,11 +293,11 @@ def _consumer(
                     v_col, t, BLOCK_N, NUM_STAGES,
                 )  # fmt: skip
 
-    rows = gl.arange(0, BLOCK_M, layout=s_rows)
+    rows = W * M + gl.arange(0, M, layout=s_rows)
     row_last = gl.minimum(rows + shift, seq_k - 1)
-    acc = gl.zeros([BLOCK_M, D_V], gl.float32, layout=o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    acc = gl.zeros([M, D_V], gl.float32, layout=o_layout)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([M], gl.float32, layout=s_rows)
     mbarrier.wait(q_bar, 0)
     for t in range(n_full):
         if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
@@ -239,8 +307,8 @@ def _consumer(
                     v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
                 )  # fmt: skip
         acc, m_i, l_i = _attend_tile(
-            q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
-            qk_scale, False, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout,
+            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
+            qk_scale, False, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
         )  # fmt: skip
     for t in range(n_full, n_tiles):
         if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
@@ -250,15 +318,15 @@ def _consumer(
                     v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
                 )  # fmt: skip
         acc, m_i, l_i = _attend_tile(
-            q_smem, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
-            qk_scale, True, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout,
+            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
+            qk_scale, True, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
         )  # fmt: skip
 
     # -- epilogue: normalise, write the request's rows ------------------------------------------
     seen = l_i != 0.0  # (a NaN sum, from a key the row sees, stays NaN)
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     o = acc * gl.convert_layout(inv_l, o_rows)[:, None]
-    rows_o = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
+    rows_o = m0 + W * M + gl.arange(0, M, layout=o_rows)
     cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
     tok = (q_begin + rows_o).to(gl.int64)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols[None, :]
@@ -295,10 +363,13 @@ def mla_prefill_kernel(
     NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     WRITE_LSE: gl.constexpr,
-    WARP_SPECIALIZE: gl.constexpr,
+    MODE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    gl.static_assert(num_warps == CONSUMER_WARPS, "the launch's warps are the two consumer warpgroups")
+    # MODE 0: plain (8 consumer warps issue the loads); 1: a one-warp TMA producer partition and
+    # the 8 consumer warps; 2 (split): the launch's 4 warps are the producer (TMA and the V
+    # clean-up of masked tiles), each consumer warpgroup a partition of its own.
+    gl.static_assert(num_warps == (SPLIT_PRODUCER_WARPS if MODE == 2 else CONSUMER_WARPS), "launch warps")
     gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
     dtype: gl.constexpr = q_desc.dtype
 
@@ -328,16 +399,23 @@ def mla_prefill_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # (split kernel) V of a masked tile lands here; the producer cleans it up, then arrives on
+    # v_ready; flags[s]: which keys of slot s had a non-finite value lane.
+    v_landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    flags = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], FLAGS_LAYOUT)
+    # (one release per consumer partition)
+    RELEASES: gl.constexpr = 2 if MODE == 2 else 1
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(v_landed, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=RELEASES)
+        mbarrier.init(v_empty.index(i), count=RELEASES)
     # Every ring slot starts free (phase 0 of its empty barriers).
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.arrive(k_empty.index(i))
-        mbarrier.arrive(v_empty.index(i))
+        mbarrier.arrive(k_empty.index(i), count=RELEASES)
+        mbarrier.arrive(v_empty.index(i), count=RELEASES)
 
     # The query tile, by TMA (rows past the request are computed and not written).
     _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)
@@ -345,14 +423,30 @@ def mla_prefill_kernel(
     k_col = h * stride_kh
     v_col = h * stride_vh
     consumer_args = (
-        q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
+        q_smem, k_ring, v_ring, flags, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
         lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, k_col, v_col, h, shift, n_full, n_tiles,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
     )  # fmt: skip
-    if WARP_SPECIALIZE:
+    if MODE == 2:
         gl.warp_specialize(
             [
-                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False)),
+                (
+                    _split_producer,
+                    (
+                        k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+                        k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES,
+                    ),
+                ),
+                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4)),
+                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4)),
+            ],
+            [4, 4],
+            [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
+        )  # fmt: skip
+    elif MODE == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, CONSUMER_WARPS)),
                 (
                     _producer,
                     (
@@ -365,7 +459,7 @@ def mla_prefill_kernel(
             [PRODUCER_REGS],
         )  # fmt: skip
     else:
-        _consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True)
+        _consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True, 0, CONSUMER_WARPS)
 
 
 __all__ = ["BLOCK_M", "CONSUMER_WARPS", "TILE_LAYOUT", "mla_prefill_kernel"]

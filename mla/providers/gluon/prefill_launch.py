@@ -9,6 +9,8 @@ launches one program per (128-row query tile, request, head).
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 import torch
 
@@ -26,16 +28,27 @@ QUERY_TILE = 128
 """Query rows per program (``prefill.BLOCK_M``)."""
 
 
+class PrefillKernel(enum.Enum):
+    """How :func:`~mla.providers.gluon.prefill.mla_prefill_kernel` splits its warps."""
+
+    PLAIN = 0
+    """8 consumer warps (two warpgroups, the 128-row tile) that also issue the TMA loads."""
+    PRODUCER = 1
+    """A one-warp TMA producer partition and the 8 consumer warps (one partition)."""
+    SPLIT = 2
+    """A 4-warp producer (TMA, and the V clean-up of masked tiles) and each consumer warpgroup a
+    partition of its own (64 query rows each), so the two run out of step."""
+
+
 @attrs.frozen
 class PrefillLaunchConfig:
     """The launch of :func:`~mla.providers.gluon.prefill.mla_prefill_kernel`.
 
-    ``block_n`` keys per K/V tile, ``num_stages`` ring slots, ``warp_specialize``: a one-warp TMA
-    producer partition (else the consumer warps issue the loads themselves)."""
+    ``block_n`` keys per K/V tile, ``num_stages`` ring slots, ``kernel`` the warp split."""
 
     block_n: int = 128
     num_stages: int = 2
-    warp_specialize: bool = True
+    kernel: PrefillKernel = PrefillKernel.PRODUCER
 
     def __attrs_post_init__(self) -> None:
         if self.block_n not in (64, 128):
@@ -51,7 +64,12 @@ SHARED_MEMORY_BYTES = 232448
 def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
     """Shared memory of a launch: the query tile and the K/V ring (16-bit), plus barriers."""
     ring = config.num_stages * config.block_n * (qk_dim + v_dim) * 2
-    return QUERY_TILE * qk_dim * 2 + ring + 8 * (1 + 4 * config.num_stages)
+    return (
+        QUERY_TILE * qk_dim * 2
+        + ring
+        + 4 * config.num_stages * config.block_n
+        + 8 * (2 + 4 * config.num_stages)
+    )
 
 
 def prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
@@ -135,7 +153,11 @@ def launch_gluon_prefill(
     """Launch the Gluon varlen prefill for ``call`` (the ``varlen-prefill`` contract; ``lse``
     written only with ``write_lse``). Raises :class:`InvalidInputError` for a call
     :func:`prefill_route` sends to the Triton kernel."""
-    from mla.providers.gluon.prefill import CONSUMER_WARPS, mla_prefill_kernel  # noqa: PLC0415
+    from mla.providers.gluon.prefill import (  # noqa: PLC0415 (kernels load lazily)
+        CONSUMER_WARPS,
+        SPLIT_PRODUCER_WARPS,
+        mla_prefill_kernel,
+    )
     from mla.providers.triton.prefill import check_attention_args  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
@@ -156,12 +178,14 @@ def launch_gluon_prefill(
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, num_m_blocks, call.softmax_scale * LOG2E,
         D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
-        WRITE_LSE=write_lse, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=CONSUMER_WARPS.value,
+        WRITE_LSE=write_lse, MODE=cfg.kernel.value,
+        num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel is PrefillKernel.SPLIT else CONSUMER_WARPS).value,
     )  # fmt: skip
 
 
 __all__ = [
     "PREFILL_DIMS",
+    "PrefillKernel",
     "PrefillLaunchConfig",
     "launch_gluon_prefill",
     "prefill_config",

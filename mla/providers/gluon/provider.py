@@ -15,7 +15,8 @@ the routing rules under the provider's probes.
 
 Varlen prefill (``varlen-prefill``) runs on the Gluon prefill kernel of :mod:`.prefill`
 (TMA K/V ring, a one-warp TMA producer partition, ``wgmma`` QKᵀ and PV over 128-row query
-tiles, causal masked only on diagonal tiles) where
+tiles, causal masked only on diagonal tiles; ``PrefillKernel`` names the other warp splits a
+launch may ask for) where
 :func:`~mla.providers.gluon.prefill_launch.prefill_route` takes the call: bf16/fp16 q/k/v of one
 dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads (last dim
 contiguous, 16-byte-aligned base, token and head strides, each token's heads within its row);
