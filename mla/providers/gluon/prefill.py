@@ -416,6 +416,8 @@ def mla_prefill_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.arrive(k_empty.index(i), count=RELEASES)
         mbarrier.arrive(v_empty.index(i), count=RELEASES)
+    # (the initialised barriers before the async proxy's first transaction on them)
+    fence_async_shared()
 
     # The query tile, by TMA (rows past the request are computed and not written).
     _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)
