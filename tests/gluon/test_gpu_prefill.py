@@ -88,20 +88,27 @@ def _check(call: VarlenPrefillCall, *, lse_written: bool = True, tol: float | No
         assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 2e-3
 
 
-@pytest.mark.parametrize("kernel", [PrefillKernel.PRODUCER, PrefillKernel.SPLIT], ids=lambda k: k.name)
+MAIN_CONFIGS = {
+    "producer": PrefillLaunchConfig(),
+    "split": PrefillLaunchConfig(kernel=PrefillKernel.SPLIT),
+    "overlap": PrefillLaunchConfig(block_n=64, num_stages=3, kernel=PrefillKernel.OVERLAP),
+}
+
+
+@pytest.mark.parametrize("config", sorted(MAIN_CONFIGS))
 @pytest.mark.parametrize("heads", [1, 16, 128])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_matches_reference(batch: str, causal: bool, heads: int, kernel: PrefillKernel) -> None:
+def test_prefill_matches_reference(batch: str, causal: bool, heads: int, config: str) -> None:
     if heads == 128 and batch == "long":
         pytest.skip("the float64 reference is slow at this size; 128 heads run the other batches")
     call = _call(batch, heads, 192, 128, torch.bfloat16, causal, seed=heads + len(batch))
     assert prefill_route(call.q, call.k, call.v, call.out)[0] == "gluon"
-    launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
+    launch_gluon_prefill(call, MAIN_CONFIGS[config])
     _check(call)
 
 
-PLAIN, SPLIT = PrefillKernel.PLAIN, PrefillKernel.SPLIT
+PLAIN, SPLIT, OVERLAP = PrefillKernel.PLAIN, PrefillKernel.SPLIT, PrefillKernel.OVERLAP
 VARIANTS = {
     "plain": (192, torch.bfloat16, PrefillLaunchConfig(kernel=PLAIN)),
     "n64": (192, torch.bfloat16, PrefillLaunchConfig(block_n=64, num_stages=3)),
@@ -111,6 +118,8 @@ VARIANTS = {
     "d128": (128, torch.bfloat16, None),
     "d128-fp16-plain": (128, torch.float16, PrefillLaunchConfig(kernel=PLAIN)),
     "d128-split": (128, torch.bfloat16, PrefillLaunchConfig(kernel=SPLIT, num_stages=3)),
+    "overlap-fp16": (192, torch.float16, PrefillLaunchConfig(block_n=64, num_stages=3, kernel=OVERLAP)),
+    "d128-overlap": (128, torch.bfloat16, PrefillLaunchConfig(kernel=OVERLAP)),
 }
 
 
@@ -127,11 +136,19 @@ def test_every_launch_variant_matches_reference(variant: str, batch: str, causal
 KERNELS = pytest.mark.parametrize("kernel", list(PrefillKernel), ids=lambda k: k.name)
 
 
+def _fitting(kernel: PrefillKernel) -> PrefillLaunchConfig:
+    """A 192/128 launch of ``kernel`` that fits in shared memory (64-key tiles for the overlap
+    kernel)."""
+    if kernel is PrefillKernel.OVERLAP:
+        return PrefillLaunchConfig(block_n=64, num_stages=3, kernel=kernel)
+    return PrefillLaunchConfig(kernel=kernel)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @KERNELS
 def test_lse_is_written_only_when_asked(causal: bool, kernel: PrefillKernel) -> None:
     call = _call("mixed", 4, 192, 128, torch.bfloat16, causal, seed=2)
-    launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel), write_lse=False)
+    launch_gluon_prefill(call, _fitting(kernel), write_lse=False)
     _check(call, lse_written=False)
 
 
@@ -174,7 +191,7 @@ def test_nan_key_stays_in_the_rows_that_see_it(causal: bool, kernel: PrefillKern
     if kernel is None:
         get_provider("gluon").varlen_attention(call)
     else:
-        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
+        launch_gluon_prefill(call, _fitting(kernel))
     sees = torch.zeros(tokens, dtype=torch.bool)
     sees[(bad if causal else 33) : 33 + 140] = True
     clean_k, clean_v = k.clone(), v.clone()

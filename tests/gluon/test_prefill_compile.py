@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent(
     bf16, fp16 = torch.bfloat16, torch.float16
     PLAIN = PrefillLaunchConfig(kernel=PrefillKernel.PLAIN)
     SPLIT = PrefillLaunchConfig(kernel=PrefillKernel.SPLIT)
+    OVERLAP = PrefillLaunchConfig(block_n=64, num_stages=3, kernel=PrefillKernel.OVERLAP)
     cases = {
         # name: (dqk, dv, causal, dtype, write_lse, config)
         "192-causal-lse": (192, 128, True, bf16, True, None),
@@ -59,6 +60,11 @@ SCRIPT = textwrap.dedent(
         "192-full-split-nolse": (192, 128, False, bf16, False, SPLIT),
         "128-causal-split-fp16": (128, 128, True, fp16, True, attrs.evolve(SPLIT, num_stages=3)),
         "192-causal-n64": (192, 128, True, bf16, True, PrefillLaunchConfig(block_n=64, num_stages=3)),
+        "192-causal-overlap-n64": (192, 128, True, bf16, True, OVERLAP),
+        "192-full-overlap-nolse": (192, 128, False, bf16, False, OVERLAP),
+        "128-causal-overlap-fp16": (
+            128, 128, True, fp16, True, PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP)
+        ),
     }
     out = {}
     with stand_in_driver(compile_kernels=True) as driver:
@@ -102,6 +108,9 @@ def launches() -> dict[str, list[list[object]]]:
         "192-full-split-nolse",
         "128-causal-split-fp16",
         "192-causal-n64",
+        "192-causal-overlap-n64",
+        "192-full-overlap-nolse",
+        "128-causal-overlap-fp16",
         "provider-192",
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from mla.providers.calls import VarlenPrefillCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
     SHARED_MEMORY_BYTES,
+    PrefillKernel,
     PrefillLaunchConfig,
     launch_gluon_prefill,
     prefill_config,
@@ -117,6 +119,16 @@ def _call(
         max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()), max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()),
         softmax_scale=0.2, causal=True,
     )  # fmt: skip
+
+
+def test_overlap_kernel_fits_with_64_key_tiles_at_192() -> None:
+    overlap = PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP)
+    assert shared_bytes(192, 128, overlap) > SHARED_MEMORY_BYTES
+    assert shared_bytes(128, 128, overlap) <= SHARED_MEMORY_BYTES
+    assert shared_bytes(192, 128, attrs.evolve(overlap, block_n=64, num_stages=3)) <= SHARED_MEMORY_BYTES
+    q, k, v, out = _qkvo()
+    with pytest.raises(InvalidInputError, match="shared memory"):
+        launch_gluon_prefill(_call(q, k, v, out, torch.zeros(8, 4)), overlap)
 
 
 def test_launcher_refuses_calls_the_route_declines() -> None:

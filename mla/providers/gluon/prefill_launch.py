@@ -38,6 +38,10 @@ class PrefillKernel(enum.Enum):
     SPLIT = 2
     """A 4-warp producer (TMA, and the V clean-up of masked tiles) and each consumer warpgroup a
     partition of its own (64 query rows each), so the two run out of step."""
+    OVERLAP = 3
+    """The split layout with each consumer warpgroup pipelined: the next tile's QKᵀ and this
+    tile's PV in flight while it runs the softmax of the next (:mod:`.prefill_overlap`); P goes
+    through shared memory (16 KiB more at 128-key tiles: at 192/128 only 64-key tiles fit)."""
 
 
 @attrs.frozen
@@ -62,14 +66,12 @@ SHARED_MEMORY_BYTES = 232448
 
 
 def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
-    """Shared memory of a launch: the query tile and the K/V ring (16-bit), plus barriers."""
+    """Shared memory of a launch: the query tile, the K/V ring (16-bit), the per-key flags, the
+    overlap kernel's P tiles and the barriers."""
     ring = config.num_stages * config.block_n * (qk_dim + v_dim) * 2
-    return (
-        QUERY_TILE * qk_dim * 2
-        + ring
-        + 4 * config.num_stages * config.block_n
-        + 8 * (2 + 4 * config.num_stages)
-    )
+    flags = 4 * config.num_stages * config.block_n
+    p_tiles = QUERY_TILE * config.block_n * 2 if config.kernel is PrefillKernel.OVERLAP else 0
+    return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * (2 + 4 * config.num_stages)
 
 
 def prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
@@ -170,6 +172,11 @@ def launch_gluon_prefill(
         return
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
     cfg = config or prefill_config(qk_dim, v_dim)
+    if shared_bytes(qk_dim, v_dim, cfg) > SHARED_MEMORY_BYTES:
+        raise InvalidInputError(
+            "config", f"{cfg} needs {shared_bytes(qk_dim, v_dim, cfg)} bytes of shared memory at "
+            f"{qk_dim}/{v_dim}; a Hopper block has {SHARED_MEMORY_BYTES}",
+        )  # fmt: skip
     num_m_blocks = -(-call.max_seqlen_q // QUERY_TILE)
     grid = (num_m_blocks * batch * heads,)
     mla_prefill_kernel[grid](
@@ -179,7 +186,7 @@ def launch_gluon_prefill(
         heads, num_m_blocks, call.softmax_scale * LOG2E,
         D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
         WRITE_LSE=write_lse, MODE=cfg.kernel.value,
-        num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel is PrefillKernel.SPLIT else CONSUMER_WARPS).value,
+        num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
     )  # fmt: skip
 
 
