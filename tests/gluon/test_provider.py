@@ -72,6 +72,7 @@ def test_capabilities_compose_the_triton_record() -> None:
     assert caps.kv_dtypes == triton_caps.kv_dtypes
     assert not caps.persistent_decode_preferred
     assert set(DELEGATED) | {
+        Contract.VARLEN_PREFILL,
         Contract.PAGED_DECODE,
         Contract.DECODE_SCHEDULE,
         Contract.SMALL_HEAD_DECODE,
@@ -145,7 +146,9 @@ def test_kernel_note_names_the_kernel_and_the_reason() -> None:
         phase="prefill", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
     )
     assert prefill is not None
-    assert "delegates" in prefill
+    assert "Gluon prefill kernel" in prefill
+    assert "192/128" in prefill
+    assert "delegates" in prefill  # (the fp8 prefill)
     assert (
         TritonProvider().kernel_note(
             phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64

@@ -4,14 +4,24 @@ Decode (``paged-decode`` on both split-KV paths, ``decode-schedule``, ``small-he
 runs on the Gluon kernels of :mod:`.kernels` / :mod:`.transposed` wherever
 :func:`~mla.providers.gluon.planner.decode_kernel` says they apply (16-bit queries with a cache
 of the same dtype, 512 + 64 latent/rope dims); every other decode case runs on the Triton
-provider's decode kernel, and the contracts the Gluon kernels do not implement (varlen and fp8
-prefill, merge, page expansion, KV write and the indexer) are the Triton provider's kernels.
+provider's decode kernel, and the contracts the Gluon kernels do not implement (fp8 prefill,
+merge, page expansion, KV write and the indexer) are the Triton provider's kernels.
 Sparse attention runs on the Gluon decode kernels (each query row a qlen-1 decode over its
 slots, :mod:`.sparse`) for 512 + 64 dims with a 16-bit, per-tensor fp8 or ``fp8_ds_mla``
 cache, on the Triton sparse kernel otherwise. An engine builds one backend with one provider
 for both phases, so composing the Triton provider is what lets ``provider="auto"`` pick
 ``gluon`` on Hopper without losing a contract; ``mla info`` lists the delegated contracts and
 the routing rules under the provider's probes.
+
+Varlen prefill (``varlen-prefill``) runs on the Gluon prefill kernel of :mod:`.prefill`
+(TMA K/V ring, a one-warp TMA producer partition, ``wgmma`` QKᵀ and PV over 128-row query
+tiles, causal masked only on diagonal tiles; ``PrefillKernel`` names the other warp splits a
+launch may ask for) where
+:func:`~mla.providers.gluon.prefill_launch.prefill_route` takes the call: bf16/fp16 q/k/v of one
+dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads (last dim
+contiguous, 16-byte-aligned base, token and head strides, each token's heads within its row);
+every other call runs on the Triton provider's varlen kernel. The route reads only dtypes,
+shapes and strides; ``mla explain`` shows the rule as the prefill kernel note.
 
 Available on an NVIDIA sm_90 device where ``triton.experimental.gluon.language.nvidia.hopper``
 imports (Triton >= 3.6); elsewhere :meth:`GluonProvider.availability` says why.
@@ -53,6 +63,7 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     schedule_units,
 )
+from mla.providers.gluon.prefill_launch import PREFILL_DIMS, prefill_route
 from mla.providers.gluon.sparse import sparse_on_gluon
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton import TritonProvider
@@ -62,15 +73,22 @@ HOPPER_MODULE = "triton.experimental.gluon.language.nvidia.hopper"
 GLUON_ARCH = "sm90"
 """The only arch the kernels are built for (wgmma needs sm_90a)."""
 DELEGATED: tuple[Contract, ...] = (
-    Contract.VARLEN_PREFILL,
     Contract.FP8_PREFILL,
     Contract.MERGE_STATES,
     Contract.EXPAND_PAGES,
     Contract.KV_WRITE,
     Contract.INDEXER,
 )
-"""Contracts served by the Triton provider's kernels (sparse attention too, for the calls
-:func:`~mla.providers.gluon.sparse.sparse_on_gluon` declines)."""
+"""Contracts served by the Triton provider's kernels (sparse attention and varlen prefill too,
+for the calls :func:`~mla.providers.gluon.sparse.sparse_on_gluon` and
+:func:`~mla.providers.gluon.prefill_launch.prefill_route` decline)."""
+PREFILL_NOTE = (
+    "varlen prefill runs on the Gluon prefill kernel for bf16/fp16 q/k/v with 192/128 or 128/128 "
+    "head dims and TMA-readable layouts (16-byte-aligned base and strides, last dim contiguous), "
+    "on the Triton provider's varlen kernel otherwise; fp8 prefill runs on the Triton provider's "
+    "kernels (the gluon provider delegates it)"
+)
+"""The prefill kernel note (``mla explain``)."""
 
 
 def hopper_support(capability: tuple[int, int] | None, import_error: str | None) -> Support:
@@ -145,6 +163,11 @@ class GluonProvider(KernelProvider):
             "Gluon decode kernels, each query row a qlen-1 decode over its slots (512+64 dims; "
             "16-bit, per-tensor fp8 or fp8_ds_mla rows with a bf16 query); Triton sparse kernel otherwise"
         )
+        probes["varlen_prefill"] = (
+            "Gluon prefill kernel (TMA ring, TMA producer warp, wgmma, 128-row query tiles) for "
+            f"bf16/fp16 {' and '.join(f'{a}/{b}' for a, b in sorted(PREFILL_DIMS, reverse=True))} "
+            "head dims and TMA-readable layouts; Triton varlen kernel otherwise"
+        )
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
         return probes
 
@@ -157,6 +180,8 @@ class GluonProvider(KernelProvider):
         kv_lora_rank: int,
         rope_dim: int,
     ) -> str | None:
+        if phase == "prefill":
+            return PREFILL_NOTE
         if phase != "decode":
             return f"{phase} runs on the Triton provider's kernels (the gluon provider delegates it)"
         kernel, why = decode_kernel(
@@ -218,10 +243,18 @@ class GluonProvider(KernelProvider):
         else:
             self._triton.small_head_decode(call)
 
-    # -- delegated to the Triton provider ---------------------------------------------------
+    # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
-        self._triton.varlen_attention(call)
+        # The Gluon prefill kernel where prefill_route takes the call; the Triton kernel otherwise.
+        if prefill_route(call.q, call.k, call.v, call.out)[0] == "gluon":
+            from mla.providers.gluon.prefill_launch import launch_gluon_prefill  # noqa: PLC0415
+
+            launch_gluon_prefill(call)
+        else:
+            self._triton.varlen_attention(call)
+
+    # -- delegated to the Triton provider ---------------------------------------------------
 
     def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> object:
         return self._triton.plan_fp8_prefill(call)

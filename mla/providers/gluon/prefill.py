@@ -1,0 +1,390 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Gluon (Hopper) varlen prefill: the ``varlen-prefill`` contract with TMA and ``wgmma``.
+
+One program owns a 128-row query tile of one (request, head): ``BLOCK_M = 128`` rows, the two
+warpgroups of the 8-warp consumer partition taking 64 rows each (one ``wgmma`` M of 64 per
+warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
+
+* **Loads by TMA.** Each of q, k and v is read through one 2-D descriptor over the flat view
+  ``[tokens, (H - 1)·stride_h + D]`` (row stride ``stride_t``): the tile of head ``h`` is the box
+  ``[rows, D]`` at column ``h·stride_h``, so any 16-byte-aligned token and head strides work
+  (checked by :func:`mla.providers.gluon.prefill_launch.prefill_route`). The query tile lands once;
+  K and V tiles of ``BLOCK_N`` keys go through a ``NUM_STAGES`` ring with a ``ready``
+  (transaction-count) and an ``empty`` barrier per slot for K and for V apart, so ``QKᵀ`` of a
+  tile waits only for its K.
+* **Warp split** (``MODE``, :class:`~mla.providers.gluon.prefill_launch.PrefillKernel`):
+  ``1`` (the default) a one-warp producer partition issues every load (``gl.warp_specialize``),
+  up to ``NUM_STAGES`` tiles ahead of one 8-warp consumer partition; ``0`` (plain) the
+  consumers issue the loads themselves, ``NUM_STAGES - 1`` tiles ahead (same ring, same
+  barriers, no worker); ``2`` (split) a 4-warp producer (the launch's warps) and each consumer
+  warpgroup a partition of its own, 64 query rows each, releasing ring slots apart (``empty``
+  counts two arrivals), so the two warpgroups run out of step and one's softmax overlaps the
+  other's ``wgmma``. In the 8-warp consumer both warpgroups meet at a barrier at each release.
+  ``3`` (overlap) the split layout with each consumer warpgroup software-pipelined
+  (:mod:`.prefill_overlap`).
+* **Consumer.** ``S = q·Kᵀ`` and ``O += P·V`` by ``warpgroup_mma`` (q and K from shared memory,
+  ``P`` from registers), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e``
+  folded into one multiply), normalisation deferred to the epilogue.
+* **Causal** (bottom-right: row ``i`` of a request sees keys ``<= i + Sk - Sq``). Key tiles that
+  every row of the query tile sees run without a mask; only the tiles that straddle the
+  diagonal or the end of the request's keys are masked, and tiles no row sees are never
+  loaded. Non-causal: only the last, partial key tile is masked.
+* **Varlen.** Boxes are addressed from the request's first token, so a box may run into the
+  next request's rows (or past the tensor: TMA fills those with zeros). Keys at or past the
+  request's key count score ``-inf``; query rows past the request's end are computed and not
+  written (the output and LSE stores are masked).
+* **NaN rules** (those of the Triton kernel): in a masked tile a value row a query row must not
+  see (a later key of its request, or the next request's) is read as 0 (non-finite lanes of
+  the V tile are zeroed in shared memory before ``P·V``, so ``0·NaN`` cannot reach the row),
+  and a row that does see a non-finite value gets NaN. The 8-warp consumer cleans the tile
+  itself; in the split kernel the producer does (V of a masked tile lands on ``v_landed``,
+  the producer cleans it, records the keys that had a non-finite lane in ``flags`` and then
+  arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads. A row
+  that sees no key gets ``out = 0`` and ``lse = -inf``.
+
+The grid is flat, the query tile index fastest and reversed: the programs of one
+(request, head) run together (its K/V stays in L2) and the heaviest causal tiles start first.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.providers.gluon.prefill_overlap import overlap_consumer
+from mla.providers.gluon.prefill_parts import (
+    BLOCK_M,
+    BOX,
+    CONSUMER_WARPS,
+    FLAGS_LAYOUT,
+    PRODUCER_REGS,
+    PRODUCER_WARPS,
+    SPLIT_CONSUMER_REGS,
+    SPLIT_PRODUCER_WARPS,
+    TILE_LAYOUT,
+    _copy_boxes,
+    _issue_kv,
+    _release,
+    _split_producer,
+    _store_rows,
+    _tile_range,
+)
+
+
+@gluon.jit
+def _producer(
+    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col, n_tiles,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer partition: every key tile of the query tile, in order, into the ring."""
+    for t in range(n_tiles):
+        _issue_kv(
+            k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col, t,
+            BLOCK_N, NUM_STAGES,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _sanitize_v(v_slot, BLOCK_N: gl.constexpr, D_V: gl.constexpr, KEYS: gl.constexpr):
+    """Zero the non-finite lanes of a V tile in shared memory (so that ``0·NaN`` cannot reach a
+    row that does not see the key); returns, per key, 1.0 where its value row had one (layout
+    ``KEYS``)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CONSUMER_WARPS, 1], [1, 0])
+    v = v_slot.load(ld).to(gl.float32)
+    finite = (v - v) == 0.0
+    key_bad = gl.max(gl.where(finite, 0.0, 1.0), axis=1)
+    v_slot.store(gl.where(finite, v, 0.0).to(v_slot.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return gl.convert_layout(key_bad, KEYS)
+
+
+@gluon.jit
+def _attend_tile(
+    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last, qk_scale,
+    MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
+    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
+    FLAGS: gl.constexpr,
+):  # fmt: skip
+    """Online softmax of key tile ``t`` (ring slot ``t % NUM_STAGES``) into ``(acc, m_i, l_i)``
+    for the query rows ``[W·M, (W+1)·M)`` of the tile; ``MASKED``: key ``n`` counts for row ``r``
+    only when ``n <= row_last[r]``. In a masked tile the V tile's non-finite lanes are zeroed
+    here, or (``FLAGS``) were zeroed by the producer, which wrote which keys had one in
+    ``flags[s]``."""
+    s = t % NUM_STAGES
+    phase = (t // NUM_STAGES) & 1
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    mbarrier.wait(k_ready.index(s), phase)
+    s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    NQ: gl.constexpr = q_smem.shape[0]
+    sc = s_zero
+    for c in gl.static_range(NQ):
+        k_box = k_ring.index(s * NQ + c).permute((1, 0))
+        q_box = q_smem.index(c) if M == BLOCK_M else q_smem.index(c).slice(W * M, M, dim=0)
+        sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
+    if MASKED:
+        # (while QKᵀ runs) the tile's V, its non-finite lanes zeroed
+        mbarrier.wait(v_ready.index(s), phase)
+        if FLAGS:
+            key_bad = flags.index(s).load(keys_layout)
+        else:
+            key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+    _release(k_empty.index(s))
+    if MASKED:
+        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=keys_layout)
+        seen = keys[None, :] <= row_last[:, None]
+        sc = gl.where(seen, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc * qk_scale - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    if MASKED:
+        acc = acc + gl.convert_layout(gl.where(row_bad > 0.0, float("nan"), 0.0), o_rows)[:, None]
+    else:
+        mbarrier.wait(v_ready.index(s), phase)
+    p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    acc = warpgroup_mma(p16, v_ring.index(s), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    _release(v_empty.index(s))
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _consumer(
+    args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+    ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr,
+):  # fmt: skip
+    """A consumer partition of ``WARPS`` warps (8: both warpgroups, the whole query tile; 4: one
+    warpgroup, query rows ``[64·W, 64·(W+1))`` of the split kernel): every key tile of the
+    query tile, then its output rows of the request (and their LSE). ``ISSUE_LOADS``: no
+    producer partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight itself. ``args``:
+    the kernel's buffers, barriers, query tile and strides (one tuple)."""
+    M: gl.constexpr = 16 * WARPS
+    FLAGS: gl.constexpr = WARPS == 4
+    (
+        q_smem, k_ring, v_ring, flags, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
+        lse_ptr, q_begin, m0, seq_q, seq_k, k_row0, k_col, v_col, h, shift, n_full, n_tiles,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+    ) = args  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, D_V, 16]
+    )
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    if not ISSUE_LOADS:
+        # The partition reads its arguments before anything of it writes shared memory.
+        gl.thread_barrier()
+    else:
+        for t in gl.static_range(NUM_STAGES - 1):
+            if t < n_tiles:
+                _issue_kv(
+                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                    v_col, t, BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+
+    rows = W * M + gl.arange(0, M, layout=s_rows)
+    row_last = gl.minimum(rows + shift, seq_k - 1)
+    acc = gl.zeros([M, D_V], gl.float32, layout=o_layout)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([M], gl.float32, layout=s_rows)
+    mbarrier.wait(q_bar, 0)
+    for t in range(n_full):
+        if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
+            if t + NUM_STAGES - 1 < n_tiles:
+                _issue_kv(
+                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                    v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+        acc, m_i, l_i = _attend_tile(
+            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
+            qk_scale, False, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+        )  # fmt: skip
+    for t in range(n_full, n_tiles):
+        if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
+            if t + NUM_STAGES - 1 < n_tiles:
+                _issue_kv(
+                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                    v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+        acc, m_i, l_i = _attend_tile(
+            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
+            qk_scale, True, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+        )  # fmt: skip
+
+    _store_rows(
+        acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
+        stride_lh, W, M, D_V, WRITE_LSE, o_layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def mla_prefill_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    stride_qh,
+    stride_kh,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    num_heads,
+    num_m_blocks,
+    qk_scale,
+    D_QK: gl.constexpr,
+    D_V: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    MODE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # MODE 0: plain (8 consumer warps issue the loads); 1: a one-warp TMA producer partition and
+    # the 8 consumer warps; 2 (split): the launch's 4 warps are the producer (TMA and the V
+    # clean-up of masked tiles), each consumer warpgroup a partition of its own.
+    gl.static_assert(num_warps == (SPLIT_PRODUCER_WARPS if MODE >= 2 else CONSUMER_WARPS), "launch warps")
+    gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
+    dtype: gl.constexpr = q_desc.dtype
+
+    # -- the query tile of this program --------------------------------------------------------
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_begin = gl.load(cu_seqlens_q_ptr + b)
+    seq_q = gl.load(cu_seqlens_q_ptr + b + 1) - q_begin
+    m0 = m_block * BLOCK_M
+    if m0 >= seq_q:
+        return
+    k_begin = gl.load(cu_seqlens_k_ptr + b)
+    seq_k = gl.load(cu_seqlens_k_ptr + b + 1) - k_begin
+    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+
+    # -- shared memory and barriers --------------------------------------------------------------
+    # q and K tiles as D_QK / BOX boxes of BOX columns (192 is not a power of two).
+    NQ: gl.constexpr = D_QK // BOX
+    q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, BOX], TILE_LAYOUT)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, BOX], TILE_LAYOUT)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_V], TILE_LAYOUT)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # (split kernel) V of a masked tile lands here; the producer cleans it up, then arrives on
+    # v_ready; flags[s]: which keys of slot s had a non-finite value lane.
+    v_landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    flags = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], FLAGS_LAYOUT)
+    # (one release per consumer partition)
+    RELEASES: gl.constexpr = 2 if MODE >= 2 else 1
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(v_landed, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=RELEASES)
+        mbarrier.init(v_empty.index(i), count=RELEASES)
+    # Every ring slot starts free (phase 0 of its empty barriers).
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.arrive(k_empty.index(i), count=RELEASES)
+        mbarrier.arrive(v_empty.index(i), count=RELEASES)
+    # (the initialised barriers before the async proxy's first transaction on them)
+    fence_async_shared()
+
+    # The query tile, by TMA (rows past the request are computed and not written).
+    _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)
+
+    k_col = h * stride_kh
+    v_col = h * stride_vh
+    consumer_args = (
+        q_smem, k_ring, v_ring, flags, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
+        lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, k_col, v_col, h, shift, n_full, n_tiles,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+    )  # fmt: skip
+    if MODE == 3:
+        # each consumer warpgroup's P tile (the operand of its P·V)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, BLOCK_N], TILE_LAYOUT)
+        gl.warp_specialize(
+            [
+                (
+                    _split_producer,
+                    (
+                        k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+                        k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES, True,
+                    ),
+                ),
+                (overlap_consumer, (consumer_args, p_smem, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0)),
+                (overlap_consumer, (consumer_args, p_smem, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1)),
+            ],
+            [4, 4],
+            [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
+        )  # fmt: skip
+    elif MODE == 2:
+        gl.warp_specialize(
+            [
+                (
+                    _split_producer,
+                    (
+                        k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+                        k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES, False,
+                    ),
+                ),
+                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4)),
+                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4)),
+            ],
+            [4, 4],
+            [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
+        )  # fmt: skip
+    elif MODE == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, CONSUMER_WARPS)),
+                (
+                    _producer,
+                    (
+                        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_begin, k_col,
+                        v_col, n_tiles, BLOCK_N, NUM_STAGES,
+                    ),
+                ),
+            ],
+            [PRODUCER_WARPS],
+            [PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        _consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True, 0, CONSUMER_WARPS)
+
+
+__all__ = [
+    "BLOCK_M",
+    "BOX",
+    "CONSUMER_WARPS",
+    "SPLIT_PRODUCER_WARPS",
+    "TILE_LAYOUT",
+    "mla_prefill_kernel",
+]

@@ -1,0 +1,201 @@
+"""Host side of the Gluon varlen prefill (:mod:`.prefill`): the route, the launch config and
+the launcher.
+
+:func:`prefill_route` (pure Python, reads only dtypes, shapes, strides and addresses) says
+whether a ``varlen-prefill`` call runs on the Gluon kernel; the gluon provider runs the Triton
+provider's kernel otherwise. :func:`launch_gluon_prefill` builds the three TMA descriptors and
+launches one program per (128-row query tile, request, head).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+
+from mla.core.errors import InvalidInputError
+from mla.providers.calls import VarlenPrefillCall
+
+PREFILL_DIMS: frozenset[tuple[int, int]] = frozenset({(192, 128), (128, 128)})
+"""``(Dqk, Dv)`` pairs the kernel is built for."""
+PREFILL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+"""q/k/v dtypes the kernel takes (one dtype for the three)."""
+TMA_ALIGN = 16
+"""Bytes: TMA needs 16-byte-aligned base addresses and row strides."""
+LOG2E = 1.4426950408889634
+QUERY_TILE = 128
+"""Query rows per program (``prefill.BLOCK_M``)."""
+
+
+class PrefillKernel(enum.Enum):
+    """How :func:`~mla.providers.gluon.prefill.mla_prefill_kernel` splits its warps."""
+
+    PLAIN = 0
+    """8 consumer warps (two warpgroups, the 128-row tile) that also issue the TMA loads."""
+    PRODUCER = 1
+    """A one-warp TMA producer partition and the 8 consumer warps (one partition)."""
+    SPLIT = 2
+    """A 4-warp producer (TMA, and the V clean-up of masked tiles) and each consumer warpgroup a
+    partition of its own (64 query rows each), so the two run out of step."""
+    OVERLAP = 3
+    """The split layout with each consumer warpgroup pipelined: the next tile's QKᵀ and this
+    tile's PV in flight while it runs the softmax of the next (:mod:`.prefill_overlap`); P goes
+    through shared memory (16 KiB more at 128-key tiles: at 192/128 only 64-key tiles fit)."""
+
+
+@attrs.frozen
+class PrefillLaunchConfig:
+    """The launch of :func:`~mla.providers.gluon.prefill.mla_prefill_kernel`.
+
+    ``block_n`` keys per K/V tile, ``num_stages`` ring slots, ``kernel`` the warp split."""
+
+    block_n: int = 128
+    num_stages: int = 2
+    kernel: PrefillKernel = PrefillKernel.PRODUCER
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_n not in (64, 128):
+            raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+
+
+SHARED_MEMORY_BYTES = 232448
+"""Shared memory a Hopper block may use (227 KiB)."""
+
+
+def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
+    """Shared memory of a launch: the query tile, the K/V ring (16-bit), the per-key flags, the
+    overlap kernel's P tiles and the barriers."""
+    ring = config.num_stages * config.block_n * (qk_dim + v_dim) * 2
+    flags = 4 * config.num_stages * config.block_n
+    p_tiles = QUERY_TILE * config.block_n * 2 if config.kernel is PrefillKernel.OVERLAP else 0
+    return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * (2 + 4 * config.num_stages)
+
+
+def prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
+    """The default launch: 128-key tiles, warp-specialized, the most ring slots (up to 3) that
+    fit in shared memory (2 for 192/128: 48 KiB query tile + 2 × 80 KiB)."""
+    best = PrefillLaunchConfig(num_stages=2)
+    for stages in (3,):
+        config = attrs.evolve(best, num_stages=stages)
+        if shared_bytes(qk_dim, v_dim, config) <= SHARED_MEMORY_BYTES:
+            best = config
+    return best
+
+
+def _tma_problem(name: str, x: torch.Tensor) -> str | None:
+    """Why ``x`` (``[tokens, H, D]``) cannot be read by the kernel's TMA boxes (``None``: it can).
+
+    The kernel reads head ``h`` as the box at column ``h·stride(1)`` of the 2-D view
+    ``[tokens, (H - 1)·stride(1) + D]`` with row stride ``stride(0)``."""
+    tokens, heads, dim = x.shape
+    esize = x.element_size()
+    if x.stride(2) != 1:
+        return f"{name}'s last dim is not contiguous"
+    if x.data_ptr() % TMA_ALIGN:
+        return f"{name}'s base address is not {TMA_ALIGN}-byte aligned"
+    if tokens > 1 and (x.stride(0) * esize) % TMA_ALIGN:
+        return f"{name}'s token stride ({x.stride(0)} elements) is not a multiple of {TMA_ALIGN} bytes"
+    if heads > 1 and (x.stride(1) * esize) % TMA_ALIGN:
+        return f"{name}'s head stride ({x.stride(1)} elements) is not a multiple of {TMA_ALIGN} bytes"
+    if x.stride(0) < 0 or x.stride(1) < 0:
+        return f"{name} has a negative stride"
+    if tokens > 1 and (heads - 1) * x.stride(1) + dim > x.stride(0):
+        return f"{name}'s heads do not lie within one token row (strides {tuple(x.stride())})"
+    if tokens >= 2**31:
+        return f"{name} has more than 2**31 tokens"
+    return None
+
+
+def prefill_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple[str, str]:
+    """``("gluon" | "triton", why)``: whether the Gluon prefill kernel takes a ``varlen-prefill``
+    call with these tensors (16-bit q/k/v of one dtype, ``(Dqk, Dv)`` in :data:`PREFILL_DIMS`,
+    layouts TMA can read, at least one key). Reads no tensor memory; the caller has checked
+    the device (sm_90)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return "triton", "q, k and v are not [tokens, heads, dim]"
+    if q.dtype not in PREFILL_DTYPES:
+        return "triton", f"query dtype {q.dtype} (the Gluon prefill takes bf16/fp16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "triton", f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    if out.dtype not in (*PREFILL_DTYPES, torch.float32):
+        return "triton", f"output dtype {out.dtype}"
+    dims = (int(q.shape[2]), int(v.shape[2]))
+    if dims not in PREFILL_DIMS:
+        return "triton", f"head dims {dims[0]}/{dims[1]} (the Gluon prefill takes 192/128 and 128/128)"
+    if k.shape[0] == 0:
+        return "triton", "no keys (a TMA descriptor needs at least one row)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        problem = _tma_problem(name, x)
+        if problem is not None:
+            return "triton", problem
+    return "gluon", f"16-bit {dims[0]}/{dims[1]} q/k/v with TMA-readable layouts"
+
+
+def _descriptor(x: torch.Tensor, rows: int) -> object:
+    """TMA descriptor of ``[rows, 64]`` boxes (a ``D``-wide tile is ``D / 64`` of them) over the
+    2-D view of ``x`` (see :func:`_tma_problem`)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
+
+    from mla.providers.gluon.prefill import BOX, TILE_LAYOUT  # noqa: PLC0415 (kernels load lazily)
+
+    tokens, heads, dim = x.shape
+    width = (heads - 1) * x.stride(1) + dim
+    row_stride = x.stride(0) if tokens > 1 else max(width, x.stride(0))
+    # (a one-token tensor's row stride is never used; TMA still wants it aligned)
+    row_stride = -(-row_stride // 8) * 8
+    return TensorDescriptor(x, [tokens, width], [row_stride, 1], [rows, BOX.value], TILE_LAYOUT)
+
+
+def launch_gluon_prefill(
+    call: VarlenPrefillCall, config: PrefillLaunchConfig | None = None, *, write_lse: bool = True
+) -> None:
+    """Launch the Gluon varlen prefill for ``call`` (the ``varlen-prefill`` contract; ``lse``
+    written only with ``write_lse``). Raises :class:`InvalidInputError` for a call
+    :func:`prefill_route` sends to the Triton kernel."""
+    from mla.providers.gluon.prefill import (  # noqa: PLC0415 (kernels load lazily)
+        CONSUMER_WARPS,
+        SPLIT_PRODUCER_WARPS,
+        mla_prefill_kernel,
+    )
+    from mla.providers.triton.prefill import check_attention_args  # noqa: PLC0415
+
+    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
+    kernel, why = prefill_route(q, k, v, out)
+    if kernel != "gluon":
+        raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
+    batch = call.cu_seqlens_q.numel() - 1
+    if q.shape[0] == 0 or batch <= 0 or call.max_seqlen_q <= 0:
+        return
+    heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
+    cfg = config or prefill_config(qk_dim, v_dim)
+    if shared_bytes(qk_dim, v_dim, cfg) > SHARED_MEMORY_BYTES:
+        raise InvalidInputError(
+            "config", f"{cfg} needs {shared_bytes(qk_dim, v_dim, cfg)} bytes of shared memory at "
+            f"{qk_dim}/{v_dim}; a Hopper block has {SHARED_MEMORY_BYTES}",
+        )  # fmt: skip
+    num_m_blocks = -(-call.max_seqlen_q // QUERY_TILE)
+    grid = (num_m_blocks * batch * heads,)
+    mla_prefill_kernel[grid](
+        _descriptor(q, QUERY_TILE), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
+        q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        heads, num_m_blocks, call.softmax_scale * LOG2E,
+        D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
+        WRITE_LSE=write_lse, MODE=cfg.kernel.value,
+        num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
+    )  # fmt: skip
+
+
+__all__ = [
+    "PREFILL_DIMS",
+    "PrefillKernel",
+    "PrefillLaunchConfig",
+    "launch_gluon_prefill",
+    "prefill_config",
+    "prefill_route",
+    "shared_bytes",
+]

@@ -1,0 +1,152 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Pieces shared by the Gluon prefill kernels (:mod:`.prefill`, :mod:`.prefill_overlap`): the
+launch constants, the tile range of a query tile, the TMA box copies into the K/V ring, the
+split kernel's producer (TMA, and the V clean-up of masked tiles), the ring-slot release and
+the epilogue."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+BLOCK_M = gl.constexpr(128)
+"""Query rows per program (two warpgroups of 64)."""
+CONSUMER_WARPS = gl.constexpr(8)
+"""Warps of the consumer (default) partition: the launch's ``num_warps``."""
+PRODUCER_WARPS = gl.constexpr(1)
+"""Warps of the TMA producer partition (warp-specialized kernel)."""
+PRODUCER_REGS = gl.constexpr(24)
+"""Registers per producer thread (``setmaxnreg``): it only issues TMA copies."""
+TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+"""Shared layout of every q/K/V tile and of its TMA descriptor's boxes: 128-byte swizzle."""
+SPLIT_PRODUCER_WARPS = gl.constexpr(4)
+"""Warps of the split kernel's producer (its default partition: the launch's ``num_warps``)."""
+SPLIT_CONSUMER_REGS = gl.constexpr(232)
+"""Registers per consumer thread of the split kernel (``setmaxnreg``; 64-row S and O: 128)."""
+FLAGS_LAYOUT = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+"""Shared layout of the split kernel's per-key flags."""
+BOX = gl.constexpr(64)
+"""Columns of a TMA box: 128 bytes, one swizzle row (192 is not a power of two: 3 boxes)."""
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tile_range(seq_q, seq_k, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(shift, n_full, n_tiles)`` of the query tile at row ``m0``: row ``r`` of the tile sees
+    key ``n`` iff ``n <= r + shift`` and ``n < seq_k``; key tiles ``[0, n_full)`` are seen whole
+    by every row, ``[n_full, n_tiles)`` need the mask."""
+    shift = m0 + seq_k - seq_q if CAUSAL else seq_k - 1
+    full_end = gl.minimum(gl.maximum(shift + 1, 0), seq_k)
+    masked_end = gl.minimum(gl.maximum(shift + BLOCK_M, 0), seq_k)
+    return shift, full_end // BLOCK_N, gl.cdiv(masked_end, BLOCK_N)
+
+
+@gluon.jit
+def _issue_kv(
+    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col, t,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Once its slot's previous tile is released, TMA key tile ``t`` (K, then V) into ring slot
+    ``t % NUM_STAGES``; each lands on its slot's ``ready`` barrier."""
+    s = t % NUM_STAGES
+    phase = (t // NUM_STAGES) & 1
+    row = k_row0 + t * BLOCK_N
+    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
+    mbarrier.wait(k_empty.index(s), phase)
+    _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
+    mbarrier.wait(v_empty.index(s), phase)
+    _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, v_ring.shape[2] // BOX, True)
+
+
+@gluon.jit
+def _copy_boxes(desc, row, col, bar, dst, first, N: gl.constexpr, SLICED: gl.constexpr):
+    """TMA the ``[rows, N·BOX]`` tile at ``(row, col)`` as ``N`` boxes of ``BOX`` columns (a TMA
+    box and a shared buffer are a power of two wide), all on ``bar``'s transaction count: into
+    boxes ``dst[first + c]`` of a box array, or (``SLICED``) into column slices of ``dst``."""
+    mbarrier.expect(bar, desc.block_type.nbytes * N)
+    for c in gl.static_range(N):
+        box = dst.slice(c * BOX, BOX, dim=1) if SLICED else dst.index(first + c)
+        tma.async_copy_global_to_shared(desc, [row, col + c * BOX], bar, box)
+
+
+@gluon.jit
+def _split_producer(
+    k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, k_row0, k_col,
+    v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LAST_MASKED: gl.constexpr,
+):  # fmt: skip
+    """The split kernels' producer (their 4-warp default partition): every key tile into the
+    ring. The V of a masked tile (``t >= n_full``, and the last tile with ``LAST_MASKED``) lands
+    on ``v_landed``; the producer zeroes its non-finite lanes in shared memory, writes which
+    keys had one into ``flags[s]``, then announces it on ``v_ready[s]`` (both consumer
+    warpgroups read the cleaned tile: neither writes it)."""
+    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
+    NV: gl.constexpr = v_ring.shape[2] // BOX
+    cleaned = 0
+    for t in range(n_tiles):
+        s = t % NUM_STAGES
+        phase = (t // NUM_STAGES) & 1
+        row = k_row0 + t * BLOCK_N
+        mbarrier.wait(k_empty.index(s), phase)
+        _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
+        mbarrier.wait(v_empty.index(s), phase)
+        masked = t >= n_full
+        if LAST_MASKED:
+            masked = masked | (t == n_tiles - 1)
+        if masked:
+            _copy_boxes(v_desc, row, v_col, v_landed, v_ring.index(s), 0, NV, True)
+            mbarrier.wait(v_landed, cleaned & 1)
+            _clean_v(v_ring.index(s), flags.index(s), BLOCK_N)
+            mbarrier.arrive(v_ready.index(s))
+            cleaned += 1
+        else:
+            _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, NV, True)
+
+
+@gluon.jit
+def _clean_v(v_slot, flag_slot, BLOCK_N: gl.constexpr):
+    """Zero the non-finite lanes of a V tile in shared memory, 16 keys at a time, and write 1.0
+    into ``flag_slot[n]`` for each key ``n`` that had one (0.0 otherwise); by the 4 producer warps."""
+    CH: gl.constexpr = 16
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [SPLIT_PRODUCER_WARPS, 1], [1, 0])
+    for r in gl.static_range(BLOCK_N // CH):
+        chunk = v_slot.slice(r * CH, CH, dim=0)
+        v = chunk.load(ld).to(gl.float32)
+        finite = (v - v) == 0.0
+        chunk.store(gl.where(finite, v, 0.0).to(v_slot.dtype))
+        flag_slot.slice(r * CH, CH, dim=0).store(gl.max(gl.where(finite, 0.0, 1.0), axis=1))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _release(bar):
+    """Every consumer thread is done with a ring slot (its ``wgmma`` reads waited for): one
+    arrival on the slot's ``empty`` barrier."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _store_rows(
+    acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
+    stride_lh, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, WRITE_LSE: gl.constexpr,
+    O_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """The epilogue of query rows ``m0 + W·M + [0, M)`` (``rows``: those rows relative to ``m0``,
+    in the score row layout): the output ``acc / l`` (0 where no key was seen) and the natural
+    log LSE (``-inf`` there), only for rows of the request."""
+    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    seen = l_i != 0.0  # (a NaN sum, from a key the row sees, stays NaN)
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    o = acc * gl.convert_layout(inv_l, o_rows)[:, None]
+    rows_o = m0 + W * M + gl.arange(0, M, layout=o_rows)
+    cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, O_LAYOUT))
+    tok = (q_begin + rows_o).to(gl.int64)
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols[None, :]
+    gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
+    if WRITE_LSE:
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+        rows_s = m0 + rows
+        tok_s = (q_begin + rows_s).to(gl.int64)
+        gl.store(lse_ptr + tok_s * stride_lt + h.to(gl.int64) * stride_lh, lse, mask=rows_s < seq_q)

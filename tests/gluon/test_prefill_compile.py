@@ -1,0 +1,127 @@
+"""The Gluon varlen prefill on a CPU: every kernel variant compiled for sm_90, every launch
+recorded (as in ``test_host_launch.py``: a subprocess without the Triton interpreter runs the
+launches under the stand-in driver, which runs Triton's compiler for sm_90, ptxas and the
+shared-memory limit included, and records each launch instead of making it)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from sm90_compile import run_without_interpreter
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import attrs
+    import torch
+    from mla.providers.calls import VarlenPrefillCall
+    from mla.providers.gluon.prefill_launch import PrefillKernel, PrefillLaunchConfig, launch_gluon_prefill
+    from mla.providers.gluon.provider import GluonProvider
+    from mla.testing.triton_driver import stand_in_driver
+
+    LQ, LK = [100, 1, 0, 257], [300, 50, 10, 257]
+
+    def indptr(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    def call(dqk, dv, causal, dtype, heads=4, kv_slices=False):
+        tq, tk = sum(LQ), sum(LK)
+        q = torch.zeros(tq, heads, dqk, dtype=dtype)
+        if kv_slices:  # k and v as head-dim slices of one [Tk, H, Dqk + Dv] buffer
+            kv = torch.zeros(tk, heads, dqk + dv, dtype=dtype)
+            k, v = kv[..., :dqk], kv[..., dqk:]
+        else:
+            k = torch.zeros(tk, heads, dqk, dtype=dtype)
+            v = torch.zeros(tk, heads, dv, dtype=dtype)
+        return VarlenPrefillCall(
+            q=q, k=k, v=v, cu_seqlens_q=indptr(LQ), cu_seqlens_k=indptr(LK),
+            out=torch.zeros(tq, heads, dv, dtype=dtype), lse=torch.zeros(tq, heads),
+            max_seqlen_q=max(LQ), max_seqlen_k=max(LK), softmax_scale=0.07, causal=causal)
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    PLAIN = PrefillLaunchConfig(kernel=PrefillKernel.PLAIN)
+    SPLIT = PrefillLaunchConfig(kernel=PrefillKernel.SPLIT)
+    OVERLAP = PrefillLaunchConfig(block_n=64, num_stages=3, kernel=PrefillKernel.OVERLAP)
+    cases = {
+        # name: (dqk, dv, causal, dtype, write_lse, config)
+        "192-causal-lse": (192, 128, True, bf16, True, None),
+        "192-full-lse": (192, 128, False, bf16, True, None),
+        "192-causal-nolse": (192, 128, True, bf16, False, None),
+        "192-causal-fp16": (192, 128, True, fp16, True, None),
+        "128-causal-lse": (128, 128, True, bf16, True, None),
+        "128-full-nolse": (128, 128, False, fp16, False, None),
+        "192-causal-plain": (192, 128, True, bf16, True, PLAIN),
+        "128-full-plain": (128, 128, False, bf16, True, PLAIN),
+        "192-causal-split": (192, 128, True, bf16, True, SPLIT),
+        "192-full-split-nolse": (192, 128, False, bf16, False, SPLIT),
+        "128-causal-split-fp16": (128, 128, True, fp16, True, attrs.evolve(SPLIT, num_stages=3)),
+        "192-causal-n64": (192, 128, True, bf16, True, PrefillLaunchConfig(block_n=64, num_stages=3)),
+        "192-causal-overlap-n64": (192, 128, True, bf16, True, OVERLAP),
+        "192-full-overlap-nolse": (192, 128, False, bf16, False, OVERLAP),
+        "128-causal-overlap-fp16": (
+            128, 128, True, fp16, True, PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP)
+        ),
+    }
+    out = {}
+    with stand_in_driver(compile_kernels=True) as driver:
+        for name, (dqk, dv, causal, dtype, lse, config) in cases.items():
+            driver.launches.clear()
+            launch_gluon_prefill(call(dqk, dv, causal, dtype), config, write_lse=lse)
+            out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+        # through the provider: the Gluon kernel where the route takes the call
+        for name, kwargs in {
+            "provider-192": {},
+            "provider-h128-slices": {"heads": 128, "kv_slices": True},
+        }.items():
+            driver.launches.clear()
+            GluonProvider().varlen_attention(call(192, 128, True, bf16, **kwargs))
+            out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+    json.dump(out, sys.stdout)
+    """
+)
+KERNEL = "mla_prefill_kernel"
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[str, list[list[object]]]:
+    stdout = run_without_interpreter(["-c", SCRIPT])
+    result: dict[str, list[list[object]]] = json.loads(stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "192-causal-lse",
+        "192-full-lse",
+        "192-causal-nolse",
+        "192-causal-fp16",
+        "128-causal-lse",
+        "128-full-nolse",
+        "192-causal-plain",
+        "128-full-plain",
+        "192-causal-split",
+        "192-full-split-nolse",
+        "128-causal-split-fp16",
+        "192-causal-n64",
+        "192-causal-overlap-n64",
+        "192-full-overlap-nolse",
+        "128-causal-overlap-fp16",
+        "provider-192",
+    ],
+)
+def test_every_prefill_variant_compiles_and_launches(
+    launches: dict[str, list[list[object]]], case: str
+) -> None:
+    # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads.
+    assert launches[case] == [[KERNEL, [3 * 4 * 4, 1, 1]]]
+
+
+def test_strided_kv_slices_and_128_heads_run_on_the_gluon_kernel(
+    launches: dict[str, list[list[object]]],
+) -> None:
+    assert launches["provider-h128-slices"] == [[KERNEL, [3 * 4 * 128, 1, 1]]]

@@ -1,0 +1,153 @@
+"""Host side of the Gluon varlen prefill on a CPU: which calls the Gluon kernel takes
+(:func:`~mla.providers.gluon.prefill_launch.prefill_route`), its launch configs, and the gluon
+provider running the others on the Triton kernel (in the interpreter)."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+
+from mla.core.errors import InvalidInputError
+from mla.providers.calls import VarlenPrefillCall
+from mla.providers.gluon import GluonProvider
+from mla.providers.gluon.prefill_launch import (
+    SHARED_MEMORY_BYTES,
+    PrefillKernel,
+    PrefillLaunchConfig,
+    launch_gluon_prefill,
+    prefill_config,
+    prefill_route,
+    shared_bytes,
+)
+from mla.providers.torch_ref import TorchProvider
+from mla.testing import assert_matches_reference
+
+BF16 = torch.bfloat16
+
+
+def _qkvo(
+    dqk: int = 192, dv: int = 128, dtype: torch.dtype = BF16, tokens: int = 8, keys: int = 8, heads: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.zeros(tokens, heads, dqk, dtype=dtype),
+        torch.zeros(keys, heads, dqk, dtype=dtype),
+        torch.zeros(keys, heads, dv, dtype=dtype),
+        torch.zeros(tokens, heads, dv, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    ("dqk", "dv", "dtype"),
+    [(192, 128, torch.bfloat16), (192, 128, torch.float16), (128, 128, torch.bfloat16)],
+)
+def test_route_takes_16_bit_mla_dims(dqk: int, dv: int, dtype: torch.dtype) -> None:
+    kernel, why = prefill_route(*_qkvo(dqk, dv, dtype))
+    assert kernel == "gluon", why
+    assert f"{dqk}/{dv}" in why
+
+
+def test_route_takes_head_dim_slices_of_one_buffer() -> None:
+    """k and v as slices of an up-projected ``[Tk, H, 320]`` buffer: strided heads, 16-byte
+    aligned (v starts 384 bytes into each head)."""
+    q, _, _, out = _qkvo()
+    kv = torch.zeros(8, 4, 320, dtype=BF16)
+    kernel, why = prefill_route(q, kv[..., :192], kv[..., 192:], out)
+    assert kernel == "gluon", why
+
+
+def _misaligned_base() -> torch.Tensor:
+    return torch.zeros(8 * 4 * 192 + 4, dtype=BF16)[4:].view(8, 4, 192)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"q": torch.zeros(8, 4, 192)}, "query dtype torch.float32"),
+        ({"k": torch.zeros(8, 4, 192, dtype=torch.float16)}, "mixed dtypes"),
+        ({"q": torch.zeros(8, 4, 96, dtype=BF16), "k": torch.zeros(8, 4, 96, dtype=BF16)}, "dims 96/128"),
+        ({"v": torch.zeros(8, 4, 64, dtype=BF16), "out": torch.zeros(8, 4, 64, dtype=BF16)}, "192/64"),
+        ({"k": torch.zeros(0, 4, 192, dtype=BF16), "v": torch.zeros(0, 4, 128, dtype=BF16)}, "no keys"),
+        ({"q": torch.zeros(8, 4, 200, dtype=BF16)[..., :192]}, None),  # 400-byte heads: aligned
+        ({"q": torch.zeros(8, 4, 196, dtype=BF16)[..., :192]}, "head stride (196 elements)"),
+        ({"k": torch.zeros(8, 4 * 192 + 4, dtype=BF16)[:, :768].view(8, 4, 192)}, "token stride"),
+        ({"v": torch.zeros(8, 128, 4, dtype=BF16).transpose(1, 2)}, "last dim is not contiguous"),
+        ({"k": _misaligned_base()}, "not 16-byte aligned"),
+        ({"q": torch.zeros(4, 8, 192, dtype=BF16).transpose(0, 1)}, "heads do not lie within one token"),
+        ({"out": torch.zeros(8, 4, 128, dtype=torch.float64)}, "output dtype"),
+    ],
+    ids=[
+        "fp32", "mixed", "dims-96", "dv-64", "no-keys", "padded-heads", "odd-head-stride", "odd-token-stride",
+        "strided-last-dim", "misaligned-base", "head-major", "fp64-out",
+    ],
+)  # fmt: skip
+def test_route_sends_other_calls_to_triton(change: dict[str, torch.Tensor], why: str | None) -> None:
+    q, k, v, out = _qkvo()
+    args = {"q": q, "k": k, "v": v, "out": out, **change}
+    kernel, reason = prefill_route(args["q"], args["k"], args["v"], args["out"])
+    if why is None:
+        assert kernel == "gluon", reason
+    else:
+        assert kernel == "triton"
+        assert why in reason
+
+
+def test_default_configs_fit_in_shared_memory() -> None:
+    assert prefill_config(192, 128) == PrefillLaunchConfig(block_n=128, num_stages=2)
+    # 128/128: 32 KiB query tile + 3 x 64 KiB
+    assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3)
+    for dqk in (192, 128):
+        assert shared_bytes(dqk, 128, prefill_config(dqk, 128)) <= SHARED_MEMORY_BYTES
+    # 128-key tiles in three stages do not fit at 192/128; 64-key tiles do.
+    assert shared_bytes(192, 128, PrefillLaunchConfig(num_stages=3)) > SHARED_MEMORY_BYTES
+    assert shared_bytes(192, 128, PrefillLaunchConfig(block_n=64, num_stages=3)) <= SHARED_MEMORY_BYTES
+    with pytest.raises(ValueError, match="block_n"):
+        PrefillLaunchConfig(block_n=96)
+    with pytest.raises(ValueError, match="num_stages"):
+        PrefillLaunchConfig(num_stages=1)
+
+
+def _call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> VarlenPrefillCall:
+    cu_q = torch.tensor([0, 3, 3, q.shape[0]], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 6, k.shape[0]], dtype=torch.int32)
+    return VarlenPrefillCall(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+        max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()), max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()),
+        softmax_scale=0.2, causal=True,
+    )  # fmt: skip
+
+
+def test_overlap_kernel_fits_with_64_key_tiles_at_192() -> None:
+    overlap = PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP)
+    assert shared_bytes(192, 128, overlap) > SHARED_MEMORY_BYTES
+    assert shared_bytes(128, 128, overlap) <= SHARED_MEMORY_BYTES
+    assert shared_bytes(192, 128, attrs.evolve(overlap, block_n=64, num_stages=3)) <= SHARED_MEMORY_BYTES
+    q, k, v, out = _qkvo()
+    with pytest.raises(InvalidInputError, match="shared memory"):
+        launch_gluon_prefill(_call(q, k, v, out, torch.zeros(8, 4)), overlap)
+
+
+def test_launcher_refuses_calls_the_route_declines() -> None:
+    q, k, v, out = _qkvo(dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match="Triton provider"):
+        launch_gluon_prefill(_call(q, k, v, out, torch.zeros(8, 4)))
+
+
+def test_provider_runs_declined_calls_on_the_triton_kernel() -> None:
+    """fp32 48/32 is not a Gluon prefill case: the gluon provider runs the Triton varlen kernel
+    (here in the interpreter) and matches the reference."""
+    gen = torch.Generator().manual_seed(5)
+    heads = 2
+    q = torch.randn(9, heads, 48, generator=gen)
+    k = torch.randn(11, heads, 48, generator=gen)
+    v = torch.randn(11, heads, 32, generator=gen)
+    out = torch.full((9, heads, 32), math.nan)
+    lse = torch.full((9, heads), math.nan)
+    GluonProvider().varlen_attention(_call(q, k, v, out, lse))
+    ref_out, ref_lse = torch.empty(9, heads, 32), torch.empty(9, heads)
+    TorchProvider().varlen_attention(_call(q, k, v, ref_out, ref_lse))
+    assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon prefill -> triton fallback")
