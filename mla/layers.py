@@ -331,9 +331,7 @@ class MLAAttention(nn.Module):
             latent_out = torch.empty(
                 (q.shape[0], dims.num_heads, dims.kv_lora_rank), dtype=q.dtype, device=q.device
             )
-            dcp.forward_sparse_decode(
-                metadata, q, kv_cache, topk_indices, out=latent_out, kv_scale=kv_scale
-            )
+            dcp.forward_sparse_decode(metadata, q, kv_cache, topk_indices, out=latent_out, kv_scale=kv_scale)
             out.copy_(torch.bmm(latent_out.transpose(0, 1), self.w_uv).transpose(0, 1))
             return out
         assert isinstance(self.attention, MLABackend)  # _write has checked it

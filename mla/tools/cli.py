@@ -207,9 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=GraphMode.NONE.value,
         help="how the engine captures decode steps in CUDA graphs",
     )
-    explain.add_argument(
-        "--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8", "fp8_ds_mla"), default="bf16"
-    )
+    explain.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8", "fp8_ds_mla"), default="bf16")
     explain.add_argument(
         "--index-topk",
         type=positive_int,

@@ -136,7 +136,11 @@ class ServingLoop:
     @staticmethod
     def _dims(config: DemoConfig) -> MLADims:
         return MLADims(
-            config.heads, config.kv_lora_rank, config.rope_dim, config.nope_dim, config.v_dim,
+            config.heads,
+            config.kv_lora_rank,
+            config.rope_dim,
+            config.nope_dim,
+            config.v_dim,
             softmax_scale=(config.nope_dim + config.rope_dim) ** -0.5,
         )
 

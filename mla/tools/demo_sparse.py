@@ -201,9 +201,7 @@ def selection_gap(scores: list[torch.Tensor], selected: torch.Tensor, topk: int)
     return max(worst, 0.0)
 
 
-def run_sparse_demo(
-    config: DemoConfig, progress: Callable[[StepRecord], None] | None = None
-) -> DemoReport:
+def run_sparse_demo(config: DemoConfig, progress: Callable[[StepRecord], None] | None = None) -> DemoReport:
     """:func:`mla.tools.demo.run_demo` for a sparse model (``config.sparse``)."""
     start = time.perf_counter()
     loop = SparseServingLoop(config)

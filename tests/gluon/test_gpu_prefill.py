@@ -18,6 +18,7 @@ import torch
 
 from mla.providers import get_provider
 from mla.providers.calls import VarlenPrefillCall
+from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
     PrefillKernel,
     PrefillLaunchConfig,
@@ -163,7 +164,7 @@ def test_provider_runs_head_dim_slices_of_one_buffer() -> None:
         lse=call.lse, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
         softmax_scale=call.softmax_scale, causal=True,
     )  # fmt: skip
-    get_provider("gluon").varlen_attention(sliced)
+    GluonProvider(prefill="gluon").varlen_attention(sliced)
     _check(sliced)
 
 
@@ -189,7 +190,7 @@ def test_nan_key_stays_in_the_rows_that_see_it(causal: bool, kernel: PrefillKern
         max_seqlen_k=140, softmax_scale=192**-0.5, causal=causal,
     )  # fmt: skip
     if kernel is None:
-        get_provider("gluon").varlen_attention(call)
+        GluonProvider(prefill="gluon").varlen_attention(call)
     else:
         launch_gluon_prefill(call, _fitting(kernel))
     sees = torch.zeros(tokens, dtype=torch.bool)
@@ -209,7 +210,7 @@ def test_nan_key_stays_in_the_rows_that_see_it(causal: bool, kernel: PrefillKern
 def test_prefill_captures_in_a_cuda_graph() -> None:
     """No host sync inside the launch: it records into a CUDA graph and replays correctly."""
     call = _call("mixed", 8, 192, 128, torch.bfloat16, True, seed=6)
-    provider = get_provider("gluon")
+    provider = GluonProvider(prefill="gluon")
     provider.varlen_attention(call)  # compile outside the capture
     call.out.fill_(math.nan)
     call.lse.fill_(math.nan)

@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent(
             "provider-h128-slices": {"heads": 128, "kv_slices": True},
         }.items():
             driver.launches.clear()
-            GluonProvider().varlen_attention(call(192, 128, True, bf16, **kwargs))
+            GluonProvider(prefill="gluon").varlen_attention(call(192, 128, True, bf16, **kwargs))
             out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
     json.dump(out, sys.stdout)
     """

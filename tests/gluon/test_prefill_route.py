@@ -147,7 +147,7 @@ def test_provider_runs_declined_calls_on_the_triton_kernel() -> None:
     v = torch.randn(11, heads, 32, generator=gen)
     out = torch.full((9, heads, 32), math.nan)
     lse = torch.full((9, heads), math.nan)
-    GluonProvider().varlen_attention(_call(q, k, v, out, lse))
+    GluonProvider(prefill="gluon").varlen_attention(_call(q, k, v, out, lse))
     ref_out, ref_lse = torch.empty(9, heads, 32), torch.empty(9, heads)
     TorchProvider().varlen_attention(_call(q, k, v, ref_out, ref_lse))
     assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon prefill -> triton fallback")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mla.core.capabilities import Contract
+from mla.core.errors import InvalidInputError
 from mla.core.platform import simulated_platform
 from mla.providers import auto_order, get_provider
 from mla.providers.calls import PagedDecodeCall, SparseAttentionCall, WriteKVCall
@@ -142,12 +143,17 @@ def test_kernel_note_names_the_kernel_and_the_reason() -> None:
     )
     assert dims is not None
     assert "256+64" in dims
-    prefill = note(
+    prefill = GluonProvider(prefill="gluon").kernel_note(
         phase="prefill", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
     )
     assert prefill is not None
     assert "Gluon prefill kernel" in prefill
     assert "192/128" in prefill
+    default = note(
+        phase="prefill", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
+    )
+    assert default is not None
+    assert "opt-in" in default
     assert "delegates" in prefill  # (the fp8 prefill)
     assert (
         TritonProvider().kernel_note(
@@ -155,6 +161,14 @@ def test_kernel_note_names_the_kernel_and_the_reason() -> None:
         )
         is None
     )
+
+
+def test_gluon_prefill_is_opt_in() -> None:
+    assert repr(GluonProvider()) == "GluonProvider()"
+    assert repr(GluonProvider(prefill="gluon")) == "GluonProvider(prefill='gluon')"
+    with pytest.raises(InvalidInputError, match="prefill") as info:
+        GluonProvider(prefill="fa3")
+    assert info.value.argument == "prefill"
 
 
 def test_explain_shows_the_kernel_note(capsys: pytest.CaptureFixture[str]) -> None:

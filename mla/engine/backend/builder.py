@@ -293,9 +293,7 @@ class MetadataBuilder:
             num_kv_tokens=step.num_prefill_tokens,
             causal=True,
             context_chunks=chunks,
-            cache_blocks=(
-                0 if table_cpu is None else used_cache_blocks(table_cpu[nd:], context_lens, bs)
-            ),
+            cache_blocks=(0 if table_cpu is None else used_cache_blocks(table_cpu[nd:], context_lens, bs)),
         )
         return decision, strategy.build_metadata(batch)
 

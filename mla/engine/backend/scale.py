@@ -25,9 +25,7 @@ class KVScale:
         self.value: float | None = None
         """The float last written into :attr:`buffer` (``None``: a tensor was copied in, or nothing)."""
 
-    def tensor(
-        self, kv_scale: object, *, device: torch.device, required: bool = True
-    ) -> torch.Tensor | None:
+    def tensor(self, kv_scale: object, *, device: torch.device, required: bool = True) -> torch.Tensor | None:
         """Check ``kv_scale`` (:func:`~mla.core.validate.check_cache_scale`: an fp8 cache needs a
         finite float > 0 or a one-element float tensor on ``device``'s type, unless not
         ``required``; a float cache takes none) and :meth:`convert` it."""
