@@ -125,36 +125,35 @@ def test_delegated_write_kv_matches_torch() -> None:
     assert torch.equal(cache, want)
 
 
-def test_kernel_note_names_the_kernel_and_the_reason() -> None:
-    note = GluonProvider().kernel_note
-    bf16 = note(
-        phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
+@pytest.mark.parametrize(
+    ("provider", "phase", "kv_dtype", "rank", "wanted"),
+    [
+        (GluonProvider(), "decode", torch.bfloat16, 512, ["Gluon kernels"]),
+        (GluonProvider(), "decode", torch.float8_e4m3fn, 512, ["Gluon kernels", "fp8"]),
+        (GluonProvider(), "decode", torch.bfloat16, 256, ["256+64"]),
+        (
+            GluonProvider(prefill="gluon"),
+            "prefill",
+            torch.bfloat16,
+            512,
+            ["Gluon prefill kernel", "192/128", "delegates"],
+        ),
+        (GluonProvider(), "prefill", torch.bfloat16, 512, ["opt-in"]),
+    ],
+    ids=["bf16", "fp8", "rank256", "prefill-opted-in", "prefill-default"],
+)
+def test_kernel_note_names_the_kernel_and_the_reason(
+    provider: GluonProvider, phase: str, kv_dtype: torch.dtype, rank: int, wanted: list[str]
+) -> None:
+    note = provider.kernel_note(
+        phase=phase, q_dtype=torch.bfloat16, kv_dtype=kv_dtype, kv_lora_rank=rank, rope_dim=64
     )
-    assert bf16 is not None
-    assert "Gluon kernels" in bf16
-    fp8 = note(
-        phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, kv_lora_rank=512, rope_dim=64
-    )
-    assert fp8 is not None
-    assert "Gluon kernels" in fp8
-    assert "fp8" in fp8
-    dims = note(
-        phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=256, rope_dim=64
-    )
-    assert dims is not None
-    assert "256+64" in dims
-    prefill = GluonProvider(prefill="gluon").kernel_note(
-        phase="prefill", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
-    )
-    assert prefill is not None
-    assert "Gluon prefill kernel" in prefill
-    assert "192/128" in prefill
-    default = note(
-        phase="prefill", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64
-    )
-    assert default is not None
-    assert "opt-in" in default
-    assert "delegates" in prefill  # (the fp8 prefill)
+    assert note is not None
+    for text in wanted:
+        assert text in note
+
+
+def test_the_triton_provider_has_no_kernel_note() -> None:
     assert (
         TritonProvider().kernel_note(
             phase="decode", q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_lora_rank=512, rope_dim=64

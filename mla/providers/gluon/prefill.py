@@ -70,7 +70,9 @@ from mla.providers.gluon.prefill_parts import (
     TILE_LAYOUT,
     _copy_boxes,
     _issue_kv,
+    _mma_layout,
     _release,
+    _softmax_step,
     _split_producer,
     _store_rows,
     _tile_range,
@@ -139,20 +141,9 @@ def _attend_tile(
             key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     _release(k_empty.index(s))
-    if MASKED:
-        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=keys_layout)
-        seen = keys[None, :] <= row_last[:, None]
-        sc = gl.where(seen, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc * qk_scale - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
-    else:
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-        p = gl.exp2(sc * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+    if not MASKED:
+        key_bad = m_i  # (unread)
+    p, alpha, m_new, row_bad = _softmax_step(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     if MASKED:
@@ -183,12 +174,8 @@ def _consumer(
         lse_ptr, q_begin, m0, seq_q, seq_k, k_row0, k_col, v_col, h, shift, n_full, n_tiles,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
     ) = args  # fmt: skip
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, D_V, 16]
-    )
+    s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(WARPS, D_V)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     if not ISSUE_LOADS:
         # The partition reads its arguments before anything of it writes shared memory.
@@ -207,28 +194,21 @@ def _consumer(
     m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([M], gl.float32, layout=s_rows)
     mbarrier.wait(q_bar, 0)
-    for t in range(n_full):
-        if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
-            if t + NUM_STAGES - 1 < n_tiles:
-                _issue_kv(
-                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
-                    v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
-                )  # fmt: skip
-        acc, m_i, l_i = _attend_tile(
-            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
-            qk_scale, False, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
-        )  # fmt: skip
-    for t in range(n_full, n_tiles):
-        if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
-            if t + NUM_STAGES - 1 < n_tiles:
-                _issue_kv(
-                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
-                    v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
-                )  # fmt: skip
-        acc, m_i, l_i = _attend_tile(
-            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last,
-            qk_scale, True, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
-        )  # fmt: skip
+    # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
+    for masked in gl.static_range(2):
+        first = n_full if masked else 0
+        last = n_tiles if masked else n_full
+        for t in range(first, last):
+            if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
+                if t + NUM_STAGES - 1 < n_tiles:
+                    _issue_kv(
+                        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                        v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
+                    )  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
+                row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+            )  # fmt: skip
 
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,

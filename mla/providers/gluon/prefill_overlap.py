@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.prefill_parts import _release, _store_rows
+from mla.providers.gluon.prefill_parts import _mma_layout, _release, _softmax_step, _store_rows
 
 WARPS = gl.constexpr(4)
 """Warps of a consumer partition (one warpgroup)."""
@@ -71,19 +71,9 @@ def _step(
         # the cleaned V tile and which of its keys had a non-finite lane
         mbarrier.wait(v_ready.index(s), phase)
         key_bad = flags.index(s).load(keys_layout)
-        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=keys_layout)
-        seen = keys[None, :] <= row_last[:, None]
-        sc = gl.where(seen, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc * qk_scale - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
     else:
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
-        p = gl.exp2(sc * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        key_bad = m_i  # (unread)
+    p, alpha, m_new, row_bad = _softmax_step(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p16 = p.to(q_smem.dtype)
     # P·V of tile t - 1 done: its V slot and the P buffer are free (none before tile 0)
@@ -119,12 +109,8 @@ def overlap_consumer(
         lse_ptr, q_begin, m0, seq_q, seq_k, _k_row0, _k_col, _v_col, h, shift, n_full, n_tiles,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
     ) = args  # fmt: skip
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, D_V, 16]
-    )
+    s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(WARPS, D_V)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_buf = p_smem.index(W)
     # The partition reads its arguments before anything of it writes shared memory.

@@ -119,6 +119,36 @@ def _clean_v(v_slot, flag_slot, BLOCK_N: gl.constexpr):
     gl.thread_barrier()
 
 
+@gluon.constexpr_function
+def _mma_layout(warps, cols):
+    """The accumulator layout of a consumer's ``[16·warps, cols]`` wgmma (scores or output)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def _softmax_step(sc, m_i, key_bad, row_last, t, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The online-softmax step of score tile ``t`` (``sc``, raw scores; exp2 domain): ``(p,
+    alpha, m_new, row_bad)``. ``MASKED``: key ``n`` counts for row ``r`` only when ``n <=
+    row_last[r]``, and ``row_bad`` marks the rows that see a key with a non-finite V lane
+    (``key_bad``); unmasked, ``row_bad`` is 0."""
+    if MASKED:
+        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
+        seen = keys[None, :] <= row_last[:, None]
+        sc = gl.where(seen, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc * qk_scale - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        row_bad = gl.zeros_like(m_new)
+    return p, alpha, m_new, row_bad
+
+
 @gluon.jit
 def _release(bar):
     """Every consumer thread is done with a ring slot (its ``wgmma`` reads waited for): one
