@@ -6,7 +6,7 @@ variant: the three warp splits of ``PrefillKernel``, 128- and 64-key tiles, 192/
 ``varlen_attention`` (the route, the contract's NaN rules, head-dim slices of one buffer, CUDA
 graph capture). Batches hold empty and one-token requests, requests with more queries than
 keys, and lengths that are not tile multiples. Outputs are NaN-poisoned before each run. Run:
-``pytest -m gpu tests/gluon/test_gpu_prefill.py`` (skipped without a Hopper GPU).
+``pytest -m gpu tests/gluon/test_gpu_gluon_prefill.py`` (skipped without a Hopper GPU).
 """
 
 from __future__ import annotations
