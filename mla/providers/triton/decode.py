@@ -44,8 +44,10 @@ from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_conf
 
 
 @triton.jit
-def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr):
-    """Flat token ids of KV positions ``n0 + offs_n`` (int64): -1 past ``hi`` and for an id
+def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Flat token ids of KV positions ``n0 + offs_n`` (int32; the row address is widened to
+    int64 where it is formed, so no int64 id vector stays live across the pipelined loop): -1 past
+    ``hi`` and for an id
     outside the cache's ``num_rows`` rows (the fill's -1 mark, or a block past the cache), which
     the tile loads and the softmax mask: such a key reads no memory and counts for nothing.
 
@@ -54,11 +56,21 @@ def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr
     one page load the same id: one block-table read per page run of the tile); a block outside
     ``[0, num_rows // PAGE_SIZE)`` is masked, never clamped."""
     n = n0 + offs_n
+    if PAGE_SIZE >= BLOCK_N and PAGE_SIZE > 0:
+        # A tile spans at most two pages: two scalar block-id loads instead of a per-lane load
+        # (whose id vector made the 16-row bf16 launch spill: 255 registers + 272 bytes of stack
+        # in the sm_90 compile report, against 222 and none this way).
+        p0 = n0 // PAGE_SIZE
+        first = tl.load(index_base + p0, mask=n0 < hi, other=-1)
+        second = tl.load(index_base + p0 + 1, mask=(p0 + 1) * PAGE_SIZE < hi, other=-1)
+        block = tl.where(n < (p0 + 1) * PAGE_SIZE, first, second)
+        inside = (block >= 0) & (block < num_rows // PAGE_SIZE) & (n < hi)
+        return tl.where(inside, block * PAGE_SIZE + n % PAGE_SIZE, -1)
     if PAGE_SIZE > 0:
-        block = tl.load(index_base + n // PAGE_SIZE, mask=n < hi, other=-1).to(tl.int64)
+        block = tl.load(index_base + n // PAGE_SIZE, mask=n < hi, other=-1)
         inside = (block >= 0) & (block < num_rows // PAGE_SIZE)
         return tl.where(inside, block * PAGE_SIZE + n % PAGE_SIZE, -1)
-    tok = tl.load(index_base + n, mask=n < hi, other=-1).to(tl.int64)
+    tok = tl.load(index_base + n, mask=n < hi, other=-1)
     return tl.where((tok >= 0) & (tok < num_rows), tok, -1)
 
 
@@ -71,7 +83,7 @@ def _load_kv_tile(
     ``tok`` (rows past ``hi``, ids outside the cache (-1) and padded columns read as 0, never as
     memory)."""
     n_ok = (n0 + offs_n < hi) & (tok >= 0)
-    row_ptr = kv_ptr + tok[:, None] * stride_kv
+    row_ptr = kv_ptr + tok.to(tl.int64)[:, None] * stride_kv
     if BLOCK_L == L:
         k_lat = tl.load(row_ptr + offs_l[None, :], mask=n_ok[:, None], other=0.0)
     else:
@@ -235,13 +247,13 @@ def _mla_decode_kernel(
         # Hand-pipelined: the next tile's rows are loaded into registers before this tile is
         # computed (Triton's cp.async pipeliner does not take fp8 tiles that are widened
         # before the dots), and token ids run one tile further ahead.
-        tok = _load_tile_ids(index_base, lo, hi, offs_n, num_rows, PAGE_SIZE)
-        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE)
+        tok = _load_tile_ids(index_base, lo, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
+        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
         k_lat, k_rope = _load_kv_tile(
             kv_ptr, tok, lo, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
         )  # fmt: skip
         for n0 in range(lo, hi, BLOCK_N):
-            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE)
+            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
             k_lat_next, k_rope_next = _load_kv_tile(
                 kv_ptr, tok_next, n0 + BLOCK_N, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R
             )
@@ -252,7 +264,7 @@ def _mla_decode_kernel(
             k_lat, k_rope, tok, tok_next = k_lat_next, k_rope_next, tok_next, tok_after
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            tok = _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE)
+            tok = _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
             k_lat, k_rope = _load_kv_tile(
                 kv_ptr, tok, n0, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
             )  # fmt: skip
