@@ -32,6 +32,8 @@ grids come from shapes and Python ints, never from tensor values.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -310,36 +312,42 @@ def _dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.dtype, s
     return tl.float32, "ieee"
 
 
-def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
-    """Launch the decode (and the reduce when any request is split) through the shared skeleton
+def launch_kernel(config: DecodeLaunchConfig, decode: DecodeLaunch) -> bool:
+    """Launch the decode kernel for one :class:`DecodeLaunch` of the shared skeleton
     (:func:`~mla.providers.triton.decode_launch.launch_split_decode`, whose module states the
-    operands' contract). Non-persistent when ``inputs.schedule is None`` (``config.num_splits``
-    splits per request); ``lse is None``: the final LSE is not stored."""
-    dot_dtype, precision = _dot_dtype(inputs.q_nope.dtype, inputs.kv_cache.dtype)
+    operands' contract) with ``config``'s tile; the skeleton launches the split reduce
+    (returns ``False``: the kernel does not reduce its splits)."""
+    x = decode.inputs
+    rank, rope = x.q_nope.shape[2], x.q_pe.shape[2]
+    dot_dtype, precision = _dot_dtype(x.q_nope.dtype, x.kv_cache.dtype)
+    _mla_decode_kernel[decode.grid](
+        *decode.tensors(),
+        *decode.scalars(),
+        decode.kv_scale,
+        *decode.key_operands(),
+        **decode.constexprs(),
+        **decode.key_constexprs(),
+        BLOCK_L=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=max(16, triton.next_power_of_2(rope)),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        HAS_KV_SCALE=x.kv_scale is not None,
+        DOT_DTYPE=dot_dtype,
+        INPUT_PRECISION=precision,
+        REG_PIPELINE=config.reg_pipeline,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return False
 
-    def launch(decode: DecodeLaunch) -> bool:
-        rank, rope = decode.inputs.q_nope.shape[2], decode.inputs.q_pe.shape[2]
-        _mla_decode_kernel[decode.grid](
-            *decode.tensors(),
-            *decode.scalars(),
-            decode.kv_scale,
-            *decode.key_operands(),
-            **decode.constexprs(),
-            **decode.key_constexprs(),
-            BLOCK_L=max(16, triton.next_power_of_2(rank)),
-            BLOCK_R=max(16, triton.next_power_of_2(rope)),
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            HAS_KV_SCALE=inputs.kv_scale is not None,
-            DOT_DTYPE=dot_dtype,
-            INPUT_PRECISION=precision,
-            REG_PIPELINE=config.reg_pipeline,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-        return False
 
-    launch_split_decode(inputs, row_tile=config.block_m, num_splits=config.num_splits, launch=launch)
+def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
+    """The decode of ``inputs`` (and the reduce when any request is split) with ``config``:
+    non-persistent when ``inputs.schedule is None`` (``config.num_splits`` splits per request);
+    ``lse is None``: the final LSE is not stored."""
+    launch_split_decode(
+        inputs, row_tile=config.block_m, num_splits=config.num_splits, launch=partial(launch_kernel, config)
+    )
 
 
 def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = None) -> None:
@@ -356,7 +364,9 @@ def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = N
             kv_elem_size=call.kv_cache.element_size(),
             persistent=inputs.schedule is not None,
         )
-    launch_decode(inputs, config)
+    launch_split_decode(
+        inputs, row_tile=config.block_m, num_splits=config.num_splits, launch=partial(launch_kernel, config)
+    )
 
 
-__all__ = ["LOG2E", "launch_decode", "num_sms", "paged_decode"]
+__all__ = ["LOG2E", "launch_decode", "launch_kernel", "num_sms", "paged_decode"]
