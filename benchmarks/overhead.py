@@ -11,6 +11,10 @@ Per shape it prints:
   ending in one synchronize, so host work overlaps the kernels as in a real loop.
 * ``overhead = call - kernel`` (the issue's bound: 30 us on the H200).
 * ``sync call``: the same with a synchronize after every call (host work no longer hidden).
+* ``plain call`` / ``plain overhead``: the README's call, ``mla.mla_decode(q, kv_cache,
+  block_table, seq_lens, softmax_scale=...)`` with no ``out=`` (a fresh output and LSE every
+  call, ``return_lse`` at its default), the same loop (the issue's bound: 30 us over the
+  kernels).
 * ``build``: ``backend.builder.build(step)`` host time with the engine's host copies passed
   (the issue's bound at B=128: 60 us; the last line says how many of the Triton fill's launches
   took :mod:`mla.providers.triton.launch_cache`'s cached path), and ``d2h``: device-to-host
@@ -132,8 +136,13 @@ def run_shape(
     def call() -> None:
         mla.mla_decode(q, cache, table, seq_lens, out=out, return_lse=False, **args)
 
+    def plain_call() -> None:
+        mla.mla_decode(q, cache, table, seq_lens, **args)
+
     calls, rounds = (200, 7) if gpu else (5, 3)
     call_us = wall_us(call, calls=calls, rounds=rounds, sync=sync)
+    plain_call()  # (plans its own step: the README call wants the LSE too)
+    plain_us = wall_us(plain_call, calls=calls, rounds=rounds, sync=sync)
     sync_call_us = wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
     # The kernels alone: the cached plan's run (what every call launches after planning).
     cached = mla.engine.functional.plan_cache.DECODE_PLANS._entries.values()
@@ -176,6 +185,8 @@ def run_shape(
         "kernel us": round(kernel_us, 1),
         "call us": round(call_us, 1),
         "overhead us": round(call_us - kernel_us, 1),
+        "plain call us": round(plain_us, 1),
+        "plain overhead us": round(plain_us - kernel_us, 1),
         "sync call us": round(sync_call_us, 1),
         "build us": round(build_us, 1),
         "build d2h": _count_syncs(lambda: engine.builder.build(step)),
@@ -222,7 +233,59 @@ def main(argv: Sequence[str] | None = None) -> None:
         for b, blk in shapes
     ]
     print_table(rows, title=title)
+    print_table(
+        [prefill_row(device=args.device, provider=args.provider, gpu=gpu)],
+        title="mla_prefill host overhead (the README-style call: fresh outputs, LSE returned)",
+    )
     print_launch_cache()
+
+
+def prefill_row(*, device: str, provider: str, gpu: bool) -> dict[str, Any]:
+    """``mla.mla_prefill`` as the README calls it (no ``out=``) against the provider's varlen
+    kernel on the same tensors: 16 x 1024 tokens, 16 heads, 192/128 causal on the GPU; a tiny
+    float32 case on the CPU."""
+    dev = torch.device(device)
+    dtype, (batch, seq, heads) = (torch.bfloat16, (16, 1024, 16)) if gpu else (torch.float32, (2, 16, 2))
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    gen = torch.Generator().manual_seed(7)
+    tokens = batch * seq
+    q = torch.randn(tokens, heads, 192, generator=gen).to(dtype).to(dev)
+    k = torch.randn(tokens, heads, 192, generator=gen).to(dtype).to(dev)
+    v = torch.randn(tokens, heads, 128, generator=gen).to(dtype).to(dev)
+    cu = (torch.arange(batch + 1) * seq).to(torch.int32).to(dev)
+    scale = 192**-0.5
+
+    def call() -> None:
+        mla.mla_prefill(q, k, v, cu, cu, seq, seq, softmax_scale=scale, causal=True, provider=provider)
+
+    call()
+    kernel_provider = mla.providers.get_provider(provider if provider != "auto" else _auto_name(dev))
+    out = torch.empty(tokens, heads, 128, dtype=dtype, device=dev)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    varlen = mla.providers.calls.VarlenPrefillCall(
+        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=out, lse=lse, max_seqlen_q=seq,
+        max_seqlen_k=seq, softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    calls, rounds = (50, 5) if gpu else (5, 3)
+    kernel_us = (
+        bench_graph_us(lambda: kernel_provider.varlen_attention(varlen))
+        if gpu
+        else wall_us(lambda: kernel_provider.varlen_attention(varlen), calls=calls, rounds=rounds, sync=sync)
+    )
+    call_us = wall_us(call, calls=calls, rounds=rounds, sync=sync)
+    return {
+        "B x S": f"{batch} x {seq}",
+        "H": heads,
+        "kernel us": round(kernel_us, 1),
+        "plain call us": round(call_us, 1),
+        "plain overhead us": round(call_us - kernel_us, 1),
+    }
+
+
+def _auto_name(device: torch.device) -> str:
+    """The provider ``provider="auto"`` resolves to on ``device`` (first of the auto order)."""
+    order = mla.providers.auto_order(mla.core.platform.detect_platform(device.type))
+    return order[0] if order else "torch"
 
 
 def print_launch_cache() -> None:
