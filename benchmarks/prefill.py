@@ -1,4 +1,5 @@
-"""Prefill benchmark (issue 3): Triton varlen (bf16) and fp8 persistent prefill vs ``varlen_attn``.
+"""Prefill benchmark: Triton varlen (bf16), fp8 persistent and Gluon prefill vs ``varlen_attn`` and
+cuDNN SDPA.
 
 One command on the GPU::
 
@@ -33,6 +34,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,6 +61,8 @@ FP8_SWEEP = [
     AttentionLaunchConfig(128, 128, 8, 3),
 ]
 OUT_TOL = {"triton-bf16": 1e-2, "triton-fp8": 2e-2, "varlen_attn": 1e-2}
+GLUON_KERNELS = (("gluon-producer", "PRODUCER"), ("gluon-split", "SPLIT"))
+"""The Gluon prefill layouts timed where the Gluon kernels run (``PrefillKernel`` names)."""
 LSE_TOL = 1e-2
 
 
@@ -99,6 +103,21 @@ class Case:
         )  # fmt: skip
         varlen_attention_fwd(call, config=config)
 
+    def run_gluon(self, kernel: str) -> None:
+        """The Gluon prefill kernel in layout ``kernel`` (a ``PrefillKernel`` name)."""
+        from mla.providers.gluon.prefill_launch import (
+            PrefillKernel,
+            PrefillLaunchConfig,
+            launch_gluon_prefill,
+        )
+
+        call = VarlenPrefillCall(
+            q=self.q, k=self.k, v=self.v, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, out=self.out,
+            lse=self.lse, max_seqlen_q=self.seqlen, max_seqlen_k=self.seqlen, softmax_scale=self.scale,
+            causal=True,
+        )  # fmt: skip
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel[kernel]))
+
     def run_fp8(self, config: AttentionLaunchConfig | None = None) -> None:
         call = Fp8PrefillCall(
             q=self.q8, k=self.k8, v=self.v8, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, out=self.out,
@@ -137,6 +156,36 @@ def torch_varlen(case: Case) -> tuple[str, Callable[[], Any]]:
     return "varlen_attn", call
 
 
+def gluon_kernels() -> tuple[tuple[str, str], ...]:
+    """The Gluon prefill layouts to time: all of :data:`GLUON_KERNELS` on a Hopper GPU where the
+    Gluon kernels import, none elsewhere."""
+    from mla.providers.gluon import GluonProvider
+
+    return GLUON_KERNELS if GluonProvider().availability() else ()
+
+
+def cudnn_sdpa(case: Case) -> Callable[[], torch.Tensor] | None:
+    """cuDNN's SDPA on the batch as ``[B, H, S, D]`` (every request has the same length, so no
+    padding), or ``None`` where torch has no cuDNN attention. Returns ``[T, H, Dv]``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        return None
+    b, s, h = case.batch, case.seqlen, case.heads
+    q, k, v = (x.view(b, s, h, -1).transpose(1, 2).contiguous() for x in (case.q, case.k, case.v))
+
+    def call() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale)
+        return out.transpose(1, 2).reshape(b * s, h, -1)
+
+    try:
+        call()
+    except RuntimeError:  # no cuDNN kernel for these dims on this GPU
+        return None
+    return call
+
+
 def reference_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case, heads: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,10 +219,12 @@ def check(case: Case) -> dict[str, float]:
     ]
     ref_fp8 = reference_heads(deq[0], deq[1], deq[2], case, heads)
     del deq
-    for name, runner, (ref_out, ref_lse) in (
+    runners: list[tuple[str, Callable[[], None], tuple[torch.Tensor, torch.Tensor]]] = [
         ("triton-bf16", case.run_triton, ref_bf16),
         ("triton-fp8", case.run_fp8, ref_fp8),
-    ):
+    ]
+    runners += [(name, partial(case.run_gluon, kernel), ref_bf16) for name, kernel in gluon_kernels()]
+    for name, runner, (ref_out, ref_lse) in runners:
         case.out.fill_(float("nan"))
         case.lse.fill_(float("nan"))
         runner()
@@ -184,6 +235,9 @@ def check(case: Case) -> dict[str, float]:
         errors[name + " lse"] = float((case.lse[:, heads] - ref_lse).abs().max())
     _, baseline = torch_varlen(case)
     errors["varlen_attn"] = rel(baseline()[:, heads], ref_bf16[0])
+    cudnn = cudnn_sdpa(case)
+    if cudnn is not None:
+        errors["cudnn-sdpa"] = rel(cudnn()[:, heads], ref_bf16[0])
     return errors
 
 
@@ -194,7 +248,8 @@ def config_text(config: AttentionLaunchConfig) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks prefill",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--check", action="store_true", help="check every implementation before timing")
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
@@ -214,10 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors = check(case) if args.check else {}
         if args.check:
             print(f"{case.name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()), flush=True)
-            for name, tol in OUT_TOL.items():
+            tolerances = {**OUT_TOL, **{name: OUT_TOL["triton-bf16"] for name, _ in gluon_kernels()}}
+            for name, tol in tolerances.items():
                 if not errors[name] <= tol:
                     failures.append(f"{case.name} {name}: rel err {errors[name]:.3g} > {tol}")
-            for name in ("triton-bf16", "triton-fp8"):
+            for name in ("triton-bf16", "triton-fp8", *(name for name, _ in gluon_kernels())):
                 if not errors[name + " lse"] <= LSE_TOL:
                     failures.append(f"{case.name} {name}: lse err {errors[name + ' lse']:.3g} > {LSE_TOL}")
         baseline_name, baseline = torch_varlen(case)
@@ -229,6 +285,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("triton-fp8", bench_us(case.run_fp8),
              config_text(choose_fp8_config(case.q.device, QK_DIM, V_DIM, case.plan.tile_q))),
         ]  # fmt: skip
+        timed += [
+            (name, bench_us(partial(case.run_gluon, kernel)), kernel.lower())
+            for name, kernel in gluon_kernels()
+        ]
+        cudnn = cudnn_sdpa(case)
+        if cudnn is not None:
+            timed.append(("cudnn-sdpa", bench_us(cudnn), "padded batch"))
         for name, us, config in timed:
             ratio = base_us / us
             rows.append({
@@ -268,4 +331,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     for failure in failures:
         print("CHECK FAILED:", failure)
     return 1 if failures else 0
-
