@@ -287,20 +287,29 @@ SECTIONS: dict[str, Callable[[], list[dict[str, Any]]]] = {
 }
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: str, *, device: str | None = None) -> None:
+    """Every timed row but the torch peer's as µs per call (log scale), one bar a row, coloured
+    by implementation. ``device``: the title's device (default: this machine's GPU), for a plot
+    drawn later from a run's ``--json`` rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     timed = [r for r in rows if "us" in r and r.get("impl") != "torch"]
-    labels = [f"{r['case']}\n{r['impl']}" for r in timed]
-    fig, ax = plt.subplots(figsize=(12, 5))
-    ax.barh(range(len(timed)), [r["us"] for r in timed])
-    ax.set_yticks(range(len(timed)), labels, fontsize=7)
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(12, max(4.0, 0.3 * len(timed) + 1.2)))
+    for i, r in enumerate(timed):
+        ax.barh(i, r["us"], color=colours(impls.index(r["impl"])), label=r["impl"])
+    ax.set_yticks(range(len(timed)), [f"{r['case']} · {r['impl']}" for r in timed], fontsize=7)
+    ax.invert_yaxis()
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="lower right")
     ax.set_xscale("log")
     ax.set_xlabel("µs per call (CUDA-graph replay), lower is better")
-    ax.set_title(f"mla sparse MLA on {gpu_name()}")
+    ax.set_title(f"mla sparse MLA on {device or gpu_name()}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -310,7 +319,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), help="run these sections")
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--plot", help="write a bar chart to this PNG")
+    parser.add_argument(
+        "--from-json", help="draw --plot from the rows a run wrote with --json (no GPU needed)"
+    )
+    parser.add_argument("--device-name", help="the plot title's device (default: this machine's GPU)")
     args = parser.parse_args(argv)
+    if args.from_json:
+        if not args.plot:
+            parser.error("--from-json draws a plot: give --plot PATH")
+        with open(args.from_json) as handle:
+            plot(json.load(handle), args.plot, device=args.device_name)
+        return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     rows: list[dict[str, Any]] = []
     for name in args.only or SECTIONS:
@@ -321,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, device=args.device_name)
     return 0
 
 
