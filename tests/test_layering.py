@@ -146,3 +146,21 @@ def test_the_checks_catch_a_cycle_and_an_upward_import() -> None:
 @pytest.mark.parametrize("name", ["mla.__main__", "mla.tools.cli"])
 def test_the_entry_points_sit_on_top(name: str) -> None:
     assert layer_of(name) == len(LAYERS) - 1
+
+
+MAX_MODULE_LINES = 500
+"""The longest a module may be, kernel bodies excepted."""
+KERNEL_MODULES = frozenset(
+    {"mla.providers.gluon.kernels", "mla.providers.gluon.dual", "mla.providers.triton.sparse"}
+)
+"""Modules over the limit because of the kernel bodies they hold (Triton/Gluon ``@jit`` code)."""
+
+
+def test_modules_stay_short() -> None:
+    lengths = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    long = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES and name not in KERNEL_MODULES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them): {long}"
+    # The exceptions are kernel files: most of their lines are inside jit functions.
+    for name in KERNEL_MODULES:
+        source = MODULES[name].read_text()
+        assert "@triton.jit" in source or "@gluon.jit" in source, name

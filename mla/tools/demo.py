@@ -136,13 +136,9 @@ class ServingLoop:
     @staticmethod
     def _dims(config: DemoConfig) -> MLADims:
         return MLADims(
-            config.heads,
-            config.kv_lora_rank,
-            config.rope_dim,
-            config.nope_dim,
-            config.v_dim,
+            config.heads, config.kv_lora_rank, config.rope_dim, config.nope_dim, config.v_dim,
             softmax_scale=(config.nope_dim + config.rope_dim) ** -0.5,
-        )
+        )  # fmt: skip
 
     def _backend(self, cache: KVCacheSpec, **options: Any) -> MLABackend:
         """The loop's backend (``options``: further ``MLABackend`` arguments)."""
