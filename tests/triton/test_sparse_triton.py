@@ -668,11 +668,12 @@ def test_gpu_writes_match_formats(provider: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("provider", GPU_PROVIDERS)
 @pytest.mark.parametrize("kv_format", ["bf16", "ds_mla"])
-def test_gpu_sparse_graph_replay_sees_new_slots(kv_format: str) -> None:
+def test_gpu_sparse_graph_replay_sees_new_slots(provider: str, kv_format: str) -> None:
     """Slot conversion and attention captured once; the replay reads the indices written in
     place afterwards (no value of a tensor is baked into the launch)."""
-    prov = _gpu_provider("triton")
+    prov = _gpu_provider(provider)
     first = make_sparse_batch(
         qlens=[1, 1, 2], seq_lens=[3000, 900, 2500], heads=16, rank=512, rope=64, topk=2048,
         block_size=64, q_dtype=torch.bfloat16, kv_format=kv_format, pad_rows=0, seed=1, poison=False,
@@ -715,4 +716,4 @@ def test_gpu_sparse_graph_replay_sees_new_slots(kv_format: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     ref_out, ref_lse = second.reference(0.05)
-    assert_matches_reference(out, lse, ref_out, ref_lse, context=f"graph replay {kv_format}")
+    assert_matches_reference(out, lse, ref_out, ref_lse, context=f"graph replay {provider} {kv_format}")
