@@ -251,3 +251,16 @@ def test_sparse_attention_runs_on_the_gluon_kernels_where_they_apply(
     decision, reason = sparse_on_gluon(call)
     assert decision is on_gluon
     assert why in reason
+
+
+def test_sparse_row_offsets_are_made_once_per_shape() -> None:
+    from mla.providers.gluon.sparse import ROW_INDPTR_CACHE, row_indptr
+
+    first = row_indptr(3, 2048, torch.device("cpu"))
+    assert first.tolist() == [0, 2048, 4096, 6144]
+    assert first.dtype == torch.int32
+    assert row_indptr(3, 2048, torch.device("cpu")) is first
+    assert row_indptr(3, 1024, torch.device("cpu")) is not first
+    for rows in range(ROW_INDPTR_CACHE + 1):  # the cache stays bounded: the oldest goes first
+        row_indptr(100 + rows, 8, torch.device("cpu"))
+    assert row_indptr(3, 2048, torch.device("cpu")) is not first

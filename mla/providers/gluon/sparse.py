@@ -41,13 +41,34 @@ def sparse_on_gluon(call: SparseAttentionCall) -> tuple[bool, str]:
     return kernel == "gluon", why
 
 
+ROW_INDPTR_CACHE = 32
+"""Row offset tensors :func:`row_indptr` keeps (one per (device, rows, topk) seen)."""
+_row_indptrs: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def row_indptr(rows: int, topk: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[rows + 1]`` offsets ``t · topk`` of each row's slot list, made once per (device,
+    rows, topk) and kept (a decode step's graph then launches no kernel for them). One made
+    while a CUDA graph captures is not kept: its memory belongs to that graph's pool."""
+    key = (device, rows, topk)
+    cached = _row_indptrs.get(key)
+    if cached is not None:
+        return cached
+    offsets = torch.arange(0, (rows + 1) * topk, topk, dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if len(_row_indptrs) >= ROW_INDPTR_CACHE:
+            _row_indptrs.pop(next(iter(_row_indptrs)))
+        _row_indptrs[key] = offsets
+    return offsets
+
+
 def sparse_inputs(call: SparseAttentionCall) -> DecodeInputs:
     """The decode launch operands of ``call``: one qlen-1 request per query row over its slots."""
     q, rank = call.q, call.kv_lora_rank
     slots = call.slots if call.slots.is_contiguous() else call.slots.contiguous()
     rows, topk = int(slots.shape[0]), int(slots.shape[1])
     kv = call.kv_cache.view(torch.float8_e4m3fn) if is_ds_mla(call.kv_cache.dtype) else call.kv_cache
-    kv_indptr = torch.arange(0, (rows + 1) * topk, topk, dtype=torch.int32, device=q.device)
+    kv_indptr = row_indptr(rows, topk, q.device)
     return DecodeInputs(
         q[..., :rank], q[..., rank:], kv, kv_indptr, slots.view(-1), None, rows, 1, topk,
         call.softmax_scale, None if is_ds_mla(call.kv_cache.dtype) else call.kv_scale, call.out,
@@ -55,4 +76,4 @@ def sparse_inputs(call: SparseAttentionCall) -> DecodeInputs:
     )  # fmt: skip
 
 
-__all__ = ["sparse_inputs", "sparse_on_gluon"]
+__all__ = ["ROW_INDPTR_CACHE", "row_indptr", "sparse_inputs", "sparse_on_gluon"]
