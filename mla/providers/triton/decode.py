@@ -341,15 +341,6 @@ def launch_kernel(config: DecodeLaunchConfig, decode: DecodeLaunch) -> bool:
     return False
 
 
-def launch_decode(inputs: DecodeInputs, config: DecodeLaunchConfig) -> None:
-    """The decode of ``inputs`` (and the reduce when any request is split) with ``config``:
-    non-persistent when ``inputs.schedule is None`` (``config.num_splits`` splits per request);
-    ``lse is None``: the final LSE is not stored."""
-    launch_split_decode(
-        inputs, row_tile=config.block_m, num_splits=config.num_splits, launch=partial(launch_kernel, config)
-    )
-
-
 def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = None) -> None:
     """Paged MQA decode (the ``paged-decode`` contract; ``call.schedule`` selects the persistent
     path, which takes a :class:`~mla.providers.split_kv.SplitKVSchedule`). ``config`` overrides the
@@ -369,4 +360,4 @@ def paged_decode(call: PagedDecodeCall, *, config: DecodeLaunchConfig | None = N
     )
 
 
-__all__ = ["LOG2E", "launch_decode", "launch_kernel", "num_sms", "paged_decode"]
+__all__ = ["LOG2E", "launch_kernel", "num_sms", "paged_decode"]

@@ -11,9 +11,11 @@ non-persistent heuristic of :mod:`.schedule`.
 
 from __future__ import annotations
 
+from functools import partial
+
 from mla.providers.calls import SmallHeadDecodeCall
-from mla.providers.triton.decode import launch_decode
-from mla.providers.triton.decode_launch import DecodeInputs, num_sms
+from mla.providers.triton.decode import launch_kernel
+from mla.providers.triton.decode_launch import DecodeInputs, launch_split_decode, num_sms
 from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_config
 
 
@@ -30,4 +32,6 @@ def small_head_decode(call: SmallHeadDecodeCall, *, config: DecodeLaunchConfig |
             kv_elem_size=call.kv_cache.element_size(),
             persistent=False,
         )
-    launch_decode(inputs, config)
+    launch_split_decode(
+        inputs, row_tile=config.block_m, num_splits=config.num_splits, launch=partial(launch_kernel, config)
+    )
