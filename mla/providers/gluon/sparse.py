@@ -15,6 +15,8 @@ a bf16 query. The provider runs every other call on the Triton sparse kernel.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from mla.core.config import ds_mla_row_bytes, is_ds_mla
@@ -44,6 +46,7 @@ def sparse_on_gluon(call: SparseAttentionCall) -> tuple[bool, str]:
 ROW_INDPTR_CACHE = 32
 """Row offset tensors :func:`row_indptr` keeps (one per (device, rows, topk) seen)."""
 _row_indptrs: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+_row_indptrs_lock = threading.Lock()
 
 
 def row_indptr(rows: int, topk: int, device: torch.device) -> torch.Tensor:
@@ -56,9 +59,10 @@ def row_indptr(rows: int, topk: int, device: torch.device) -> torch.Tensor:
         return cached
     offsets = torch.arange(0, (rows + 1) * topk, topk, dtype=torch.int32, device=device)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        if len(_row_indptrs) >= ROW_INDPTR_CACHE:
-            _row_indptrs.pop(next(iter(_row_indptrs)))
-        _row_indptrs[key] = offsets
+        with _row_indptrs_lock:  # engines run layers from several threads
+            if len(_row_indptrs) >= ROW_INDPTR_CACHE:
+                _row_indptrs.pop(next(iter(_row_indptrs)))
+            _row_indptrs[key] = offsets
     return offsets
 
 
