@@ -7,7 +7,7 @@ from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mla.core.context import DecodeContext, PrefillContext
 from mla.strategy import StrategyKind
@@ -64,13 +64,15 @@ def decode_order(
         return int(kind is StrategyKind.PAGED and persistent != persistent_first)
 
     ordered = sorted(registrations, key=lambda r: (rank(r[2]), persistence(r[2], r[3]), r[1], r[0]))
-    out: list[tuple[str, str | None]] = []
-    for name, _priority, kind, _persistent in ordered:
-        excluded = None
-        if mode == "asm" and kind is StrategyKind.SMALL_HEAD:
-            excluded = "small-head mode 'asm' never selects small-head kernels automatically"
-        out.append((name, excluded))
-    return [item for item in out if item[1] is None] + [item for item in out if item[1]]
+    asm_only = mode == "asm"
+    return _excluded_last(
+        ordered,
+        lambda kind: (
+            "small-head mode 'asm' never selects small-head kernels automatically"
+            if asm_only and kind is StrategyKind.SMALL_HEAD
+            else None
+        ),
+    )
 
 
 def prefill_order(ctx: PrefillContext, registrations: Sequence[Registration]) -> list[tuple[str, str | None]]:
@@ -87,10 +89,17 @@ def prefill_order(ctx: PrefillContext, registrations: Sequence[Registration]) ->
         return 0
 
     ordered = sorted(registrations, key=lambda r: (rank(r[2]), r[1], r[0]))
-    out: list[tuple[str, str | None]] = []
-    for name, _priority, kind, _persistent in ordered:
-        excluded = None
-        if knob == "off" and kind is StrategyKind.FP8_PREFILL:
-            excluded = "fp8-prefill knob is 'off'"
-        out.append((name, excluded))
+    fp8_off = knob == "off"
+    return _excluded_last(
+        ordered,
+        lambda kind: "fp8-prefill knob is 'off'" if fp8_off and kind is StrategyKind.FP8_PREFILL else None,
+    )
+
+
+def _excluded_last(
+    ordered: Sequence[Registration], excluded: Callable[[StrategyKind], str | None]
+) -> list[tuple[str, str | None]]:
+    """``(name, why excluded)`` of ``ordered``, the included ones first (in order), then the
+    excluded ones with the knob's reason."""
+    out = [(name, excluded(kind)) for name, _priority, kind, _persistent in ordered]
     return [item for item in out if item[1] is None] + [item for item in out if item[1]]
