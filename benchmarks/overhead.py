@@ -259,7 +259,7 @@ def prefill_row(*, device: str, provider: str, gpu: bool) -> dict[str, Any]:
         mla.mla_prefill(q, k, v, cu, cu, seq, seq, softmax_scale=scale, causal=True, provider=provider)
 
     call()
-    kernel_provider = mla.providers.get_provider(provider if provider != "auto" else _auto_name(dev))
+    kernel_provider = mla.providers.resolve_provider(provider, mla.core.platform.detect_platform(dev.type))
     out = torch.empty(tokens, heads, 128, dtype=dtype, device=dev)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
     varlen = mla.providers.calls.VarlenPrefillCall(
@@ -280,12 +280,6 @@ def prefill_row(*, device: str, provider: str, gpu: bool) -> dict[str, Any]:
         "plain call us": round(call_us, 1),
         "plain overhead us": round(call_us - kernel_us, 1),
     }
-
-
-def _auto_name(device: torch.device) -> str:
-    """The provider ``provider="auto"`` resolves to on ``device`` (first of the auto order)."""
-    order = mla.providers.auto_order(mla.core.platform.detect_platform(device.type))
-    return order[0] if order else "torch"
 
 
 def print_launch_cache() -> None:
