@@ -158,6 +158,12 @@ class ProviderCapabilities:
     allocates and fills no per-token list (its index memory is O(requests x pages)); ``False``
     (aiter's and the gluon provider's kernels): the page fill expands the table into flat
     per-token ids (``FillPagesCall.kv_indices``; :attr:`decode_token_ids`)."""
+    decode_multi_row_stores_masked: bool = True
+    """The non-persistent paged decode at a kernel qlen above 1 writes exactly the rows its
+    requests own (its multi-row tiles mask their stores), so it runs on the caller's ``q`` and
+    ``out`` like a qlen-1 decode: no copy into a workspace and back. ``False`` (aiter's asm
+    kernels): a multi-row tile can leave lanes past its rows unwritten or write them, so the
+    strategy hands it a zeroed workspace and copies the owned rows out."""
     decode_float32_out: bool = True
     """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
     reference computes in float32, the Triton kernels convert on store): padded-decode

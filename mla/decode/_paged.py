@@ -281,7 +281,7 @@ class PagedDecode(DecodeStrategy):
             and padding.kernel_heads == padding.num_heads
             and q.is_contiguous()
             and out.is_contiguous()
-            and (geo.kernel_qlen == 1 or self.PERSISTENT)
+            and (geo.kernel_qlen == 1 or self.PERSISTENT or setup.capabilities.decode_multi_row_stores_masked)
         )
         if direct:
             q_kernel, o_target, lse_target = q, out, lse

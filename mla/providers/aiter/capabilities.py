@@ -103,6 +103,7 @@ def aiter_capabilities(
         provider=provider,
         contracts=frozenset(contracts),
         decode_masks_outside_ids=False,
+        decode_multi_row_stores_masked=False,
         decode_float32_out=False,
         archs=frozenset({"gfx942", "gfx950"}),
         q_dtypes=_BF16,
