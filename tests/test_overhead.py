@@ -177,13 +177,51 @@ def test_a_kv_scale_tensor_updated_in_place_is_read_by_the_replay(
 
 @pytest.mark.parametrize(
     "options",
-    [
-        {"out": None},
-        {"lse": None},
-        {"validate": "full"},
-        {"graph": "off"},
-    ],
-    ids=["no-out", "no-lse-but-wanted", "validate-full", "graph-off"],
+    [{"out": None, "lse": None}, {"out": None}, {"lse": None}],
+    ids=["no-out-no-lse", "no-out", "no-lse-but-wanted"],
+)
+def test_calls_without_outputs_replay_into_the_graphs_own_and_return_copies(
+    replay_on_cpu: list[StepGraph], options: dict[str, Any]
+) -> None:
+    """The README's call (fresh outputs every call) replays too: the graph writes buffers of its
+    own and each call returns copies, so a result kept from an earlier call is not overwritten
+    by a later replay. An output the caller passes is the caller's."""
+    data = Inputs()
+    results = []
+    for seed in range(4):
+        data.refill(seed)
+        out, lse = data.decode(**options)
+        ref = reference_decode(
+            data.q, data.cache, data.table, data.seq_lens, softmax_scale=SCALE, kv_lora_rank=RANK
+        )
+        results.append((out.clone(), lse.clone(), ref))
+        assert (out is data.out) == ("out" not in options)
+        assert (lse is data.lse) == ("lse" not in options)
+    assert len(replay_on_cpu) == 1
+    assert replay_on_cpu[0].replays == 2
+    for seed, (out, lse, ref) in enumerate(results):
+        assert_matches_reference(out, lse, *ref, context=f"{options} seed {seed}")
+
+
+def test_kept_results_of_replayed_calls_stay_theirs(replay_on_cpu: list[StepGraph]) -> None:
+    """Results held across calls (no clone by the caller) keep their own values."""
+    data = Inputs()
+    kept = []
+    for seed in range(4):
+        data.refill(seed)
+        ref = reference_decode(
+            data.q, data.cache, data.table, data.seq_lens, softmax_scale=SCALE, kv_lora_rank=RANK
+        )
+        kept.append((data.decode(out=None, lse=None), ref))
+    assert replay_on_cpu[0].replays == 2
+    for seed, ((out, lse), ref) in enumerate(kept):
+        assert_matches_reference(out, lse, *ref, context=f"kept result of call {seed}")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"validate": "full"}, {"graph": "off"}],
+    ids=["validate-full", "graph-off"],
 )
 def test_calls_that_cannot_replay_run_eagerly(
     replay_on_cpu: list[StepGraph], options: dict[str, Any]

@@ -9,6 +9,7 @@ eager call (no graph break).
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal, overload
 
 import torch
@@ -142,17 +143,18 @@ def mla_decode(
     Repeated calls: the plan (strategy and persistent buffers) is cached per shapes, dtypes,
     device, scale, provider, strategy, platform and validate mode, and the argument checks per
     signature, so a repeated call re-checks only values that can change (a float
-    ``kv_scale``, the ``query_start_loc`` indptr). On a CUDA device, with ``out`` given (and
-    ``lse`` too unless ``return_lse=False``) and ``validate="fast"``, the second call on the
-    same tensors (data pointers and strides of q, kv_cache, block_table, seq_lens,
-    query_start_loc, out, lse and a ``kv_scale`` tensor; the same ``query_start_loc`` values)
-    also captures the step (metadata build and kernels, sized by the block table, never by the
-    data) in a :class:`torch.cuda.CUDAGraph` kept with the plan
-    (:data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls replay it:
-    one launch, reading the tensors' current values and the current ``kv_scale`` (a float is
-    written to a device buffer the graph reads). Calls run eagerly while the current stream is
-    capturing (the caller's own graph records them), with ``validate="full"``, without ``out``,
-    and when the strategy's build needs host data.
+    ``kv_scale``, the ``query_start_loc`` indptr). On a CUDA device with ``validate="fast"``,
+    the second call on the same tensors (data pointers and strides of q, kv_cache,
+    block_table, seq_lens, query_start_loc, out, lse and a ``kv_scale`` tensor; the same
+    ``query_start_loc`` values) also captures the step (metadata build and kernels, sized by
+    the block table, never by the data) in a :class:`torch.cuda.CUDAGraph` kept with the plan
+    (:data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls
+    replay it: one launch, reading the tensors' current values and the current ``kv_scale`` (a
+    float is written to a device buffer the graph reads). Without ``out=`` (or ``lse=``) the
+    graph writes buffers of its own and the call returns fresh copies of them (one device copy
+    each; ``out=`` saves it). Calls run eagerly while the current stream is capturing (the
+    caller's own graph records them), with ``validate="full"``, and when the strategy's build
+    needs host data.
 
     Returns:
         ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32 natural log)``, or ``out``
@@ -190,49 +192,38 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
     elif call.scale_on_host:
         assert args.kv_scale is not None
         check_scale_value(args.kv_scale, args.kv_cache.dtype)
-    q, kv_cache, qsl, out, lse = args.q, args.kv_cache, args.query_start_loc, args.out, args.lse
-    if out is not None or lse is not None:
-        table, lens = args.block_table, args.seq_lens
-        inputs = (("q", q), ("kv_cache", kv_cache), ("block_table", table), ("seq_lens", lens))
-        require_no_overlap("out", out, *inputs, ("query_start_loc", qsl), ("lse", lse))
-        require_no_overlap("lse", lse, *inputs, ("query_start_loc", qsl))
+    qsl = args.query_start_loc
+    replayable = call.replay and decode_graphs.replay_allowed(args.q)
+    if replayable and (qsl is None or call.host_qsl):
+        replayed = _replay(call, args, None if qsl is None else tuple(qsl.tolist()))
+        if replayed is not None:
+            return replayed
     step = check_step(call, args)
-    num_tokens = call.num_tokens
+    q, kv_cache, num_tokens = args.q, args.kv_cache, call.num_tokens
+    out, lse = args.out, args.lse
     if out is None:
         out = torch.empty(num_tokens, call.num_heads, call.kv_lora_rank, dtype=q.dtype, device=q.device)
     if lse is None and args.return_lse:
         lse = torch.empty(num_tokens, call.num_heads, dtype=torch.float32, device=q.device)
     result = (out, lse) if args.return_lse and lse is not None else out
+    _check_outputs_apart(args)
     if call.num_requests == 0 or num_tokens == 0 or call.num_heads == 0:  # nothing to attend
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
         return result
-    key = (call.base_key, max(1, step.lengths.max_query))
-    entry = DECODE_PLANS.get(key)
-    if entry is None:
-        entry = new_entry(call, args, key[1])
-        DECODE_PLANS.put(key, entry)
+    entry = _plan_entry(call, args, max(1, step.lengths.max_query))
     backend = entry.backend
     # One step at a time per cached plan: threads sharing it take turns (its backend's
     # builds write the buffers its runs read).
     with backend.in_use:
         scale = backend.kv_scale.convert(args.kv_scale)  # checked at the door (signature, value)
-        if call.replay and decode_graphs.replay_allowed(q):
-            # A host query_start_loc is keyed by its values (the graph reads its own device copy),
-            # a device one also by its address (the graph reads it).
-            qsl_key = None
-            if qsl is not None:
-                qsl_key = (None if call.host_qsl else tensor_key(qsl), tuple(step.query_start_loc))
-            graph_key = (
-                call, tensor_key(q), tensor_key(kv_cache), tensor_key(args.block_table),
-                tensor_key(args.seq_lens), tensor_key(out), tensor_key(lse),
-                None if scale is None else scale.data_ptr(), qsl_key,
-            )  # fmt: skip
+        if replayable:
+            graph_key = _graph_key(call, args, scale, tuple(step.query_start_loc))
             state = entry.graphs.get(graph_key)
-            if isinstance(state, decode_graphs.CapturedCall):
+            if isinstance(state, decode_graphs.CapturedCall):  # (a device query_start_loc's)
                 state.graph.replay()
-                return result
+                return state.results(args.out, args.lse, args.return_lse)
             if state is None:
                 entry.graphs.put(graph_key, decode_graphs.SEEN)
             elif state is decode_graphs.SEEN:
@@ -249,6 +240,70 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
         return result
 
 
+def _plan_entry(call: DecodeCall, args: DecodeArgs, max_query: int) -> DecodeEntry:
+    """The cached plan for the call's shapes and decode qlen bound (made on first use)."""
+    key = (call.base_key, max_query)
+    entry = DECODE_PLANS.get(key)
+    if entry is None:
+        entry = new_entry(call, args, max_query)
+        DECODE_PLANS.put(key, entry)
+    return entry
+
+
+def _graph_key(
+    call: DecodeCall, args: DecodeArgs, scale: torch.Tensor | None, qsl_values: tuple[int, ...] | None
+) -> tuple[object, ...]:
+    """What a captured step reads: the call's signature (``call``), every tensor's address and
+    strides (the caller's ``out``/``lse``, or ``None`` where the graph writes its own), the
+    scale buffer, and the ``query_start_loc`` values (a host one's; a device one is also keyed
+    by its address, which the graph reads)."""
+    qsl = args.query_start_loc
+    qsl_key = None if qsl is None else (None if call.host_qsl else tensor_key(qsl), qsl_values)
+    return (
+        call, tensor_key(args.q), tensor_key(args.kv_cache), tensor_key(args.block_table),
+        tensor_key(args.seq_lens), tensor_key(args.out), tensor_key(args.lse),
+        None if scale is None else scale.data_ptr(), qsl_key,
+    )  # fmt: skip
+
+
+def _replay(
+    call: DecodeCall, args: DecodeArgs, qsl_values: tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+    """A repeated call's graph replay, before any step check: a captured graph's key holds the
+    signature, every tensor's address and strides and the host ``query_start_loc`` values, so
+    the call it was captured from passed the same checks (outputs apart from the inputs
+    included). ``None``: nothing captured for this call yet."""
+    max_query = 1
+    if qsl_values is not None:  # unchecked here: only a lookup (a miss runs the checks)
+        max_query = max((b - a for a, b in itertools.pairwise(qsl_values)), default=1)
+    entry = DECODE_PLANS.get((call.base_key, max(1, max_query)))
+    if entry is None:
+        return None
+    with entry.backend.in_use:
+        scale = entry.backend.kv_scale.convert(args.kv_scale)
+        state = entry.graphs.get(_graph_key(call, args, scale, qsl_values))
+        if not isinstance(state, decode_graphs.CapturedCall):
+            return None
+        state.graph.replay()
+        return state.results(args.out, args.lse, args.return_lse)
+
+
+def _check_outputs_apart(args: DecodeArgs) -> None:
+    """The caller's ``out``/``lse`` share no memory with the inputs (or each other)."""
+    out, lse = args.out, args.lse
+    if out is None and lse is None:
+        return
+    qsl = ("query_start_loc", args.query_start_loc)
+    inputs = (
+        ("q", args.q),
+        ("kv_cache", args.kv_cache),
+        ("block_table", args.block_table),
+        ("seq_lens", args.seq_lens),
+    )
+    require_no_overlap("out", out, *inputs, qsl, ("lse", lse))
+    require_no_overlap("lse", lse, *inputs, qsl)
+
+
 def _capture(
     entry: DecodeEntry,
     graph_key: tuple[object, ...],
@@ -259,8 +314,10 @@ def _capture(
     lse: torch.Tensor | None,
     scale: torch.Tensor | None,
 ) -> None:
-    """Run the call eagerly (its result; every kernel compiled), then capture the same step
-    into a graph for the following calls (or mark it eager when its build needs host data)."""
+    """Run the call eagerly into ``out``/``lse`` (its result; every kernel compiled), then
+    capture the same step into a graph for the following calls (or mark it eager when its
+    build needs host data). Outputs the caller did not pass are the graph's own buffers, which
+    each replay's call returns copies of."""
     backend, q, kv_cache, qsl = entry.backend, args.q, args.kv_cache, args.query_start_loc
     keep: tuple[torch.Tensor, ...] = ()
     if qsl is None:
@@ -271,19 +328,24 @@ def _capture(
     else:
         qsl_dev = qsl if qsl.dtype == torch.int32 else qsl.to(torch.int32)
 
-    def graph_step() -> None:
+    def graph_step(into: torch.Tensor, into_lse: torch.Tensor | None) -> None:
         # The int32 views of seq_lens and block_table are made inside: a replay converts the
         # caller's current values.
-        run_step(backend, device_step(step, qsl_dev), q, kv_cache, out, lse, scale)
+        run_step(backend, device_step(step, qsl_dev), q, kv_cache, into, into_lse, scale)
 
-    graph_step()
+    graph_step(out, lse)
     metadata = backend.current_metadata
     plan = None if metadata is None else metadata.decode
     state: decode_graphs.GraphState = decode_graphs.EAGER
     if plan is not None and backend.decode_strategy(plan.strategy).capturable_build(plan):
-        state = decode_graphs.capture_or_mark(graph_step, q.device)
+        own_out = torch.empty_like(out) if args.out is None else None
+        own_lse = torch.empty_like(lse) if lse is not None and args.lse is None else None
+        graph_out = out if own_out is None else own_out
+        graph_lse = lse if own_lse is None else own_lse
+        state = decode_graphs.capture_or_mark(lambda: graph_step(graph_out, graph_lse), q.device)
         if isinstance(state, decode_graphs.CapturedCall):
             state.keep = keep
+            state.own_out, state.own_lse = own_out, own_lse
     entry.graphs.put(graph_key, state)
 
 

@@ -187,10 +187,7 @@ def check_decode_call(args: DecodeArgs) -> DecodeCall:
         num_blocks=num_blocks,
         base_key=base_key,
         host_qsl=qsl is not None and qsl.device.type == "cpu",
-        replay=replay == "auto"
-        and mode == "fast"
-        and args.out is not None
-        and (args.lse is not None or not args.return_lse),
+        replay=replay == "auto" and mode == "fast",
         scale_on_host=kv_scale is not None
         and (not isinstance(kv_scale, torch.Tensor) or kv_scale.device.type == "cpu"),
         checker=checker,

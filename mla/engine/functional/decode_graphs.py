@@ -15,10 +15,12 @@ result as an eager call on the tensors' current values. A float ``kv_scale`` liv
 backend's scale buffer, which the graph reads: a new value is one copy before the replay, not a
 new capture.
 
+A call without ``out=`` (or wanting the LSE without ``lse=``) replays too: the graph writes
+buffers of its own and the call returns fresh copies of them (one device copy each), so results
+kept from earlier calls stay theirs.
+
 Calls run eagerly (and capture nothing) when: replay is off (``graph="off"`` or
-:data:`GRAPH_REPLAY` ``= False``), the device is not CUDA, ``out`` is not given (or the LSE is
-wanted and ``lse`` is not given: fresh outputs every call cannot be replayed into),
-``validate="full"``, the current stream is capturing (the caller's own graph then records the
+:data:`GRAPH_REPLAY` ``= False``), the device is not CUDA, ``validate="full"``, the current stream is capturing (the caller's own graph then records the
 eager launches), ``torch.compile`` is tracing, q is not on the current CUDA device, or the
 strategy's build for this step needs host data (:meth:`DecodeStrategy.capturable_build`).
 """
@@ -63,10 +65,29 @@ EAGER = _Marker("EAGER")
 
 @attrs.define(eq=False)
 class CapturedCall:
-    """One captured build + run, with the tensors it reads that the caller does not own."""
+    """One captured build + run, with the tensors it reads that the caller does not own and
+    the outputs it writes where the caller passed none."""
 
     graph: torch.cuda.CUDAGraph
     keep: tuple[torch.Tensor, ...] = ()
+    own_out: torch.Tensor | None = None
+    """The graph's ``out`` when the call has no ``out=`` (each replay's call returns a copy)."""
+    own_lse: torch.Tensor | None = None
+    """The graph's ``lse`` when the call wants the LSE without ``lse=``."""
+
+    def results(
+        self, out: torch.Tensor | None, lse: torch.Tensor | None, return_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """What the replayed call returns, given the caller's ``out``/``lse`` (``None`` where
+        it passed none): the caller's outputs, or fresh copies of the graph's own (a later
+        replay overwrites those)."""
+        result_out = out if self.own_out is None else self.own_out.clone()
+        result_lse = lse if self.own_lse is None else self.own_lse.clone()
+        assert result_out is not None
+        if not return_lse:
+            return result_out
+        assert result_lse is not None  # the caller passed lse= or the graph writes its own
+        return result_out, result_lse
 
 
 GraphState = CapturedCall | _Marker

@@ -180,8 +180,7 @@ def check_prefill_call(args: PrefillArgs) -> tuple[VarlenStep, float]:
     inputs = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     require_no_overlap("out", out, *inputs, ("lse", lse))
     require_no_overlap("lse", lse, *inputs)
-    cu_q_cpu = cu_seqlens_q.cpu().to(torch.int64)
-    cu_k_cpu = cu_seqlens_k.cpu().to(torch.int64)
+    cu_q_cpu, cu_k_cpu = _host_indptrs(cu_seqlens_q, cu_seqlens_k)
     lens_q = require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), num_tokens, "q")
     lens_k = require_indptr_of_rows("cu_seqlens_k", cu_k_cpu.tolist(), k.shape[0], "k")
     if cu_q_cpu.numel() != cu_k_cpu.numel():
@@ -202,6 +201,20 @@ def check_prefill_call(args: PrefillArgs) -> tuple[VarlenStep, float]:
         causal=causal,
     )
     return step, softmax_scale
+
+
+def _host_indptrs(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both indptrs on the host as int64, in one device-to-host copy (none when they are on
+    the host; one tensor passed twice is copied once)."""
+    if cu_seqlens_k is cu_seqlens_q:
+        both = cu_seqlens_q.cpu().to(torch.int64)
+        return both, both
+    if cu_seqlens_q.device.type == "cpu" or cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        return cu_seqlens_q.cpu().to(torch.int64), cu_seqlens_k.cpu().to(torch.int64)
+    stacked = torch.stack((cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64))).cpu()
+    return stacked[0], stacked[1]
 
 
 # -- under torch.compile: one op per call (see mla.engine.functional.decode) -----------------------
