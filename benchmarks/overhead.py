@@ -5,16 +5,17 @@
 
 Per shape it prints:
 
-* ``kernel``: one decode step's kernels alone, timed as CUDA-graph replays of the plan's run
-  (CPU: the plan's run, wall clock).
+* ``kernel``: one decode step's kernels alone (its build's and its decode's): the graph the
+  ``out=`` call captured, replayed back to back between two CUDA events (CPU: the plan's run,
+  wall clock).
 * ``call``: ``mla.mla_decode`` per call after the first one (which plans), as a loop of calls
   ending in one synchronize, so host work overlaps the kernels as in a real loop.
-* ``overhead = call - kernel`` (the issue's bound: 30 us on the H200).
+* ``overhead = call - kernel`` (the issue's bound for the ``out=`` replay: 10 us on the H200).
 * ``sync call``: the same with a synchronize after every call (host work no longer hidden).
 * ``plain call`` / ``plain overhead``: the README's call, ``mla.mla_decode(q, kv_cache,
   block_table, seq_lens, softmax_scale=...)`` with no ``out=`` (a fresh output and LSE every
-  call, ``return_lse`` at its default), the same loop (the issue's bound: 30 us over the
-  kernels).
+  call, ``return_lse`` at its default; it replays too, into the graph's own outputs, and
+  returns copies), the same loop (the issue's bound: 30 us over the kernels).
 * ``build``: ``backend.builder.build(step)`` host time with the engine's host copies passed
   (the issue's bound at B=128: 60 us; the last line says how many of the Triton fill's launches
   took :mod:`mla.providers.triton.launch_cache`'s cached path), and ``d2h``: device-to-host
@@ -33,6 +34,7 @@ so from the third call on it replays the CUDA graph it captured on the second
 from __future__ import annotations
 
 import argparse
+import statistics
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
 from benchmarks._common import bench_graph_us, gpu_name, print_profile, print_table, wall_us
+from mla.engine.functional.decode_graphs import CapturedCall
 
 
 def _count_syncs(fn: Callable[[], Any]) -> int | str:
@@ -99,6 +102,24 @@ def _count_launches(fn: Callable[[], Any]) -> str:
     return f"{host}/{device}"
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, *, replays: int = 200, rounds: int = 7) -> float:
+    """Device time of one replay of ``graph`` (µs): replays back to back between two events
+    (a replay's launch costs less host time than its kernels take, so the device stays busy),
+    median of rounds."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)
+    return statistics.median(times)
+
+
 def run_shape(
     *,
     batch: int,
@@ -144,15 +165,20 @@ def run_shape(
     plain_call()  # (plans its own step: the README call wants the LSE too)
     plain_us = wall_us(plain_call, calls=calls, rounds=rounds, sync=sync)
     sync_call_us = wall_us(lambda: (call(), sync()), calls=calls, rounds=rounds, sync=sync)
-    # The kernels alone: the cached plan's run (what every call launches after planning).
+    # The kernels alone. GPU: the step the `out=` call captured (its build's kernels and the
+    # decode's), replayed back to back; CPU: the cached plan's run.
     cached = mla.engine.functional.plan_cache.DECODE_PLANS._entries.values()
     plans = [e for e in cached if e.backend.device.type == dev.type]
-    strategy, plan = plans[-1].backend.current_decode()
+    if gpu:
+        captured = [s for s in plans[-1].graphs._entries.values() if isinstance(s, CapturedCall)]
+        kernel_us = replay_us(captured[0].graph)
+    else:
+        strategy, plan = plans[-1].backend.current_decode()
 
-    def kernels() -> None:
-        strategy.run(plan, q, cache, kv_scale=None, out=out, lse=None)
+        def kernels() -> None:
+            strategy.run(plan, q, cache, kv_scale=None, out=out, lse=None)
 
-    kernel_us = bench_graph_us(kernels) if gpu else wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
+        kernel_us = wall_us(kernels, calls=calls, rounds=rounds, sync=sync)
 
     engine = mla.MLABackend(
         mla.MLADims(heads, rank, rope, softmax_scale=scale),
@@ -201,7 +227,8 @@ def run_shape(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks overhead",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--provider", default="auto")
@@ -294,4 +321,3 @@ def print_launch_cache() -> None:
         f"{fill.fast_launches} cached / {fill.slow_launches} through Triton; planner "
         f"{plan.fast_launches} / {plan.slow_launches}"
     )
-
