@@ -18,6 +18,7 @@ import torch
 import mla
 from mla import InvalidInputError, Support, TorchProvider, UnsupportedError
 from mla.testing import DecodeCase, PrefillCase, emulated_provider, make_decode_inputs, make_prefill_inputs
+from mla.tools.reference import reference_prefill
 
 RANK, ROPE = 64, 16
 META = torch.device("meta")
@@ -262,6 +263,46 @@ def test_prefill_non_monotonic_cu_seqlens() -> None:
 def test_prefill_max_seqlen_too_small() -> None:
     expect_invalid("max_seqlen_q", prefill(max_seqlen_q=4), "longest query 5")
     expect_invalid("max_seqlen_k", prefill(max_seqlen_k=8), "longest key range 9")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton", "gluon"])
+def test_prefill_values_are_checked_after_the_launch_on_clamping_kernels(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a provider whose varlen kernels clamp each request's rows
+    (``varlen_clamps_indptrs``), ``mla_prefill`` reads the indptrs after the launch (never
+    through the before-the-launch read) and still raises on bad values; a good call gives the
+    reference."""
+    if not torch.cuda.is_available() or not mla.get_provider(provider).availability():
+        pytest.skip(f"{provider} needs its GPU")
+    from mla.engine.functional import prefill as functional_prefill
+
+    def no_read_before_the_launch(*_: object) -> None:
+        raise AssertionError("read the indptrs before the launch")
+
+    monkeypatch.setattr(functional_prefill, "_host_indptrs", no_read_before_the_launch)
+    on_gpu = {
+        name: value.cuda() if isinstance(value, torch.Tensor) else value
+        for name, value in prefill_args(provider=provider, platform=None).items()
+    }
+
+    def call(**changes: Any) -> Callable[[], object]:
+        return lambda: mla.mla_prefill(**{**on_gpu, **changes})
+
+    out, lse = call()()  # type: ignore[misc]
+    ref_out, ref_lse = reference_prefill(
+        on_gpu["q"], on_gpu["k"], on_gpu["v"], on_gpu["cu_seqlens_q"], on_gpu["cu_seqlens_k"],
+        softmax_scale=PREFILL_CASE.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double().cpu(), ref_out.cpu(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), rtol=2e-3, atol=2e-3)
+    bad_q = torch.tensor([0, 6, 3], dtype=torch.int32, device="cuda")
+    expect_invalid("cu_seqlens_q", call(cu_seqlens_q=bad_q), "monotonic")
+    bad_k = torch.tensor([0, 13, 12], dtype=torch.int32, device="cuda")
+    expect_invalid("cu_seqlens_k", call(cu_seqlens_k=bad_k), "monotonic")
+    expect_invalid("max_seqlen_q", call(max_seqlen_q=4), "longest query 5")
+    torch.cuda.synchronize()  # the kernels of the failed calls touched nothing outside
 
 
 def test_prefill_forced_strategy_that_does_not_fit() -> None:

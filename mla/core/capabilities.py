@@ -164,6 +164,12 @@ class ProviderCapabilities:
     ``out`` like a qlen-1 decode: no copy into a workspace and back. ``False`` (aiter's asm
     kernels): a multi-row tile can leave lanes past its rows unwritten or write them, so the
     strategy hands it a zeroed workspace and copies the owned rows out."""
+    varlen_clamps_indptrs: bool = False
+    """The varlen prefill kernels clamp each request's row range into ``q``/``k``'s rows, so a
+    bad ``cu_seqlens`` reads and writes nothing outside the tensors. ``mla.mla_prefill`` then
+    launches before its one device-to-host read of the indptrs and checks their values after
+    it (raising as before), so the read waits for the previous kernels while this call's
+    kernel is already queued. ``False``: the values are read and checked before the launch."""
     decode_float32_out: bool = True
     """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
     reference computes in float32, the Triton kernels convert on store): padded-decode

@@ -37,8 +37,11 @@ class PrefillBatch:
     """The prefill part of one step (new tokens; optional cached context)."""
 
     context: PrefillContext
-    cu_seqlens_q_cpu: torch.Tensor
-    cu_seqlens_k_cpu: torch.Tensor
+    cu_seqlens_q_cpu: torch.Tensor | None
+    """int ``[B+1]`` on the host; ``None`` when the values are checked after the launch
+    (``mla.mla_prefill`` on a provider whose kernels clamp the ranges), which only strategies
+    whose plan does not read them (:attr:`PrefillStrategy.PLAN_READS_HOST_INDPTRS`) get."""
+    cu_seqlens_k_cpu: torch.Tensor | None
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
@@ -84,6 +87,9 @@ class PrefillStrategy(Strategy[PrefillContext]):
 
     PHASE: ClassVar[Phase] = Phase.PREFILL
     GRAPH_SUPPORT: ClassVar[GraphSupport] = GraphSupport.NEVER
+    PLAN_READS_HOST_INDPTRS: ClassVar[bool] = False
+    """Whether :meth:`plan_schedule` reads the host ``cu_seqlens`` (a host-side tiling): such a
+    plan always gets them (no launch before the values are read)."""
 
     def build_metadata(self, batch: PrefillBatch) -> PrefillPlan:
         return PrefillPlan(

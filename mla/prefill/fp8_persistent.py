@@ -32,6 +32,7 @@ class Fp8PersistentPrefill(PrefillStrategy):
     NAME: ClassVar[str] = "fp8-persistent-prefill"
     KIND: ClassVar[StrategyKind] = StrategyKind.FP8_PREFILL
     REQUIRES: ClassVar[frozenset[Contract]] = frozenset({Contract.FP8_PREFILL})
+    PLAN_READS_HOST_INDPTRS: ClassVar[bool] = True
 
     @classmethod
     def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
@@ -57,6 +58,8 @@ class Fp8PersistentPrefill(PrefillStrategy):
         )
 
     def plan_schedule(self, batch: PrefillBatch) -> object:
+        assert batch.cu_seqlens_q_cpu is not None
+        assert batch.cu_seqlens_k_cpu is not None
         return self.setup.provider.plan_fp8_prefill(
             Fp8PrefillPlanCall(
                 cu_seqlens_q_cpu=batch.cu_seqlens_q_cpu,

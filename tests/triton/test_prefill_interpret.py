@@ -96,6 +96,48 @@ def test_varlen_matches_reference(
     _check(out, lse, ref, 2e-3 if dtype == torch.float16 else 1e-5)
 
 
+@pytest.mark.parametrize(
+    ("cu_q", "cu_k"),
+    [([0, 30, 24], [0, 10, 20]), ([0, -5, 24], [0, 50, 20]), ([0, 20, 10], [0, 25, -3])],
+    ids=["past-the-rows", "negative-and-past-the-keys", "decreasing"],
+)
+def test_a_bad_indptr_touches_no_row_outside_the_tensors(cu_q: list[int], cu_k: list[int]) -> None:
+    """Each request's rows are clamped into q's and k's rows (``mla.mla_prefill`` launches
+    before it has checked the values on such providers): with NaN rows just outside q, k and v
+    and sentinel rows just outside out and lse, no written row is NaN and no sentinel moves."""
+    rows_q, rows_k, heads, pad, qk_dim, v_dim = 24, 20, 2, 8, 32, 16
+    gen = torch.Generator().manual_seed(3)
+
+    def inside(rows: int, width: int, fill: float, values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        whole = torch.full((rows + 2 * pad, heads, width), fill, device=DEVICE)
+        if values:
+            whole[pad : pad + rows] = _random((rows, heads, width), gen)
+        return whole, whole[pad : pad + rows]
+
+    _, q = inside(rows_q, qk_dim, float("nan"), values=True)
+    _, k = inside(rows_k, qk_dim, float("nan"), values=True)
+    _, v = inside(rows_k, v_dim, float("nan"), values=True)
+    out_whole, out = inside(rows_q, v_dim, 7.0, values=False)
+    out.zero_()
+    lse_whole = torch.full((rows_q + 2 * pad, heads), 7.0, device=DEVICE)
+    lse = lse_whole[pad : pad + rows_q]
+    lse.zero_()
+    indptr = {
+        name: torch.tensor(values, dtype=torch.int32, device=DEVICE)
+        for name, values in (("q", cu_q), ("k", cu_k))
+    }
+    varlen_attention_fwd(
+        VarlenPrefillCall(
+            q=q, k=k, v=v, cu_seqlens_q=indptr["q"], cu_seqlens_k=indptr["k"], out=out, lse=lse,
+            max_seqlen_q=48, max_seqlen_k=48, softmax_scale=qk_dim**-0.5, causal=True,
+        )
+    )  # fmt: skip
+    for whole in (out_whole, lse_whole):
+        assert bool((whole[:pad] == 7.0).all()), "a row before the output was written"
+        assert bool((whole[pad + rows_q :] == 7.0).all()), "a row past the output was written"
+    assert not bool(out.isnan().any()), "a row outside q, k or v was read"
+
+
 def test_head_dim_blocks_cover_192_128_without_padding() -> None:
     assert HeadDimBlocks.for_dims(192, 128) == HeadDimBlocks(128, 64, 128)
     assert HeadDimBlocks.for_dims(128, 128) == HeadDimBlocks(128, 0, 128)

@@ -84,18 +84,19 @@ class MetadataBuilder:
         held = be.hold("builder.plan_varlen")
         try:
             ctx, decision, strategy = self._prefill_choice(has_context=False)
-            cu_q, cu_k = step.cu_seqlens_q_cpu, step.cu_seqlens_k_cpu
-            num_requests, num_tokens = cu_q.numel() - 1, int(cu_q[-1])
+            if step.cu_seqlens_q_cpu is None:
+                assert not strategy.PLAN_READS_HOST_INDPTRS, "plan_varlen: this plan needs host indptrs"
+            num_requests, num_tokens = step.cu_seqlens_q.numel() - 1, step.num_tokens
             batch = PrefillBatch(
                 context=ctx,
-                cu_seqlens_q_cpu=cu_q,
-                cu_seqlens_k_cpu=cu_k,
+                cu_seqlens_q_cpu=step.cu_seqlens_q_cpu,
+                cu_seqlens_k_cpu=step.cu_seqlens_k_cpu,
                 cu_seqlens_q=step.cu_seqlens_q,
                 cu_seqlens_k=step.cu_seqlens_k,
                 max_seqlen_q=step.max_seqlen_q,
                 max_seqlen_k=step.max_seqlen_k,
                 num_tokens=num_tokens,
-                num_kv_tokens=int(cu_k[-1]),
+                num_kv_tokens=step.num_kv_tokens,
                 causal=step.causal,
             )
             metadata = _METADATA(
@@ -204,6 +205,10 @@ class MetadataBuilder:
             decision = be.resolver.resolve(ctx, force=be.force_decode)
             choice = self._decode_choices[key] = (ctx, decision, be.decode_strategy(decision))
         return choice
+
+    def varlen_strategy(self) -> PrefillStrategy:
+        """The strategy :meth:`plan_varlen` plans with (resolved once per registry version)."""
+        return self._prefill_choice(has_context=False)[2]
 
     def _prefill_choice(self, *, has_context: bool) -> tuple[PrefillContext, Decision, PrefillStrategy]:
         """The context, decision and strategy instance of a prefill (resolved once per

@@ -42,10 +42,11 @@ class VarlenStep:
     functional :func:`mla.mla_prefill` (``q`` rows ``cu_seqlens_q``, ``k``/``v`` rows
     ``cu_seqlens_k`` per request), checked by its caller."""
 
-    cu_seqlens_q_cpu: torch.Tensor
-    """int32 ``[B+1]`` on the host."""
-    cu_seqlens_k_cpu: torch.Tensor
-    """int32 ``[B+1]`` on the host."""
+    cu_seqlens_q_cpu: torch.Tensor | None
+    """int32 ``[B+1]`` on the host, or ``None`` when the caller checks the values after the
+    launch (see :attr:`~mla.core.capabilities.ProviderCapabilities.varlen_clamps_indptrs`)."""
+    cu_seqlens_k_cpu: torch.Tensor | None
+    """int32 ``[B+1]`` on the host, or ``None`` (as above)."""
     cu_seqlens_q: torch.Tensor
     """int32 ``[B+1]`` on the device."""
     cu_seqlens_k: torch.Tensor
@@ -53,6 +54,10 @@ class VarlenStep:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    num_tokens: int
+    """Rows of q (the indptr's last value, checked by the caller)."""
+    num_kv_tokens: int
+    """Rows of k and v."""
 
 
 @attrs.frozen(eq=False)

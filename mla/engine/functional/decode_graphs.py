@@ -20,8 +20,9 @@ buffers of its own and the call returns fresh copies of them (one device copy ea
 kept from earlier calls stay theirs.
 
 Calls run eagerly (and capture nothing) when: replay is off (``graph="off"`` or
-:data:`GRAPH_REPLAY` ``= False``), the device is not CUDA, ``validate="full"``, the current stream is capturing (the caller's own graph then records the
-eager launches), ``torch.compile`` is tracing, q is not on the current CUDA device, or the
+:data:`GRAPH_REPLAY` ``= False``), the device is not CUDA, ``validate="full"``, the current
+stream is capturing (the caller's own graph then records the eager launches),
+``torch.compile`` is tracing, q is not on the current CUDA device, or the
 strategy's build for this step needs host data (:meth:`DecodeStrategy.capturable_build`).
 """
 

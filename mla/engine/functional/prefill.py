@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
+import attrs
 import torch
 
 from mla.core.errors import InvalidInputError
@@ -101,12 +102,14 @@ def mla_prefill(
     (every row belongs to a request); ``softmax_scale`` is required (a finite float > 0).
     Returns ``(out [T, H, Dv] in q's dtype, lse [T, H] float32 natural log)``, or ``out`` alone
     with ``return_lse=False``; ``out``/``lse`` may be given to be written in place. The
-    ``cu_seqlens`` are copied to the host once per call (checked there and, for the fp8
-    prefill, tiled there). Raises :class:`InvalidInputError` for bad input and
-    :class:`UnsupportedError` when no strategy (or not the forced one: a class, ``NAME`` or
-    class name) fits. Under ``torch.compile`` the call is one ``mla::functional_prefill`` op
-    (no graph break): the outputs are allocated in the compiled code and the op runs this
-    function.
+    ``cu_seqlens`` are copied to the host once per call (one small read, checked there and, for
+    the fp8 prefill, tiled there); on the Triton and Gluon providers, whose kernels clamp each
+    request's rows into the tensors, the copy is read after the launch, so it does not hold
+    the kernel back (bad values still raise; the outputs of a call that raised are
+    unspecified). Raises :class:`InvalidInputError` for bad input and :class:`UnsupportedError`
+    when no strategy (or not the forced one: a class, ``NAME`` or class name) fits. Under
+    ``torch.compile`` the call is one ``mla::functional_prefill`` op (no graph break): the
+    outputs are allocated in the compiled code and the op runs this function.
     """
     args = PrefillArgs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, provider,
@@ -118,37 +121,75 @@ def mla_prefill(
 
 
 def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """The eager call: the door, the plan, the step."""
-    step, softmax_scale = check_prefill_call(args)
-    q, v = args.q, args.v
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    num_requests = step.cu_seqlens_q_cpu.numel() - 1
+    """The eager call: the door, the plan, the step. The ``cu_seqlens`` values are read in one
+    device-to-host copy: before the launch, or, where the provider's kernels clamp each
+    request's rows into the tensors and the plan does not read them
+    (``ProviderCapabilities.varlen_clamps_indptrs``), after it, so the copy's wait for the
+    previous kernels overlaps this call's queued kernel; bad values raise either way."""
+    shape = check_prefill_arguments(args)
+    q, k, v = args.q, args.k, args.v
     key = (
-        tuple(q.shape), tuple(args.k.shape), tuple(v.shape), q.dtype, q.device, num_requests,
-        softmax_scale, args.provider, args.strategy, args.platform,
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, shape.num_requests,
+        shape.softmax_scale, args.provider, args.strategy, args.platform,
     )  # fmt: skip
     backend = PREFILL_PLANS.get(key)
     if backend is None:
         backend = prefill_backend(
-            q, v, num_requests, softmax_scale, args.provider, args.strategy, args.platform
+            q, v, shape.num_requests, shape.softmax_scale, args.provider, args.strategy, args.platform
         )
         PREFILL_PLANS.put(key, backend)
     out, lse = args.out, args.lse
     if out is None:
-        out = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     if lse is None:
-        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
     with backend.in_use:  # one call at a time per cached plan
+        deferred = (
+            q.device.type == "cuda"
+            and backend.capabilities.varlen_clamps_indptrs
+            and not backend.builder.varlen_strategy().PLAN_READS_HOST_INDPTRS
+        )
+        if deferred:
+            copy = _IndptrCopy(cu_q, cu_k)
+            host_q = host_k = None
+        else:
+            host_q, host_k = _host_indptrs(cu_q, cu_k)
+            check_indptr_values(args, host_q, host_k)
+        step = VarlenStep(
+            cu_seqlens_q_cpu=host_q,
+            cu_seqlens_k_cpu=host_k,
+            cu_seqlens_q=cu_q if cu_q.dtype == torch.int32 else cu_q.to(torch.int32),
+            cu_seqlens_k=cu_k if cu_k.dtype == torch.int32 else cu_k.to(torch.int32),
+            max_seqlen_q=shape.max_seqlen_q,
+            max_seqlen_k=shape.max_seqlen_k,
+            causal=shape.causal,
+            num_tokens=q.shape[0],
+            num_kv_tokens=k.shape[0],
+        )
         backend.builder.plan_varlen(step)
         strategy, plan = backend.current_prefill()
-        strategy.run(plan, q, args.k, v, out=out, lse=lse)
+        strategy.run(plan, q, k, v, out=out, lse=lse)
+        if deferred:
+            check_indptr_values(args, *copy.values())
     return (out, lse) if args.return_lse else out
 
 
-def check_prefill_call(args: PrefillArgs) -> tuple[VarlenStep, float]:
-    """Every check of :func:`mla.mla_prefill`'s arguments (:class:`InvalidInputError` naming the
-    argument), the ``cu_seqlens`` values on the host (one copy of each per call); returns the
-    checked step and the softmax scale."""
+@attrs.frozen
+class PrefillShape:
+    """What :func:`check_prefill_arguments` derived from the arguments."""
+
+    num_requests: int
+    softmax_scale: float
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+
+def check_prefill_arguments(args: PrefillArgs) -> PrefillShape:
+    """Every check of :func:`mla.mla_prefill`'s arguments that reads no device value
+    (:class:`InvalidInputError` naming the argument); the ``cu_seqlens`` values are
+    :func:`check_indptr_values`'s."""
     for name in ("q", "k", "v"):
         tensor = require_tensor(name, getattr(args, name), ndim=3)
         require_float(name, tensor)
@@ -172,6 +213,12 @@ def check_prefill_call(args: PrefillArgs) -> tuple[VarlenStep, float]:
         )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise InvalidInputError("k", f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens_q.numel() == 0:
+        raise InvalidInputError("cu_seqlens_q", "is empty: an indptr has B+1 entries, starting with 0")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise InvalidInputError(
+            "cu_seqlens_k", f"has {cu_seqlens_k.numel()} entries, cu_seqlens_q {cu_seqlens_q.numel()}"
+        )
     out, lse = args.out, args.lse
     if out is not None:
         require_output("out", out, (num_tokens, num_heads, v.shape[-1]), q.dtype, q.device)
@@ -180,41 +227,57 @@ def check_prefill_call(args: PrefillArgs) -> tuple[VarlenStep, float]:
     inputs = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     require_no_overlap("out", out, *inputs, ("lse", lse))
     require_no_overlap("lse", lse, *inputs)
-    cu_q_cpu, cu_k_cpu = _host_indptrs(cu_seqlens_q, cu_seqlens_k)
-    lens_q = require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), num_tokens, "q")
-    lens_k = require_indptr_of_rows("cu_seqlens_k", cu_k_cpu.tolist(), k.shape[0], "k")
-    if cu_q_cpu.numel() != cu_k_cpu.numel():
-        raise InvalidInputError(
-            "cu_seqlens_k", f"has {cu_k_cpu.numel()} entries, cu_seqlens_q {cu_q_cpu.numel()}"
-        )
-    if lens_q and max(lens_q) > max_seqlen_q:
-        raise InvalidInputError("max_seqlen_q", f"{max_seqlen_q} < longest query {max(lens_q)}")
-    if lens_k and max(lens_k) > max_seqlen_k:
-        raise InvalidInputError("max_seqlen_k", f"{max_seqlen_k} < longest key range {max(lens_k)}")
-    step = VarlenStep(
-        cu_seqlens_q_cpu=cu_q_cpu.to(torch.int32),
-        cu_seqlens_k_cpu=cu_k_cpu.to(torch.int32),
-        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
-        cu_seqlens_k=cu_seqlens_k.to(torch.int32),
+    return PrefillShape(
+        num_requests=cu_seqlens_q.numel() - 1,
+        softmax_scale=softmax_scale,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         causal=causal,
     )
-    return step, softmax_scale
+
+
+def check_indptr_values(args: PrefillArgs, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> None:
+    """The ``cu_seqlens`` values (host copies): indptrs over q's and k's rows, their longest
+    request within ``max_seqlen_q``/``max_seqlen_k``."""
+    lens_q = require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), args.q.shape[0], "q")
+    lens_k = require_indptr_of_rows("cu_seqlens_k", cu_k_cpu.tolist(), args.k.shape[0], "k")
+    if lens_q and max(lens_q) > args.max_seqlen_q:
+        raise InvalidInputError("max_seqlen_q", f"{args.max_seqlen_q} < longest query {max(lens_q)}")
+    if lens_k and max(lens_k) > args.max_seqlen_k:
+        raise InvalidInputError("max_seqlen_k", f"{args.max_seqlen_k} < longest key range {max(lens_k)}")
 
 
 def _host_indptrs(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both indptrs on the host as int64, in one device-to-host copy (none when they are on
-    the host; one tensor passed twice is copied once)."""
+    """Both indptrs on the host, in one device-to-host copy (none when they are on the host;
+    one tensor passed twice is copied once)."""
     if cu_seqlens_k is cu_seqlens_q:
-        both = cu_seqlens_q.cpu().to(torch.int64)
+        both = cu_seqlens_q.cpu()
         return both, both
-    if cu_seqlens_q.device.type == "cpu" or cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        return cu_seqlens_q.cpu().to(torch.int64), cu_seqlens_k.cpu().to(torch.int64)
+    if cu_seqlens_q.device.type == "cpu":
+        return cu_seqlens_q, cu_seqlens_k
     stacked = torch.stack((cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64))).cpu()
     return stacked[0], stacked[1]
+
+
+class _IndptrCopy:
+    """The indptrs' device-to-host copy, started on the current stream (into pinned memory,
+    asynchronously) before the call's launch; :meth:`values` waits for it."""
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
+        self.host_q = torch.empty(cu_seqlens_q.shape, dtype=cu_seqlens_q.dtype, pin_memory=True)
+        self.host_q.copy_(cu_seqlens_q, non_blocking=True)
+        self.host_k = self.host_q
+        if cu_seqlens_k is not cu_seqlens_q:
+            self.host_k = torch.empty(cu_seqlens_k.shape, dtype=cu_seqlens_k.dtype, pin_memory=True)
+            self.host_k.copy_(cu_seqlens_k, non_blocking=True)
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.done.record()
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.done.synchronize()
+        return self.host_q, self.host_k
 
 
 # -- under torch.compile: one op per call (see mla.engine.functional.decode) -----------------------

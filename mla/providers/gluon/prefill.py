@@ -234,6 +234,8 @@ def mla_prefill_kernel(
     stride_lh,
     num_heads,
     num_m_blocks,
+    num_q_rows,
+    num_k_rows,
     qk_scale,
     D_QK: gl.constexpr,
     D_V: gl.constexpr,
@@ -257,13 +259,15 @@ def mla_prefill_kernel(
     bh = pid // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
-    q_begin = gl.load(cu_seqlens_q_ptr + b)
-    seq_q = gl.load(cu_seqlens_q_ptr + b + 1) - q_begin
+    # Each range clamped into the tensor: a bad indptr touches no row outside it (the call
+    # checks the values and raises).
+    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
+    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
     m0 = m_block * BLOCK_M
     if m0 >= seq_q:
         return
-    k_begin = gl.load(cu_seqlens_k_ptr + b)
-    seq_k = gl.load(cu_seqlens_k_ptr + b + 1) - k_begin
+    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
+    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
     shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
 
     # -- shared memory and barriers --------------------------------------------------------------

@@ -183,7 +183,7 @@ def launch_gluon_prefill(
         _descriptor(q, QUERY_TILE), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
         out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        heads, num_m_blocks, call.softmax_scale * LOG2E,
+        heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
         D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
         WRITE_LSE=write_lse, MODE=cfg.kernel.value,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,

@@ -252,6 +252,16 @@ def store_rows(Out, Lse, out, lse, stride_ot, stride_lt, rows_ok, D_V: tl.conste
 
 
 @triton.jit
+def indptr_range(cu_seqlens, b, num_rows):
+    """Request ``b``'s rows ``[begin, begin + length)`` from an indptr, clamped into
+    ``[0, num_rows]`` (a bad indptr reads and writes no row outside the tensor: the call that
+    launched the kernel checks the values and raises)."""
+    begin = tl.minimum(tl.maximum(tl.load(cu_seqlens + b), 0), num_rows)
+    end = tl.minimum(tl.maximum(tl.load(cu_seqlens + b + 1), begin), num_rows)
+    return begin, end - begin
+
+
+@triton.jit
 def _varlen_fwd_kernel(
     Q,
     K,
@@ -272,6 +282,8 @@ def _varlen_fwd_kernel(
     stride_lh,
     num_heads,
     num_m_blocks,
+    num_q_rows,
+    num_k_rows,
     qk_scale,
     D_QK: tl.constexpr,
     D_V: tl.constexpr,
@@ -289,13 +301,11 @@ def _varlen_fwd_kernel(
     batch_head = pid // num_m_blocks
     b = batch_head // num_heads
     h = batch_head % num_heads
-    q_begin = tl.load(CuSeqlensQ + b)
-    seq_q = tl.load(CuSeqlensQ + b + 1) - q_begin
+    q_begin, seq_q = indptr_range(CuSeqlensQ, b, num_q_rows)
     m0 = m_block * BLOCK_M
     if m0 >= seq_q:
         return
-    k_begin = tl.load(CuSeqlensK + b)
-    seq_k = tl.load(CuSeqlensK + b + 1) - k_begin
+    k_begin, seq_k = indptr_range(CuSeqlensK, b, num_k_rows)
     rows_ok = m0 + tl.arange(0, BLOCK_M) < seq_q
     q_row0 = (q_begin + m0).to(tl.int64)
     h64 = h.to(tl.int64)
@@ -482,7 +492,7 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_heads, num_m_blocks, softmax_scale * LOG2E,
+        num_heads, num_m_blocks, q.shape[0], k.shape[0], softmax_scale * LOG2E,
         D_QK=qk_dim, D_V=v_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_DA=blocks.block_a, BLOCK_DB=blocks.block_b, BLOCK_DV=blocks.block_v,
         CAUSAL=causal, PV_DTYPE=triton_dtype(q.dtype), DOT_PRECISION="ieee" if fp32 else "tf32",

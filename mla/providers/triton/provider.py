@@ -142,6 +142,7 @@ class TritonProvider(KernelProvider):
             persistent_decode_preferred=False,
             # The decode kernel reads block ids from the engine's block table (one per page).
             decode_reads_block_table=True,
+            varlen_clamps_indptrs=True,
         )
 
     def describe_probes(self) -> dict[str, object]:
