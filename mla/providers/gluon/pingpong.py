@@ -62,7 +62,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
-    _key_ok,
     _key_operand,
     _online_softmax,
     _query_ptrs,
@@ -87,13 +86,15 @@ MMA_REGS = gl.constexpr(232)
 @gluon.jit
 def _load_half(
     kv_row, ok, lat_slot, rope_slot, ready, empty, s, phase,
-    HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr, LD: gl.constexpr,
+    HALF: gl.constexpr, L: gl.constexpr, R: gl.constexpr, LD: gl.constexpr, ids=None,
 ):  # fmt: skip
     """Once its last reader released it, fill one half of ring slot ``s``: latent columns
     ``[HALF·L/2, (HALF+1)·L/2)`` (and, for ``HALF == 1``, the rope part) for the rows ``kv_row``
     (``[BLOCK_N, 1]`` pointers to each token's row); each ``CHUNK`` of columns arrives on its
-    own ``ready`` barrier."""
+    own ``ready`` barrier; ``ids``: the tile's ``(id slot, sources, mask)`` (the owner's half)."""
     mbarrier.wait(empty.index(s * 2 + HALF), phase)
+    if ids is not None:
+        async_copy.async_copy_global_to_shared(ids[0], ids[1], mask=ids[2])
     for i in gl.static_range(CHUNKS // 2):
         _load_chunk(kv_row, ok, lat_slot, rope_slot, ready, s, HALF * (CHUNKS // 2) + i, L, R, LD)
 
@@ -116,7 +117,7 @@ def _load_chunk(
 
 @gluon.jit
 def _loader(
-    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, ready, empty,
+    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, id_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
@@ -124,7 +125,8 @@ def _loader(
     by half as the MMA warpgroups release them (the half its owner frees first, first). Token
     ids are loaded one tile ahead. The copy layout puts 8 threads on each 128-byte row segment
     (one swizzle line: no bank conflicts) and 4 rows on each thread, so the ids and addresses
-    fit the few registers this partition keeps."""
+    fit the few registers this partition keeps. What the key operand holds for a tile's positions
+    goes into ``id_ring`` as well, for the MMA warpgroups' key check."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
@@ -135,11 +137,13 @@ def _loader(
         nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows, PAGE_SIZE)
         kv_row = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
         lat, rope = lat_ring.index(s), rope_ring.index(s)
+        n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [LOADER_WARPS], [0]))
+        ids_in = (id_ring.index(s), index_base + n // (PAGE_SIZE if PAGE_SIZE > 0 else 1), n < hi)
         if t % 2 == 0:
-            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld)
+            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld, ids_in)
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld)
         else:
-            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld)
+            _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld, ids_in)
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld)
         ids, ok = nids, nok
 
@@ -246,17 +250,17 @@ def _issue_other_tile(
 @gluon.jit
 def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
     tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the
     LSE, when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work
     item and strides (one tuple for both warpgroups)."""
     (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
-        index_base, num_rows,
+        id_limit,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
         stride_pl_w, stride_pl_q, qk_scale,
     ) = args  # fmt: skip
@@ -274,8 +278,12 @@ def _mma_warpgroup(
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
 
+    keys: gl.constexpr = gl.SliceLayout(0, s_layout)
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Keys past hi are masked by the row limit, ids outside the cache (unsigned) by the id ring
+    # (read once _scores waited for the tile; global re-reads here doubled the loop's spills).
+    row_limit = gl.minimum(row_limit, hi)
+    offs_n = gl.arange(0, BLOCK_N, layout=keys)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([BLOCK_M, COLS], gl.float32, layout=o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
@@ -287,7 +295,7 @@ def _mma_warpgroup(
         # serialises no wgmma to protect the accumulators).
         if n_tiles > 0:
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
-            key_ok = _key_ok(index_base, lo + offs_n, hi, num_rows, PAGE_SIZE)
+            key_ok = id_ring.index(_slot(0, hi, NUM_STAGES)).load(keys).to(gl.uint32, bitcast=True) < id_limit
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             p, alpha, m_i, l_i = _online_softmax(
                 scores, m_i, l_i, lo + offs_n, key_ok, row_limit, qk_scale, 1
@@ -298,8 +306,6 @@ def _mma_warpgroup(
             )  # fmt: skip
     for t in range(2 - W, n_tiles, 2):
         sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi, W, NUM_STAGES)
-        n = t * BLOCK_N + lo + offs_n
-        key_ok = _key_ok(index_base, n, hi, num_rows, PAGE_SIZE)
         # The other warpgroup's tile t - 1 (its running max is this tile's starting point): its
         # P·V runs while this tile's softmax does; its ring slot is released once it is done.
         acc, l_i, l_o, m_i = _issue_other_tile(
@@ -307,6 +313,8 @@ def _mma_warpgroup(
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        n = t * BLOCK_N + lo + offs_n
+        key_ok = id_ring.index(_slot(t, hi, NUM_STAGES)).load(keys).to(gl.uint32, bitcast=True) < id_limit
         p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
@@ -418,6 +426,7 @@ def mla_decode_pingpong_kernel(
     q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
     lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
     rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+    id_ring = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N], vec_smem)  # flat/block ids
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], mma_smem)
     # The row max, rescale and row sum of a tile, one buffer per publishing warpgroup (each
     # buffer has one writer and one reader).
@@ -462,11 +471,12 @@ def mla_decode_pingpong_kernel(
 
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     num_rows = num_kv_rows
+    id_limit = (num_rows // PAGE_SIZE if PAGE_SIZE > 0 else num_rows).to(gl.uint32)
     mma_args = (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, m_smem, alpha_smem, l_smem,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, lo, hi, kv_len, qlen, q_start, rb, work, direct,
-        index_base, num_rows,
+        id_limit,
         stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h,
         stride_pl_w, stride_pl_q, sm_scale_log2,
     )  # fmt: skip
@@ -475,12 +485,12 @@ def mla_decode_pingpong_kernel(
             (
                 _loader,
                 (
-                    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, ready, empty,
-                    L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE,
+                    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, id_ring,
+                    ready, empty, L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE,
                 ),
             ),
-            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, PAGE_SIZE)),
-            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, PAGE_SIZE)),
+            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
         ],
         [4, 4],
         [MMA_REGS, MMA_REGS],

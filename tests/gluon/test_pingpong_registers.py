@@ -1,0 +1,78 @@
+"""The Gluon ping-pong decode kernel's spills, from Triton's sm_90 compile on the CPU.
+
+The kernel's MMA warpgroups run at their ``setmaxnreg`` budget and ptxas spills a few loop
+invariants of the second one to local memory (about 80-96 bytes of stack). When they read the
+key ids from global memory for the key check (a 64-bit address per key and thread), the stack
+doubled (160-168 bytes, more reloads in the loop) and the 64-row cases ran 5% (block table)
+and 20% (flat ids) slower on the H200; the ids now come through a shared-memory ring the loader
+fills. This test compiles the launch the planner picks for 128 heads (B64 S4096, non-persistent)
+over the block table and over flat ids for sm_90 without a GPU (:mod:`mla.testing.triton_driver`)
+and bounds the cubin's stack with the ``cuobjdump`` Triton ships.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pathlib
+import re
+import subprocess
+import textwrap
+
+import pytest
+from sm90_compile import run_without_interpreter
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+MAX_STACK = 112
+"""Bytes of stack (spills) allowed: 80-96 with the id ring, 160-168 with the global re-read."""
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from mla.providers.gluon.decode import launch_gluon_decode
+    from mla.providers.gluon.planner import GluonKernel, launch_config
+    from mla.providers.triton.decode_launch import BlockTableKeys, DecodeInputs
+    from mla.testing.triton_driver import stand_in_driver
+
+    RANK, ROPE, heads, batch, seq = 512, 64, 128, 4, 4096
+    table = sys.argv[1] == "table"
+    q = torch.zeros(batch, heads, RANK + ROPE, dtype=torch.bfloat16)
+    cache = torch.zeros(batch * seq + 64, RANK + ROPE, dtype=torch.bfloat16)
+    keys = (torch.zeros(batch, seq // 64, dtype=torch.int32) if table
+            else torch.zeros(batch * seq, dtype=torch.int32))
+    config = launch_config(
+        batch=64, rows=heads, max_seqlen_k=seq, num_sms=132, persistent=False, kv_fp8=False)
+    assert config.kernel == GluonKernel.PINGPONG, config
+    inputs = DecodeInputs(
+        q[..., :RANK], q[..., RANK:], cache, (torch.arange(batch + 1) * seq).to(torch.int32), keys,
+        torch.arange(batch + 1).to(torch.int32), batch, 1, seq, 0.07, None,
+        torch.zeros(batch, heads, RANK, dtype=torch.bfloat16), torch.zeros(batch, heads), None,
+        BlockTableKeys(64, None) if table else None)
+    with stand_in_driver(compile_kernels=True):
+        launch_gluon_decode(inputs, config)
+    print(config)
+    """
+)
+
+
+def _cuobjdump() -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        pytest.skip("this Triton build ships no cuobjdump")
+    return path
+
+
+@pytest.mark.parametrize("keys", ["table", "flat"])
+def test_pingpong_decode_spills_stay_small(
+    keys: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuobjdump = _cuobjdump()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    config = run_without_interpreter(["-c", SCRIPT, keys]).strip().splitlines()[-1]
+    (cubin,) = glob.glob(f"{tmp_path}/*/mla_decode_pingpong_kernel.cubin")
+    done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
+    stack = re.search(r"STACK:(\d+)", done.stdout)
+    assert stack is not None, done.stdout
+    assert int(stack.group(1)) <= MAX_STACK, f"{keys} {config}: {done.stdout.strip()}"
