@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 
 import mla
-from mla.core.capabilities import REFERENCE_CAPABILITIES
 from mla.providers.torch_ref import TorchProvider
+from mla.testing import reference_provider_with
 from mla.tools.reference import reference_sparse
 
 RANK, ROPE, HEADS, BLOCK, NUM_BLOCKS = 64, 16, 4, 16, 8
@@ -34,10 +33,8 @@ MASKED_KEYS = 32
 
 def _provider(name: str) -> str | TorchProvider:
     if name == "torch-per-token":
-        # The torch provider under a record whose kernels take flat ids (as aiter's and gluon's).
-        return TorchProvider(
-            capabilities=attrs.evolve(REFERENCE_CAPABILITIES, decode_reads_block_table=False)
-        )
+        # The torch provider under a record whose kernels take flat ids (as aiter's).
+        return reference_provider_with(decode_reads_block_table=False)
     return name
 
 
@@ -231,9 +228,7 @@ def test_a_block_table_backend_owns_no_per_token_list() -> None:
 def test_the_walk_sees_a_per_token_list() -> None:
     """The measurement above counts a per-token list when there is one (a provider whose kernels
     take flat ids; a smaller model length keeps this test light)."""
-    provider = TorchProvider(
-        capabilities=attrs.evolve(REFERENCE_CAPABILITIES, decode_reads_block_table=False)
-    )
+    provider = reference_provider_with(decode_reads_block_table=False)
     backend = _sized_backend(provider, 16_384)
     _small_build(backend)
     indices = backend.index_buffers.kv_indices

@@ -21,10 +21,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import mla
-from mla.core.capabilities import REFERENCE_CAPABILITIES
 from mla.engine.functional import plan_cache
-from mla.providers.torch_ref import TorchProvider
-from mla.testing import assert_matches_reference, emulated_provider
+from mla.testing import assert_matches_reference, emulated_provider, reference_provider_with
 from mla.tools.reference import reference_decode
 
 RANK, ROPE, HEADS, HIDDEN = 64, 16, 4, 32
@@ -269,9 +267,7 @@ def test_device_planned_indices_match_host_planned(token_ids: bool) -> None:
     """Without ``seq_lens_cpu`` a decode step plans its page indices on the device; the plan
     reads the same cache rows as the host-planned one (the same flat ids, for kernels that take
     them; no per-token list at all for kernels that read the block table)."""
-    provider = TorchProvider(
-        capabilities=attrs.evolve(REFERENCE_CAPABILITIES, decode_reads_block_table=not token_ids)
-    )
+    provider = reference_provider_with(decode_reads_block_table=not token_ids)
     backend = _backend(limits=mla.EngineLimits(4, 48, 64), provider=provider)
     step = _step([1, 1, 1], [20, 37, 0], 3)
     host_plan = backend.builder.build(step).decode

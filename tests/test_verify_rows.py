@@ -9,13 +9,12 @@ rows are copied out. Both give the reference result.
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 
 import mla
-from mla.core.capabilities import REFERENCE_CAPABILITIES
 from mla.providers.torch_ref import TorchProvider
+from mla.testing import reference_provider_with
 from mla.tools.reference import reference_decode
 
 RANK, ROPE, HEADS, BLOCK = 64, 16, 4, 16
@@ -25,9 +24,7 @@ SCALE = 0.125
 
 def _provider(name: str) -> str | TorchProvider:
     if name == "torch-unmasked-stores":
-        return TorchProvider(
-            capabilities=attrs.evolve(REFERENCE_CAPABILITIES, decode_multi_row_stores_masked=False)
-        )
+        return reference_provider_with(decode_multi_row_stores_masked=False)
     return name
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
-from mla.core.capabilities import ProviderCapabilities
+from mla.core.capabilities import REFERENCE_CAPABILITIES, ProviderCapabilities
 from mla.core.config import EngineLimits, KVCacheSpec, MLADims
 from mla.core.context import DecodeContext, PrefillContext, decode_context, prefill_context
 from mla.core.platform import Knobs, Platform, simulated_platform
@@ -21,6 +22,7 @@ from mla.engine.decision.resolver import Resolver
 from mla.prefill.base import PrefillStrategy
 from mla.providers import emulated_provider, resolve_provider
 from mla.providers.base import KernelProvider
+from mla.providers.torch_ref import TorchProvider
 from mla.strategy import Phase
 from mla.testing.cases import DecodeCase, PrefillCase, _PagedBatch
 
@@ -43,6 +45,14 @@ def scratch_registry(
     for strategy, priority in extra:
         registry.register(strategy, priority=priority)
     return registry
+
+
+def reference_provider_with(**changes: Any) -> TorchProvider:
+    """The torch reference provider under its capability record with ``changes`` (fields of
+    :class:`~mla.core.capabilities.ProviderCapabilities`), e.g. ``decode_reads_block_table=False``
+    for the flat per-token path aiter's kernels take: the paths another provider's record
+    selects, run on the CPU with the reference math."""
+    return TorchProvider(capabilities=attrs.evolve(REFERENCE_CAPABILITIES, **changes))
 
 
 def as_platform(platform: Platform | str, *, knobs: Knobs | None = None) -> Platform:
