@@ -156,6 +156,7 @@ def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Ten
         else:
             host_q, host_k = _host_indptrs(cu_q, cu_k)
             check_indptr_values(args, host_q, host_k)
+            host_q, host_k = host_q.to(torch.int32), host_k.to(torch.int32)  # (the step's dtype)
         step = VarlenStep(
             cu_seqlens_q_cpu=host_q,
             cu_seqlens_k_cpu=host_k,
