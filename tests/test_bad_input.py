@@ -17,7 +17,14 @@ import torch
 
 import mla
 from mla import InvalidInputError, Support, TorchProvider, UnsupportedError
-from mla.testing import DecodeCase, PrefillCase, emulated_provider, make_decode_inputs, make_prefill_inputs
+from mla.testing import (
+    DecodeCase,
+    PrefillCase,
+    assert_matches_reference,
+    emulated_provider,
+    make_decode_inputs,
+    make_prefill_inputs,
+)
 from mla.tools.reference import reference_prefill
 
 RANK, ROPE = 64, 16
@@ -291,12 +298,11 @@ def test_prefill_values_are_checked_after_the_launch_on_clamping_kernels(
         return lambda: mla.mla_prefill(**{**on_gpu, **changes})
 
     out, lse = call()()  # type: ignore[misc]
-    ref_out, ref_lse = reference_prefill(
+    ref = reference_prefill(
         on_gpu["q"], on_gpu["k"], on_gpu["v"], on_gpu["cu_seqlens_q"], on_gpu["cu_seqlens_k"],
         softmax_scale=PREFILL_CASE.scale,
     )  # fmt: skip
-    torch.testing.assert_close(out.double().cpu(), ref_out.cpu(), rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), rtol=2e-3, atol=2e-3)
+    assert_matches_reference(out, lse, *ref, context=f"{provider} mla_prefill (bf16)")
     bad_q = torch.tensor([0, 6, 3], dtype=torch.int32, device="cuda")
     expect_invalid("cu_seqlens_q", call(cu_seqlens_q=bad_q), "monotonic")
     bad_k = torch.tensor([0, 13, 12], dtype=torch.int32, device="cuda")
