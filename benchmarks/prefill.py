@@ -7,6 +7,9 @@ One command on the GPU::
     python -m benchmarks prefill --check --sweep    # also time alternative launch configs
     python -m benchmarks prefill --quick            # smoke run on one small shape
 
+Last, the chunked-context step (H16, 4 requests x (2048 new + 16384 cached tokens)) against the
+same attention without context (:mod:`benchmarks.prefill_context`).
+
 Shapes: H in {16, 128}, q/k head dim 192, v head dim 128, causal, batches of 4 x 4096 and
 16 x 1024 tokens (every request has Sq = Sk). Per shape and implementation it prints the
 median time (``triton.testing.do_bench``), TFLOP/s and the ratio to
@@ -40,6 +43,9 @@ from typing import Any
 import torch
 
 from benchmarks._common import attention_flops, bench_us, gpu_name, print_table, tflops
+from benchmarks.prefill_context import QUICK_SHAPE as CONTEXT_QUICK_SHAPE
+from benchmarks.prefill_context import SHAPE as CONTEXT_SHAPE
+from benchmarks.prefill_context import context_rows
 from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
 from mla.providers.quant import quantize_per_tensor
 from mla.providers.triton.fp8_prefill import choose_fp8_config, fp8_prefill_fwd, plan_fp8_prefill
@@ -317,6 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     })  # fmt: skip
         del case
         torch.cuda.empty_cache()
+    context_shape = CONTEXT_QUICK_SHAPE if args.quick else CONTEXT_SHAPE
+    context, context_error = context_rows(context_shape, timer=bench_us)
+    print(f"{context_shape.name}: chunked-context step rel err {context_error:.2e}", flush=True)
+    if not context_error <= OUT_TOL["triton-bf16"]:
+        failures.append(f"{context_shape.name}: chunked-context rel err {context_error:.3g}")
     if sweep_rows:
         print_table(sweep_rows, title="launch-config sweep")
     stamp = datetime.date.today().isoformat()
@@ -325,9 +336,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         title=f"prefill, {gpu_name()}, {stamp}, torch {torch.__version__}, 192/128 causal bf16 "
         f"(fp8: e4m3 per-tensor); FLOPs = 2·H·(Dqk+Dv)·causal pairs",
     )
+    print_table(
+        context,
+        title="chunked-context prefill step (engine path, FlashVarlen) against the same attention "
+        "without context; FLOPs = 2·H·(Dqk+Dv)·pairs of both",
+    )
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump({"rows": rows, "sweep": sweep_rows, "failures": failures}, handle, indent=1)
+            json.dump(
+                {"rows": rows, "context": context, "sweep": sweep_rows, "failures": failures},
+                handle,
+                indent=1,
+            )
     for failure in failures:
         print("CHECK FAILED:", failure)
     return 1 if failures else 0
