@@ -285,10 +285,24 @@ def test_prefill_values_are_checked_after_the_launch_on_clamping_kernels(
         pytest.skip(f"{provider} needs its GPU")
     from mla.engine.functional import prefill as functional_prefill
 
-    def no_read_before_the_launch(*_: object) -> None:
-        raise AssertionError("read the indptrs before the launch")
+    launched = []
+    copy_class = functional_prefill._IndptrCopy
+    read_values = copy_class.values
 
-    monkeypatch.setattr(functional_prefill, "_host_indptrs", no_read_before_the_launch)
+    def values_after_the_launch(self: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        assert launched, "read the indptrs before the launch"
+        launched.clear()
+        return read_values(self)
+
+    monkeypatch.setattr(copy_class, "values", values_after_the_launch)
+    provider_class = type(mla.get_provider(provider))
+    launch = provider_class.varlen_attention
+
+    def recorded_launch(self: Any, varlen: Any) -> None:
+        launched.append(True)
+        launch(self, varlen)
+
+    monkeypatch.setattr(provider_class, "varlen_attention", recorded_launch)
     on_gpu = {
         name: value.cuda() if isinstance(value, torch.Tensor) else value
         for name, value in prefill_args(provider=provider, platform=None).items()

@@ -150,11 +150,10 @@ def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Ten
             and backend.capabilities.varlen_clamps_indptrs
             and not backend.builder.varlen_strategy().PLAN_READS_HOST_INDPTRS
         )
-        if deferred:
-            copy = _IndptrCopy(cu_q, cu_k)
-            host_q = host_k = None
-        else:
-            host_q, host_k = _host_indptrs(cu_q, cu_k)
+        copy = _IndptrCopy(cu_q, cu_k)
+        host_q = host_k = None
+        if not deferred:
+            host_q, host_k = copy.values()
             check_indptr_values(args, host_q, host_k)
             host_q, host_k = host_q.to(torch.int32), host_k.to(torch.int32)  # (the step's dtype)
         step = VarlenStep(
@@ -248,36 +247,32 @@ def check_indptr_values(args: PrefillArgs, cu_q_cpu: torch.Tensor, cu_k_cpu: tor
         raise InvalidInputError("max_seqlen_k", f"{args.max_seqlen_k} < longest key range {max(lens_k)}")
 
 
-def _host_indptrs(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both indptrs on the host, in one device-to-host copy (none when they are on the host;
-    one tensor passed twice is copied once)."""
-    if cu_seqlens_k is cu_seqlens_q:
-        both = cu_seqlens_q.cpu()
-        return both, both
-    if cu_seqlens_q.device.type == "cpu":
-        return cu_seqlens_q, cu_seqlens_k
-    stacked = torch.stack((cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64))).cpu()
-    return stacked[0], stacked[1]
-
-
 class _IndptrCopy:
-    """The indptrs' device-to-host copy, started on the current stream (into pinned memory,
-    asynchronously) before the call's launch; :meth:`values` waits for it."""
+    """Both indptrs on the host, started when made: on a CUDA device an asynchronous copy into
+    pinned memory on the current stream (so it can be started before the launch and waited for
+    after it); elsewhere a plain copy (none for host tensors). A tensor passed as both indptrs
+    is copied once. :meth:`values` waits for the copy."""
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
-        self.host_q = torch.empty(cu_seqlens_q.shape, dtype=cu_seqlens_q.dtype, pin_memory=True)
-        self.host_q.copy_(cu_seqlens_q, non_blocking=True)
-        self.host_k = self.host_q
-        if cu_seqlens_k is not cu_seqlens_q:
-            self.host_k = torch.empty(cu_seqlens_k.shape, dtype=cu_seqlens_k.dtype, pin_memory=True)
-            self.host_k.copy_(cu_seqlens_k, non_blocking=True)
+        self.done: torch.cuda.Event | None = None
+        if cu_seqlens_q.device.type != "cuda":
+            self.host_q = cu_seqlens_q.cpu()
+            self.host_k = self.host_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.cpu()
+            return
+        self.host_q = self._start(cu_seqlens_q)
+        self.host_k = self.host_q if cu_seqlens_k is cu_seqlens_q else self._start(cu_seqlens_k)
         self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.done.record()
 
+    @staticmethod
+    def _start(indptr: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(indptr.shape, dtype=indptr.dtype, pin_memory=True)
+        host.copy_(indptr, non_blocking=True)
+        return host
+
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.done.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
         return self.host_q, self.host_k
 
 
