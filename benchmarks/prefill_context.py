@@ -63,7 +63,7 @@ class Bf16UpProjection:
 
     def __call__(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = latent.shape[0]
-        kv = (latent[:, : self.rank] @ self.weight.to(latent.dtype)).view(n, self.heads, -1)
+        kv = (latent[:, : self.rank] @ self.weight).view(n, self.heads, -1)
         rope = latent[:, self.rank :][:, None, :].expand(-1, self.heads, -1)
         return torch.cat([kv[..., : self.nope], rope], dim=-1), kv[..., self.nope :]
 
@@ -98,7 +98,7 @@ def context_rows(
         )  # fmt: skip
 
     # The peer: one key range per request (its context's k/v, then its new tokens').
-    context_kv = [expand(latent) for latent in _context_latents(inputs)]
+    context_kv = inputs.context_kv(expand)
     keys = shape.cached_tokens + shape.new_tokens
     news = inputs.k.split(shape.new_tokens), inputs.v.split(shape.new_tokens)
     k_all = torch.cat([t for (ck, _), nk in zip(context_kv, news[0], strict=True) for t in (ck, nk)])
@@ -119,7 +119,7 @@ def context_rows(
         [shape.new_tokens] * shape.batch, [keys] * shape.batch,
         h=shape.heads, d_qk=case.qk_dim, d_v=case.v_dim, causal=True,
     )  # fmt: skip
-    latents = _context_latents(inputs)
+    latents = inputs.context_latents()
     timed = [
         ("chunked-context step", timer(step)),
         ("up-projection alone", timer(lambda: [expand(latent) for latent in latents])),
@@ -134,16 +134,3 @@ def context_rows(
         for name, us in timed
     ]  # fmt: skip
     return rows, error
-
-
-def _context_latents(inputs: Any) -> list[torch.Tensor]:
-    """Each request's cached latent rows, in position order (gathered through its block table)."""
-    case, ctx = inputs.case, inputs.context
-    flat = ctx.kv_cache.view(-1, ctx.kv_cache.shape[-1])
-    table = ctx.block_table.to(torch.int64)
-    parts = []
-    for b, count in enumerate(case.contexts):
-        pos = torch.arange(count, device=table.device)
-        rows = table[b, pos // case.block_size] * case.block_size + pos % case.block_size
-        parts.append(flat[rows])
-    return parts

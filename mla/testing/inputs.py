@@ -13,6 +13,7 @@ import torch
 
 from mla.core.config import is_fp8
 from mla.engine.backend import StepInputs
+from mla.prefill.base import ContextExpander
 from mla.testing.cases import DecodeCase, PrefillCase, _PagedBatch
 from mla.tools.reference import reference_decode, reference_prefill
 
@@ -244,9 +245,9 @@ class PrefillInputs:
     max_seqlen_k: int
     context: CachedContext
 
-    def context_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per request, the expanded ``(k, v)`` of its cached context, computed as a strategy
-        must: gather, dequantize (fp8), cast to the model dtype, up-project."""
+    def context_latents(self) -> list[torch.Tensor]:
+        """Per request, its cached latent rows ``[context, L+R]`` in position order, as a
+        strategy gathers them: through the block table, dequantized (fp8), in the model dtype."""
         case, ctx = self.case, self.context
         flat = ctx.kv_cache.view(-1, ctx.kv_cache.shape[-1])
         table = ctx.block_table.cpu().to(torch.int64)
@@ -259,8 +260,15 @@ class PrefillInputs:
             latent = flat[slots].to(torch.float32)
             if ctx.kv_scale is not None:
                 latent = latent * ctx.kv_scale
-            parts.append(ctx.expand(latent.to(case.dtype)))
+            parts.append(latent.to(case.dtype))
         return parts
+
+    def context_kv(self, expand: ContextExpander | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per request, the expanded ``(k, v)`` of its cached context, computed as a strategy
+        must: :meth:`context_latents` up-projected by ``expand`` (default: the case's
+        :class:`RandomUpProjection`)."""
+        up = self.context.expand if expand is None else expand
+        return [up(latent) for latent in self.context_latents()]
 
     def reference(
         self,
