@@ -113,8 +113,13 @@ def context_rows(
     kernel_provider = backend.provider
 
     step()
-    ref_out, _ = reference_prefill(inputs.q, k_all, v_all, cu_q, cu_k, softmax_scale=case.scale)
-    error = float((out.double() - ref_out).norm() / ref_out.norm())
+    # Checked on the first and last head (a float64 reference of every head is minutes of CPU).
+    heads = sorted({0, shape.heads - 1})
+    ref_out, _ = reference_prefill(
+        inputs.q[:, heads], k_all[:, heads], v_all[:, heads], cu_q, cu_k, softmax_scale=case.scale
+    )
+    got = out[:, heads].double().cpu()
+    error = float((got - ref_out).norm() / ref_out.norm())
     flops = attention_flops(
         [shape.new_tokens] * shape.batch, [keys] * shape.batch,
         h=shape.heads, d_qk=case.qk_dim, d_v=case.v_dim, causal=True,
