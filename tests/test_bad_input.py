@@ -131,8 +131,8 @@ def test_decode_non_monotonic_query_start_loc() -> None:
     )
 
 
-# Rules on seq_lens / block_table values need host copies: mla_decode checks them only with
-# validate="full" (the fast default never copies them from the device).
+# Rules on seq_lens / block_table values: validate="full" checks them on the host before the
+# launch (the default, validate="checked", finds them on the device: tests/test_checked_values.py).
 
 
 def test_decode_seq_len_shorter_than_query() -> None:

@@ -244,6 +244,27 @@ def require_validate_mode(value: object) -> ValidateMode:
     return "full" if require_choice("validate", value, VALIDATE_MODES) == "full" else "fast"
 
 
+CallValidateMode = Literal["checked", "fast", "full"]
+"""How much a functional call (``mla_decode``, ``mla_prefill``, ``write_kv``) checks.
+
+``"checked"`` (default): the shapes, dtypes and devices, and the index values too, without
+holding the launch back: the values are found bad on the device (by the work that reads them:
+the decode's page-index fill, a max over ``slot_mapping``) or copied to the host, and read in
+one small device-to-host copy after the launch; a bad value raises
+:class:`~mla.core.errors.InvalidInputError` naming the argument (the outputs of that call are
+unspecified). ``"fast"``: trusts the values (no read back; the kernels stay memory-safe: they
+mask, skip or clamp what is outside). ``"full"``: the debug mode, the values read on the host
+before any kernel runs."""
+
+CALL_VALIDATE_MODES: tuple[str, ...] = ("checked", "fast", "full")
+
+
+def require_call_validate_mode(value: object) -> CallValidateMode:
+    """A functional call's ``validate`` (:data:`CallValidateMode`)."""
+    mode = require_choice("validate", value, CALL_VALIDATE_MODES)
+    return "checked" if mode == "checked" else "full" if mode == "full" else "fast"
+
+
 def check_kv_scale(kv_scale: torch.Tensor, device: torch.device) -> None:
     """A device ``kv_scale``: one float element on ``device`` (its value is read by kernels)."""
     if kv_scale.numel() != 1 or kv_scale.dim() > 1:
