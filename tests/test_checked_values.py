@@ -329,6 +329,20 @@ def test_a_call_with_bad_values_is_not_captured(replay_on_cpu: list[StepGraph]) 
     assert [graph.replays for graph in replay_on_cpu] == [1]
 
 
+def test_without_external_events_checked_calls_stay_eager(replay_on_cpu: list[StepGraph]) -> None:
+    """Where torch cannot record an event inside a graph for the host to wait on (no
+    ``external`` events), the plan's checked calls are never captured; they run eagerly."""
+    args = decode_args()
+    mla.mla_decode(**args)
+    (entry,) = DECODE_PLANS._entries.values()
+    assert entry.counts is not None
+    entry.counts.replayable = False
+    for _ in range(2):
+        mla.mla_decode(**args)
+    assert replay_on_cpu == []
+    assert list(entry.graphs._entries.values()) == [decode_graphs.EAGER]
+
+
 def test_a_changed_value_found_by_the_device_alone_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """When the counts moved but the host rules pass on the current values (the caller changed
     them while the call ran), the counts are the error."""

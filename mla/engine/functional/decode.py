@@ -360,7 +360,8 @@ def _capture(
     metadata = backend.current_metadata
     plan = None if metadata is None else metadata.decode
     state: decode_graphs.GraphState = decode_graphs.EAGER
-    if plan is not None and backend.decode_strategy(plan.strategy).capturable_build(plan):
+    counts_replay = entry.counts is None or entry.counts.replayable
+    if plan is not None and counts_replay and backend.decode_strategy(plan.strategy).capturable_build(plan):
         own_out = torch.empty_like(out) if args.out is None else None
         own_lse = torch.empty_like(lse) if lse is not None and args.lse is None else None
         graph_out = out if own_out is None else own_out

@@ -33,8 +33,15 @@ class StepCounts:
         self.copied: torch.cuda.Event | None = None
         """Recorded after the copy (an event-record node inside a captured graph); ``None`` off
         CUDA, where the counts are read directly."""
+        self.replayable = True
+        """A captured graph can hold the read back (``False`` on a torch without external
+        events: the plan's checked calls then run eagerly)."""
         if cuda:
-            self.copied = torch.cuda.Event(external=True)  # type: ignore[no-untyped-call]
+            try:
+                self.copied = torch.cuda.Event(external=True)  # type: ignore[no-untyped-call]
+            except TypeError:  # (``external`` came with torch's pull request 155372, mid-2025)
+                self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self.replayable = False
 
     def reset(self) -> None:
         """Zero the device words (before the work that counts)."""
