@@ -1,11 +1,12 @@
-"""``validate="checked"``, the default of ``mla_decode``: bad index values raise
+"""``validate="checked"``, the default of ``mla_decode`` and ``write_kv``: bad index values raise
 ``InvalidInputError`` naming the argument, found without a host read before the launch.
 
 The decode's page-index fill counts the keys in blocks outside the cache and the requests with a
 bad length on the device; the door reads the counts after the launch and, when one moved, names
-the argument through the ``validate="full"`` host rules. ``validate="fast"`` reads nothing back
-(and stays memory-safe). On a CPU the CUDA-graph replay
-runs with the stand-ins of ``tests/test_overhead.py``; the ``gpu`` tests replay real graphs.
+the argument through the ``validate="full"`` host rules. ``write_kv`` reads the largest slot
+after the write. ``validate="fast"`` reads nothing back (and stays memory-safe). On a CPU the
+CUDA-graph replay runs with the stand-ins of ``tests/test_overhead.py``; the ``gpu`` tests replay
+real graphs.
 """
 
 from __future__ import annotations
@@ -410,3 +411,75 @@ def test_gpu_replayed_and_eager_calls_raise_on_bad_values(provider: str) -> None
     for _ in range(3):
         mla.mla_decode(**fast)  # trusted: masked, no read back
     torch.cuda.synchronize()
+
+
+# -- write_kv -------------------------------------------------------------------------------------
+
+
+def write_args(provider: str = "torch", **changes: Any) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(3)
+    args: dict[str, Any] = {
+        "kv_c": torch.randn(4, RANK, generator=gen),
+        "k_pe": torch.randn(4, ROPE, generator=gen),
+        "kv_cache": torch.zeros(4, 16, RANK + ROPE),
+        "slot_mapping": torch.tensor([5, -1, 63, 17], dtype=torch.int64),
+        "provider": provider,
+        "platform": "cpu",
+    }
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_write_kv_raises_on_a_slot_past_the_cache_after_the_write(provider: str) -> None:
+    """A slot past the cache raises naming ``slot_mapping`` (the token and the fix); the other
+    rows are written, the bad one skipped. -1 (padding) is valid; ``fast`` does not raise."""
+    require(provider)
+    args = write_args(provider, slot_mapping=torch.tensor([5, -1, 64, 17]))
+    error = expect_invalid("slot_mapping", lambda: mla.write_kv(**args))
+    assert "token 2 has slot 64 outside the cache's 64 slots" in str(error)
+    flat = args["kv_cache"].view(-1, RANK + ROPE)
+    assert torch.equal(flat[5], torch.cat([args["kv_c"][0], args["k_pe"][0]]))
+    assert torch.equal(flat[17], torch.cat([args["kv_c"][3], args["k_pe"][3]]))
+    assert int((flat.abs().sum(-1) > 0).sum()) == 2
+    mla.write_kv(**{**args, "validate": "fast"})
+    good = write_args(provider)
+    mla.write_kv(**good)
+    assert int((good["kv_cache"].view(-1, RANK + ROPE).abs().sum(-1) > 0).sum()) == 3
+    mla.write_kv(**write_args(provider, slot_mapping=torch.full((4,), -1)))  # all padding
+    mla.write_kv(
+        **write_args(
+            provider,
+            kv_c=torch.randn(0, RANK),
+            k_pe=torch.randn(0, ROPE),
+            slot_mapping=torch.zeros(0, dtype=torch.int64),
+        )
+    )
+
+
+def test_write_kv_names_a_slot_changed_while_the_write_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla.engine.functional import write
+
+    args = write_args(slot_mapping=torch.tensor([5, -1, 99, 17]))
+    real = write._check_written_slots
+
+    def repaired(slot_mapping: torch.Tensor, top: int, kv_cache: torch.Tensor) -> None:
+        slot_mapping[2] = 6
+        real(slot_mapping, top, kv_cache)
+
+    monkeypatch.setattr(write, "_check_written_slots", repaired)
+    error = expect_invalid("slot_mapping", lambda: mla.write_kv(**args))
+    assert "held slot 99" in str(error)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda v: mla.mla_decode(**decode_args(), validate=v),
+        lambda v: mla.write_kv(**write_args(), validate=v),
+    ],
+    ids=["mla_decode", "write_kv"],
+)
+def test_an_unknown_validate_mode_is_named(call: Callable[[str], object]) -> None:
+    error = expect_invalid("validate", lambda: call("paranoid"))
+    assert "'checked'" in str(error)

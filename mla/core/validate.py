@@ -317,19 +317,26 @@ def check_write_kv(
     check_cache_scale(kv_scale, cache.dtype, device=cache.device)
 
 
-def check_slots(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
-    """Host rules of a KV write's ``slot_mapping`` (``validate="full"``): every non-negative
-    slot is inside the cache and no two tokens share one (negative slots are skipped)."""
-    slots = slot_mapping_cpu.to(torch.int64)
+def require_slots_inside(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Every slot of a KV write's ``slot_mapping`` (host values) is below the cache's
+    ``num_blocks * block_size`` slots; a negative slot marks a token not to write (padding)."""
     capacity = num_blocks * block_size
-    outside = slots >= capacity
+    outside = slot_mapping_cpu >= capacity
     if bool(outside.any()):
         bad = int(torch.nonzero(outside)[0, 0])
         raise InvalidInputError(
             "slot_mapping",
-            f"token {bad} has slot {int(slots[bad])} outside the cache's {capacity} slots ({num_blocks} "
-            f"blocks x {block_size}); slots are block * block_size + offset",
+            f"token {bad} has slot {int(slot_mapping_cpu[bad])} outside the cache's {capacity} slots "
+            f"({num_blocks} blocks x {block_size}); slots are block * block_size + offset (-1: skip "
+            "the token)",
         )
+
+
+def check_slots(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Host rules of a KV write's ``slot_mapping`` (``validate="full"``): every non-negative
+    slot is inside the cache (:func:`require_slots_inside`) and no two tokens share one."""
+    slots = slot_mapping_cpu.to(torch.int64)
+    require_slots_inside(slots, num_blocks=num_blocks, block_size=block_size)
     live = slots[slots >= 0]
     values, counts = torch.unique(live, return_counts=True)
     if bool((counts > 1).any()):
