@@ -1,12 +1,13 @@
-"""``validate="checked"``, the default of ``mla_decode`` and ``write_kv``: bad index values raise
-``InvalidInputError`` naming the argument, found without a host read before the launch.
+"""``validate="checked"``, the default of ``mla_decode``, ``write_kv`` and ``mla_prefill``: bad
+index values raise ``InvalidInputError`` naming the argument, found without a host read before
+the launch.
 
 The decode's page-index fill counts the keys in blocks outside the cache and the requests with a
 bad length on the device; the door reads the counts after the launch and, when one moved, names
 the argument through the ``validate="full"`` host rules. ``write_kv`` reads the largest slot
-after the write. ``validate="fast"`` reads nothing back (and stays memory-safe). On a CPU the
-CUDA-graph replay runs with the stand-ins of ``tests/test_overhead.py``; the ``gpu`` tests replay
-real graphs.
+after the write; ``mla_prefill`` reads the indptrs (after the launch on kernels that clamp).
+``validate="fast"`` reads nothing back (and stays memory-safe). On a CPU the CUDA-graph replay
+runs with the stand-ins of ``tests/test_overhead.py``; the ``gpu`` tests replay real graphs.
 """
 
 from __future__ import annotations
@@ -470,6 +471,47 @@ def test_write_kv_names_a_slot_changed_while_the_write_ran(monkeypatch: pytest.M
     monkeypatch.setattr(write, "_check_written_slots", repaired)
     error = expect_invalid("slot_mapping", lambda: mla.write_kv(**args))
     assert "held slot 99" in str(error)
+
+
+# -- mla_prefill ------------------------------------------------------------------------------------
+
+
+def prefill_args(provider: str, **changes: Any) -> dict[str, Any]:
+    from mla.testing import PrefillCase, make_prefill_inputs
+
+    case = PrefillCase(
+        heads=4, q_lens=(3, 5), kv_lens=(3, 9), qk_nope_dim=32, rope_dim=16, v_dim=32,
+        dtype=torch.float16 if provider == "triton" else torch.float32,
+    )  # fmt: skip
+    inputs = make_prefill_inputs(case)
+    args: dict[str, Any] = {
+        "q": inputs.q, "k": inputs.k, "v": inputs.v, "cu_seqlens_q": inputs.cu_seqlens_q,
+        "cu_seqlens_k": inputs.cu_seqlens_k, "max_seqlen_q": inputs.max_seqlen_q,
+        "max_seqlen_k": inputs.max_seqlen_k, "softmax_scale": case.scale, "provider": provider,
+        "platform": "sm90" if provider == "triton" else "cpu",
+    }  # fmt: skip
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_prefill_validate_modes(provider: str) -> None:
+    """``checked`` (default) and ``full`` raise on a bad indptr; ``fast`` trusts it where the
+    kernels clamp (the Triton provider: no read, no error, a memory-safe launch) and reads it
+    before the launch elsewhere (the torch provider: the error still comes)."""
+    require(provider)
+    bad = {"cu_seqlens_q": torch.tensor([0, 6, 3], dtype=torch.int32)}
+    args = prefill_args(provider, **bad)
+    for validate in ("checked", "full"):
+        expect_invalid("cu_seqlens_q", lambda validate=validate: mla.mla_prefill(**args, validate=validate))
+    if provider == "triton":
+        mla.mla_prefill(**args, validate="fast")
+    else:
+        expect_invalid("cu_seqlens_q", lambda: mla.mla_prefill(**args, validate="fast"))
+    good = prefill_args(provider)
+    for validate in ("checked", "fast", "full"):
+        mla.mla_prefill(**good, validate=validate)
+    expect_invalid("validate", lambda: mla.mla_prefill(**good, validate="paranoid"))
 
 
 @pytest.mark.parametrize(

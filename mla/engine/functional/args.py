@@ -60,3 +60,4 @@ class PrefillArgs(NamedTuple):
     out: torch.Tensor | None
     lse: torch.Tensor | None
     return_lse: bool
+    validate: CallValidateMode
