@@ -34,13 +34,16 @@ class StepCounts:
         """Recorded after the copy (an event-record node inside a captured graph); ``None`` off
         CUDA, where the counts are read directly."""
         self.replayable = True
-        """A captured graph can hold the read back (``False`` on a torch without external
-        events: the plan's checked calls then run eagerly)."""
+        """A captured graph can hold the read back: ``False`` on a torch without external events
+        and on ROCm, whose torch records an event inside a capture as a plain dependency (no
+        event-record node the host could wait on): the plan's checked calls then run eagerly."""
         if cuda:
             try:
                 self.copied = torch.cuda.Event(external=True)  # type: ignore[no-untyped-call]
             except TypeError:  # (``external`` came with torch's pull request 155372, mid-2025)
                 self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self.replayable = False
+            if torch.version.hip:
                 self.replayable = False
 
     def reset(self) -> None:
