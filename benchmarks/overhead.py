@@ -29,6 +29,8 @@ Per shape it prints:
 ``mla_decode`` is called with ``out=`` and ``return_lse=False`` on the same tensors every call,
 so from the third call on it replays the CUDA graph it captured on the second
 (:mod:`mla.engine.functional.decode_graphs`); ``--no-graph`` measures the eager path instead.
+The calls run with ``validate="checked"`` (their default: the fill's counts copied to the host
+in the graph, read after each launch); ``--validate fast`` measures them without the read back.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def run_shape(
     device: str,
     provider: str,
     graph: str,
+    validate: str = "checked",
     profile_build: bool = False,
 ) -> dict[str, Any]:
     dev = torch.device(device)
@@ -151,6 +154,7 @@ def run_shape(
         "kv_lora_rank": rank,
         "provider": provider,
         "graph": graph,
+        "validate": validate,
     }
     out = torch.empty(batch, heads, rank, dtype=dtype, device=dev)
 
@@ -235,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--no-graph", action="store_true", help="mla_decode(graph='off'): the eager path")
     parser.add_argument(
+        "--validate", choices=("checked", "fast", "full"), default="checked", help="mla_decode(validate=...)"
+    )
+    parser.add_argument(
         "--profile-build", action="store_true", help="print a cProfile of builder.build per shape"
     )
     args = parser.parse_args(argv)
@@ -254,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             device=args.device,
             provider=args.provider,
             graph="off" if args.no_graph else "auto",
+            validate=args.validate,
             profile_build=args.profile_build,
             **dims,
         )

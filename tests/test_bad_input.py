@@ -131,8 +131,8 @@ def test_decode_non_monotonic_query_start_loc() -> None:
     )
 
 
-# Rules on seq_lens / block_table values need host copies: mla_decode checks them only with
-# validate="full" (the fast default never copies them from the device).
+# Rules on seq_lens / block_table values: validate="full" checks them on the host before the
+# launch (the default, validate="checked", finds them on the device: tests/test_checked_values.py).
 
 
 def test_decode_seq_len_shorter_than_query() -> None:
@@ -781,9 +781,9 @@ def write_args(**changes: Any) -> dict[str, Any]:
 
 
 def test_write_kv_skips_slots_outside_the_cache_in_fast_mode() -> None:
-    """Without the host read of validate="full", a slot past the cache is skipped: no write
-    outside the cache, no raw IndexError."""
-    args = write_args(slot_mapping=torch.tensor([5, 64, 1 << 40]))
+    """With validate="fast" (no read back), a slot past the cache is skipped: no write outside
+    the cache, no raw IndexError."""
+    args = write_args(slot_mapping=torch.tensor([5, 64, 1 << 40]), validate="fast")
     mla.write_kv(**args)
     flat = args["kv_cache"].view(-1, RANK + ROPE)
     assert torch.equal(flat[5], torch.cat([args["kv_c"][0], args["k_pe"][0]]))

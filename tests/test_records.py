@@ -94,6 +94,7 @@ def _hot_records() -> list[tuple[type, dict[str, object]]]:
                 "query_start_loc": None,
                 "qo_indptr": None,
                 "invalid_count": t[:1],
+                "length_count": None,
             },
         ),
         (

@@ -322,6 +322,7 @@ def fill_case(
         query_start_loc=qsl,
         qo_indptr=torch.full((len(seq_lens) + 1,), -5, dtype=torch.int32),
         invalid_count=torch.full((1,), 5, dtype=torch.int32),
+        length_count=torch.full((1,), 3, dtype=torch.int32),
     )
     return call, qsl, max_len
 
@@ -336,6 +337,12 @@ def check_fill(call: FillPagesCall, qsl: torch.Tensor, seq_lens: list[int], max_
     # The tokens outside the cache (the -1 marks) are added to the counter (it started at 5).
     assert call.invalid_count is not None
     assert int(call.invalid_count) == 5 + indices.count(-1)
+    # The requests with a bad length (negative, past max_len, or 0 < seq_len < qlen) are added
+    # to their counter (it started at 3).
+    qlens = (qsl[1:] - qsl[:-1]).tolist()
+    bad = sum(1 for s, q in zip(seq_lens, qlens, strict=True) if s < 0 or s > max_len or 0 < s < q)
+    assert call.length_count is not None
+    assert int(call.length_count) == 3 + bad
 
 
 @pytest.mark.parametrize("token_ids", [True, False], ids=["per-token", "block-table"])

@@ -169,7 +169,8 @@ class ProviderCapabilities:
     bad ``cu_seqlens`` reads and writes nothing outside the tensors. ``mla.mla_prefill`` then
     launches before its one device-to-host read of the indptrs and checks their values after
     it (raising as before), so the read waits for the previous kernels while this call's
-    kernel is already queued. ``False``: the values are read and checked before the launch."""
+    kernel is already queued (with ``validate="fast"`` it reads nothing). ``False``: the values
+    are read and checked before the launch."""
     decode_float32_out: bool = True
     """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
     reference computes in float32, the Triton kernels convert on store): padded-decode

@@ -162,7 +162,11 @@ def _explain_paged_requests(
     max_model_len: int | None,
 ) -> None:
     if bool((lens < 0).any()):
-        raise InvalidInputError("seq_lens", "must be >= 0")
+        b = int(torch.nonzero(lens < 0)[0, 0])
+        raise InvalidInputError(
+            "seq_lens",
+            f"request {b} has seq_len {int(lens[b])}; each must be >= 0 (0 marks a graph-padding request)",
+        )
     short = (lens > 0) & (lens < qlens)
     if bool(short.any()):
         b = int(torch.nonzero(short)[0, 0])
@@ -205,7 +209,8 @@ def check_block_ids(
         raise InvalidInputError(
             "block_table",
             f"block id {int(table[b, c])} (request {b}, column {c}) is outside the cache's "
-            f"{num_blocks} blocks",
+            f"{num_blocks} blocks; every block a request reads (its first ceil(seq_len / "
+            f"{block_size}) columns) must be in [0, {num_blocks})",
         )
 
 

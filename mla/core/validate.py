@@ -244,6 +244,27 @@ def require_validate_mode(value: object) -> ValidateMode:
     return "full" if require_choice("validate", value, VALIDATE_MODES) == "full" else "fast"
 
 
+CallValidateMode = Literal["checked", "fast", "full"]
+"""How much a functional call (``mla_decode``, ``mla_prefill``, ``write_kv``) checks.
+
+``"checked"`` (default): the shapes, dtypes and devices, and the index values too, without
+holding the launch back: the values are found bad on the device (by the work that reads them:
+the decode's page-index fill, a max over ``slot_mapping``) or copied to the host, and read in
+one small device-to-host copy after the launch; a bad value raises
+:class:`~mla.core.errors.InvalidInputError` naming the argument (the outputs of that call are
+unspecified). ``"fast"``: trusts the values (no read back; the kernels stay memory-safe: they
+mask, skip or clamp what is outside). ``"full"``: the debug mode, the values read on the host
+before any kernel runs."""
+
+CALL_VALIDATE_MODES: tuple[str, ...] = ("checked", "fast", "full")
+
+
+def require_call_validate_mode(value: object) -> CallValidateMode:
+    """A functional call's ``validate`` (:data:`CallValidateMode`)."""
+    mode = require_choice("validate", value, CALL_VALIDATE_MODES)
+    return "checked" if mode == "checked" else "full" if mode == "full" else "fast"
+
+
 def check_kv_scale(kv_scale: torch.Tensor, device: torch.device) -> None:
     """A device ``kv_scale``: one float element on ``device`` (its value is read by kernels)."""
     if kv_scale.numel() != 1 or kv_scale.dim() > 1:
@@ -296,19 +317,26 @@ def check_write_kv(
     check_cache_scale(kv_scale, cache.dtype, device=cache.device)
 
 
-def check_slots(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
-    """Host rules of a KV write's ``slot_mapping`` (``validate="full"``): every non-negative
-    slot is inside the cache and no two tokens share one (negative slots are skipped)."""
-    slots = slot_mapping_cpu.to(torch.int64)
+def require_slots_inside(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Every slot of a KV write's ``slot_mapping`` (host values) is below the cache's
+    ``num_blocks * block_size`` slots; a negative slot marks a token not to write (padding)."""
     capacity = num_blocks * block_size
-    outside = slots >= capacity
+    outside = slot_mapping_cpu >= capacity
     if bool(outside.any()):
         bad = int(torch.nonzero(outside)[0, 0])
         raise InvalidInputError(
             "slot_mapping",
-            f"token {bad} has slot {int(slots[bad])} outside the cache's {capacity} slots ({num_blocks} "
-            f"blocks x {block_size}); slots are block * block_size + offset",
+            f"token {bad} has slot {int(slot_mapping_cpu[bad])} outside the cache's {capacity} slots "
+            f"({num_blocks} blocks x {block_size}); slots are block * block_size + offset (-1: skip "
+            "the token)",
         )
+
+
+def check_slots(slot_mapping_cpu: torch.Tensor, *, num_blocks: int, block_size: int) -> None:
+    """Host rules of a KV write's ``slot_mapping`` (``validate="full"``): every non-negative
+    slot is inside the cache (:func:`require_slots_inside`) and no two tokens share one."""
+    slots = slot_mapping_cpu.to(torch.int64)
+    require_slots_inside(slots, num_blocks=num_blocks, block_size=block_size)
     live = slots[slots >= 0]
     values, counts = torch.unique(live, return_counts=True)
     if bool((counts > 1).any()):

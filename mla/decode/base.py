@@ -160,6 +160,10 @@ class DecodeIndexBuffers:
     strategy reads them (:meth:`require_token_ids`; ``None`` otherwise: the kernels read the
     block table); the last entry is a scratch slot that the device-side fill may write its
     masked-off lanes to."""
+    length_count: torch.Tensor | None = None
+    """int32 ``[1]`` device counter each fill adds the requests with a bad length to
+    (``FillPagesCall.length_count``), set by :meth:`count_lengths`; ``None`` (the engine's
+    default): not counted."""
     _views: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     @classmethod
@@ -173,6 +177,13 @@ class DecodeIndexBuffers:
             kv_indptr=torch.zeros(limits.max_num_seqs + 1, dtype=torch.int32, device=dev),
             invalid_count=invalid_count,
         )
+
+    def count_lengths(self, counter: torch.Tensor) -> None:
+        """From now on every fill also adds to ``counter`` (int32 ``[1]`` on the device) the
+        requests whose ``seq_len`` it cannot take as it is: negative, past the fill's bound
+        (the block table's capacity; such a length is clamped) or ``0 < seq_len < qlen``. The
+        functional ``mla_decode`` reads it after its launch; nothing in the engine does."""
+        self.length_count = counter
 
     def require_token_ids(self, setup: StrategySetup) -> torch.Tensor:
         """The flat per-token list (``max_num_seqs * max_model_len + 1`` int32), allocated on
@@ -204,6 +215,7 @@ class DecodeIndexBuffers:
         read the block table) the fill writes the indptr and counts, per page. For a provider whose
         kernels read every id (``ProviderCapabilities.decode_masks_outside_ids`` false: aiter's)
         such tokens are left out of their request's range instead (``FillPagesCall.compact``).
+        After :meth:`count_lengths` the fill also counts the requests with a bad length.
         ``validate="full"`` rejects such input on the host.
         """
         indptr = self.fill_indptr(setup, batch, qo_indptr=qo_indptr)
@@ -246,9 +258,12 @@ class DecodeIndexBuffers:
                 num_blocks=setup.cache.num_blocks,
                 # Kernels that read every id they are given get a range without such tokens.
                 compact=compact,
-                query_start_loc=None if qo_indptr is None else batch.query_start_loc,
+                query_start_loc=(
+                    batch.query_start_loc if qo_indptr is not None or self.length_count is not None else None
+                ),
                 qo_indptr=qo_indptr,
                 invalid_count=self.invalid_count,
+                length_count=self.length_count,
             )
         )
         return indptr

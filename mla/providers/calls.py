@@ -304,7 +304,11 @@ class FillPagesCall:
       With ``kv_indices=None`` (kernels that read the block table) only ``kv_indptr`` (and
       ``qo_indptr``, ``invalid_count``) are written: the work is per page, not per token;
     * ``invalid_count`` (when given) grows by the number of tokens ``t < len_b`` whose block is
-      outside the cache as above (the keys the kernels mask).
+      outside the cache as above (the keys the kernels mask);
+    * ``length_count`` (when given) grows by the number of requests whose length is bad:
+      ``seq_lens[b] < 0``, ``seq_lens[b] > max_len`` (clamped above) or
+      ``0 < seq_lens[b] < qlen_b``, with ``qlen_b = query_start_loc[b+1] - query_start_loc[b]``
+      (1 without ``query_start_loc``; a ``seq_len`` of 0 marks a graph-padding request).
 
     Entries of ``kv_indices`` past ``kv_indptr[B]`` are unspecified (the last entry of the
     buffer may be written as scratch). No host sync; the work is sized by ``max_len``.
@@ -333,13 +337,17 @@ class FillPagesCall:
     left out is no key, as a masked one is; only with ``kv_indices``). Only tokens the
     fill can tell are outside (a negative block id, or one past ``num_blocks``) are left out."""
     query_start_loc: torch.Tensor | None = None
-    """int ``[B+1]`` on the device, copied into ``qo_indptr`` by the same launch (a strategy's
-    own copy of the query indptr), or ``None``."""
+    """int ``[B+1]`` on the device: copied into ``qo_indptr`` by the same launch when that is
+    given (a strategy's own copy of the query indptr), read for the query lengths when
+    ``length_count`` is given; or ``None``."""
     qo_indptr: torch.Tensor | None = None
     """int32 ``[B+1]`` (written when ``query_start_loc`` is given)."""
     invalid_count: torch.Tensor | None = None
     """int32 ``[1]`` device counter the masked tokens are added to (the backend's
     ``invalid_index_count``), or ``None``."""
+    length_count: torch.Tensor | None = None
+    """int32 ``[1]`` device counter the requests with a bad length are added to (the functional
+    ``mla_decode``'s check, read after its launch), or ``None``: not counted."""
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -205,6 +205,8 @@ def fill_page_indices(call: FillPagesCall) -> None:
     indptr[1:].copy_(torch.cumsum(lens, 0))
     if call.query_start_loc is not None and call.qo_indptr is not None:
         call.qo_indptr.copy_(call.query_start_loc)
+    if call.length_count is not None:
+        call.length_count.add_(bad_lengths(call.seq_lens, call.query_start_loc, max_len))
     if max_len == 0 or lens.numel() == 0:
         return
     if call.kv_indices is None:
@@ -228,6 +230,17 @@ def fill_page_indices(call: FillPagesCall) -> None:
     else:
         dest = torch.where(live, indptr[:-1, None] + position, scratch)
     call.kv_indices.scatter_(0, dest.view(-1), tokens.view(-1).to(torch.int32))
+
+
+def bad_lengths(seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, max_len: int) -> torch.Tensor:
+    """int32 ``[1]``: the requests whose length a fill bounded by ``max_len`` cannot take as it
+    is (``FillPagesCall.length_count``): negative, past ``max_len``, or ``0 < seq_len < qlen``
+    (qlens from ``query_start_loc``, 1 without it). No host sync."""
+    bad = (seq_lens < 0) | (seq_lens > max_len)
+    if query_start_loc is not None:
+        qlens = query_start_loc[1:] - query_start_loc[:-1]
+        bad |= (seq_lens > 0) & (seq_lens < qlens)
+    return bad.sum().to(torch.int32).reshape(1)
 
 
 def outside_page_tokens(

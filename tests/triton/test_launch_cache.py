@@ -85,7 +85,11 @@ def fill_args(
         num_blocks or 1,
         qsl if copy_qo else seq_lens,
     )
-    args += (qo if copy_qo else seq_lens, torch.zeros(1, dtype=torch.int32))
+    args += (
+        qo if copy_qo else seq_lens,
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+    )
     kwargs = {
         "BLOCK_SIZE": block_size,
         "BLOCK": 1024,
@@ -94,6 +98,8 @@ def fill_args(
         "COPY_QO": copy_qo,
         "WRITE_IDS": write_ids,
         "COUNT": True,
+        "COUNT_LENGTHS": copy_qo,
+        "QLEN_FROM_QSL": copy_qo,
         "num_warps": 4,
     }
     return (batch, max(1, -(-max_len // 1024))), args, kwargs

@@ -135,7 +135,12 @@ class BackendState:
         self.sparse_buffers: SparseBuffers | None = None
         self.indexer: IndexerStrategy | None = None
         self.sparse_strategies: dict[str, SparseStrategy[Any]] = {}
-        self.invalid_count = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.decode_counts = torch.zeros(2, dtype=torch.int32, device=self.device)
+        """int32 ``[2]`` device words of the dense page fill: ``[0]`` is :attr:`invalid_count`
+        (a dense model's), ``[1]`` the requests with a bad length, counted only where a caller
+        asked (``index_buffers.count_lengths``: the functional ``mla_decode``, which reads both
+        words in one copy)."""
+        self.invalid_count = self.decode_counts[:1]
         """int32 ``[1]`` device counter of the keys masked because they pointed outside the cache
         (:meth:`invalid_index_count`): the sparse slot conversion and the dense page fill both
         add to it."""

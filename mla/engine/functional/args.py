@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from mla.core.platform import Platform
-from mla.core.validate import ValidateMode
+from mla.core.validate import CallValidateMode
 from mla.engine.decision.registry import AnyStrategy
 from mla.engine.functional.decode_graphs import GraphReplay
 from mla.providers.base import KernelProvider
@@ -38,7 +38,7 @@ class DecodeArgs(NamedTuple):
     out: torch.Tensor | None
     lse: torch.Tensor | None
     return_lse: bool
-    validate: ValidateMode
+    validate: CallValidateMode
     graph: GraphReplay
 
 
@@ -60,3 +60,4 @@ class PrefillArgs(NamedTuple):
     out: torch.Tensor | None
     lse: torch.Tensor | None
     return_lse: bool
+    validate: CallValidateMode

@@ -15,7 +15,7 @@ from typing import Literal, overload
 import torch
 
 from mla.core.platform import Platform
-from mla.core.validate import ValidateMode, require_no_overlap
+from mla.core.validate import CallValidateMode, require_no_overlap
 from mla.engine.backend.step_check import CheckedStep
 from mla.engine.decision.registry import AnyStrategy
 from mla.engine.functional import decode_graphs
@@ -24,6 +24,7 @@ from mla.engine.functional.args import DecodeArgs
 from mla.engine.functional.decode_call import (
     DECODE_CALLS,
     DecodeCall,
+    check_counts,
     check_decode_call,
     check_scale_value,
     check_step,
@@ -34,6 +35,7 @@ from mla.engine.functional.decode_call import (
 )
 from mla.engine.functional.decode_graphs import GraphReplay, require_graph_replay, tensor_key
 from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
+from mla.engine.functional.read_back import active
 from mla.providers.base import KernelProvider
 
 __all__ = ["mla_decode"]
@@ -56,7 +58,7 @@ def mla_decode(
     out: torch.Tensor | None = ...,
     lse: torch.Tensor | None = ...,
     return_lse: Literal[True] = ...,
-    validate: ValidateMode = ...,
+    validate: CallValidateMode = ...,
     graph: GraphReplay = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -78,7 +80,7 @@ def mla_decode(
     out: torch.Tensor | None = ...,
     lse: None = ...,
     return_lse: Literal[False],
-    validate: ValidateMode = ...,
+    validate: CallValidateMode = ...,
     graph: GraphReplay = ...,
 ) -> torch.Tensor: ...
 
@@ -99,7 +101,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     return_lse: bool = True,
-    validate: ValidateMode = "fast",
+    validate: CallValidateMode = "checked",
     graph: GraphReplay = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Absorbed MLA decode over a paged latent cache.
@@ -131,11 +133,18 @@ def mla_decode(
         lse: optional ``[T, H]`` float32 LSE output (written in place).
         return_lse: ``False`` returns ``out`` alone and skips computing the LSE (unless ``lse``
             is given).
-        validate: ``"fast"`` (default) checks shapes, dtypes and devices and never copies
-            ``block_table`` or ``seq_lens`` to the host: lengths past the block table are
-            clamped on the device, and block ids outside ``kv_cache`` are masked (their keys
-            read nothing and count for nothing; memory-safe, not an error).
-            ``"full"`` (debug) copies them and raises on any bad length or block id.
+        validate: ``"checked"`` (default) raises :class:`InvalidInputError` for bad values
+            too, found on the device: the page-index fill counts the requests whose ``seq_len``
+            is negative, below its query length (but > 0) or past the block table's capacity,
+            and the keys in blocks outside ``kv_cache``; the door reads both counts in one small
+            device-to-host copy (pinned, started right after the fill) after the launch, and
+            when one is not 0 names ``seq_lens`` or ``block_table`` through the ``"full"``
+            host rules (the outputs of a call that raised are unspecified). A call recorded
+            into the caller's own CUDA graph cannot read back and runs as ``"fast"``.
+            ``"fast"`` trusts the values: lengths past the block table are clamped on the
+            device, and block ids outside ``kv_cache`` are masked (their keys read nothing and
+            count for nothing; memory-safe, not an error). ``"full"`` (debug) copies
+            ``block_table`` and ``seq_lens`` to the host and raises before any kernel runs.
         graph: ``"auto"`` (default) replays repeated calls from a CUDA graph on a CUDA device
             (below); ``"off"`` always runs eagerly (``mla.engine.functional.decode_graphs.GRAPH_REPLAY =
             False`` turns replay off for every call).
@@ -143,8 +152,8 @@ def mla_decode(
     Repeated calls: the plan (strategy and persistent buffers) is cached per shapes, dtypes,
     device, scale, provider, strategy, platform and validate mode, and the argument checks per
     signature, so a repeated call re-checks only values that can change (a float
-    ``kv_scale``, the ``query_start_loc`` indptr). On a CUDA device with ``validate="fast"``,
-    the second call on the same tensors (data pointers and strides of q, kv_cache,
+    ``kv_scale``, the ``query_start_loc`` indptr). On a CUDA device (``validate="checked"`` or
+    ``"fast"``), the second call on the same tensors (data pointers and strides of q, kv_cache,
     block_table, seq_lens, query_start_loc, out, lse and a ``kv_scale`` tensor; the same
     ``query_start_loc`` values) also captures the step (metadata build and kernels, sized by
     the block table, never by the data) in a :class:`torch.cuda.CUDAGraph` kept with the plan
@@ -152,16 +161,19 @@ def mla_decode(
     replay it: one launch, reading the tensors' current values and the current ``kv_scale`` (a
     float is written to a device buffer the graph reads). Without ``out=`` (or ``lse=``) the
     graph writes buffers of its own and the call returns fresh copies of them (one device copy
-    each; ``out=`` saves it). Calls run eagerly while the current stream is capturing (the
-    caller's own graph records them), with ``validate="full"``, and when the strategy's build
-    needs host data.
+    each; ``out=`` saves it). With ``validate="checked"`` the graph also zeroes the fill's
+    counts, copies them to the plan's pinned host buffer and records the plan's event right
+    after the fill; the call waits for that event (this call's fill, not its kernels) and reads
+    the counts. Calls run eagerly while the current stream is capturing (the caller's own graph
+    records them), with ``validate="full"``, and when the strategy's build needs host data.
 
     Returns:
         ``(out [T, H, kv_lora_rank] in q's dtype, lse [T, H] float32 natural log)``, or ``out``
         when ``return_lse=False``.
 
     Raises:
-        InvalidInputError: bad shapes, dtypes, devices (or, with ``validate="full"``, values).
+        InvalidInputError: bad shapes, dtypes, devices, and (unless ``validate="fast"``) bad
+            ``seq_lens``/``block_table`` values, naming the argument and the fix.
         UnsupportedError: no strategy (or not the forced one) supports the case.
 
     Under ``torch.compile`` the call is one ``mla::functional_decode`` op (no graph break):
@@ -223,6 +235,8 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
             state = entry.graphs.get(graph_key)
             if isinstance(state, decode_graphs.CapturedCall):  # (a device query_start_loc's)
                 state.graph.replay()
+                if entry.counts is not None:
+                    check_counts(entry.counts.read(), call, args, step.inputs.query_start_loc_cpu)
                 return state.results(args.out, args.lse, args.return_lse)
             if state is None:
                 entry.graphs.put(graph_key, decode_graphs.SEEN)
@@ -236,7 +250,10 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
         else:
             host = step.inputs.query_start_loc_cpu
             qsl_dev = host.to(device=q.device, dtype=torch.int32, non_blocking=True)
-        run_step(backend, device_step(step, qsl_dev), q, kv_cache, out, lse, scale)
+        counts = active(entry.counts, q.device)
+        run_step(backend, device_step(step, qsl_dev), q, kv_cache, out, lse, scale, counts)
+        if counts is not None:  # read after the launch: the wait does not hold the kernels back
+            check_counts(counts.read(), call, args, step.inputs.query_start_loc_cpu)
         return result
 
 
@@ -285,6 +302,9 @@ def _replay(
         if not isinstance(state, decode_graphs.CapturedCall):
             return None
         state.graph.replay()
+        if entry.counts is not None:  # the graph's copy of the fill's counts, read after the launch
+            qsl = args.query_start_loc
+            check_counts(entry.counts.read(), call, args, call.unit_qsl_cpu if qsl is None else qsl)
         return state.results(args.out, args.lse, args.return_lse)
 
 
@@ -330,14 +350,18 @@ def _capture(
 
     def graph_step(into: torch.Tensor, into_lse: torch.Tensor | None) -> None:
         # The int32 views of seq_lens and block_table are made inside: a replay converts the
-        # caller's current values.
-        run_step(backend, device_step(step, qsl_dev), q, kv_cache, into, into_lse, scale)
+        # caller's current values. With entry.counts the graph zeroes the fill's counts, copies
+        # them to the host and records the plan's event right after the fill (read per replay).
+        run_step(backend, device_step(step, qsl_dev), q, kv_cache, into, into_lse, scale, entry.counts)
 
     graph_step(out, lse)
+    if entry.counts is not None:  # a call with bad values raises here, before any capture
+        check_counts(entry.counts.read(), call, args, step.inputs.query_start_loc_cpu)
     metadata = backend.current_metadata
     plan = None if metadata is None else metadata.decode
     state: decode_graphs.GraphState = decode_graphs.EAGER
-    if plan is not None and backend.decode_strategy(plan.strategy).capturable_build(plan):
+    counts_replay = entry.counts is None or entry.counts.replayable
+    if plan is not None and counts_replay and backend.decode_strategy(plan.strategy).capturable_build(plan):
         own_out = torch.empty_like(out) if args.out is None else None
         own_lse = torch.empty_like(lse) if lse is not None and args.lse is None else None
         graph_out = out if own_out is None else own_out

@@ -22,6 +22,7 @@ from mla.core.platform import resolve_platform
 from mla.core.validate import (
     check_cache_scale,
     require_bool,
+    require_call_validate_mode,
     require_dequant_range,
     require_float,
     require_index,
@@ -31,7 +32,6 @@ from mla.core.validate import (
     require_scale,
     require_softmax_scale,
     require_tensor,
-    require_validate_mode,
 )
 from mla.engine.backend import MLABackend, StepInputs
 from mla.engine.backend.step_check import CheckedStep, StepChecker, StepRules
@@ -39,6 +39,7 @@ from mla.engine.decision.resolver import Resolver
 from mla.engine.functional.args import DecodeArgs
 from mla.engine.functional.decode_graphs import require_graph_replay
 from mla.engine.functional.plan_cache import PLAN_CACHE_SIZE, DecodeEntry, PlanCache, available_provider
+from mla.engine.functional.read_back import StepCounts
 from mla.strategy import Phase
 
 _FLOAT_SCALE = "float"
@@ -88,6 +89,9 @@ class DecodeCall:
     """Static conditions of the CUDA-graph replay hold (see :mod:`mla.engine.functional.decode_graphs`)."""
     scale_on_host: bool
     """``kv_scale`` is a float or a host tensor: its value is checked per call."""
+    checked: bool
+    """``validate="checked"``: the page-index fill counts bad lengths and block ids on the device
+    and the door reads the counts after the launch (:mod:`~mla.engine.functional.read_back`)."""
     checker: StepChecker
     """The step rules of the call's shapes (no graph-padding rows: every row of q is a request's)."""
     unit_qsl_cpu: torch.Tensor
@@ -104,7 +108,7 @@ def check_decode_call(args: DecodeArgs) -> DecodeCall:
     """Every check of :func:`mla.mla_decode`'s own arguments that depends on the signature alone
     (the value checks of a float ``kv_scale`` included); :class:`InvalidInputError` naming the
     argument. The step's values are the ``checker``'s."""
-    mode = require_validate_mode(args.validate)
+    mode = require_call_validate_mode(args.validate)
     replay = require_graph_replay(args.graph)
     q = require_tensor("q", args.q, ndim=3)
     kv_cache = require_tensor("kv_cache", args.kv_cache, ndim=3)
@@ -167,7 +171,7 @@ def check_decode_call(args: DecodeArgs) -> DecodeCall:
             block_size=max(1, block_size),
             num_blocks=num_blocks,
             device=q.device,
-            validate=mode,
+            validate="full" if mode == "full" else "fast",
             rows_of="q",
             model_len=False,
         )
@@ -187,9 +191,10 @@ def check_decode_call(args: DecodeArgs) -> DecodeCall:
         num_blocks=num_blocks,
         base_key=base_key,
         host_qsl=qsl is not None and qsl.device.type == "cpu",
-        replay=replay == "auto" and mode == "fast",
+        replay=replay == "auto" and mode != "full",
         scale_on_host=kv_scale is not None
         and (not isinstance(kv_scale, torch.Tensor) or kv_scale.device.type == "cpu"),
+        checked=mode == "checked",
         checker=checker,
         unit_qsl_cpu=unit,
         # Made on the device (a kernel, not a host-to-device copy: nothing to synchronize).
@@ -215,6 +220,38 @@ def check_step(call: DecodeCall, args: DecodeArgs) -> CheckedStep:
     host = call.unit_qsl_cpu if qsl is None else qsl if call.host_qsl else qsl.cpu()
     step = StepInputs(host, host, args.seq_lens, args.block_table, call.num_requests, call.num_tokens)
     return call.checker.check_values(step)
+
+
+def check_counts(
+    counts: list[int], call: DecodeCall, args: DecodeArgs, query_start_loc_cpu: torch.Tensor
+) -> None:
+    """``validate="checked"``, after the launch: the fill's counts of the call (keys outside the
+    cache, requests with a bad length). When one is not 0, the ``validate="full"`` host rules run
+    on host copies of the call's values and raise the error naming the argument and the fix; if
+    they find nothing (the values changed since the launch), the counts are the error."""
+    keys, lengths = counts
+    if not keys and not lengths:
+        return
+    full = StepChecker(attrs.evolve(call.checker.rules, validate="full"))
+    full.check_values(
+        StepInputs(
+            query_start_loc_cpu, query_start_loc_cpu, args.seq_lens, args.block_table, call.num_requests,
+            call.num_tokens,
+        )
+    )  # fmt: skip
+    if keys:
+        raise InvalidInputError(
+            "block_table",
+            f"{keys} keys of this call were in blocks outside the cache's {call.num_blocks} blocks "
+            "(masked: they read nothing) but the current block_table and seq_lens have none; were "
+            "they changed while the call ran? Pass block ids in [0, num_blocks)",
+        )
+    raise InvalidInputError(
+        "seq_lens",
+        f"{lengths} requests of this call had a seq_len that was negative, below its query length "
+        "or past the block table's capacity, but the current seq_lens have none; were they changed "
+        "while the call ran?",
+    )
 
 
 def device_step(checked: CheckedStep, query_start_loc: torch.Tensor) -> CheckedStep:
@@ -294,7 +331,12 @@ def _new_entry(call: DecodeCall, args: DecodeArgs, max_decode_qlen: int) -> Deco
         preallocate=False,
         validate=call.checker.rules.validate,
     )
-    return DecodeEntry(backend)
+    if not call.checked:
+        return DecodeEntry(backend)
+    # The fill counts the requests with a bad length next to the keys outside the cache: one
+    # copy reads both.
+    backend.index_buffers.count_lengths(backend.decode_counts[1:])
+    return DecodeEntry(backend, counts=StepCounts(backend.decode_counts))
 
 
 def run_step(
@@ -305,10 +347,17 @@ def run_step(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     kv_scale: torch.Tensor | None,
+    counts: StepCounts | None = None,
 ) -> None:
-    """Plan the checked step on ``backend`` and run its decode (device work only under
-    ``validate="fast"``: what a CUDA graph captures); the call's door checked everything."""
+    """Plan the checked step on ``backend`` and run its decode (device work only unless
+    ``validate="full"``: what a CUDA graph captures); the call's door checked everything it can
+    on the host. ``counts``: zeroed before the build and copied right after it, before the
+    decode kernels (the caller reads them after the launch)."""
+    if counts is not None:
+        counts.reset()
     backend.builder.plan(step)
+    if counts is not None:
+        counts.start()
     strategy, plan = backend.current_decode()
     strategy.run(plan, q, kv_cache, kv_scale=kv_scale, out=out, lse=lse)
 

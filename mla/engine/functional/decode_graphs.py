@@ -19,6 +19,12 @@ A call without ``out=`` (or wanting the LSE without ``lse=``) replays too: the g
 buffers of its own and the call returns fresh copies of them (one device copy each), so results
 kept from earlier calls stay theirs.
 
+With ``validate="checked"`` (the default) the captured step also holds the read back of the
+fill's counts (:mod:`mla.engine.functional.read_back`): a memset zeroing them before the
+fill, their copy into the plan's pinned host buffer right after it and an event-record node
+(``torch.cuda.Event(external=True)``), so a replay's call waits for its fill and that copy, not
+for its decode kernels, before it reads them.
+
 Calls run eagerly (and capture nothing) when: replay is off (``graph="off"`` or
 :data:`GRAPH_REPLAY` ``= False``), the device is not CUDA, ``validate="full"``, the current
 stream is capturing (the caller's own graph then records the eager launches),

@@ -17,6 +17,7 @@ from mla.engine.backend import MLABackend
 from mla.engine.decision.registry import AnyStrategy
 from mla.engine.decision.resolver import Resolver
 from mla.engine.functional.decode_graphs import GRAPHS_PER_PLAN, GraphState
+from mla.engine.functional.read_back import StepCounts
 from mla.providers import require_available, resolve_provider
 from mla.providers.base import KernelProvider
 from mla.strategy import Phase
@@ -64,6 +65,9 @@ class DecodeEntry:
     """Per call key (tensors' data pointers and strides, host ``query_start_loc`` values,
     ``kv_scale`` tensor): seen once, captured, or eager-only; at most
     :data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN`."""
+    counts: StepCounts | None = None
+    """``validate="checked"``: the fill's counts of each call, read after its launch (shared by
+    the eager calls and the graphs of the plan)."""
 
 
 DECODE_PLANS: PlanCache[tuple[object, ...], DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)

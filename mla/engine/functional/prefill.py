@@ -16,7 +16,9 @@ from mla.core.errors import InvalidInputError
 from mla.core.platform import Platform
 from mla.core.step_rules import require_indptr_of_rows
 from mla.core.validate import (
+    CallValidateMode,
     require_bool,
+    require_call_validate_mode,
     require_float,
     require_index,
     require_int,
@@ -54,6 +56,7 @@ def mla_prefill(
     out: torch.Tensor | None = ...,
     lse: torch.Tensor | None = ...,
     return_lse: Literal[True] = ...,
+    validate: CallValidateMode = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -75,6 +78,7 @@ def mla_prefill(
     out: torch.Tensor | None = ...,
     lse: torch.Tensor | None = ...,
     return_lse: Literal[False],
+    validate: CallValidateMode = ...,
 ) -> torch.Tensor: ...
 
 
@@ -95,25 +99,31 @@ def mla_prefill(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     return_lse: bool = True,
+    validate: CallValidateMode = "checked",
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """Varlen MHA prefill (bottom-right causal), MLA-shaped: q/k ``[T, H, Dqk]``, v ``[Tk, H, Dv]``.
 
     ``cu_seqlens_q``/``cu_seqlens_k`` are int ``[B+1]`` indptrs ending at ``T`` and ``Tk``
     (every row belongs to a request); ``softmax_scale`` is required (a finite float > 0).
     Returns ``(out [T, H, Dv] in q's dtype, lse [T, H] float32 natural log)``, or ``out`` alone
-    with ``return_lse=False``; ``out``/``lse`` may be given to be written in place. The
-    ``cu_seqlens`` are copied to the host once per call (one small read, checked there and, for
-    the fp8 prefill, tiled there); on the Triton and Gluon providers, whose kernels clamp each
-    request's rows into the tensors, the copy is read after the launch, so it does not hold
-    the kernel back (bad values still raise; the outputs of a call that raised are
-    unspecified). Raises :class:`InvalidInputError` for bad input and :class:`UnsupportedError`
+    with ``return_lse=False``; ``out``/``lse`` may be given to be written in place.
+
+    ``validate``: ``"checked"`` (default) copies the ``cu_seqlens`` to the host once per call
+    (one small read, checked there and, for the fp8 prefill, tiled there); on the Triton and
+    Gluon providers, whose kernels clamp each request's rows into the tensors, the copy is read
+    after the launch, so it does not hold the kernel back (bad values still raise; the outputs
+    of a call that raised are unspecified). ``"fast"`` trusts the values where the kernels clamp
+    (no copy, no read: a bad indptr gives unspecified outputs, never a read or write outside
+    the tensors); elsewhere it reads them before the launch as ``"checked"`` does (the kernels
+    or the plan need them valid). ``"full"`` (debug) reads them before any kernel runs on every
+    provider. Raises :class:`InvalidInputError` for bad input and :class:`UnsupportedError`
     when no strategy (or not the forced one: a class, ``NAME`` or class name) fits. Under
     ``torch.compile`` the call is one ``mla::functional_prefill`` op (no graph break): the
     outputs are allocated in the compiled code and the op runs this function.
     """
     args = PrefillArgs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, provider,
-        strategy, platform, out, lse, return_lse,
+        strategy, platform, out, lse, return_lse, validate,
     )  # fmt: skip
     if torch.compiler.is_compiling():
         return _traced_prefill(args)
@@ -124,8 +134,9 @@ def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Ten
     """The eager call: the door, the plan, the step. The ``cu_seqlens`` values are read in one
     device-to-host copy: before the launch, or, where the provider's kernels clamp each
     request's rows into the tensors and the plan does not read them
-    (``ProviderCapabilities.varlen_clamps_indptrs``), after it, so the copy's wait for the
-    previous kernels overlaps this call's queued kernel; bad values raise either way."""
+    (``ProviderCapabilities.varlen_clamps_indptrs``), after it on a CUDA device
+    (``validate="checked"``: the copy's wait for the previous kernels overlaps this call's
+    queued kernel; bad values raise either way) or not at all (``validate="fast"``)."""
     shape = check_prefill_arguments(args)
     q, k, v = args.q, args.k, args.v
     key = (
@@ -145,14 +156,16 @@ def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Ten
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     cu_q, cu_k = args.cu_seqlens_q, args.cu_seqlens_k
     with backend.in_use:  # one call at a time per cached plan
-        deferred = (
-            q.device.type == "cuda"
+        clamps = (
+            shape.validate != "full"
             and backend.capabilities.varlen_clamps_indptrs
             and not backend.builder.varlen_strategy().PLAN_READS_HOST_INDPTRS
         )
-        copy = _IndptrCopy(cu_q, cu_k)
+        deferred = clamps and (shape.validate == "fast" or q.device.type == "cuda")
+        copy = None if clamps and shape.validate == "fast" else _IndptrCopy(cu_q, cu_k)
         host_q = host_k = None
         if not deferred:
+            assert copy is not None
             host_q, host_k = copy.values()
             check_indptr_values(args, host_q, host_k)
             host_q, host_k = host_q.to(torch.int32), host_k.to(torch.int32)  # (the step's dtype)
@@ -170,7 +183,7 @@ def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Ten
         backend.builder.plan_varlen(step)
         strategy, plan = backend.current_prefill()
         strategy.run(plan, q, k, v, out=out, lse=lse)
-        if deferred:
+        if deferred and copy is not None:
             check_indptr_values(args, *copy.values())
     return (out, lse) if args.return_lse else out
 
@@ -184,6 +197,7 @@ class PrefillShape:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
+    validate: CallValidateMode
 
 
 def check_prefill_arguments(args: PrefillArgs) -> PrefillShape:
@@ -204,6 +218,7 @@ def check_prefill_arguments(args: PrefillArgs) -> PrefillShape:
     max_seqlen_k = require_int("max_seqlen_k", args.max_seqlen_k, minimum=0)
     causal = require_bool("causal", args.causal)
     require_bool("return_lse", args.return_lse)
+    validate = require_call_validate_mode(args.validate)
     num_tokens, num_heads, qk_dim = q.shape
     if k.shape[1:] != (num_heads, qk_dim):
         raise InvalidInputError("k", f"expected [Tk, {num_heads}, {qk_dim}] to match q, got {tuple(k.shape)}")
@@ -233,6 +248,7 @@ def check_prefill_arguments(args: PrefillArgs) -> PrefillShape:
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         causal=causal,
+        validate=validate,
     )
 
 
@@ -296,7 +312,7 @@ def _traced_prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | to
         and q.dim() == 3
         and v.dim() == 3
     ):
-        handle = functional_ops.options_handle(args.provider, args.strategy, args.platform)
+        handle = functional_ops.options_handle(args.provider, args.strategy, args.platform, args.validate)
     if handle < 0:
         return _eager_prefill(args)  # type: ignore[no-any-return]
     num_tokens, num_heads = q.shape[0], q.shape[1]
@@ -326,11 +342,11 @@ def _prefill_body(
     options: int,
 ) -> None:
     """The body of ``mla::functional_prefill`` (its schema's arguments): the eager call."""
-    provider, strategy, platform = functional_ops.options(options)
+    provider, strategy, platform, validate = functional_ops.options(options)
     _prefill(
         PrefillArgs(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-            provider, strategy, platform, out, lse, True,
+            provider, strategy, platform, out, lse, True, validate,
         )
     )  # fmt: skip
 

@@ -200,6 +200,7 @@ def _fill_page_indices_kernel(
     qsl_ptr,
     qo_ptr,
     count_ptr,
+    length_count_ptr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -207,12 +208,17 @@ def _fill_page_indices_kernel(
     COPY_QO: tl.constexpr,
     WRITE_IDS: tl.constexpr,
     COUNT: tl.constexpr,
+    COUNT_LENGTHS: tl.constexpr,
+    QLEN_FROM_QSL: tl.constexpr,
 ):
     """Program (request ``b``, chunk ``c``): sum the clamped lengths of requests ``< b`` (its
     start), write ``kv_indptr[b+1]`` (chunk 0) and the flat ids (-1 outside the cache) of tokens
     ``c*BLOCK .. (c+1)*BLOCK`` of request ``b`` (``WRITE_IDS``; without it the chunk is
     ``BLOCK`` pages and writes no id); chunk 0 also copies ``qsl[b+1]`` to ``qo[b+1]``
-    (``COPY_QO``). ``COUNT``: the chunk's tokens outside the cache are added to ``count``."""
+    (``COPY_QO``). ``COUNT``: the chunk's tokens outside the cache are added to ``count``.
+    ``COUNT_LENGTHS``: chunk 0 adds 1 to ``length_count`` when request ``b``'s length is bad
+    (negative, past ``max_len``, or ``0 < seq_len < qlen``; qlen from ``qsl`` with
+    ``QLEN_FROM_QSL``, else 1)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs_b = tl.arange(0, BLOCK_B)
@@ -221,7 +227,8 @@ def _fill_page_indices_kernel(
         prior = b0 + offs_b
         lens = tl.load(seq_lens_ptr + prior, mask=prior < b, other=0).to(tl.int64)
         start += tl.sum(tl.minimum(tl.maximum(lens, 0), max_len), 0)
-    length = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b).to(tl.int64), 0), max_len)
+    raw = tl.load(seq_lens_ptr + b).to(tl.int64)
+    length = tl.minimum(tl.maximum(raw, 0), max_len)
     if c == 0:
         tl.store(kv_indptr_ptr + b + 1, (start + length).to(tl.int32))
         if b == 0:
@@ -230,6 +237,13 @@ def _fill_page_indices_kernel(
             tl.store(qo_ptr + b + 1, tl.load(qsl_ptr + b + 1).to(tl.int32))
             if b == 0:
                 tl.store(qo_ptr, tl.load(qsl_ptr).to(tl.int32))
+        if COUNT_LENGTHS:
+            bad_length = (raw < 0) | (raw > max_len)
+            if QLEN_FROM_QSL:
+                qlen = (tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)).to(tl.int64)
+                bad_length = bad_length | ((raw > 0) & (raw < qlen))
+            if bad_length:
+                tl.atomic_add(length_count_ptr, 1)
     row = block_table_ptr + b.to(tl.int64) * stride_bt
     if WRITE_IDS:
         t = c * BLOCK + tl.arange(0, BLOCK)
@@ -283,6 +297,8 @@ def fill_page_indices(call: FillPagesCall) -> None:
     if strides[-1] != 1:
         raise InvalidInputError("block_table", "last dim must be contiguous (stride 1)")
     block, max_len, num_blocks, count = 1024, call.max_len, call.num_blocks, call.invalid_count
+    lengths = call.length_count
+    read_qsl = qsl is not None and (copy_qo or lengths is not None)
     units = max_len if write_ids else -(-max_len // call.block_size)  # tokens, or pages
     chunks = -(-units // block)
     FILL_LAUNCH.launch(
@@ -295,9 +311,10 @@ def fill_page_indices(call: FillPagesCall) -> None:
         strides[0],
         max_len,
         num_blocks or 1,
-        qsl if copy_qo else seq_lens,
+        qsl if read_qsl else seq_lens,
         qo if copy_qo else seq_lens,
         count if count is not None else seq_lens,
+        lengths if lengths is not None else seq_lens,
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
         BLOCK_B=128,
@@ -305,6 +322,8 @@ def fill_page_indices(call: FillPagesCall) -> None:
         COPY_QO=copy_qo,
         WRITE_IDS=write_ids,
         COUNT=count is not None,
+        COUNT_LENGTHS=lengths is not None,
+        QLEN_FROM_QSL=read_qsl and lengths is not None,
         num_warps=4,
     )
 
