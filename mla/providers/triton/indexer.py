@@ -472,10 +472,11 @@ def score_chunk(call: IndexTopkCall, config: IndexScoresConfig, sms: int) -> int
     return position_chunk(rows=groups, max_keys=call.max_keys, num_sms=sms, block_p=config.block_p)
 
 
-INDEX_WORKSPACE_BYTES = 256 << 20
+INDEX_WORKSPACE_BYTES = 512 << 20
 """Bound on the workspace of one :func:`index_topk` chunk of rows: the float32 scores, the
-top-k's histograms and candidates (a prefill of 8192 rows over 128K positions would need 4 GB
-of scores at once)."""
+top-k's histograms and candidates (about 50 KB a row over 8192 positions: an 8192-token prefill
+runs as one chunk; a prefill of 8192 rows over 128K positions would need 4 GB of scores at
+once)."""
 
 
 def index_topk(
