@@ -29,7 +29,7 @@ from benchmarks._common import bench_graph_us, gpu_name, print_table, rel_error,
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
 from mla.providers import get_provider
 from mla.providers.calls import IndexTopkCall, SparseAttentionCall
-from mla.providers.formats import pack_ds_mla, quantize_index_keys
+from mla.providers.formats import pack_ds_mla, quantize_index_keys, quantize_index_queries
 
 L, R = 512, 64
 TOPK = 2048
@@ -169,8 +169,10 @@ def dense_decode_row(label: str, *, batch: int, qlen: int, context: int, heads: 
 
 
 def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[dict[str, Any]]:
-    """The indexer over one prefill of ``tokens`` new tokens (causal), fp8 keys: logits, top-k."""
+    """The indexer over one prefill of ``tokens`` new tokens (causal), fp8 keys: logits on bf16
+    and on fp8 queries, top-k (``torch.topk`` and the Triton threshold top-k)."""
     from mla.providers.triton.indexer import index_scores
+    from mla.providers.triton.topk import radix_topk
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     block_size = 64
@@ -194,7 +196,11 @@ def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[di
     scores = torch.empty(tokens, tokens, dtype=torch.float32, device="cuda")
     flops = 2.0 * heads * dim * tokens * (tokens + 1) / 2
     logits_us = bench_graph_us(lambda: index_scores(call, scores))
+    q8, w8 = quantize_index_queries(q, weights)
+    fp8_call = attrs.evolve(call, q=q8, weights=w8)
+    logits_fp8_us = bench_graph_us(lambda: index_scores(fp8_call, scores))
     topk_us = bench_graph_us(lambda: torch.topk(scores, TOPK, dim=1))
+    radix_us = bench_graph_us(lambda: radix_topk(scores, indices, k=TOPK, lengths=call.row_keys))
     ref = torch.empty_like(indices)
     get_provider("torch").index_topk(attrs.evolve(call, indices=ref))
     get_provider("triton").index_topk(call)
@@ -203,15 +209,20 @@ def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[di
         / sum(len({v for v in b.tolist() if v >= 0}) for b in ref[::512])
     )
     return [
-        {"case": f"indexer-logits-fp8-{tokens}x{heads}", "impl": "triton", "us": logits_us,
+        {"case": f"indexer-logits-fp8-{tokens}x{heads}", "impl": "triton, bf16 q", "us": logits_us,
          "TFLOP/s": tflops(flops, logits_us), "overlap": same},
+        {"case": f"indexer-logits-fp8-{tokens}x{heads}", "impl": "triton, fp8 q", "us": logits_fp8_us,
+         "TFLOP/s": tflops(flops, logits_fp8_us)},
         {"case": f"indexer-topk-{tokens}", "impl": "torch.topk", "us": topk_us, "overlap": same},
+        {"case": f"indexer-topk-{tokens}", "impl": "triton radix_topk", "us": radix_us},
     ]
 
 
 def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> list[dict[str, Any]]:
     """A whole DSA decode step through the backend (index-key write, fp8 indexer over the
-    context, top-k, fp8_ds_mla sparse decode) against the dense bf16 decode of the same batch."""
+    context on fp8 index queries, top-k, fp8_ds_mla sparse decode) against the dense bf16
+    decode of the same batch. The index queries are quantized outside the step (DeepSeek-V3.2's
+    model quantizes them after its q projection)."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     block_size = 64
     blocks_per = context // block_size
@@ -244,8 +255,10 @@ def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> lis
     )
     index_cache.view(blocks, -1)[:, block_size * 128 :].view(torch.float32).fill_(1.0 / 64)
     keys = torch.randn(batch, 128, generator=gen, device="cuda")
-    index_q = torch.randn(batch, 64, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
-    weights = torch.randn(batch, 64, generator=gen, device="cuda")
+    index_q, weights = quantize_index_queries(
+        torch.randn(batch, 64, 128, generator=gen, device="cuda", dtype=torch.bfloat16),
+        torch.randn(batch, 64, generator=gen, device="cuda"),
+    )
     topk = torch.empty(batch, TOPK, dtype=torch.int32, device="cuda")
     meta = sparse.builder.build(step)
 
@@ -258,13 +271,16 @@ def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> lis
     dsa_us = bench_graph_us(dsa_step)
     rows.append({"case": f"dsa-step-dsmla-h{heads}-b{batch}-s{context}", "impl": "gluon", "us": dsa_us})
     # The step's parts, each replayed alone (their sum exceeds the step by the launch gaps saved).
-    score_rows = torch.empty(batch, context, dtype=torch.float32, device="cuda")
+    from mla.providers.triton.topk import radix_topk
+
+    score_rows = torch.randn(batch, context, generator=gen, device="cuda")
     parts: dict[str, Callable[[], object]] = {
         "index-key write": lambda: sparse.impl.write_index_keys(keys, index_cache, slots),
         "indexer (scores + top-k)": lambda: sparse.impl.index_topk(
             meta, index_q, weights, index_cache, out=topk
         ),
         "top-k alone (torch.topk)": lambda: torch.topk(score_rows, TOPK, dim=1),
+        "top-k alone (radix_topk)": lambda: radix_topk(score_rows, topk, k=TOPK),
         "sparse decode": lambda: sparse.impl.forward_sparse_decode(meta, q, cache, topk, out=out),
     }
     for part, fn in parts.items():

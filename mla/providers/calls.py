@@ -439,13 +439,17 @@ class IndexTopkCall:
     ``score[t, p] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . key(p))`` for the
     positions ``p < row_keys[t]`` of row ``t``'s request (``key(p)`` read through
     ``block_table[row_request[t]]``, fp8 keys dequantized by their per-token scale);
-    ``indices[t]`` gets the ``min(topk, row_keys[t], max_keys)`` positions of highest score in
-    descending score order, then ``-1`` (a position whose block id is outside the cache or past
-    the block table is not scored, so such a row keeps fewer). Ties may break either way.
+    ``indices[t]`` gets the ``min(topk, row_keys[t], max_keys)`` positions of highest score,
+    then ``-1`` (a position whose block id is outside the cache or past the block table is not
+    scored, so such a row keeps fewer). The positions are in no particular order (the torch
+    provider sorts them by descending score, the Triton one does not: attention over them is
+    order-invariant). Ties may break either way.
     """
 
     q: torch.Tensor
-    """``[T, Hi, D]`` index queries (after their rope), float dtype."""
+    """``[T, Hi, D]`` index queries (after their rope), float dtype; or ``float8_e4m3fn`` with
+    fp8 keys (DeepSeek-V3.2's form: quantized per (row, head), the scale folded into
+    ``weights``; :func:`mla.providers.formats.quantize_index_queries`)."""
     weights: torch.Tensor
     """``[T, Hi]`` float32 per-head weights (the model's, e.g. ``weights_proj(x) * Hi ** -0.5``)."""
     index_cache: torch.Tensor

@@ -73,6 +73,17 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return values, scale
 
 
+def quantize_index_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3.2's fp8 index queries: ``q [T, Hi, D]`` (float) quantized per (row, head) with
+    a power-of-two scale (as :func:`quantize_index_keys` does per token) and ``weights [T, Hi]``
+    multiplied by that scale, so that the indexer's scores over ``(e4m3 [T, Hi, D], float32
+    [T, Hi])`` are those of the dequantized queries (the scale is positive: it moves out of the
+    ReLU)."""
+    rows, heads, dim = q.shape
+    values, scale = quantize_index_keys(q.reshape(rows * heads, dim))
+    return values.view(rows, heads, dim), weights.to(torch.float32) * scale.view(rows, heads)
+
+
 def index_cache_blocks(index_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of an fp8 index-key cache ``uint8 [blocks, bs, D + 4]``: its values
     ``e4m3 [blocks, bs, D]`` and scales ``float32 [blocks, bs]`` (no copy)."""

@@ -113,12 +113,19 @@ class IndexerStrategy:
         *,
         out: torch.Tensor,
     ) -> None:
-        """Top-k positions of every row of ``plan`` into ``out [rows, index_topk]`` (int32)."""
+        """Top-k positions of every row of ``plan`` into ``out [rows, index_topk]`` (int32, in
+        no particular order, ``-1`` pads). ``q``: float, or e4m3 with fp8 keys (DeepSeek-V3.2's
+        quantized queries, their per-(row, head) scale folded into ``weights``:
+        :func:`mla.providers.formats.quantize_index_queries`)."""
         geo, spec = plan.geometry, self.spec
         rows = geo.num_rows
         check_tensor("index_q", q, shape=(rows, spec.num_heads, spec.head_dim), device=out.device)
-        if q.dtype not in FLOAT_DTYPES:
-            raise InvalidInputError("index_q", f"expected bf16, fp16 or fp32, got {dtype_name(q.dtype)}")
+        fp8_q = spec.is_fp8 and q.dtype == spec.key_dtype
+        if q.dtype not in FLOAT_DTYPES and not fp8_q:
+            raise InvalidInputError(
+                "index_q",
+                f"expected bf16, fp16 or fp32 (or e4m3 with fp8 index keys), got {dtype_name(q.dtype)}",
+            )
         check_tensor("index_weights", weights, shape=(rows, spec.num_heads), device=out.device)
         self.check_cache(index_cache, out.device)
         check_tensor("out", out, shape=(rows, geo.topk), dtype=torch.int32, device=q.device)

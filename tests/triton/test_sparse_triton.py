@@ -39,12 +39,13 @@ from mla.providers.calls import (
     WriteIndexKeysCall,
     WriteKVCall,
 )
-from mla.providers.formats import E4M3, pack_ds_mla
+from mla.providers.formats import E4M3, pack_ds_mla, quantize_index_queries
 from mla.providers.formats import write_index_keys as torch_write_index_keys
 from mla.providers.gluon.provider import GluonProvider
 from mla.providers.sparse_slots import sparse_slots as torch_sparse_slots
 from mla.providers.triton import TritonProvider
-from mla.providers.triton.indexer import index_scores, position_chunk
+from mla.providers.triton.decode import num_sms
+from mla.providers.triton.indexer import IndexScoresConfig, index_scores, position_chunk, score_chunk
 from mla.providers.triton.sparse import (
     SparseLaunchConfig,
     sparse_attention,
@@ -381,7 +382,7 @@ def assert_topk_matches(
     got: torch.Tensor, batch: IndexBatch, scale: float, topk: int, *, atol: float
 ) -> None:
     """Per row: exactly ``min(topk, row_keys)`` distinct visible positions, then ``-1``, whose
-    reference scores are the reference's top scores in descending order (ties may swap)."""
+    reference scores are the reference's top scores (the selection is in no score order)."""
     scores = batch.reference_scores(scale)
     want = reference_topk(scores, topk)
     flat_scores = [row for score in scores for row in score]
@@ -395,7 +396,8 @@ def assert_topk_matches(
         assert chosen.unique().numel() == count, f"row {t}: repeated positions"
         if count:
             row = flat_scores[t]
-            torch.testing.assert_close(row[chosen], row[want[t, :count]], atol=atol, rtol=1e-3)
+            got_scores = row[chosen].sort(descending=True).values
+            torch.testing.assert_close(got_scores, row[want[t, :count]], atol=atol, rtol=1e-3)
 
 
 INDEX_CASES = [
@@ -403,6 +405,7 @@ INDEX_CASES = [
     (torch.float32, torch.bfloat16, 16),
     (torch.float16, E4M3, 16),
     (torch.float32, E4M3, 48),  # top-k past max_keys: the last columns are -1
+    (E4M3, E4M3, 16),  # fp8 queries: fp8 dots
 ]
 
 
@@ -414,37 +417,79 @@ INDEX_CASES = [
 )
 def test_index_topk_matches_reference(q_dtype: torch.dtype, key_dtype: torch.dtype, topk: int) -> None:
     batch = make_index_batch(
-        qlens=QLENS, seq_lens=SEQ_LENS, index_heads=4, head_dim=32, block_size=4, q_dtype=q_dtype,
-        key_dtype=key_dtype,
+        qlens=QLENS, seq_lens=SEQ_LENS, index_heads=4, head_dim=32, block_size=4,
+        q_dtype=torch.float16 if q_dtype == E4M3 else q_dtype, key_dtype=key_dtype,
     )  # fmt: skip
+    if q_dtype == E4M3:
+        q, weights = quantize_index_queries(batch.q, batch.weights)
+        batch = attrs.evolve(batch, q=q, weights=weights)
     indices = torch.full((batch.q.shape[0], topk), 12345, dtype=torch.int32, device=DEVICE)
     TRITON.index_topk(batch.call(topk=topk, max_keys=37, scale=0.2, indices=indices))
-    assert_topk_matches(indices, batch, 0.2, topk, atol=2e-3 if q_dtype == torch.float16 else 1e-5)
+    assert_topk_matches(indices, batch, 0.2, topk, atol=1e-5 if q_dtype == torch.float32 else 2e-3)
+
+
+SCORE_CASES = [
+    (4, None, E4M3, torch.float16, IndexScoresConfig(), "h4-whole-fp8"),
+    (4, 128, torch.float16, torch.float16, IndexScoresConfig(), "h4-chunks-f16"),
+    (130, 128, E4M3, torch.float16, IndexScoresConfig(), "h130-two-head-blocks-fp8"),
+    # Two rows a program: rows 0-1 share a request, rows 2 and 3 do not (two passes), row 4
+    # (graph padding) has no partner.
+    (4, None, E4M3, torch.float16, IndexScoresConfig(rows=2), "h4-two-rows-fp8"),
+    # 16-position tiles inside the 16-token blocks: one block id per tile.
+    (4, 128, torch.float16, torch.float16, IndexScoresConfig(rows=2, block_p=16), "h4-block-tiles-f16"),
+    # fp8 queries (quantized per (row, head), the scale in the weights): fp8 dots.
+    (4, None, E4M3, E4M3, IndexScoresConfig(block_p=16), "h4-fp8-queries-block-tiles"),
+    (4, 128, E4M3, E4M3, IndexScoresConfig(rows=4), "h4-fp8-queries-four-rows"),
+]
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    ("index_heads", "chunk", "key_dtype"),
-    [(4, None, E4M3), (4, 128, torch.float16), (130, 128, E4M3)],
-    ids=["h4-whole-fp8", "h4-chunks-f16", "h130-two-head-blocks-fp8"],
+    ("index_heads", "chunk", "key_dtype", "q_dtype", "config"),
+    [c[:5] for c in SCORE_CASES],
+    ids=[c[5] for c in SCORE_CASES],
 )
-def test_index_scores_match_reference(index_heads: int, chunk: int | None, key_dtype: torch.dtype) -> None:
+def test_index_scores_match_reference(
+    index_heads: int,
+    chunk: int | None,
+    key_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    config: IndexScoresConfig,
+) -> None:
     """Every score of the workspace: visible positions against the float64 reference, ``-inf``
     past each row's window and past its last tile (positions split into chunks or not, one or
-    several head blocks per tile)."""
+    several head blocks per tile, one or several rows per program, tiles inside one cache block
+    or across blocks, 16-bit or fp8 queries); each (row, chunk)'s least and greatest finite
+    score."""
     batch = make_index_batch(
         qlens=[2, 1, 1], seq_lens=[300, 150, 0], index_heads=index_heads, head_dim=16, block_size=16,
         q_dtype=torch.float16, key_dtype=key_dtype,
     )  # fmt: skip
+    if q_dtype == E4M3:
+        q, weights = quantize_index_queries(batch.q, batch.weights)
+        batch = attrs.evolve(batch, q=q, weights=weights)
     max_keys = 400
-    scores = torch.full((batch.q.shape[0], max_keys), float("nan"), device=DEVICE)
-    indices = torch.empty(batch.q.shape[0], 8, dtype=torch.int32, device=DEVICE)
-    index_scores(batch.call(topk=8, max_keys=max_keys, scale=0.3, indices=indices), scores, chunk=chunk)
-    want = torch.full((batch.q.shape[0], max_keys), float("-inf"), dtype=torch.float64)
-    rows = [row for score in batch.reference_scores(0.3) for row in score]
-    for t, row in enumerate(rows):
+    rows = batch.q.shape[0]
+    scores = torch.full((rows, max_keys), float("nan"), device=DEVICE)
+    indices = torch.empty(rows, 8, dtype=torch.int32, device=DEVICE)
+    call = batch.call(topk=8, max_keys=max_keys, scale=0.3, indices=indices)
+    config = attrs.evolve(config, chunk=chunk)
+    step = score_chunk(call, config, num_sms(DEVICE))
+    chunks = -(-max_keys // step)
+    stats = torch.full((2, rows, chunks), float("nan"), device=DEVICE)
+    index_scores(call, scores, stats=stats, config=config)
+    want = torch.full((rows, max_keys), float("-inf"), dtype=torch.float64)
+    for t, row in enumerate(row for score in batch.reference_scores(0.3) for row in score):
         want[t, : row.numel()] = row
     torch.testing.assert_close(scores.cpu().to(torch.float64), want, atol=2e-3, rtol=2e-3)
+    got = scores.cpu()
+    for c in range(chunks):
+        part = got[:, c * step : (c + 1) * step]
+        finite = torch.isfinite(part)
+        low = torch.where(finite, part, float("inf")).min(dim=1).values
+        high = torch.where(finite, part, float("-inf")).max(dim=1).values
+        assert torch.equal(stats[0, :, c].cpu(), low), c
+        assert torch.equal(stats[1, :, c].cpu(), high), c
 
 
 def test_index_scores_rejects_a_chunk_off_the_tile() -> None:

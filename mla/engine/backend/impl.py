@@ -227,7 +227,10 @@ class AttentionImpl:
         D]`` (after their rope), per-head ``weights [T, Hi]`` (the model's, e.g.
         ``weights_proj(x) * Hi ** -0.5``), the paged ``index_cache``; writes the top
         ``index_topk`` request-local positions of each row into ``out`` (int32 ``[T, index_topk]``,
-        descending score, ``-1`` pads)."""
+        in no particular order, ``-1`` pads). With fp8 index keys ``q`` may be e4m3, quantized
+        per (row, head) with the scale folded into ``weights`` (DeepSeek-V3.2's form,
+        :func:`mla.providers.formats.quantize_index_queries`): the Triton indexer then runs fp8
+        dots."""
         be = self.backend
         eager = be.hold("impl.index_topk")
         try:
