@@ -54,6 +54,11 @@ class PrefillBatch:
     """Cache blocks the context chunks read (largest block id used, plus one) when the builder
     read the block table on the host (``validate="full"``), else 0: ``run`` refuses a
     ``kv_cache`` with fewer blocks."""
+    launch_checked: bool = False
+    """The tensors a run of this step gets have a signature whose launch already passed the
+    provider's argument checks (:func:`mla.mla_prefill`'s door vouches for it from the second
+    call of a signature): the plan's launch may tell the provider to skip them
+    (:attr:`PrefillPlan.launch_checked`)."""
 
 
 @attrs.frozen
@@ -74,6 +79,9 @@ class PrefillPlan(PlanBase):
     cu_seqlens_k: torch.Tensor
     context_chunks: tuple[ContextChunk, ...]
     schedule: object | None = None
+    launch_checked: bool = False
+    """From :attr:`PrefillBatch.launch_checked`: a launch of the new tokens may pass
+    ``checked=True`` to the provider (:attr:`~mla.providers.calls.VarlenPrefillCall.checked`)."""
 
 
 class PrefillStrategy(Strategy[PrefillContext]):
@@ -107,6 +115,7 @@ class PrefillStrategy(Strategy[PrefillContext]):
             batch.cu_seqlens_k,
             batch.context_chunks,
             self.plan_schedule(batch),
+            batch.launch_checked,
         )
 
     def plan_schedule(self, batch: PrefillBatch) -> object | None:

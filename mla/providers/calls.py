@@ -208,6 +208,12 @@ class VarlenPrefillCall:
     max_seqlen_k: int
     softmax_scale: float
     causal: bool
+    checked: bool = False
+    """``True``: the caller vouches that a call of the same signature (every tensor's shape,
+    strides, dtype and device, and ``softmax_scale``) passed this provider's argument checks
+    before, so the provider may skip them (:func:`mla.mla_prefill` sets it from the second
+    call of a signature on a plan: its door checks the rest). Direct callers leave it
+    ``False``."""
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -98,6 +98,7 @@ class MetadataBuilder:
                 num_tokens=num_tokens,
                 num_kv_tokens=step.num_kv_tokens,
                 causal=step.causal,
+                launch_checked=step.launch_checked,
             )
             metadata = _METADATA(
                 num_decodes=0,

@@ -352,8 +352,7 @@ def _varlen_fwd_kernel(
 
 VARLEN_LAUNCH = LaunchCache(_varlen_fwd_kernel)
 """The varlen kernel's launches: through the compiled kernel after the first of each
-specialization (:mod:`.launch_cache`; a prefill call is this one launch).
-"""
+specialization (:mod:`.launch_cache`; a prefill call is this one launch)."""
 
 
 def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConfig | None = None) -> None:
@@ -363,7 +362,8 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
     contiguous), cu_seqlens int32 ``[B+1]``; writes out ``[T, H, Dv]`` (its own dtype) and lse
     fp32 ``[T, H]`` (natural log). ``max_seqlen_q`` sizes the grid (a host int, no sync);
     ``max_seqlen_k`` is accepted for the contract and unused (key loops read cu_seqlens_k).
-    ``config`` overrides :func:`choose_varlen_config` (benchmarks sweep it).
+    ``config`` overrides :func:`choose_varlen_config` (benchmarks sweep it). The argument checks
+    are skipped for a ``call.checked`` call; the launch goes through :data:`VARLEN_LAUNCH`.
     """
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     if q.dtype == torch.bfloat16 and interpreting() and q.shape[0]:
@@ -377,9 +377,12 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
         return
     cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
     max_seqlen_q, softmax_scale, causal = call.max_seqlen_q, call.softmax_scale, call.causal
-    check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)
-    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise InvalidInputError("q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not call.checked:  # (a call of this signature passed them before: VarlenPrefillCall.checked)
+        check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)
+        if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise InvalidInputError(
+                "q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
     num_tokens, num_heads, qk_dim = q.shape
     v_dim = v.shape[2]
     batch = cu_seqlens_q.numel() - 1
