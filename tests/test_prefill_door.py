@@ -255,3 +255,26 @@ def test_cuda_calls_reuse_their_plans_pinned_indptr_buffers() -> None:
     bad = torch.tensor([0, 6, 3], dtype=torch.int32, device="cuda")
     with pytest.raises(InvalidInputError, match="monotonic"):
         mla.mla_prefill(**{**args, "cu_seqlens_q": bad})
+
+
+def test_one_tensor_as_both_indptrs_is_checked_for_each(door_checks: list[object]) -> None:
+    """The shared tensor's values are checked once when q and k have as many rows, and against
+    k's rows when they differ."""
+    args = args_of()
+    square = {**args, "k": args["k"][:8], "v": args["v"][:8], "max_seqlen_k": 5}
+    cu = args["cu_seqlens_q"]
+    mla.mla_prefill(**{**square, "cu_seqlens_k": cu})
+    bad = torch.tensor([0, 6, 3], dtype=torch.int32)
+    expect_invalid(
+        "cu_seqlens_q",
+        lambda: mla.mla_prefill(**{**square, "cu_seqlens_q": bad, "cu_seqlens_k": bad}),
+        "monotonic",
+    )
+    expect_invalid(
+        "max_seqlen_k",
+        lambda: mla.mla_prefill(**{**square, "cu_seqlens_k": cu, "max_seqlen_k": 4}),
+        "longest key range 5",
+    )
+    expect_invalid(
+        "cu_seqlens_k", lambda: mla.mla_prefill(**{**args, "cu_seqlens_k": cu}), "but k has 12 rows"
+    )

@@ -12,6 +12,7 @@ import torch
 from mla.core.config import dtype_name
 from mla.core.context import PrefillContext
 from mla.core.errors import InvalidInputError
+from mla.core.records import fast_constructor
 from mla.core.validate import require_no_overlap, require_tensor
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
 
@@ -84,6 +85,11 @@ class PrefillPlan(PlanBase):
     ``checked=True`` to the provider (:attr:`~mla.providers.calls.VarlenPrefillCall.checked`)."""
 
 
+_GEOMETRY = fast_constructor(PrefillGeometry)
+_PLAN = fast_constructor(PrefillPlan)
+"""A plan's records (:mod:`mla.core.records`: values of a batch the builder checked)."""
+
+
 class PrefillStrategy(Strategy[PrefillContext]):
     """Runs the prefill phase in MHA form.
 
@@ -100,16 +106,16 @@ class PrefillStrategy(Strategy[PrefillContext]):
     plan always gets them (no launch before the values are read)."""
 
     def build_metadata(self, batch: PrefillBatch) -> PrefillPlan:
-        return PrefillPlan(
+        return _PLAN(
             self.NAME,
-            PrefillGeometry(
-                num_heads=batch.context.num_heads,
-                num_tokens=batch.num_tokens,
-                num_kv_tokens=batch.num_kv_tokens,
-                max_seqlen_q=batch.max_seqlen_q,
-                max_seqlen_k=batch.max_seqlen_k,
-                causal=batch.causal,
-                cache_blocks=batch.cache_blocks,
+            _GEOMETRY(
+                batch.context.num_heads,
+                batch.num_tokens,
+                batch.num_kv_tokens,
+                batch.max_seqlen_q,
+                batch.max_seqlen_k,
+                batch.causal,
+                batch.cache_blocks,
             ),
             batch.cu_seqlens_q,
             batch.cu_seqlens_k,

@@ -158,9 +158,14 @@ def max_seqlens(args: PrefillArgs) -> tuple[int, int]:
 
 def check_indptr_values(args: PrefillArgs, cu_q_cpu: torch.Tensor, cu_k_cpu: torch.Tensor) -> None:
     """The ``cu_seqlens`` values (host copies): indptrs over q's and k's rows, their longest
-    request within ``max_seqlen_q``/``max_seqlen_k``."""
-    lens_q = require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), args.q.shape[0], "q")
-    lens_k = require_indptr_of_rows("cu_seqlens_k", cu_k_cpu.tolist(), args.k.shape[0], "k")
+    request within ``max_seqlen_q``/``max_seqlen_k``. One tensor passed as both (the same host
+    copy) over as many k rows as q rows is checked once."""
+    rows_q, rows_k = args.q.shape[0], args.k.shape[0]
+    lens_q = require_indptr_of_rows("cu_seqlens_q", cu_q_cpu.tolist(), rows_q, "q")
+    if cu_k_cpu is cu_q_cpu and rows_k == rows_q:
+        lens_k = lens_q
+    else:
+        lens_k = require_indptr_of_rows("cu_seqlens_k", cu_k_cpu.tolist(), rows_k, "k")
     if lens_q and max(lens_q) > args.max_seqlen_q:
         raise InvalidInputError("max_seqlen_q", f"{args.max_seqlen_q} < longest query {max(lens_q)}")
     if lens_k and max(lens_k) > args.max_seqlen_k:

@@ -353,6 +353,9 @@ def _varlen_fwd_kernel(
 VARLEN_LAUNCH = LaunchCache(_varlen_fwd_kernel)
 """The varlen kernel's launches: through the compiled kernel after the first of each
 specialization (:mod:`.launch_cache`; a prefill call is this one launch)."""
+_INTERPRETED = interpreting()
+"""Whether the kernels above run in the interpreter (decided when they were decorated, at
+import: read once here instead of the environment on every launch)."""
 
 
 def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConfig | None = None) -> None:
@@ -366,7 +369,7 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
     are skipped for a ``call.checked`` call; the launch goes through :data:`VARLEN_LAUNCH`.
     """
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
-    if q.dtype == torch.bfloat16 and interpreting() and q.shape[0]:
+    if q.dtype == torch.bfloat16 and _INTERPRETED and q.shape[0]:
         # Triton's CPU interpreter computes bf16 dots wrongly (errors ~1e9): run the same
         # kernel in fp32 on widened copies (exact for bf16 inputs) and round the output once.
         wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
