@@ -205,5 +205,6 @@ class IndptrCopy:
         """:meth:`values` as int32 tensors a plan may keep (never the plan's pinned buffers,
         which the next call overwrites)."""
         host_q, host_k = self.values()
-        copy = self.buffers is not None
-        return host_q.to(torch.int32, copy=copy), host_k.to(torch.int32, copy=copy)
+        if self.buffers is None and host_q.dtype == torch.int32 and host_k.dtype == torch.int32:
+            return host_q, host_k  # (host tensors: no conversion, nothing to copy)
+        return host_q.to(torch.int32, copy=True), host_k.to(torch.int32, copy=True)
