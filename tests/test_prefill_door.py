@@ -278,3 +278,17 @@ def test_one_tensor_as_both_indptrs_is_checked_for_each(door_checks: list[object
     expect_invalid(
         "cu_seqlens_k", lambda: mla.mla_prefill(**{**args, "cu_seqlens_k": cu}), "but k has 12 rows"
     )
+
+
+def test_a_cached_call_reports_the_first_bad_argument_first(door_checks: list[object]) -> None:
+    """Bad ``max_seqlen_q`` and an overlapping ``out`` together: the same error on a cached
+    signature as on a new one (the door's order)."""
+    args = args_of()
+    out = args["q"].new_empty(args["q"].shape[0], CASE.heads, CASE.v_dim)
+    shared = torch.empty(2 * out.numel(), dtype=out.dtype)
+    v_over = shared[-args["v"].numel() :].view(args["v"].shape)
+    bad = {**args, "v": v_over, "out": shared[-out.numel() :].view(out.shape), "max_seqlen_q": -1}
+    expect_invalid("max_seqlen_q", lambda: mla.mla_prefill(**bad), ">= 0")
+    mla.mla_prefill(**{**args, "out": out})
+    expect_invalid("max_seqlen_q", lambda: mla.mla_prefill(**bad), ">= 0")
+    assert len(door_checks) == 2

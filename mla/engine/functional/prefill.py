@@ -124,9 +124,9 @@ def _prefill(args: PrefillArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Ten
     (``ProviderCapabilities.varlen_clamps_indptrs``), after it, so the copy's wait for the
     previous kernels overlaps this call's queued kernel; bad values raise either way."""
     call, cached = checked_signature(PREFILL_CALLS, prefill_signature, check_prefill_call, args)
+    max_seqlen_q, max_seqlen_k = max_seqlens(args)  # (checked before the outputs, as on a miss)
     if cached:
         check_outputs_apart(args)
-    max_seqlen_q, max_seqlen_k = max_seqlens(args)
     entry = PREFILL_PLANS.get(call.plan_key)
     if entry is None:
         q, v = args.q, args.v
