@@ -283,10 +283,10 @@ def test_prefill_values_are_checked_after_the_launch_on_clamping_kernels(
     reference."""
     if not torch.cuda.is_available() or not mla.get_provider(provider).availability():
         pytest.skip(f"{provider} needs its GPU")
-    from mla.engine.functional import prefill as functional_prefill
+    from mla.engine.functional import prefill_call
 
     launched = []
-    copy_class = functional_prefill._IndptrCopy
+    copy_class = prefill_call.IndptrCopy
     read_values = copy_class.values
 
     def values_after_the_launch(self: Any) -> tuple[torch.Tensor, torch.Tensor]:

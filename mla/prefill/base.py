@@ -12,6 +12,7 @@ import torch
 from mla.core.config import dtype_name
 from mla.core.context import PrefillContext
 from mla.core.errors import InvalidInputError
+from mla.core.records import fast_constructor
 from mla.core.validate import require_no_overlap, require_tensor
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
 
@@ -54,6 +55,11 @@ class PrefillBatch:
     """Cache blocks the context chunks read (largest block id used, plus one) when the builder
     read the block table on the host (``validate="full"``), else 0: ``run`` refuses a
     ``kv_cache`` with fewer blocks."""
+    launch_checked: bool = False
+    """The tensors a run of this step gets have a signature whose launch already passed the
+    provider's argument checks (:func:`mla.mla_prefill`'s door vouches for it from the second
+    call of a signature): the plan's launch may tell the provider to skip them
+    (:attr:`PrefillPlan.launch_checked`)."""
 
 
 @attrs.frozen
@@ -74,6 +80,14 @@ class PrefillPlan(PlanBase):
     cu_seqlens_k: torch.Tensor
     context_chunks: tuple[ContextChunk, ...]
     schedule: object | None = None
+    launch_checked: bool = False
+    """From :attr:`PrefillBatch.launch_checked`: a launch of the new tokens may pass
+    ``checked=True`` to the provider (:attr:`~mla.providers.calls.VarlenPrefillCall.checked`)."""
+
+
+_GEOMETRY = fast_constructor(PrefillGeometry)
+_PLAN = fast_constructor(PrefillPlan)
+"""A plan's records (:mod:`mla.core.records`: values of a batch the builder checked)."""
 
 
 class PrefillStrategy(Strategy[PrefillContext]):
@@ -92,21 +106,22 @@ class PrefillStrategy(Strategy[PrefillContext]):
     plan always gets them (no launch before the values are read)."""
 
     def build_metadata(self, batch: PrefillBatch) -> PrefillPlan:
-        return PrefillPlan(
+        return _PLAN(
             self.NAME,
-            PrefillGeometry(
-                num_heads=batch.context.num_heads,
-                num_tokens=batch.num_tokens,
-                num_kv_tokens=batch.num_kv_tokens,
-                max_seqlen_q=batch.max_seqlen_q,
-                max_seqlen_k=batch.max_seqlen_k,
-                causal=batch.causal,
-                cache_blocks=batch.cache_blocks,
+            _GEOMETRY(
+                batch.context.num_heads,
+                batch.num_tokens,
+                batch.num_kv_tokens,
+                batch.max_seqlen_q,
+                batch.max_seqlen_k,
+                batch.causal,
+                batch.cache_blocks,
             ),
             batch.cu_seqlens_q,
             batch.cu_seqlens_k,
             batch.context_chunks,
             self.plan_schedule(batch),
+            batch.launch_checked,
         )
 
     def plan_schedule(self, batch: PrefillBatch) -> object | None:

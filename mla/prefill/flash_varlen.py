@@ -12,10 +12,14 @@ from mla.core.capabilities import Contract
 from mla.core.config import is_fp8
 from mla.core.context import PrefillContext
 from mla.core.errors import InvalidInputError
+from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.prefill.base import ContextChunk, ContextExpander, PrefillPlan, PrefillStrategy
 from mla.providers.calls import MergeStatesCall, VarlenPrefillCall
 from mla.strategy import StrategyKind, require_dtype
+
+_VARLEN_CALL = fast_constructor(VarlenPrefillCall)
+"""The launch's record (:mod:`mla.core.records`: values of a checked plan and run)."""
 
 
 class FlashVarlen(PrefillStrategy):
@@ -60,7 +64,7 @@ class FlashVarlen(PrefillStrategy):
         expand_context: ContextExpander | None,
     ) -> None:
         provider, geo = self.setup.provider, plan.geometry
-        new_tokens = VarlenPrefillCall(
+        new_tokens = _VARLEN_CALL(
             q=q,
             k=k,
             v=v,
@@ -72,10 +76,12 @@ class FlashVarlen(PrefillStrategy):
             max_seqlen_k=geo.max_seqlen_k,
             softmax_scale=self.setup.dims.scale,
             causal=geo.causal,
+            checked=plan.launch_checked,
         )
         if not plan.context_chunks:
             provider.varlen_attention(new_tokens)
             return
+        new_tokens = attrs.evolve(new_tokens, checked=False)  # (the context's calls: other tensors)
         assert kv_cache is not None
         assert expand_context is not None
         acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)

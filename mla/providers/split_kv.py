@@ -18,7 +18,6 @@ import torch
 
 from mla.core.errors import PlanMismatchError
 
-
 SPLIT_MIN_GAIN = 0.1
 """Least fraction of the waves per unit of work a split must save over no split (a split costs
 its partial outputs and the reduce). Without it, 65,536 programs on 132 SMs took 2 splits for

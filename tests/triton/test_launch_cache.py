@@ -343,3 +343,95 @@ def test_the_generated_launch_keys_each_argument_by_arg_key(driver: StandInDrive
         cache.launch((1,), 1, 2)
     with pytest.raises(TypeError, match="multiple values"):
         cache.launch((1,), 1, 2, 3, n=2)
+
+
+# -- the prefill launches ----------------------------------------------------------------------
+
+
+def prefill_tensors(
+    lengths: list[int], heads: int, dtype: torch.dtype, *, offset: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, cu, out, lse)`` of a varlen prefill over ``lengths`` (q and k rows alike);
+    ``offset`` elements shift q's start off 16-byte alignment."""
+    rows = sum(lengths)
+    q = torch.zeros(rows * heads * 192 + offset, dtype=dtype)[offset:].view(rows, heads, 192)
+    k = torch.zeros(rows, heads, 192, dtype=dtype)
+    v = torch.zeros(rows, heads, 128, dtype=dtype)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    out_dtype = torch.float16 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
+    out = torch.zeros(rows, heads, 128, dtype=out_dtype)
+    return q, k, v, cu, out, torch.zeros(rows, heads)
+
+
+VARLEN_CASES: list[dict[str, Any]] = [
+    {"lengths": [16, 16], "heads": 2, "dtype": torch.float16},
+    {"lengths": [16, 16], "heads": 2, "dtype": torch.float16},
+    {"lengths": [5, 16, 3], "heads": 2, "dtype": torch.float16},
+    {"lengths": [16, 16], "heads": 2, "dtype": torch.float16, "offset": 1},
+    {"lengths": [16, 16], "heads": 4, "dtype": torch.float32},
+    {"lengths": [100], "heads": 2, "dtype": torch.float16, "causal": False},
+    {"lengths": [16, 16], "heads": 2, "dtype": torch.float16},
+]
+
+
+@needs_verified_triton
+def test_the_varlen_prefill_launch_is_cached(driver: StandInDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``varlen_attention_fwd`` launches through :data:`~mla.providers.triton.prefill.VARLEN_LAUNCH`:
+    each specialization's first launch goes through Triton, the repeats through the cached
+    compiled kernel, with the same kernel and arguments as Triton's launch of the same call."""
+    from mla.providers.calls import VarlenPrefillCall
+    from mla.providers.triton import prefill
+
+    kernel = JITFunction(prefill._varlen_fwd_kernel.fn)
+    cache = LaunchCache(kernel)
+    monkeypatch.setattr(prefill, "VARLEN_LAUNCH", cache)
+    for case in VARLEN_CASES:
+        lengths, causal = case["lengths"], case.get("causal", True)
+        q, k, v, cu, out, lse = prefill_tensors(
+            lengths, case["heads"], case["dtype"], offset=case.get("offset", 0)
+        )
+        call = VarlenPrefillCall(
+            q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=out, lse=lse, max_seqlen_q=max(lengths),
+            max_seqlen_k=max(lengths), softmax_scale=0.1, causal=causal,
+        )  # fmt: skip
+        prefill.varlen_attention_fwd(call)
+        first = driver.launches[-1]
+        prefill.varlen_attention_fwd(call)
+        assert same_launch(first, driver.launches[-1]), case
+    # One launch through Triton per specialization: fp16 (32 rows), 24 rows (not a multiple of
+    # 16), q off 16-byte alignment, fp32, and 100 rows non-causal.
+    assert len(kernel.device_caches[0][0]) == 5
+    assert cache.slow_launches == 5
+    assert cache.fast_launches == 2 * len(VARLEN_CASES) - cache.slow_launches
+
+
+@needs_verified_triton
+def test_the_fp8_prefill_launches_are_cached(driver: StandInDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp8 prefill's two kernels launch through their :class:`LaunchCache`: a repeated call
+    launches both through the cached kernels, with Triton's arguments."""
+    from mla.providers.calls import Fp8PrefillCall
+    from mla.providers.triton import fp8_prefill
+
+    prefill_cache = LaunchCache(JITFunction(fp8_prefill._fp8_prefill_kernel.fn))
+    reduce_cache = LaunchCache(JITFunction(fp8_prefill._fp8_reduce_kernel.fn))
+    monkeypatch.setattr(fp8_prefill, "FP8_PREFILL_LAUNCH", prefill_cache)
+    monkeypatch.setattr(fp8_prefill, "FP8_REDUCE_LAUNCH", reduce_cache)
+    lengths = [300, 7]
+    q, k, v, cu, out, lse = prefill_tensors(lengths, 2, torch.float8_e4m3fn)
+    plan = fp8_prefill.build_fp8_prefill_plan(
+        cu, cu, num_heads=2, causal=True, device=torch.device("cpu"), tile_q=32, kv_split=128, num_programs=4
+    )
+    assert plan.num_groups > 0  # the reduce launches too
+    one = torch.ones(1)
+    call = Fp8PrefillCall(
+        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=out, lse=lse, schedule=plan,
+        softmax_scale=0.1, q_scale=one, k_scale=one, v_scale=one, causal=True,
+    )  # fmt: skip
+    fp8_prefill.fp8_prefill_fwd(call)
+    first = driver.launches[-2:]
+    fp8_prefill.fp8_prefill_fwd(call)
+    # (the partials are allocated per call: their addresses may differ; everything else not)
+    for a, b in zip(first, driver.launches[-2:], strict=True):
+        assert (a.grid, a.stream, a.function, len(a.args)) == (b.grid, b.stream, b.function, len(b.args))
+    assert (prefill_cache.slow_launches, prefill_cache.fast_launches) == (1, 1)
+    assert (reduce_cache.slow_launches, reduce_cache.fast_launches) == (1, 1)

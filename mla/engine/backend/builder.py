@@ -20,6 +20,7 @@ from mla.sparse.base import SparseRows, rows_plan
 
 _DECODE_BATCH = fast_constructor(DecodeBatch)
 _METADATA = fast_constructor(MLAMetadata)
+_PREFILL_BATCH = fast_constructor(PrefillBatch)
 """The build's records (:mod:`mla.core.records`: values the build checked, every field passed)."""
 
 
@@ -87,7 +88,7 @@ class MetadataBuilder:
             if step.cu_seqlens_q_cpu is None:
                 assert not strategy.PLAN_READS_HOST_INDPTRS, "plan_varlen: this plan needs host indptrs"
             num_requests, num_tokens = step.cu_seqlens_q.numel() - 1, step.num_tokens
-            batch = PrefillBatch(
+            batch = _PREFILL_BATCH(
                 context=ctx,
                 cu_seqlens_q_cpu=step.cu_seqlens_q_cpu,
                 cu_seqlens_k_cpu=step.cu_seqlens_k_cpu,
@@ -98,6 +99,9 @@ class MetadataBuilder:
                 num_tokens=num_tokens,
                 num_kv_tokens=step.num_kv_tokens,
                 causal=step.causal,
+                context_chunks=(),
+                cache_blocks=0,
+                launch_checked=step.launch_checked,
             )
             metadata = _METADATA(
                 num_decodes=0,

@@ -58,6 +58,9 @@ class VarlenStep:
     """Rows of q (the indptr's last value, checked by the caller)."""
     num_kv_tokens: int
     """Rows of k and v."""
+    launch_checked: bool = False
+    """The run's tensors have a signature whose launch already passed the provider's argument
+    checks (:attr:`~mla.prefill.base.PrefillBatch.launch_checked`)."""
 
 
 @attrs.frozen(eq=False)

@@ -34,7 +34,7 @@ from mla.engine.functional.decode_call import (
     run_step,
 )
 from mla.engine.functional.decode_graphs import GraphReplay, require_graph_replay, tensor_key
-from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
+from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry, checked_signature
 from mla.engine.functional.read_back import active
 from mla.providers.base import KernelProvider
 
@@ -190,18 +190,8 @@ def mla_decode(
 
 def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """The eager call: the door, the plan, the step (or its CUDA-graph replay)."""
-    signature: tuple[object, ...] | None = None
-    call = None
-    try:
-        signature = decode_signature(args)
-        call = DECODE_CALLS.get(signature)
-    except (AttributeError, TypeError):  # not tensors, unhashable options: the checks name them
-        signature = None
-    if call is None:
-        call = check_decode_call(args)
-        if signature is not None:
-            DECODE_CALLS.put(signature, call)
-    elif call.scale_on_host:
+    call, cached = checked_signature(DECODE_CALLS, decode_signature, check_decode_call, args)
+    if cached and call.scale_on_host:
         assert args.kv_scale is not None
         check_scale_value(args.kv_scale, args.kv_cache.dtype)
     qsl = args.query_start_loc

@@ -1,11 +1,12 @@
 """The functional API's plan caches: a small LRU per entry point, keyed by the call's shapes,
 dtypes, device, scale, provider, strategy, platform and validate mode, of backends sized for the
-call (the engine pair the call runs through)."""
+call (the engine pair the call runs through), and :func:`checked_signature`, the doors' cache of
+the checks of a call's signature (the same LRU)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import attrs
@@ -27,6 +28,7 @@ PLAN_CACHE_SIZE = 16
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+A = TypeVar("A")
 
 
 class PlanCache(Generic[K, V]):
@@ -55,6 +57,31 @@ class PlanCache(Generic[K, V]):
         self._entries.clear()
 
 
+def checked_signature(
+    calls: PlanCache[tuple[object, ...], V],
+    signature: Callable[[A], tuple[object, ...]],
+    check: Callable[[A], V],
+    args: A,
+) -> tuple[V, bool]:
+    """``(record, cached)``: what ``check(args)`` derived from the checks of the call's
+    signature, run once per signature (``signature(args)``: everything those checks depend on)
+    and kept in ``calls``; ``cached`` says whether the checks were skipped (the caller then
+    checks the values that may change between calls). A signature that cannot be made
+    (``AttributeError``/``TypeError``: arguments of the wrong kind, unhashable options) runs
+    the checks, which name the bad argument, and caches nothing; checks that raise cache
+    nothing either."""
+    try:
+        key = signature(args)
+        record = calls.get(key)
+    except (AttributeError, TypeError):
+        return check(args), False
+    if record is not None:
+        return record, True
+    record = check(args)
+    calls.put(key, record)
+    return record, False
+
+
 @attrs.frozen(eq=False)
 class DecodeEntry:
     """A cached decode plan: a backend sized for the call's shapes and the CUDA graphs of its
@@ -73,8 +100,72 @@ class DecodeEntry:
 DECODE_PLANS: PlanCache[tuple[object, ...], DecodeEntry] = PlanCache(PLAN_CACHE_SIZE)
 """Per decode plan key: the cached plan."""
 
-PREFILL_PLANS: PlanCache[tuple[object, ...], MLABackend] = PlanCache(PLAN_CACHE_SIZE)
-"""Per prefill plan key: a backend sized for the call's shapes."""
+
+def pinned_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A pinned host tensor (what :class:`HostIndptrs` allocates; a test replaces it)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def new_event() -> torch.cuda.Event:
+    """A CUDA event (what :class:`HostIndptrs` records; a test replaces it)."""
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+class HostIndptrs:
+    """The pinned host buffers one cached prefill plan copies its calls' ``cu_seqlens`` into
+    (per indptr dtype, ``[2, B+1]``: row 0 ``cu_seqlens_q``, row 1 ``cu_seqlens_k``), and the
+    event that marks the end of the last copy; made on a CUDA call's first copy.
+
+    One set per plan is enough, and saves two pinned allocations and an event per call: the
+    plan's calls run one at a time (each holds ``backend.in_use`` from the copy to its return),
+    a call reads the copied values before it returns (its checks, and the plan's host tiling,
+    which gets copies of its own: :class:`~mla.engine.functional.prefill_call.IndptrCopy`), and
+    nothing on the device reads the buffers. A copy is on the current stream, after the
+    previous call's copy when both are on one stream; so that a copy a call started and never
+    waited for (the call raised in between) cannot land after the next call's copy from
+    another stream, :meth:`rows` waits for such a copy first."""
+
+    def __init__(self) -> None:
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
+        self._event: torch.cuda.Event | None = None
+        self.pending = False
+        """A copy was started and not waited for (:meth:`wait`)."""
+
+    def rows(self, dtype: torch.dtype, entries: int) -> torch.Tensor:
+        """The pinned ``[2, entries]`` buffer of ``dtype`` (allocated on first use), after any
+        copy into the buffers that was started and not waited for."""
+        if self.pending:
+            self.wait()
+        buffer = self._pinned.get(dtype)
+        if buffer is None or buffer.shape[1] != entries:
+            buffer = self._pinned[dtype] = pinned_buffer((2, entries), dtype)
+        return buffer
+
+    def record(self) -> None:
+        """Mark the end of the copies just started on the current stream."""
+        if self._event is None:
+            self._event = new_event()
+        self._event.record()
+        self.pending = True
+
+    def wait(self) -> None:
+        """Wait for the last recorded copy."""
+        if self._event is not None:
+            self._event.synchronize()
+        self.pending = False
+
+
+@attrs.frozen(eq=False)
+class PrefillEntry:
+    """A cached prefill plan: a backend sized for the call's shapes and the pinned buffers of
+    its calls' indptr copies."""
+
+    backend: MLABackend
+    host_indptrs: HostIndptrs = attrs.field(factory=HostIndptrs)
+
+
+PREFILL_PLANS: PlanCache[tuple[object, ...], PrefillEntry] = PlanCache(PLAN_CACHE_SIZE)
+"""Per prefill plan key: the cached plan."""
 
 
 def available_provider(provider: str | KernelProvider, platform: Platform) -> KernelProvider:

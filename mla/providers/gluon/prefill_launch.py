@@ -160,10 +160,11 @@ def launch_gluon_prefill(
         SPLIT_PRODUCER_WARPS,
         mla_prefill_kernel,
     )
-    from mla.providers.triton.prefill import check_attention_args  # noqa: PLC0415
+    from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
-    check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
+    if not call.checked:  # (see VarlenPrefillCall.checked)
+        check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
     kernel, why = prefill_route(q, k, v, out)
     if kernel != "gluon":
         raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")

@@ -36,12 +36,16 @@ import triton.language as tl
 from mla.core.config import FP8_DTYPES
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import Fp8PrefillCall
+from mla.providers.triton.attention_host import (
+    AttentionLaunchConfig,
+    cdiv,
+    check_attention_args,
+    head_dim_blocks,
+)
+from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.prefill import (
     LOG2E,
-    AttentionLaunchConfig,
-    HeadDimBlocks,
     attend_range,
-    check_attention_args,
     finalize_rows,
     load_q_block,
     store_rows,
@@ -363,6 +367,11 @@ def _fp8_reduce_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
+FP8_PREFILL_LAUNCH = LaunchCache(_fp8_prefill_kernel)
+"""The fp8 prefill kernel's launches, through :mod:`.launch_cache` (cached compiled kernels)."""
+FP8_REDUCE_LAUNCH = LaunchCache(_fp8_reduce_kernel)
+"""The fp8 reduce kernel's launches, likewise."""
+
 
 def choose_fp8_config(device: torch.device, qk_dim: int, v_dim: int, tile_q: int) -> AttentionLaunchConfig:
     """Launch heuristic for :func:`fp8_prefill_fwd` (``block_m`` is the plan's tile).
@@ -423,7 +432,7 @@ def fp8_prefill_fwd(call: Fp8PrefillCall, *, config: AttentionLaunchConfig | Non
     cfg = config or choose_fp8_config(q.device, qk_dim, v_dim, plan.tile_q)
     if cfg.block_m != plan.tile_q:
         raise InvalidInputError("config", f"block_m {cfg.block_m} must equal the plan's tile_q {plan.tile_q}")
-    blocks = HeadDimBlocks.for_dims(qk_dim, v_dim, min_k=32)  # fp8 dots reduce over >= 32
+    blocks = head_dim_blocks(qk_dim, v_dim, 32)  # fp8 dots reduce over >= 32
     slots = max(plan.num_slots, 1)
     part_out = torch.empty(slots, plan.tile_q, num_heads, v_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(slots, plan.tile_q, num_heads, dtype=torch.float32, device=q.device)
@@ -434,7 +443,8 @@ def fp8_prefill_fwd(call: Fp8PrefillCall, *, config: AttentionLaunchConfig | Non
         part_lse.stride(0),
         part_lse.stride(1),
     )
-    _fp8_prefill_kernel[(plan.num_programs,)](
+    FP8_PREFILL_LAUNCH.launch(
+        (plan.num_programs,),
         q, k, v, out, lse, part_out, part_lse, plan.units, q_scale, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *part_strides,
@@ -444,8 +454,8 @@ def fp8_prefill_fwd(call: Fp8PrefillCall, *, config: AttentionLaunchConfig | Non
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if plan.num_groups:
-        grid = (plan.num_groups, triton.cdiv(plan.tile_q, REDUCE_BLOCK_ROWS), num_heads)
-        _fp8_reduce_kernel[grid](
+        FP8_REDUCE_LAUNCH.launch(
+            (plan.num_groups, cdiv(plan.tile_q, REDUCE_BLOCK_ROWS), num_heads),
             out, lse, part_out, part_lse, plan.groups,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), *part_strides,
             D_V=v_dim, BLOCK_DV=blocks.block_v, BLOCK_R=REDUCE_BLOCK_ROWS,

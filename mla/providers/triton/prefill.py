@@ -23,9 +23,6 @@ prefill kernel (:mod:`mla.providers.triton.fp8_prefill`).
 
 from __future__ import annotations
 
-import functools
-import math
-
 import attrs
 import torch
 import triton
@@ -33,12 +30,31 @@ import triton.language as tl
 
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
+from mla.providers.triton.attention_host import (
+    FLOAT_DTYPES,
+    AttentionLaunchConfig,
+    HeadDimBlocks,
+    cdiv,
+    check_attention_args,
+    choose_varlen_config,
+    head_dim_blocks,
+    triton_dtype,
+)
 from mla.providers.triton.interpreter import interpreting
+from mla.providers.triton.launch_cache import LaunchCache
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled into the exp2 domain."""
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = [
+    "LOG2E",
+    "VARLEN_LAUNCH",
+    "AttentionLaunchConfig",
+    "HeadDimBlocks",
+    "check_attention_args",
+    "choose_varlen_config",
+    "varlen_attention_fwd",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,128 +347,15 @@ def _varlen_fwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Host side
+# Host side (the shared helpers: :mod:`.attention_host`)
 # --------------------------------------------------------------------------------------------
 
-
-@attrs.frozen
-class HeadDimBlocks:
-    """How a head dim maps onto power-of-two Triton blocks (see the module docstring)."""
-
-    block_a: int
-    block_b: int
-    block_v: int
-
-    @classmethod
-    def for_dims(cls, qk_dim: int, v_dim: int, *, min_k: int = 16) -> HeadDimBlocks:
-        """``min_k``: the smallest dot reduction width the kernel's operand dtype allows (16 for
-        16-bit operands, 32 for fp8 on sm_90); narrower head-dim pieces are padded (masked)."""
-        block_a = max(min_k, 1 << (qk_dim.bit_length() - 1))
-        rest = qk_dim - block_a
-        block_b = max(min_k, triton.next_power_of_2(rest)) if rest > 0 else 0
-        return cls(block_a, block_b, max(16, triton.next_power_of_2(v_dim)))
-
-
-@attrs.frozen
-class AttentionLaunchConfig:
-    """Tile sizes and compiler knobs of one attention kernel launch."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.lru_cache(maxsize=16)
-def _device_arch(device: torch.device) -> tuple[str, int]:
-    """``(vendor, major capability)``: ``("cpu", 0)`` for the interpreter, ``("amd", 0)`` on ROCm."""
-    if device.type != "cuda":
-        return ("cpu", 0)
-    if torch.version.hip is not None:
-        return ("amd", 0)
-    return ("nvidia", torch.cuda.get_device_capability(device)[0])
-
-
-def choose_varlen_config(
-    device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int, max_seqlen_q: int
-) -> AttentionLaunchConfig:
-    """Launch heuristic for :func:`varlen_attention_fwd` (no autotuning in the hot path).
-
-    * CPU (Triton interpreter): 32 x 32 tiles, so tiny test shapes still cross block boundaries.
-    * 32-bit inputs: 64 x 32 tiles, 4 warps (fp32 tiles are twice the bytes).
-    * NVIDIA sm80+ and 16-bit inputs with ``Dqk, Dv <= 256``: 128 x 64 tiles, 8 warps,
-      3 pipeline stages on sm90+ (2 below: 164 KB of shared memory on sm80). For 192/128 this
-      holds Q (48 KB) plus three K/V stages (40 KB each) in shared memory, 255 registers, no
-      spills. The best swept on all four shapes (192/128 causal bf16, H 16/128, 4 x 4096 and
-      16 x 1024): 2 stages -18%, 128 x 128 (spills) -8%, 64 x 64 with 4 warps -30%, 4 stages no
-      gain (``docs/performance.md``).
-    * AMD and older NVIDIA: 64 x 64, 4 warps, 1 stage.
-    * ``max_seqlen_q <= 64`` halves ``block_m`` to 64 (a 128-row block would be half empty).
-    """
-    vendor, major = _device_arch(device)
-    if vendor == "cpu":
-        return AttentionLaunchConfig(32, 32, 4, 1)
-    if dtype == torch.float32:
-        return AttentionLaunchConfig(64, 32, 4, 2)
-    if vendor == "nvidia" and major >= 8 and qk_dim <= 256 and v_dim <= 256:
-        block_m = 64 if max_seqlen_q <= 64 else 128
-        return AttentionLaunchConfig(block_m, 64, 8 if block_m == 128 else 4, 3 if major >= 9 else 2)
-    return AttentionLaunchConfig(64, 64, 4, 1)
-
-
-def triton_dtype(dtype: torch.dtype) -> tl.dtype:
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
-
-
-def _check(name: str, tensor: torch.Tensor, ndim: int, *, last_contiguous: bool = True) -> None:
-    if tensor.dim() != ndim:
-        raise InvalidInputError(name, f"expected {ndim} dims, got shape {tuple(tensor.shape)}")
-    if last_contiguous and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise InvalidInputError(name, "the last dim must be contiguous (stride 1); pass .contiguous()")
-
-
-def check_attention_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-) -> None:
-    """Shape/dtype/device checks shared by the varlen and fp8 launchers (no host sync)."""
-    for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
-        _check(name, tensor, 3)
-    _check("lse", lse, 2, last_contiguous=False)
-    num_tokens, num_heads, qk_dim = q.shape
-    if k.shape[1:] != (num_heads, qk_dim):
-        raise InvalidInputError("k", f"expected [Tk, {num_heads}, {qk_dim}], got {tuple(k.shape)}")
-    if v.shape[:2] != k.shape[:2]:
-        raise InvalidInputError("v", f"expected [{k.shape[0]}, {num_heads}, Dv], got {tuple(v.shape)}")
-    if out.shape != (num_tokens, num_heads, v.shape[2]):
-        raise InvalidInputError(
-            "out", f"expected {(num_tokens, num_heads, v.shape[2])}, got {tuple(out.shape)}"
-        )
-    if lse.shape != (num_tokens, num_heads) or lse.dtype != torch.float32:
-        raise InvalidInputError("lse", f"expected float32 {(num_tokens, num_heads)}, got {lse.dtype} "
-                                f"{tuple(lse.shape)}")  # fmt: skip
-    for name, index in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if index.dim() != 1 or index.dtype != torch.int32:
-            raise InvalidInputError(
-                name, f"expected a 1-D int32 tensor, got {index.dtype} {tuple(index.shape)}"
-            )
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise InvalidInputError(
-            "cu_seqlens_k", f"has {cu_seqlens_k.numel()} entries, cu_seqlens_q {cu_seqlens_q.numel()}"
-        )
-    devices = {t.device for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)}
-    if len(devices) != 1:
-        raise InvalidInputError("q", f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if out.dtype not in _FLOAT_DTYPES:
-        raise InvalidInputError("out", f"dtype {out.dtype} is not one of {_FLOAT_DTYPES}")
-    if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise InvalidInputError("softmax_scale", f"must be a positive finite float, got {softmax_scale}")
+VARLEN_LAUNCH = LaunchCache(_varlen_fwd_kernel)
+"""The varlen kernel's launches: through the compiled kernel after the first of each
+specialization (:mod:`.launch_cache`; a prefill call is this one launch)."""
+_INTERPRETED = interpreting()
+"""Whether the kernels above run in the interpreter (decided when they were decorated, at
+import: read once here instead of the environment on every launch)."""
 
 
 def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConfig | None = None) -> None:
@@ -462,10 +365,11 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
     contiguous), cu_seqlens int32 ``[B+1]``; writes out ``[T, H, Dv]`` (its own dtype) and lse
     fp32 ``[T, H]`` (natural log). ``max_seqlen_q`` sizes the grid (a host int, no sync);
     ``max_seqlen_k`` is accepted for the contract and unused (key loops read cu_seqlens_k).
-    ``config`` overrides :func:`choose_varlen_config` (benchmarks sweep it).
+    ``config`` overrides :func:`choose_varlen_config` (benchmarks sweep it). The argument checks
+    are skipped for a ``call.checked`` call; the launch goes through :data:`VARLEN_LAUNCH`.
     """
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
-    if q.dtype == torch.bfloat16 and interpreting() and q.shape[0]:
+    if q.dtype == torch.bfloat16 and _INTERPRETED and q.shape[0]:
         # Triton's CPU interpreter computes bf16 dots wrongly (errors ~1e9): run the same
         # kernel in fp32 on widened copies (exact for bf16 inputs) and round the output once.
         wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
@@ -476,23 +380,27 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
         return
     cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
     max_seqlen_q, softmax_scale, causal = call.max_seqlen_q, call.softmax_scale, call.causal
-    check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)
-    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise InvalidInputError("q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    num_heads, qk_dim, v_dim = q.shape[1], q.shape[2], v.shape[2]
+    if not call.checked:  # (a call of this signature passed them before: VarlenPrefillCall.checked)
+        check_attention_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale)
+        if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise InvalidInputError(
+                "q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
+    num_tokens, num_heads, qk_dim = q.shape
+    v_dim = v.shape[2]
     batch = cu_seqlens_q.numel() - 1
-    if q.shape[0] == 0 or batch <= 0 or max_seqlen_q <= 0:
+    if num_tokens == 0 or batch <= 0 or max_seqlen_q <= 0:
         return
-    blocks = HeadDimBlocks.for_dims(qk_dim, v_dim)
+    blocks = head_dim_blocks(qk_dim, v_dim)
     cfg = config or choose_varlen_config(q.device, q.dtype, qk_dim, v_dim, max_seqlen_q)
-    num_m_blocks = triton.cdiv(max_seqlen_q, cfg.block_m)
+    num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)
     fp32 = q.dtype == torch.float32
-    grid = (num_m_blocks * batch * num_heads,)
-    _varlen_fwd_kernel[grid](
+    q_st, k_st, v_st, o_st, l_st = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
+    VARLEN_LAUNCH.launch(
+        (num_m_blocks * batch * num_heads,),
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_heads, num_m_blocks, q.shape[0], k.shape[0], softmax_scale * LOG2E,
+        q_st[0], q_st[1], k_st[0], k_st[1], v_st[0], v_st[1], o_st[0], o_st[1], l_st[0], l_st[1],
+        num_heads, num_m_blocks, num_tokens, k.shape[0], softmax_scale * LOG2E,
         D_QK=qk_dim, D_V=v_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_DA=blocks.block_a, BLOCK_DB=blocks.block_b, BLOCK_DV=blocks.block_v,
         CAUSAL=causal, PV_DTYPE=triton_dtype(q.dtype), DOT_PRECISION="ieee" if fp32 else "tf32",
