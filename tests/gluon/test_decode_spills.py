@@ -28,7 +28,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter
+from sm90_compile import mma_loop_lengths, run_without_interpreter
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -73,22 +73,6 @@ SCRIPT = textwrap.dedent(
     print(config)
     """
 )
-
-
-def mma_loop_lengths(sass: str) -> list[int]:
-    """Instructions of each loop of ``cuobjdump -sass`` output that issues wgmma (``HGMMA``):
-    from a backward branch's target to the branch, skipping the spans that cross a warp
-    specialisation's register reallocation or an exit (branches between partitions)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    lengths = []
-    for i, (addr, text) in enumerate(ins):
-        branch = re.search(r"\bBRA\S*\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)", text)
-        if branch is None or int(branch.group(1), 16) >= addr:
-            continue
-        body = [t for a, t in ins[: i + 1] if a >= int(branch.group(1), 16)]
-        if any("HGMMA" in t for t in body) and not any("SETMAXREG" in t or "EXIT" in t for t in body):
-            lengths.append(len(body))
-    return lengths
 
 
 def _cuobjdump() -> str:
