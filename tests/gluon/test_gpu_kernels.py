@@ -306,3 +306,84 @@ def test_small_head_decode(heads: int, kv_dtype: torch.dtype) -> None:
     )
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon small-head")
+
+
+# Block-table launches (what the engine runs on this provider): 64-token pages on the
+# non-persistent launches put every tile inside one page (its block id read and checked once:
+# the few-rows, dual-chain, ping-pong and 64-row kernels); pages of 16 and the planned schedule
+# take the per-key ids.
+TABLE_RUNS = [
+    (CASES[0], "auto"),
+    (CASES[0], "splits3"),
+    (CASES[0], "schedule"),
+    ((16, [2, 2, 1], [900, 2, 300], 64), "auto"),
+    (CASES[2], "auto"),
+    (CASES[4], "auto"),
+    (CASES[4], "row64"),
+    (DUAL_BS16, "auto"),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    ("case", "variant"), TABLE_RUNS, ids=[f"h{c[0]}-q{max(c[1])}-bs{c[3]}-{v}" for c, v in TABLE_RUNS]
+)
+def test_paged_decode_over_the_block_table(
+    case: tuple[int, list[int], list[int], int], variant: str, kv_dtype: torch.dtype
+) -> None:
+    """The Gluon kernels over the block table, with a negative block, the block just past the
+    cache and one far past it in each request of 3+ pages (masked: never read, no key), against
+    the torch reference over the same table."""
+    from mla.providers.gluon.decode import paged_decode
+    from mla.providers.gluon.planner import BLOCK_M, GluonKernel, launch_config, schedule_units
+    from mla.providers.split_kv import SplitKVSchedule
+    from mla.providers.triton.decode import num_sms
+    from mla.providers.triton.schedule import plan_split_kv
+
+    heads, qlens, lens, block = case
+    data = _case(heads, qlens, lens, block, kv_dtype, seed=heads)
+    q, cache, kv_indptr, _ids, qo_indptr, scale_t, _bs = data
+    nblocks = cache.shape[0] // block
+    pages = [-(-max(n, 1) // block) for n in lens]
+    perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(heads + 1)).to(torch.int32)
+    table, pos = torch.zeros(len(lens), max(pages), dtype=torch.int32), 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[pos : pos + p]
+        pos += p
+        if p >= 3:
+            table[b, 1], table[b, p // 2], table[b, p - 1] = -1, nblocks, nblocks + 1000
+    table = table.cuda()
+
+    def call(
+        out: torch.Tensor, lse: torch.Tensor, schedule: SplitKVSchedule | None = None
+    ) -> PagedDecodeCall:
+        return PagedDecodeCall(
+            q=q, kv_cache=cache, kv_indptr=kv_indptr, kv_indices=None, block_table=table, qo_indptr=qo_indptr,
+            out=out, lse=lse, max_qlen=max(qlens), max_seqlen_k=max(lens), page_size=block,
+            softmax_scale=SCALE, kv_scale=scale_t, schedule=schedule,
+        )  # fmt: skip
+
+    ref_out = torch.empty(q.shape[0], heads, RANK, dtype=torch.float32, device="cuda")
+    ref_lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device="cuda")
+    TorchProvider().paged_mqa_decode(call(ref_out, ref_lse))
+    out = torch.full((q.shape[0], heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((q.shape[0], heads), math.nan, device="cuda")
+    rows = heads * max(qlens)
+    auto = launch_config(
+        batch=len(lens), rows=rows, max_seqlen_k=max(lens), num_sms=num_sms(q.device),
+        persistent=variant == "schedule", kv_fp8=kv_dtype.itemsize == 1,
+    )  # fmt: skip
+    schedule, config = None, auto
+    if variant == "schedule":
+        schedule = SplitKVSchedule.allocate(
+            max_batch=len(lens), max_kernel_qlen=max(qlens), kernel_heads=heads, kv_lora_rank=RANK,
+            num_units=schedule_units(num_sms=num_sms(q.device), rows=rows), device=q.device, min_chunk=256,
+        )  # fmt: skip
+        plan_split_kv(schedule, kv_indptr, len(lens))
+    elif variant == "splits3":
+        config = attrs.evolve(auto, num_splits=3)
+    elif variant == "row64":
+        config = attrs.evolve(auto, row_tile=BLOCK_M, kernel=GluonKernel.ROW64, num_splits=2, num_stages=2)
+    paged_decode(call(out, lse, schedule), config=config)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon table {variant} {config}")

@@ -222,17 +222,20 @@ def test_small_head_decode_strided_views(kv_dtype: torch.dtype) -> None:
 
 
 class _BlockTableBatch:
-    """The mixed batch above over a paged cache (page size 4): each request's block-table row,
-    with a negative block and a block past the cache in the middle of request 2, and the flat
-    per-token ids of the same keys (-1 for those two blocks' keys) for the reference."""
+    """The mixed batch above over a paged cache (page size 4, or ``page``): each request's
+    block-table row, with a negative block and a block past the cache in the middle of request
+    2, and the flat per-token ids of the same keys (-1 for those two blocks' keys) for the
+    reference."""
 
-    def __init__(self, *, heads: int, dtype: torch.dtype) -> None:
+    def __init__(self, *, heads: int, dtype: torch.dtype, page: int = 4) -> None:
         gen = torch.Generator().manual_seed(heads)
         self.qlens, self.seq_lens, self.heads, self.dtype = [1, 3, 2, 0, 4], [37, 5, 70, 0, 2], heads, dtype
-        self.page, num_blocks, width = 4, 40, 18
+        self.page, num_blocks, width = page, 40, -(-72 // page)
         self.cache = torch.randn(num_blocks * self.page, 48, generator=gen).to(dtype).to(DEVICE)
         table = torch.randint(0, num_blocks, (len(self.seq_lens), width), generator=gen, dtype=torch.int32)
-        table[2, 3], table[2, 9] = -2, num_blocks + 5  # keys 12..15 and 36..39 of request 2: masked
+        # Request 2: keys 12..15 and 36..39 masked (pages of 4), or 16..31 and 48..63 (pages of 16).
+        masked = (3, 9) if page == 4 else (16 // page, 48 // page)
+        table[2, masked[0]], table[2, masked[1]] = -2, num_blocks + 5
         ids = []
         for b, length in enumerate(self.seq_lens):
             for p in range(length):
@@ -261,13 +264,19 @@ class _BlockTableBatch:
 
 
 @pytest.mark.parametrize(
-    ("splits", "block_n", "reg_pipeline"), [(1, 16, False), (3, 16, True), (2, 32, False)]
-)
-def test_paged_decode_reads_the_block_table(splits: int, block_n: int, reg_pipeline: bool) -> None:
-    """The kernel over the block table (one block id per page of a tile; a negative block and
-    one past the cache mid-request masked) equals the reference over the flat ids, tiles of 16
-    and 32 keys spanning several pages of 4, split or not."""
-    batch = _BlockTableBatch(heads=4, dtype=torch.float16)
+    ("splits", "block_n", "reg_pipeline", "page"),
+    [
+        (1, 16, False, 4), (3, 16, True, 4), (2, 32, False, 4),
+        # a tile inside one page (non-persistent, pages a multiple of the tile): one block id
+        (1, 16, False, 16), (3, 16, True, 16), (2, 16, False, 32), (3, 16, False, 16),
+    ],
+)  # fmt: skip
+def test_paged_decode_reads_the_block_table(splits: int, block_n: int, reg_pipeline: bool, page: int) -> None:
+    """The kernel over the block table (one block id per page of a tile, or per tile when a
+    tile lies inside one page; a negative block and one past the cache mid-request masked)
+    equals the reference over the flat ids, tiles of 16 and 32 keys spanning several pages of
+    4 or inside pages of 16 and 32, split or not."""
+    batch = _BlockTableBatch(heads=4, dtype=torch.float16, page=page)
     config = DecodeLaunchConfig(
         block_m=16, block_n=block_n, num_warps=4, num_stages=1, num_splits=splits, reg_pipeline=reg_pipeline
     )
@@ -276,8 +285,11 @@ def test_paged_decode_reads_the_block_table(splits: int, block_n: int, reg_pipel
     _assert_close(batch.run(REF.paged_mqa_decode, block_table=True), want)
 
 
-def test_scheduled_decode_reads_the_block_table() -> None:
-    batch = _BlockTableBatch(heads=3, dtype=torch.float32)
+@pytest.mark.parametrize("page", [4, 16])
+def test_scheduled_decode_reads_the_block_table(page: int) -> None:
+    """The planned schedule's ranges start anywhere: tiles span two pages of 16 (two block
+    ids a tile)."""
+    batch = _BlockTableBatch(heads=3, dtype=torch.float32, page=page)
     num_requests = len(batch.qlens)
     schedule = allocate_schedule(
         max_batch=num_requests, max_kernel_qlen=4, kernel_heads=3, kv_lora_rank=32, num_sms=3, device=DEVICE

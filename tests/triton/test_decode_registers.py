@@ -3,9 +3,13 @@
 The 16-row bf16 launch (16 heads, qlen 1: the most common decode) sits near the 255-register
 limit; a few more live values in its pipelined loop make ptxas spill to local memory, which cost
 the block-table form 30-40% of its speed on the H200 once. This test compiles the launches the
-heuristic picks for 16 and 128 heads over the block table (the engine's form) for sm_90 without
-a GPU (:mod:`mla.testing.triton_driver`) and reads the cubin's resource usage with the
-``cuobjdump`` Triton ships: no stack (spill) bytes.
+heuristic picks over the block table (the engine's form) for sm_90 without a GPU
+(:mod:`mla.testing.triton_driver`) and reads the cubin with the ``cuobjdump`` Triton ships: no
+stack (spill) bytes, and (``benchmarks/decode.py``'s verify q2 and fp8 launches) a tile loop no
+longer than the flat-id kernel's of ``2458cb9`` plus a small margin. The block table first
+added per-lane page math and in-cache checks there (verify q2 854 -> 982 instructions, 6%
+slower on the H200; fp8 984 -> 1025 and 8 bytes of stack, 3% slower); a tile inside one page
+now loads and checks its block id once (813 and 908).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter
+from sm90_compile import mma_loop_lengths, run_without_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -29,24 +33,39 @@ SCRIPT = textwrap.dedent(
     from mla.providers.calls import PagedDecodeCall
     from mla.providers.triton.decode import paged_decode
     from mla.providers.triton.schedule import decode_launch_config
+
     from mla.testing.triton_driver import stand_in_driver
 
-    heads, batch, seq = int(sys.argv[1]), 4, 4096
-    q = torch.zeros(batch, heads, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(batch * seq + 64, 576, dtype=torch.bfloat16)
+    heads, qlen, batch, seq = (int(a) for a in sys.argv[1:5])
+    fp8 = sys.argv[5] == "1"
+    b = 4  # the tensors are never read: a few requests, the launch config of the real batch
+    q = torch.zeros(b * qlen, heads, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(b * seq + 64, 576, dtype=torch.bfloat16)
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
     call = PagedDecodeCall(
-        q=q, kv_cache=cache, kv_indptr=(torch.arange(batch + 1) * seq).to(torch.int32), kv_indices=None,
-        block_table=torch.zeros(batch, seq // 64, dtype=torch.int32),
-        qo_indptr=torch.arange(batch + 1).to(torch.int32),
-        out=torch.zeros(batch, heads, 512, dtype=torch.bfloat16), lse=torch.zeros(batch, heads), max_qlen=1,
-        max_seqlen_k=seq, page_size=64, softmax_scale=0.07, kv_scale=None)
+        q=q, kv_cache=cache, kv_indptr=(torch.arange(b + 1) * seq).to(torch.int32), kv_indices=None,
+        block_table=torch.zeros(b, seq // 64, dtype=torch.int32),
+        qo_indptr=(torch.arange(b + 1) * qlen).to(torch.int32),
+        out=torch.zeros(b * qlen, heads, 512, dtype=torch.bfloat16), lse=torch.zeros(b * qlen, heads),
+        max_qlen=qlen, max_seqlen_k=seq, page_size=64, softmax_scale=0.07,
+        kv_scale=torch.tensor([0.05]) if fp8 else None)
     config = decode_launch_config(
-        batch=64, rows=heads, max_seqlen_k=seq, num_sms=132, kv_elem_size=2, persistent=False)
+        batch=batch, rows=heads * qlen, max_seqlen_k=seq, num_sms=132, kv_elem_size=cache.element_size(),
+        persistent=False)
     with stand_in_driver(compile_kernels=True):
         paged_decode(call, config=config)
     print(json.dumps(str(config)))
     """
 )
+
+CASES = {
+    # name: (heads, qlen, batch, seq, fp8 cache, max tile-loop instructions or None)
+    "h16": (16, 1, 64, 4096, False, None),
+    "h128": (128, 1, 64, 4096, False, None),
+    "verify-q2": (16, 2, 64, 4096, False, 870),
+    "fp8": (16, 1, 128, 8192, True, 1000),
+}
 
 
 def _cuobjdump() -> str:
@@ -56,15 +75,22 @@ def _cuobjdump() -> str:
     return path
 
 
-@pytest.mark.parametrize("heads", [16, 128], ids=lambda h: f"h{h}")
+@pytest.mark.parametrize("case", list(CASES))
 def test_block_table_decode_does_not_spill(
-    heads: int, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    case: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cuobjdump = _cuobjdump()
+    heads, qlen, batch, seq, fp8, max_loop = CASES[case]
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    config = json.loads(run_without_interpreter(["-c", SCRIPT, str(heads)]).strip().splitlines()[-1])
+    args = [str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]
+    config = json.loads(run_without_interpreter(["-c", SCRIPT, *args]).strip().splitlines()[-1])
     (cubin,) = glob.glob(f"{tmp_path}/*/_mla_decode_kernel.cubin")
     done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
     stack = re.search(r"STACK:(\d+)", done.stdout)
     assert stack is not None, done.stdout
     assert int(stack.group(1)) == 0, f"{config}: {done.stdout.strip()}"
+    if max_loop is not None:
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        loops = mma_loop_lengths(sass)
+        assert loops, "no MMA loop found in the SASS"
+        assert max(loops) <= max_loop, f"{config}: tile loops of {loops} instructions"

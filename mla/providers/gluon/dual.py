@@ -97,13 +97,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
-    _key_ok,
+    _id_limit,
+    _issue_ids,
     _key_operand,
     _paired_k,
     _query_to_smem,
+    _ring_key_ok,
     _row_info,
     _scales,
     _tile_ids,
+    _tile_in_page,
+    _tile_key_limit,
     _work_item,
     _work_range,
 )
@@ -167,9 +171,62 @@ def _gather_tile(
 
 
 @gluon.jit
+def _tma_tile(
+    lat_desc, rope_desc, first, lat_ring, rope_ring, landed, w,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """One whole tile of the consecutive cache rows ``first ..`` into ring slot ``w`` by TMA, five
+    boxes on ``landed[w]``'s transaction count (thread 0's arrival)."""
+    LB: gl.constexpr = L // BOX_COLS
+    mbarrier.expect(landed.index(w), BLOCK_N * (L + R))
+    for b in gl.static_range(LB):
+        tma.async_copy_global_to_shared(
+            lat_desc, [first, b * BOX_COLS], landed.index(w), lat_ring.index(w * LB + b)
+        )
+    tma.async_copy_global_to_shared(rope_desc, [first, L], landed.index(w), rope_ring.index(w))
+
+
+@gluon.jit
+def _load_pages(
+    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring,
+    landed, free, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+):  # fmt: skip
+    """:func:`_loader` for tiles that lie inside one page (:func:`.kernels._tile_in_page`): one
+    block id a tile (a scalar load, one tile ahead), checked once. The tile of a block inside the
+    cache comes by TMA when whole; a tail tile, or the tile of a block outside the cache (no row
+    read), by the ``cp.async`` gather."""
+    rows: gl.constexpr = gl.SliceLayout(1, _box_copy_layout(BOX_COLS))
+    rope_rows: gl.constexpr = gl.SliceLayout(1, _box_copy_layout(R))
+    id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [LOADER_WARPS], [0])
+    offs = gl.arange(0, BLOCK_N, layout=rows)
+    offs_r = gl.arange(0, BLOCK_N, layout=rope_rows)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    blk = gl.load(index_base + lo // PAGE_SIZE, mask=lo < hi, other=-1)
+    for t in range(n_tiles):
+        w = t % SLOTS
+        n0 = lo + t * BLOCK_N
+        nxt = gl.load(index_base + (n0 + BLOCK_N) // PAGE_SIZE, mask=n0 + BLOCK_N < hi, other=-1)
+        mbarrier.wait(free.index(w), (t // SLOTS) & 1)
+        _issue_ids(index_base, id_ring, t, lo, hi, BLOCK_N, SLOTS, id_ld, PAGE_SIZE)
+        first = blk * PAGE_SIZE + n0 % PAGE_SIZE
+        inside = blk.to(gl.uint32, bitcast=True) < id_limit
+        if inside & (n0 + BLOCK_N <= hi):
+            _tma_tile(lat_desc, rope_desc, first, lat_ring, rope_ring, landed, w, L, R, BLOCK_N)
+        else:
+            tile_hi = gl.where(inside, hi, n0)
+            _gather_tile(
+                kv_ptr, first + offs, n0 + offs < tile_hi, first + offs_r, n0 + offs_r < tile_hi, stride_kv,
+                lat_ring, rope_ring, landed, w, L, R,
+            )  # fmt: skip
+        async_copy.mbarrier_arrive(landed.index(w), increment_count=False)
+        blk = nxt
+
+
+@gluon.jit
 def _loader(
-    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, landed, free,
-    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring,
+    landed, free, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    IN_PAGE: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile ``t`` of ``[lo, hi)``, as fp8, into ring slot ``t % SLOTS``
     once the tile before in it has been read, announced on ``landed[t % SLOTS]`` when the
@@ -177,33 +234,39 @@ def _loader(
     pages) comes by TMA, five boxes (``lat_desc``, ``rope_desc``) on the barrier's transaction
     count; any other tile by ``cp.async`` gathers by token id (rows past ``hi`` zero-filled).
     Each tile takes one arrival per loader thread (its ``cp.async`` copies, none for a TMA
-    tile) and one of thread 0 (with the TMA bytes, or plain). Token ids run one tile ahead."""
-    LB: gl.constexpr = L // BOX_COLS
+    tile) and one of thread 0 (with the TMA bytes, or plain). Token ids run one tile ahead.
+    What the key operand holds for the tile's positions is copied into ``id_ring[t % SLOTS]``
+    as well (landing before the arrival), for the MMA warpgroups' key check. ``IN_PAGE``: every
+    tile inside one page (:func:`_load_pages`)."""
+    if IN_PAGE:
+        _load_pages(
+            kv_ptr, lat_desc, rope_desc, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring,
+            id_ring, landed, free, L, R, BLOCK_N, PAGE_SIZE,
+        )  # fmt: skip
+        return
     box_ld: gl.constexpr = _box_copy_layout(BOX_COLS)
     rope_ld: gl.constexpr = _box_copy_layout(R)
     rows: gl.constexpr = gl.SliceLayout(1, box_ld)
+    id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [LOADER_WARPS], [0])
     offs = gl.arange(0, BLOCK_N, layout=rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows, PAGE_SIZE)
-    idr, okr = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
+    idr, okr = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE)
     for t in range(n_tiles):
         w = t % SLOTS
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows, PAGE_SIZE)
-        nidr, nokr = _tile_ids(
-            index_base, lo, hi, t + 1, num_rows, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE
-        )
         mbarrier.wait(free.index(w), (t // SLOTS) & 1)
+        # (the ids of the next tile are loaded after the wait: fewer live registers here)
+        _issue_ids(index_base, id_ring, t, lo, hi, BLOCK_N, SLOTS, id_ld, PAGE_SIZE)
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
+        nidr, nokr = _tile_ids(
+            index_base, lo, hi, t + 1, id_limit, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE
+        )
         first = gl.min(ids, axis=0)
         # (a row whose id is outside the cache breaks the run: such a tile is gathered, that row
         # not read)
         consecutive = gl.sum(((ids != first + offs) | ~ok).to(gl.int32), axis=0) == 0
         if consecutive & (lo + (t + 1) * BLOCK_N <= hi):
-            mbarrier.expect(landed.index(w), BLOCK_N * (L + R))
-            for b in gl.static_range(LB):
-                tma.async_copy_global_to_shared(
-                    lat_desc, [first, b * BOX_COLS], landed.index(w), lat_ring.index(w * LB + b)
-                )
-            tma.async_copy_global_to_shared(rope_desc, [first, L], landed.index(w), rope_ring.index(w))
+            _tma_tile(lat_desc, rope_desc, first, lat_ring, rope_ring, landed, w, L, R, BLOCK_N)
         else:
             _gather_tile(kv_ptr, ids, ok, idr, okr, stride_kv, lat_ring, rope_ring, landed, w, L, R)
         async_copy.mbarrier_arrive(landed.index(w), increment_count=False)
@@ -240,7 +303,7 @@ def _row_swizzled(box):
 @gluon.jit
 def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, NR: gl.constexpr, BLOCK_N: gl.constexpr,
-    WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    WRITE_LSE: gl.constexpr, IN_PAGE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: tiles ``t ≡ W (mod 2)`` from ring slot ``t % SLOTS`` (``Sᵀ = K·Qᵀ``
     and ``Oᵀ += Vᵀ·Pᵀ``, both with the fp8 tile widened in registers, and the softmax against a
@@ -249,8 +312,8 @@ def _mma_warpgroup(
     buffers, barriers, output pointers and strides (``outs``) and work item (one tuple for both
     warpgroups)."""
     (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
-        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_rows,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, red_smem, merge_ptr, landed, free,
+        merged, outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, id_limit,
     ) = args  # fmt: skip
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
@@ -259,6 +322,9 @@ def _mma_warpgroup(
     )
     rows_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, NR, rows_layout)
+    # Keys past hi are masked by the row limit, ids outside the cache by the id ring (a global
+    # re-read of the ids here doubled the loop's spills).
+    row_limit = gl.minimum(row_limit, hi)
     # The row's reference max (log2 domain) and per-thread partial row sums.
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=rows_layout)
     s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
@@ -279,8 +345,9 @@ def _mma_warpgroup(
     for t in range(W, n_tiles, 2):
         s = t % SLOTS
         n = t * BLOCK_N + lo + offs_n
-        key_ok = _key_ok(index_base, n, hi, num_rows, PAGE_SIZE)
         mbarrier.wait(landed.index(s), (t // SLOTS) & 1)
+        key_ok = None if IN_PAGE else _ring_key_ok(id_ring.index(s), id_limit, gl.SliceLayout(1, st_layout))
+        limit = _tile_key_limit(id_ring.index(s), row_limit, hi, id_limit, IN_PAGE)
         a = _ring_chunk(lat_ring, s * LB, 0).load(a_layout).to(gl.float16)
         q_0 = q_nope_smem.slice(0, QK_CHUNK, dim=1).permute((1, 0))
         sc = warpgroup_mma(a, q_0, s_zero, use_acc=False, is_async=True)
@@ -293,7 +360,9 @@ def _mma_warpgroup(
         a_r = _paired_k(_row_swizzled(rope_ring.index(s))).load(a_layout).to(gl.float16)
         sc = warpgroup_mma(a_r, q_pe_smem.permute((1, 0)), sc, is_async=True)
         sc, a_r = warpgroup_mma_wait(num_outstanding=0, deps=(sc, a_r))
-        visible = gl.expand_dims(key_ok, 1) & (gl.expand_dims(n, 1) < gl.expand_dims(row_limit, 0))
+        visible = gl.expand_dims(n, 1) < gl.expand_dims(limit, 0)
+        if key_ok is not None:
+            visible = visible & gl.expand_dims(key_ok, 1)
         sc = gl.where(visible, sc * qk_scale, float("-inf"))
         # Each warp's row maxima of this tile into its slot; every warp reads all four after
         # the barrier that publishes P, so the exchange adds no barrier of its own.
@@ -497,6 +566,10 @@ def mla_decode_dual_kernel(
         kv_dtype, [SLOTS * (L // BOX_COLS), BLOCK_N, BOX_COLS], LAT_BOX_LAYOUT
     )
     rope_ring = gl.allocate_shared_memory(kv_dtype, [SLOTS, BLOCK_N, R], ROPE_BOX_LAYOUT)
+    # What the key operand holds for each slot's tile (flat or block ids), for the key check.
+    id_ring = gl.allocate_shared_memory(
+        gl.int32, [SLOTS, BLOCK_N], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    )
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, NR], p_layout)
     red_smem = gl.allocate_shared_memory(
         gl.float32, [2 * 4 * NR], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -529,21 +602,23 @@ def mla_decode_dual_kernel(
         stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
     )  # fmt: skip
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
+    id_limit = _id_limit(num_kv_rows, PAGE_SIZE)
+    IN_PAGE: gl.constexpr = _tile_in_page(MODE, PAGE_SIZE, BLOCK_N)
     mma_args = (
-        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem, red_smem, merge_ptr, landed, free, merged,
-        outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_kv_rows,
+        q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, red_smem, merge_ptr, landed, free,
+        merged, outs, lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, id_limit,
     )  # fmt: skip
     gl.warp_specialize(
         [
             (
                 _loader,
                 (
-                    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, num_kv_rows, stride_kv, lat_ring,
-                    rope_ring, landed, free, L, R, BLOCK_N, PAGE_SIZE,
+                    kv_ptr, lat_desc, rope_desc, index_base, lo, hi, id_limit, stride_kv, lat_ring,
+                    rope_ring, id_ring, landed, free, L, R, BLOCK_N, PAGE_SIZE, IN_PAGE,
                 ),
             ),
-            (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE, PAGE_SIZE)),
-            (_mma_warpgroup, (mma_args, 1, H, L, NR, BLOCK_N, WRITE_LSE, PAGE_SIZE)),
+            (_mma_warpgroup, (mma_args, 0, H, L, NR, BLOCK_N, WRITE_LSE, IN_PAGE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, NR, BLOCK_N, WRITE_LSE, IN_PAGE)),
         ],
         [4, 4],
         [MMA_REGS, MMA_REGS],

@@ -113,11 +113,13 @@ def _scales(sm_scale_log2, kv_scale_ptr, KV_FP8: gl.constexpr):
 def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.constexpr):
     """One tile's step of the online softmax (exp2 domain, fp32). ``sc``: raw scores with the
     keys along ``AXIS`` (1: ``[rows, keys]``; 0: the transposed kernel's ``[keys, rows]``);
-    ``n``: the keys' positions; keys not ``key_ok`` (:func:`_key_ok`) or past a row's causal
-    ``row_limit`` are masked. Returns ``P``, ``alpha`` (the rescale of what came before), the
-    new row max and row sum."""
+    ``n``: the keys' positions; keys not ``key_ok`` (:func:`_ring_key_ok`; ``None``: all) or
+    past a row's ``row_limit`` are masked. Returns ``P``, ``alpha`` (the rescale of what came
+    before), the new row max and row sum."""
     keys = gl.expand_dims(n, 1 - AXIS)
-    visible = gl.expand_dims(key_ok, 1 - AXIS) & (keys < gl.expand_dims(row_limit, AXIS))
+    visible = keys < gl.expand_dims(row_limit, AXIS)
+    if key_ok is not None:
+        visible = visible & gl.expand_dims(key_ok, 1 - AXIS)
     sc = gl.where(visible, sc * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, AXIS))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -146,28 +148,71 @@ def _key_operand(
 
 
 @gluon.jit
-def _token_ids(raw, n, num_rows, PAGE_SIZE: gl.constexpr):
-    """Cache row ids of key positions ``n`` from what the key operand holds for them (``raw``:
-    the flat ids, or with ``PAGE_SIZE > 0`` the block ids ``table[n // PAGE_SIZE]``) and whether each is
-    inside the cache (a block id outside ``[0, num_rows // PAGE_SIZE)``, or a flat id outside
-    ``[0, num_rows)``, is not: such a key is masked, never clamped into another block)."""
-    if PAGE_SIZE > 0:
-        ok = (raw >= 0) & (raw < num_rows // PAGE_SIZE)
-        ids = raw * PAGE_SIZE + n % PAGE_SIZE
+def _id_limit(num_rows, PAGE_SIZE: gl.constexpr):
+    """The bound an id of the key operand is checked against (unsigned, by :func:`_token_ids`
+    and :func:`_ring_key_ok`): the cache's ``num_rows // PAGE_SIZE`` blocks (block table) or
+    ``num_rows`` rows (flat ids). Computed once per program, outside the tile loops."""
+    if PAGE_SIZE > 0:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+        limit = num_rows // PAGE_SIZE
     else:
-        ok = (raw >= 0) & (raw < num_rows)
+        limit = num_rows
+    return limit.to(gl.uint32)
+
+
+@gluon.jit
+def _token_ids(raw, n, id_limit, PAGE_SIZE: gl.constexpr):
+    """Cache row ids (int32) of key positions ``n`` (``>= 0``) from what the key operand holds
+    for them (``raw``: the flat ids, or with ``PAGE_SIZE > 0`` the block ids ``table[n //
+    PAGE_SIZE]``) and whether each is inside the cache: ``0 <= raw < id_limit``
+    (:func:`_id_limit`), one unsigned compare. An id outside it (a block id past the cache, a
+    ``-1``) is masked by the callers, never clamped into another block."""
+    ok = raw.to(gl.uint32, bitcast=True) < id_limit
+    if PAGE_SIZE > 0:
+        if (PAGE_SIZE & (PAGE_SIZE - 1)) == 0:  # noqa: SIM108 (constexpr branch)
+            in_page = n & (PAGE_SIZE - 1)
+        else:
+            in_page = n % PAGE_SIZE
+        ids = raw * PAGE_SIZE + in_page
+    else:
         ids = raw
     return ids, ok
 
 
 @gluon.jit
-def _key_ok(index_base, n, hi, num_rows, PAGE_SIZE: gl.constexpr = 0):
-    """Whether the keys at positions ``n`` count: inside ``[.., hi)`` and with a token id inside
-    the cache (:func:`_token_ids`; an id outside it, e.g. the ``-1`` of a block id past the
-    cache, is masked like a position past ``hi``). Re-reads the ids the loads used (cached)."""
-    step: gl.constexpr = PAGE_SIZE if PAGE_SIZE > 0 else 1
-    raw = gl.load(index_base + n // step, mask=n < hi, other=-1)
-    return _token_ids(raw, n, num_rows, PAGE_SIZE)[1] & (n < hi)
+def _ring_key_ok(ids_slot, id_limit, LAYOUT: gl.constexpr):
+    """Whether each key of a tile has an id inside the cache, from the tile's id-ring slot (in
+    ``LAYOUT``): one shared-memory read and one unsigned compare a key (a global re-read of the
+    ids, a 64-bit address per key, made the MMA loops spill). Keys past ``hi`` are not checked
+    here: the callers take ``min(row_limit, hi)`` as the rows' key limit."""
+    return ids_slot.load(LAYOUT).to(gl.uint32, bitcast=True) < id_limit
+
+
+@gluon.constexpr_function
+def _tile_in_page(mode, page_size, block_n):
+    """Whether every KV tile of a launch lies inside one page of the block table: the
+    non-persistent launches (``MODE`` 0) cut requests at multiples of the tile, so with pages a
+    multiple of the tile each tile is one page's run of rows, and its ids are one block id."""
+    return mode == 0 and page_size > 0 and page_size % block_n == 0
+
+
+@gluon.jit
+def _slot_block(ids_slot):
+    """The first entry of an id-ring slot, as a scalar (one shared-memory read, the same address
+    in every thread): the block id of a tile inside one page (:func:`_tile_in_page`)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.max(ids_slot.slice(0, 1).load(one), 0)
+
+
+@gluon.jit
+def _tile_key_limit(ids_slot, row_limit, hi, id_limit, IN_PAGE: gl.constexpr):
+    """The rows' key limit for a tile's softmax (:func:`_online_softmax`), ``row_limit`` being
+    ``min(row_limit, hi)`` already: a tile inside one page (``IN_PAGE``) is checked once, from
+    its id-ring slot, and a block outside the cache lowers every row's limit to 0. Other tiles
+    check each key's id (``key_ok``: :func:`_ring_key_ok`)."""
+    if IN_PAGE:
+        inside = _slot_block(ids_slot).to(gl.uint32, bitcast=True) < id_limit
+        row_limit = gl.minimum(row_limit, gl.where(inside, hi, 0))
+    return row_limit
 
 
 @gluon.jit
@@ -263,7 +308,7 @@ def _paired_k(x):
 
 @gluon.jit
 def _tile_ids(
-    index_base, lo, hi, t, num_rows, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr = 0
+    index_base, lo, hi, t, id_limit, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr = 0
 ):
     """Cache row ids of tile ``t``'s rows of ``[lo, hi)`` (``ROWS``: the row slice of the copy
     layout) and their validity (``< hi`` and an id inside the cache, :func:`_token_ids`; id 0
@@ -272,7 +317,7 @@ def _tile_ids(
     n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
     step: gl.constexpr = PAGE_SIZE if PAGE_SIZE > 0 else 1
     raw = gl.load(index_base + n // step, mask=n < hi, other=-1)
-    ids, inside = _token_ids(raw, n, num_rows, PAGE_SIZE)
+    ids, inside = _token_ids(raw, n, id_limit, PAGE_SIZE)
     ok = (n < hi) & inside
     return gl.where(ok, ids, 0), ok
 
@@ -304,41 +349,61 @@ def _issue_ids(
 
 
 @gluon.jit
-def _ring_ids(ids_slot, n0, hi, num_rows, BLOCK_N: gl.constexpr, LD: gl.constexpr, PAGE_SIZE: gl.constexpr):
+def _ring_ids(
+    ids_slot, n0, hi, id_limit, BLOCK_N: gl.constexpr, LD: gl.constexpr, PAGE_SIZE: gl.constexpr, page=None
+):  # fmt: skip
     """The int64 cache row ids of a tile's positions ``n0 ..`` from its id-ring slot (in the
-    row slice of copy layout ``LD``) and whether each is loaded (``< hi``, inside the cache)."""
-    raw = ids_slot.load(gl.SliceLayout(1, LD)).to(gl.int64)
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-    tok, inside = _token_ids(raw, n, num_rows, PAGE_SIZE)
-    return tok, (n < hi) & inside
+    row slice of copy layout ``LD``) and whether each is loaded (``< hi``, inside the cache).
+    The id math stays int32 (a row id fits: the cache's rows are counted in int32 ids).
+    ``page``: ``(first row, row limit)`` of a tile inside one page (:func:`_issue_tile`): its
+    rows are consecutive, the id ring is not read per row."""
+    offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    if page is not None:
+        tok = page[0] + offs
+        ok = n0 + offs < page[1]
+    else:
+        n = n0 + offs
+        raw = ids_slot.load(gl.SliceLayout(1, LD))
+        tok, _inside = _token_ids(raw, n, id_limit, PAGE_SIZE)
+        # One unsigned compare a row (the copy's mask stays one predicate, not a select chain):
+        # a position past hi takes the id -1, outside every cache.
+        ok = (raw | ((hi - 1 - n) >> 31)).to(gl.uint32, bitcast=True) < id_limit
+    return tok.to(gl.int64), ok
 
 
 @gluon.jit
 def _issue_tile(
-    kv_ptr, idx_ring, a, lo, hi, num_rows, stride_kv, lat_dst, rope_dst,
+    kv_ptr, idx_ring, a, lo, hi, id_limit, stride_kv, lat_dst, rope_dst,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, scale_ring=None, scale_slot=0, DS_MLA: gl.constexpr = False,
-    PAGE_SIZE: gl.constexpr = 0,
+    PAGE_SIZE: gl.constexpr = 0, IN_PAGE: gl.constexpr = False,
 ):  # fmt: skip
     """cp.async the latent and rope parts of tile ``a``'s cache rows (ids from the id ring;
     rows past ``hi``, and rows whose id is outside the cache, zero-filled and never read).
+    ``IN_PAGE``: the tile lies inside one page (:func:`_tile_in_page`): one block id, read and
+    checked once, and consecutive rows.
     ``DS_MLA``: ``fp8_ds_mla`` rows (``kv_ptr`` an fp8 pointer): the ``L`` fp8 latent bytes, the
     ``L / 128`` float32 tile scales into slot ``scale_slot`` of ``scale_ring`` and the bf16 rope
     after them."""
     ids = idx_ring.index(a % ID_SLOTS)
     n0 = lo + a * BLOCK_N
-    tok_l, ok_l = _ring_ids(ids, n0, hi, num_rows, BLOCK_N, LAT_LD, PAGE_SIZE)
+    page = None
+    if IN_PAGE:
+        blk = _slot_block(ids)
+        inside = blk.to(gl.uint32, bitcast=True) < id_limit
+        page = (blk * PAGE_SIZE + n0 % PAGE_SIZE, gl.where(inside, hi, n0))
+    tok_l, ok_l = _ring_ids(ids, n0, hi, id_limit, BLOCK_N, LAT_LD, PAGE_SIZE, page)
     cols_l = gl.arange(0, L, layout=gl.SliceLayout(0, LAT_LD))
     ptr_l = kv_ptr + tok_l[:, None] * stride_kv + cols_l[None, :]
     async_copy.async_copy_global_to_shared(lat_dst, ptr_l, mask=ok_l[:, None])
-    tok_r, ok_r = _ring_ids(ids, n0, hi, num_rows, BLOCK_N, ROPE_LD, PAGE_SIZE)
+    tok_r, ok_r = _ring_ids(ids, n0, hi, id_limit, BLOCK_N, ROPE_LD, PAGE_SIZE, page)
     cols_r = gl.arange(0, R, layout=gl.SliceLayout(0, ROPE_LD))
     if DS_MLA:
         TILES: gl.constexpr = L // 128
         row_r = (kv_ptr + tok_r * stride_kv + L + 4 * TILES).to(gl.pointer_type(gl.bfloat16))
         ptr_r = row_r[:, None] + cols_r[None, :]
         SCALE_LD: gl.constexpr = gl.BlockedLayout([1, TILES], [32, 1], [gl.num_warps(), 1], [1, 0])
-        tok_s, ok_s = _ring_ids(ids, n0, hi, num_rows, BLOCK_N, SCALE_LD, PAGE_SIZE)
+        tok_s, ok_s = _ring_ids(ids, n0, hi, id_limit, BLOCK_N, SCALE_LD, PAGE_SIZE, page)
         cols_s = gl.arange(0, TILES, layout=gl.SliceLayout(0, SCALE_LD))
         row_s = (kv_ptr + tok_s * stride_kv + L).to(gl.pointer_type(gl.float32))
         ptr_s = row_s[:, None] + cols_s[None, :]
@@ -350,10 +415,10 @@ def _issue_tile(
 
 @gluon.jit
 def _refill_ring(
-    kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
+    kv_ptr, idx_ring, index_base, t, lo, hi, id_limit, stride_kv, lat_ring, rope_ring,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     ID_SLOTS: gl.constexpr, LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
-    scale_ring=None, DS_MLA: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
+    scale_ring=None, DS_MLA: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0, IN_PAGE: gl.constexpr = False,
 ):  # fmt: skip
     """At tile ``t``: wait until every warp is past the MMAs that read the ring slot of tile
     ``t - 1``, then refill that slot with tile ``t + NUM_STAGES - 1`` and fetch the token ids
@@ -361,9 +426,9 @@ def _refill_ring(
     gl.thread_barrier()
     ahead = t + NUM_STAGES - 1
     _issue_tile(
-        kv_ptr, idx_ring, ahead, lo, hi, num_rows, stride_kv,
+        kv_ptr, idx_ring, ahead, lo, hi, id_limit, stride_kv,
         lat_ring.index(ahead % NUM_STAGES), rope_ring.index(ahead % NUM_STAGES),
-        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD, scale_ring, ahead % NUM_STAGES, DS_MLA, PAGE_SIZE,
+        L, R, BLOCK_N, ID_SLOTS, LAT_LD, ROPE_LD, scale_ring, ahead % NUM_STAGES, DS_MLA, PAGE_SIZE, IN_PAGE,
     )  # fmt: skip
     _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, ID_LD, PAGE_SIZE)
     async_copy.commit_group()
@@ -428,18 +493,18 @@ def _mma_operands(
 
 @gluon.jit
 def _take_tile(
-    kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
+    kv_ptr, idx_ring, index_base, t, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, lat_wide, rope_wide,
     NEXT: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, WIDE_STAGES: gl.constexpr, ID_SLOTS: gl.constexpr, KV_FP8: gl.constexpr,
     LAT_LD: gl.constexpr, ROPE_LD: gl.constexpr, ID_LD: gl.constexpr,
-    scale_ring=None, DS_MLA: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0,
+    scale_ring=None, DS_MLA: gl.constexpr = False, PAGE_SIZE: gl.constexpr = 0, IN_PAGE: gl.constexpr = False,
 ):  # fmt: skip
     """At tile ``t``: refill the ring (:func:`_refill_ring`), wait until tile ``t + NEXT`` landed
     and return its MMA operands (:func:`_mma_operands`). ``NEXT`` is 0, or 1 for a loop that
     issues the QKᵀ of the next tile beside the PV of this one."""
     _refill_ring(
-        kv_ptr, idx_ring, index_base, t, lo, hi, num_rows, stride_kv, lat_ring, rope_ring,
-        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD, scale_ring, DS_MLA, PAGE_SIZE,
+        kv_ptr, idx_ring, index_base, t, lo, hi, id_limit, stride_kv, lat_ring, rope_ring,
+        L, R, BLOCK_N, NUM_STAGES, ID_SLOTS, LAT_LD, ROPE_LD, ID_LD, scale_ring, DS_MLA, PAGE_SIZE, IN_PAGE,
     )  # fmt: skip
     async_copy.wait_group(NUM_STAGES - 1 - NEXT)
     return _mma_operands(
@@ -594,6 +659,8 @@ def mla_decode_kernel(
     # brings KV tile a also brings the ids of tile a + NUM_STAGES, so issuing a KV tile never
     # waits on a global load (an id load one tile ahead cost a full memory latency per tile).
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
+    id_limit = _id_limit(num_kv_rows, PAGE_SIZE)
+    IN_PAGE: gl.constexpr = _tile_in_page(MODE, PAGE_SIZE, BLOCK_N)
     for j in gl.static_range(2 * NUM_STAGES - 1):
         _issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld, PAGE_SIZE)
     async_copy.commit_group()
@@ -601,8 +668,8 @@ def mla_decode_kernel(
     gl.thread_barrier()
     for st in gl.static_range(NUM_STAGES - 1):
         _issue_tile(
-            kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA, PAGE_SIZE,
+            kv_ptr, idx_ring, st, lo, hi, id_limit, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA, PAGE_SIZE, IN_PAGE,
         )  # fmt: skip
         async_copy.commit_group()
 
@@ -613,11 +680,15 @@ def mla_decode_kernel(
     )  # fmt: skip
 
     _qi_s, _head_s, _ok_s, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, gl.SliceLayout(1, s_layout))
+    # Keys past hi are masked by the row limit; ids outside the cache by _tile_key_limit (a tile
+    # inside one page) or _ring_key_ok.
+    row_limit = gl.minimum(row_limit, hi)
+    keys: gl.constexpr = gl.SliceLayout(0, s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, L], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=keys)
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     if OVERLAP:
@@ -642,9 +713,12 @@ def mla_decode_kernel(
         acc = warpgroup_mma_init(acc)
         for t in range(n_tiles):
             n = t * BLOCK_N + lo + offs_n
-            key_ok = _key_ok(index_base, n, hi, num_kv_rows, PAGE_SIZE)
+            # (tile t's id slot takes new ids in the _take_tile of tile t + 1)
+            ids_t = idx_ring.index(t % ID_SLOTS)
+            key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, keys)
+            limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
             sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
-            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
+            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             v_cur = lat_wide.index(t % WIDE_STAGES) if KV_FP8 else lat_ring.index(t % NUM_STAGES)
@@ -652,9 +726,9 @@ def mla_decode_kernel(
             # Every warp waited for the MMAs of tile t-1 above, so its ring slot can be refilled;
             # then tile t+1 (zero rows past the last tile: its scores are never used).
             k_lat, k_rope = _take_tile(
-                kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
+                kv_ptr, idx_ring, index_base, t, lo, hi, id_limit, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 1, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
-                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE, IN_PAGE,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
@@ -662,16 +736,18 @@ def mla_decode_kernel(
     else:
         for t in range(n_tiles):
             k_lat, k_rope = _take_tile(
-                kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
+                kv_ptr, idx_ring, index_base, t, lo, hi, id_limit, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, WIDE_STAGES, ID_SLOTS, KV_FP8,
-                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE, IN_PAGE,
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
             n = t * BLOCK_N + lo + offs_n
-            key_ok = _key_ok(index_base, n, hi, num_kv_rows, PAGE_SIZE)
+            ids_t = idx_ring.index(t % ID_SLOTS)
+            key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, keys)
+            limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
+            p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, k_lat, acc, is_async=True)

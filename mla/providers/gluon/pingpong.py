@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
+    _id_limit,
     _key_operand,
     _online_softmax,
     _query_ptrs,
@@ -117,7 +118,7 @@ def _load_chunk(
 
 @gluon.jit
 def _loader(
-    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, id_ring, ready, empty,
+    kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
@@ -130,11 +131,11 @@ def _loader(
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, num_rows, BLOCK_N, rows, PAGE_SIZE)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
     for t in range(n_tiles):
         s = t % NUM_STAGES
         phase = (t // NUM_STAGES) & 1
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, num_rows, BLOCK_N, rows, PAGE_SIZE)
+        nids, nok = _tile_ids(index_base, lo, hi, t + 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
         kv_row = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
         lat, rope = lat_ring.index(s), rope_ring.index(s)
         n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [LOADER_WARPS], [0]))
@@ -470,8 +471,7 @@ def mla_decode_pingpong_kernel(
     gl.thread_barrier()
 
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
-    num_rows = num_kv_rows
-    id_limit = (num_rows // PAGE_SIZE if PAGE_SIZE > 0 else num_rows).to(gl.uint32)
+    id_limit = _id_limit(num_kv_rows, PAGE_SIZE)
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
@@ -485,7 +485,7 @@ def mla_decode_pingpong_kernel(
             (
                 _loader,
                 (
-                    kv_ptr, index_base, lo, hi, num_rows, stride_kv, lat_ring, rope_ring, id_ring,
+                    kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring,
                     ready, empty, L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE,
                 ),
             ),

@@ -45,21 +45,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla.providers.gluon.fold import grid_barrier, merge_output_slice
 from mla.providers.gluon.kernels import (
+    _id_limit,
     _issue_ids,
     _issue_tile,
-    _key_ok,
     _key_operand,
     _kv_copy_layouts,
     _kv_rings,
     _mma_operands,
     _online_softmax,
     _query_to_smem,
+    _ring_key_ok,
     _row_info,
     _row_lse,
     _safe_sum,
     _scale_ring,
     _scales,
     _take_tile,
+    _tile_in_page,
+    _tile_key_limit,
     _work_item,
     _work_range,
 )
@@ -200,6 +203,8 @@ def mla_decode_rows_kernel(
     scale_ring = _scale_ring(NUM_STAGES, BLOCK_N, L) if KV_DS_MLA else None
 
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
+    id_limit = _id_limit(num_kv_rows, PAGE_SIZE)
+    IN_PAGE: gl.constexpr = _tile_in_page(MODE, PAGE_SIZE, BLOCK_N)
     # Per-tensor fp8 refills a slot right after widening its tile, so all NUM_STAGES tiles start
     # in flight. fp8_ds_mla's MMAs read the bf16 rope lanes in the ring slot itself, so its slot
     # is refilled a tile later, as a 16-bit cache's.
@@ -212,8 +217,8 @@ def mla_decode_rows_kernel(
     gl.thread_barrier()
     for st in gl.static_range(AHEAD):
         _issue_tile(
-            kv_ptr, idx_ring, st, lo, hi, num_kv_rows, stride_kv, lat_ring.index(st), rope_ring.index(st),
-            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA, PAGE_SIZE,
+            kv_ptr, idx_ring, st, lo, hi, id_limit, stride_kv, lat_ring.index(st), rope_ring.index(st),
+            L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld, scale_ring, st, KV_DS_MLA, PAGE_SIZE, IN_PAGE,
         )  # fmt: skip
         async_copy.commit_group()
 
@@ -224,6 +229,9 @@ def mla_decode_rows_kernel(
     )  # fmt: skip
 
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
+    # Keys past hi are masked by the row limit; ids outside the cache by _tile_key_limit (a tile
+    # inside one page) or _ring_key_ok.
+    row_limit = gl.minimum(row_limit, hi)
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
     l_i = gl.zeros([NR], gl.float32, layout=gl.SliceLayout(0, st_layout))
     acc = gl.zeros([L, NR], gl.float32, layout=ot_layout)
@@ -232,6 +240,11 @@ def mla_decode_rows_kernel(
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(n_tiles):
+        # Tile t's key check, from its id slot before this iteration's refill can reuse the slot
+        # (with EARLY_REFILL the ids of tile t + ID_SLOTS go there).
+        ids_t = idx_ring.index(t % ID_SLOTS)
+        key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, gl.SliceLayout(1, st_layout))
+        limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
         if EARLY_REFILL:
             # Tile t landed (tiles t+1 .. t+NUM_STAGES-1 still in flight): widen it (the barrier
             # inside also tells that every warp is past the last tile's PV), then refill its slot
@@ -242,25 +255,24 @@ def mla_decode_rows_kernel(
             )
             ahead = t + NUM_STAGES
             _issue_tile(
-                kv_ptr, idx_ring, ahead, lo, hi, num_kv_rows, stride_kv, lat_ring.index(t % NUM_STAGES),
+                kv_ptr, idx_ring, ahead, lo, hi, id_limit, stride_kv, lat_ring.index(t % NUM_STAGES),
                 rope_ring.index(t % NUM_STAGES), L, R, BLOCK_N, ID_SLOTS, lat_ld, rope_ld,
-                scale_ring, t % NUM_STAGES, KV_DS_MLA, PAGE_SIZE,
+                scale_ring, t % NUM_STAGES, KV_DS_MLA, PAGE_SIZE, IN_PAGE,
             )  # fmt: skip
             _issue_ids(index_base, idx_ring, ahead + NUM_STAGES, lo, hi, BLOCK_N, ID_SLOTS, id_ld, PAGE_SIZE)
             async_copy.commit_group()
         else:
             k_lat, k_rope = _take_tile(
-                kv_ptr, idx_ring, index_base, t, lo, hi, num_kv_rows, stride_kv, lat_ring, rope_ring,
+                kv_ptr, idx_ring, index_base, t, lo, hi, id_limit, stride_kv, lat_ring, rope_ring,
                 lat_wide, rope_wide, 0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, KV_DS_MLA,
-                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE,
+                lat_ld, rope_ld, id_ld, scale_ring, KV_DS_MLA, PAGE_SIZE, IN_PAGE,
             )  # fmt: skip
         sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(k_rope, q_pe_smem.permute((1, 0)), sc, is_async=True)
         n = t * BLOCK_N + lo + offs_n
-        key_ok = _key_ok(index_base, n, hi, num_kv_rows, PAGE_SIZE)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
 
-        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 0)
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, limit, qk_scale, 0)
         acc = acc * alpha[None, :]
         p_smem.store(p.to(dtype))
         fence_async_shared()

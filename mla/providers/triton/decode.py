@@ -49,14 +49,15 @@ from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_conf
 def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Flat token ids of KV positions ``n0 + offs_n`` (int32; the row address is widened to
     int64 where it is formed, so no int64 id vector stays live across the pipelined loop): -1 past
-    ``hi`` and for an id
-    outside the cache's ``num_rows`` rows (the fill's -1 mark, or a block past the cache), which
-    the tile loads and the softmax mask: such a key reads no memory and counts for nothing.
+    ``hi``; an id outside the cache's ``num_rows`` rows (the fill's -1 mark, a block past the
+    cache: -1) the tile loads and the softmax mask (:func:`_key_valid`): such a key reads no
+    memory and counts for nothing.
 
     ``PAGE_SIZE > 0``: ``index_base`` is the request's block-table row and position ``n`` is row
     ``block * PAGE_SIZE + n % PAGE_SIZE`` of block ``index_base[n // PAGE_SIZE]`` (the lanes of
     one page load the same id: one block-table read per page run of the tile); a block outside
-    ``[0, num_rows // PAGE_SIZE)`` is masked, never clamped."""
+    ``[0, num_rows // PAGE_SIZE)`` is masked, never clamped. (Tiles inside one page take
+    :func:`_tile_block` instead.)"""
     n = n0 + offs_n
     if PAGE_SIZE >= BLOCK_N and PAGE_SIZE > 0:
         # A tile spans at most two pages: two scalar block-id loads instead of a per-lane load
@@ -66,25 +67,72 @@ def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr
         first = tl.load(index_base + p0, mask=n0 < hi, other=-1)
         second = tl.load(index_base + p0 + 1, mask=(p0 + 1) * PAGE_SIZE < hi, other=-1)
         block = tl.where(n < (p0 + 1) * PAGE_SIZE, first, second)
-        inside = (block >= 0) & (block < num_rows // PAGE_SIZE) & (n < hi)
+        inside = (block.to(tl.uint32, bitcast=True) < num_rows // PAGE_SIZE) & (n < hi)
         return tl.where(inside, block * PAGE_SIZE + n % PAGE_SIZE, -1)
     if PAGE_SIZE > 0:
         block = tl.load(index_base + n // PAGE_SIZE, mask=n < hi, other=-1)
-        inside = (block >= 0) & (block < num_rows // PAGE_SIZE)
+        inside = block.to(tl.uint32, bitcast=True) < num_rows // PAGE_SIZE
         return tl.where(inside, block * PAGE_SIZE + n % PAGE_SIZE, -1)
-    tok = tl.load(index_base + n, mask=n < hi, other=-1)
-    return tl.where((tok >= 0) & (tok < num_rows), tok, -1)
+    # (the callers' unsigned compare with num_rows masks an id outside the cache)
+    return tl.load(index_base + n, mask=n < hi, other=-1)
+
+
+@triton.jit
+def _key_valid(tok, num_rows):
+    """Whether the rows ``tok`` of :func:`_load_tile_ids` are keys: inside ``[0, num_rows)``, one
+    unsigned compare (-1, past ``hi`` or outside the cache, is not)."""
+    return tok.to(tl.uint32, bitcast=True) < num_rows
+
+
+@triton.jit
+def _tile_block(index_base, n0, hi, PAGE_SIZE: tl.constexpr):
+    """The block id of the tile at ``n0`` when every tile lies inside one page (``IN_PAGE``:
+    non-persistent launches cut requests at multiples of the tile, and pages are a multiple of
+    it): one scalar load a tile; -1 for a tile at or past ``hi``."""
+    return tl.load(index_base + n0 // PAGE_SIZE, mask=n0 < hi, other=-1)
+
+
+@triton.jit
+def _tile_keys(handle, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr, IN_PAGE: tl.constexpr):
+    """``(tok, key_hi)`` of the tile at ``n0`` from what the loop carries for it (``handle``):
+    the rows its positions read and the end of its keys. ``IN_PAGE``: ``handle`` is the tile's
+    block id (:func:`_tile_block`), checked once: its rows are consecutive and ``key_hi`` is
+    ``hi``, or ``n0`` (no key) for a block outside the cache. Otherwise ``handle`` is the id
+    vector of :func:`_load_tile_ids` (-1: no key) and ``key_hi`` is ``hi``."""
+    if IN_PAGE:
+        inside = handle.to(tl.uint32, bitcast=True) < num_rows // PAGE_SIZE
+        return handle * PAGE_SIZE + n0 % PAGE_SIZE + offs_n, tl.where(inside, hi, n0)
+    else:  # noqa: RET505 (a constexpr branch; Triton wants one type from both returns otherwise)
+        return handle, hi
+
+
+@triton.jit
+def _tile_ids(
+    index_base, n0, hi, offs_n, num_rows,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IN_PAGE: tl.constexpr,
+):  # fmt: skip
+    """What the loop carries for the tile at ``n0`` (:func:`_tile_keys` reads it): its block id
+    (``IN_PAGE``, :func:`_tile_block`) or its id vector (:func:`_load_tile_ids`)."""
+    if IN_PAGE:
+        return _tile_block(index_base, n0, hi, PAGE_SIZE)
+    else:  # noqa: RET505 (a constexpr branch returning a scalar or a vector)
+        return _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
 
 
 @triton.jit
 def _load_kv_tile(
-    kv_ptr, tok, n0, hi, stride_kv, offs_n, offs_l, offs_r,
+    kv_ptr, tok, n0, key_hi, num_rows, stride_kv, offs_n, offs_l, offs_r,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    IN_PAGE: tl.constexpr = False,
 ):  # fmt: skip
     """The latent ``[BLOCK_N, BLOCK_L]`` and rope ``[BLOCK_N, BLOCK_R]`` parts of the cache rows
-    ``tok`` (rows past ``hi``, ids outside the cache (-1) and padded columns read as 0, never as
-    memory)."""
-    n_ok = (n0 + offs_n < hi) & (tok >= 0)
+    ``tok`` (rows that are no key and padded columns read as 0, never as memory: ``IN_PAGE``,
+    positions from ``key_hi`` on (:func:`_tile_keys`); otherwise ids outside ``[0, num_rows)``,
+    :func:`_key_valid`)."""
+    if IN_PAGE:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+        n_ok = n0 + offs_n < key_hi
+    else:
+        n_ok = _key_valid(tok, num_rows)
     row_ptr = kv_ptr + tok.to(tl.int64)[:, None] * stride_kv
     if BLOCK_L == L:
         k_lat = tl.load(row_ptr + offs_l[None, :], mask=n_ok[:, None], other=0.0)
@@ -99,21 +147,25 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_tile(
-    q_nope, q_pe, k_lat, k_rope, n, tok, row_limit, m_i, l_i, acc, qk_scale,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    q_nope, q_pe, k_lat, k_rope, n, tok, key_hi, num_rows, row_limit, m_i, l_i, acc, qk_scale,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IN_PAGE: tl.constexpr = False,
 ):  # fmt: skip
     """One online-softmax step (exp2 domain) over KV positions ``n``: returns ``m, l, acc``.
 
     V is the same tile as K (its first ``L`` lanes): verify rows of one request share the tile,
     so a non-finite value in a key of the request's own that a row does not see reaches it as
     ``0 * NaN`` in the PV product. Keys outside the request (other requests, the null block,
-    the tail past ``hi``) and ids outside the cache (``tok == -1``) are never loaded (masked
-    loads give 0) and never visible.
+    the tail past ``hi``) and ids outside the cache (:func:`_key_valid`; ``IN_PAGE``: positions
+    from ``key_hi`` on, :func:`_tile_keys`) are never loaded (masked loads give 0) and never
+    visible.
     """
     k_lat = k_lat.to(DOT_DTYPE)
     scores = tl.dot(q_nope, tl.trans(k_lat), input_precision=INPUT_PRECISION)
     scores = tl.dot(q_pe, tl.trans(k_rope.to(DOT_DTYPE)), scores, input_precision=INPUT_PRECISION)
-    visible = (tok >= 0)[None, :] & (n[None, :] < row_limit[:, None])
+    if IN_PAGE:
+        visible = n[None, :] < tl.minimum(row_limit, key_hi)[:, None]
+    else:
+        visible = _key_valid(tok, num_rows)[None, :] & (n[None, :] < row_limit[:, None])
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -245,34 +297,48 @@ def _mla_decode_kernel(
         index_base = kv_indices_ptr + table_row * stride_bt
     else:
         index_base = kv_indices_ptr + kv_start
+    # Non-persistent launches over pages a multiple of the tile: each tile inside one page, its
+    # block id loaded and checked once (the loop carries that scalar, not an id vector).
+    IN_PAGE: tl.constexpr = MODE == 0 and PAGE_SIZE > 0 and PAGE_SIZE % BLOCK_N == 0
     if REG_PIPELINE:
         # Hand-pipelined: the next tile's rows are loaded into registers before this tile is
         # computed (Triton's cp.async pipeliner does not take fp8 tiles that are widened
         # before the dots), and token ids run one tile further ahead.
-        tok = _load_tile_ids(index_base, lo, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
-        tok_next = _load_tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
+        ids = _tile_ids(index_base, lo, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N, IN_PAGE)
+        ids_next = _tile_ids(index_base, lo + BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N, IN_PAGE)
+        tok, key_hi = _tile_keys(ids, lo, hi, offs_n, num_rows, PAGE_SIZE, IN_PAGE)
         k_lat, k_rope = _load_kv_tile(
-            kv_ptr, tok, lo, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
+            kv_ptr, tok, lo, key_hi, num_rows, stride_kv, offs_n, offs_l, offs_r,
+            L, R, BLOCK_L, BLOCK_R, IN_PAGE,
         )  # fmt: skip
         for n0 in range(lo, hi, BLOCK_N):
-            tok_after = _load_tile_ids(index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
-            k_lat_next, k_rope_next = _load_kv_tile(
-                kv_ptr, tok_next, n0 + BLOCK_N, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R
+            ids_after = _tile_ids(
+                index_base, n0 + 2 * BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N, IN_PAGE
             )
-            m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, tok, row_limit, m_i, l_i, acc, qk_scale,
-                DOT_DTYPE, INPUT_PRECISION,
+            tok_next, key_hi_next = _tile_keys(
+                ids_next, n0 + BLOCK_N, hi, offs_n, num_rows, PAGE_SIZE, IN_PAGE
+            )
+            k_lat_next, k_rope_next = _load_kv_tile(
+                kv_ptr, tok_next, n0 + BLOCK_N, key_hi_next, num_rows, stride_kv, offs_n, offs_l, offs_r,
+                L, R, BLOCK_L, BLOCK_R, IN_PAGE,
             )  # fmt: skip
-            k_lat, k_rope, tok, tok_next = k_lat_next, k_rope_next, tok_next, tok_after
+            tok, key_hi = _tile_keys(ids, n0, hi, offs_n, num_rows, PAGE_SIZE, IN_PAGE)
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, tok, key_hi, num_rows, row_limit, m_i, l_i, acc,
+                qk_scale, DOT_DTYPE, INPUT_PRECISION, IN_PAGE,
+            )  # fmt: skip
+            k_lat, k_rope, ids, ids_next = k_lat_next, k_rope_next, ids_next, ids_after
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            tok = _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N)
+            ids = _tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE, BLOCK_N, IN_PAGE)
+            tok, key_hi = _tile_keys(ids, n0, hi, offs_n, num_rows, PAGE_SIZE, IN_PAGE)
             k_lat, k_rope = _load_kv_tile(
-                kv_ptr, tok, n0, hi, stride_kv, offs_n, offs_l, offs_r, L, R, BLOCK_L, BLOCK_R,
+                kv_ptr, tok, n0, key_hi, num_rows, stride_kv, offs_n, offs_l, offs_r,
+                L, R, BLOCK_L, BLOCK_R, IN_PAGE,
             )  # fmt: skip
             m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, tok, row_limit, m_i, l_i, acc, qk_scale,
-                DOT_DTYPE, INPUT_PRECISION,
+                q_nope, q_pe, k_lat, k_rope, n0 + offs_n, tok, key_hi, num_rows, row_limit, m_i, l_i, acc,
+                qk_scale, DOT_DTYPE, INPUT_PRECISION, IN_PAGE,
             )  # fmt: skip
 
     has_keys = l_i != 0.0  # a NaN sum (a key the row sees is NaN) stays NaN
