@@ -26,9 +26,15 @@ partitions (``gl.warp_specialize``), handing tiles over through mbarriers:
   from the bf16 tile and the rope tile (which it releases on ``rope_free`` once done), the
   online softmax (exp2 domain, fp32), then ``Oᵀ += Vᵀ·Pᵀ`` with ``Pᵀ`` through shared memory,
   and releases the bf16 tile on ``wide_free``. With ``OVERLAP`` it issues ``QKᵀ`` of tile
-  ``t + 1`` before waiting for ``PV`` of tile ``t`` (the softmax of ``t + 1`` then runs while
-  the tensor cores finish ``PV``); without it the loop is serial and releases each bf16 tile as
-  soon as its ``PV`` is done (the producer, the heavier side, then never waits for a slot).
+  ``t + 1`` right behind ``PV`` of tile ``t`` (the wait for the next tile and its key ids run
+  while ``PV`` does, both products are in flight together) and releases tile ``t`` once ``PV``
+  is done; without it the loop is serial and releases each bf16 tile as soon as its ``PV`` is
+  done, before it waits for the next (the producer, likely the heavier side, then never waits
+  for a slot the MMA could have freed).
+
+At 16 rows and 8 producer warps the program is 12 warps: the MMA warpgroup runs at 160
+registers a thread, the producer at 168 (the rest of the register file); neither spills
+(``tests/gluon/test_ds_mla_registers.py``).
 
 Shared memory at 16 rows (``RINGS[16]``: 32-row chunks, 3 chunk slots, 3 rope tiles, 2 bf16
 tiles): query 18 KB, bf16 tiles 128 KB, rope tiles 24 KB, fp8 chunks 48 KB + 1.5 KB scales, id
@@ -217,6 +223,9 @@ def _scores(q_nope_smem, q_pe_smem, wide, rope_ring, wide_ready, s_zero, t, WIDE
     """Wait for bf16 tile ``t`` and issue ``Sᵀ = K·Qᵀ`` over its latent and rope parts (two
     asynchronous MMAs)."""
     mbarrier.wait(wide_ready.index(t % WIDE_SLOTS), (t // WIDE_SLOTS) & 1)
+    # (the producer fenced its stores and copies before the arrival; this side's fence orders the
+    # acquire before the MMAs' reads, as the ping-pong kernel's consumers do)
+    fence_async_shared()
     k_lat = wide.index(t % WIDE_SLOTS)
     sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     return warpgroup_mma(rope_ring.index(t % ROPE_SLOTS), q_pe_smem.permute((1, 0)), sc, is_async=True)
