@@ -92,3 +92,19 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
     own = ds_mla_rows.shared_bytes(heads, ds_mla_rows.RINGS[heads])
     assert own <= shared <= min(own + COMPILER_SHARED, MAX_SHARED), (config, shared, own)
+
+
+def test_ring_shapes_fit_and_never_deadlock() -> None:
+    """The launcher's ring shapes fit a block's shared memory and pass ``ring_ok``, which refuses
+    exactly the shapes whose producer would wait for a rope tile the MMA frees only after a tile
+    the producer has yet to widen (found by a model of the two partitions' waits)."""
+    from mla.providers.gluon.ds_mla_rows import RINGS, DsMlaRings, ring_ok, shared_bytes
+
+    for rows, rings in RINGS.items():
+        assert ring_ok(rings), rings
+        assert shared_bytes(rows, rings) + COMPILER_SHARED <= MAX_SHARED, rings
+    for deadlocks in [(16, 6, 2, 2), (32, 4, 2, 2), (64, 3, 2, 2)]:
+        assert not ring_ok(DsMlaRings(*deadlocks)), deadlocks
+    for fine in [(32, 3, 2, 2), (16, 5, 2, 2), (64, 2, 2, 2), (16, 6, 3, 2), (32, 2, 2, 2)]:
+        assert ring_ok(DsMlaRings(*fine)), fine
+    assert not ring_ok(DsMlaRings(48, 3, 3, 2))  # not whole chunks per tile
