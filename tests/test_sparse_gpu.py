@@ -1,6 +1,7 @@
 """The sparse engine path on a GPU: DeepSeek-V3.2's geometry (latent 512 + rope 64, top-k 2048,
 index heads 64 x 128) on the ``triton`` and ``gluon`` providers (skipped without CUDA; Gluon runs
-bf16 and per-tensor fp8 caches on its decode kernels, ``fp8_ds_mla`` and the indexer on Triton's).
+bf16, per-tensor fp8 and ``fp8_ds_mla`` caches on its decode kernels, ``fp8_ds_mla`` rows of 8 and 16
+heads on the kernel of ``mla/providers/gluon/ds_mla_rows.py``, and the indexer on Triton's).
 
 - Engine steps (``builder.build``, ``impl.write_kv``/``write_index_keys``, the sparse decode of
   verify rows of qlen 1 to 4 and the sparse prefill of a long request) with bf16, per-tensor fp8

@@ -37,8 +37,10 @@ SCRIPT = textwrap.dedent(
     def launch(heads, qlens, lens, fp8, config, scheduled=False, table=False):
         tokens = sum(qlens)
         q = torch.zeros(tokens, heads, RANK + ROPE, dtype=torch.bfloat16)
-        cache = torch.zeros(sum(lens) + 64, RANK + ROPE,
-                            dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        # fp8 == "ds_mla": fp8_ds_mla byte rows (656 bytes) as the kernels see them, an e4m3 view.
+        width = 656 if fp8 == "ds_mla" else RANK + ROPE
+        cache = torch.zeros(sum(lens) + 64, width, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        fp8 = fp8 is True
         schedule = None
         if scheduled:
             schedule = SplitKVSchedule.allocate(
@@ -96,6 +98,30 @@ SCRIPT = textwrap.dedent(
             8, [1, 1, 1], [900, 5, 64], True,
             GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DUAL, num_splits=3), False, True
         ),
+        # fp8_ds_mla rows on their own kernel (16 and 32 rows, serial or overlapped MMAs) and on
+        # the few-rows kernel (the old path, named explicitly).
+        "dsmla16-direct": (
+            16, [1, 1], [2048, 70], "ds_mla", GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA)
+        ),
+        "dsmla16-overlap-split3": (
+            8, [1, 1, 1], [900, 5, 64], "ds_mla",
+            GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, num_splits=3, overlap=True)
+        ),
+        "dsmla16-scheduled": (
+            16, [1, 1], [300, 70], "ds_mla", GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA), True
+        ),
+        "dsmla32-split2": (
+            32, [1, 1], [300, 70], "ds_mla",
+            GluonLaunchConfig(row_tile=32, kernel=GluonKernel.DS_MLA, num_splits=2)
+        ),
+        "dsmla32-overlap": (
+            16, [2, 2], [300, 70], "ds_mla",
+            GluonLaunchConfig(row_tile=32, kernel=GluonKernel.DS_MLA, overlap=True)
+        ),
+        "rows16-dsmla-split2": (
+            16, [1, 1], [300, 70], "ds_mla",
+            GluonLaunchConfig(row_tile=16, kernel=GluonKernel.ROWS, num_stages=3, num_splits=2)
+        ),
     }
     def sparse(heads, rows, kv_format):
         q = torch.zeros(rows, heads, RANK + ROPE, dtype=torch.bfloat16)
@@ -110,6 +136,7 @@ SCRIPT = textwrap.dedent(
         GluonProvider().sparse_attention(call)
 
     sparse_cases = {
+        "sparse-dsmla-h8": (8, 4, "ds_mla"),
         "sparse-dsmla-h16": (16, 4, "ds_mla"),
         "sparse-dsmla-h32": (32, 4, "ds_mla"),
         "sparse-dsmla-h128": (128, 16, "ds_mla"),
@@ -140,6 +167,7 @@ def launches() -> dict[str, list[list[object]]]:
 
 DECODE_ROWS, DECODE_64, MERGE = "mla_decode_rows_kernel", "mla_decode_kernel", "_merge_splits_kernel"
 DUAL = "mla_decode_dual_kernel"
+DS_MLA = "mla_decode_ds_mla_kernel"
 
 
 @pytest.mark.parametrize(
@@ -167,10 +195,18 @@ DUAL = "mla_decode_dual_kernel"
         ("table-row64-fp8-direct", [DECODE_64]),
         ("table-pingpong-bf16", ["mla_decode_pingpong_kernel"]),
         ("table-dual-fp8-split3", [DUAL, MERGE]),
+        ("dsmla16-direct", [DS_MLA]),
+        ("dsmla16-overlap-split3", [DS_MLA, MERGE]),
+        ("dsmla16-scheduled", [DS_MLA, MERGE]),
+        ("dsmla32-split2", [DS_MLA, MERGE]),
+        ("dsmla32-overlap", [DS_MLA]),
+        ("rows16-dsmla-split2", [DECODE_ROWS, MERGE]),
         # Sparse attention: each query row a qlen-1 request over its 2048 slots; fp8_ds_mla rows
-        # dequantized by their tile scales in the few-rows (16, 32 rows) or 64-row kernel. 4 rows
-        # on the 8 SMs the CPU reports split their slot lists in two.
-        ("sparse-dsmla-h16", [DECODE_ROWS, MERGE]),
+        # dequantized by their tile scales in the fp8_ds_mla kernel (16 rows), the few-rows
+        # kernel (32) or the 64-row kernel. 4 rows on the 8 SMs the CPU reports split their slot
+        # lists in two.
+        ("sparse-dsmla-h8", [DS_MLA, MERGE]),
+        ("sparse-dsmla-h16", [DS_MLA, MERGE]),
         ("sparse-dsmla-h32", [DECODE_ROWS, MERGE]),
         ("sparse-dsmla-h128", [DECODE_64]),
         ("sparse-bf16-h16", [DECODE_ROWS, MERGE]),
@@ -193,6 +229,12 @@ def test_decode_grids_are_work_items_times_row_blocks(launches: dict[str, list[l
     assert launches["row64-fp8-split2"][0][1] == [2 * 2 * 2, 1, 1]
     assert launches["dual-fp8-split3"][0][1] == [3 * 3, 1, 1]
     assert launches["few16-bf16-fold4"][0][1] == [2 * 4, 1, 1]
+    assert launches["dsmla16-direct"][0][1] == [2, 1, 1]
+    assert launches["dsmla16-overlap-split3"][0][1] == [3 * 3, 1, 1]
+    # 32 heads x qlen 1 in one 32-row block; 16 heads x qlen 2 too.
+    assert launches["dsmla32-split2"][0][1] == [2 * 2, 1, 1]
+    assert launches["dsmla32-overlap"][0][1] == [2, 1, 1]
+    assert launches["sparse-dsmla-h16"][0][1] == [4 * 2, 1, 1]
 
 
 def test_tma_boxes_cover_the_cache_rows() -> None:

@@ -79,12 +79,72 @@ def test_launch_config_examples() -> None:
     assert _cfg(batch=64, rows=32, max_seqlen_k=4096, kv_fp8=True).kernel is GluonKernel.ROWS
     # Persistent launches take their splits from the schedule.
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
-    # fp8_ds_mla rows: never the dual-chain kernel; 16-row tiles with a deeper ring.
+    # fp8_ds_mla rows: never the dual-chain kernel; 16-row tiles on the fp8_ds_mla kernel (the
+    # sparse attention's H16: one query row's 16 heads a program, its own rings), 32 on the
+    # few-rows kernel, 64 on the 64-row kernel.
     ds16 = _cfg(batch=64, rows=16, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
-    assert (ds16.kernel, ds16.num_stages) == (GluonKernel.ROWS, DS_MLA_STAGES)
+    assert ds16 == GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, num_splits=2)
     ds32 = _cfg(batch=64, rows=32, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
     assert (ds32.kernel, ds32.num_stages) == (GluonKernel.ROWS, 2)
     assert _cfg(batch=64, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True).kernel is GluonKernel.ROW64
+    # The sparse benchmark's H16 B128 q2 (256 rows of 2048 slots): one split, written directly.
+    assert _cfg(batch=256, rows=16, max_seqlen_k=2048, kv_fp8=True, ds_mla=True).num_splits == 1
+
+
+@given(st.integers(1, 512), st.integers(1, 256), st.integers(1, 1 << 15), st.integers(1, 264), st.booleans())
+def test_ds_mla_launches_are_taken_by_their_kernels(
+    batch: int, rows: int, max_seqlen_k: int, sms: int, persistent: bool
+) -> None:
+    config = launch_config(
+        batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=persistent,
+        kv_fp8=True, ds_mla=True,
+    )  # fmt: skip
+    check_config(config, kv_fp8=True, ds_mla=True)
+    assert RULES[config.kernel].ds_mla
+    assert (config.kernel is GluonKernel.DS_MLA) == (config.row_tile == 16)
+    # Tiles and splits are those of a per-tensor fp8 cache: only the kernel differs.
+    plain = launch_config(
+        batch=batch, rows=rows, max_seqlen_k=max_seqlen_k, num_sms=sms, persistent=persistent, kv_fp8=True
+    )
+    assert attrs.evolve(plain, kernel=config.kernel) == config
+
+
+def test_the_old_ds_mla_path_stays_selectable() -> None:
+    """The few-rows kernel still takes 16-row fp8_ds_mla tiles when a launch names it (the
+    benchmarks compare it with the fp8_ds_mla kernel), at the ring depth it measured best."""
+    old = GluonLaunchConfig(row_tile=16, kernel=GluonKernel.ROWS, num_stages=DS_MLA_STAGES)
+    check_config(old, kv_fp8=True, ds_mla=True)
+    for tile in (16, 32):
+        for overlap in (False, True):
+            config = GluonLaunchConfig(
+                row_tile=tile, kernel=GluonKernel.DS_MLA, overlap=overlap, num_splits=3
+            )
+            check_config(config, kv_fp8=True, ds_mla=True)
+
+
+@pytest.mark.parametrize(
+    ("config", "fp8", "why"),
+    [
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA), False, "16-bit rows"),
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA), True, "per-tensor fp8 rows"),
+        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA), True, "row_tile=64"),
+        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, block_n=32), True, "block_n=32"),
+        (
+            GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, num_splits=2, fold=True),
+            True,
+            "fold=True",
+        ),
+    ],
+    ids=["bf16", "per-tensor-fp8", "64-rows", "block32", "fold"],
+)
+def test_check_config_refuses_what_the_ds_mla_kernel_cannot_run(
+    config: GluonLaunchConfig, fp8: bool, why: str
+) -> None:
+    ds_mla = fp8 and why != "per-tensor fp8 rows"
+    with pytest.raises(InvalidInputError, match="config") as caught:
+        check_config(config, kv_fp8=fp8, ds_mla=ds_mla)
+    assert why in str(caught.value)
+    assert "kernel=ds_mla" in str(caught.value)
 
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
@@ -225,10 +285,18 @@ def test_the_kernel_table_has_one_row_and_one_pick_per_case() -> None:
     with pytest.raises(InvalidInputError, match="row_tile"):
         pick_kernel(48, kv_fp8=False)
     for tile in tiles:
-        # fp8_ds_mla rows: a kernel that reads them for every tile, and only such a kernel.
+        # fp8_ds_mla rows: one kernel picked for every tile, one that reads them with that tile.
+        pickers = [rule.kernel for rule in KERNEL_TABLE if tile in rule.ds_mla_picked_for]
+        assert len(pickers) == 1, (tile, pickers)
         kernel = pick_kernel(tile, kv_fp8=True, ds_mla=True)
+        assert kernel is pickers[0]
         assert RULES[kernel].ds_mla
         check_config(GluonLaunchConfig(row_tile=tile, kernel=kernel), kv_fp8=True, ds_mla=True)
+    for rule in KERNEL_TABLE:
+        assert not rule.ds_mla_picked_for or rule.ds_mla, rule
+        assert set(rule.ds_mla_picked_for) <= set(rule.fp8_tiles), rule
+        # A kernel that reads fp8_ds_mla rows only is never picked for other rows.
+        assert not (rule.ds_mla_only and (rule.tiles or rule.picked_for)), rule
 
 
 @pytest.mark.parametrize("kernel", [k for k in GluonKernel if not RULES[k].ds_mla], ids=lambda k: k.value)

@@ -27,6 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla.core.config import ds_mla_row_bytes
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall, SparseAttentionCall
+from mla.providers.gluon import ds_mla_rows
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.fold import barrier_words, fold_slice
@@ -136,11 +137,26 @@ def _launch_dual(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     return False
 
 
+def _launch_ds_mla(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
+    """The ``fp8_ds_mla`` few-rows kernel (16 or 32 rows): its ring shapes, producer warps and
+    MMA registers are :mod:`.ds_mla_rows`'s module settings, read at each launch."""
+    rings = ds_mla_rows.RINGS[config.row_tile]
+    regs = ds_mla_rows.MMA_REGS if config.row_tile == 16 else ds_mla_rows.MMA_REGS_32
+    ds_mla_rows.mla_decode_ds_mla_kernel[decode.grid](
+        *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
+        **_constexprs(decode, config), NR=config.row_tile, CHUNK=rings.chunk, FP8_SLOTS=rings.fp8_slots,
+        ROPE_SLOTS=rings.rope_slots, WIDE_SLOTS=rings.wide_slots, MMA_REGS=regs, OVERLAP=config.overlap,
+        num_warps=ds_mla_rows.PRODUCER_WARPS,
+    )  # fmt: skip
+    return False
+
+
 LAUNCHERS: dict[GluonKernel, Callable[[DecodeLaunch, GluonLaunchConfig], bool]] = {
     GluonKernel.ROWS: _launch_rows,
     GluonKernel.ROW64: _launch_row64,
     GluonKernel.PINGPONG: _launch_pingpong,
     GluonKernel.DUAL: _launch_dual,
+    GluonKernel.DS_MLA: _launch_ds_mla,
 }
 """How each kernel of :data:`~mla.providers.gluon.planner.KERNEL_TABLE` is launched: its own
 operands around the shared ones of the :class:`~mla.providers.triton.decode_launch.DecodeLaunch`

@@ -3,12 +3,14 @@
 Up to :data:`FEW_ROWS_MAX` packed rows (heads × qlen) run on the transposed few-rows kernel
 (:mod:`.transposed`, 16- or 32-row tiles on one warpgroup; 16 rows of an fp8 cache on the
 dual-chain kernel of :mod:`.dual`, a loader warpgroup and two MMA warpgroups taking alternate
-tiles), more in 64-row tiles: on the ping-pong kernel (:mod:`.pingpong`, a loader warpgroup and
-two MMA warpgroups taking alternate KV tiles) for 16-bit caches, on the 64-row kernel
-(:mod:`.kernels`, 8 warps) for fp8 caches. Each fills the shared memory of an SM (the 64-row
-kernel: query tile 72 KB, a two-stage ring of 64-token bf16 KV tiles 144 KB, the token-id ring;
-221 KB in all; the ping-pong kernel 231 KB; the dual-chain kernel 171 KB; the few-rows kernel
-165–222 KB), so one program is resident per SM (compiler report for sm_90,
+tiles; 16 rows of ``fp8_ds_mla`` rows on the kernel of :mod:`.ds_mla_rows`, a producer that
+gathers and dequantizes beside one MMA warpgroup), more in 64-row tiles: on the ping-pong
+kernel (:mod:`.pingpong`, a loader warpgroup and two MMA warpgroups taking alternate KV tiles)
+for 16-bit caches, on the 64-row kernel (:mod:`.kernels`, 8 warps) for fp8 caches. Each fills
+the shared memory of an SM (the 64-row kernel: query tile 72 KB, a two-stage ring of 64-token
+bf16 KV tiles 144 KB, the token-id ring; 221 KB in all; the ping-pong kernel 231 KB; the
+dual-chain kernel 171 KB; the few-rows kernel 165–222 KB; the ``fp8_ds_mla`` kernel 223–226
+KB), so one program is resident per SM (compiler report for sm_90,
 ``probes/gluon_compile.py``). A wave is ``num_sms`` programs, and rows above the tile run
 as ``ceil(rows / row_tile)`` row blocks over the same KV range (adjacent programs, so
 the second read of a tile hits L2).
@@ -72,11 +74,11 @@ SUPPORTED_LATENT = 512
 SUPPORTED_ROPE = 64
 """The only rope width the kernel is built for."""
 DS_MLA_STAGES = 3
-"""Ring depth of the few-rows kernel on 16-row tiles of ``fp8_ds_mla`` rows (two tiles in
-flight: its ring slot holds the bf16 rope lanes the MMAs read, so it is refilled a tile later
-than a per-tensor fp8 slot; 32-row tiles fit two stages only)."""
-DS_MLA_DEEP_TILE = 16
-"""The row tile that runs :data:`DS_MLA_STAGES` stages on ``fp8_ds_mla`` rows."""
+"""Ring depth of the few-rows kernel (:attr:`GluonKernel.ROWS`) on 16-row tiles of
+``fp8_ds_mla`` rows, the fastest it measured (two tiles in flight: its ring slot holds the bf16
+rope lanes the MMAs read, so it is refilled a tile later than a per-tensor fp8 slot; 32-row
+tiles fit two stages only). :func:`launch_config` gives 16-row tiles of those rows to
+:attr:`GluonKernel.DS_MLA`; a launch that names the few-rows kernel sets this itself."""
 
 
 class GluonKernel(enum.Enum):
@@ -92,6 +94,9 @@ class GluonKernel(enum.Enum):
     DUAL = "dual"
     """The dual-chain fp8 kernel of :mod:`.dual` (a loader warpgroup, two MMA warpgroups taking
     alternate tiles, each widening its own, merged at the end)."""
+    DS_MLA = "ds_mla"
+    """The ``fp8_ds_mla`` few-rows kernel of :mod:`.ds_mla_rows` (a producer partition that
+    gathers and dequantizes the rows into bf16 tiles, one MMA warpgroup)."""
 
 
 @attrs.frozen
@@ -123,9 +128,13 @@ class KernelRule:
     ds_mla: bool = False
     """Whether it reads ``fp8_ds_mla`` rows (its fp8 row tiles, each 128-wide latent tile
     dequantized by its scale; the sparse attention's cache format)."""
+    ds_mla_only: bool = False
+    """Whether ``fp8_ds_mla`` rows are all it reads (no 16-bit, no per-tensor fp8 cache)."""
     picked_for: tuple[tuple[int, bool], ...] = ()
     """The ``(row tile, fp8 cache)`` launches :func:`launch_config` gives it (each one measured
     fastest there: ``docs/performance.md``, "Kernel choices")."""
+    ds_mla_picked_for: tuple[int, ...] = ()
+    """The row tiles of ``fp8_ds_mla`` rows :func:`launch_config` gives it."""
 
     def tiles_for(self, kv_fp8: bool) -> tuple[int, ...]:
         """The row tiles it takes on an fp8 (``kv_fp8``) or a 16-bit cache."""
@@ -135,13 +144,16 @@ class KernelRule:
 KERNEL_TABLE: tuple[KernelRule, ...] = (
     # 64 rows of fp8 do not fit: the fp8 ring and the widened tile beside a 512 x 64 Oᵀ.
     KernelRule(GluonKernel.ROWS, "transposed few-rows", (16, 32, BLOCK_M), (16, 32), fold=True,
-               ds_mla=True, picked_for=((16, False), (32, False), (32, True))),
+               ds_mla=True, picked_for=((16, False), (32, False), (32, True)), ds_mla_picked_for=(32,)),
     KernelRule(GluonKernel.ROW64, "64-row", (BLOCK_M,), (BLOCK_M,), block_n=None, overlap=True,
-               ds_mla=True, picked_for=((BLOCK_M, True),)),
+               ds_mla=True, picked_for=((BLOCK_M, True),), ds_mla_picked_for=(BLOCK_M,)),
     KernelRule(GluonKernel.PINGPONG, "ping-pong", (BLOCK_M,), (), num_stages=2,
                picked_for=((BLOCK_M, False),)),
     # num_stages is unused: the kernel has its own fp8 ring.
     KernelRule(GluonKernel.DUAL, "dual-chain", (), (16,), picked_for=((16, True),)),
+    # num_stages is unused: the kernel has its own rings (ds_mla_rows.RINGS).
+    KernelRule(GluonKernel.DS_MLA, "fp8_ds_mla few-rows", (), (16, 32), overlap=True, ds_mla=True,
+               ds_mla_only=True, ds_mla_picked_for=(16,)),
 )  # fmt: skip
 """The Gluon decode kernels: what each takes and where the launch heuristic picks it. A new
 kernel is a row here, a :class:`GluonKernel` member and a launcher in
@@ -153,12 +165,12 @@ RULES: dict[GluonKernel, KernelRule] = {rule.kernel: rule for rule in KERNEL_TAB
 
 def pick_kernel(row_tile: int, *, kv_fp8: bool, ds_mla: bool = False) -> GluonKernel:
     """The kernel :data:`KERNEL_TABLE` picks for tiles of ``row_tile`` rows of an fp8
-    (``kv_fp8``) or a 16-bit cache; exactly one row claims each tile :func:`few_rows_tile`
-    gives (a test checks it). ``fp8_ds_mla`` rows (``ds_mla``) go to the first kernel that reads
-    them with that fp8 tile. :class:`InvalidInputError` naming ``row_tile`` when none does."""
+    (``kv_fp8``) or a 16-bit cache, or of ``fp8_ds_mla`` rows (``ds_mla``: the rule whose
+    ``ds_mla_picked_for`` names the tile); exactly one row claims each tile :func:`few_rows_tile`
+    gives (a test checks it). :class:`InvalidInputError` naming ``row_tile`` when none does."""
     for rule in KERNEL_TABLE:
         if ds_mla:
-            if rule.ds_mla and row_tile in rule.fp8_tiles:
+            if row_tile in rule.ds_mla_picked_for:
                 return rule.kernel
         elif (row_tile, kv_fp8) in rule.picked_for:
             return rule.kernel
@@ -187,14 +199,15 @@ class GluonLaunchConfig:
     num_splits: int = 1
     """Non-persistent mode: KV splits per request (1 writes the output directly)."""
     overlap: bool = False
-    """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); needs ``num_stages >= 3``."""
+    """Software-pipeline the MMAs (PV of tile t with QKᵀ of tile t+1); the 64-row kernel needs
+    ``num_stages >= 3`` for it, the ``fp8_ds_mla`` kernel (:attr:`GluonKernel.DS_MLA`) nothing."""
     row_tile: int = BLOCK_M
     """Packed query rows per program: 16, 32 or 64."""
     kernel: GluonKernel = attrs.field(default=attrs.Factory(_default_kernel, takes_self=True))
     """The kernel that runs the launch (:data:`KERNEL_TABLE`). Default: the few-rows kernel for
     tiles below 64 rows, the 64-row kernel for 64 (:func:`launch_config` picks from the table:
     the ping-pong kernel for 64-row tiles of a 16-bit cache, the dual-chain kernel for 16-row
-    tiles of an fp8 cache)."""
+    tiles of an fp8 cache, :attr:`GluonKernel.DS_MLA` for 16-row tiles of ``fp8_ds_mla`` rows)."""
     fold: bool = False
     """Fold the split reduce into the few-rows kernel (:mod:`.fold`: a cooperative launch, a
     grid barrier, then each split's program merges ``1 / num_splits`` of its row block's output)
@@ -250,13 +263,11 @@ def launch_config(
     cache on the 64-row kernel; 16-row tiles of an fp8 cache on the dual-chain kernel; the
     others on the few-rows kernel). Tiles and splits are the same for 16-bit and fp8 caches.
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
-    ``fp8_ds_mla`` rows (``ds_mla``, an fp8 cache) run on the few-rows kernel (16-row tiles with
-    :data:`DS_MLA_STAGES` ring stages) or the 64-row kernel.
+    ``fp8_ds_mla`` rows (``ds_mla``, an fp8 cache) run on the kernel of :mod:`.ds_mla_rows` (16-row
+    tiles), the few-rows kernel (32) or the 64-row kernel.
     """
     row_tile = few_rows_tile(rows)
     tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8, ds_mla=ds_mla))
-    if ds_mla and tile.kernel == GluonKernel.ROWS and row_tile == DS_MLA_DEEP_TILE:
-        tile = attrs.evolve(tile, num_stages=DS_MLA_STAGES)
     if persistent:
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
@@ -268,7 +279,8 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool, ds_mla: bool = Fals
     """Raise :class:`InvalidInputError` (argument ``config``) for a launch its kernel cannot
     run, by the kernel's row of :data:`KERNEL_TABLE`: a row tile it takes on this cache, the KV
     tile and ring depth it is built for, overlap and a folded reduce only where it has them (the
-    launch checks a fold's grid). The message names every mismatch and the kernels that take
+    launch checks a fold's grid), ``fp8_ds_mla`` rows only where it reads them, other rows only
+    where it reads more than those. The message names every mismatch and the kernels that take
     the row tile on this cache."""
     rule = RULES[config.kernel]
     cache = "an fp8 cache" if kv_fp8 else "a 16-bit cache"
@@ -286,6 +298,8 @@ def check_config(config: GluonLaunchConfig, *, kv_fp8: bool, ds_mla: bool = Fals
         wrong.append("fold=True (it does not fold the split reduce)")
     if ds_mla and not rule.ds_mla:
         wrong.append("fp8_ds_mla rows (it reads per-tensor fp8 or 16-bit rows only)")
+    if rule.ds_mla_only and not ds_mla:
+        wrong.append(f"{'per-tensor fp8' if kv_fp8 else '16-bit'} rows (it reads fp8_ds_mla rows only)")
     if wrong:
         others = [r.kernel.value for r in KERNEL_TABLE if config.row_tile in r.tiles_for(kv_fp8)]
         raise InvalidInputError(

@@ -1,0 +1,110 @@
+"""The ``fp8_ds_mla`` kernel's registers, spills and shared memory, from Triton's sm_90 compile on
+the CPU.
+
+:mod:`mla.providers.gluon.ds_mla_rows` splits a program into a producer partition (gathers and
+dequantizes) and one MMA warpgroup, each at a register budget set with ``setmaxnreg``. This test
+compiles the launches the planner picks for the sparse attention's 16 heads (and the 32-row and
+overlapped variants a launch may name) for sm_90 without a GPU (:mod:`mla.testing.triton_driver`)
+and reads the cubin with the ``cuobjdump`` Triton ships: no stack (no spills in either
+partition), the MMA warpgroup's ``setmaxnreg`` budget in the SASS, and the shared memory within
+the 227 KB a block gets, close to what :func:`~mla.providers.gluon.ds_mla_rows.shared_bytes`
+counts.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import subprocess
+import textwrap
+
+import pytest
+from sm90_compile import run_without_interpreter
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+MAX_SHARED = 232448
+"""Shared memory an H100/H200 block may take (227 KB)."""
+COMPILER_SHARED = 1024
+"""Bytes the compiler may add to the kernel's own buffers (its reduction scratch and the
+partitions' state)."""
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, attrs, torch
+    from mla.providers.calls import SparseAttentionCall
+    from mla.providers.gluon.decode import sparse_decode
+    from mla.providers.gluon.planner import GluonKernel, launch_config
+    from mla.testing.triton_driver import stand_in_driver
+
+    RANK, ROPE = 512, 64
+    heads, overlap = int(sys.argv[1]), sys.argv[2] == "overlap"
+    rows = 256  # the sparse benchmark's B128 q2: one qlen-1 request per row
+    config = launch_config(
+        batch=rows, rows=heads, max_seqlen_k=2048, num_sms=132, persistent=False, kv_fp8=True,
+        ds_mla=True)
+    config = attrs.evolve(config, kernel=GluonKernel.DS_MLA, overlap=overlap)
+    call = SparseAttentionCall(
+        q=torch.zeros(rows, heads, RANK + ROPE, dtype=torch.bfloat16),
+        kv_cache=torch.zeros(4096, 656, dtype=torch.uint8),
+        slots=torch.zeros(rows, 2048, dtype=torch.int32),
+        out=torch.zeros(rows, heads, RANK, dtype=torch.bfloat16), lse=torch.zeros(rows, heads),
+        kv_lora_rank=RANK, rope_dim=ROPE, softmax_scale=0.07, kv_scale=None)
+    with stand_in_driver(compile_kernels=True):
+        sparse_decode(call, config=config)
+    print(config)
+    """
+)
+
+
+def _tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        pytest.skip(f"this Triton build ships no {name}")
+    return path
+
+
+@pytest.mark.parametrize(("heads", "overlap"), [(16, False), (16, True), (32, True)])
+def test_ds_mla_kernel_has_no_spills_and_fits(
+    heads: int, overlap: bool, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mla.providers.gluon import ds_mla_rows
+
+    cuobjdump = _tool("cuobjdump")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    args = ["-c", SCRIPT, str(heads), "overlap" if overlap else "serial"]
+    config = run_without_interpreter(args).strip().splitlines()[-1]
+    (cubin,) = glob.glob(f"{tmp_path}/*/mla_decode_ds_mla_kernel.cubin")
+    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
+    stack = re.search(r"STACK:(\d+)", usage.stdout)
+    assert stack is not None, usage.stdout
+    assert int(stack.group(1)) == 0, f"{config}: {usage.stdout.strip()}"
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    assert "LDL" not in sass, config
+    assert "STL" not in sass, config
+    regs = ds_mla_rows.MMA_REGS if heads == 16 else ds_mla_rows.MMA_REGS_32
+    # The MMA warpgroup asks for its budget (the producer gets the rest of the register file).
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {regs:#x}\b", sass), config
+    shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
+    own = ds_mla_rows.shared_bytes(heads, ds_mla_rows.RINGS[heads])
+    assert own <= shared <= min(own + COMPILER_SHARED, MAX_SHARED), (config, shared, own)
+
+
+def test_ring_shapes_fit_and_never_deadlock() -> None:
+    """The launcher's ring shapes fit a block's shared memory and pass ``ring_ok``, which refuses
+    exactly the shapes whose producer would wait for a rope tile the MMA frees only after a tile
+    the producer has yet to widen (found by a model of the two partitions' waits)."""
+    from mla.providers.gluon.ds_mla_rows import RINGS, DsMlaRings, ring_ok, shared_bytes
+
+    for rows, rings in RINGS.items():
+        assert ring_ok(rings), rings
+        assert shared_bytes(rows, rings) + COMPILER_SHARED <= MAX_SHARED, rings
+    for deadlocks in [(16, 6, 2, 2), (32, 4, 2, 2), (64, 3, 2, 2)]:
+        assert not ring_ok(DsMlaRings(*deadlocks)), deadlocks
+    for fine in [(32, 3, 2, 2), (16, 5, 2, 2), (64, 2, 2, 2), (16, 6, 3, 2), (32, 2, 2, 2)]:
+        assert ring_ok(DsMlaRings(*fine)), fine
+    assert not ring_ok(DsMlaRings(48, 3, 3, 2))  # not whole chunks per tile

@@ -1,0 +1,183 @@
+"""The ``fp8_ds_mla`` sparse attention on the Gluon kernels, on an H100/H200, against the torch
+reference: the warp-specialised kernel of :mod:`mla.providers.gluon.ds_mla_rows` in every launch
+variant, and the few-rows kernel it replaced for 16-row tiles (still selectable).
+
+Each query row attends its own top-k list of cache rows (top-k 2048, DeepSeek-V3.2's), as a
+qlen-1 decode over it. The lists mix every case the kernels must mask: full lists, lists with
+fewer valid ids than the top-k (``-1`` pads scattered between them), ids outside the cache (past
+its last row: masked like a pad, never read), and lists with no valid id (``o = 0``, ``lse =
+-inf``). Cache rows no list selects are NaN (NaN tile scales and rope), the outputs NaN before
+each call; the latent tiles of a row have different scales (magnitudes ``2^-3 .. 2^3``). Batches
+of 1 and 128 requests, qlen 1 and 2 (rows = requests × qlen), 8, 16 and 32 heads; the launch
+heuristic's split count (one split at 256 rows: the outputs written directly; many at one row),
+three splits, one split, overlapped MMAs, the planned schedule.
+
+Run: ``pytest -m gpu tests/gluon/test_gpu_sparse_ds_mla.py`` (skipped without a Hopper GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+
+from mla.core.config import DS_MLA_DTYPE
+from mla.providers import get_provider
+from mla.providers.calls import SparseAttentionCall
+from mla.testing import assert_matches_reference, encode_latent_cache
+
+pytestmark = pytest.mark.gpu
+
+RANK, ROPE, TOPK = 512, 64, 2048
+SCALE = (RANK + ROPE) ** -0.5
+ROW_TOLERANCE = 3e-2
+"""Largest relative error of one row's output (the whole output: :func:`assert_matches_reference`)."""
+KINDS = ("full", "short", "outside", "empty")
+"""What a row's list holds (:func:`_selection`)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper() -> None:
+    support = get_provider("gluon").availability()
+    if not support:
+        pytest.skip(f"the gluon provider is unavailable here: {support}")
+
+
+def _selection(rows: int, cache_rows: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 ``[rows, TOPK]``: row ``t`` of kind ``KINDS[t % 4]`` (one row alone: ``outside``):
+    ``full`` holds TOPK distinct ids; ``short`` between 1 and TOPK - 1 ids scattered over the
+    columns, ``-1`` elsewhere; ``outside`` as ``short`` with some ids past the cache's last row;
+    ``empty`` only ``-1``."""
+    out = torch.full((rows, TOPK), -1, dtype=torch.int32)
+    for t in range(rows):
+        kind = "outside" if rows == 1 else KINDS[t % len(KINDS)]
+        if kind == "empty":
+            continue
+        count = TOPK if kind == "full" else int(torch.randint(1, TOPK, (1,), generator=gen))
+        ids = torch.randperm(cache_rows, generator=gen)[:count].to(torch.int32)
+        if kind == "outside":
+            far = torch.randint(0, 5000, (max(1, count // 8),), generator=gen, dtype=torch.int32)
+            ids[: far.numel()] = cache_rows + far
+        out[t, torch.randperm(TOPK, generator=gen)[:count]] = ids
+    return out
+
+
+def _call(batch: int, qlen: int, heads: int, seed: int) -> SparseAttentionCall:
+    """A sparse attention call of ``batch × qlen`` rows on an ``fp8_ds_mla`` cache (NaN rows where
+    no list selects), NaN-poisoned outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = batch * qlen
+    cache_rows = 3 * TOPK
+    values = torch.randn(cache_rows, RANK + ROPE, generator=gen)
+    magnitude = 2.0 ** torch.randint(-3, 4, (cache_rows, RANK // 128), generator=gen).float()
+    values[:, :RANK] *= magnitude.repeat_interleave(128, dim=1)
+    slots = _selection(rows, cache_rows, gen)
+    used = torch.zeros(cache_rows, dtype=torch.bool)
+    picked = slots[(slots >= 0) & (slots < cache_rows)].long()
+    used[picked] = True
+    values[~used] = math.nan
+    cache = encode_latent_cache(values, DS_MLA_DTYPE, kv_lora_rank=RANK).cuda()
+    q = (0.5 * torch.randn(rows, heads, RANK + ROPE, generator=gen)).to(torch.bfloat16).cuda()
+    return SparseAttentionCall(
+        q=q, kv_cache=cache, slots=slots.cuda(),
+        out=torch.full((rows, heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda"),
+        lse=torch.full((rows, heads), math.nan, device="cuda"),
+        kv_lora_rank=RANK, rope_dim=ROPE, softmax_scale=SCALE, kv_scale=None,
+    )  # fmt: skip
+
+
+def _reference(call: SparseAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(call.out.shape, dtype=torch.float32, device="cuda")
+    lse = torch.empty(call.lse.shape if call.lse is not None else call.out.shape[:2], device="cuda")
+    get_provider("torch").sparse_attention(attrs.evolve(call, out=out, lse=lse))
+    return out, lse
+
+
+def _check(call: SparseAttentionCall, context: str) -> None:
+    assert call.lse is not None
+    ref_out, ref_lse = _reference(call)
+    assert_matches_reference(call.out, call.lse, ref_out, ref_lse, context=context)
+    # Row by row too, so that one wrong row (a short list, the last tile) cannot hide in the norm.
+    got, want = call.out.float(), ref_out
+    err = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1).clamp_min(1e-6)
+    worst = int(err.argmax())
+    assert float(err[worst]) <= ROW_TOLERANCE, f"{context}: row {worst} rel. error {float(err[worst]):.3g}"
+
+
+CASES = [(1, 1, 16), (1, 2, 16), (128, 1, 16), (128, 2, 16), (4, 2, 8), (3, 1, 32)]
+"""``(batch, qlen, heads)``: rows = batch × qlen, each a qlen-1 decode of ``heads`` rows."""
+VARIANTS = ["auto", "direct", "splits3", "overlap", "overlap-splits3"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("batch", "qlen", "heads"), CASES, ids=[f"b{b}-q{q}-h{h}" for b, q, h in CASES])
+def test_ds_mla_kernel_matches_the_reference(batch: int, qlen: int, heads: int, variant: str) -> None:
+    from mla.providers.gluon.decode import sparse_decode
+    from mla.providers.gluon.planner import GluonKernel, launch_config
+    from mla.providers.triton.decode import num_sms
+
+    call = _call(batch, qlen, heads, seed=batch * 31 + qlen * 7 + heads + len(variant))
+    rows = batch * qlen
+    auto = launch_config(
+        batch=rows, rows=heads, max_seqlen_k=TOPK, num_sms=num_sms(call.q.device), persistent=False,
+        kv_fp8=True, ds_mla=True,
+    )  # fmt: skip
+    if heads <= 16:
+        assert auto.kernel is GluonKernel.DS_MLA, auto
+    config = attrs.evolve(auto, kernel=GluonKernel.DS_MLA)
+    if variant in ("splits3", "overlap-splits3"):
+        config = attrs.evolve(config, num_splits=3)
+    elif variant == "direct":
+        config = attrs.evolve(config, num_splits=1)
+    if variant.startswith("overlap"):
+        config = attrs.evolve(config, overlap=True)
+    sparse_decode(call, config=config)
+    torch.cuda.synchronize()
+    _check(call, f"ds_mla {variant} {config}")
+
+
+@pytest.mark.parametrize(("batch", "qlen"), [(1, 1), (128, 2)], ids=["b1-q1", "b128-q2"])
+def test_few_rows_kernel_still_takes_ds_mla_rows(batch: int, qlen: int) -> None:
+    """The kernel the fp8_ds_mla kernel replaced for 16-row tiles, named explicitly (as the
+    benchmarks do), at the ring depth it measured best."""
+    from mla.providers.gluon.decode import sparse_decode
+    from mla.providers.gluon.planner import DS_MLA_STAGES, GluonKernel, GluonLaunchConfig
+
+    call = _call(batch, qlen, 16, seed=batch + qlen)
+    for splits in (1, 3):
+        call.out.fill_(math.nan)
+        assert call.lse is not None
+        call.lse.fill_(math.nan)
+        config = GluonLaunchConfig(
+            row_tile=16, kernel=GluonKernel.ROWS, num_stages=DS_MLA_STAGES, num_splits=splits
+        )
+        sparse_decode(call, config=config)
+        torch.cuda.synchronize()
+        _check(call, f"rows {config}")
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_ds_mla_kernel_on_the_planned_schedule(heads: int) -> None:
+    """The persistent path: work items from a :class:`~mla.providers.split_kv.SplitKVSchedule`
+    (each row's list cut into chunks, partials merged by the reduce)."""
+    from mla.providers.gluon.decode import launch_gluon_decode
+    from mla.providers.gluon.planner import GluonKernel, GluonLaunchConfig, schedule_units
+    from mla.providers.gluon.sparse import sparse_inputs
+    from mla.providers.split_kv import SplitKVSchedule
+    from mla.providers.triton.decode import num_sms
+    from mla.providers.triton.schedule import plan_split_kv
+
+    call = _call(5, 1, heads, seed=heads)
+    rows = call.q.shape[0]
+    schedule = SplitKVSchedule.allocate(
+        max_batch=rows, max_kernel_qlen=1, kernel_heads=heads, kv_lora_rank=RANK,
+        num_units=schedule_units(num_sms=num_sms(call.q.device), rows=heads), device=call.q.device,
+        min_chunk=256,
+    )  # fmt: skip
+    inputs = sparse_inputs(call)._replace(schedule=schedule)
+    plan_split_kv(schedule, inputs.kv_indptr, rows)
+    launch_gluon_decode(inputs, GluonLaunchConfig(row_tile=heads, kernel=GluonKernel.DS_MLA))
+    torch.cuda.synchronize()
+    _check(call, f"ds_mla schedule h{heads}")
