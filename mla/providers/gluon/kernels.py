@@ -179,6 +179,17 @@ def _token_ids(raw, n, id_limit, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
+def _key_ok(index_base, n, hi, num_rows, PAGE_SIZE: gl.constexpr = 0):
+    """Whether the keys at positions ``n`` count: inside ``[.., hi)`` and with an id inside the
+    cache (:func:`_token_ids`), re-reading the ids from global memory (cached). For kernels
+    without an id ring in their MMA partition (the ``fp8_ds_mla`` few-rows kernel); the others
+    read their ring (:func:`_ring_key_ok`)."""
+    step: gl.constexpr = PAGE_SIZE if PAGE_SIZE > 0 else 1
+    raw = gl.load(index_base + n // step, mask=n < hi, other=-1)
+    return _token_ids(raw, n, _id_limit(num_rows, PAGE_SIZE), PAGE_SIZE)[1] & (n < hi)
+
+
+@gluon.jit
 def _ring_key_ok(ids_slot, id_limit, LAYOUT: gl.constexpr):
     """Whether each key of a tile has an id inside the cache, from the tile's id-ring slot (in
     ``LAYOUT``): one shared-memory read and one unsigned compare a key (a global re-read of the
