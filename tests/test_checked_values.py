@@ -58,7 +58,7 @@ def decode_args(case: DecodeCase = CASE, device: str = "cpu", **changes: Any) ->
         "seq_lens": inputs.seq_lens,
         "query_start_loc": inputs.query_start_loc,
         "softmax_scale": case.scale,
-        "kv_lora_rank": RANK,
+        "kv_lora_rank": case.kv_lora_rank,
         "provider": "torch",
         "platform": "cpu",
     }
