@@ -4,6 +4,7 @@ interpreter on CPU machines."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -37,3 +38,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if "gpu" not in item.keywords]
+
+
+# -- CUDA-graph replay on the CPU (tests/test_overhead.py, tests/test_checked_values.py) ------------
+
+
+class StepGraph:
+    """A stand-in for a captured CUDA graph: ``replay()`` runs the captured step again."""
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.step = step
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.step()
+
+
+@pytest.fixture
+def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepGraph]]:
+    """Replay allowed on the CPU; every capture recorded (in order) as a :class:`StepGraph`."""
+    # (imported here: mla may import triton, which must not come before TRITON_INTERPRET above)
+    from mla.engine.functional import decode_graphs
+    from mla.engine.functional.plan_cache import DECODE_PLANS
+
+    captured: list[StepGraph] = []
+
+    def capture(step: Callable[[], None], device: torch.device) -> StepGraph:
+        captured.append(StepGraph(step))
+        return captured[-1]
+
+    monkeypatch.setattr(decode_graphs, "device_allows_replay", lambda q: True)
+    monkeypatch.setattr(decode_graphs, "capture", capture)
+    DECODE_PLANS.clear()
+    yield captured
+    DECODE_PLANS.clear()
+
+
+@pytest.fixture
+def cuobjdump() -> str:
+    """The path of the ``cuobjdump`` that Triton's NVIDIA backend ships (register, stack and SASS
+    readings of kernels compiled for sm_90 on a CPU); skips without one."""
+    import triton  # (after TRITON_INTERPRET above)
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        pytest.skip("this Triton build ships no cuobjdump")
+    return path

@@ -48,15 +48,8 @@ DECODE_CASE = DecodeCase(heads=4, qlens=(2, 1), seq_lens=(20, 37), kv_lora_rank=
 
 
 def decode_args(**changes: Any) -> dict[str, Any]:
-    inputs = make_decode_inputs(DECODE_CASE)
     args: dict[str, Any] = {
-        "q": inputs.q,
-        "kv_cache": inputs.kv_cache,
-        "block_table": inputs.block_table,
-        "seq_lens": inputs.seq_lens,
-        "query_start_loc": inputs.query_start_loc,
-        "softmax_scale": DECODE_CASE.scale,
-        "kv_lora_rank": RANK,
+        **make_decode_inputs(DECODE_CASE).call_args(),
         "provider": "torch",
         "platform": "cpu",
     }
@@ -200,18 +193,7 @@ PREFILL_CASE = PrefillCase(heads=4, q_lens=(3, 5), kv_lens=(3, 9), qk_nope_dim=3
 
 def prefill_args(**changes: Any) -> dict[str, Any]:
     inputs = make_prefill_inputs(PREFILL_CASE)
-    args: dict[str, Any] = {
-        "q": inputs.q,
-        "k": inputs.k,
-        "v": inputs.v,
-        "cu_seqlens_q": inputs.cu_seqlens_q,
-        "cu_seqlens_k": inputs.cu_seqlens_k,
-        "max_seqlen_q": inputs.max_seqlen_q,
-        "max_seqlen_k": inputs.max_seqlen_k,
-        "softmax_scale": PREFILL_CASE.scale,
-        "provider": "torch",
-        "platform": "cpu",
-    }
+    args: dict[str, Any] = {**inputs.call_args(), "provider": "torch", "platform": "cpu"}
     args.update(changes)
     return args
 

@@ -13,8 +13,8 @@ runs with the stand-ins of ``tests/test_overhead.py``; the ``gpu`` tests replay 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -28,6 +28,9 @@ from mla.engine.functional.plan_cache import DECODE_PLANS
 from mla.providers.calls import FillPagesCall
 from mla.testing import DecodeCase, assert_matches_reference, make_decode_inputs
 from mla.tools.reference import reference_decode
+
+if TYPE_CHECKING:
+    from conftest import StepGraph
 
 RANK, ROPE, HEADS = 64, 16, 4
 CASE = DecodeCase(
@@ -50,15 +53,8 @@ def require(provider: str) -> None:
 
 
 def decode_args(case: DecodeCase = CASE, device: str = "cpu", **changes: Any) -> dict[str, Any]:
-    inputs = make_decode_inputs(case, device)
     args: dict[str, Any] = {
-        "q": inputs.q,
-        "kv_cache": inputs.kv_cache,
-        "block_table": inputs.block_table,
-        "seq_lens": inputs.seq_lens,
-        "query_start_loc": inputs.query_start_loc,
-        "softmax_scale": case.scale,
-        "kv_lora_rank": case.kv_lora_rank,
+        **make_decode_inputs(case, device).call_args(),
         "provider": "torch",
         "platform": "cpu",
     }
@@ -252,34 +248,6 @@ def test_the_default_decode_raises_exactly_what_validate_full_raises(
 
 
 # -- CUDA-graph replay ------------------------------------------------------------------------
-
-
-class StepGraph:
-    """A stand-in for a captured CUDA graph: ``replay()`` runs the captured step again (as in
-    ``tests/test_overhead.py``)."""
-
-    def __init__(self, step: Callable[[], None]) -> None:
-        self.step = step
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.step()
-
-
-@pytest.fixture
-def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepGraph]]:
-    captured: list[StepGraph] = []
-
-    def capture(step: Callable[[], None], device: torch.device) -> StepGraph:
-        captured.append(StepGraph(step))
-        return captured[-1]
-
-    monkeypatch.setattr(decode_graphs, "device_allows_replay", lambda q: True)
-    monkeypatch.setattr(decode_graphs, "capture", capture)
-    DECODE_PLANS.clear()
-    yield captured
-    DECODE_PLANS.clear()
 
 
 @pytest.mark.parametrize("with_out", [True, False], ids=["out", "own-outputs"])

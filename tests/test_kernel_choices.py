@@ -57,12 +57,12 @@ GOLDEN = """
     bf16 H64  q2  gluon pingpong 64 x1  u64   triton 64 64 w8 s2 -   x1  u64
     bf16 H64  q3  gluon pingpong 64 x11 u32   triton 64 64 w8 s2 -   x11 u32
     bf16 H64  q4  gluon pingpong 64 x1  u32   triton 64 64 w8 s2 -   x1  u32
-    bf16 H64  q8  gluon pingpong 64 x9  u16   triton 64 64 w8 s2 -   x9  u16
+    bf16 H64  q8  gluon pingpong 64 x1  u16   triton 64 64 w8 s2 -   x1  u16
     bf16 H128 q1  gluon pingpong 64 x1  u64   triton 64 64 w8 s2 -   x1  u64
     bf16 H128 q2  gluon pingpong 64 x1  u32   triton 64 64 w8 s2 -   x1  u32
-    bf16 H128 q3  gluon pingpong 64 x11 u16   triton 64 64 w8 s2 -   x11 u16
-    bf16 H128 q4  gluon pingpong 64 x9  u16   triton 64 64 w8 s2 -   x9  u16
-    bf16 H128 q8  gluon pingpong 64 x13 u8    triton 64 64 w8 s2 -   x13 u8
+    bf16 H128 q3  gluon pingpong 64 x1  u16   triton 64 64 w8 s2 -   x1  u16
+    bf16 H128 q4  gluon pingpong 64 x1  u16   triton 64 64 w8 s2 -   x1  u16
+    bf16 H128 q8  gluon pingpong 64 x1  u8    triton 64 64 w8 s2 -   x1  u8
     fp8  H1   q1  gluon dual     16 x2  u128  triton 16 64 w8 s1 reg x2  u256
     fp8  H1   q2  gluon dual     16 x2  u128  triton 16 64 w8 s1 reg x2  u256
     fp8  H1   q3  gluon dual     16 x2  u128  triton 16 64 w8 s1 reg x2  u256
@@ -97,12 +97,12 @@ GOLDEN = """
     fp8  H64  q2  gluon row64    64 x1  u64   triton 64 32 w8 s1 reg x1  u64
     fp8  H64  q3  gluon row64    64 x11 u32   triton 64 32 w8 s1 reg x11 u32
     fp8  H64  q4  gluon row64    64 x1  u32   triton 64 32 w8 s1 reg x1  u32
-    fp8  H64  q8  gluon row64    64 x9  u16   triton 64 32 w8 s1 reg x9  u16
+    fp8  H64  q8  gluon row64    64 x1  u16   triton 64 32 w8 s1 reg x1  u16
     fp8  H128 q1  gluon row64    64 x1  u64   triton 64 32 w8 s1 reg x1  u64
     fp8  H128 q2  gluon row64    64 x1  u32   triton 64 32 w8 s1 reg x1  u32
-    fp8  H128 q3  gluon row64    64 x11 u16   triton 64 32 w8 s1 reg x11 u16
-    fp8  H128 q4  gluon row64    64 x9  u16   triton 64 32 w8 s1 reg x9  u16
-    fp8  H128 q8  gluon row64    64 x13 u8    triton 64 32 w8 s1 reg x13 u8
+    fp8  H128 q3  gluon row64    64 x1  u16   triton 64 32 w8 s1 reg x1  u16
+    fp8  H128 q4  gluon row64    64 x1  u16   triton 64 32 w8 s1 reg x1  u16
+    fp8  H128 q8  gluon row64    64 x1  u8    triton 64 32 w8 s1 reg x1  u8
 """
 """``cache H q  gluon <kernel> <row tile> x<splits> u<units>  triton <block_m> <block_n> w<warps>
 s<stages> <reg pipeline> x<splits> u<units>``."""

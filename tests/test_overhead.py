@@ -13,8 +13,8 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pytest
@@ -31,38 +31,13 @@ from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
 from mla.testing import assert_matches_reference, emulated_provider
 from mla.tools.reference import reference_decode
 
+if TYPE_CHECKING:
+    from conftest import StepGraph
+
 RANK, ROPE, HEADS = 64, 16, 4
 BLOCK, NUM_BLOCKS = 16, 24
 SCALE = 0.125
 ARGS: dict[str, Any] = {"softmax_scale": SCALE, "kv_lora_rank": RANK, "provider": "torch"}
-
-
-class StepGraph:
-    """A stand-in for a captured CUDA graph: ``replay()`` runs the captured step again."""
-
-    def __init__(self, step: Callable[[], None]) -> None:
-        self.step = step
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.step()
-
-
-@pytest.fixture
-def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepGraph]]:
-    """Replay allowed on the CPU; every capture recorded (in order) as a :class:`StepGraph`."""
-    captured: list[StepGraph] = []
-
-    def capture(step: Callable[[], None], device: torch.device) -> StepGraph:
-        captured.append(StepGraph(step))
-        return captured[-1]
-
-    monkeypatch.setattr(decode_graphs, "device_allows_replay", lambda q: True)
-    monkeypatch.setattr(decode_graphs, "capture", capture)
-    DECODE_PLANS.clear()
-    yield captured
-    DECODE_PLANS.clear()
 
 
 class Inputs:

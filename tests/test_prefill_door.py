@@ -40,18 +40,7 @@ class RecordingProvider(TorchProvider):
 
 
 def args_of(**changes: Any) -> dict[str, Any]:
-    inputs = make_prefill_inputs(CASE)
-    args: dict[str, Any] = {
-        "q": inputs.q,
-        "k": inputs.k,
-        "v": inputs.v,
-        "cu_seqlens_q": inputs.cu_seqlens_q,
-        "cu_seqlens_k": inputs.cu_seqlens_k,
-        "max_seqlen_q": inputs.max_seqlen_q,
-        "max_seqlen_k": inputs.max_seqlen_k,
-        "softmax_scale": CASE.scale,
-        "provider": "torch",
-    }
+    args: dict[str, Any] = {**make_prefill_inputs(CASE).call_args(), "provider": "torch"}
     args.update(changes)
     return args
 

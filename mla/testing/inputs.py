@@ -169,6 +169,15 @@ class DecodeInputs(_PagedInputs):
         """The batch as a decode-only engine step."""
         return self._step(decode=True)
 
+    def call_args(self) -> dict[str, Any]:
+        """The batch as :func:`mla.mla_decode`'s keyword arguments (tensors, the case's
+        ``softmax_scale`` and ``kv_lora_rank``; add ``kv_scale`` for an fp8 cache)."""
+        return {
+            "q": self.q, "kv_cache": self.kv_cache, "block_table": self.block_table,
+            "seq_lens": self.seq_lens, "query_start_loc": self.query_start_loc,
+            "softmax_scale": self.case.scale, "kv_lora_rank": self.case.kv_lora_rank,
+        }  # fmt: skip
+
 
 def make_decode_inputs(case: DecodeCase, device: torch.device | str = "cpu") -> DecodeInputs:
     """Random q, a paged cache over a random block permutation (fp8 caches quantized with
@@ -244,6 +253,15 @@ class PrefillInputs:
     max_seqlen_q: int
     max_seqlen_k: int
     context: CachedContext
+
+    def call_args(self) -> dict[str, Any]:
+        """The new tokens as :func:`mla.mla_prefill`'s keyword arguments (tensors, lengths and
+        the case's ``softmax_scale``)."""
+        return {
+            "q": self.q, "k": self.k, "v": self.v, "cu_seqlens_q": self.cu_seqlens_q,
+            "cu_seqlens_k": self.cu_seqlens_k, "max_seqlen_q": self.max_seqlen_q,
+            "max_seqlen_k": self.max_seqlen_k, "softmax_scale": self.case.scale,
+        }  # fmt: skip
 
     def context_latents(self) -> list[torch.Tensor]:
         """Per request, its cached latent rows ``[context, L+R]`` in position order, as a

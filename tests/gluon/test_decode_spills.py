@@ -21,7 +21,6 @@ few-rows 242 (table) / 255 (flat) registers, no stack, loops of 1087 / 1174; dua
 from __future__ import annotations
 
 import glob
-import os
 import pathlib
 import re
 import subprocess
@@ -75,19 +74,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _cuobjdump() -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(path):
-        pytest.skip("this Triton build ships no cuobjdump")
-    return path
-
-
 @pytest.mark.parametrize("keys", ["table", "flat"])
 @pytest.mark.parametrize("kernel", sorted(CASES))
 def test_decode_spills_stay_at_the_flat_id_kernels(
-    kernel: str, keys: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    kernel: str,
+    keys: str,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cuobjdump: str,
 ) -> None:
-    cuobjdump = _cuobjdump()
     name, heads, qlen, batch, seq, fp8, max_stack, max_loop = CASES[kernel]
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     args = [kernel, keys, str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]

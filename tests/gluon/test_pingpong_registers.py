@@ -13,7 +13,6 @@ and bounds the cubin's stack with the ``cuobjdump`` Triton ships.
 from __future__ import annotations
 
 import glob
-import os
 import pathlib
 import re
 import subprocess
@@ -57,18 +56,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _cuobjdump() -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(path):
-        pytest.skip("this Triton build ships no cuobjdump")
-    return path
-
-
 @pytest.mark.parametrize("keys", ["table", "flat"])
 def test_pingpong_decode_spills_stay_small(
-    keys: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    keys: str,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cuobjdump: str,
 ) -> None:
-    cuobjdump = _cuobjdump()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     config = run_without_interpreter(["-c", SCRIPT, keys]).strip().splitlines()[-1]
     (cubin,) = glob.glob(f"{tmp_path}/*/mla_decode_pingpong_kernel.cubin")

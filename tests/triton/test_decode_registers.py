@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -68,18 +67,13 @@ CASES = {
 }
 
 
-def _cuobjdump() -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(path):
-        pytest.skip("this Triton build ships no cuobjdump")
-    return path
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_block_table_decode_does_not_spill(
-    case: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    case: str,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cuobjdump: str,
 ) -> None:
-    cuobjdump = _cuobjdump()
     heads, qlen, batch, seq, fp8, max_loop = CASES[case]
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     args = [str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]

@@ -10,7 +10,6 @@ kernel on fp8 queries runs e4m3 wgmma.
 from __future__ import annotations
 
 import glob
-import os
 import pathlib
 import re
 import subprocess
@@ -78,17 +77,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _cuobjdump() -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(path):
-        pytest.skip("this Triton build ships no cuobjdump")
-    return path
-
-
 def test_indexer_kernels_compile_for_sm90_without_spills(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cuobjdump: str,
 ) -> None:
-    cuobjdump = _cuobjdump()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     launches = int(run_without_interpreter(["-c", SCRIPT]).strip().splitlines()[-1])
     assert launches == 13 + 6 * 4  # every scores config once, four top-k launches per config
