@@ -1,10 +1,8 @@
 """Host side of the Triton attention launches (varlen and fp8 prefill): the head-dim blocks,
 the launch heuristic and the argument checks the launchers share.
 
-Plain Python throughout: Triton 3.6's ``triton.next_power_of_2`` and ``triton.cdiv`` are
-``constexpr_function`` objects that cost about 5 µs of host time per call, so the per-launch
-arithmetic here uses :func:`next_power_of_2` and :func:`cdiv` instead (same values for the
-non-negative sizes they see), and a launch's head-dim blocks are computed once per shape
+Plain Python throughout (:mod:`.host_math`, not Triton's ~5 µs ``triton.next_power_of_2`` and
+``triton.cdiv``), and a launch's head-dim blocks are computed once per shape
 (:func:`head_dim_blocks`).
 """
 
@@ -18,19 +16,10 @@ import torch
 import triton.language as tl
 
 from mla.core.errors import InvalidInputError
+from mla.providers.triton.host_math import next_power_of_2
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The float dtypes the attention kernels take (and write)."""
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two ``>= n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
-def cdiv(x: int, y: int) -> int:
-    """``ceil(x / y)`` of ints, as ``triton.cdiv``."""
-    return (x + y - 1) // y
 
 
 @attrs.frozen

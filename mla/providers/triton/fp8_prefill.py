@@ -38,10 +38,10 @@ from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import Fp8PrefillCall
 from mla.providers.triton.attention_host import (
     AttentionLaunchConfig,
-    cdiv,
     check_attention_args,
     head_dim_blocks,
 )
+from mla.providers.triton.host_math import cdiv
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.prefill import (
     LOG2E,

@@ -52,6 +52,7 @@ from mla.core.errors import InvalidInputError
 from mla.providers.calls import IndexTopkCall
 from mla.providers.formats import E4M3
 from mla.providers.triton.decode import _dot_dtype, num_sms
+from mla.providers.triton.host_math import round_up
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.topk import NUM_BINS, TopkConfig, radix_topk, topk_config
 
@@ -353,21 +354,17 @@ def _index_scores_kernel(
 INDEX_SCORES_LAUNCH = LaunchCache(_index_scores_kernel)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def position_chunk(*, rows: int, max_keys: int, num_sms: int, block_p: int = 64) -> int:
     """Positions per program of the scores kernel: all of a row's (``max_keys``, rounded up to
     whole tiles) when the rows alone give :data:`PROGRAMS_PER_SM` programs per SM or more,
     otherwise the row cut into as many chunks (of at least :data:`MIN_CHUNK` positions) as keep
     the programs within that many per SM. ``rows``: programs along the rows (row groups)."""
-    whole = _round_up(max(1, max_keys), block_p)
+    whole = round_up(max(1, max_keys), block_p)
     target = PROGRAMS_PER_SM * num_sms
     if rows >= target:
         return whole
     splits = max(1, min(target // max(1, rows), -(-whole // MIN_CHUNK)))
-    return _round_up(-(-whole // splits), block_p)
+    return round_up(-(-whole // splits), block_p)
 
 
 def _operands(call: IndexTopkCall) -> tuple[bool, tl.dtype, str]:

@@ -34,12 +34,12 @@ from mla.providers.triton.attention_host import (
     FLOAT_DTYPES,
     AttentionLaunchConfig,
     HeadDimBlocks,
-    cdiv,
     check_attention_args,
     choose_varlen_config,
     head_dim_blocks,
     triton_dtype,
 )
+from mla.providers.triton.host_math import cdiv
 from mla.providers.triton.interpreter import interpreting
 from mla.providers.triton.launch_cache import LaunchCache
 

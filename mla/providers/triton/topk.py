@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from mla.core.errors import InvalidInputError
+from mla.providers.triton.host_math import next_power_of_2, round_up
 from mla.providers.triton.launch_cache import LaunchCache
 
 NUM_BINS = 256
@@ -77,16 +78,12 @@ def topk_config(*, rows: int, max_keys: int, num_sms: int) -> TopkConfig:
     otherwise each row cut into splits of at least :data:`MIN_SPLIT` positions (64 decode rows
     over 32768 positions: 8 splits of 4096)."""
     block = 1024
-    whole = _round_up(max(1, max_keys), block)
+    whole = round_up(max(1, max_keys), block)
     target = PROGRAMS_PER_SM * num_sms
     if rows >= target:
         return TopkConfig(split=whole, block=block)
     splits = max(1, min(target // max(1, rows), -(-whole // MIN_SPLIT)))
-    return TopkConfig(split=_round_up(-(-whole // splits), block), block=block)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    return TopkConfig(split=round_up(-(-whole // splits), block), block=block)
 
 
 @triton.jit
@@ -409,7 +406,7 @@ TOPK_FINISH_LAUNCH = LaunchCache(_topk_finish_kernel)
 
 
 def _pow2(value: int) -> int:
-    return max(1, int(triton.next_power_of_2(max(1, value))))
+    return next_power_of_2(max(1, value))
 
 
 def row_range(scores: torch.Tensor, *, lengths: torch.Tensor | None, config: TopkConfig) -> torch.Tensor:
