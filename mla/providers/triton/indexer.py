@@ -54,7 +54,7 @@ from mla.providers.formats import E4M3
 from mla.providers.triton.decode import _dot_dtype, num_sms
 from mla.providers.triton.host_math import round_up
 from mla.providers.triton.launch_cache import LaunchCache
-from mla.providers.triton.topk import NUM_BINS, TopkConfig, radix_topk, topk_config
+from mla.providers.triton.topk import TopkConfig, radix_topk, topk_config
 
 MIN_CHUNK = 1024
 """Fewest positions a program of the scores kernel is given when a row's positions are split."""
@@ -81,15 +81,16 @@ class IndexScoresConfig:
 
 
 def index_scores_config(*, rows: int, fp8_dot: bool) -> IndexScoresConfig:
-    """The scores kernel's launch for ``rows`` rows. 16-bit dots: 64-position tiles on 4 warps,
-    two stages deep, one row per program: the fastest of a sweep of 64/128/256 positions, 4/8
-    warps and 2/3 stages on the H200 (fp8 keys, 64 index heads: 8192-token prefill 1865 µs
-    against 2081 for 128 on 8 warps; 64 decode rows over 32768 positions 146 against 163).
-    fp8 dots (not yet measured; ``scratch/indexer_probe.py`` sweeps them): three stages (the
-    fp8 tile is half the widened one) and, for many rows, two rows per program."""
+    """The scores kernel's launch for ``rows`` rows, from sweeps on the H200
+    (``docs/performance.md``, "Kernel choices"). 16-bit dots: 64-position tiles on 4 warps, two
+    stages deep, one row per program. fp8 dots: for many rows (a prefill) two rows per program,
+    three stages; for few rows (a decode) one row per program and five stages: the key stream
+    of a few rows is latency-bound, and deeper rings (6-8) measured no better."""
     if not fp8_dot:
         return IndexScoresConfig()
-    return IndexScoresConfig(rows=2 if rows >= 4 * 132 else 1, num_stages=3)
+    if rows >= 4 * 132:
+        return IndexScoresConfig(rows=2, num_stages=3)
+    return IndexScoresConfig(num_stages=5)
 
 
 @triton.jit
@@ -145,8 +146,10 @@ def _score_segment(
     d_ok = offs_d < D
     seg_hi = tl.max(tl.where(seg, row_hi, lo), 0)
     out_rows = scores_ptr + (t0 + offs_r).to(tl.int64) * stride_sc_t
-    low = tl.full([ROWS], float("inf"), tl.float32)
-    high = tl.full([ROWS], float("-inf"), tl.float32)
+    # Running elementwise extremes, reduced once after the loop (a reduction per tile stalls the
+    # key stream on its cross-warp exchange).
+    low = tl.full([BLOCK_P, ROWS], float("inf"), tl.float32)
+    high = tl.full([BLOCK_P, ROWS], float("-inf"), tl.float32)
     for p0 in range(lo, seg_hi, BLOCK_P):
         p = p0 + offs_p
         if TILE_IN_BLOCK:
@@ -228,8 +231,8 @@ def _score_segment(
         score = tl.where(visible, score * key_scale[:, None], float("-inf"))
         if STATS:
             finite = visible & (tl.abs(score) < float("inf"))
-            low = tl.minimum(low, tl.min(tl.where(finite, score, float("inf")), 0))
-            high = tl.maximum(high, tl.max(tl.where(finite, score, float("-inf")), 0))
+            low = tl.minimum(low, tl.where(finite, score, float("inf")))
+            high = tl.maximum(high, tl.where(finite, score, float("-inf")))
         tl.store(out_rows[None, :] + p[:, None], score, mask=seg[None, :] & (p < end)[:, None])
     # Positions of the chunk past the segment's last visible one (the loop above covered whole
     # tiles from ``lo``).
@@ -243,8 +246,8 @@ def _score_segment(
         )
     if STATS:
         stat_rows = stats_ptr + (t0 + offs_r).to(tl.int64) * stride_st_t + chunk_id
-        tl.store(stat_rows, low, mask=seg)
-        tl.store(stat_rows + stride_st_k, high, mask=seg)
+        tl.store(stat_rows, tl.min(low, 0), mask=seg)
+        tl.store(stat_rows + stride_st_k, tl.max(high, 0), mask=seg)
 
 
 @triton.jit
@@ -503,7 +506,8 @@ def index_topk(
     config = attrs.evolve(config, chunk=chunk)
     chunks = triton.cdiv(call.max_keys, chunk)
     splits = triton.cdiv(call.max_keys, select.split)
-    per_row = 4 * call.max_keys + 8 * chunks + 4 * splits * NUM_BINS + 4 * min(select.cand_cap, call.max_keys)
+    cand = min(select.cand_cap, call.max_keys)
+    per_row = 4 * call.max_keys + 8 * chunks + 4 * splits * select.bins + 4 * cand
     step = max(1, min(rows, INDEX_WORKSPACE_BYTES // per_row))
     scores = torch.empty(step, call.max_keys, dtype=torch.float32, device=device)
     stats = torch.empty(2, step, chunks, dtype=torch.float32, device=device)
