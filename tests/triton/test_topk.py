@@ -63,27 +63,37 @@ def assert_topk(out: torch.Tensor, scores: torch.Tensor, k: int, lengths: torch.
             assert torch.equal(row[chosen].sort(descending=True).values, want.values), f"row {t}"
 
 
+FINISH_PATHS = {
+    "in-registers": {"cand_cap": 4096},
+    "candidate-passes": {"cand_cap": 4096, "finish_tile": 16},
+    "full-row-fallback": {"cand_cap": 3},
+}
+"""The finish pass's three sources: candidates held in registers, candidates re-read a pass
+(more than ``finish_tile``), the row itself (more than ``cand_cap``)."""
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("cand_cap", [4096, 3], ids=["candidates", "full-row-fallback"])
-def test_distinct_scores_match_torch_topk(cand_cap: int) -> None:
+@pytest.mark.parametrize("bins", [2, 64, 256], ids=lambda b: f"{b}-bins")
+@pytest.mark.parametrize("finish", list(FINISH_PATHS))
+def test_distinct_scores_match_torch_topk(finish: str, bins: int) -> None:
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(3, 700, generator=gen)
     scores[1] = scores[1] * 1e-3 + 100.0  # a narrow range far from zero
     scores[2, 5] = 1e30  # an outlier squeezes the other scores into one bin
-    config = TopkConfig(split=256, block=128, cand_cap=cand_cap)
+    config = TopkConfig(split=256, block=128, bins=bins, **FINISH_PATHS[finish])
     for k in (1, 50, 699):
         assert_topk(run_topk(scores, k, config=config), scores, k)
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("cand_cap", [4096, 4], ids=["candidates", "full-row-fallback"])
-def test_ties_take_the_lowest_positions(cand_cap: int) -> None:
+@pytest.mark.parametrize("finish", list(FINISH_PATHS))
+def test_ties_take_the_lowest_positions(finish: str) -> None:
     """Integer scores tie in large groups; the tied positions taken are the lowest ones, so
     two runs agree."""
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(0, 5, (3, 600), generator=gen).float()
     scores[2] = 1.0  # one big tie
-    config = TopkConfig(split=256, block=128, cand_cap=cand_cap)
+    config = TopkConfig(split=256, block=128, **FINISH_PATHS[finish])
     out = run_topk(scores, 100, config=config)
     assert_topk(out, scores, 100)
     assert torch.equal(out, run_topk(scores, 100, config=config))
@@ -154,6 +164,7 @@ def test_topk_config_splits_only_few_rows() -> None:
     assert topk_config(rows=8192, max_keys=8192, num_sms=132).split == 8192
     decode = topk_config(rows=64, max_keys=32768, num_sms=132)
     assert decode.split == 4096  # 8 splits: 512 programs
+    assert decode.finish_warps == 8
     assert topk_config(rows=1, max_keys=100, num_sms=132).split == 1024  # never below one tile
 
 
@@ -163,3 +174,9 @@ def test_radix_topk_rejects_bad_arguments() -> None:
         radix_topk(scores, torch.empty(2, 4, dtype=torch.int32), k=5)
     with pytest.raises(InvalidInputError, match="config"):
         radix_topk(scores, torch.empty(2, 4, dtype=torch.int32), k=4, config=TopkConfig(split=100, block=64))
+    out = torch.empty(2, 4, dtype=torch.int32)
+    for bins in (1, 48, 512):
+        with pytest.raises(InvalidInputError, match="bins"):
+            radix_topk(scores, out, k=4, config=TopkConfig(split=1024, bins=bins))
+    with pytest.raises(InvalidInputError, match="finish_tile"):
+        radix_topk(scores, out, k=4, config=TopkConfig(split=1024, finish_tile=24))

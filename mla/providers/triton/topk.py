@@ -26,9 +26,12 @@ Passes (each a Triton launch, nothing read on the host, graph-capturable):
    per row.
 4. **Finish** (grid ``rows``): where only part of ``b`` is needed, an exact radix select over
    the candidates (or, when ``b`` held more than ``cand_cap``, over the row's scores in ``b``):
-   the candidates' order-preserving 32-bit keys, from the bits below their common prefix, eight
+   the candidates' order-preserving 32-bit keys, from the bits below their common prefix, a few
    bits a pass (a histogram of the candidates still in play), stopping early once the bin of
    the threshold is taken whole; then the chosen candidates in order, and the ``-1`` padding.
+   Up to :attr:`TopkConfig.finish_tile` candidates are loaded once and selected in registers
+   (:data:`FINISH_RADIX_BITS` bits a pass); more are selected eight bits a pass, each pass
+   reading them again.
 
 The range and histogram passes read only each row's first ``lengths[t]`` columns, so a causal
 prefill's invisible half costs nothing here.
@@ -45,9 +48,16 @@ from mla.core.errors import InvalidInputError
 from mla.providers.triton.host_math import next_power_of_2, round_up
 from mla.providers.triton.launch_cache import LaunchCache
 
-NUM_BINS = 256
-"""Bins of the histogram passes (``tl.histogram`` costs about ``log2(bins) + bins / 16``
-instructions per 32 scores; 256 bins keep the first pass cheap and the threshold bin small)."""
+NUM_BINS = 64
+"""Default linear bins of the histogram pass (:attr:`TopkConfig.bins`). ``tl.histogram`` costs
+instructions in proportion to its bins; 64 bins measured faster than 128 and 256 on prefill and
+decode rows, and still leave threshold bins of a few hundred scores for the finish pass
+(``docs/performance.md``, "Kernel choices")."""
+DIGIT_BINS = 256
+"""Bins of the finish pass's radix histograms (eight bits of the candidates' keys a pass)."""
+FINISH_RADIX_BITS = 4
+"""Key bits a pass of the in-register finish select (16-bin histograms: cheap per pass, and
+the passes read no memory)."""
 
 
 @attrs.frozen
@@ -66,6 +76,14 @@ class TopkConfig:
     cand_cap: int = 4096
     """Candidate positions kept per row for the finish pass; a threshold bin holding more is
     refined over the row itself (correct, slower)."""
+    finish_tile: int = 1024
+    """Candidates the finish program holds in registers (a power of two): a threshold bin of at
+    most this many is loaded once and selected there; a larger one is selected in passes over
+    memory."""
+    bins: int = NUM_BINS
+    """Linear bins of the histogram pass (a power of two from 2 to :data:`DIGIT_BINS`): fewer
+    bins cost fewer instructions per score (``tl.histogram`` grows with the bin count) and leave
+    a larger threshold bin for the finish pass."""
 
 
 MIN_SPLIT = 2048
@@ -76,14 +94,15 @@ PROGRAMS_PER_SM = 4
 def topk_config(*, rows: int, max_keys: int, num_sms: int) -> TopkConfig:
     """Whole rows per program when rows alone give :data:`PROGRAMS_PER_SM` programs per SM;
     otherwise each row cut into splits of at least :data:`MIN_SPLIT` positions (64 decode rows
-    over 32768 positions: 8 splits of 4096)."""
+    over 32768 positions: 8 splits of 4096), with 8 warps on each row's finish program (one
+    program a row: wider programs shorten the few rows' tail)."""
     block = 1024
     whole = round_up(max(1, max_keys), block)
     target = PROGRAMS_PER_SM * num_sms
     if rows >= target:
         return TopkConfig(split=whole, block=block)
     splits = max(1, min(target // max(1, rows), -(-whole // MIN_SPLIT)))
-    return TopkConfig(split=round_up(-(-whole // splits), block), block=block)
+    return TopkConfig(split=round_up(-(-whole // splits), block), block=block, finish_warps=8)
 
 
 @triton.jit
@@ -301,6 +320,45 @@ def _source_tile(
 
 
 @triton.jit
+def _select_in_tile(pos, key, valid, need, out_row, above, RADIX_BITS: tl.constexpr):
+    """The finish pass on one tile of candidates held in registers (``pos``, ``key``: order
+    keys, ``valid``): an exact radix select of the ``need`` best, ``RADIX_BITS`` bits a pass over
+    the bits below the candidates' common prefix (no memory traffic between passes), then the
+    chosen positions after the ``above`` already written, in position order (ties at the
+    threshold key: the lowest positions)."""
+    kmin = tl.min(tl.where(valid, key, 0xFFFFFFFF), 0)
+    kmax = tl.max(tl.where(valid, key, 0), 0)
+    shift = tl.full([], 0, tl.int32)
+    diff = kmin ^ kmax
+    while (diff >> shift) > 0:
+        shift += 1
+    prefix = kmax >> shift
+    need_rem = need
+    go = (shift > 0).to(tl.int32)
+    bins = tl.arange(0, 1 << RADIX_BITS)
+    while go != 0:
+        nbits = tl.minimum(shift, RADIX_BITS)
+        low = shift - nbits
+        in_play = valid & ((key >> shift) == prefix)
+        digit = ((key >> low) & ((1 << nbits) - 1)).to(tl.int32)
+        h = tl.histogram(digit, 1 << RADIX_BITS, mask=in_play)
+        suffix = tl.cumsum(h, 0, reverse=True)
+        b = tl.max(tl.where(suffix >= need_rem, bins, -1), 0)
+        need_rem -= tl.sum(tl.where(bins > b, h, 0), 0)
+        in_bin = tl.sum(tl.where(bins == b, h, 0), 0)
+        prefix = (prefix << nbits) | b.to(tl.int64)
+        shift = low
+        go = ((shift > 0) & (in_bin != need_rem)).to(tl.int32)
+    top = key >> shift
+    gt = valid & (top > prefix)
+    eq = valid & (top == prefix)
+    eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
+    take = gt | (eq & (eq_rank < need_rem))
+    at = above + tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out_row + at, pos, mask=take)
+
+
+@triton.jit
 def _topk_finish_kernel(
     scores_ptr,
     lengths_ptr,
@@ -324,7 +382,10 @@ def _topk_finish_kernel(
     PART_BLOCK: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
+    DIGIT_BINS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
     """Program (row): the part of the threshold bin that is needed (exact radix select), then
     ``-1`` from the row's count to ``width``."""
@@ -336,7 +397,14 @@ def _topk_finish_kernel(
         hist_ptr, t, 0, splits, k, stride_h_t, SPLIT_BLOCK, NUM_BINS
     )
     out_row = out_ptr + t * stride_o_t
-    if (need > 0) & (need < eq_total):
+    if (need > 0) & (need < eq_total) & (eq_total <= tl.minimum(cand_cap, TILE)):
+        # The usual case: few candidates, loaded once and selected in registers.
+        j = tl.arange(0, TILE)
+        in_src = j < eq_total
+        pos = tl.load(cand_ptr + t * stride_c_t + j, mask=in_src, other=0)
+        x = tl.load(scores_ptr + t * stride_s_t + pos, mask=in_src, other=float("-inf"))
+        _select_in_tile(pos, _order_key(x), in_src & (x > float("-inf")), need, out_row, above, RADIX_BITS)
+    elif (need > 0) & (need < eq_total):
         lo, hi, scale = _row_range(stats_ptr, t, parts, stride_st_k, stride_st_t, PART_BLOCK, NUM_BINS)
         row = scores_ptr + t * stride_s_t
         cand_row = cand_ptr + t * stride_c_t
@@ -358,18 +426,18 @@ def _topk_finish_kernel(
         prefix = kmax >> shift
         need_rem = need
         go = (shift > 0).to(tl.int32)
-        bins = tl.arange(0, NUM_BINS)
+        bins = tl.arange(0, DIGIT_BINS)
         while go != 0:
             nbits = tl.minimum(shift, 8)
             low = shift - nbits
-            h = tl.zeros([NUM_BINS], tl.int32)
+            h = tl.zeros([DIGIT_BINS], tl.int32)
             for i0 in range(0, n_src, BLOCK):
                 _pos, key, valid = _source_tile(
                     row, cand_row, i0, n_src, from_cand, lo, hi, scale, thr, NUM_BINS, BLOCK
                 )
                 in_play = valid & ((key >> shift) == prefix)
                 digit = ((key >> low) & ((1 << nbits) - 1)).to(tl.int32)
-                h += tl.histogram(digit, NUM_BINS, mask=in_play)
+                h += tl.histogram(digit, DIGIT_BINS, mask=in_play)
             suffix = tl.cumsum(h, 0, reverse=True)
             b = tl.max(tl.where(suffix >= need_rem, bins, -1), 0)
             need_rem -= tl.sum(tl.where(bins > b, h, 0), 0)
@@ -470,16 +538,20 @@ def radix_topk(
         raise InvalidInputError(
             "config", f"split {config.split} must be a positive multiple of block {config.block}"
         )
+    if config.finish_tile < 16 or config.finish_tile & (config.finish_tile - 1):
+        raise InvalidInputError("config", f"finish_tile {config.finish_tile} must be a power of two >= 16")
+    if config.bins not in {1 << b for b in range(1, 9)}:
+        raise InvalidInputError("config", f"bins {config.bins} must be a power of two from 2 to {DIGIT_BINS}")
     if stats is None:
         stats = row_range(scores, lengths=lengths, config=config)
     splits = max(1, triton.cdiv(max_keys, config.split))
     device = scores.device
-    hist = torch.empty(rows, splits, NUM_BINS, dtype=torch.int32, device=device)
+    hist = torch.empty(rows, splits, config.bins, dtype=torch.int32, device=device)
     cand_cap = max(1, min(config.cand_cap, max_keys))
     cand = torch.empty(rows, cand_cap, dtype=torch.int32, device=device)
     lengths_arg = scores if lengths is None else lengths
     parts = stats.shape[2]
-    common = {"HAS_LENGTHS": lengths is not None, "PART_BLOCK": _pow2(parts), "NUM_BINS": NUM_BINS}
+    common = {"HAS_LENGTHS": lengths is not None, "PART_BLOCK": _pow2(parts), "NUM_BINS": config.bins}
     TOPK_HISTOGRAM_LAUNCH.launch(
         (rows, splits),
         scores,
@@ -544,9 +616,12 @@ def radix_topk(
         cand.stride(0),
         **common,
         SPLIT_BLOCK=_pow2(splits),
+        DIGIT_BINS=DIGIT_BINS,
         BLOCK=config.block,
+        TILE=config.finish_tile,
+        RADIX_BITS=FINISH_RADIX_BITS,
         num_warps=config.finish_warps,
     )
 
 
-__all__ = ["NUM_BINS", "TopkConfig", "radix_topk", "row_range", "topk_config"]
+__all__ = ["DIGIT_BINS", "NUM_BINS", "TopkConfig", "radix_topk", "row_range", "topk_config"]
