@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_session.sh bench       # demo, decode (plot), host overhead, prefill (~5 min)
 #   bash benchmarks/h200_session.sh sparse      # sparse MLA: GPU tests, demo --sparse, benchmark (~7 min)
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
+#   bash benchmarks/h200_session.sh sanitizer-sparse-prefill  # memcheck: sparse and prefill subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
@@ -40,7 +41,7 @@ sanitize() {
   shift 2
   for tool in $tools; do
     part "compute-sanitizer $tool: $name"
-    timeout 100 compute-sanitizer --tool "$tool" python3 -m pytest -q -p no:cacheprovider "$@" \
+    timeout "${SANITIZE_TIMEOUT:-100}" compute-sanitizer --tool "$tool" python3 -m pytest -q -p no:cacheprovider "$@" \
       2>&1 | tee "$OUT/sanitizer_${name}_$tool.log" | grep -v "^=========     at " \
       | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race reported|passed|failed" | sort | uniq -c | head -20
   done
@@ -96,6 +97,21 @@ sanitizer)
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h16-q1-bs64-auto-bf16]" \
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-auto-bf16]" \
     "tests/triton/test_gpu_decode.py::test_strategy_on_gpu[asm-non-persistent-h8-q2-bs1-bf16-triton]"
+  ;;
+sanitizer-sparse-prefill)
+  sanitize sparse memcheck \
+    "tests/gluon/test_gpu_sparse_ds_mla.py::test_ds_mla_kernel_matches_the_reference[b1-q1-h16-auto]" \
+    "tests/gluon/test_gpu_sparse_ds_mla.py::test_ds_mla_kernel_matches_the_reference[b4-q2-h8-overlap-splits3]" \
+    "tests/test_sparse_gpu.py::test_gpu_engine_step_matches_the_reference[gluon-fp8_ds_mla-h8]" \
+    "tests/test_sparse_gpu.py::test_gpu_engine_step_matches_the_reference[triton-bf16-h64]" \
+    "tests/test_sparse_gpu.py::test_gpu_indexer_matches_the_reference[gluon-bf16-keys]"
+  sanitize prefill memcheck \
+    "tests/gluon/test_gpu_gluon_prefill.py::test_prefill_matches_reference[True-mixed-16-overlap]" \
+    "tests/gluon/test_gpu_gluon_prefill.py::test_prefill_matches_reference[False-sk-lt-sq-1-overlap]" \
+    "tests/gluon/test_gpu_gluon_prefill.py::test_every_launch_variant_matches_reference[True-long-split-fp16]" \
+    "tests/gluon/test_gpu_gluon_prefill.py::test_nan_key_stays_in_the_rows_that_see_it[PRODUCER-False]" \
+    "tests/triton/test_gpu_prefill.py::test_varlen_matches_reference[dtype0-True-long]" \
+    "tests/triton/test_gpu_prefill.py::test_fp8_prefill_matches_reference[128-True-long]"
   ;;
 pingpong)
   part "compute-sanitizer racecheck: the ping-pong kernel"
