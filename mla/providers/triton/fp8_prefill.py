@@ -275,7 +275,7 @@ def _fp8_prefill_kernel(
         h = tl.load(fields + 6).to(tl.int64)
         rows_ok = tl.arange(0, BLOCK_M) < q_rows
         q_a, q_b = load_q_block(
-            Q + q_begin * stride_qt + h * stride_qh, stride_qt, rows_ok, D_QK, BLOCK_DA, BLOCK_DB, BLOCK_M
+            Q + q_begin * stride_qt + h * stride_qh, stride_qt, rows_ok, D_QK, BLOCK_DA, BLOCK_DB, BLOCK_M, 0
         )
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,7 +284,7 @@ def _fp8_prefill_kernel(
             acc, l_i, m_i, q_a, q_b,
             K + k_begin * stride_kt + h * stride_kh, V + k_begin * stride_vt + h * stride_vh,
             stride_kt, stride_vt, num_keys, shift, qk_scale,
-            D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, tl.float16, "tf32",
+            D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, tl.float16, "tf32", None, 0, 0,
         )  # fmt: skip
         out, lse = finalize_rows(acc, l_i, m_i, v_scale)
         if slot < 0:
