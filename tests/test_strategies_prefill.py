@@ -40,7 +40,22 @@ BACKEND_CASES = [c for c in API_CASES if c.causal and c.keys == c.q_lens]
 CONTEXT_CASES = [
     *context_prefill_cases(),
     PrefillCase(heads=16, q_lens=(3, 9), context_lens=(40, 17), kv_lora_rank=512, seed=23),
-]
+    # expand_context's k_nope form (strided views; the rope lanes read from the latent): several
+    # chunks with one-token and context-free requests, an fp8 cache, DeepSeek's dims
+    PrefillCase(
+        heads=2, q_lens=(1, 6, 3), context_lens=(40, 0, 19), dtype=F32, block_size=4,
+        context_chunk_tokens=16, qk_nope_dim=32, rope_dim=16, v_dim=24, kv_lora_rank=64,
+        context_nope_keys=True, seed=24,
+    ),
+    PrefillCase(
+        heads=16, q_lens=(5, 1), context_lens=(70, 33), kv_dtype=FP8, block_size=16,
+        context_chunk_tokens=32, qk_nope_dim=32, rope_dim=16, v_dim=24, kv_lora_rank=64,
+        context_nope_keys=True, seed=25,
+    ),
+    PrefillCase(
+        heads=16, q_lens=(3, 9), context_lens=(40, 17), kv_lora_rank=512, context_nope_keys=True, seed=26
+    ),
+]  # fmt: skip
 
 
 def _matrix(cases: list[PrefillCase], path: PrefillPath) -> Matrix:

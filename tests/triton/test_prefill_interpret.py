@@ -321,7 +321,7 @@ def test_launchers_reject_bad_inputs() -> None:
     with pytest.raises(InvalidInputError, match="contiguous"):
         varlen_attention_fwd(attrs.evolve(varlen, q=q.transpose(0, 2).contiguous().transpose(0, 2)))
     pe = torch.randn(20, 64, device=DEVICE)
-    with pytest.raises(InvalidInputError, match="^k: "):  # whole keys beside k_pe
+    with pytest.raises(InvalidInputError, match=r"^k: "):  # whole keys beside k_pe
         varlen_attention_fwd(attrs.evolve(varlen, k_pe=pe))
     with pytest.raises(InvalidInputError, match="k_pe"):
         varlen_attention_fwd(attrs.evolve(varlen, k=q[..., :128], k_pe=pe[:19]))
@@ -363,7 +363,22 @@ KIT_CASES = [
         kv_lora_rank=32,
         block_size=4,
     ),
-]
+    # Several context chunks (a 16-token workspace), one-token and context-free requests: the
+    # chunks merged by the varlen kernel's epilogue, keys whole (fp16) or as strided k_nope
+    # views plus the latent's rope lanes (fp32, fp16).
+    PrefillCase(
+        heads=2, q_lens=(1, 6, 1, 3), context_lens=(13, 0, 21, 5), dtype=torch.float16, qk_nope_dim=24,
+        rope_dim=8, v_dim=16, kv_lora_rank=32, block_size=4, context_chunk_tokens=16,
+    ),
+    PrefillCase(
+        heads=2, q_lens=(1, 6, 1, 3), context_lens=(13, 0, 21, 5), dtype=torch.float32, qk_nope_dim=24,
+        rope_dim=8, v_dim=16, kv_lora_rank=32, block_size=4, context_chunk_tokens=16, context_nope_keys=True,
+    ),
+    PrefillCase(
+        heads=3, q_lens=(4, 1), context_lens=(30, 9), dtype=torch.float16, qk_nope_dim=32, rope_dim=16,
+        v_dim=16, kv_lora_rank=32, block_size=8, context_chunk_tokens=16, context_nope_keys=True, seed=7,
+    ),
+]  # fmt: skip
 
 
 KIT_PARAMS = [
