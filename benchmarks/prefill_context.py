@@ -1,18 +1,18 @@
 """The chunked-context prefill step against the same attention without context.
 
 An engine prefills new tokens of requests whose earlier tokens sit in the paged latent cache:
-``FlashVarlen`` attends each context chunk (gathered from the cache and up-projected by the
-engine's callback, here to ``k_nope``/``v`` views of one matmul output, the rope lanes read
-from the latent) non-causally and the new tokens causally, each pass after the first merging
-into the running result by LSE in its epilogue (on providers whose varlen kernel takes those
-operands). Its peer is one varlen attention over the same pairs: each request's new
-queries against its context and new keys as one key range (bottom-right causal), so both rows
-count the same FLOPs and the ratio says what the chunking costs.
+``FlashVarlen`` attends the new tokens causally, then each context chunk (gathered from the
+cache and up-projected by the engine's callback, here to ``k_nope``/``v`` views of one matmul
+output, the rope lanes read from the latent) non-causally, merging it into the running result
+by LSE in the attention's epilogue (on providers whose varlen kernel takes those operands).
+Its peer is one varlen attention over the same pairs: each request's new queries against its
+context and new keys as one key range (bottom-right causal), so both rows count the same FLOPs
+and the ratio says what the chunking costs.
 
 Rows (``time_us`` median, TFLOP/s of the attention FLOPs):
 
 * ``chunked-context step``: ``builder.build`` once, then ``impl.forward_prefill`` timed (the
-  engine path: gather, the up-projection callback, attention and merges);
+  engine path: gather, the up-projection callback, the attention passes);
 * ``up-projection alone``: the callback on every context token once (a bf16 matmul standing in
   for the model's ``kv_b_proj``): how much of the step is the engine's own work;
 * ``attention without context``: the provider's varlen attention over the whole key ranges.

@@ -33,10 +33,9 @@ class FlashVarlen(PrefillStrategy):
     callback, attended non-causally, and merged with the new tokens' result by LSE
     (vLLM's chunked-context prefill). On a provider whose varlen kernel takes the
     chunked-context operands (:attr:`~mla.core.capabilities.ProviderCapabilities.varlen_context_operands`)
-    the first chunk is attended straight into ``out``/``lse`` and each later pass (the other
-    chunks, then the new tokens) merges into them in its epilogue, a chunk's keys read as the
-    callback's (strided) ``k_nope`` plus the latent's rope lanes: no key assembly, no merge
-    pass, no partial buffers. Elsewhere the keys
+    the new tokens are attended straight into ``out``/``lse`` and each chunk's pass merges into
+    them in its epilogue, its keys read as the callback's (strided) ``k_nope`` plus the latent's
+    rope lanes: no key assembly, no merge pass, no partial buffers. Elsewhere the keys
     are assembled and the partial states merged by the ``merge-states`` kernel. The fallback
     prefill: any head count and KV dtype.
     """
@@ -141,17 +140,24 @@ class FlashVarlen(PrefillStrategy):
         kv_scale: torch.Tensor | None,
         expand_context: ContextExpander,
     ) -> None:
-        """The first chunk straight into ``out``/``lse``, then each later chunk and last the
-        new tokens merged into them by the varlen kernel's epilogue (in place: each row is
-        read before it is written). The callback's output is checked before the first
-        launch, so a bad callback leaves ``out`` and ``lse`` unwritten."""
+        """The new tokens straight into ``out``/``lse`` (the causal pass on the plain kernel),
+        then each chunk merged into them by the varlen kernel's epilogue (in place: each row is
+        read before it is written). The first chunk is gathered, expanded and its callback
+        output checked before the first launch, so a bad callback leaves ``out`` and ``lse``
+        unwritten."""
         provider = self.setup.provider
         out, lse = new_tokens.out, new_tokens.lse
         flat = kv_cache.view(-1, kv_cache.shape[-1])
-        for index, chunk in enumerate(plan.context_chunks):
-            call = self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=True)
-            provider.varlen_attention(attrs.evolve(call, prior_out=out, prior_lse=lse) if index else call)
-        provider.varlen_attention(attrs.evolve(new_tokens, prior_out=out, prior_lse=lse))
+        chunks = plan.context_chunks
+        first = self._chunk_keys(chunks[0], flat, kv_scale, expand_context, new_tokens, split_keys=True)
+        provider.varlen_attention(new_tokens)
+        for index, chunk in enumerate(chunks):
+            call = (
+                self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=True)
+                if index
+                else first
+            )
+            provider.varlen_attention(attrs.evolve(call, prior_out=out, prior_lse=lse))
 
     def _merged_context(
         self,
