@@ -16,6 +16,7 @@ from strategy_matrix import Matrix, supported_matrix
 
 import mla
 from mla.prefill.base import PrefillStrategy
+from mla.providers.gluon.provider import GluonProvider
 from mla.testing import (
     PrefillCase,
     PrefillPath,
@@ -201,3 +202,32 @@ def test_fp8_reference_uses_dequantized_inputs() -> None:
     ref_out, _ = inputs.reference()
     error = float((out.double() - ref_out).norm() / ref_out.norm())
     assert error > 1e-3
+
+
+GPU_CONTEXT_CASES = [
+    PrefillCase(
+        heads=16, q_lens=(1, 200, 77, 1), context_lens=(300, 0, 1000, 64), block_size=64,
+        context_chunk_tokens=512, context_nope_keys=nope, seed=27,
+    )
+    for nope in (False, True)
+]  # fmt: skip
+"""bf16 at DeepSeek's 128+64/128 with a 512-dim latent, several chunks (a 512-token workspace),
+one-token and context-free requests, both ``expand_context`` forms."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton", "gluon", "gluon-prefill"])
+@pytest.mark.parametrize("case", GPU_CONTEXT_CASES, ids=lambda case: case.id)
+def test_chunked_context_on_the_gpu(provider: str, case: PrefillCase) -> None:
+    """The chunked-context step on the GPU providers' kernels (the split keys and the epilogue
+    merge of the varlen kernel; ``gluon-prefill`` with the Gluon prefill kernel opted in),
+    NaN-poisoned outputs, against the float64 reference."""
+    chosen = GluonProvider(prefill="gluon") if provider == "gluon-prefill" else mla.get_provider(provider)
+    available = chosen.availability()
+    if not available:
+        pytest.skip(f"{provider}: {available}")
+    platform = mla.detect_platform("cuda")
+    assert chosen.capabilities(platform).varlen_context_operands
+    result = check_prefill_strategy(mla.FlashVarlen, case, provider=chosen, platform=platform, device="cuda")
+    assert result.supported, result.reasons
+    result.assert_passed()
