@@ -36,6 +36,7 @@ import triton.language as tl
 from mla.core.config import FP8_DTYPES
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import Fp8PrefillCall
+from mla.providers.triton.attention_epilogue import finalize_rows, store_rows
 from mla.providers.triton.attention_host import (
     AttentionLaunchConfig,
     check_attention_args,
@@ -43,13 +44,7 @@ from mla.providers.triton.attention_host import (
 )
 from mla.providers.triton.host_math import cdiv
 from mla.providers.triton.launch_cache import LaunchCache
-from mla.providers.triton.prefill import (
-    LOG2E,
-    attend_range,
-    finalize_rows,
-    load_q_block,
-    store_rows,
-)
+from mla.providers.triton.prefill import LOG2E, attend_range, load_q_block
 
 UNIT_FIELDS = 8
 """int32 fields per unit row: q_begin, q_rows, k_begin, num_keys, shift, slot, head, (pad)."""
