@@ -2,15 +2,17 @@
 
 An engine prefills new tokens of requests whose earlier tokens sit in the paged latent cache:
 ``FlashVarlen`` attends the new tokens causally, then each context chunk (gathered from the
-cache and up-projected to k/v by the engine's callback) non-causally, and merges the partial
-results by their LSE. Its peer is one varlen attention over the same pairs: each request's new
-queries against its context and new keys as one key range (bottom-right causal), so both rows
-count the same FLOPs and the ratio says what the chunking costs.
+cache and up-projected by the engine's callback, here to ``k_nope``/``v`` views of one matmul
+output, the rope lanes read from the latent) non-causally, merging it into the running result
+by LSE in the attention's epilogue (on providers whose varlen kernel takes those operands).
+Its peer is one varlen attention over the same pairs: each request's new queries against its
+context and new keys as one key range (bottom-right causal), so both rows count the same FLOPs
+and the ratio says what the chunking costs.
 
 Rows (``time_us`` median, TFLOP/s of the attention FLOPs):
 
 * ``chunked-context step``: ``builder.build`` once, then ``impl.forward_prefill`` timed (the
-  engine path: gather, the up-projection callback, attention and merges);
+  engine path: gather, the up-projection callback, the attention passes);
 * ``up-projection alone``: the callback on every context token once (a bf16 matmul standing in
   for the model's ``kv_b_proj``): how much of the step is the engine's own work;
 * ``attention without context``: the provider's varlen attention over the whole key ranges.
@@ -53,8 +55,10 @@ QUICK_SHAPE = ContextShape(16, 2, 256, 1024)
 
 
 class Bf16UpProjection:
-    """Latent rows ``[n, L+R]`` to ``k [n, H, nope+R]`` and ``v [n, H, Dv]`` with one bf16 matmul
-    (the rope lanes shared by every head), as a model's ``kv_b_proj`` does."""
+    """Latent rows ``[n, L+R]`` to ``k_nope [n, H, nope]`` and ``v [n, H, Dv]`` with one bf16
+    matmul, as a model's ``kv_b_proj`` does: both strided views of its output, no copies
+    (``expand_context``'s k_nope form: the step reads the rope lanes, shared by every head,
+    from the latent rows)."""
 
     def __init__(self, w_k: torch.Tensor, w_v: torch.Tensor, kv_lora_rank: int) -> None:
         self.heads, self.nope, self.v_dim = w_k.shape[1], w_k.shape[2], w_v.shape[2]
@@ -64,8 +68,7 @@ class Bf16UpProjection:
     def __call__(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = latent.shape[0]
         kv = (latent[:, : self.rank] @ self.weight).view(n, self.heads, -1)
-        rope = latent[:, self.rank :][:, None, :].expand(-1, self.heads, -1)
-        return torch.cat([kv[..., : self.nope], rope], dim=-1), kv[..., self.nope :]
+        return kv[..., : self.nope], kv[..., self.nope :]
 
 
 def context_rows(

@@ -136,23 +136,33 @@ class MLAAttention(nn.Module):
         self.w_uv = w_uv.transpose(1, 2).contiguous()
 
     def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MHA-form keys and values of latent rows ``[n, L+R]`` (the up-projection, used for the
-        new tokens and as the backend's ``expand_context`` for cached rows).
+        """MHA-form keys and values of latent rows ``[n, L+R]`` (only the first ``L`` lanes are
+        read; the up-projection: the backend's ``expand_context`` for cached rows, and the new
+        tokens' k/v).
 
-        Returns ``k [n, H, qk_nope + R]`` (``[c @ W_UK^T | k_pe]``, ``k_pe`` shared by every
-        head) and ``v [n, H, v]`` (``c @ W_UV^T``), contiguous, in the model dtype.
+        Returns ``k_nope [n, H, qk_nope]`` (``c @ W_UK^T``) and ``v [n, H, v]`` (``c @ W_UV^T``) in
+        the model dtype: strided views of the one ``kv_b_proj`` matmul output, no copies. The
+        rope lanes are not repeated per head: ``expand_context`` takes this form and reads them
+        from the latent rows it passed (shared by every head); :meth:`whole_keys` assembles
+        ``[k_nope | k_pe]`` where whole keys are needed.
         """
         dims = self.dims
-        c, k_pe = torch.split(latent, [dims.kv_lora_rank, dims.qk_rope_head_dim], dim=-1)
+        c = latent[:, : dims.kv_lora_rank]
         kv = torch.nn.functional.linear(c.to(self.model_dtype), self.kv_b_proj)
         kv = kv.view(-1, dims.num_heads, dims.qk_nope_head_dim + dims.v_head_dim)
         k_nope, v = torch.split(kv, [dims.qk_nope_head_dim, dims.v_head_dim], dim=-1)
+        return k_nope, v
+
+    def whole_keys(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """``k [n, H, qk_nope + R]``: ``k_nope [n, H, qk_nope]`` and the rope lanes ``k_pe [n, R]``
+        shared by every head, contiguous, in the model dtype."""
+        dims = self.dims
         k = torch.empty(
-            (kv.shape[0], dims.num_heads, dims.qk_head_dim), dtype=self.model_dtype, device=kv.device
+            (k_nope.shape[0], dims.num_heads, dims.qk_head_dim), dtype=self.model_dtype, device=k_nope.device
         )
         k[..., : dims.qk_nope_head_dim] = k_nope
         k[..., dims.qk_nope_head_dim :] = k_pe.to(self.model_dtype)[:, None, :]
-        return k, v.contiguous()
+        return k
 
     def absorb_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """The absorbed decode query ``[T, H, L+R]``: ``[q_nope @ W_UK | q_pe]`` per head."""
@@ -259,8 +269,10 @@ class MLAAttention(nn.Module):
             out[:num_decode] = torch.bmm(latent_out.transpose(0, 1), self.w_uv).transpose(0, 1)
         if metadata.num_prefills:
             q = torch.cat([q_nope[num_decode:], q_pe[num_decode:]], dim=-1).to(self.model_dtype)
-            latent = torch.cat([kv_c_normed[num_decode:], k_pe[num_decode:]], dim=-1)
-            k, v = self.expand_latent(latent)
+            k_nope, v = self.expand_latent(kv_c_normed[num_decode:])
+            # The new tokens' keys whole and v contiguous, as forward_prefill takes them (the
+            # cached context's stay views: expand_context's k_nope form).
+            k, v = self.whole_keys(k_nope, k_pe[num_decode:]), v.contiguous()
             target = out[num_decode:]
             if isinstance(metadata, DCPMetadata):
                 assert isinstance(self.attention, DecodeContextParallel)

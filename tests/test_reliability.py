@@ -311,7 +311,8 @@ def test_a_cache_with_permuted_strides_is_refused_naming_kv_cache() -> None:
 
 
 def _bad_expander(change: str) -> Any:
-    expand = make_prefill_inputs(CONTEXT_CASE).context.expand
+    case = CONTEXT_CASE if change != "nope" else attrs.evolve(CONTEXT_CASE, context_nope_keys=True)
+    expand = make_prefill_inputs(case).context.expand
 
     def expander(latent: torch.Tensor) -> object:
         k, v = expand(latent)
@@ -329,15 +330,21 @@ def _bad_expander(change: str) -> Any:
             return k.to("meta"), v.to("meta")
         if change == "single":
             return k
+        if change == "k-nope-short":  # neither whole keys nor the nope lanes alone
+            return k[..., : CONTEXT_CASE.qk_nope_dim - 1], v
+        if change == "v-stride":  # the right shape, its last dim strided
+            return k, v.transpose(1, 2).contiguous().transpose(1, 2)
         return k, v
 
     return expander
 
 
-@pytest.mark.parametrize("change", ["rows", "heads", "k-dim", "v-dim", "dtype", "device", "single"])
+@pytest.mark.parametrize(
+    "change", ["rows", "heads", "k-dim", "v-dim", "dtype", "device", "single", "k-nope-short", "v-stride"]
+)
 def test_expand_context_output_is_checked(change: str) -> None:
     """Fewer rows were accepted (a silently wrong prefill, max difference 3.85); a wrong head
-    count failed deep in an einsum."""
+    count failed deep in an einsum. A bad callback leaves ``out`` unwritten."""
     backend = cases.backend("torch", 8)
     metadata = backend.builder.build(cases.step((20, 37), 6, decodes=0))
     gen = torch.Generator().manual_seed(1)
@@ -355,6 +362,25 @@ def test_expand_context_output_is_checked(change: str) -> None:
         metadata, q, k, v, out=out, lse=lse, kv_cache=cache, expand_context=_bad_expander("none")
     )
     assert not bool(torch.isnan(out).any())
+
+
+def test_expand_context_may_return_k_nope_views() -> None:
+    """The callback's other form: ``k_nope`` alone, ``k_nope``/``v`` strided views of one
+    up-projection output; the rope lanes come from the latent rows: the same step's result."""
+    backend = cases.backend("torch", 8)
+    metadata = backend.builder.build(cases.step((20, 37), 6, decodes=0))
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(8, cases.BLOCK, R + P, generator=gen)
+    q, k, v = torch.randn(3, 4, 48), torch.randn(3, 4, 48), torch.randn(3, 4, 24)
+    results = []
+    for form in ("none", "nope"):
+        out, lse = torch.full((3, 4, 24), float("nan")), torch.full((3, 4), float("nan"))
+        backend.impl.forward_prefill(
+            metadata, q, k, v, out=out, lse=lse, kv_cache=cache, expand_context=_bad_expander(form)
+        )
+        results.append((out, lse))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
 
 
 # -- 4. bf16 under the Triton interpreter ------------------------------------------------------------

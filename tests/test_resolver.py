@@ -433,10 +433,15 @@ def test_rule_missing_kernel() -> None:
     )
     assert _codes(mla.FlashVarlen, prefill_ctx("cpu", caps=no_varlen)) == ("missing-kernel",)
     no_merge = attrs.evolve(
-        REFERENCE_CAPABILITIES, contracts=REFERENCE_CAPABILITIES.contracts - {Contract.MERGE_STATES}
+        REFERENCE_CAPABILITIES,
+        contracts=REFERENCE_CAPABILITIES.contracts - {Contract.MERGE_STATES},
+        varlen_context_operands=False,
     )
     assert mla.FlashVarlen.supports(prefill_ctx("cpu", caps=no_merge))
     assert _codes(mla.FlashVarlen, prefill_ctx("cpu", caps=no_merge, chunked=True)) == ("missing-kernel",)
+    # A varlen kernel that merges a prior state in its epilogue needs no merge kernel.
+    fused = attrs.evolve(no_merge, varlen_context_operands=True)
+    assert mla.FlashVarlen.supports(prefill_ctx("cpu", caps=fused, chunked=True))
 
 
 def test_rule_arch() -> None:

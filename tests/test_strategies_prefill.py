@@ -16,6 +16,7 @@ from strategy_matrix import Matrix, supported_matrix
 
 import mla
 from mla.prefill.base import PrefillStrategy
+from mla.providers.gluon.provider import GluonProvider
 from mla.testing import (
     PrefillCase,
     PrefillPath,
@@ -40,7 +41,22 @@ BACKEND_CASES = [c for c in API_CASES if c.causal and c.keys == c.q_lens]
 CONTEXT_CASES = [
     *context_prefill_cases(),
     PrefillCase(heads=16, q_lens=(3, 9), context_lens=(40, 17), kv_lora_rank=512, seed=23),
-]
+    # expand_context's k_nope form (strided views; the rope lanes read from the latent): several
+    # chunks with one-token and context-free requests, an fp8 cache, DeepSeek's dims
+    PrefillCase(
+        heads=2, q_lens=(1, 6, 3), context_lens=(40, 0, 19), dtype=F32, block_size=4,
+        context_chunk_tokens=16, qk_nope_dim=32, rope_dim=16, v_dim=24, kv_lora_rank=64,
+        context_nope_keys=True, seed=24,
+    ),
+    PrefillCase(
+        heads=16, q_lens=(5, 1), context_lens=(70, 33), kv_dtype=FP8, block_size=16,
+        context_chunk_tokens=32, qk_nope_dim=32, rope_dim=16, v_dim=24, kv_lora_rank=64,
+        context_nope_keys=True, seed=25,
+    ),
+    PrefillCase(
+        heads=16, q_lens=(3, 9), context_lens=(40, 17), kv_lora_rank=512, context_nope_keys=True, seed=26
+    ),
+]  # fmt: skip
 
 
 def _matrix(cases: list[PrefillCase], path: PrefillPath) -> Matrix:
@@ -186,3 +202,32 @@ def test_fp8_reference_uses_dequantized_inputs() -> None:
     ref_out, _ = inputs.reference()
     error = float((out.double() - ref_out).norm() / ref_out.norm())
     assert error > 1e-3
+
+
+GPU_CONTEXT_CASES = [
+    PrefillCase(
+        heads=16, q_lens=(1, 200, 77, 1), context_lens=(300, 0, 1000, 64), block_size=64,
+        context_chunk_tokens=512, context_nope_keys=nope, seed=27,
+    )
+    for nope in (False, True)
+]  # fmt: skip
+"""bf16 at DeepSeek's 128+64/128 with a 512-dim latent, several chunks (a 512-token workspace),
+one-token and context-free requests, both ``expand_context`` forms."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["triton", "gluon", "gluon-prefill"])
+@pytest.mark.parametrize("case", GPU_CONTEXT_CASES, ids=lambda case: case.id)
+def test_chunked_context_on_the_gpu(provider: str, case: PrefillCase) -> None:
+    """The chunked-context step on the GPU providers' kernels (the split keys and the epilogue
+    merge of the varlen kernel; ``gluon-prefill`` with the Gluon prefill kernel opted in),
+    NaN-poisoned outputs, against the float64 reference."""
+    chosen = GluonProvider(prefill="gluon") if provider == "gluon-prefill" else mla.get_provider(provider)
+    available = chosen.availability()
+    if not available:
+        pytest.skip(f"{provider}: {available}")
+    platform = mla.detect_platform("cuda")
+    assert chosen.capabilities(platform).varlen_context_operands
+    result = check_prefill_strategy(mla.FlashVarlen, case, provider=chosen, platform=platform, device="cuda")
+    assert result.supported, result.reasons
+    result.assert_passed()

@@ -171,6 +171,14 @@ class ProviderCapabilities:
     it (raising as before), so the read waits for the previous kernels while this call's
     kernel is already queued (with ``validate="fast"`` it reads nothing). ``False``: the values
     are read and checked before the launch."""
+    varlen_context_operands: bool = False
+    """The varlen prefill takes the chunked-context forms of
+    :class:`~mla.providers.calls.VarlenPrefillCall`: the rope lanes as one ``k_pe [Tk, R]``
+    operand shared by every head (``k`` strided ``[Tk, H, Dqk - R]``) and a prior state merged
+    into in the epilogue (``prior_out``/``prior_lse``). ``FlashVarlen`` then attends a context
+    chunk without assembling its keys and without separate merge passes; ``False`` (aiter's
+    ``flash_attn_varlen_func``): it assembles ``[Tk, H, Dqk]`` keys and merges with the
+    ``merge-states`` kernel."""
     decode_float32_out: bool = True
     """The paged decode kernels also write a float32 ``out`` for a 16-bit query (the torch
     reference computes in float32, the Triton kernels convert on store): padded-decode
@@ -254,6 +262,8 @@ def _json_value(value: object) -> object:
     return value
 
 
-REFERENCE_CAPABILITIES = ProviderCapabilities(provider="torch", decode_reads_block_table=True)
+REFERENCE_CAPABILITIES = ProviderCapabilities(
+    provider="torch", decode_reads_block_table=True, varlen_context_operands=True
+)
 """The torch provider's own record: every contract, no head or qlen limit, any float/fp8 dtype,
-decode over the block table."""
+decode over the block table, the varlen prefill's chunked-context operands."""

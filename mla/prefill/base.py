@@ -17,8 +17,12 @@ from mla.core.validate import require_no_overlap, require_tensor
 from mla.strategy import GraphSupport, Phase, PlanBase, Strategy, check_cache, check_tensor
 
 ContextExpander = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""Engine callback turning cached latent rows ``[n, L+R]`` (model dtype) into MHA-form
-``k [n, H, Dqk]`` and ``v [n, H, Dv]`` (kv_b_proj up-projection plus the rope part)."""
+"""Engine callback turning cached latent rows ``[n, L+R]`` (model dtype) into MHA-form keys and
+``v [n, H, Dv]``: the keys either as ``k_nope [n, H, qk_nope]`` alone (the kv_b_proj
+up-projection; the framework reads the rope lanes from the latent rows it passed, shared by
+every head) or whole, ``k [n, H, qk_nope + R]`` (up-projection plus the rope part). Each
+tensor needs a contiguous last dim only: views of one matmul output (``kv.view(n, H, -1)``
+sliced into ``k_nope`` and ``v``) are taken as they are, without a copy."""
 
 
 @attrs.frozen(eq=False)

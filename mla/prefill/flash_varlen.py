@@ -31,7 +31,13 @@ class FlashVarlen(PrefillStrategy):
 
     With cached context, each chunk is gathered from the cache, expanded to k/v by the engine's
     callback, attended non-causally, and merged with the new tokens' result by LSE
-    (vLLM's chunked-context prefill). The fallback prefill: any head count and KV dtype.
+    (vLLM's chunked-context prefill). On a provider whose varlen kernel takes the
+    chunked-context operands (:attr:`~mla.core.capabilities.ProviderCapabilities.varlen_context_operands`)
+    the new tokens are attended straight into ``out``/``lse`` and each chunk's pass merges into
+    them in its epilogue, its keys read as the callback's (strided) ``k_nope`` plus the latent's
+    rope lanes: no key assembly, no merge pass, no partial buffers. Elsewhere the keys
+    are assembled and the partial states merged by the ``merge-states`` kernel. The fallback
+    prefill: any head count and KV dtype.
     """
 
     NAME: ClassVar[str] = "flash-varlen"
@@ -42,12 +48,12 @@ class FlashVarlen(PrefillStrategy):
     def check(cls, ctx: PrefillContext, reasons: ReasonCollector) -> None:
         caps = ctx.capabilities
         require_dtype(reasons, "q-dtype", "query", ctx.q_dtype, caps.varlen_q_dtypes, "varlen kernel")
-        if ctx.has_chunked_context:
+        if ctx.has_chunked_context and not caps.varlen_context_operands:
             reasons.require(
                 caps.has(Contract.MERGE_STATES),
                 "missing-kernel",
-                f"chunked context needs the {Contract.MERGE_STATES.value} kernel, which "
-                f"{caps.provider!r} does not ship",
+                f"chunked context needs the {Contract.MERGE_STATES.value} kernel (the varlen kernel "
+                f"does not merge a prior state), which {caps.provider!r} does not ship",
             )
 
     def launch(
@@ -78,36 +84,103 @@ class FlashVarlen(PrefillStrategy):
             causal=geo.causal,
             # (with context chunks it runs into partial outputs: tensors the door did not see)
             checked=plan.launch_checked and not plan.context_chunks,
+            k_pe=None,
+            prior_out=None,
+            prior_lse=None,
         )
         if not plan.context_chunks:
             provider.varlen_attention(new_tokens)
             return
         assert kv_cache is not None
         assert expand_context is not None
+        if self.setup.capabilities.varlen_context_operands:
+            self._fused_context(plan, new_tokens, kv_cache, kv_scale, expand_context)
+        else:
+            self._merged_context(plan, new_tokens, kv_cache, kv_scale, expand_context)
+
+    def _chunk_keys(
+        self,
+        chunk: ContextChunk,
+        flat: torch.Tensor,
+        kv_scale: torch.Tensor | None,
+        expand_context: ContextExpander,
+        new_tokens: VarlenPrefillCall,
+        *,
+        split_keys: bool,
+    ) -> VarlenPrefillCall:
+        """The non-causal call of the new queries over ``chunk``'s keys (into the new tokens'
+        ``out``/``lse``; the caller picks the outputs): the chunk gathered, expanded by the
+        callback, its keys whole or (``split_keys``) as ``k_nope`` plus the latent's rope lanes."""
+        q, v = new_tokens.q, new_tokens.v
+        latent, cu_seqlens_k = gather_context(chunk, flat, kv_scale, q.dtype)
+        rope = self.setup.dims.qk_rope_head_dim
+        k_ctx, v_ctx = check_expanded(expand_context(latent), latent.shape[0], q, v, rope)
+        k_pe: torch.Tensor | None = None
+        if k_ctx.shape[-1] != q.shape[-1]:  # the k_nope form: the rope lanes are the latent's
+            k_pe = latent[:, latent.shape[1] - rope :]
+            if not split_keys:
+                k_ctx = torch.cat([k_ctx, k_pe[:, None, :].expand(-1, k_ctx.shape[1], -1)], dim=-1)
+                k_pe = None
+        return attrs.evolve(
+            new_tokens,
+            k=k_ctx,
+            v=v_ctx,
+            k_pe=k_pe,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_k=chunk.max_seqlen_k,
+            causal=False,
+            checked=False,
+        )
+
+    def _fused_context(
+        self,
+        plan: PrefillPlan,
+        new_tokens: VarlenPrefillCall,
+        kv_cache: torch.Tensor,
+        kv_scale: torch.Tensor | None,
+        expand_context: ContextExpander,
+    ) -> None:
+        """The new tokens straight into ``out``/``lse`` (the causal pass on the plain kernel),
+        then each chunk merged into them by the varlen kernel's epilogue (in place: each row is
+        read before it is written). The first chunk is gathered, expanded and its callback
+        output checked before the first launch, so a bad callback leaves ``out`` and ``lse``
+        unwritten."""
+        provider = self.setup.provider
+        out, lse = new_tokens.out, new_tokens.lse
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        chunks = plan.context_chunks
+        first = self._chunk_keys(chunks[0], flat, kv_scale, expand_context, new_tokens, split_keys=True)
+        provider.varlen_attention(new_tokens)
+        for index, chunk in enumerate(chunks):
+            call = (
+                self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=True)
+                if index
+                else first
+            )
+            provider.varlen_attention(attrs.evolve(call, prior_out=out, prior_lse=lse))
+
+    def _merged_context(
+        self,
+        plan: PrefillPlan,
+        new_tokens: VarlenPrefillCall,
+        kv_cache: torch.Tensor,
+        kv_scale: torch.Tensor | None,
+        expand_context: ContextExpander,
+    ) -> None:
+        """Whole keys and separate merges (a varlen kernel without the chunked-context
+        operands): the chunks into a float32 running state, the new tokens into a partial, each
+        merged by the ``merge-states`` kernel."""
+        provider = self.setup.provider
+        out, lse = new_tokens.out, new_tokens.lse
         acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         acc_lse = torch.empty_like(lse)
         part = torch.empty_like(out)
         part_lse = torch.empty_like(lse)
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         for index, chunk in enumerate(plan.context_chunks):
-            rows, inside, cu_seqlens_k = context_rows_inside(chunk, flat.shape[0])
-            latent = torch.where(inside[:, None], flat[rows].to(torch.float32), 0.0)
-            if is_fp8(kv_cache.dtype) and kv_scale is not None:
-                latent = latent * kv_scale
-            k_ctx, v_ctx = check_expanded(expand_context(latent.to(q.dtype)), latent.shape[0], q, v)
+            call = self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=False)
             target = (acc, acc_lse) if index == 0 else (part, part_lse)
-            provider.varlen_attention(
-                attrs.evolve(
-                    new_tokens,
-                    k=k_ctx,
-                    v=v_ctx,
-                    cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_k=chunk.max_seqlen_k,
-                    causal=False,
-                    out=target[0],
-                    lse=target[1],
-                )
-            )
+            provider.varlen_attention(attrs.evolve(call, out=target[0], lse=target[1]))
             if index:
                 merge = MergeStatesCall(
                     o_a=acc, lse_a=acc_lse, o_b=part, lse_b=part_lse, out=acc, lse_out=acc_lse
@@ -117,6 +190,25 @@ class FlashVarlen(PrefillStrategy):
         provider.merge_states(
             MergeStatesCall(o_a=acc, lse_a=acc_lse, o_b=part, lse_b=part_lse, out=out, lse_out=lse)
         )
+
+
+def gather_context(
+    chunk: ContextChunk, flat: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's latent rows ``[n, L+R]`` in ``dtype`` and its ``cu_seqlens_k``
+    (:func:`context_rows_inside`): one gather in the cache dtype, one cast where the cache
+    dtype differs (an fp8 cache: dequantized by ``kv_scale`` in float32 first), and the rows
+    outside the cache zeroed in place."""
+    rows, inside, cu_seqlens_k = context_rows_inside(chunk, flat.shape[0])
+    latent = flat.index_select(0, rows)
+    if is_fp8(flat.dtype):
+        latent = latent.to(torch.float32)
+        if kv_scale is not None:
+            latent.mul_(kv_scale)
+    if latent.dtype != dtype:
+        latent = latent.to(dtype)
+    latent.masked_fill_(~inside[:, None], 0.0)
+    return latent, cu_seqlens_k
 
 
 def context_rows_inside(
@@ -147,27 +239,35 @@ def context_rows_inside(
 
 
 def check_expanded(
-    result: object, rows: int, q: torch.Tensor, v: torch.Tensor
+    result: object, rows: int, q: torch.Tensor, v: torch.Tensor, rope_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``expand_context`` callback's output: ``(k [rows, H, Dqk], v [rows, H, Dv])`` in q's
-    dtype on q's device, the shapes of the step's own k and v; :class:`InvalidInputError`
-    naming ``expand_context`` otherwise (before any kernel reads it)."""
+    """The ``expand_context`` callback's output: ``(k, v [rows, H, Dv])`` with ``k`` either whole,
+    ``[rows, H, Dqk]``, or its nope lanes alone, ``[rows, H, Dqk - rope_dim]`` (the rope lanes
+    are then the latent's), in q's dtype on q's device, each with a contiguous last dim (any
+    token and head strides: views of one up-projection output need no copy);
+    :class:`InvalidInputError` naming ``expand_context`` otherwise (before any kernel reads it)."""
     heads, qk_dim, v_dim = q.shape[1], q.shape[2], v.shape[2]
     if not isinstance(result, tuple | list) or len(result) != 2:
         raise InvalidInputError(
             "expand_context", f"must return a (k, v) pair of tensors, got {type(result).__name__}"
         )
     k_ctx, v_ctx = result
-    for name, tensor, dim in (("k", k_ctx, qk_dim), ("v", v_ctx, v_dim)):
+    for name, tensor, dims in (("k", k_ctx, (qk_dim, qk_dim - rope_dim)), ("v", v_ctx, (v_dim,))):
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInputError(
                 "expand_context", f"returned {type(tensor).__name__} as {name}; expected a torch.Tensor"
             )
-        if tuple(tensor.shape) != (rows, heads, dim):
+        if tensor.dim() != 3 or tuple(tensor.shape[:2]) != (rows, heads) or tensor.shape[2] not in dims:
+            expected = " or ".join(f"[{rows}, {heads}, {d}]" for d in dims)
+            what = (
+                " (whole keys, or the nope lanes alone: the rope lanes are then the latent's)"
+                if name == "k"
+                else ""
+            )
             raise InvalidInputError(
                 "expand_context",
                 f"returned {name} of shape {tuple(tensor.shape)} for {rows} latent rows; expected "
-                f"[{rows}, {heads}, {dim}] (one row per latent row, the step's heads and {name} head dim)",
+                f"{expected}{what}: one row per latent row, the step's heads",
             )
         if tensor.dtype != q.dtype:
             raise InvalidInputError(
@@ -176,5 +276,11 @@ def check_expanded(
         if tensor.device != q.device:
             raise InvalidInputError(
                 "expand_context", f"returned {name} on {tensor.device}; expected q's device {q.device}"
+            )
+        if tensor.shape[2] > 1 and tensor.stride(2) != 1:
+            raise InvalidInputError(
+                "expand_context",
+                f"returned {name} with strides {tuple(tensor.stride())}; its last dim must be "
+                "contiguous (stride 1; token and head strides may be anything)",
             )
     return k_ctx, v_ctx

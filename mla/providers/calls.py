@@ -194,14 +194,28 @@ class SmallHeadDecodeCall:
 @attrs.frozen(kw_only=True, eq=False)
 class VarlenPrefillCall:
     """Flash-style varlen attention (contract ``varlen-prefill``). Causal is bottom-right
-    aligned: row ``i`` of a request sees keys ``<= i + Sk - Sq``."""
+    aligned: row ``i`` of a request sees keys ``<= i + Sk - Sq``.
+
+    Two optional forms serve a chunked-context step, only on providers whose record says
+    :attr:`~mla.core.capabilities.ProviderCapabilities.varlen_context_operands`:
+
+    * ``k_pe`` given: the keys' last ``R`` lanes come from ``k_pe [Tk, R]``, shared by every
+      head, and ``k`` holds only the first ``Dqk - R`` lanes (``[Tk, H, Dqk - R]``, e.g. a strided
+      view of an up-projection's output), so no ``[Tk, H, Dqk]`` key tensor is assembled;
+    * ``prior_out``/``prior_lse`` given: the attention of this call is merged by LSE into that
+      earlier state of the same rows (the :class:`MergeStatesCall` rule, a state with
+      ``lse = -inf`` contributing nothing whatever its rows hold) and the merged state is written
+      to ``out``/``lse``; they may be the very tensors ``out``/``lse`` (merged in place: each
+      row is read before it is written), so no separate merge pass is needed.
+    """
 
     q: torch.Tensor
     """``[T, H, Dqk]``."""
     k: torch.Tensor
-    """``[Tk, H, Dqk]`` in q's dtype."""
+    """``[Tk, H, Dqk]`` in q's dtype (``[Tk, H, Dqk - R]`` with ``k_pe``); any token and head
+    strides with a contiguous last dim."""
     v: torch.Tensor
-    """``[Tk, H, Dv]`` in q's dtype."""
+    """``[Tk, H, Dv]`` in q's dtype; any token and head strides with a contiguous last dim."""
     cu_seqlens_q: torch.Tensor
     """int32 ``[B+1]``."""
     cu_seqlens_k: torch.Tensor
@@ -220,6 +234,14 @@ class VarlenPrefillCall:
     before, so the provider may skip them (:func:`mla.mla_prefill` sets it from the second
     call of a signature on a plan: its door checks the rest). Direct callers leave it
     ``False``."""
+    k_pe: torch.Tensor | None = None
+    """``[Tk, R]`` in q's dtype (contiguous last dim, any token stride): the rope lanes of every
+    head's key (``k`` then holds the other ``Dqk - R``), or ``None``: ``k`` is whole."""
+    prior_out: torch.Tensor | None = None
+    """``[T, H, Dv]`` (a float dtype, contiguous last dim): the state this call merges into,
+    with ``prior_lse``; ``None`` (with ``prior_lse``): no merge, ``out`` is this call's result."""
+    prior_lse: torch.Tensor | None = None
+    """``[T, H]`` float32: the LSE of ``prior_out`` (``-inf``: the row has no state yet)."""
 
 
 @attrs.frozen(kw_only=True, eq=False)

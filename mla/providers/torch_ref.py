@@ -156,6 +156,27 @@ class TorchProvider(KernelProvider):
     # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        if call.k_pe is not None:
+            # Every head's keys as one tensor: [k | k_pe] (the reference's own copy).
+            heads = call.k.shape[1]
+            whole = torch.cat([call.k, call.k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
+            call = attrs.evolve(call, k=whole, k_pe=None)
+        if call.prior_out is not None and call.prior_lse is not None:
+            # This call's state in float32, then the merge-states rule into out/lse (which may be
+            # the prior tensors themselves: the prior is read by the merge before it writes).
+            part = torch.empty(call.out.shape, dtype=torch.float32, device=call.out.device)
+            part_lse = torch.empty_like(call.lse)
+            self.varlen_attention(attrs.evolve(call, out=part, lse=part_lse, prior_out=None, prior_lse=None))
+            merge = MergeStatesCall(
+                o_a=call.prior_out,
+                lse_a=call.prior_lse,
+                o_b=part,
+                lse_b=part_lse,
+                out=call.out,
+                lse_out=call.lse,
+            )
+            self.merge_states(merge)
+            return
         if call.q.device.type == "cpu" and call.cu_seqlens_q.device.type == "cpu":
             # On the host the lengths cost nothing to read: per-request work that follows
             # the actual lengths, not the bound (max_seqlen_k) the fixed-shape form pays for.

@@ -286,6 +286,8 @@ class PrefillCase:
     the queries, bottom-right causal). ``context_lens`` (default: none) are cached tokens that the
     backend path reads from a paged cache and expands with :class:`~mla.testing.RandomUpProjection`; a case
     with context needs ``kv_lens == q_lens`` (the backend's new tokens are their own keys).
+    ``context_nope_keys``: the up-projection returns the keys' nope lanes alone (the
+    ``expand_context`` form whose rope lanes the framework reads from the latent rows).
     """
 
     heads: int
@@ -305,6 +307,9 @@ class PrefillCase:
     block_size: int = 16
     context_chunk_tokens: int | None = None
     """The backend's context workspace; small values force several chunks per request."""
+    context_nope_keys: bool = False
+    """The case's up-projection returns ``k_nope [n, H, qk_nope]`` (strided views of one
+    ``[n, H, qk_nope + v]`` output) instead of whole keys (``expand_context``'s two forms)."""
     seed: int = 0
     softmax_scale: float | None = None
     """Default ``1/sqrt(qk_nope_dim + rope_dim)`` (DeepSeek's convention)."""
@@ -362,6 +367,7 @@ class PrefillCase:
         ctx = f"-c{_join(self.contexts)}" if self.has_context else ""
         cache = f"-kv{_short(self.cache_dtype)}" if self.has_context else ""
         chunk = f"-w{self.context_chunk_tokens}" if self.has_context and self.context_chunk_tokens else ""
+        chunk += "-knope" if self.has_context and self.context_nope_keys else ""
         mask = "" if self.causal else "-full"
         return (
             f"h{self.heads}-q{_join(self.q_lens)}{kv}{ctx}{chunk}-{_short(self.dtype)}{cache}{mask}-"

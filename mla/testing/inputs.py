@@ -198,25 +198,34 @@ def make_decode_inputs(case: DecodeCase, device: torch.device | str = "cpu") -> 
 class RandomUpProjection:
     """A random ``kv_b_proj`` stand-in: latent rows ``[n, L+R]`` -> ``k [n, H, nope+R]``,
     ``v [n, H, Dv]`` (``k_nope``/``v`` from the first ``L`` lanes, the rope lanes shared by every
-    head). Outputs in the input dtype; math in float32."""
+    head). Outputs in the input dtype; math in float32.
+
+    ``nope_only``: ``k_nope [n, H, nope]`` instead of ``k``, and it and ``v`` strided views of
+    one ``[n, H, nope + Dv]`` output (the ``expand_context`` form whose rope lanes the framework
+    reads from the latent)."""
 
     w_k: torch.Tensor
     """float32 ``[L, H, nope]``."""
     w_v: torch.Tensor
     """float32 ``[L, H, Dv]``."""
     kv_lora_rank: int
+    nope_only: bool = False
 
     @classmethod
     def random(cls, case: PrefillCase, gen: torch.Generator, device: torch.device) -> RandomUpProjection:
         rank, heads = case.kv_lora_rank, case.heads
         w_k = torch.randn(rank, heads, case.qk_nope_dim, generator=gen) / math.sqrt(rank)
         w_v = torch.randn(rank, heads, case.v_dim, generator=gen) / math.sqrt(rank)
-        return cls(w_k.to(device), w_v.to(device), rank)
+        return cls(w_k.to(device), w_v.to(device), rank, case.context_nope_keys)
 
     def __call__(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nope = latent[:, : self.kv_lora_rank].to(torch.float32)
         rope = latent[:, self.kv_lora_rank :].to(torch.float32)
-        heads = self.w_k.shape[1]
+        heads, nope_dim = self.w_k.shape[1], self.w_k.shape[2]
+        if self.nope_only:
+            kv = torch.einsum("nl,lhd->nhd", nope, torch.cat([self.w_k, self.w_v], dim=-1))
+            kv = kv.to(latent.dtype)
+            return kv[..., :nope_dim], kv[..., nope_dim:]
         k_nope = torch.einsum("nl,lhd->nhd", nope, self.w_k)
         k = torch.cat([k_nope, rope[:, None, :].expand(-1, heads, -1)], dim=-1)
         v = torch.einsum("nl,lhd->nhd", nope, self.w_v)
@@ -284,9 +293,18 @@ class PrefillInputs:
     def context_kv(self, expand: ContextExpander | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per request, the expanded ``(k, v)`` of its cached context, computed as a strategy
         must: :meth:`context_latents` up-projected by ``expand`` (default: the case's
-        :class:`RandomUpProjection`)."""
+        :class:`RandomUpProjection`); keys returned as ``k_nope`` alone get the latent's rope
+        lanes appended (whole keys ``[n, H, nope + R]``)."""
         up = self.context.expand if expand is None else expand
-        return [up(latent) for latent in self.context_latents()]
+        rope = self.case.rope_dim
+        pairs = []
+        for latent in self.context_latents():
+            k, v = up(latent)
+            if k.shape[-1] == self.case.qk_nope_dim:
+                k_pe = latent[:, latent.shape[1] - rope :]
+                k = torch.cat([k, k_pe[:, None, :].expand(-1, k.shape[1], -1)], dim=-1)
+            pairs.append((k, v))
+        return pairs
 
     def reference(
         self,

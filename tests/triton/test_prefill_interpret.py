@@ -18,7 +18,7 @@ import torch
 from mla import PREFILL_STRATEGIES, Fp8PersistentPrefill, PrefillStrategy
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.quant import quantize_per_tensor
-from mla.tools.reference import causal_visible, reference_prefill
+from mla.tools.reference import causal_visible, merge_reference, reference_prefill
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU", allow_module_level=True)
@@ -94,6 +94,49 @@ def test_varlen_matches_reference(
     )  # fmt: skip
     ref = reference_prefill(q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal)
     _check(out, lse, ref, 2e-3 if dtype == torch.float16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_split_keys_merge_into_prior_state(dtype: torch.dtype, causal: bool) -> None:
+    """The chunked-context form: keys as a strided ``k_nope`` view of one up-projection output
+    plus the latent's rope lanes (``k_pe``, shared by every head), ``v`` a strided view of the
+    same output, the result merged in place into a prior state whose rows without a state
+    (``lse = -inf``) hold NaN: equals the reference over the assembled keys, merged by LSE."""
+    lengths_q, lengths_k = LENGTHS
+    gen = torch.Generator().manual_seed(5)
+    heads, nope, rope, v_dim, rank = 2, 24, 8, 16, 40
+    scale = (nope + rope) ** -0.5
+    tokens, keys = sum(lengths_q), sum(lengths_k)
+    q = _random((tokens, heads, nope + rope), gen).to(dtype)
+    kv = _random((keys, heads, nope + v_dim), gen).to(dtype)  # one matmul's [n, H, nope + v]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    latent = _random((keys, rank + rope), gen).to(dtype)
+    k_pe = latent[:, rank:]
+    prior_out = _random((tokens, heads, v_dim), gen).to(dtype)
+    prior_lse = _random((tokens, heads), gen)
+    prior_lse[::3, 0] = float("-inf")
+    clean_prior = prior_out.clone()
+    clean_prior[::3, 0] = 0.0
+    prior_out[::3, 0] = float("nan")  # a row without a state contributes nothing
+    cu_q, cu_k = _indptr(lengths_q), _indptr(lengths_k)
+    whole = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
+    part = reference_prefill(q, whole, v, cu_q, cu_k, softmax_scale=scale, causal=causal)
+    ref = merge_reference(clean_prior.cpu(), prior_lse.cpu(), *part)
+    out, lse = prior_out, prior_lse  # merged in place
+    varlen_attention_fwd(
+        VarlenPrefillCall(
+            q=q, k=k_nope, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+            max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=scale, causal=causal,
+            k_pe=k_pe, prior_out=out, prior_lse=lse,
+        )
+    )  # fmt: skip
+    _check(out, lse, ref, 2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_split_keys_use_the_plain_blocks_at_128_plus_64() -> None:
+    """128 nope lanes + 64 shared rope lanes run as the two dot chunks 192 runs as (no padding)."""
+    assert HeadDimBlocks.for_split_keys(128, 64, 128) == HeadDimBlocks.for_dims(192, 128)
 
 
 @pytest.mark.parametrize(
@@ -277,6 +320,15 @@ def test_launchers_reject_bad_inputs() -> None:
         fp8_prefill_fwd(Fp8PrefillCall(schedule=plan, **{**case, "q": q, "k": q, "v": v}))  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="contiguous"):
         varlen_attention_fwd(attrs.evolve(varlen, q=q.transpose(0, 2).contiguous().transpose(0, 2)))
+    pe = torch.randn(20, 64, device=DEVICE)
+    with pytest.raises(InvalidInputError, match=r"^k: "):  # whole keys beside k_pe
+        varlen_attention_fwd(attrs.evolve(varlen, k_pe=pe))
+    with pytest.raises(InvalidInputError, match="k_pe"):
+        varlen_attention_fwd(attrs.evolve(varlen, k=q[..., :128], k_pe=pe[:19]))
+    with pytest.raises(InvalidInputError, match="prior_out"):
+        varlen_attention_fwd(attrs.evolve(varlen, prior_out=out))
+    with pytest.raises(InvalidInputError, match="prior_lse"):
+        varlen_attention_fwd(attrs.evolve(varlen, prior_out=out, prior_lse=lse[:, :1]))
 
 
 KIT_CASES = [
@@ -311,7 +363,22 @@ KIT_CASES = [
         kv_lora_rank=32,
         block_size=4,
     ),
-]
+    # Several context chunks (a 16-token workspace), one-token and context-free requests: the
+    # chunks merged by the varlen kernel's epilogue, keys whole (fp16) or as strided k_nope
+    # views plus the latent's rope lanes (fp32, fp16).
+    PrefillCase(
+        heads=2, q_lens=(1, 6, 1, 3), context_lens=(13, 0, 21, 5), dtype=torch.float16, qk_nope_dim=24,
+        rope_dim=8, v_dim=16, kv_lora_rank=32, block_size=4, context_chunk_tokens=16,
+    ),
+    PrefillCase(
+        heads=2, q_lens=(1, 6, 1, 3), context_lens=(13, 0, 21, 5), dtype=torch.float32, qk_nope_dim=24,
+        rope_dim=8, v_dim=16, kv_lora_rank=32, block_size=4, context_chunk_tokens=16, context_nope_keys=True,
+    ),
+    PrefillCase(
+        heads=3, q_lens=(4, 1), context_lens=(30, 9), dtype=torch.float16, qk_nope_dim=32, rope_dim=16,
+        v_dim=16, kv_lora_rank=32, block_size=8, context_chunk_tokens=16, context_nope_keys=True, seed=7,
+    ),
+]  # fmt: skip
 
 
 KIT_PARAMS = [

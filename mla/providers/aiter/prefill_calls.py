@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mla.core.errors import PlanMismatchError
+from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.aiter.lse import clear_empty_rows, empty_varlen_rows, prefill_lse
 from mla.providers.aiter.probes import AiterProbes
 from mla.providers.aiter.schedule import (
@@ -24,6 +24,12 @@ from mla.providers.quant import dequantize
 def varlen_attention(aiter: Any, call: VarlenPrefillCall) -> None:
     """``flash_attn_varlen_func`` for ``call``, its LSE transposed to ``[T, H]``."""
     q, k, v, out, lse, causal = call.q, call.k, call.v, call.out, call.lse, call.causal
+    for name, given in (("k_pe", call.k_pe), ("prior_out", call.prior_out)):
+        if given is not None:
+            raise InvalidInputError(
+                name, "aiter's flash_attn_varlen_func takes whole keys and no prior state (the aiter "
+                "record has varlen_context_operands=False): assemble k and merge with merge_states",
+            )  # fmt: skip
     cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
     rows = q.shape[0]
     if rows == 0:

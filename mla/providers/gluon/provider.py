@@ -263,8 +263,11 @@ class GluonProvider(KernelProvider):
     # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
-        # Opted in: the Gluon prefill kernel where prefill_route takes the call; else Triton's.
-        if self._prefill == "gluon" and prefill_route(call.q, call.k, call.v, call.out)[0] == "gluon":
+        # Opted in: the Gluon prefill kernel where prefill_route takes the call; else Triton's
+        # (also for the chunked-context forms, k_pe and a prior state: the Gluon kernel reads
+        # whole keys and writes a plain epilogue).
+        gluon = self._prefill == "gluon" and call.k_pe is None and call.prior_out is None
+        if gluon and prefill_route(call.q, call.k, call.v, call.out)[0] == "gluon":
             from mla.providers.gluon.prefill_launch import launch_gluon_prefill  # noqa: PLC0415
 
             launch_gluon_prefill(call)

@@ -39,11 +39,25 @@ class HeadDimBlocks:
         block_b = max(min_k, next_power_of_2(rest)) if rest > 0 else 0
         return cls(block_a, block_b, max(16, next_power_of_2(v_dim)))
 
+    @classmethod
+    def for_split_keys(cls, nope_dim: int, rope_dim: int, v_dim: int) -> HeadDimBlocks:
+        """Keys given as two operands (``k [Tk, H, nope]`` and the shared ``k_pe [Tk, rope]``):
+        one block per operand, each its width rounded up to a power of two (at least 16): 128
+        and 64 for 128 + 64, as :meth:`for_dims` splits 192."""
+        blocks = (max(16, next_power_of_2(dim)) for dim in (nope_dim, rope_dim, v_dim))
+        return cls(*blocks)
+
 
 @functools.lru_cache(maxsize=64)
 def head_dim_blocks(qk_dim: int, v_dim: int, min_k: int = 16) -> HeadDimBlocks:
     """:meth:`HeadDimBlocks.for_dims`, once per ``(qk_dim, v_dim, min_k)`` (a launch's)."""
     return HeadDimBlocks.for_dims(qk_dim, v_dim, min_k=min_k)
+
+
+@functools.lru_cache(maxsize=64)
+def split_key_blocks(nope_dim: int, rope_dim: int, v_dim: int) -> HeadDimBlocks:
+    """:meth:`HeadDimBlocks.for_split_keys`, once per shape."""
+    return HeadDimBlocks.for_split_keys(nope_dim, rope_dim, v_dim)
 
 
 @attrs.frozen
@@ -126,14 +140,33 @@ def check_attention_args(
     out: torch.Tensor,
     lse: torch.Tensor,
     softmax_scale: float,
+    *,
+    k_pe: torch.Tensor | None = None,
+    prior_out: torch.Tensor | None = None,
+    prior_lse: torch.Tensor | None = None,
 ) -> None:
-    """Shape/dtype/device checks shared by the varlen and fp8 launchers (no host sync)."""
+    """Shape/dtype/device checks shared by the varlen and fp8 launchers (no host sync); the
+    varlen call's ``k_pe`` and prior state too (:class:`~mla.providers.calls.VarlenPrefillCall`)."""
     for name, tensor in (("q", q), ("k", k), ("v", v), ("out", out)):
         _check(name, tensor, 3)
     _check("lse", lse, 2, last_contiguous=False)
     num_tokens, num_heads, qk_dim = q.shape
-    if k.shape[1:] != (num_heads, qk_dim):
-        raise InvalidInputError("k", f"expected [Tk, {num_heads}, {qk_dim}], got {tuple(k.shape)}")
+    key_dim = qk_dim
+    if k_pe is not None:
+        _check("k_pe", k_pe, 2)
+        rope = k_pe.shape[1]
+        if k_pe.shape[0] != k.shape[0] or not 0 < rope < qk_dim:
+            raise InvalidInputError(
+                "k_pe", f"expected [{k.shape[0]}, R] (k's rows), 0 < R < {qk_dim}, got {tuple(k_pe.shape)}"
+            )
+        if k_pe.dtype != q.dtype or k_pe.device != q.device:
+            raise InvalidInputError(
+                "k_pe", f"expected q's {q.dtype} on {q.device}, got {k_pe.dtype} on {k_pe.device}"
+            )
+        key_dim = qk_dim - rope
+    if k.shape[1:] != (num_heads, key_dim):
+        what = "" if k_pe is None else f" (q's {qk_dim} lanes less k_pe's {qk_dim - key_dim})"
+        raise InvalidInputError("k", f"expected [Tk, {num_heads}, {key_dim}]{what}, got {tuple(k.shape)}")
     if v.shape[:2] != k.shape[:2]:
         raise InvalidInputError("v", f"expected [{k.shape[0]}, {num_heads}, Dv], got {tuple(v.shape)}")
     if out.shape != (num_tokens, num_heads, v.shape[2]):
@@ -157,5 +190,20 @@ def check_attention_args(
         raise InvalidInputError("q", f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if out.dtype not in FLOAT_DTYPES:
         raise InvalidInputError("out", f"dtype {out.dtype} is not one of {FLOAT_DTYPES}")
+    if (prior_out is None) != (prior_lse is None):
+        raise InvalidInputError("prior_out", "prior_out and prior_lse come together (or neither)")
+    if prior_out is not None and prior_lse is not None:
+        _check("prior_out", prior_out, 3)
+        float_out = prior_out.dtype in FLOAT_DTYPES
+        if prior_out.shape != out.shape or not float_out or prior_out.device != q.device:
+            raise InvalidInputError(
+                "prior_out", f"expected a float {tuple(out.shape)} tensor on {q.device} (out's shape), got "
+                f"{prior_out.dtype} {tuple(prior_out.shape)} on {prior_out.device}",
+            )  # fmt: skip
+        if prior_lse.shape != lse.shape or prior_lse.dtype != torch.float32 or prior_lse.device != q.device:
+            raise InvalidInputError(
+                "prior_lse", f"expected float32 {tuple(lse.shape)} on {q.device}, got {prior_lse.dtype} "
+                f"{tuple(prior_lse.shape)} on {prior_lse.device}",
+            )  # fmt: skip
     if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise InvalidInputError("softmax_scale", f"must be a positive finite float, got {softmax_scale}")

@@ -36,6 +36,7 @@ import triton.language as tl
 from mla.core.config import FP8_DTYPES
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import Fp8PrefillCall
+from mla.providers.triton.attention_epilogue import finalize_rows, store_rows
 from mla.providers.triton.attention_host import (
     AttentionLaunchConfig,
     check_attention_args,
@@ -43,13 +44,7 @@ from mla.providers.triton.attention_host import (
 )
 from mla.providers.triton.host_math import cdiv
 from mla.providers.triton.launch_cache import LaunchCache
-from mla.providers.triton.prefill import (
-    LOG2E,
-    attend_range,
-    finalize_rows,
-    load_q_block,
-    store_rows,
-)
+from mla.providers.triton.prefill import LOG2E, attend_range, load_q_block
 
 UNIT_FIELDS = 8
 """int32 fields per unit row: q_begin, q_rows, k_begin, num_keys, shift, slot, head, (pad)."""
@@ -275,7 +270,7 @@ def _fp8_prefill_kernel(
         h = tl.load(fields + 6).to(tl.int64)
         rows_ok = tl.arange(0, BLOCK_M) < q_rows
         q_a, q_b = load_q_block(
-            Q + q_begin * stride_qt + h * stride_qh, stride_qt, rows_ok, D_QK, BLOCK_DA, BLOCK_DB, BLOCK_M
+            Q + q_begin * stride_qt + h * stride_qh, stride_qt, rows_ok, D_QK, BLOCK_DA, BLOCK_DB, BLOCK_M, 0
         )
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,7 +279,7 @@ def _fp8_prefill_kernel(
             acc, l_i, m_i, q_a, q_b,
             K + k_begin * stride_kt + h * stride_kh, V + k_begin * stride_vt + h * stride_vh,
             stride_kt, stride_vt, num_keys, shift, qk_scale,
-            D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, tl.float16, "tf32",
+            D_QK, D_V, BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, tl.float16, "tf32", None, 0, 0,
         )  # fmt: skip
         out, lse = finalize_rows(acc, l_i, m_i, v_scale)
         if slot < 0:

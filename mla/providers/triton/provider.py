@@ -143,6 +143,8 @@ class TritonProvider(KernelProvider):
             # The decode kernel reads block ids from the engine's block table (one per page).
             decode_reads_block_table=True,
             varlen_clamps_indptrs=True,
+            # k_pe and the prior state (VarlenPrefillCall): constexpr branches of the varlen kernel.
+            varlen_context_operands=True,
         )
 
     def describe_probes(self) -> dict[str, object]:
