@@ -320,19 +320,38 @@ def _source_tile(
 
 
 @triton.jit
+def _common_prefix(kmin, kmax):
+    """``(shift, prefix)``: the keys between ``kmin`` and ``kmax`` share their bits from ``shift``
+    up, ``prefix`` (``kmax >> shift``); the bits below ``shift`` decide between them."""
+    shift = tl.full([], 0, tl.int32)
+    diff = kmin ^ kmax
+    while (diff >> shift) > 0:
+        shift += 1
+    return shift, kmax >> shift
+
+
+@triton.jit
+def _radix_step(h, bins, need_rem, prefix, nbits):
+    """One radix pass's choice from the histogram ``h`` of the next ``nbits`` bits of the keys in
+    play: the digit ``b`` whose bin holds the ``need_rem``-th best key; returns ``(need_rem``
+    less the keys above ``b``, the count in ``b``, ``prefix`` extended by ``b)``."""
+    suffix = tl.cumsum(h, 0, reverse=True)
+    b = tl.max(tl.where(suffix >= need_rem, bins, -1), 0)
+    need_rem -= tl.sum(tl.where(bins > b, h, 0), 0)
+    in_bin = tl.sum(tl.where(bins == b, h, 0), 0)
+    return need_rem, in_bin, (prefix << nbits) | b.to(tl.int64)
+
+
+@triton.jit
 def _select_in_tile(pos, key, valid, need, out_row, above, RADIX_BITS: tl.constexpr):
     """The finish pass on one tile of candidates held in registers (``pos``, ``key``: order
     keys, ``valid``): an exact radix select of the ``need`` best, ``RADIX_BITS`` bits a pass over
     the bits below the candidates' common prefix (no memory traffic between passes), then the
     chosen positions after the ``above`` already written, in position order (ties at the
     threshold key: the lowest positions)."""
-    kmin = tl.min(tl.where(valid, key, 0xFFFFFFFF), 0)
-    kmax = tl.max(tl.where(valid, key, 0), 0)
-    shift = tl.full([], 0, tl.int32)
-    diff = kmin ^ kmax
-    while (diff >> shift) > 0:
-        shift += 1
-    prefix = kmax >> shift
+    shift, prefix = _common_prefix(
+        tl.min(tl.where(valid, key, 0xFFFFFFFF), 0), tl.max(tl.where(valid, key, 0), 0)
+    )
     need_rem = need
     go = (shift > 0).to(tl.int32)
     bins = tl.arange(0, 1 << RADIX_BITS)
@@ -342,11 +361,7 @@ def _select_in_tile(pos, key, valid, need, out_row, above, RADIX_BITS: tl.conste
         in_play = valid & ((key >> shift) == prefix)
         digit = ((key >> low) & ((1 << nbits) - 1)).to(tl.int32)
         h = tl.histogram(digit, 1 << RADIX_BITS, mask=in_play)
-        suffix = tl.cumsum(h, 0, reverse=True)
-        b = tl.max(tl.where(suffix >= need_rem, bins, -1), 0)
-        need_rem -= tl.sum(tl.where(bins > b, h, 0), 0)
-        in_bin = tl.sum(tl.where(bins == b, h, 0), 0)
-        prefix = (prefix << nbits) | b.to(tl.int64)
+        need_rem, in_bin, prefix = _radix_step(h, bins, need_rem, prefix, nbits)
         shift = low
         go = ((shift > 0) & (in_bin != need_rem)).to(tl.int32)
     top = key >> shift
@@ -419,11 +434,7 @@ def _topk_finish_kernel(
             )
             kmin = tl.minimum(kmin, tl.min(tl.where(valid, key, 0xFFFFFFFF), 0))
             kmax = tl.maximum(kmax, tl.max(tl.where(valid, key, 0), 0))
-        shift = tl.full([], 0, tl.int32)
-        diff = kmin ^ kmax
-        while (diff >> shift) > 0:
-            shift += 1
-        prefix = kmax >> shift
+        shift, prefix = _common_prefix(kmin, kmax)
         need_rem = need
         go = (shift > 0).to(tl.int32)
         bins = tl.arange(0, DIGIT_BINS)
@@ -438,11 +449,7 @@ def _topk_finish_kernel(
                 in_play = valid & ((key >> shift) == prefix)
                 digit = ((key >> low) & ((1 << nbits) - 1)).to(tl.int32)
                 h += tl.histogram(digit, DIGIT_BINS, mask=in_play)
-            suffix = tl.cumsum(h, 0, reverse=True)
-            b = tl.max(tl.where(suffix >= need_rem, bins, -1), 0)
-            need_rem -= tl.sum(tl.where(bins > b, h, 0), 0)
-            in_bin = tl.sum(tl.where(bins == b, h, 0), 0)
-            prefix = (prefix << nbits) | b.to(tl.int64)
+            need_rem, in_bin, prefix = _radix_step(h, bins, need_rem, prefix, nbits)
             shift = low
             go = ((shift > 0) & (in_bin != need_rem)).to(tl.int32)
         # Everything above the threshold key, then its first ``need_rem`` ties in order.
