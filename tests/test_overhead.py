@@ -336,6 +336,11 @@ def test_a_replayed_call_is_found_again_by_one_key(
         data.check(f"recorded replay, seed {seed}")
     assert lookups == []
     assert replay_on_cpu[0].replays == 3
+    for options in ({"graph": "off"}, {"validate": "full"}, {"validate": "fast"}):
+        data.refill(6)
+        data.decode(**options)  # other options, another key: no replay of this graph
+        data.check(f"{options} after a recorded replay")
+    assert replay_on_cpu[0].replays == 3
 
 
 def test_a_graph_replayed_through_its_record_stays_recently_used(replay_on_cpu: list[StepGraph]) -> None:

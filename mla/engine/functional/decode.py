@@ -194,7 +194,7 @@ def mla_decode(
 def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """The eager call: the door, the plan, the step (or its CUDA-graph replay)."""
     key = allowed = None
-    if isinstance(args.q, torch.Tensor):
+    if _may_replay(args):
         allowed = decode_graphs.replay_allowed(args.q)
         if allowed:  # a call replayed before: one key, one lookup (mla.engine.functional.replay_memo)
             key = replay_memo.replay_key(args)
@@ -254,6 +254,20 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
         if counts is not None and not counts.clean():
             check_counts(counts.read(), call, args, step.inputs.query_start_loc_cpu)
         return result
+
+
+def _may_replay(args: DecodeArgs) -> bool:
+    """The options let the call replay (``graph="auto"``, ``validate`` not ``"full"``) and q is
+    a tensor: what the shortcut needs before :func:`~mla.engine.functional.decode_graphs.replay_allowed`
+    (arguments of another kind are the door's to name)."""
+    graph, validate = args.graph, args.validate
+    return (
+        isinstance(graph, str)
+        and graph == "auto"
+        and isinstance(validate, str)
+        and validate != "full"
+        and isinstance(args.q, torch.Tensor)
+    )
 
 
 def _plan_entry(call: DecodeCall, args: DecodeArgs, max_query: int) -> DecodeEntry:

@@ -25,7 +25,8 @@ class StepCounts:
     event are reused by every call and every graph of the plan."""
 
     def __init__(self, counts: torch.Tensor) -> None:
-        assert counts.dtype == torch.int32 and counts.shape == (2,), "two int32 words"
+        assert counts.dtype == torch.int32, "two int32 words"
+        assert counts.shape == (2,), "two int32 words"
         self.counts = counts
         """The device words the call's work adds to."""
         cuda = counts.device.type == "cuda"

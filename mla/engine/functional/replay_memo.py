@@ -38,8 +38,10 @@ def replay_key(args: DecodeArgs) -> tuple[object, ...] | None:
     device; such a call replays after its step check) or arguments of a kind that cannot make
     one (the door's checks then name them)."""
     try:
-        q, kv_cache, block_table, seq_lens = args.q, args.kv_cache, args.block_table, args.seq_lens
-        out, lse, qsl, kv_scale = args.out, args.lse, args.query_start_loc, args.kv_scale
+        (
+            q, kv_cache, block_table, seq_lens, qsl, softmax_scale, kv_lora_rank, kv_scale, provider,
+            strategy, platform, out, lse, return_lse, validate, graph,
+        ) = args  # fmt: skip
         qsl_key: object = None
         if qsl is not None:
             if not qsl.is_cpu:
@@ -47,13 +49,8 @@ def replay_key(args: DecodeArgs) -> tuple[object, ...] | None:
             qsl_key = (qsl.shape, qsl.dtype, tuple(qsl.tolist()))
         scale_key: object = None
         if isinstance(kv_scale, torch.Tensor):
-            scale_key = (
-                kv_scale.data_ptr(),
-                kv_scale.shape,
-                kv_scale.stride(),
-                kv_scale.dtype,
-                kv_scale.device,
-            )
+            scale = kv_scale
+            scale_key = (scale.data_ptr(), scale.shape, scale.stride(), scale.dtype, scale.device)
         elif kv_scale is not None:
             scale_key = type(kv_scale)  # a float's value is checked and written per call
         return (
@@ -64,9 +61,8 @@ def replay_key(args: DecodeArgs) -> tuple[object, ...] | None:
             seq_lens.data_ptr(), seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
             None if out is None else (out.data_ptr(), out.shape, out.stride(), out.dtype, out.device),
             None if lse is None else (lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, lse.device),
-            qsl_key, scale_key, type(args.softmax_scale), args.softmax_scale, type(args.kv_lora_rank),
-            args.kv_lora_rank, args.provider, args.strategy, args.platform, type(args.return_lse),
-            args.return_lse, args.validate, args.graph,
+            qsl_key, scale_key, type(softmax_scale), softmax_scale, type(kv_lora_rank), kv_lora_rank,
+            provider, strategy, platform, type(return_lse), return_lse, validate, graph,
         )  # fmt: skip
     except (AttributeError, TypeError):
         return None
