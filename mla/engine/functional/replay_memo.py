@@ -35,8 +35,9 @@ all of them."""
 
 def replay_key(args: DecodeArgs) -> tuple[object, ...] | None:
     """The call's flat key, or ``None``: a device ``query_start_loc`` (its values are on the
-    device; such a call replays after its step check) or arguments of a kind that cannot make
-    one (the door's checks then name them)."""
+    device; such a call replays after its step check), or arguments that cannot make one (of
+    another kind, a tensor without data: the door's route then handles them; an unhashable
+    option makes a key that :func:`recall` and :func:`remember` pass over)."""
     try:
         (
             q, kv_cache, block_table, seq_lens, qsl, softmax_scale, kv_lora_rank, kv_scale, provider,
@@ -64,7 +65,7 @@ def replay_key(args: DecodeArgs) -> tuple[object, ...] | None:
             qsl_key, scale_key, type(softmax_scale), softmax_scale, type(kv_lora_rank), kv_lora_rank,
             provider, strategy, platform, type(return_lse), return_lse, validate, graph,
         )  # fmt: skip
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # (RuntimeError: a tensor without data)
         return None
 
 
@@ -127,7 +128,10 @@ RECORDS: dict[tuple[object, ...], ReplayRecord] = {}
 def recall(key: tuple[object, ...]) -> tuple[DecodeCall, DecodeEntry, CapturedCall] | None:
     """The signature record, plan and graph recorded under ``key`` while they are current; a
     record that is not is dropped."""
-    record = RECORDS.get(key)
+    try:
+        record = RECORDS.get(key)
+    except TypeError:  # an unhashable option: the door's route names it
+        return None
     if record is None:
         return None
     target = record.target()
@@ -137,7 +141,12 @@ def recall(key: tuple[object, ...]) -> tuple[DecodeCall, DecodeEntry, CapturedCa
 
 
 def remember(key: tuple[object, ...], record: ReplayRecord) -> None:
-    """Record a call that replayed through the caches (dead records go first when full)."""
+    """Record a call that replayed through the caches (dead records go first when full); a key
+    that cannot be hashed records nothing."""
+    try:
+        hash(key)
+    except TypeError:
+        return
     if len(RECORDS) >= MAX_RECORDS:
         for old, held in list(RECORDS.items()):
             if not held.alive():
