@@ -25,6 +25,8 @@ Per shape it prints:
   CUDA-graph replay dispatches none), and ``launches`` (GPU only): host-side launch calls
   recorded by the torch profiler (``cudaLaunchKernel``, ``cuLaunchKernel*``,
   ``cudaGraphLaunch``, ``cudaMemcpyAsync``, ``cudaMemsetAsync``) / kernels that ran on the device.
+  These counts are taken after every time in the tables (the profiler can leave CUPTI attached,
+  slowing the CUDA API calls of whatever runs after it).
 
 ``mla_decode`` is called with ``out=`` and ``return_lse=False`` on the same tensors every call,
 so from the third call on it replays the CUDA graph it captured on the second
@@ -135,7 +137,7 @@ def run_shape(
     graph: str,
     validate: str = "checked",
     profile_build: bool = False,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Callable[[], None]]:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gpu = dev.type == "cuda"
@@ -202,12 +204,14 @@ def run_shape(
         num_decodes=batch,
         num_decode_tokens=batch,
     )
-    build_us = wall_us(lambda: engine.builder.build(step), calls=calls, rounds=rounds, sync=sync)
+
+    def build() -> None:
+        engine.builder.build(step)
+
+    build_us = wall_us(build, calls=calls, rounds=rounds, sync=sync)
     if profile_build:
-        print_profile(
-            lambda: engine.builder.build(step), f"builder.build, B{batch} block {block}", calls=500, sync=sync
-        )
-    return {
+        print_profile(build, f"builder.build, B{batch} block {block}", calls=500, sync=sync)
+    row: dict[str, Any] = {
         "B": batch,
         "block": block,
         "H": heads,
@@ -219,13 +223,18 @@ def run_shape(
         "plain overhead us": round(plain_us - kernel_us, 1),
         "sync call us": round(sync_call_us, 1),
         "build us": round(build_us, 1),
-        "build d2h": _count_syncs(lambda: engine.builder.build(step)),
-        "call d2h": _count_syncs(call),
-        "build ops": _count_ops(lambda: engine.builder.build(step)),
-        "build launches": _count_launches(lambda: engine.builder.build(step)),
-        "call ops": _count_ops(call),
-        "call launches": _count_launches(call),
     }
+
+    def counts() -> None:
+        """The count columns (run after every shape's timings: see :func:`main`)."""
+        row["build d2h"] = _count_syncs(build)
+        row["call d2h"] = _count_syncs(call)
+        row["build ops"] = _count_ops(build)
+        row["build launches"] = _count_launches(build)
+        row["call ops"] = _count_ops(call)
+        row["call launches"] = _count_launches(call)
+
+    return row, counts
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -254,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         shapes = [(b, blk) for b in (1, 4) for blk in (1, 16)]
         dims = {"heads": 4, "rank": 64, "rope": 16, "seq_len": args.seq_len or 64}
         title = "mla_decode / builder.build host overhead (CPU smoke run, tiny shapes)"
-    rows = [
+    timed = [
         run_shape(
             batch=b,
             block=blk,
@@ -267,10 +276,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         for b, blk in shapes
     ]
-    print_table(rows, title=title)
+    prefill = prefill_row(device=args.device, provider=args.provider, gpu=gpu)
+    # The counts run after every timing: the torch profiler of the launch counts can leave CUPTI
+    # attached to the process (Kineto's teardown is off by default with CUDA graphs; pytorch
+    # issue 144455), which slows every later CUDA API call. Timed after the first shape's
+    # counts, the host-bound B1 block 64 shape measured that as overhead (B1 block 1, timed
+    # first, did not).
+    for _row, counts in timed:
+        counts()
+    print_table([row for row, _counts in timed], title=title)
     print_table(
-        [prefill_row(device=args.device, provider=args.provider, gpu=gpu)],
-        title="mla_prefill host overhead (the README-style call: fresh outputs, LSE returned)",
+        [prefill], title="mla_prefill host overhead (the README-style call: fresh outputs, LSE returned)"
     )
     print_launch_cache()
 

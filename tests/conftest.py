@@ -59,7 +59,7 @@ class StepGraph:
 def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepGraph]]:
     """Replay allowed on the CPU; every capture recorded (in order) as a :class:`StepGraph`."""
     # (imported here: mla may import triton, which must not come before TRITON_INTERPRET above)
-    from mla.engine.functional import decode_graphs
+    from mla.engine.functional import decode_graphs, replay_memo
     from mla.engine.functional.plan_cache import DECODE_PLANS
 
     captured: list[StepGraph] = []
@@ -71,8 +71,10 @@ def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepGraph]]:
     monkeypatch.setattr(decode_graphs, "device_allows_replay", lambda q: True)
     monkeypatch.setattr(decode_graphs, "capture", capture)
     DECODE_PLANS.clear()
+    replay_memo.RECORDS.clear()
     yield captured
     DECODE_PLANS.clear()
+    replay_memo.RECORDS.clear()
 
 
 @pytest.fixture

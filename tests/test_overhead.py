@@ -26,8 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla
 from mla.core.step_rules import HostLengths
-from mla.engine.functional import decode_graphs
-from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry
+from mla.engine.functional import decode as decode_module
+from mla.engine.functional import decode_graphs, replay_memo
+from mla.engine.functional.plan_cache import DECODE_PLANS, DecodeEntry, PlanCache
 from mla.testing import assert_matches_reference, emulated_provider
 from mla.tools.reference import reference_decode
 
@@ -312,6 +313,105 @@ def test_a_failed_capture_warns_once_and_stays_eager(monkeypatch: pytest.MonkeyP
         data.check(f"eager after a failed capture, seed {seed}")
     assert attempts == [1]
     assert states() == [decode_graphs.EAGER]
+
+
+# -- the recorded replay (mla.engine.functional.replay_memo) ---------------------------------------
+
+
+def test_a_replayed_call_is_found_again_by_one_key(
+    replay_on_cpu: list[StepGraph], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its first replay a call is recorded under its flat key: the next ones replay the
+    same graph without the signature, plan or graph lookups, on the tensors' current values."""
+    data = Inputs()
+    for _ in range(3):  # seen, captured, replayed (and recorded)
+        data.decode()
+    assert len(replay_memo.RECORDS) == 1
+    lookups: list[object] = []
+    real = decode_module.checked_signature
+    monkeypatch.setattr(decode_module, "checked_signature", lambda *a: (lookups.append(a), real(*a))[1])
+    for seed in (4, 5):
+        data.refill(seed)
+        assert data.decode() == (data.out, data.lse)
+        data.check(f"recorded replay, seed {seed}")
+    assert lookups == []
+    assert replay_on_cpu[0].replays == 3
+    for options in ({"graph": "off"}, {"validate": "full"}, {"validate": "fast"}):
+        data.refill(6)
+        data.decode(**options)  # other options, another key: no replay of this graph
+        data.check(f"{options} after a recorded replay")
+    assert replay_on_cpu[0].replays == 3
+
+
+def test_a_graph_replayed_through_its_record_stays_recently_used(replay_on_cpu: list[StepGraph]) -> None:
+    """The record keeps the plan's graph LRU as a lookup would: a graph replayed between the
+    captures of as many other tensor sets as the plan holds is not the one evicted."""
+    data = Inputs()
+    for _ in range(3):
+        data.decode()
+    for other in [torch.empty_like(data.out) for _ in range(decode_graphs.GRAPHS_PER_PLAN)]:
+        for _ in range(2):
+            data.decode(out=other)  # seen, captured
+        data.decode()  # recorded: replays, and marks its graph used
+    assert replay_on_cpu[0].replays == 1 + decode_graphs.GRAPHS_PER_PLAN
+    data.refill(7)
+    data.decode()
+    assert replay_on_cpu[0].replays == 2 + decode_graphs.GRAPHS_PER_PLAN
+    data.check("the recorded graph after the other captures")
+
+
+def test_a_record_is_dropped_with_its_graph(replay_on_cpu: list[StepGraph]) -> None:
+    """A record whose graph (or plan) left the caches is not used: the call runs as a new one."""
+    data = Inputs()
+    for _ in range(3):
+        data.decode()
+    for other in [torch.empty_like(data.out) for _ in range(decode_graphs.GRAPHS_PER_PLAN)]:
+        for _ in range(2):
+            data.decode(out=other)  # the first graph is evicted after the last of these
+    data.decode()
+    assert replay_on_cpu[0].replays == 1
+    assert states()[-1] is decode_graphs.SEEN
+    assert replay_memo.RECORDS == {}
+    for _ in range(3):
+        data.decode()
+    assert replay_on_cpu[0].replays == 1
+    DECODE_PLANS.clear()
+    data.refill(8)
+    data.decode()
+    assert states() == [decode_graphs.SEEN]
+    data.check("after the plans were cleared")
+
+
+def test_a_tensor_moved_in_place_is_not_replayed_at_its_old_address(replay_on_cpu: list[StepGraph]) -> None:
+    """The key is read from the tensors at each call: the same ``out`` object given new memory
+    (``set_``) gets its own graph, written at its new address."""
+    data = Inputs()
+    for _ in range(3):
+        data.decode()
+    data.out.set_(torch.full_like(data.out, math.nan))
+    data.refill(9)
+    data.decode()
+    data.check("out moved to new memory")
+    assert replay_on_cpu[0].replays == 1
+    assert states()[-1] is decode_graphs.SEEN
+
+
+def test_plan_cache_touch_and_changes() -> None:
+    cache: PlanCache[str, object] = PlanCache(2)
+    a, b = object(), object()
+    cache.put("a", a)
+    cache.put("b", b)
+    changes = cache.changes
+    assert cache.touch("b", b)  # already the most recent: no change
+    assert cache.changes == changes
+    assert not cache.touch("a", b)  # another value
+    assert cache.touch("a", a)
+    assert cache.changes == changes + 1
+    cache.put("c", object())  # evicts "b", now the least recently used
+    assert not cache.holds("b", b)
+    assert cache.holds("a", a)
+    cache.clear()
+    assert not cache.touch("a", a)
 
 
 # -- cached checks --------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 The route of a call: the door (:mod:`~mla.engine.functional.decode_call`: the call's own
 arguments checked once per signature, its step by the engine's step checker), the plan cache (a
-backend sized for the call's shapes), the builder (``plan``) and the strategy's ``run``. Under
+backend sized for the call's shapes), the builder (``plan``) and the strategy's ``run``; a call
+that replays a captured CUDA graph stops after the door, and one that replayed before goes
+straight to its graph (:mod:`~mla.engine.functional.replay_memo`). Under
 ``torch.compile`` the call is one op of :mod:`mla.engine.functional.ops` whose body is the
 eager call (no graph break).
 """
@@ -18,7 +20,7 @@ from mla.core.platform import Platform
 from mla.core.validate import CallValidateMode, require_no_overlap
 from mla.engine.backend.step_check import CheckedStep
 from mla.engine.decision.registry import AnyStrategy
-from mla.engine.functional import decode_graphs
+from mla.engine.functional import decode_graphs, replay_memo
 from mla.engine.functional import ops as functional_ops
 from mla.engine.functional.args import DecodeArgs
 from mla.engine.functional.decode_call import (
@@ -159,7 +161,8 @@ def mla_decode(
     the block table, never by the data) in a :class:`torch.cuda.CUDAGraph` kept with the plan
     (:data:`~mla.engine.functional.decode_graphs.GRAPHS_PER_PLAN` per plan), and later calls
     replay it: one launch, reading the tensors' current values and the current ``kv_scale`` (a
-    float is written to a device buffer the graph reads). Without ``out=`` (or ``lse=``) the
+    float is written to a device buffer the graph reads); a call that replayed once is found
+    again by one key (:mod:`~mla.engine.functional.replay_memo`). Without ``out=`` (or ``lse=``) the
     graph writes buffers of its own and the call returns fresh copies of them (one device copy
     each; ``out=`` saves it). With ``validate="checked"`` the graph also zeroes the fill's
     counts, copies them to the plan's pinned host buffer and records the plan's event right
@@ -190,14 +193,22 @@ def mla_decode(
 
 def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """The eager call: the door, the plan, the step (or its CUDA-graph replay)."""
+    key = allowed = None
+    if _may_replay(args):
+        allowed = decode_graphs.replay_allowed(args.q)
+        if allowed:  # a call replayed before: one key, one lookup (mla.engine.functional.replay_memo)
+            key = replay_memo.replay_key(args)
+            recalled = None if key is None else replay_memo.recall(key)
+            if recalled is not None:
+                return _replay_recalled(*recalled, args)
     call, cached = checked_signature(DECODE_CALLS, decode_signature, check_decode_call, args)
     if cached and call.scale_on_host:
         assert args.kv_scale is not None
         check_scale_value(args.kv_scale, args.kv_cache.dtype)
     qsl = args.query_start_loc
-    replayable = call.replay and decode_graphs.replay_allowed(args.q)
+    replayable = call.replay and (decode_graphs.replay_allowed(args.q) if allowed is None else allowed)
     if replayable and (qsl is None or call.host_qsl):
-        replayed = _replay(call, args, None if qsl is None else tuple(qsl.tolist()))
+        replayed = _replay(call, args, None if qsl is None else tuple(qsl.tolist()), key)
         if replayed is not None:
             return replayed
     step = check_step(call, args)
@@ -224,10 +235,7 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
             graph_key = _graph_key(call, args, scale, tuple(step.query_start_loc))
             state = entry.graphs.get(graph_key)
             if isinstance(state, decode_graphs.CapturedCall):  # (a device query_start_loc's)
-                state.graph.replay()
-                if entry.counts is not None:
-                    check_counts(entry.counts.read(), call, args, step.inputs.query_start_loc_cpu)
-                return state.results(args.out, args.lse, args.return_lse)
+                return _launch(state, entry, call, args, step.inputs.query_start_loc_cpu)
             if state is None:
                 entry.graphs.put(graph_key, decode_graphs.SEEN)
             elif state is decode_graphs.SEEN:
@@ -242,9 +250,24 @@ def _decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor] | torch.Tenso
             qsl_dev = host.to(device=q.device, dtype=torch.int32, non_blocking=True)
         counts = active(entry.counts, q.device)
         run_step(backend, device_step(step, qsl_dev), q, kv_cache, out, lse, scale, counts)
-        if counts is not None:  # read after the launch: the wait does not hold the kernels back
+        # Read after the launch: the wait does not hold the kernels back.
+        if counts is not None and not counts.clean():
             check_counts(counts.read(), call, args, step.inputs.query_start_loc_cpu)
         return result
+
+
+def _may_replay(args: DecodeArgs) -> bool:
+    """The options let the call replay (``graph="auto"``, ``validate`` not ``"full"``) and q is
+    a tensor: what the shortcut needs before :func:`~mla.engine.functional.decode_graphs.replay_allowed`
+    (arguments of another kind are the door's to name)."""
+    graph, validate = args.graph, args.validate
+    return (
+        isinstance(graph, str)
+        and graph == "auto"
+        and isinstance(validate, str)
+        and validate != "full"
+        and isinstance(args.q, torch.Tensor)
+    )
 
 
 def _plan_entry(call: DecodeCall, args: DecodeArgs, max_query: int) -> DecodeEntry:
@@ -274,28 +297,63 @@ def _graph_key(
 
 
 def _replay(
-    call: DecodeCall, args: DecodeArgs, qsl_values: tuple[int, ...] | None
+    call: DecodeCall, args: DecodeArgs, qsl_values: tuple[int, ...] | None, key: tuple[object, ...] | None
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """A repeated call's graph replay, before any step check: a captured graph's key holds the
     signature, every tensor's address and strides and the host ``query_start_loc`` values, so
     the call it was captured from passed the same checks (outputs apart from the inputs
-    included). ``None``: nothing captured for this call yet."""
+    included). ``None``: nothing captured for this call yet. A replayed call is recorded under
+    its flat ``key`` (:mod:`~mla.engine.functional.replay_memo`), where the next one finds it."""
     max_query = 1
     if qsl_values is not None:  # unchecked here: only a lookup (a miss runs the checks)
         max_query = max((b - a for a, b in itertools.pairwise(qsl_values)), default=1)
-    entry = DECODE_PLANS.get((call.base_key, max(1, max_query)))
+    plan_key = (call.base_key, max(1, max_query))
+    entry = DECODE_PLANS.get(plan_key)
     if entry is None:
         return None
     with entry.backend.in_use:
         scale = entry.backend.kv_scale.convert(args.kv_scale)
-        state = entry.graphs.get(_graph_key(call, args, scale, qsl_values))
+        graph_key = _graph_key(call, args, scale, qsl_values)
+        state = entry.graphs.get(graph_key)
         if not isinstance(state, decode_graphs.CapturedCall):
             return None
-        state.graph.replay()
-        if entry.counts is not None:  # the graph's copy of the fill's counts, read after the launch
-            qsl = args.query_start_loc
-            check_counts(entry.counts.read(), call, args, call.unit_qsl_cpu if qsl is None else qsl)
-        return state.results(args.out, args.lse, args.return_lse)
+        if key is not None:
+            record = replay_memo.ReplayRecord(call, entry, state, decode_signature(args), plan_key, graph_key)
+            replay_memo.remember(key, record)
+        qsl = args.query_start_loc
+        return _launch(state, entry, call, args, call.unit_qsl_cpu if qsl is None else qsl)
+
+
+def _replay_recalled(
+    call: DecodeCall, entry: DecodeEntry, state: decode_graphs.CapturedCall, args: DecodeArgs
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """A recorded call's replay (:func:`~mla.engine.functional.replay_memo.recall`): what
+    :func:`_replay` does once it has found the graph."""
+    if call.scale_on_host:
+        assert args.kv_scale is not None
+        check_scale_value(args.kv_scale, args.kv_cache.dtype)
+    with entry.backend.in_use:
+        entry.backend.kv_scale.convert(args.kv_scale)
+        qsl = args.query_start_loc
+        return _launch(state, entry, call, args, call.unit_qsl_cpu if qsl is None else qsl)
+
+
+def _launch(
+    state: decode_graphs.CapturedCall,
+    entry: DecodeEntry,
+    call: DecodeCall,
+    args: DecodeArgs,
+    query_start_loc_cpu: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """Replay ``state`` and return the call's results; with ``validate="checked"``, raise for
+    this call's counts. The copies of the graph's own outputs (a call without ``out=``/``lse=``)
+    are queued before the host waits for the counts, so their host work overlaps the fill."""
+    state.graph.replay()
+    result = state.results(args.out, args.lse, args.return_lse)
+    counts = entry.counts
+    if counts is not None and not counts.clean():
+        check_counts(counts.read(), call, args, query_start_loc_cpu)
+    return result
 
 
 def _check_outputs_apart(args: DecodeArgs) -> None:

@@ -37,6 +37,10 @@ class PlanCache(Generic[K, V]):
     def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
         self._entries: OrderedDict[K, V] = OrderedDict()
+        self.changes = 0
+        """Counts every change of the map or of its order (a hit, a put, an eviction, a clear): a
+        holder of a key and its value that finds the same count as when it last looked knows
+        both are still there, in the order it left them (:meth:`touch`)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -45,16 +49,34 @@ class PlanCache(Generic[K, V]):
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
+            self.changes += 1
         return entry
 
     def put(self, key: K, value: V) -> None:
         self._entries[key] = value
         self._entries.move_to_end(key)
+        self.changes += 1
         while len(self._entries) > self.maxsize:
             self._entries.popitem(last=False)
 
     def clear(self) -> None:
         self._entries.clear()
+        self.changes += 1
+
+    def holds(self, key: K, value: V) -> bool:
+        """``key`` maps to ``value`` itself (the order is left as it is)."""
+        return self._entries.get(key) is value
+
+    def touch(self, key: K, value: V) -> bool:
+        """Whether ``key`` still maps to ``value`` itself; if so, ``key`` becomes the most
+        recently used, as a :meth:`get` would make it (no change counted when it already was)."""
+        entries = self._entries
+        if entries.get(key) is not value:
+            return False
+        if next(reversed(entries)) != key:
+            entries.move_to_end(key)
+            self.changes += 1
+        return True
 
 
 def checked_signature(

@@ -25,6 +25,8 @@ class StepCounts:
     event are reused by every call and every graph of the plan."""
 
     def __init__(self, counts: torch.Tensor) -> None:
+        assert counts.dtype == torch.int32, "two int32 words"
+        assert counts.shape == (2,), "two int32 words"
         self.counts = counts
         """The device words the call's work adds to."""
         cuda = counts.device.type == "cuda"
@@ -37,6 +39,9 @@ class StepCounts:
         """A captured graph can hold the read back: ``False`` on a torch without external events
         and on ROCm, whose torch records an event inside a capture as a plain dependency (no
         event-record node the host could wait on): the plan's checked calls then run eagerly."""
+        words = self.host if cuda else counts
+        self._word = words.numpy().data.cast("B").cast("q")
+        """The two int32 words read as one int64 (0 when both are): :meth:`clean`'s read."""
         if cuda:
             try:
                 self.copied = torch.cuda.Event(external=True)  # type: ignore[no-untyped-call]
@@ -56,6 +61,13 @@ class StepCounts:
         if self.copied is not None:
             self.host.copy_(self.counts, non_blocking=True)
             self.copied.record()
+
+    def clean(self) -> bool:
+        """Whether the last call counted nothing (waits for its copy alone on a CUDA device):
+        the common case, read as one machine word (:meth:`read` gives the counts)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self._word[0] == 0
 
     def read(self) -> list[int]:
         """The counts of the last call (waits for its copy alone on a CUDA device)."""
