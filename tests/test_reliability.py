@@ -549,17 +549,32 @@ def test_cli_messages_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None
 # -- 6. decode context parallelism ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["lens", "rows"])
-def test_ranks_that_build_different_steps_raise_on_every_rank(mode: str, tmp_path: Path) -> None:
+MISMATCH_MODES = ["lens", "rows"]
+
+
+@pytest.fixture(scope="module")
+def mismatch_outcomes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every mode's outcome per rank, from one child and its two gloo ranks (a group of their
+    own per mode): the processes start once, not once per mode."""
+    result_dir = tmp_path_factory.mktemp("dcp-mismatch")
+    result = run_child(
+        str(ROOT / "tests" / "reliability_cases.py"),
+        "dcp-mismatch",
+        ",".join(MISMATCH_MODES),
+        str(result_dir),
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result_dir
+
+
+@pytest.mark.parametrize("mode", MISMATCH_MODES)
+def test_ranks_that_build_different_steps_raise_on_every_rank(mode: str, mismatch_outcomes: Path) -> None:
     """Rank 0's output was silently wrong (relative error 0.15). Now every rank raises
     ``StepMismatchError``, also when the steps differ in row count (where the combine's
     collectives would not even agree on their sizes); none hangs (two gloo processes)."""
-    result = run_child(
-        str(ROOT / "tests" / "reliability_cases.py"), "dcp-mismatch", mode, str(tmp_path), timeout=240
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        outcome = (tmp_path / f"rank{rank}").read_text()
+        outcome = (mismatch_outcomes / f"{mode}-rank{rank}").read_text()
         assert outcome.startswith("StepMismatchError"), outcome
         assert f"rank {rank} built a different step" in outcome
 
