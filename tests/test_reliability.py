@@ -579,14 +579,16 @@ def test_ranks_that_build_different_steps_raise_on_every_rank(mode: str, mismatc
         assert f"rank {rank} built a different step" in outcome
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_dcp_decode_error_does_not_grow_with_ranks(world: int) -> None:
-    """The partials were summed in bf16: 1.5e-2 at 4 and 8 ranks against 3.5e-3 unsharded."""
+def test_dcp_decode_error_does_not_grow_with_ranks() -> None:
+    """The partials were summed in bf16: 1.5e-2 at 4 and 8 ranks against 3.5e-3 unsharded. Four
+    ranks: the combine is the same code for any group size, and its bf16 sum was already 4x the
+    unsharded error at four (eight more processes, ~35 s of CPU, showed the same)."""
     from mla.tools.demo_dcp import run_dcp_demo
     from mla.tools.demo_records import DemoConfig
 
+    world = 4
     config = DemoConfig(
-        steps=10 if world == 8 else 16,
+        steps=16,
         heads=world,
         seed=5,
         kv_lora_rank=64,
