@@ -46,6 +46,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if "gpu" not in item.keywords]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heavy_first(items)
+
+
+def heavy_first(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist: the files that hold a ``heavy`` test first, each file's tests (and
+    the rest) in their order. ``--dist loadfile`` hands out whole files in this order, so the
+    long tests start early and the short ones fill in around them; started last, a minute of
+    compiles would run alone on one worker while the others sit idle. (Every worker collects,
+    and sorts, the same.)"""
+    heavy = {item.path for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 # -- CUDA-graph replay on the CPU (tests/test_overhead.py, tests/test_checked_values.py) ------------

@@ -60,6 +60,7 @@ def test_block_ids_past_the_cache_are_masked_on_the_torch_provider(num_blocks: i
     assert cases.outside_block_case("torch", num_blocks) < 1e-5
 
 
+@pytest.mark.heavy
 @pytest.mark.interpret
 @pytest.mark.parametrize("num_blocks", ["none", "8"])
 def test_block_ids_past_the_cache_never_crash_the_triton_interpreter(num_blocks: str) -> None:
@@ -568,6 +569,7 @@ def mismatch_outcomes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return result_dir
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", MISMATCH_MODES)
 def test_ranks_that_build_different_steps_raise_on_every_rank(mode: str, mismatch_outcomes: Path) -> None:
     """Rank 0's output was silently wrong (relative error 0.15). Now every rank raises
@@ -579,6 +581,7 @@ def test_ranks_that_build_different_steps_raise_on_every_rank(mode: str, mismatc
         assert f"rank {rank} built a different step" in outcome
 
 
+@pytest.mark.heavy
 def test_dcp_decode_error_does_not_grow_with_ranks() -> None:
     """The partials were summed in bf16: 1.5e-2 at 4 and 8 ranks against 3.5e-3 unsharded. Four
     ranks: the combine is the same code for any group size, and its bf16 sum was already 4x the

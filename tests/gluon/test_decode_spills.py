@@ -31,6 +31,8 @@ from sm90_compile import Compiled, compile_cases, mma_loop_lengths
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
+pytestmark = pytest.mark.heavy  # (compiles four launches for sm_90 in a process of its own)
+
 CASES = {
     # kernel: (cubin name, heads, qlen, batch, seq, fp8 cache, max stack bytes, max loop length)
     "rows": ("mla_decode_rows_kernel", 16, 2, 64, 4096, False, 0, 1200),

@@ -80,6 +80,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
     return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("ds-mla"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("heads", "overlap"), CASES)
 def test_ds_mla_kernel_has_no_spills_and_fits(
     heads: int, overlap: bool, compiled: dict[str, Compiled]

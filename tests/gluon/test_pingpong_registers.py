@@ -23,6 +23,8 @@ from sm90_compile import Compiled, compile_cases
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
+pytestmark = pytest.mark.heavy  # (compiles two launches for sm_90 in a process of its own)
+
 MAX_STACK = 112
 """Bytes of stack (spills) allowed: 80-96 with the id ring, 160-168 with the global re-read."""
 

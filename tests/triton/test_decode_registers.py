@@ -25,6 +25,8 @@ from sm90_compile import Compiled, compile_cases, mma_loop_lengths
 
 triton = pytest.importorskip("triton")
 
+pytestmark = pytest.mark.heavy  # (compiles four launches for sm_90 in a process of its own)
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
