@@ -14,19 +14,27 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``make test``: ``-n auto``, one worker per core) each worker's torch would
+# start a thread per core: the workers' threads would then outnumber the cores and wait on each
+# other. Each worker gets its share of the cores instead.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     if torch.cuda.is_available():
         return None
-    return "gpu-marked tests: deselected (no CUDA/ROCm device; counted as deselected, not skipped)"
+    # (a serial run's summary counts them, "N deselected"; under pytest-xdist the workers
+    # deselect them and the summary leaves them out, so this line is where a run says so)
+    return "gpu-marked tests: deselected, not skipped (no CUDA/ROCm device)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without a CUDA/ROCm device the ``gpu``-marked tests are deselected: the summary counts
-    them in one number ("N deselected") instead of a skip line each. With a device (and without
-    ``TRITON_INTERPRET=1``) the ``interpret``-marked tests are deselected instead: they hand the
-    Triton kernels CPU tensors, which only the interpreter runs (the GPU tests cover the
-    kernels on the device)."""
+    """Without a CUDA/ROCm device the ``gpu``-marked tests are deselected, not skipped: no skip
+    line each (a serial run's summary counts them in one number, "N deselected"). With a device
+    (and without ``TRITON_INTERPRET=1``) the ``interpret``-marked tests are deselected instead:
+    they hand the Triton kernels CPU tensors, which only the interpreter runs (the GPU tests
+    cover the kernels on the device)."""
     if torch.cuda.is_available():
         if os.environ.get("TRITON_INTERPRET") != "1":
             cpu_only = [item for item in items if "interpret" in item.keywords]
@@ -38,6 +46,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if "gpu" not in item.keywords]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heavy_first(items)
+
+
+def heavy_first(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist: the files that hold a ``heavy`` test first, each file's tests (and
+    the rest) in their order. ``--dist loadfile`` hands out whole files in this order, so the
+    long tests start early and the short ones fill in around them; started last, a minute of
+    compiles would run alone on one worker while the others sit idle. (Every worker collects,
+    and sorts, the same.)"""
+    heavy = {item.path for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 # -- CUDA-graph replay on the CPU (tests/test_overhead.py, tests/test_checked_values.py) ------------

@@ -8,6 +8,7 @@ that request cut to the keys inside the cache (masked positions contribute nothi
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -65,12 +66,16 @@ def outside_block_case(provider: str, num_blocks: int | None) -> float:
     return max(float((out - ref).abs().max()), float((lse - ref_lse).abs().max()))
 
 
-def dcp_mismatch_worker(rank: int, world: int, init_file: str, result_dir: str, mode: str) -> None:
-    """One rank of a gloo group whose ranks build different steps (``mode``: ``"lens"``: other
-    seq_lens, same rows; ``"rows"``: another row count): every rank must raise
-    :class:`~mla.distributed.StepMismatchError` from ``forward_decode`` (none hangs)."""
-    import os
+def dcp_mismatch_worker(rank: int, world: int, result_dir: str, modes: list[str]) -> None:
+    """One rank of a gloo group whose ranks build different steps, once per mode, each in a
+    group of its own (``"lens"``: other seq_lens, same rows; ``"rows"``: another row count):
+    every rank must raise :class:`~mla.distributed.StepMismatchError` from ``forward_decode``
+    (none hangs). Writes each outcome to ``<mode>-rank<rank>`` in ``result_dir``."""
+    for mode in modes:
+        dcp_mismatch_case(rank, world, os.path.join(result_dir, f"init-{mode}"), result_dir, mode)
 
+
+def dcp_mismatch_case(rank: int, world: int, init_file: str, result_dir: str, mode: str) -> None:
     import torch.distributed as dist
 
     from mla.distributed import DecodeContextParallel, StepMismatchError
@@ -108,22 +113,20 @@ def dcp_mismatch_worker(rank: int, world: int, init_file: str, result_dir: str, 
         outcome = f"StepMismatchError: {error}"
     except Exception as error:
         outcome = f"{type(error).__name__}: {error}"
-    with open(os.path.join(result_dir, f"rank{rank}"), "w") as handle:
+    with open(os.path.join(result_dir, f"{mode}-rank{rank}"), "w") as handle:
         handle.write(outcome)
     dist.destroy_process_group()
 
 
-def dcp_mismatch(mode: str, result_dir: str) -> None:
-    import os
-
+def dcp_mismatch(modes: list[str], result_dir: str) -> None:
+    """Two ranks run every mode (one start of the processes for all of them)."""
     import torch.multiprocessing as mp
 
-    init_file = os.path.join(result_dir, "init")
-    mp.spawn(dcp_mismatch_worker, args=(2, init_file, result_dir, mode), nprocs=2, join=True)
+    mp.spawn(dcp_mismatch_worker, args=(2, result_dir, modes), nprocs=2, join=True)
 
 
 if __name__ == "__main__" and sys.argv[1] == "dcp-mismatch":
-    dcp_mismatch(sys.argv[2], sys.argv[3])
+    dcp_mismatch(sys.argv[2].split(","), sys.argv[3])
 elif __name__ == "__main__":
     name, blocks = sys.argv[1], sys.argv[2]
     diff = outside_block_case(name, None if blocks == "none" else int(blocks))

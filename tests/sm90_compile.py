@@ -7,10 +7,37 @@ without that variable. Shared by the tests that compile kernels.
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
+import textwrap
+
+RUNNER = textwrap.dedent(
+    """
+    import contextlib, io, json, os, sys, traceback
+
+    script, cases = sys.argv[1], json.loads(sys.argv[2])
+    code = compile(script, "<compile script>", "exec")
+    results = {}
+    for name, (cache_dir, args) in cases.items():
+        os.environ["TRITON_CACHE_DIR"] = cache_dir  # (Triton reads it at each compile)
+        sys.argv = ["-c", *args]
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                exec(code, {"__name__": "__main__"})
+        except BaseException:
+            results[name] = [printed.getvalue(), traceback.format_exc()]
+        else:
+            results[name] = [printed.getvalue(), None]
+    print(json.dumps(results))
+    """
+)
+"""Runs one script once per case in one process: each case with its own ``sys.argv`` and Triton
+cache directory; prints ``{case: [stdout, traceback or None]}``."""
 
 
 def run_without_interpreter(args: list[str], *, timeout: float = 900) -> str:
@@ -22,6 +49,38 @@ def run_without_interpreter(args: list[str], *, timeout: float = 900) -> str:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
+
+
+class Compiled:
+    """One case of :func:`compile_cases`: the Triton cache directory its kernels compiled into
+    and what its script printed."""
+
+    def __init__(self, cache_dir: pathlib.Path, printed: str, error: str | None) -> None:
+        self.cache_dir = cache_dir
+        self._printed = printed
+        self._error = error
+
+    def stdout(self) -> str:
+        """What the case's script printed, after asserting that it raised nothing (the
+        assertion shows its traceback)."""
+        assert self._error is None, self._error[-4000:]
+        return self._printed
+
+
+def compile_cases(script: str, cases: dict[str, list[str]], root: pathlib.Path) -> dict[str, Compiled]:
+    """Run ``script`` once per case (``sys.argv[1:]``: the case's arguments) in one process
+    without the interpreter, each case compiling into its own cache directory under ``root``.
+
+    One process for all the cases of a test file: each process spends seconds importing torch,
+    Triton and ``mla`` before its first compile. A case that raises fails only its own test
+    (:meth:`Compiled.stdout`)."""
+    dirs = {name: root / name for name in cases}
+    for path in dirs.values():
+        path.mkdir()
+    plan = {name: [str(dirs[name]), args] for name, args in cases.items()}
+    printed = run_without_interpreter(["-c", RUNNER, script, json.dumps(plan)])
+    results = json.loads(printed.strip().splitlines()[-1])
+    return {name: Compiled(dirs[name], *results[name]) for name in cases}
 
 
 def mma_loop_lengths(sass: str) -> list[int]:

@@ -191,6 +191,7 @@ def test_progress_bar_writes_lines_off_a_terminal() -> None:
     assert "FAILED: 1" in lines[-1]
 
 
+@pytest.mark.heavy
 def test_dcp_demo_checks_every_rank_against_the_single_process_run() -> None:
     """``mla demo --dcp 2``: two gloo processes serve the sharded cache; every step's decode and
     prefill on each rank's head slice match the single-process backend."""

@@ -113,6 +113,7 @@ def _fraction(cases: list[dcp_harness.Case]) -> list[dcp_harness.Case]:
     return picked
 
 
+@pytest.mark.heavy
 def test_dcp_matches_single_process_on_gloo(tmp_path: Path) -> None:
     """Four gloo processes: first as two 2-rank DCP groups (subgroups of the world, between
     them every case), then as one 4-rank group (half the grid, every pair of values). Every rank

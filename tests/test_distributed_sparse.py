@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dcp_sparse_harness as harness
+import pytest
 import torch
 
 from mla.distributed import DCPLayout
@@ -42,6 +43,7 @@ def test_global_position_inverts_local_position() -> None:
             assert torch.equal(layout.global_position(layout.local_position(mine)), mine)
 
 
+@pytest.mark.heavy
 def test_sparse_dcp_matches_the_union_reference_on_gloo(tmp_path: Path) -> None:
     """Four gloo processes, as two 2-rank groups then one 4-rank group: every rank checks its
     indexer's selection over its shard, the combined sparse decode (decode and verify rows,

@@ -21,16 +21,17 @@ few-rows 242 (table) / 255 (flat) registers, no stack, loops of 1087 / 1174; dua
 from __future__ import annotations
 
 import glob
-import pathlib
 import re
 import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import mma_loop_lengths, run_without_interpreter
+from sm90_compile import Compiled, compile_cases, mma_loop_lengths
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+pytestmark = pytest.mark.heavy  # (compiles four launches for sm_90 in a process of its own)
 
 CASES = {
     # kernel: (cubin name, heads, qlen, batch, seq, fp8 cache, max stack bytes, max loop length)
@@ -74,20 +75,26 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
+    """Every (kernel, keys) launch compiled, in one process (one import of torch and Triton)."""
+    cases = {}
+    for kernel, (_, heads, qlen, batch, seq, fp8, _, _) in CASES.items():
+        for keys in ("table", "flat"):
+            args = [kernel, keys, str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]
+            cases[f"{kernel}-{keys}"] = args
+    return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("decode-spills"))
+
+
 @pytest.mark.parametrize("keys", ["table", "flat"])
 @pytest.mark.parametrize("kernel", sorted(CASES))
 def test_decode_spills_stay_at_the_flat_id_kernels(
-    kernel: str,
-    keys: str,
-    tmp_path: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch,
-    cuobjdump: str,
+    kernel: str, keys: str, compiled: dict[str, Compiled], cuobjdump: str
 ) -> None:
-    name, heads, qlen, batch, seq, fp8, max_stack, max_loop = CASES[kernel]
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    args = [kernel, keys, str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]
-    config = run_without_interpreter(["-c", SCRIPT, *args]).strip().splitlines()[-1]
-    (cubin,) = glob.glob(f"{tmp_path}/*/{name}.cubin")
+    name, _, _, _, _, _, max_stack, max_loop = CASES[kernel]
+    case = compiled[f"{kernel}-{keys}"]
+    config = case.stdout().strip().splitlines()[-1]
+    (cubin,) = glob.glob(f"{case.cache_dir}/*/{name}.cubin")
     done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
     stack = re.search(r"STACK:(\d+)", done.stdout)
     assert stack is not None, done.stdout

@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter
+from sm90_compile import Compiled, compile_cases
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -68,17 +68,29 @@ def _tool(name: str) -> str:
     return path
 
 
-@pytest.mark.parametrize(("heads", "overlap"), [(16, False), (16, True), (32, True)])
+CASES = [(16, False), (16, True), (32, True)]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
+    """Every launch compiled, in one process (one import of torch and Triton)."""
+    cases = {
+        f"{heads}-{overlap}": [str(heads), "overlap" if overlap else "serial"] for heads, overlap in CASES
+    }
+    return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("ds-mla"))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("heads", "overlap"), CASES)
 def test_ds_mla_kernel_has_no_spills_and_fits(
-    heads: int, overlap: bool, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    heads: int, overlap: bool, compiled: dict[str, Compiled]
 ) -> None:
     from mla.providers.gluon import ds_mla_rows
 
     cuobjdump = _tool("cuobjdump")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    args = ["-c", SCRIPT, str(heads), "overlap" if overlap else "serial"]
-    config = run_without_interpreter(args).strip().splitlines()[-1]
-    (cubin,) = glob.glob(f"{tmp_path}/*/mla_decode_ds_mla_kernel.cubin")
+    case = compiled[f"{heads}-{overlap}"]
+    config = case.stdout().strip().splitlines()[-1]
+    (cubin,) = glob.glob(f"{case.cache_dir}/*/mla_decode_ds_mla_kernel.cubin")
     usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
     stack = re.search(r"STACK:(\d+)", usage.stdout)
     assert stack is not None, usage.stdout

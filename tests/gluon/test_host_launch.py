@@ -20,6 +20,8 @@ from sm90_compile import run_without_interpreter
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
+pytestmark = pytest.mark.heavy  # (its fixture compiles every variant for sm_90 in a process of its own)
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys

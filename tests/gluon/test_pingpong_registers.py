@@ -13,16 +13,17 @@ and bounds the cubin's stack with the ``cuobjdump`` Triton ships.
 from __future__ import annotations
 
 import glob
-import pathlib
 import re
 import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter
+from sm90_compile import Compiled, compile_cases
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+pytestmark = pytest.mark.heavy  # (compiles two launches for sm_90 in a process of its own)
 
 MAX_STACK = 112
 """Bytes of stack (spills) allowed: 80-96 with the id ring, 160-168 with the global re-read."""
@@ -56,16 +57,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
+    """Both launches compiled, in one process (one import of torch and Triton)."""
+    return compile_cases(SCRIPT, {"table": ["table"], "flat": ["flat"]}, tmp_path_factory.mktemp("pingpong"))
+
+
 @pytest.mark.parametrize("keys", ["table", "flat"])
-def test_pingpong_decode_spills_stay_small(
-    keys: str,
-    tmp_path: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch,
-    cuobjdump: str,
-) -> None:
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    config = run_without_interpreter(["-c", SCRIPT, keys]).strip().splitlines()[-1]
-    (cubin,) = glob.glob(f"{tmp_path}/*/mla_decode_pingpong_kernel.cubin")
+def test_pingpong_decode_spills_stay_small(keys: str, compiled: dict[str, Compiled], cuobjdump: str) -> None:
+    config = compiled[keys].stdout().strip().splitlines()[-1]
+    (cubin,) = glob.glob(f"{compiled[keys].cache_dir}/*/mla_decode_pingpong_kernel.cubin")
     done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
     stack = re.search(r"STACK:(\d+)", done.stdout)
     assert stack is not None, done.stdout

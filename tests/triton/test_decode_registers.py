@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import glob
 import json
-import pathlib
 import re
 import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import mma_loop_lengths, run_without_interpreter
+from sm90_compile import Compiled, compile_cases, mma_loop_lengths
 
 triton = pytest.importorskip("triton")
+
+pytestmark = pytest.mark.heavy  # (compiles four launches for sm_90 in a process of its own)
 
 SCRIPT = textwrap.dedent(
     """
@@ -67,18 +68,21 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
+    """Every launch compiled, in one process (one import of torch and Triton)."""
+    cases = {
+        name: [str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]
+        for name, (heads, qlen, batch, seq, fp8, _) in CASES.items()
+    }
+    return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("decode-registers"))
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_block_table_decode_does_not_spill(
-    case: str,
-    tmp_path: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch,
-    cuobjdump: str,
-) -> None:
-    heads, qlen, batch, seq, fp8, max_loop = CASES[case]
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    args = [str(heads), str(qlen), str(batch), str(seq), "1" if fp8 else "0"]
-    config = json.loads(run_without_interpreter(["-c", SCRIPT, *args]).strip().splitlines()[-1])
-    (cubin,) = glob.glob(f"{tmp_path}/*/_mla_decode_kernel.cubin")
+def test_block_table_decode_does_not_spill(case: str, compiled: dict[str, Compiled], cuobjdump: str) -> None:
+    max_loop = CASES[case][-1]
+    config = json.loads(compiled[case].stdout().strip().splitlines()[-1])
+    (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/_mla_decode_kernel.cubin")
     done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
     stack = re.search(r"STACK:(\d+)", done.stdout)
     assert stack is not None, done.stdout

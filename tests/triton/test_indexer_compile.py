@@ -77,6 +77,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.heavy
 def test_indexer_kernels_compile_for_sm90_without_spills(
     tmp_path: pathlib.Path,
     monkeypatch: pytest.MonkeyPatch,
