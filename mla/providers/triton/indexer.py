@@ -33,7 +33,7 @@ Scores (:func:`index_scores`)
 
 Top-k (:func:`index_topk`)
     The scores of a chunk of rows (workspace bounded by :data:`INDEX_WORKSPACE_BYTES`), then
-    :func:`mla.providers.triton.topk.radix_topk` (threshold select, four small launches, no
+    :func:`mla.providers.triton.topk.radix_topk` (threshold select, three small launches, no
     ``torch.topk``): each row's ``min(topk, visible)`` best positions **in no score order**
     (ascending positions above the threshold score, then the threshold's share in ascending
     positions), ``-1`` after.
