@@ -18,8 +18,17 @@ WORKERS ?= auto
 demo: $(STAMP)
 	$(VENV)/bin/mla demo $(ARGS)
 
+# --dist loadfile: the tests of one file run on one worker, so a module fixture that compiles
+# kernels (tests/gluon/test_host_launch.py) runs once per run, not once per worker (`loadgroup`
+# would group finer, but pytest 9.2 drops its groups silently: pytest-xdist issue 1386).
+# --no-loadscope-reorder: the files in collection order, which tests/conftest.py starts with the
+# files of `heavy` tests (xdist would otherwise start with the files of most tests and leave the
+# few long ones to the end). Both are pytest-xdist options, given here so that a plain
+# `python -m pytest` needs no xdist.
+XDIST := --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n $(WORKERS) $(ARGS)
+	$(VENV)/bin/python -m pytest -n $(WORKERS) $(XDIST) $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mla tests benchmarks
