@@ -18,6 +18,7 @@ from mla.providers.gluon.prefill_launch import (
     PrefillKernel,
     PrefillLaunchConfig,
     launch_gluon_prefill,
+    prefill_call_route,
     prefill_config,
     prefill_route,
     shared_bytes,
@@ -135,6 +136,25 @@ def test_launcher_refuses_calls_the_route_declines() -> None:
     q, k, v, out = _qkvo(dtype=torch.float32)
     with pytest.raises(InvalidInputError, match="Triton provider"):
         launch_gluon_prefill(_call(q, k, v, out, torch.zeros(8, 4)))
+
+
+def test_chunked_context_operands_route_to_triton() -> None:
+    """A call with ``k_pe`` or a prior state (the chunked-context forms) is not a Gluon case,
+    however its tensors look; the launcher refuses it too (a split ``k`` already fails its
+    argument check)."""
+    q, k, v, out = _qkvo()
+    lse = torch.zeros(8, 4)
+    plain = _call(q, k, v, out, lse)
+    assert prefill_call_route(plain)[0] == "gluon"
+    k_nope = torch.zeros(8, 4, 128, dtype=BF16)
+    for call in (
+        attrs.evolve(plain, k=k_nope, k_pe=torch.zeros(8, 64, dtype=BF16)),
+        attrs.evolve(plain, prior_out=out, prior_lse=lse),
+    ):
+        kernel, why = prefill_call_route(call)
+        assert (kernel, "chunked-context" in why) == ("triton", True)
+        with pytest.raises(InvalidInputError):
+            launch_gluon_prefill(call)
 
 
 def test_provider_runs_declined_calls_on_the_triton_kernel() -> None:

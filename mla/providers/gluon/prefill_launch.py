@@ -134,6 +134,15 @@ def prefill_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     return "gluon", f"16-bit {dims[0]}/{dims[1]} q/k/v with TMA-readable layouts"
 
 
+def prefill_call_route(call: VarlenPrefillCall) -> tuple[str, str]:
+    """:func:`prefill_route` for a whole call: the chunked-context forms (``k_pe``, a prior
+    state) go to the Triton kernel (the Gluon kernel reads whole keys and writes a plain
+    epilogue)."""
+    if call.k_pe is not None or call.prior_out is not None:
+        return "triton", "chunked-context operands (k_pe, a prior state): the Gluon kernel reads whole keys"
+    return prefill_route(call.q, call.k, call.v, call.out)
+
+
 def _descriptor(x: torch.Tensor, rows: int) -> object:
     """TMA descriptor of ``[rows, 64]`` boxes (a ``D``-wide tile is ``D / 64`` of them) over the
     2-D view of ``x`` (see :func:`_tma_problem`)."""
@@ -165,7 +174,7 @@ def launch_gluon_prefill(
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     if not call.checked:  # (see VarlenPrefillCall.checked)
         check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
-    kernel, why = prefill_route(q, k, v, out)
+    kernel, why = prefill_call_route(call)
     if kernel != "gluon":
         raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
     batch = call.cu_seqlens_q.numel() - 1
@@ -196,6 +205,7 @@ __all__ = [
     "PrefillKernel",
     "PrefillLaunchConfig",
     "launch_gluon_prefill",
+    "prefill_call_route",
     "prefill_config",
     "prefill_route",
     "shared_bytes",

@@ -17,7 +17,8 @@ Varlen prefill (``varlen-prefill``) runs on the Gluon prefill kernel of :mod:`.p
 (TMA K/V ring, a one-warp TMA producer partition, ``wgmma`` QKᵀ and PV over 128-row query
 tiles, causal masked only on diagonal tiles; ``PrefillKernel`` names the other warp splits a
 launch may ask for) where
-:func:`~mla.providers.gluon.prefill_launch.prefill_route` takes the call: bf16/fp16 q/k/v of one
+:func:`~mla.providers.gluon.prefill_launch.prefill_call_route` takes the call (no chunked-context
+operands): bf16/fp16 q/k/v of one
 dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads (last dim
 contiguous, 16-byte-aligned base, token and head strides, each token's heads within its row);
 every other call runs on the Triton provider's varlen kernel. The route reads only dtypes,
@@ -64,7 +65,7 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     schedule_units,
 )
-from mla.providers.gluon.prefill_launch import PREFILL_DIMS, prefill_route
+from mla.providers.gluon.prefill_launch import PREFILL_DIMS, prefill_call_route
 from mla.providers.gluon.sparse import sparse_on_gluon
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton import TritonProvider
@@ -127,10 +128,10 @@ class GluonProvider(KernelProvider):
 
     def __init__(self, *, prefill: str = "triton") -> None:
         """``prefill``: ``"triton"`` (the default: varlen prefill on the Triton provider's
-        kernel) or ``"gluon"`` (the Gluon prefill kernel where :func:`.prefill_launch.prefill_route`
-        takes the call). The Gluon prefill kernel passes its GPU tests but had one unexplained
-        illegal-address fault in a benchmark session, so it is opt-in until a stress and
-        racecheck run clears it."""
+        kernel) or ``"gluon"`` (the Gluon prefill kernel where
+        :func:`.prefill_launch.prefill_call_route` takes the call). The Gluon prefill kernel
+        passes its GPU tests but had one unexplained illegal-address fault in a benchmark
+        session, so it is opt-in until a stress and racecheck run clears it."""
         if prefill not in PREFILL_KERNELS:
             raise InvalidInputError("prefill", f"one of {'/'.join(PREFILL_KERNELS)}, got {prefill!r}")
         self._triton = TritonProvider()
@@ -263,11 +264,8 @@ class GluonProvider(KernelProvider):
     # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
-        # Opted in: the Gluon prefill kernel where prefill_route takes the call; else Triton's
-        # (also for the chunked-context forms, k_pe and a prior state: the Gluon kernel reads
-        # whole keys and writes a plain epilogue).
-        gluon = self._prefill == "gluon" and call.k_pe is None and call.prior_out is None
-        if gluon and prefill_route(call.q, call.k, call.v, call.out)[0] == "gluon":
+        # Opted in: the Gluon prefill kernel where prefill_call_route takes the call; else Triton's.
+        if self._prefill == "gluon" and prefill_call_route(call)[0] == "gluon":
             from mla.providers.gluon.prefill_launch import launch_gluon_prefill  # noqa: PLC0415
 
             launch_gluon_prefill(call)
