@@ -82,7 +82,8 @@ class FlashVarlen(PrefillStrategy):
             max_seqlen_k=geo.max_seqlen_k,
             softmax_scale=self.setup.dims.scale,
             causal=geo.causal,
-            # (with context chunks it runs into partial outputs: tensors the door did not see)
+            # (with context chunks the merged form runs it into partial outputs, tensors the door
+            # did not see; both forms then run unchecked chunk passes)
             checked=plan.launch_checked and not plan.context_chunks,
             k_pe=None,
             prior_out=None,
