@@ -6,6 +6,7 @@ One command on the GPU::
     python -m benchmarks prefill --check            # the issue's shape matrix
     python -m benchmarks prefill --check --sweep    # also time alternative launch configs
     python -m benchmarks prefill --quick            # smoke run on one small shape
+    python -m benchmarks prefill --check --plot docs/img/prefill-h200.png   # and the bar chart
 
 Last, the chunked-context step (H16, 4 requests x (2048 new + 16384 cached tokens)) against the
 same attention without context (:mod:`benchmarks.prefill_context`).
@@ -29,6 +30,9 @@ across requests (built from the varlen offsets), v at its own head dim 128 (padd
 output sliced, only where torch refuses that; its ``config`` column says so). A peer torch
 cannot run here is left out, with the reason printed once.
 
+``--plot PATH`` draws the TFLOP/s of every row, the chunked-context step's too, as bars grouped
+by shape (one colour per implementation).
+
 ``--check`` compares every implementation first, on two heads (0 and H-1) of every request,
 against fp32 torch math on the GPU; outputs are poisoned with NaN before the checked call.
 """
@@ -41,6 +45,7 @@ import functools
 import inspect
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -357,6 +362,45 @@ def check(case: Case) -> dict[str, float]:
     return errors
 
 
+def plot(rows: Sequence[dict[str, Any]], path: str, *, device: str | None = None) -> None:
+    """TFLOP/s as bars grouped by ``shape`` (one group per shape, one bar per implementation, one
+    colour per implementation across groups); rows without a finite TFLOP/s (the up-projection
+    alone) are left out. No target lines: the benchmark's target is a ratio to ``varlen_attn``
+    (its ``x target`` column), not a TFLOP/s. ``device``: the title's device (default: this
+    machine's GPU), for a plot drawn later from a run's ``--out`` rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = [r for r in rows if math.isfinite(r.get("TFLOP/s", math.nan))]
+    shapes = list(dict.fromkeys(r["shape"] for r in drawn))
+    impls = list(dict.fromkeys(r["impl"] for r in drawn))
+    colours = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+    groups = [[r for r in drawn if r["shape"] == shape] for shape in shapes]
+    width = 0.8 / max([1, *(len(group) for group in groups)])
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.9 * len(shapes) + 2.0), 5.0))
+    for x, group in enumerate(groups):
+        for i, r in enumerate(group):
+            colour = colours(impls.index(r["impl"]) % colours.N)
+            ax.bar(x + (i - (len(group) - 1) / 2) * width, r["TFLOP/s"], width, color=colour, label=r["impl"])
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_xticks(range(len(shapes)), [s.replace(" ", "\n", 1) for s in shapes], fontsize=7)
+    ax.set_ylabel("TFLOP/s (2·H·(Dqk+Dv)·causal pairs), higher is better")
+    ax.set_title(
+        f"MLA prefill, 192/128 causal, bf16 (triton-fp8: e4m3), on {device or gpu_name()}, "
+        f"{datetime.date.today().isoformat()}, torch {torch.__version__}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    print(f"plot written to {path}", flush=True)
+
+
 def config_text(config: AttentionLaunchConfig) -> str:
     return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
 
@@ -371,7 +415,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
     parser.add_argument("--out", help="write the rows as JSON to this path")
+    parser.add_argument("--plot", help="write a bar chart of the TFLOP/s to this PNG")
     args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (missing: say so now, not after the run)
+        except ImportError:
+            parser.error("--plot needs matplotlib")
     if not torch.cuda.is_available():
         print("prefill benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -462,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 handle,
                 indent=1,
             )
+    if args.plot:
+        plot(rows + context, args.plot)
     for failure in failures:
         print("CHECK FAILED:", failure)
     return 1 if failures else 0

@@ -1,9 +1,10 @@
-"""The prefill benchmark's FlexAttention peer on the CPU (tiny shapes, eager ``flex_attention``:
-``torch.compile`` of it takes some 10 s on the CPU, so the compiled function is swapped for the
-eager one)."""
+"""The prefill benchmark on the CPU: its FlexAttention peer on tiny shapes (eager
+``flex_attention``: ``torch.compile`` of it takes some 10 s on the CPU, so the compiled function
+is swapped for the eager one), and its plot."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,3 +94,22 @@ def test_flex_attention_peer_is_left_out_with_the_reason_said_once(
     said = capsys.readouterr().out
     assert said.count("flex-attention: left out") == 1
     assert "no kernel here" in said
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        {"shape": shape, "impl": impl, "time_us": 100.0, "TFLOP/s": tf}
+        for shape in ("H=16 4x4096", "H=128 16x1024")
+        for impl, tf in (("varlen_attn", 240.0), ("triton-bf16", 404.0), ("flex-attention", 300.0))
+    ]
+    rows += [
+        {"shape": "H=16 4x(2048 new + 16384 cached)", "impl": "chunked-context step", "TFLOP/s": 350.0},
+        {"shape": "H=16 4x(2048 new + 16384 cached)", "impl": "up-projection alone",
+         "TFLOP/s": float("nan")},
+    ]  # fmt: skip
+    path = tmp_path / "img" / "prefill.png"
+    prefill.plot(rows, str(path), device="test GPU")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prefill.plot([], str(tmp_path / "empty.png"), device="test GPU")
+    assert (tmp_path / "empty.png").stat().st_size > 0
