@@ -244,10 +244,10 @@ def flex_varlen(
     if pad_v:
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - d_v))
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
-    attend = compiled_flex_attention() if compiled else flex_attention
+    attend: Callable[..., Any] = compiled_flex_attention() if compiled else flex_attention
 
     def call() -> torch.Tensor:
-        out = attend(qh, kh, vh, block_mask=mask, scale=scale)
+        out: torch.Tensor = attend(qh, kh, vh, block_mask=mask, scale=scale)
         return out[0, :, :, :d_v].transpose(0, 1)
 
     return call
