@@ -1,11 +1,12 @@
-"""Prefill benchmark: Triton varlen (bf16), fp8 persistent and Gluon prefill vs ``varlen_attn`` and
-cuDNN SDPA.
+"""Prefill benchmark: Triton varlen (bf16), fp8 persistent and Gluon prefill vs ``varlen_attn``,
+cuDNN SDPA and compiled FlexAttention.
 
 One command on the GPU::
 
     python -m benchmarks prefill --check            # the issue's shape matrix
     python -m benchmarks prefill --check --sweep    # also time alternative launch configs
     python -m benchmarks prefill --quick            # smoke run on one small shape
+    python -m benchmarks prefill --check --plot docs/img/prefill-h200.png   # and the bar chart
 
 Last, the chunked-context step (H16, 4 requests x (2048 new + 16384 cached tokens)) against the
 same attention without context (:mod:`benchmarks.prefill_context`).
@@ -22,7 +23,15 @@ FLOPs (useful work, the same count for every implementation)::
 ``varlen_attn`` needs equal q/k and v head dims, so it runs with v zero-padded to 192 (padding
 done once, outside the timing); its extra PV work is not counted. The fp8 row times the kernel
 on pre-quantized inputs (per-tensor scales); its check compares with the reference on the
-dequantized inputs.
+dequantized inputs. ``cudnn-sdpa`` runs on the batch as ``[B, H, S, D]`` (every request has the
+same length). ``flex-attention`` is ``flex_attention`` under ``torch.compile`` (compiled once per
+shape) on the batch as ``[1, H, T, D]`` with a block mask, causal within each request and closed
+across requests (built from the varlen offsets), v at its own head dim 128 (padded to 192, the
+output sliced, only where torch refuses that; its ``config`` column says so). A peer torch
+cannot run here is left out, with the reason printed once.
+
+``--plot PATH`` draws the TFLOP/s of every row, the chunked-context step's too, as bars grouped
+by shape (one colour per implementation).
 
 ``--check`` compares every implementation first, on two heads (0 and H-1) of every request,
 against fp32 torch math on the GPU; outputs are poisoned with NaN before the checked call.
@@ -32,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import inspect
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -67,6 +78,8 @@ FP8_SWEEP = [
     AttentionLaunchConfig(128, 128, 8, 3),
 ]
 OUT_TOL = {"triton-bf16": 1e-2, "triton-fp8": 2e-2, "varlen_attn": 1e-2}
+PEER_TOL = {"flex-attention": 1e-2}
+"""Tolerances of the peers checked only where they run (absent from ``check``'s errors else)."""
 GLUON_KERNELS = (("gluon-producer", "PRODUCER"), ("gluon-split", "SPLIT"))
 """The Gluon prefill layouts timed where the Gluon kernels run (``PrefillKernel`` names)."""
 LSE_TOL = 1e-2
@@ -192,6 +205,105 @@ def cudnn_sdpa(case: Case) -> Callable[[], torch.Tensor] | None:
     return call
 
 
+@functools.cache
+def compiled_flex_attention() -> Callable[..., Any]:
+    """``flex_attention`` under ``torch.compile``, made once: each new shape compiles once (static
+    shapes), later calls of that shape reuse it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+    pad_v: bool = False,
+    compiled: bool = True,
+) -> Callable[[], torch.Tensor]:
+    """``flex_attention`` over the varlen batch ``q``/``k`` ``[T, H, Dqk]``, ``v`` ``[T, H, Dv]``
+    laid out as ``[1, H, T, D]`` (copied once, here) with a block mask that is causal within each
+    request of ``cu_seqlens`` and closed across requests. Every request has as many queries as
+    keys, so top-left causal is bottom-right causal. ``pad_v``: v zero-padded to ``Dqk`` and the
+    output sliced back (for a torch whose flex_attention wants one head dim). ``compiled``: the
+    compiled function (:func:`compiled_flex_attention`), else the eager one (a CPU test). The
+    call returns ``[T, H, Dv]`` (a view)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    tokens, d_v = q.shape[0], v.shape[-1]
+    lengths = cu_seqlens.diff().long()
+    request = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths)
+
+    def same_request_causal(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (request[q_idx] == request[kv_idx]) & (kv_idx <= q_idx)
+
+    mask = create_block_mask(same_request_causal, None, None, tokens, tokens, device=q.device)
+    if pad_v:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - d_v))
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+    attend: Callable[..., Any] = compiled_flex_attention() if compiled else flex_attention
+
+    def call() -> torch.Tensor:
+        out: torch.Tensor = attend(qh, kh, vh, block_mask=mask, scale=scale)
+        return out[0, :, :, :d_v].transpose(0, 1)
+
+    return call
+
+
+class FlexPeer:
+    """The FlexAttention peer of one case: ``peer()`` returns ``[T, H, Dv]``; ``note`` is its
+    row's ``config`` column."""
+
+    def __init__(self, call: Callable[[], torch.Tensor], note: str) -> None:
+        self.call, self.note = call, note
+
+    def __call__(self) -> torch.Tensor:
+        return self.call()
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _SAID:
+        _SAID.add(text)
+        print(text, flush=True)
+
+
+def flex_attention_peer(case: Case) -> FlexPeer | None:
+    """Compiled FlexAttention on ``case`` (:func:`flex_varlen`), run once here (the compile), or
+    ``None`` where torch cannot run it (the reason printed once). v keeps its head dim 128; where
+    that fails, v is padded to 192 and the output sliced (the note says so)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        _say_once("flex-attention: left out, this torch has no torch.nn.attention.flex_attention")
+        return None
+    refused = ""
+    for pad_v, note in (
+        (False, "[1,H,T,D] block mask, v 128"),
+        (True, "[1,H,T,D] block mask, v padded to 192, out sliced"),
+    ):
+        try:
+            call = flex_varlen(case.q, case.k, case.v, case.cu, scale=case.scale, pad_v=pad_v)
+            call()
+        except Exception as exc:  # no kernel for these dims, a compile failure (shared memory)
+            text = str(exc).strip()
+            reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            if not pad_v:
+                refused = reason
+                continue
+            _say_once(f"flex-attention: left out, v at 128: {refused}; v padded to 192: {reason}")
+            return None
+        if pad_v:
+            _say_once(f"flex-attention: v head dim 128 refused ({refused}); v padded to 192")
+        return FlexPeer(call, note)
+    return None
+
+
 def reference_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case, heads: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +356,49 @@ def check(case: Case) -> dict[str, float]:
     cudnn = cudnn_sdpa(case)
     if cudnn is not None:
         errors["cudnn-sdpa"] = rel(cudnn()[:, heads], ref_bf16[0])
+    flex = flex_attention_peer(case)
+    if flex is not None:
+        errors["flex-attention"] = rel(flex()[:, heads], ref_bf16[0])
     return errors
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str, *, device: str | None = None) -> None:
+    """TFLOP/s as bars grouped by ``shape`` (one group per shape, one bar per implementation, one
+    colour per implementation across groups); rows without a finite TFLOP/s (the up-projection
+    alone) are left out. No target lines: the benchmark's target is a ratio to ``varlen_attn``
+    (its ``x target`` column), not a TFLOP/s. ``device``: the title's device (default: this
+    machine's GPU), for a plot drawn later from a run's ``--out`` rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = [r for r in rows if math.isfinite(r.get("TFLOP/s", math.nan))]
+    shapes = list(dict.fromkeys(r["shape"] for r in drawn))
+    impls = list(dict.fromkeys(r["impl"] for r in drawn))
+    colours = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+    groups = [[r for r in drawn if r["shape"] == shape] for shape in shapes]
+    width = 0.8 / max([1, *(len(group) for group in groups)])
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.9 * len(shapes) + 2.0), 5.0))
+    for x, group in enumerate(groups):
+        for i, r in enumerate(group):
+            colour = colours(impls.index(r["impl"]) % colours.N)
+            ax.bar(x + (i - (len(group) - 1) / 2) * width, r["TFLOP/s"], width, color=colour, label=r["impl"])
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_xticks(range(len(shapes)), [s.replace(" ", "\n", 1) for s in shapes], fontsize=7)
+    ax.set_ylabel("TFLOP/s (2·H·(Dqk+Dv)·causal pairs), higher is better")
+    ax.set_title(
+        f"MLA prefill, 192/128 causal, bf16 (triton-fp8: e4m3), on {device or gpu_name()}, "
+        f"{datetime.date.today().isoformat()}, torch {torch.__version__}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    print(f"plot written to {path}", flush=True)
 
 
 def config_text(config: AttentionLaunchConfig) -> str:
@@ -261,7 +415,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
     parser.add_argument("--out", help="write the rows as JSON to this path")
+    parser.add_argument("--plot", help="write a bar chart of the TFLOP/s to this PNG")
     args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (missing: say so now, not after the run)
+        except ImportError:
+            parser.error("--plot needs matplotlib")
     if not torch.cuda.is_available():
         print("prefill benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -276,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             print(f"{case.name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()), flush=True)
             tolerances = {**OUT_TOL, **{name: OUT_TOL["triton-bf16"] for name, _ in gluon_kernels()}}
+            tolerances.update({name: tol for name, tol in PEER_TOL.items() if name in errors})
             for name, tol in tolerances.items():
                 if not errors[name] <= tol:
                     failures.append(f"{case.name} {name}: rel err {errors[name]:.3g} > {tol}")
@@ -298,6 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cudnn = cudnn_sdpa(case)
         if cudnn is not None:
             timed.append(("cudnn-sdpa", bench_us(cudnn), "padded batch"))
+        flex = flex_attention_peer(case)
+        if flex is not None:
+            timed.append(("flex-attention", bench_us(flex), flex.note))
         for name, us, config in timed:
             ratio = base_us / us
             rows.append({
@@ -348,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 handle,
                 indent=1,
             )
+    if args.plot:
+        plot(rows + context, args.plot)
     for failure in failures:
         print("CHECK FAILED:", failure)
     return 1 if failures else 0
