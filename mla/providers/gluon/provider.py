@@ -181,8 +181,7 @@ class GluonProvider(KernelProvider):
             "16-bit, per-tensor fp8 or fp8_ds_mla rows with a bf16 query); Triton sparse kernel otherwise"
         )
         probes["varlen_prefill"] = (
-            "Gluon prefill kernel (TMA ring, a TMA producer partition, two consumer warpgroups each "
-            "a partition of its own, wgmma, 128-row query tiles) for "
+            "Gluon prefill kernel (TMA ring, TMA producer warp, wgmma, 128-row query tiles) for "
             f"bf16/fp16 {' and '.join(f'{a}/{b}' for a, b in sorted(PREFILL_DIMS, reverse=True))} "
             "head dims and TMA-readable layouts; Triton varlen kernel otherwise"
             + ("" if self._prefill == "gluon" else " (opt-in: GluonProvider(prefill='gluon'); now: Triton)")
