@@ -9,7 +9,7 @@
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh sanitizer-sparse-prefill  # memcheck: sparse and prefill subsets (~3 min)
 #   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
-#   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~2 min)
+#   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~4 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
 #   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out, and candidates (~8 min)
@@ -119,10 +119,14 @@ pingpong)
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h12-q3-bs16-pingpong-bf16]" \
     "tests/gluon/test_gpu_kernels.py::test_paged_decode_variants[h128-q2-bs64-pingpong-bf16]" \
     2>&1 | tee "$OUT/sanitizer_pingpong.log" | grep -v "^=========     at " | grep -E "RACECHECK SUMMARY|Race reported|Access|passed|failed" | head -30
-  part "racecheck probes of the warpgroup hand-off"
-  for mode in "handoff 4" "alternate 6" "ring 6"; do
+  part "racecheck probes of the warpgroup hand-off (handoff2*: the prefill split layout's flag hand-off)"
+  # (each probe's whole output in $OUT/racecheck_probes.log; both access lines of a hazard here.
+  # alternate and ring, whose results are recorded, last)
+  : >"$OUT/racecheck_probes.log"
+  for mode in "handoff 4" "handoff-ldst 4" "handoff2 4" "handoff2-ldst 4" "handoff2-fence 4" \
+    "handoff2-replicated 4" "handoff2-tma 4" "handoff2-tma-apart 4" "alternate 6" "ring 6"; do
     timeout 60 compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe $mode 2>&1 \
-      | grep -E "RACECHECK SUMMARY|Race reported|probe"
+      | tee -a "$OUT/racecheck_probes.log" | grep -E "RACECHECK SUMMARY|Race reported|access at|probe"
   done
   ;;
 dual)

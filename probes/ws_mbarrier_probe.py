@@ -37,15 +37,54 @@ before the loads of its own round (the announcement and the reader's acquire wai
 racecheck does not apply them to ``cp.async`` writes. The same acquire-then-``cp.async``
 producer is the paged-KV path of FlashAttention-3's Hopper mainloop (``producer_acquire``,
 ``cp.async``, ``cpasync_barrier_arrive``).
+
+The ``handoff2`` modes reproduce the hand-off of the per-key flags in the Gluon prefill's split
+layout (``mla/providers/gluon/prefill_parts.py``: ``_split_producer``, ``_clean_v``;
+``prefill.py``: ``_attend_tile``), where racecheck reported 16 hazards between the producer's
+flag store (``prefill_parts.py:117``) and the consumers' flag loads (``prefill.py:139``), one
+difference at a time. ``handoff2``: the writer is the default partition (the launch's 4 warps);
+two 4-warp worker partitions wait on ``full`` (count 1), read the vector and each release it
+(``thread_barrier``, one arrive) on ``empty``, initialised with count 2 and pre-arrived with
+count 2 so that the writer's first wait passes. From ``handoff2``:
+
+* ``handoff2-ldst``: plain ``st.shared.b32`` and ``ld.shared.b32`` (every 4th float a warp).
+  The vector's layout in ``handoff``, ``alternate`` and ``handoff2`` (32 consecutive floats a
+  warp) compiles to ``stmatrix`` and ``ldmatrix`` on sm_90; the prefill's flag store and loads
+  compile to ``st.shared.b32`` and ``ld.shared.v2.b32`` (so ``handoff``'s clean result above is
+  one for ``stmatrix`` and ``ldmatrix``). ``handoff-ldst`` is ``handoff`` with the layout of
+  ``handoff2-ldst``.
+* ``handoff2-fence``: ``fence_async_shared()`` between the writer's stores and its
+  ``thread_barrier``, as in ``_clean_v``.
+* ``handoff2-replicated``: the writer stores as ``_clean_v`` stores the flags (the row maxima of
+  ``[16, 128]`` tiles, each value stored by 8 threads to one address: ``st.shared.b32``); the
+  readers load in the split consumers' key layout (a slice of a wgmma accumulator layout:
+  ``ld.shared.v2.b32``): the instructions of the prefill's two lines.
+* ``handoff2-tma``: odd rounds the writer TMAs the round's vector into the vector's buffer
+  (``mbarrier.expect`` and ``tma.async_copy_global_to_shared``, ``full`` completed by the
+  transaction count); even rounds as ``handoff2``. (Triton puts a ``fence.proxy.async`` and a
+  barrier of the writer's warps before each TMA: it overwrites generic stores.)
+* ``handoff2-tma-apart``: the same, the TMA landing in a buffer of its own, as in the prefill
+  (the V tile by TMA, the flags only by stores, both announced on ``v_ready[s]``): only how the
+  barrier's phases complete alternates.
+
+    compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe handoff2 4
+    compute-sanitizer --tool racecheck python3 -m probes.ws_mbarrier_probe handoff2-replicated 4
+
+and so for each of the others and ``handoff-ldst``.
+
+Their racecheck results are to be recorded here after an H200 run
+(``bash benchmarks/h200_session.sh pingpong``); none has run yet.
 """
 
 import sys
+from collections.abc import Callable
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
@@ -53,9 +92,25 @@ def _idle(out_ptr):
     pass
 
 
+@gluon.constexpr_function
+def _vector_layout(ldst):
+    """The layout in which 4 warps store and load a 128-float vector: one float a thread, 32
+    consecutive floats a warp (sm_90: ``stmatrix`` and ``ldmatrix``), or (``ldst``) every 4th
+    float a warp (plain ``st.shared.b32`` and ``ld.shared.b32``)."""
+    if ldst:
+        return gl.DistributedLinearLayout(
+            reg_bases=[],
+            lane_bases=[[4], [8], [16], [32], [64]],
+            warp_bases=[[1], [2]],
+            block_bases=[],
+            shape=[128],
+        )
+    return gl.BlockedLayout([1], [32], [4], [0])
+
+
 @gluon.jit
-def _writer(buf, full, empty, x_ptr, rounds):
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+def _writer(buf, full, empty, x_ptr, rounds, LDST: gl.constexpr = False):
+    lay: gl.constexpr = _vector_layout(LDST)
     offs = gl.arange(0, 128, layout=lay)
     for k in range(rounds):
         mbarrier.wait(empty, (k & 1) ^ 1)
@@ -65,9 +120,9 @@ def _writer(buf, full, empty, x_ptr, rounds):
 
 
 @gluon.jit
-def _reader(buf, full, empty, out_ptr, rounds, N: gl.constexpr = 128):
+def _reader(buf, full, empty, out_ptr, rounds, N: gl.constexpr = 128, LDST: gl.constexpr = False):
     # The reader partition's warps are not the writer's: every value crosses warps.
-    lay: gl.constexpr = gl.BlockedLayout([N // 128], [32], [4], [0])
+    lay: gl.constexpr = _vector_layout(LDST) if N == 128 else gl.BlockedLayout([N // 128], [32], [4], [0])
     acc = gl.zeros([N], gl.float32, layout=lay)
     for k in range(rounds):
         mbarrier.wait(full, k & 1)
@@ -91,13 +146,13 @@ def _buffer_and_barriers(N: gl.constexpr, FULL_ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def probe_kernel(x_ptr, out_ptr, rounds, num_warps: gl.constexpr):
+def probe_kernel(x_ptr, out_ptr, rounds, num_warps: gl.constexpr, LDST: gl.constexpr):
     buf, full, empty = _buffer_and_barriers(128, 1)
     gl.warp_specialize(
         [
             (_idle, (out_ptr,)),
-            (_writer, (buf, full, empty, x_ptr, rounds)),
-            (_reader, (buf, full, empty, out_ptr, rounds)),
+            (_writer, (buf, full, empty, x_ptr, rounds, LDST)),
+            (_reader, (buf, full, empty, out_ptr, rounds, 128, LDST)),
         ],
         [4, 4],
         [96, 96],
@@ -174,27 +229,175 @@ def ring_kernel(src_ptr, out_ptr, rounds, num_warps: gl.constexpr, WAIT: gl.cons
     )
 
 
+VECTOR_TMA_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+"""The shared layout of a vector that TMA writes (unswizzled) and of its descriptor's boxes."""
+
+
+@gluon.constexpr_function
+def _keys_layout():
+    """The key layout of the prefill's split consumers, in which they load the flags: the columns
+    of a 4-warp ``[64, 128]`` wgmma accumulator, each held by several threads (``ld.shared.v2``)."""
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    return gl.SliceLayout(0, mma)
+
+
+@gluon.jit
+def _publish(buf, full, x_ptr, k, FENCE: gl.constexpr, REPLICATED: gl.constexpr, LDST: gl.constexpr):
+    """Round ``k``'s vector (``x · (k + 1)``) stored into ``buf`` by the writer's 4 warps (in
+    :func:`_vector_layout`) and announced on ``full`` (one arrive). ``REPLICATED``: stored as
+    ``_clean_v`` stores the prefill's flags instead, 16 at a time, each the row maximum of a
+    ``[16, 128]`` tile, so that 8 threads store each value to the same address (``st.shared.b32``).
+    ``FENCE``: ``fence_async_shared()`` between the stores and the barrier of the writer's warps."""
+    if REPLICATED:
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, ld)).to(gl.float32)
+        for r in gl.static_range(8):
+            rows = r * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, ld))
+            tile = (gl.load(x_ptr + rows) * (k + 1))[:, None] - cols[None, :]  # row max: column 0
+            buf.slice(r * 16, 16, dim=0).store(gl.max(tile, axis=1))
+    else:
+        lay: gl.constexpr = _vector_layout(LDST)
+        buf.store(gl.load(x_ptr + gl.arange(0, 128, layout=lay)) * (k + 1))
+    if FENCE:
+        fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(full)
+
+
+@gluon.jit
+def _writer2(
+    buf, tbuf, full, empty, x_ptr, x_desc, rounds, FENCE: gl.constexpr, REPLICATED: gl.constexpr,
+    TMA: gl.constexpr, LDST: gl.constexpr,
+):  # fmt: skip
+    """The default partition (the launch's 4 warps), as the prefill's split producer: each round,
+    once both readers have released the vector (``empty``), publish the next one on ``full``.
+    ``TMA``: odd rounds instead TMA row ``k`` of ``x_desc`` into ``tbuf``, completing ``full``
+    by its transaction count."""
+    for k in range(rounds):
+        mbarrier.wait(empty, k & 1)
+        if TMA:
+            if k % 2 == 1:
+                mbarrier.expect(full, x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [k * 128], full, tbuf)
+            else:
+                _publish(buf, full, x_ptr, k, FENCE, REPLICATED, LDST)
+        else:
+            _publish(buf, full, x_ptr, k, FENCE, REPLICATED, LDST)
+
+
+@gluon.jit
+def _reader2(
+    buf, tbuf, full, empty, out_ptr, rounds, W: gl.constexpr, REPLICATED: gl.constexpr, TMA: gl.constexpr,
+    LDST: gl.constexpr,
+):  # fmt: skip
+    """Reader ``W`` (a 4-warp worker, as a split consumer of the prefill): each round waits on
+    ``full``, adds the vector (``TMA``: ``tbuf``'s on odd rounds) to its sum, waits for its own
+    warps and releases the vector on ``empty`` (one of its two arrivals a phase). ``REPLICATED``:
+    in the prefill's key layout, else in :func:`_vector_layout`."""
+    lay: gl.constexpr = _keys_layout() if REPLICATED else _vector_layout(LDST)
+    acc = gl.zeros([128], gl.float32, layout=lay)
+    for k in range(rounds):
+        mbarrier.wait(full, k & 1)
+        if TMA:
+            if k % 2 == 1:
+                acc += tbuf.load(lay)
+            else:
+                acc += buf.load(lay)
+        else:
+            acc += buf.load(lay)
+        gl.thread_barrier()
+        mbarrier.arrive(empty)
+    gl.store(out_ptr + W * 128 + gl.arange(0, 128, layout=lay), acc)
+
+
+@gluon.jit
+def handoff2_kernel(
+    x_ptr, x_desc, out_ptr, rounds, num_warps: gl.constexpr, FENCE: gl.constexpr,
+    REPLICATED: gl.constexpr, TMA: gl.constexpr, LDST: gl.constexpr,
+):  # fmt: skip
+    """``handoff2*``: the default partition writes, two worker partitions read. ``TMA``: 0 none,
+    1 the TMA rounds land in the vector's own buffer, 2 in a buffer of their own (``x_desc``:
+    the TMA rounds' source, ``None`` without ``TMA``)."""
+    vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    if TMA == 1:
+        buf = gl.allocate_shared_memory(gl.float32, [128], VECTOR_TMA_LAYOUT)
+        tbuf = buf
+    elif TMA == 2:
+        buf = gl.allocate_shared_memory(gl.float32, [128], vec)
+        tbuf = gl.allocate_shared_memory(gl.float32, [128], VECTOR_TMA_LAYOUT)
+    else:
+        buf = gl.allocate_shared_memory(gl.float32, [128], vec)
+        tbuf = buf
+    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(full, count=1)
+    mbarrier.init(empty, count=2)  # one release per reader
+    mbarrier.arrive(empty, count=2)  # the vector starts free: the writer's first wait passes
+    if TMA:
+        fence_async_shared()  # (the initialised barriers before the async proxy's first transaction)
+    gl.warp_specialize(
+        [
+            (_writer2, (buf, tbuf, full, empty, x_ptr, x_desc, rounds, FENCE, REPLICATED, TMA, LDST)),
+            (_reader2, (buf, tbuf, full, empty, out_ptr, rounds, 0, REPLICATED, TMA, LDST)),
+            (_reader2, (buf, tbuf, full, empty, out_ptr, rounds, 1, REPLICATED, TMA, LDST)),
+        ],
+        [4, 4],
+        [96, 96],
+    )
+
+
+HANDOFF2 = {
+    # mode: (FENCE, REPLICATED, TMA, LDST)
+    "handoff2": (False, False, 0, False),
+    "handoff2-ldst": (False, False, 0, True),
+    "handoff2-fence": (True, False, 0, False),
+    "handoff2-replicated": (False, True, 0, False),
+    "handoff2-tma": (False, False, 1, False),
+    "handoff2-tma-apart": (False, False, 2, False),
+}
+"""The ``handoff2`` modes: each differs from ``handoff2`` in one respect (module docstring)."""
+MODES = ("handoff", "handoff-ldst", "alternate", "ring", "ring-wait", *HANDOFF2)
+
+
+def launch(mode: str, rounds: int, device: str = "cuda") -> Callable[[], bool]:
+    """Launch ``mode``'s kernel over ``rounds`` rounds on ``device``; returns the check of its
+    values (to call once the kernel has finished)."""
+    out = torch.zeros(256, device=device)
+    if mode in ("handoff", "handoff-ldst"):
+        x = torch.randn(128, device=device)
+        probe_kernel[(4,)](x, out, rounds, num_warps=4, LDST=mode == "handoff-ldst")
+        return lambda: torch.allclose(out[:128], x * rounds * (rounds + 1) / 2)
+    if mode in HANDOFF2:
+        fence, replicated, tma_rounds, ldst = HANDOFF2[mode]
+        x = torch.randn(128, device=device)
+        desc = None
+        if tma_rounds:
+            # row k: round k's vector, as the writer computes it (x · (k + 1))
+            src = (x[None, :] * torch.arange(1, rounds + 1, device=device)[:, None]).reshape(-1)
+            desc = TensorDescriptor(src, [rounds * 128], [1], [128], VECTOR_TMA_LAYOUT)
+        handoff2_kernel[(2,)](
+            x, desc, out, rounds, num_warps=4, FENCE=fence, REPLICATED=replicated, TMA=tma_rounds, LDST=ldst
+        )
+        # both readers summed every round
+        return lambda: torch.allclose(out, (x * rounds * (rounds + 1) / 2).repeat(2), atol=1e-4)
+    if mode in ("ring", "ring-wait"):
+        src = torch.randn(rounds, 512, device=device)
+        out = torch.zeros(512, device=device)
+        ring_kernel[(2,)](src, out, rounds, num_warps=4, WAIT=mode == "ring-wait")
+        return lambda: torch.allclose(out, src.sum(0), atol=1e-4)
+    if mode != "alternate":
+        raise SystemExit(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
+    alternate_kernel[(2,)](out, rounds, num_warps=4)
+    # round k reads the value k that round k - 1 wrote
+    return lambda: out[0].item() == sum(range(2, rounds, 2)) and out[128].item() == sum(range(1, rounds, 2))
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "handoff"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-    out = torch.zeros(256, device="cuda")
-    if mode == "handoff":
-        x = torch.randn(128, device="cuda")
-        probe_kernel[(4,)](x, out, rounds, num_warps=4)
-        torch.cuda.synchronize()
-        ok = torch.allclose(out[:128], x * rounds * (rounds + 1) / 2)
-    elif mode in ("ring", "ring-wait"):
-        src = torch.randn(rounds, 512, device="cuda")
-        out = torch.zeros(512, device="cuda")
-        ring_kernel[(2,)](src, out, rounds, num_warps=4, WAIT=mode == "ring-wait")
-        torch.cuda.synchronize()
-        ok = torch.allclose(out, src.sum(0), atol=1e-4)
-    else:
-        alternate_kernel[(2,)](out, rounds, num_warps=4)
-        torch.cuda.synchronize()
-        # round k reads the value k that round k - 1 wrote
-        ok = out[0].item() == sum(range(2, rounds, 2)) and out[128].item() == sum(range(1, rounds, 2))
-    print("probe", mode, rounds, "values ok" if ok else "VALUES WRONG")
+    check = launch(mode, rounds)
+    torch.cuda.synchronize()
+    print("probe", mode, rounds, "values ok" if check() else "VALUES WRONG")
 
 
 if __name__ == "__main__":
