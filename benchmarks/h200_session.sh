@@ -16,9 +16,10 @@
 #   bash benchmarks/h200_session.sh whatif-other  # the same for the ping-pong and few-rows kernels (~5 min)
 #   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~2 min)
 #   bash benchmarks/h200_session.sh fold        # the split reduce folded into the few-rows kernel: tests, sanitizers, timing (~4 min)
+#   bash benchmarks/h200_session.sh prefill-race  # the Gluon prefill's layouts under Triton's concurrency sanitizer (~2 min)
 #
 # The bench part runs the user-facing benchmarks (python3 -m benchmarks NAME); the breakdown,
-# pingpong, dual, profile, whatif, whatif-other, power and fold parts run kernel-research probes
+# pingpong, dual, profile, whatif, whatif-other, power, fold and prefill-race parts run kernel-research probes
 # (python3 -m probes.NAME, probes/README.md).
 # Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
 # docs/img/). Each part has its own time limits so one slow step cannot starve the others.
@@ -179,12 +180,19 @@ fold)
   part "timing: separate reduce against the folded one"
   timeout 240 python3 -m probes.fold --json "$OUT/fold.json" 2>&1 | tee "$OUT/fold.log" | grep -v "^{" | tail -24
   ;;
+prefill-race)
+  part "the Gluon prefill's layouts under Triton's concurrency sanitizer (probes/prefill_consan.py)"
+  for args in "SPLIT 1" "SPLIT 0" "PRODUCER 1"; do
+    TRITON_INSTRUMENTATION_MODE=consan timeout 120 python3 -m probes.prefill_consan $args 2>&1 \
+      | tee -a "$OUT/prefill_consan.log" | tail -4
+  done
+  ;;
 breakdown)
   part "per-kernel breakdown"
   timeout 300 python3 -m probes.gluon_dev --breakdown 2>&1 | tee "$OUT/breakdown.log" | grep -v "^{" | tail -60
   ;;
 *)
-  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sanitizer|breakdown|pingpong|dual|profile|whatif|whatif-other|power|fold" >&2
+  echo "usage: bash benchmarks/h200_session.sh tests1|tests2|bench|sparse|sanitizer|sanitizer-sparse-prefill|breakdown|pingpong|dual|profile|whatif|whatif-other|power|fold|prefill-race" >&2
   exit 2
   ;;
 esac
