@@ -3,6 +3,8 @@ elsewhere)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import ClassVar
 
 import attrs
@@ -94,10 +96,16 @@ class FlashVarlen(PrefillStrategy):
             return
         assert kv_cache is not None
         assert expand_context is not None
-        if self.setup.capabilities.varlen_context_operands:
-            self._fused_context(plan, new_tokens, kv_cache, kv_scale, expand_context)
+        split_keys = self.setup.capabilities.varlen_context_operands
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        chunk_calls = (
+            self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=split_keys)
+            for chunk in plan.context_chunks
+        )
+        if split_keys:
+            self._fused_context(new_tokens, chunk_calls)
         else:
-            self._merged_context(plan, new_tokens, kv_cache, kv_scale, expand_context)
+            self._merged_context(new_tokens, chunk_calls)
 
     def _chunk_keys(
         self,
@@ -133,53 +141,32 @@ class FlashVarlen(PrefillStrategy):
             checked=False,
         )
 
-    def _fused_context(
-        self,
-        plan: PrefillPlan,
-        new_tokens: VarlenPrefillCall,
-        kv_cache: torch.Tensor,
-        kv_scale: torch.Tensor | None,
-        expand_context: ContextExpander,
-    ) -> None:
+    def _fused_context(self, new_tokens: VarlenPrefillCall, chunk_calls: Iterator[VarlenPrefillCall]) -> None:
         """The new tokens straight into ``out``/``lse`` (the causal pass on the plain kernel),
-        then each chunk merged into them by the varlen kernel's epilogue (in place: each row is
-        read before it is written). The first chunk is gathered, expanded and its callback
-        output checked before the first launch, so a bad callback leaves ``out`` and ``lse``
-        unwritten."""
+        then each chunk's call (``chunk_calls``, split keys, built lazily) merged into them by
+        the varlen kernel's epilogue (in place: each row is read before it is written). The
+        first chunk is gathered, expanded and its callback output checked before the first
+        launch, so a bad callback leaves ``out`` and ``lse`` unwritten."""
         provider = self.setup.provider
         out, lse = new_tokens.out, new_tokens.lse
-        flat = kv_cache.view(-1, kv_cache.shape[-1])
-        chunks = plan.context_chunks
-        first = self._chunk_keys(chunks[0], flat, kv_scale, expand_context, new_tokens, split_keys=True)
+        first = next(chunk_calls)
         provider.varlen_attention(new_tokens)
-        for index, chunk in enumerate(chunks):
-            call = (
-                self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=True)
-                if index
-                else first
-            )
+        for call in itertools.chain((first,), chunk_calls):
             provider.varlen_attention(attrs.evolve(call, prior_out=out, prior_lse=lse))
 
     def _merged_context(
-        self,
-        plan: PrefillPlan,
-        new_tokens: VarlenPrefillCall,
-        kv_cache: torch.Tensor,
-        kv_scale: torch.Tensor | None,
-        expand_context: ContextExpander,
+        self, new_tokens: VarlenPrefillCall, chunk_calls: Iterator[VarlenPrefillCall]
     ) -> None:
         """Whole keys and separate merges (a varlen kernel without the chunked-context
-        operands): the chunks into a float32 running state, the new tokens into a partial, each
-        merged by the ``merge-states`` kernel."""
+        operands): the chunks' calls into a float32 running state, the new tokens into a
+        partial, each merged by the ``merge-states`` kernel."""
         provider = self.setup.provider
         out, lse = new_tokens.out, new_tokens.lse
         acc = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         acc_lse = torch.empty_like(lse)
         part = torch.empty_like(out)
         part_lse = torch.empty_like(lse)
-        flat = kv_cache.view(-1, kv_cache.shape[-1])
-        for index, chunk in enumerate(plan.context_chunks):
-            call = self._chunk_keys(chunk, flat, kv_scale, expand_context, new_tokens, split_keys=False)
+        for index, call in enumerate(chunk_calls):
             target = (acc, acc_lse) if index == 0 else (part, part_lse)
             provider.varlen_attention(attrs.evolve(call, out=target[0], lse=target[1]))
             if index:
