@@ -66,10 +66,13 @@ from mla.providers.gluon.kernels import (
     _key_operand,
     _online_softmax,
     _query_ptrs,
+    _ring_key_ok,
     _row_info,
     _row_lse,
     _safe_sum,
     _tile_ids,
+    _tile_in_page,
+    _tile_key_limit,
     _work_item,
     _work_range,
 )
@@ -251,12 +254,13 @@ def _issue_other_tile(
 @gluon.jit
 def _mma_warpgroup(
     args, W: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, IN_PAGE: gl.constexpr,
 ):  # fmt: skip
     """MMA warpgroup ``W``: QKᵀ and the softmax of tiles ``t ≡ W (mod 2)``, ``P·V`` of every
     tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the
     LSE, when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work
-    item and strides (one tuple for both warpgroups)."""
+    item and strides (one tuple for both warpgroups). ``IN_PAGE``: every tile lies inside one
+    page (:func:`.kernels._tile_in_page`), so a tile's ids are one block id, checked once."""
     (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
@@ -296,11 +300,11 @@ def _mma_warpgroup(
         # serialises no wgmma to protect the accumulators).
         if n_tiles > 0:
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
-            key_ok = id_ring.index(_slot(0, hi, NUM_STAGES)).load(keys).to(gl.uint32, bitcast=True) < id_limit
+            ids_0 = id_ring.index(_slot(0, hi, NUM_STAGES))
+            key_ok = None if IN_PAGE else _ring_key_ok(ids_0, id_limit, keys)
+            limit = _tile_key_limit(ids_0, row_limit, hi, id_limit, IN_PAGE)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(
-                scores, m_i, l_i, lo + offs_n, key_ok, row_limit, qk_scale, 1
-            )
+            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, lo + offs_n, key_ok, limit, qk_scale, 1)
             acc, l_o = _add_own_tile(
                 lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
                 0, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
@@ -315,8 +319,10 @@ def _mma_warpgroup(
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
         n = t * BLOCK_N + lo + offs_n
-        key_ok = id_ring.index(_slot(t, hi, NUM_STAGES)).load(keys).to(gl.uint32, bitcast=True) < id_limit
-        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, n, key_ok, row_limit, qk_scale, 1)
+        ids_t = id_ring.index(_slot(t, hi, NUM_STAGES))
+        key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, keys)
+        limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
+        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, n, key_ok, limit, qk_scale, 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
         acc, l_o = _add_own_tile(
@@ -472,6 +478,7 @@ def mla_decode_pingpong_kernel(
 
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     id_limit = _id_limit(num_kv_rows, PAGE_SIZE)
+    IN_PAGE: gl.constexpr = _tile_in_page(MODE, PAGE_SIZE, BLOCK_N)
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
@@ -489,8 +496,8 @@ def mla_decode_pingpong_kernel(
                     ready, empty, L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE,
                 ),
             ),
-            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
-            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE)),
+            (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, IN_PAGE)),
+            (_mma_warpgroup, (mma_args, 1, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, IN_PAGE)),
         ],
         [4, 4],
         [MMA_REGS, MMA_REGS],
