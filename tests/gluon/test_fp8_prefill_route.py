@@ -7,7 +7,9 @@ route declines on them too (in the interpreter)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -110,8 +112,8 @@ E5M2 = torch.float8_e5m2
         "strided-last-dim", "misaligned-base",
     ],
 )  # fmt: skip
-def test_route_sends_other_calls_to_triton(change: dict[str, object], why: str | None) -> None:
-    kernel, reason = fp8_prefill_route(_call(**change))
+def test_route_sends_other_calls_to_triton(change: dict[str, Any], why: str | None) -> None:
+    kernel, reason = fp8_prefill_route(attrs.evolve(_call(), **change))
     if why is None:
         assert kernel == "gluon", reason
     else:
