@@ -65,6 +65,11 @@ from mla.providers.gluon.planner import (
     decode_kernel,
     schedule_units,
 )
+from mla.providers.gluon.prefill_fp8_launch import (
+    GluonFp8PrefillPlan,
+    fp8_prefill_route,
+    plan_gluon_fp8_prefill,
+)
 from mla.providers.gluon.prefill_launch import PREFILL_DIMS, prefill_call_route
 from mla.providers.gluon.sparse import sparse_on_gluon
 from mla.providers.split_kv import SplitKVSchedule
@@ -96,6 +101,12 @@ PREFILL_OPT_IN_NOTE = (
     "(GluonProvider(prefill='gluon'), registered under a name of your own) while it is validated"
 )
 """The prefill kernel note of the default provider."""
+FP8_PREFILL_NOTE = (
+    "opted in (fp8_prefill='gluon'): fp8 prefill runs on the Gluon fp8 prefill kernel for e4m3 q/k/v "
+    "with 192/128 or 128/128 head dims and TMA-readable layouts, on the Triton provider's kernels "
+    "otherwise (not yet run on a GPU)"
+)
+"""Added to the prefill kernel note of a provider built with ``fp8_prefill="gluon"``."""
 PREFILL_KERNELS = ("triton", "gluon")
 """What ``GluonProvider(prefill=...)`` takes."""
 
@@ -126,20 +137,34 @@ class GluonProvider(KernelProvider):
 
     name: ClassVar[str] = "gluon"
 
-    def __init__(self, *, prefill: str = "triton") -> None:
+    def __init__(self, *, prefill: str = "triton", fp8_prefill: str = "triton") -> None:
         """``prefill``: ``"triton"`` (the default: varlen prefill on the Triton provider's
         kernel) or ``"gluon"`` (the Gluon prefill kernel where
         :func:`.prefill_launch.prefill_call_route` takes the call). The Gluon prefill kernel
         passes its GPU tests but had one unexplained illegal-address fault in a benchmark
-        session, so it is opt-in until a stress and racecheck run clears it."""
+        session, so it is opt-in until a stress and racecheck run clears it.
+
+        ``fp8_prefill``: ``"triton"`` (the default: fp8 prefill on the Triton provider's
+        kernels) or ``"gluon"`` (the Gluon fp8 prefill kernel of :mod:`.prefill_fp8` where
+        :func:`.prefill_fp8_launch.fp8_prefill_route` takes the call; ``plan_fp8_prefill``
+        then returns a :class:`.prefill_fp8_launch.GluonFp8PrefillPlan` around the Triton
+        plan). Not yet run on a GPU: opt-in until its GPU tests pass."""
         if prefill not in PREFILL_KERNELS:
             raise InvalidInputError("prefill", f"one of {'/'.join(PREFILL_KERNELS)}, got {prefill!r}")
+        if fp8_prefill not in PREFILL_KERNELS:
+            raise InvalidInputError("fp8_prefill", f"one of {'/'.join(PREFILL_KERNELS)}, got {fp8_prefill!r}")
         self._triton = TritonProvider()
         self._availability: Support | None = None
         self._prefill = prefill
+        self._fp8_prefill = fp8_prefill
 
     def __repr__(self) -> str:
-        return "GluonProvider()" if self._prefill == "triton" else f"GluonProvider(prefill={self._prefill!r})"
+        options = [
+            f"{name}={value!r}"
+            for name, value in (("prefill", self._prefill), ("fp8_prefill", self._fp8_prefill))
+            if value != "triton"
+        ]
+        return f"GluonProvider({', '.join(options)})"
 
     def availability(self) -> Support:
         if self._availability is None:
@@ -186,6 +211,12 @@ class GluonProvider(KernelProvider):
             "head dims and TMA-readable layouts; Triton varlen kernel otherwise"
             + ("" if self._prefill == "gluon" else " (opt-in: GluonProvider(prefill='gluon'); now: Triton)")
         )
+        probes["fp8_prefill"] = (
+            "Gluon fp8 prefill kernel (e4m3 wgmma QKᵀ and PV, V transposed in shared memory) for e4m3 "
+            "192/128 and 128/128; Triton fp8 kernels otherwise"
+            if self._fp8_prefill == "gluon"
+            else "Triton fp8 kernels (opt-in: GluonProvider(fp8_prefill='gluon'))"
+        )
         probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
         return probes
 
@@ -199,7 +230,8 @@ class GluonProvider(KernelProvider):
         rope_dim: int,
     ) -> str | None:
         if phase == "prefill":
-            return PREFILL_NOTE if self._prefill == "gluon" else PREFILL_OPT_IN_NOTE
+            note = PREFILL_NOTE if self._prefill == "gluon" else PREFILL_OPT_IN_NOTE
+            return note + (f"; {FP8_PREFILL_NOTE}" if self._fp8_prefill == "gluon" else "")
         if phase != "decode":
             return f"{phase} runs on the Triton provider's kernels (the gluon provider delegates it)"
         kernel, why = decode_kernel(
@@ -272,13 +304,27 @@ class GluonProvider(KernelProvider):
         else:
             self._triton.varlen_attention(call)
 
-    # -- delegated to the Triton provider ---------------------------------------------------
-
     def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> object:
-        return self._triton.plan_fp8_prefill(call)
+        plan = self._triton.plan_fp8_prefill(call)
+        if self._fp8_prefill != "gluon":
+            return plan
+        # Opted in: the Triton plan (for the calls the route declines) and the batch's sizes.
+        return plan_gluon_fp8_prefill(call, plan)
 
     def fp8_prefill(self, call: Fp8PrefillCall) -> None:
+        # Opted in (a GluonFp8PrefillPlan): the Gluon fp8 kernel where fp8_prefill_route takes
+        # the call, else the Triton kernels on the plan's Triton schedule.
+        plan = call.schedule
+        if isinstance(plan, GluonFp8PrefillPlan):
+            if fp8_prefill_route(call)[0] == "gluon":
+                from mla.providers.gluon.prefill_fp8_launch import launch_gluon_fp8_prefill  # noqa: PLC0415
+
+                launch_gluon_fp8_prefill(call)
+                return
+            call = attrs.evolve(call, schedule=plan.triton)
         self._triton.fp8_prefill(call)
+
+    # -- delegated to the Triton provider ---------------------------------------------------
 
     def merge_states(self, call: MergeStatesCall) -> None:
         self._triton.merge_states(call)

@@ -1,0 +1,320 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""Gluon (Hopper) fp8 varlen prefill: the ``fp8-prefill`` contract with TMA and fp8 ``wgmma``.
+
+The layout of :mod:`.prefill`'s bf16 kernel (``PLAIN`` and ``PRODUCER`` warp splits: one
+program per 128-row query tile of one (request, head), the two warpgroups of an 8-warp
+consumer taking 64 rows each; a K/V ring filled by TMA; causal masking only on the tiles that
+straddle the diagonal or the end of the request's keys; the same varlen, NaN and LSE rules) over
+e4m3 q/k/v whose values are ``stored * scale`` (per-tensor float32 scales, read on the device):
+
+* **QKᵀ** is an fp8 ``wgmma`` (e4m3 × e4m3 → fp32): the q and K tiles are ``[rows, D]`` with
+  ``D`` contiguous, i.e. K-major for both operands, as TMA lands them (64-column boxes of 64
+  bytes, 64-byte swizzle). ``q_scale · k_scale · softmax_scale · log2 e`` is one multiply of
+  the fp32 scores (the exp2 domain).
+* **PV** is an fp8 ``wgmma`` too, and an 8-bit ``wgmma`` B operand must be K-major (keys
+  contiguous), which a ``[keys, Dv]`` V tile is not: the consumer loads each V tile from its
+  ring slot into registers (its non-finite lanes zeroed in a masked tile, as the bf16 kernel
+  does), writes it back transposed into a ``[Dv, keys]`` tile of its own, fences, and releases
+  the ring slot right away (``PV`` reads only the transposed copy). The transpose runs while
+  the tile's ``QKᵀ`` is in flight.
+* **P in e4m3, scaled by 2⁸** (FA3's ``max_offset``): the running max is kept 8 below the true
+  one, so ``p = exp2(s - m)`` lies in ``[0, 256]`` (256 is exact in e4m3, whose largest value is
+  448) and every ``p`` down to 2⁻¹⁴ of the row max stays a normal e4m3 number. ``l`` sums the
+  fp32 ``p`` (the same 2⁸ factor), so ``out = acc / l`` and ``lse = (m + log2 l)·ln 2`` need
+  no correction. e4m3 keeps 3 mantissa bits: the output's relative error against the
+  reference on the dequantized inputs is about 2-3% on diffuse attention (the Triton fp8
+  kernel keeps P in fp16 for that reason). ``v_scale`` multiplies the output in the epilogue.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.providers.gluon.prefill import _producer
+from mla.providers.gluon.prefill_parts import (
+    BLOCK_M,
+    BOX,
+    CONSUMER_WARPS,
+    PRODUCER_REGS,
+    PRODUCER_WARPS,
+    _copy_boxes,
+    _issue_kv,
+    _release,
+    _store_rows,
+    _tile_range,
+)
+
+FP8_TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+"""Shared layout of the q/K/V tiles and of their TMA boxes (64 e4m3 columns: 64 bytes)."""
+P_OFFSET = gl.constexpr(8.0)
+"""log2 of P's scale: the running max is kept this far below the true max (``p <= 2**8``)."""
+
+
+@gluon.constexpr_function
+def _fp8_mma_layout(warps, cols):
+    """The accumulator layout of an 8-bit ``[16·warps, cols]`` wgmma (k = 32 per instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 32])
+
+
+@gluon.constexpr_function
+def _vt_layout(keys):
+    """Shared layout of the transposed ``[Dv, keys]`` V tile (keys contiguous)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, keys), element_bitwidth=8, rank=2)
+
+
+@gluon.jit
+def _transpose_v(v_slot, vt_smem, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, KEYS: gl.constexpr):
+    """Copy the ``[keys, Dv]`` V tile of a ring slot into ``vt_smem`` (``[Dv, keys]``, keys
+    contiguous: the K-major B operand of ``P·V``). ``MASKED``: zero its non-finite lanes on the
+    way and return, per key, 1.0 where its value row had one (layout ``KEYS``)."""
+    # 4 keys x 4 lanes a thread: 32-bit loads along Dv, 32-bit stores along the keys.
+    ld: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [CONSUMER_WARPS, 1], [1, 0])
+    v = v_slot.load(ld)
+    if MASKED:
+        vf = v.to(gl.float32)
+        finite = (vf - vf) == 0.0
+        key_bad = gl.convert_layout(gl.max(gl.where(finite, 0.0, 1.0), axis=1), KEYS)
+        v = gl.where(finite, vf, 0.0).to(v.dtype)
+    else:
+        key_bad = gl.zeros([BLOCK_N], gl.float32, layout=KEYS)  # (unread)
+    vt_smem.store(gl.permute(v, (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    return key_bad
+
+
+@gluon.jit
+def _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """:func:`.prefill_parts._softmax_step` with the running max ``m`` kept ``P_OFFSET`` below
+    the scaled scores' max, so ``p <= 2**P_OFFSET``: ``(p, alpha, m_new, row_bad)``."""
+    if MASKED:
+        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
+        seen = keys[None, :] <= row_last[:, None]
+        sc = gl.where(seen, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale - P_OFFSET)
+        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc * qk_scale - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale - P_OFFSET)
+        p = gl.exp2(sc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        row_bad = gl.zeros_like(m_new)
+    return p, alpha, m_new, row_bad
+
+
+@gluon.jit
+def _attend_tile_fp8(
+    q_smem, k_ring, v_ring, vt_smem, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last, qk_scale,
+    MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """Online softmax of key tile ``t`` (ring slot ``t % NUM_STAGES``) into ``(acc, m_i, l_i)``
+    for the 128 query rows of the tile; ``MASKED``: key ``n`` counts for row ``r`` only when
+    ``n <= row_last[r]`` (and the V tile's non-finite lanes are zeroed in the transpose)."""
+    s = t % NUM_STAGES
+    phase = (t // NUM_STAGES) & 1
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
+    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    mbarrier.wait(k_ready.index(s), phase)
+    sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    NQ: gl.constexpr = q_smem.shape[0]
+    for c in gl.static_range(NQ):
+        sc = warpgroup_mma(
+            q_smem.index(c), k_ring.index(s * NQ + c).permute((1, 0)), sc, use_acc=c > 0, is_async=True
+        )
+    # (while QKᵀ runs) V, transposed into vt_smem; its ring slot is free once copied
+    mbarrier.wait(v_ready.index(s), phase)
+    key_bad = _transpose_v(v_ring.index(s), vt_smem, MASKED, BLOCK_N, keys_layout)
+    mbarrier.arrive(v_empty.index(s))
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+    _release(k_empty.index(s))
+    p, alpha, m_new, row_bad = _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    if MASKED:
+        acc = acc + gl.convert_layout(gl.where(row_bad > 0.0, float("nan"), 0.0), o_rows)[:, None]
+    p8 = gl.convert_layout(p.to(vt_smem.dtype), p_layout)
+    acc = warpgroup_mma(p8, vt_smem.permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    # (both warpgroups done reading vt_smem before either transposes the next tile into it)
+    gl.thread_barrier()
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _fp8_consumer(
+    args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+    ISSUE_LOADS: gl.constexpr,
+):  # fmt: skip
+    """The 8-warp consumer: every key tile of the query tile, then its output rows of the
+    request (and their LSE). ``ISSUE_LOADS``: no producer partition, the consumer keeps
+    ``NUM_STAGES - 1`` tiles in flight itself. ``args``: the kernel's buffers, barriers, query
+    tile, strides and scales (one tuple)."""
+    (
+        q_smem, k_ring, v_ring, vt_smem, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
+        lse_ptr, q_begin, m0, seq_q, seq_k, k_row0, k_col, v_col, h, shift, n_full, n_tiles,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
+    ) = args  # fmt: skip
+    s_layout: gl.constexpr = _fp8_mma_layout(CONSUMER_WARPS, BLOCK_N)
+    o_layout: gl.constexpr = _fp8_mma_layout(CONSUMER_WARPS, D_V)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    if not ISSUE_LOADS:
+        # The partition reads its arguments before anything of it writes shared memory.
+        gl.thread_barrier()
+    else:
+        for t in gl.static_range(NUM_STAGES - 1):
+            if t < n_tiles:
+                _issue_kv(
+                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                    v_col, t, BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+
+    rows = gl.arange(0, BLOCK_M, layout=s_rows)
+    row_last = gl.minimum(rows + shift, seq_k - 1)
+    acc = gl.zeros([BLOCK_M, D_V], gl.float32, layout=o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+    mbarrier.wait(q_bar, 0)
+    # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
+    for masked in gl.static_range(2):
+        first = n_full if masked else 0
+        last = n_tiles if masked else n_full
+        for t in range(first, last):
+            if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
+                if t + NUM_STAGES - 1 < n_tiles:
+                    _issue_kv(
+                        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                        v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
+                    )  # fmt: skip
+            acc, m_i, l_i = _attend_tile_fp8(
+                q_smem, k_ring, v_ring, vt_smem, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
+                row_last, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, s_layout, o_layout,
+            )  # fmt: skip
+
+    # v_scale: one multiply of the output (the values are stored · v_scale)
+    _store_rows(
+        acc * v_scale, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
+        stride_lt, stride_lh, 0, BLOCK_M, D_V, WRITE_LSE, o_layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def mla_fp8_prefill_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    q_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_qh,
+    stride_kh,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    num_heads,
+    num_m_blocks,
+    num_q_rows,
+    num_k_rows,
+    softmax_scale_log2e,
+    D_QK: gl.constexpr,
+    D_V: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    MODE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition.
+    gl.static_assert(num_warps == CONSUMER_WARPS, "launch warps")
+    gl.static_assert(MODE <= 1, "the fp8 kernel has the plain and producer warp splits")
+    gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
+    dtype: gl.constexpr = q_desc.dtype
+
+    # -- the query tile of this program (as in the bf16 kernel) --------------------------------
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
+    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
+    m0 = m_block * BLOCK_M
+    if m0 >= seq_q:
+        return
+    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
+    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
+    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
+    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
+    v_scale = gl.load(v_scale_ptr)
+
+    # -- shared memory and barriers --------------------------------------------------------------
+    NQ: gl.constexpr = D_QK // BOX
+    q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, BOX], FP8_TILE_LAYOUT)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, BOX], FP8_TILE_LAYOUT)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_V], FP8_TILE_LAYOUT)
+    vt_smem = gl.allocate_shared_memory(dtype, [D_V, BLOCK_N], _vt_layout(BLOCK_N))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    # Every ring slot starts free (phase 0 of its empty barriers).
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.arrive(k_empty.index(i))
+        mbarrier.arrive(v_empty.index(i))
+    fence_async_shared()
+
+    _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)
+
+    k_col = h * stride_kh
+    v_col = h * stride_vh
+    consumer_args = (
+        q_smem, k_ring, v_ring, vt_smem, q_bar, k_ready, v_ready, k_empty, v_empty, k_desc, v_desc, out_ptr,
+        lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, k_col, v_col, h, shift, n_full, n_tiles,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
+    )  # fmt: skip
+    if MODE == 1:
+        gl.warp_specialize(
+            [
+                (_fp8_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False)),
+                (
+                    _producer,
+                    (
+                        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_begin, k_col,
+                        v_col, n_tiles, BLOCK_N, NUM_STAGES,
+                    ),
+                ),
+            ],
+            [PRODUCER_WARPS],
+            [PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        _fp8_consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True)
+
+
+__all__ = ["FP8_TILE_LAYOUT", "P_OFFSET", "mla_fp8_prefill_kernel"]

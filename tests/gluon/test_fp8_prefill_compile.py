@@ -1,0 +1,110 @@
+"""The Gluon fp8 varlen prefill on a CPU: every variant compiled for sm_90 (Triton's compiler and
+ptxas, the shared-memory limit included, under :mod:`mla.testing.triton_driver`'s stand-in
+driver, in a process without the Triton interpreter), each launch recorded, and the cubin read
+with the ``cuobjdump`` Triton ships: no stack or local memory (no spills) and the tile loops
+on fp8 ``wgmma`` (``QGMMA ... E4M3.E4M3``: QKᵀ and PV, nothing widened to 16 bits).
+
+At ``1cf15b5`` (192/128, 128-key tiles, 4 stages): the producer kernel's consumer warps run at
+240 registers (``setmaxnreg``) and the plain kernel at 242, no stack, 205 KB of shared memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import subprocess
+import textwrap
+
+import pytest
+from sm90_compile import Compiled, compile_cases
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+pytestmark = pytest.mark.heavy  # (compiles every variant for sm_90 in a process of its own)
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import attrs
+    import torch
+    from mla.providers.calls import Fp8PrefillCall
+    from mla.providers.gluon.prefill_fp8_launch import (
+        GluonFp8PrefillPlan, fp8_prefill_config, launch_gluon_fp8_prefill)
+    from mla.providers.gluon.prefill_fp8 import mla_fp8_prefill_kernel
+    from mla.providers.gluon.prefill_launch import PrefillKernel
+    from mla.providers.gluon.provider import GluonProvider
+    from mla.testing.triton_driver import stand_in_driver
+
+    LQ, LK = [100, 1, 0, 257], [300, 50, 10, 257]
+    dqk, causal, lse = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+    kernel, via = sys.argv[4], sys.argv[5]
+
+    def indptr(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    heads, dv, f8 = 4, 128, torch.float8_e4m3fn
+    tq, tk = sum(LQ), sum(LK)
+    plan = GluonFp8PrefillPlan(
+        triton=None, max_seqlen_q=max(LQ), num_heads=heads, num_tokens=tq, num_kv_tokens=tk, causal=causal)
+    call = Fp8PrefillCall(
+        q=torch.zeros(tq, heads, dqk, dtype=f8), k=torch.zeros(tk, heads, dqk, dtype=f8),
+        v=torch.zeros(tk, heads, dv, dtype=f8), cu_seqlens_q=indptr(LQ), cu_seqlens_k=indptr(LK),
+        out=torch.zeros(tq, heads, dv, dtype=torch.bfloat16), lse=torch.zeros(tq, heads), schedule=plan,
+        softmax_scale=0.07, q_scale=torch.ones(()), k_scale=torch.ones(()), v_scale=torch.ones(()),
+        causal=causal)
+    config = attrs.evolve(fp8_prefill_config(dqk, dv), kernel=PrefillKernel[kernel])
+    # (the cases share a process: compile each into its own cache dir, launching on this driver)
+    mla_fp8_prefill_kernel.device_caches.clear()
+    with stand_in_driver(compile_kernels=True) as driver:
+        if via == "provider":
+            GluonProvider(fp8_prefill="gluon").fp8_prefill(call)
+        else:
+            launch_gluon_fp8_prefill(call, config, write_lse=lse)
+        print(json.dumps([[l.function[1], list(l.grid)] for l in driver.launches]))
+    """
+)
+KERNEL = "mla_fp8_prefill_kernel"
+CASES = {
+    # name: (dqk, causal, write_lse, kernel, via)
+    "192-causal-lse": (192, True, True, "PRODUCER", "launcher"),
+    "192-causal-nolse": (192, True, False, "PRODUCER", "launcher"),
+    "192-full-lse": (192, False, True, "PRODUCER", "launcher"),
+    "192-full-nolse": (192, False, False, "PRODUCER", "launcher"),
+    "128-causal-lse": (128, True, True, "PRODUCER", "launcher"),
+    "128-causal-nolse": (128, True, False, "PRODUCER", "launcher"),
+    "128-full-lse": (128, False, True, "PRODUCER", "launcher"),
+    "128-full-nolse": (128, False, False, "PRODUCER", "launcher"),
+    "192-causal-plain": (192, True, True, "PLAIN", "launcher"),
+    "128-full-plain-nolse": (128, False, False, "PLAIN", "launcher"),
+    "provider-192": (192, True, True, "PRODUCER", "provider"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
+    cases = {
+        name: [str(dqk), str(int(causal)), str(int(lse)), kernel, via]
+        for name, (dqk, causal, lse, kernel, via) in CASES.items()
+    }
+    return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("fp8-prefill"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_fp8_prefill_variant_compiles_without_spills(
+    compiled: dict[str, Compiled], cuobjdump: str, case: str
+) -> None:
+    launches = json.loads(compiled[case].stdout().strip().splitlines()[-1])
+    # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads.
+    assert launches == [[KERNEL, [3 * 4 * 4, 1, 1]]]
+    (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/{KERNEL}.cubin")
+    done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
+    usage = done.stdout
+    stack, local = re.search(r"STACK:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    assert stack is not None, usage
+    assert local is not None, usage
+    assert (int(stack.group(1)), int(local.group(1))) == (0, 0), f"spills: {usage.strip()}"
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    mmas = set(re.findall(r"\b([A-Z]GMMA\.\S+)", sass))
+    assert mmas, "no wgmma in the SASS"
+    assert all(".E4M3.E4M3" in mma for mma in mmas), f"not every wgmma is an e4m3 one: {sorted(mmas)}"
