@@ -31,22 +31,14 @@ released and refilled **by halves**: warpgroup ``w`` frees latent columns
 Each 128-column chunk lands on its own barrier (``ready[s·CHUNKS + c]``: one arrival per loader
 thread), and ``QKᵀ`` runs chunk by chunk as they land, starting with the owner's half. Without
 the halves and chunks both MMA warpgroups spent most of their time waiting for whole tiles
-(the halves and chunks took about 7% off both 64-row cases measured;
-``docs/performance.md``, "Kernel choices").
+(the halves and chunks took about 7% off both 64-row cases: ``docs/performance.md``).
 
 Each MMA warpgroup publishes its row max, rescale and row sum in a buffer of its own (one writer,
-one reader), and the LSE is written by the warpgroup that owns the last tile, whose running max
-and sum are the final ones. With both, compute-sanitizer's racecheck flags none of the kernel's
-buffers; it still flags the start-up hand-off that Triton generates for ``gl.warp_specialize``
-(the partitions' state and arguments, ordered by full-CTA barriers in the PTX; a 60-line probe,
-``probes/ws_mbarrier_probe.py``, shows the same reports).
-
-Selected by ``GluonLaunchConfig(kernel=GluonKernel.PINGPONG)``, which
-:func:`.planner.launch_config` picks for every 64-row tile of a 16-bit cache (the planner's
-kernel table).
-
-16-bit caches only (fp8 caches run on :mod:`.kernels`). Work items, masking, NaN rules and the
-outputs (direct, or fp32 partials for the split reduce) are those of :mod:`.kernels`.
+one reader); the warpgroup owning the last tile writes the LSE. compute-sanitizer's racecheck
+flags none of the kernel's buffers, only ``gl.warp_specialize``'s start-up hand-off (as the
+probe ``probes/ws_mbarrier_probe.py`` shows). Picked by the planner's kernel table
+(``GluonKernel.PINGPONG``) for every 64-row tile of a 16-bit cache (fp8 caches run on
+:mod:`.kernels`). Work items, masking, NaN rules and outputs are those of :mod:`.kernels`.
 """
 
 from __future__ import annotations
