@@ -72,6 +72,7 @@ from mla.providers.gluon.kernels import (
     _query_to_smem,
     _row_info,
     _scales,
+    _wait_for_previous,
     _widen_ds_mla,
     _work_item,
     _work_range,
@@ -376,6 +377,7 @@ def mla_decode_ds_mla_kernel(
     WRITE_LSE: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     ROW_MAP: gl.constexpr,
+    PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """``fp8_ds_mla`` decode of ``NR`` packed query rows per program (module docstring). ``kv_ptr``:
@@ -395,6 +397,7 @@ def mla_decode_ds_mla_kernel(
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
+    _wait_for_previous(PDL)
     # -- the work item (as in the 64-row kernel) -----------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
     if MODE != 0:  # noqa: SIM102 (MODE is a constexpr: this if is resolved at compile time)

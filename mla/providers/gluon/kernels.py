@@ -148,6 +148,17 @@ def _key_operand(
 
 
 @gluon.jit
+def _wait_for_previous(PDL: gl.constexpr):
+    """With ``PDL`` (a launch with ``launch_pdl``): wait until the kernel before this one in the
+    stream has completed and its writes are visible (:mod:`mla.providers.triton.pdl`). Call it
+    before the kernel's first memory access."""
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
 def _id_limit(num_rows, PAGE_SIZE: gl.constexpr):
     """The bound an id of the key operand is checked against (unsigned, by :func:`_token_ids`
     and :func:`_ring_key_ok`): the cache's ``num_rows // PAGE_SIZE`` blocks (block table) or

@@ -54,6 +54,7 @@ from mla.providers.formats import E4M3
 from mla.providers.triton.decode import _dot_dtype, num_sms
 from mla.providers.triton.host_math import round_up
 from mla.providers.triton.launch_cache import LaunchCache
+from mla.providers.triton.pdl import use_pdl, wait_for_previous
 from mla.providers.triton.topk import TopkConfig, radix_topk, topk_config
 
 MIN_CHUNK = 1024
@@ -290,9 +291,11 @@ def _index_scores_kernel(
     INPUT_PRECISION: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr,
     STATS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (group of ``ROWS`` rows, chunk of positions): ``scores[t, p]`` for the chunk's
     positions of the group's rows; rows of one request share each key tile."""
+    wait_for_previous(PDL)
     groups = tl.cdiv(rows, ROWS)
     t0 = ((groups - 1 - tl.program_id(0)) * ROWS).to(tl.int64)
     chunk_id = tl.program_id(1)
@@ -458,6 +461,8 @@ def index_scores(
         INPUT_PRECISION=precision,
         TILE_IN_BLOCK=block_size % config.block_p == 0,
         STATS=stats is not None,
+        PDL=(pdl := use_pdl(q.device)),
+        launch_pdl=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

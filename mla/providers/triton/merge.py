@@ -26,6 +26,7 @@ import triton.language as tl
 
 from mla.core.errors import PlanMismatchError
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.pdl import use_pdl, wait_for_previous
 
 MERGE_TILE = 8192
 """fp32 elements of one ``[BLOCK_S, BLOCK_D]`` step (32 KB: 64 registers a thread on 4 warps)."""
@@ -78,9 +79,11 @@ def _merge_splits_kernel(
     SCHEDULED: tl.constexpr,
     UNIT_QLEN: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (request·max_qlen + query row, head, latent chunk): merge the request's splits;
     the merged LSE is stored only with ``WRITE_LSE`` (by the chunk-0 program)."""
+    wait_for_previous(PDL)
     req = tl.program_id(0) // max_qlen
     qi = tl.program_id(0) % max_qlen
     head = tl.program_id(1)
@@ -247,6 +250,8 @@ def launch_merge(
         SCHEDULED=num_splits is None,
         UNIT_QLEN=unit_qlen,
         WRITE_LSE=write_lse,
+        PDL=(pdl := use_pdl(out.device)),
+        launch_pdl=pdl,
         num_warps=4 if block_s * block_d <= 4096 else 8,
     )
 

@@ -62,6 +62,7 @@ from mla.providers.formats import E4M3
 from mla.providers.triton.decode import LOG2E, _dot_dtype, num_sms
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.merge import launch_merge
+from mla.providers.triton.pdl import use_pdl, wait_for_previous
 
 MIN_SPLIT_SLOTS = 128
 """Fewest slots a split of the sparse attention is given (two 64-slot tiles)."""
@@ -457,9 +458,11 @@ def _write_index_keys_kernel(
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
     BF16_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program per new token: its key at ``slot`` (skipped outside ``[0, capacity)``); fp8 keys
     as e4m3 values and a power-of-two float32 scale in the block layout."""
+    wait_for_previous(PDL)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     if slot < 0 or slot >= capacity:
@@ -511,6 +514,8 @@ def write_index_keys(call: WriteIndexKeysCall) -> None:
         BLOCK_SIZE=cache.shape[1],
         FP8=fp8,
         BF16_CACHE=cache.dtype == torch.bfloat16,
+        PDL=(pdl := use_pdl(keys.device)),
+        launch_pdl=pdl,
         num_warps=1 if head_dim <= 256 else 4,
     )
 
@@ -607,8 +612,10 @@ def _sparse_slots_kernel(
     num_blocks,
     BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row ``t``, ``BLOCK`` entries): positions to slots, counting invalid entries."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = j < K
@@ -659,6 +666,8 @@ def sparse_slots(call: SparseSlotsCall) -> None:
         call.num_blocks,
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
+        PDL=(pdl := use_pdl(indices.device)),
+        launch_pdl=pdl,
         num_warps=4,
     )
 

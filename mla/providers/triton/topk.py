@@ -47,6 +47,7 @@ import triton.language as tl
 from mla.core.errors import InvalidInputError
 from mla.providers.triton.host_math import next_power_of_2, round_up
 from mla.providers.triton.launch_cache import LaunchCache
+from mla.providers.triton.pdl import use_pdl, wait_for_previous
 
 NUM_BINS = 64
 """Default linear bins of the histogram pass (:attr:`TopkConfig.bins`). ``tl.histogram`` costs
@@ -181,8 +182,10 @@ def _topk_range_kernel(
     stride_st_t,
     HAS_LENGTHS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, split): least and greatest finite score of the split's visible columns."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     n = max_keys
@@ -220,8 +223,10 @@ def _topk_histogram_kernel(
     PART_BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, split): the histogram of the split's selectable scores over the row's bins."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     n = max_keys
@@ -265,9 +270,11 @@ def _topk_collect_kernel(
     SPLIT_BLOCK: tl.constexpr,
     NUM_BINS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, split): the split's positions above the threshold bin into the output, and
     those in it into the output (all needed) or the candidate buffer (fewer needed)."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     n = max_keys
@@ -401,9 +408,11 @@ def _topk_finish_kernel(
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
     RADIX_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row): the part of the threshold bin that is needed (exact radix select), then
     ``-1`` from the row's count to ``width``."""
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = max_keys
     if HAS_LENGTHS:
@@ -506,6 +515,8 @@ def row_range(scores: torch.Tensor, *, lengths: torch.Tensor | None, config: Top
         stats.stride(1),
         HAS_LENGTHS=lengths is not None,
         BLOCK=config.block,
+        PDL=(pdl := use_pdl(scores.device)),
+        launch_pdl=pdl,
         num_warps=config.num_warps,
     )
     return stats
@@ -574,6 +585,8 @@ def radix_topk(
         hist.stride(0),
         **common,
         BLOCK=config.block,
+        PDL=(pdl := use_pdl(scores.device)),
+        launch_pdl=pdl,
         num_warps=config.num_warps,
     )
     TOPK_COLLECT_LAUNCH.launch(
@@ -599,6 +612,8 @@ def radix_topk(
         **common,
         SPLIT_BLOCK=_pow2(splits),
         BLOCK=config.block,
+        PDL=(pdl := use_pdl(scores.device)),
+        launch_pdl=pdl,
         num_warps=config.num_warps,
     )
     TOPK_FINISH_LAUNCH.launch(
@@ -627,6 +642,8 @@ def radix_topk(
         BLOCK=config.block,
         TILE=config.finish_tile,
         RADIX_BITS=FINISH_RADIX_BITS,
+        PDL=(pdl := use_pdl(scores.device)),
+        launch_pdl=pdl,
         num_warps=config.finish_warps,
     )
 
