@@ -126,12 +126,13 @@ def _row_range(
     empty = lo > hi
     lo = tl.where(empty, 0.0, lo)
     hi = tl.where(empty, 0.0, hi)
-    # Halves keep ``hi - lo`` finite; a tiny span's scale is capped (its bins stay monotone).
-    # float32 throughout (a literal below FLT_MIN made Triton compute every bin in float64) and
-    # an approximate division: every pass computes the same scale, which is all the bins need.
+    # Halves keep ``hi - lo`` finite; a span below 1e-36 gets the scale of 1e-36 (finite for up
+    # to 256 bins; its bins stay monotone). float32 throughout (a literal below FLT_MIN made
+    # Triton compute every bin in float64) and an approximate division: every pass computes the
+    # same scale, which is all the bins need.
     span = hi * 0.5 - lo * 0.5
     bins = tl.full([], NUM_BINS, tl.float32)
-    scale = tl.where(span > 0, tl.minimum(tl.fdiv(bins, tl.maximum(span, 1.1754944e-38)), 3.0e38), 0.0)
+    scale = tl.where(span > 0, tl.fdiv(bins, tl.maximum(span, 1.0e-36)), 0.0)
     return lo, hi, scale
 
 
