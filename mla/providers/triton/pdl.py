@@ -15,10 +15,10 @@ one still runs, and the DSA decode step (8 kernels) then ran 7% slower on an H20
 2.4% faster (``docs/performance.md``).
 
 :func:`use_pdl` says whether launches on a device take part: a CUDA (not ROCm) device of compute
-capability 9.0 or newer, not in the Triton interpreter, and ``MLA_PDL`` not ``0`` in the
-environment when this module is imported. A kernel's ``PDL`` constexpr and its launch's
-``launch_pdl`` option are both set from it, so with PDL off the kernel holds no
-``griddepcontrol`` instruction.
+capability 9.0 or newer, a Triton with ``triton.language.extra.cuda.gdc_wait``, not in the
+Triton interpreter, and ``MLA_PDL`` not ``0`` in the environment when this module is imported.
+A kernel's ``PDL`` constexpr and its launch's ``launch_pdl`` option are both set from it, so
+with PDL off the kernel holds no ``griddepcontrol`` instruction.
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from mla.providers.triton.interpreter import interpreting
+
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    gdc_wait = None
 
 ENABLED = os.environ.get("MLA_PDL", "1") not in ("0", "")
 """``MLA_PDL=0`` turns programmatic dependent launch off for every kernel that takes part."""
@@ -44,7 +48,7 @@ def _capable(index: int) -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether launches on ``device`` use programmatic dependent launch (see the module)."""
-    if not ENABLED or device.type != "cuda" or interpreting():
+    if not ENABLED or gdc_wait is None or device.type != "cuda" or interpreting():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
