@@ -212,7 +212,8 @@ def bench_sequence(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks dcp",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--seqs", type=int, nargs="+", default=[128 * 1024, 512 * 1024])
     parser.add_argument("--heads", type=int, default=16, help="heads per GPU")
@@ -258,4 +259,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     basis = "eager" if args.cpu else "graph"
     print_table(table, title=f"one request, decode qlen 1 (speedup: 1-GPU {basis} time / this row's)")
     return 0
-

@@ -130,9 +130,7 @@ def attend_key_blocks(
         keys = start_n + offs_n
         keys_ok = keys < num_keys
         if ROPE_DIM > 0:
-            k_a = load_tile(
-                k_ptrs_a, keys_ok, offs_da < D_QK - ROPE_DIM, MASKED, D_QK - ROPE_DIM < BLOCK_DA
-            )
+            k_a = load_tile(k_ptrs_a, keys_ok, offs_da < D_QK - ROPE_DIM, MASKED, D_QK - ROPE_DIM < BLOCK_DA)
         else:
             k_a = load_tile(k_ptrs_a, keys_ok, offs_da < D_QK, MASKED, D_QK < BLOCK_DA)
         s = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
