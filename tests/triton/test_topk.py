@@ -65,11 +65,14 @@ def assert_topk(out: torch.Tensor, scores: torch.Tensor, k: int, lengths: torch.
 
 FINISH_PATHS = {
     "in-registers": {"cand_cap": 4096},
+    "in-registers-1-bit": {"cand_cap": 4096, "finish_bits": 1},
+    "in-registers-8-bits": {"cand_cap": 4096, "finish_bits": 8},
     "candidate-passes": {"cand_cap": 4096, "finish_tile": 16},
     "full-row-fallback": {"cand_cap": 3},
 }
-"""The finish pass's three sources: candidates held in registers, candidates re-read a pass
-(more than ``finish_tile``), the row itself (more than ``cand_cap``)."""
+"""The finish pass's three sources: candidates held in registers (selected 4, 1 or 8 key bits a
+pass), candidates re-read a pass (more than ``finish_tile``), the row itself (more than
+``cand_cap``)."""
 
 
 @pytest.mark.interpret
@@ -180,3 +183,6 @@ def test_radix_topk_rejects_bad_arguments() -> None:
             radix_topk(scores, out, k=4, config=TopkConfig(split=1024, bins=bins))
     with pytest.raises(InvalidInputError, match="finish_tile"):
         radix_topk(scores, out, k=4, config=TopkConfig(split=1024, finish_tile=24))
+    for bits in (0, 9):
+        with pytest.raises(InvalidInputError, match="finish_bits"):
+            radix_topk(scores, out, k=4, config=TopkConfig(split=1024, finish_bits=bits))

@@ -30,7 +30,7 @@ Passes (each a Triton launch, nothing read on the host, graph-capturable):
    bits a pass (a histogram of the candidates still in play), stopping early once the bin of
    the threshold is taken whole; then the chosen candidates in order, and the ``-1`` padding.
    Up to :attr:`TopkConfig.finish_tile` candidates are loaded once and selected in registers
-   (:data:`FINISH_RADIX_BITS` bits a pass); more are selected eight bits a pass, each pass
+   (:attr:`TopkConfig.finish_bits` bits a pass); more are selected eight bits a pass, each pass
    reading them again.
 
 The range and histogram passes read only each row's first ``lengths[t]`` columns, so a causal
@@ -85,6 +85,9 @@ class TopkConfig:
     """Linear bins of the histogram pass (a power of two from 2 to :data:`DIGIT_BINS`): fewer
     bins cost fewer instructions per score (``tl.histogram`` grows with the bin count) and leave
     a larger threshold bin for the finish pass."""
+    finish_bits: int = FINISH_RADIX_BITS
+    """Key bits a pass of the in-register finish select (1 to 8): more bits, fewer passes, each
+    with a histogram of ``2**finish_bits`` bins."""
 
 
 MIN_SPLIT = 2048
@@ -562,6 +565,8 @@ def radix_topk(
         )
     if config.finish_tile < 16 or config.finish_tile & (config.finish_tile - 1):
         raise InvalidInputError("config", f"finish_tile {config.finish_tile} must be a power of two >= 16")
+    if not 1 <= config.finish_bits <= 8:
+        raise InvalidInputError("config", f"finish_bits {config.finish_bits} must be from 1 to 8")
     if config.bins not in {1 << b for b in range(1, 9)}:
         raise InvalidInputError("config", f"bins {config.bins} must be a power of two from 2 to {DIGIT_BINS}")
     if stats is None:
@@ -645,7 +650,7 @@ def radix_topk(
         DIGIT_BINS=DIGIT_BINS,
         BLOCK=config.block,
         TILE=config.finish_tile,
-        RADIX_BITS=FINISH_RADIX_BITS,
+        RADIX_BITS=config.finish_bits,
         PDL=(pdl := use_pdl(scores.device)),
         launch_pdl=pdl,
         num_warps=config.finish_warps,
