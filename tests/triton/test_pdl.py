@@ -26,11 +26,12 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch
     import mla.providers.triton.merge as merge
+    import mla.providers.triton.pdl as pdl
     import mla.providers.triton.topk as topk
     from mla.testing.triton_driver import stand_in_driver
 
     on = sys.argv[1] == "on"  # (both cases run in one process: set it either way)
-    topk.use_pdl = merge.use_pdl = lambda device: on
+    pdl.use_pdl = lambda device: on
     rows, n = 4, 4096
     with stand_in_driver(compile_kernels=True):
         topk.radix_topk(torch.zeros(rows, n), torch.zeros(rows, 64, dtype=torch.int32), k=64)

@@ -46,7 +46,7 @@ from mla.providers.gluon.planner import (
 from mla.providers.gluon.sparse import sparse_inputs
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.triton.decode_launch import DecodeInputs, DecodeLaunch, launch_split_decode, num_sms
-from mla.providers.triton.pdl import use_pdl
+from mla.providers.triton.pdl import pdl_options
 
 
 def _check_cache_rows(kv_cache: torch.Tensor) -> None:
@@ -147,7 +147,7 @@ def _launch_ds_mla(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
         *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NR=config.row_tile, CHUNK=rings.chunk, FP8_SLOTS=rings.fp8_slots,
         ROPE_SLOTS=rings.rope_slots, WIDE_SLOTS=rings.wide_slots, MMA_REGS=regs, OVERLAP=config.overlap,
-        PDL=(pdl := use_pdl(decode.inputs.out.device)), launch_pdl=pdl,
+        **pdl_options(decode.inputs.out.device),
         num_warps=ds_mla_rows.PRODUCER_WARPS,
     )  # fmt: skip
     return False

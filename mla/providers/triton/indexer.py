@@ -54,7 +54,7 @@ from mla.providers.formats import E4M3
 from mla.providers.triton.decode import _dot_dtype, num_sms
 from mla.providers.triton.host_math import round_up
 from mla.providers.triton.launch_cache import LaunchCache
-from mla.providers.triton.pdl import use_pdl, wait_for_previous
+from mla.providers.triton.pdl import pdl_options, wait_for_previous
 from mla.providers.triton.topk import TopkConfig, radix_topk, topk_config
 
 MIN_CHUNK = 1024
@@ -461,8 +461,7 @@ def index_scores(
         INPUT_PRECISION=precision,
         TILE_IN_BLOCK=block_size % config.block_p == 0,
         STATS=stats is not None,
-        PDL=(pdl := use_pdl(q.device)),
-        launch_pdl=pdl,
+        **pdl_options(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from mla.core.errors import PlanMismatchError
 from mla.providers.split_kv import SplitKVSchedule
-from mla.providers.triton.pdl import use_pdl, wait_for_previous
+from mla.providers.triton.pdl import pdl_options, wait_for_previous
 
 MERGE_TILE = 8192
 """fp32 elements of one ``[BLOCK_S, BLOCK_D]`` step (32 KB: 64 registers a thread on 4 warps)."""
@@ -250,8 +250,7 @@ def launch_merge(
         SCHEDULED=num_splits is None,
         UNIT_QLEN=unit_qlen,
         WRITE_LSE=write_lse,
-        PDL=(pdl := use_pdl(out.device)),
-        launch_pdl=pdl,
+        **pdl_options(out.device),
         num_warps=4 if block_s * block_d <= 4096 else 8,
     )
 

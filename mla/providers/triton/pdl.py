@@ -17,8 +17,8 @@ one still runs, and the DSA decode step (8 kernels) then ran 7% slower on an H20
 :func:`use_pdl` says whether launches on a device take part: a CUDA (not ROCm) device of compute
 capability 9.0 or newer, a Triton with ``triton.language.extra.cuda.gdc_wait``, not in the
 Triton interpreter, and ``MLA_PDL`` not ``0`` in the environment when this module is imported.
-A kernel's ``PDL`` constexpr and its launch's ``launch_pdl`` option are both set from it, so
-with PDL off the kernel holds no ``griddepcontrol`` instruction.
+A kernel's ``PDL`` constexpr and its launch's ``launch_pdl`` option are both set from it
+(:func:`pdl_options`), so with PDL off the kernel holds no ``griddepcontrol`` instruction.
 """
 
 from __future__ import annotations
@@ -53,6 +53,13 @@ def use_pdl(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that takes part, for ``device``: its ``PDL`` constexpr and
+    the ``launch_pdl`` option, both :func:`use_pdl` (``kernel[grid](..., **pdl_options(dev))``)."""
+    on = use_pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """With ``PDL``: wait until the kernel before this one in the stream has completed and its
@@ -61,4 +68,4 @@ def wait_for_previous(PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["ENABLED", "use_pdl", "wait_for_previous"]
+__all__ = ["ENABLED", "pdl_options", "use_pdl", "wait_for_previous"]

@@ -62,7 +62,7 @@ from mla.providers.formats import E4M3
 from mla.providers.triton.decode import LOG2E, _dot_dtype, num_sms
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.merge import launch_merge
-from mla.providers.triton.pdl import use_pdl, wait_for_previous
+from mla.providers.triton.pdl import pdl_options, wait_for_previous
 
 MIN_SPLIT_SLOTS = 128
 """Fewest slots a split of the sparse attention is given (two 64-slot tiles)."""
@@ -514,8 +514,7 @@ def write_index_keys(call: WriteIndexKeysCall) -> None:
         BLOCK_SIZE=cache.shape[1],
         FP8=fp8,
         BF16_CACHE=cache.dtype == torch.bfloat16,
-        PDL=(pdl := use_pdl(keys.device)),
-        launch_pdl=pdl,
+        **pdl_options(keys.device),
         num_warps=1 if head_dim <= 256 else 4,
     )
 
@@ -666,8 +665,7 @@ def sparse_slots(call: SparseSlotsCall) -> None:
         call.num_blocks,
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
-        PDL=(pdl := use_pdl(indices.device)),
-        launch_pdl=pdl,
+        **pdl_options(indices.device),
         num_warps=4,
     )
 

@@ -47,7 +47,7 @@ import triton.language as tl
 from mla.core.errors import InvalidInputError
 from mla.providers.triton.host_math import next_power_of_2, round_up
 from mla.providers.triton.launch_cache import LaunchCache
-from mla.providers.triton.pdl import use_pdl, wait_for_previous
+from mla.providers.triton.pdl import pdl_options, wait_for_previous
 
 NUM_BINS = 64
 """Default linear bins of the histogram pass (:attr:`TopkConfig.bins`). ``tl.histogram`` costs
@@ -522,8 +522,7 @@ def row_range(scores: torch.Tensor, *, lengths: torch.Tensor | None, config: Top
         stats.stride(1),
         HAS_LENGTHS=lengths is not None,
         BLOCK=config.block,
-        PDL=(pdl := use_pdl(scores.device)),
-        launch_pdl=pdl,
+        **pdl_options(scores.device),
         num_warps=config.num_warps,
     )
     return stats
@@ -594,8 +593,7 @@ def radix_topk(
         hist.stride(0),
         **common,
         BLOCK=config.block,
-        PDL=(pdl := use_pdl(scores.device)),
-        launch_pdl=pdl,
+        **pdl_options(scores.device),
         num_warps=config.num_warps,
     )
     TOPK_COLLECT_LAUNCH.launch(
@@ -621,8 +619,7 @@ def radix_topk(
         **common,
         SPLIT_BLOCK=_pow2(splits),
         BLOCK=config.block,
-        PDL=(pdl := use_pdl(scores.device)),
-        launch_pdl=pdl,
+        **pdl_options(scores.device),
         num_warps=config.num_warps,
     )
     TOPK_FINISH_LAUNCH.launch(
@@ -651,8 +648,7 @@ def radix_topk(
         BLOCK=config.block,
         TILE=config.finish_tile,
         RADIX_BITS=config.finish_bits,
-        PDL=(pdl := use_pdl(scores.device)),
-        launch_pdl=pdl,
+        **pdl_options(scores.device),
         num_warps=config.finish_warps,
     )
 
