@@ -38,6 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.prefill import _producer
+from mla.providers.gluon.prefill_fp8_parts import (
+    FP8_TILE_LAYOUT,
+    P_OFFSET,
+    _fp8_mma_layout,
+    _softmax_step_fp8,
+    _vt_layout,
+)
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
@@ -50,23 +57,6 @@ from mla.providers.gluon.prefill_parts import (
     _store_rows,
     _tile_range,
 )
-
-FP8_TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-"""Shared layout of the q/K/V tiles and of their TMA boxes (64 e4m3 columns: 64 bytes)."""
-P_OFFSET = gl.constexpr(8.0)
-"""log2 of P's scale: the running max is kept this far below the true max (``p <= 2**8``)."""
-
-
-@gluon.constexpr_function
-def _fp8_mma_layout(warps, cols):
-    """The accumulator layout of an 8-bit ``[16·warps, cols]`` wgmma (k = 32 per instruction)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 32])
-
-
-@gluon.constexpr_function
-def _vt_layout(keys):
-    """Shared layout of the transposed ``[Dv, keys]`` V tile (keys contiguous)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, keys), element_bitwidth=8, rank=2)
 
 
 @gluon.jit
@@ -88,28 +78,6 @@ def _transpose_v(v_slot, vt_smem, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, K
     fence_async_shared()
     gl.thread_barrier()
     return key_bad
-
-
-@gluon.jit
-def _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
-    """:func:`.prefill_parts._softmax_step` with the running max ``m`` kept ``P_OFFSET`` below
-    the scaled scores' max, so ``p <= 2**P_OFFSET``: ``(p, alpha, m_new, row_bad)``."""
-    if MASKED:
-        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
-        seen = keys[None, :] <= row_last[:, None]
-        sc = gl.where(seen, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale - P_OFFSET)
-        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc * qk_scale - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
-    else:
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale - P_OFFSET)
-        p = gl.exp2(sc * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        row_bad = gl.zeros_like(m_new)
-    return p, alpha, m_new, row_bad
 
 
 @gluon.jit
@@ -210,62 +178,15 @@ def _fp8_consumer(
 
 
 @gluon.jit
-def mla_fp8_prefill_kernel(
-    q_desc,
-    k_desc,
-    v_desc,
-    out_ptr,
-    lse_ptr,
-    cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr,
-    q_scale_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_qh,
-    stride_kh,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    stride_lh,
-    num_heads,
-    num_m_blocks,
-    num_q_rows,
-    num_k_rows,
-    softmax_scale_log2e,
-    D_QK: gl.constexpr,
-    D_V: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
-    MODE: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition.
-    gl.static_assert(num_warps == CONSUMER_WARPS, "launch warps")
-    gl.static_assert(MODE <= 1, "the fp8 kernel has the plain and producer warp splits")
-    gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
+def _fp8_ring_attention(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full, n_tiles,
+    stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
+    D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MODE: gl.constexpr,
+):  # fmt: skip
+    """The plain (``MODE`` 0) and producer (1) layouts' shared memory, barriers and partitions
+    for one query tile: the K/V ring, one transposed V tile, the 8-warp consumer."""
     dtype: gl.constexpr = q_desc.dtype
-
-    # -- the query tile of this program (as in the bf16 kernel) --------------------------------
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // num_heads
-    h = bh % num_heads
-    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
-    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
-    m0 = m_block * BLOCK_M
-    if m0 >= seq_q:
-        return
-    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
-    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
-    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
-    # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
-    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
-    v_scale = gl.load(v_scale_ptr)
-
     # -- shared memory and barriers --------------------------------------------------------------
     NQ: gl.constexpr = D_QK // BOX
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, BOX], FP8_TILE_LAYOUT)
@@ -315,6 +236,68 @@ def mla_fp8_prefill_kernel(
         )  # fmt: skip
     else:
         _fp8_consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True)
+
+
+@gluon.jit
+def mla_fp8_prefill_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    q_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_qh,
+    stride_kh,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    num_heads,
+    num_m_blocks,
+    num_q_rows,
+    num_k_rows,
+    softmax_scale_log2e,
+    D_QK: gl.constexpr,
+    D_V: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    MODE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition.
+    gl.static_assert(num_warps == CONSUMER_WARPS, "launch warps")
+    gl.static_assert(MODE <= 1, "the fp8 kernel has the plain and producer warp splits")
+    gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
+
+    # -- the query tile of this program (as in the bf16 kernel) --------------------------------
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
+    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
+    m0 = m_block * BLOCK_M
+    if m0 >= seq_q:
+        return
+    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
+    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
+    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
+    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
+    v_scale = gl.load(v_scale_ptr)
+    _fp8_ring_attention(
+        q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,
+        n_tiles, stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+        v_scale, D_QK, D_V, BLOCK_N, NUM_STAGES, WRITE_LSE, MODE,
+    )  # fmt: skip
 
 
 __all__ = ["FP8_TILE_LAYOUT", "P_OFFSET", "mla_fp8_prefill_kernel"]
