@@ -5,7 +5,10 @@ The layout of :mod:`.prefill`'s bf16 kernel (``PLAIN`` and ``PRODUCER`` warp spl
 program per 128-row query tile of one (request, head), the two warpgroups of an 8-warp
 consumer taking 64 rows each; a K/V ring filled by TMA; causal masking only on the tiles that
 straddle the diagonal or the end of the request's keys; the same varlen, NaN and LSE rules) over
-e4m3 q/k/v whose values are ``stored * scale`` (per-tensor float32 scales, read on the device):
+e4m3 q/k/v whose values are ``stored * scale`` (per-tensor float32 scales, read on the device).
+``SPLIT`` (``MODE`` 2) is FA3's fp8 layout instead: a 4-warp producer that loads and transposes
+V, and each consumer warpgroup a partition of its own (:mod:`.prefill_fp8_split`); what follows
+holds for it but for who transposes V.
 
 * **QKᵀ** is an fp8 ``wgmma`` (e4m3 × e4m3 → fp32): the q and K tiles are ``[rows, D]`` with
   ``D`` contiguous, i.e. K-major for both operands, as TMA lands them (64-column boxes of 64
@@ -45,12 +48,14 @@ from mla.providers.gluon.prefill_fp8_parts import (
     _softmax_step_fp8,
     _vt_layout,
 )
+from mla.providers.gluon.prefill_fp8_split import fp8_split_attention
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
     CONSUMER_WARPS,
     PRODUCER_REGS,
     PRODUCER_WARPS,
+    SPLIT_PRODUCER_WARPS,
     _copy_boxes,
     _issue_kv,
     _release,
@@ -271,9 +276,10 @@ def mla_fp8_prefill_kernel(
     MODE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition.
-    gl.static_assert(num_warps == CONSUMER_WARPS, "launch warps")
-    gl.static_assert(MODE <= 1, "the fp8 kernel has the plain and producer warp splits")
+    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition;
+    # 2: split (the launch's 4 warps are the producer, each consumer warpgroup its own partition).
+    gl.static_assert(num_warps == (SPLIT_PRODUCER_WARPS if MODE == 2 else CONSUMER_WARPS), "launch warps")
+    gl.static_assert(MODE <= 2, "the fp8 kernel has the plain, producer and split warp splits")
     gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
 
     # -- the query tile of this program (as in the bf16 kernel) --------------------------------
@@ -293,11 +299,18 @@ def mla_fp8_prefill_kernel(
     # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
     qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
     v_scale = gl.load(v_scale_ptr)
-    _fp8_ring_attention(
-        q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,
-        n_tiles, stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
-        v_scale, D_QK, D_V, BLOCK_N, NUM_STAGES, WRITE_LSE, MODE,
-    )  # fmt: skip
+    if MODE == 2:
+        fp8_split_attention(
+            q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,
+            n_tiles, stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+            v_scale, D_QK, D_V, BLOCK_N, NUM_STAGES, WRITE_LSE,
+        )  # fmt: skip
+    else:
+        _fp8_ring_attention(
+            q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,
+            n_tiles, stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+            v_scale, D_QK, D_V, BLOCK_N, NUM_STAGES, WRITE_LSE, MODE,
+        )  # fmt: skip
 
 
 __all__ = ["FP8_TILE_LAYOUT", "P_OFFSET", "mla_fp8_prefill_kernel"]
