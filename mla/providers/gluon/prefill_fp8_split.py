@@ -50,6 +50,7 @@ from mla.providers.gluon.prefill_parts import (
     BOX,
     FLAGS_LAYOUT,
     SPLIT_PRODUCER_WARPS,
+    _consumer_rows,
     _copy_boxes,
     _release,
     _store_rows,
@@ -181,15 +182,9 @@ def _fp8_split_consumer(
     M: gl.constexpr = CONSUMER_M
     s_layout: gl.constexpr = _fp8_mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _fp8_mma_layout(4, D_V)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
-    rows = W * M + gl.arange(0, M, layout=s_rows)
-    row_last = gl.minimum(rows + shift, seq_k - 1)
-    acc = gl.zeros([M, D_V], gl.float32, layout=o_layout)
-    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([M], gl.float32, layout=s_rows)
-    mbarrier.wait(q_bar, 0)
+    rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
     # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
     for masked in gl.static_range(2):
         first = n_full if masked else 0

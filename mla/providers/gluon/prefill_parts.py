@@ -60,6 +60,61 @@ def _issue_kv(
 
 
 @gluon.jit
+def _consumer_prologue(
+    ring, n_tiles, ISSUE_LOADS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """A consumer partition's start: with a producer partition, a barrier (the partition reads
+    its arguments before anything of it writes shared memory); without one (``ISSUE_LOADS``),
+    the loads of the first ``NUM_STAGES - 1`` key tiles. ``ring``: the loads' operands
+    ``(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+    v_col)``."""
+    if not ISSUE_LOADS:
+        gl.thread_barrier()
+    else:
+        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col = ring
+        for t in gl.static_range(NUM_STAGES - 1):
+            if t < n_tiles:
+                _issue_kv(
+                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                    v_col, t, BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+
+
+@gluon.jit
+def _issue_ahead(
+    ring, t, n_tiles, ISSUE_LOADS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """Without a producer partition (``ISSUE_LOADS``): before attending key tile ``t``, the loads
+    of tile ``t + NUM_STAGES - 1`` when there is one (``ring``: as :func:`_consumer_prologue`)."""
+    if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
+        if t + NUM_STAGES - 1 < n_tiles:
+            k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col = ring
+            _issue_kv(
+                k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col,
+                t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
+            )  # fmt: skip
+
+
+@gluon.jit
+def _consumer_rows(
+    q_bar, shift, seq_k, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """A consumer's query rows ``[W·M, (W+1)·M)`` of the tile, each row's last visible key
+    (bottom-right causal: ``row + shift``, at most ``seq_k - 1``), and its empty output, row max
+    and row sum, once the query tile has landed (``q_bar``): ``(rows, row_last, acc, m_i,
+    l_i)``."""
+    s_rows: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    rows = W * M + gl.arange(0, M, layout=s_rows)
+    row_last = gl.minimum(rows + shift, seq_k - 1)
+    acc = gl.zeros([M, D_V], gl.float32, layout=O_LAYOUT)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([M], gl.float32, layout=s_rows)
+    mbarrier.wait(q_bar, 0)
+    return rows, row_last, acc, m_i, l_i
+
+
+@gluon.jit
 def _copy_boxes(desc, row, col, bar, dst, first, N: gl.constexpr, SLICED: gl.constexpr):
     """TMA the ``[rows, N·BOX]`` tile at ``(row, col)`` as ``N`` boxes of ``BOX`` columns (a TMA
     box and a shared buffer are a power of two wide), all on ``bar``'s transaction count: into
