@@ -73,12 +73,13 @@ from mla.providers.gluon.prefill_parts import (
     _copy_boxes,
     _issue_ahead,
     _issue_kv,
+    _key_range,
     _mma_layout,
+    _query_tile,
     _release,
     _softmax_step,
     _split_producer,
     _store_rows,
-    _tile_range,
 )
 
 
@@ -237,21 +238,12 @@ def mla_prefill_kernel(
     dtype: gl.constexpr = q_desc.dtype
 
     # -- the query tile of this program --------------------------------------------------------
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // num_heads
-    h = bh % num_heads
-    # Each range clamped into the tensor: a bad indptr touches no row outside it (the call
-    # checks the values and raises).
-    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
-    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
-    m0 = m_block * BLOCK_M
+    b, h, q_begin, seq_q, m0 = _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows)
     if m0 >= seq_q:
         return
-    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
-    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
-    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    k_begin, seq_k, shift, n_full, n_tiles = _key_range(
+        cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+    )
 
     # -- shared memory and barriers --------------------------------------------------------------
     # q and K tiles as D_QK / BOX boxes of BOX columns (192 is not a power of two).

@@ -60,9 +60,10 @@ from mla.providers.gluon.prefill_parts import (
     _consumer_rows,
     _copy_boxes,
     _issue_ahead,
+    _key_range,
+    _query_tile,
     _release,
     _store_rows,
-    _tile_range,
 )
 
 
@@ -265,19 +266,12 @@ def mla_fp8_prefill_kernel(
     gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
 
     # -- the query tile of this program (as in the bf16 kernel) --------------------------------
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // num_heads
-    h = bh % num_heads
-    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
-    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
-    m0 = m_block * BLOCK_M
+    b, h, q_begin, seq_q, m0 = _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows)
     if m0 >= seq_q:
         return
-    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
-    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
-    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    k_begin, seq_k, shift, n_full, n_tiles = _key_range(
+        cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+    )
     # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
     qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
     v_scale = gl.load(v_scale_ptr)

@@ -32,6 +32,33 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
+def _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
+    """This program's query tile: ``(b, h, q_begin, seq_q, m0)``, the request and head, the
+    request's first token and query count, and the tile's first row (``m0 >= seq_q``: nothing
+    to do). The grid is flat, the tile index fastest and reversed (the heaviest causal tiles
+    first). Each range is clamped into the tensor: a bad indptr touches no row outside it (the
+    call checks the values and raises)."""
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
+    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
+    return b, h, q_begin, seq_q, m_block * BLOCK_M
+
+
+@gluon.jit
+def _key_range(cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Request ``b``'s keys for the query tile at ``m0``: ``(k_begin, seq_k, shift, n_full,
+    n_tiles)`` (:func:`_tile_range`), the range clamped into the tensor."""
+    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
+    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
+    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    return k_begin, seq_k, shift, n_full, n_tiles
+
+
+@gluon.jit
 def _tile_range(seq_q, seq_k, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """``(shift, n_full, n_tiles)`` of the query tile at row ``m0``: row ``r`` of the tile sees
     key ``n`` iff ``n <= r + shift`` and ``n < seq_k``; key tiles ``[0, n_full)`` are seen whole
