@@ -23,6 +23,7 @@ import math
 import attrs
 import pytest
 import torch
+from varlen_batches import VARLEN_BATCHES
 
 from mla.core.platform import detect_platform
 from mla.providers import get_provider
@@ -40,12 +41,7 @@ from mla.tools.reference import reference_prefill
 
 pytestmark = pytest.mark.gpu
 
-BATCHES = {
-    "mixed": ([100, 1, 257, 0, 64, 5, 1], [300, 50, 257, 10, 64, 0, 1]),
-    "sk-lt-sq": ([130, 70, 300], [40, 70, 129]),
-    "long": ([1030], [2051]),
-    "tiles": ([256, 384], [256, 512]),
-}
+BATCHES = VARLEN_BATCHES
 OUT_TOL = 4e-2
 """Relative output error (norm) allowed: P in e4m3 (see the module docstring)."""
 LSE_TOL = 2e-3
