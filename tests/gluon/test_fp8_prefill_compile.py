@@ -6,6 +6,11 @@ on fp8 ``wgmma`` (``QGMMA ... E4M3.E4M3``: QKᵀ and PV, nothing widened to 16 b
 
 At ``1cf15b5`` (192/128, 128-key tiles, 4 stages): the producer kernel's consumer warps run at
 240 registers (``setmaxnreg``) and the plain kernel at 242, no stack, 205 KB of shared memory.
+
+The split layout (``PrefillKernel.SPLIT``, :mod:`mla.providers.gluon.prefill_fp8_split`): its two
+consumer warpgroups at ``FP8_SPLIT_CONSUMER_REGS`` (216) registers, the 4-warp producer (TMA and
+the V transpose) at what is left (72), no stack; 218 KiB of shared memory at 192/128 with 4
+stages (Triton's count: 223,616 bytes).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ SCRIPT = textwrap.dedent(
 
     LQ, LK = [100, 1, 0, 257], [300, 50, 10, 257]
     dqk, causal, lse = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
-    kernel, via = sys.argv[4], sys.argv[5]
+    kernel, via, stages, block_n = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
 
     def indptr(lengths):
         return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -54,6 +59,8 @@ SCRIPT = textwrap.dedent(
         softmax_scale=0.07, q_scale=torch.ones(()), k_scale=torch.ones(()), v_scale=torch.ones(()),
         causal=causal)
     config = attrs.evolve(fp8_prefill_config(dqk, dv), kernel=PrefillKernel[kernel])
+    if stages:  # (0: the default config's)
+        config = attrs.evolve(config, num_stages=stages, block_n=block_n)
     # (the cases share a process: compile each into its own cache dir, launching on this driver)
     mla_fp8_prefill_kernel.device_caches.clear()
     with stand_in_driver(compile_kernels=True) as driver:
@@ -66,7 +73,7 @@ SCRIPT = textwrap.dedent(
 )
 KERNEL = "mla_fp8_prefill_kernel"
 CASES = {
-    # name: (dqk, causal, write_lse, kernel, via)
+    # name: (dqk, causal, write_lse, kernel, via[, stages, block_n]: the default config's without)
     "192-causal-lse": (192, True, True, "PRODUCER", "launcher"),
     "192-causal-nolse": (192, True, False, "PRODUCER", "launcher"),
     "192-full-lse": (192, False, True, "PRODUCER", "launcher"),
@@ -78,14 +85,27 @@ CASES = {
     "192-causal-plain": (192, True, True, "PLAIN", "launcher"),
     "128-full-plain-nolse": (128, False, False, "PLAIN", "launcher"),
     "provider-192": (192, True, True, "PRODUCER", "provider"),
+    # the split layout (4 stages: the most that fit at 192/128)
+    "192-causal-split-lse": (192, True, True, "SPLIT", "launcher"),
+    "192-causal-split-nolse": (192, True, False, "SPLIT", "launcher"),
+    "192-full-split-lse": (192, False, True, "SPLIT", "launcher"),
+    "192-full-split-nolse": (192, False, False, "SPLIT", "launcher"),
+    "128-causal-split-lse": (128, True, True, "SPLIT", "launcher"),
+    "128-causal-split-nolse": (128, True, False, "SPLIT", "launcher"),
+    "128-full-split-lse": (128, False, True, "SPLIT", "launcher"),
+    "128-full-split-nolse": (128, False, False, "SPLIT", "launcher"),
+    "192-causal-split-2stages": (192, True, True, "SPLIT", "launcher", 2, 128),
+    "128-causal-split-5stages": (128, True, True, "SPLIT", "launcher", 5, 128),
+    "192-causal-split-n64": (192, True, True, "SPLIT", "launcher", 4, 64),
 }
+SPLIT_CASES = sorted(name for name, case in CASES.items() if case[3] == "SPLIT")
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
     cases = {
-        name: [str(dqk), str(int(causal)), str(int(lse)), kernel, via]
-        for name, (dqk, causal, lse, kernel, via) in CASES.items()
+        name: [str(dqk), str(int(causal)), str(int(lse)), kernel, via, *map(str, (*config, 0, 0)[:2])]
+        for name, (dqk, causal, lse, kernel, via, *config) in CASES.items()
     }
     return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("fp8-prefill"))
 
@@ -108,3 +128,43 @@ def test_every_fp8_prefill_variant_compiles_without_spills(
     mmas = set(re.findall(r"\b([A-Z]GMMA\.\S+)", sass))
     assert mmas, "no wgmma in the SASS"
     assert all(".E4M3.E4M3" in mma for mma in mmas), f"not every wgmma is an e4m3 one: {sorted(mmas)}"
+
+
+def _sass(compiled: Compiled, cuobjdump: str) -> str:
+    (cubin,) = glob.glob(f"{compiled.cache_dir}/*/{KERNEL}.cubin")
+    return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_layout_register_budgets(compiled: dict[str, Compiled], cuobjdump: str, case: str) -> None:
+    """The split layout launches 4 warps (its producer) and two 4-warp consumer partitions:
+    ``setmaxnreg`` gives each consumer warpgroup ``FP8_SPLIT_CONSUMER_REGS`` and the producer
+    what is left of the register file (72 of 504 - 2 x 216), with no spills (the test above)."""
+    from mla.providers.gluon.prefill_fp8_launch import SPLIT_V_LANDING, fp8_shared_bytes
+    from mla.providers.gluon.prefill_fp8_split import FP8_SPLIT_CONSUMER_REGS, V_LANDING
+    from mla.providers.gluon.prefill_launch import PrefillKernel, PrefillLaunchConfig
+
+    compiled[case].stdout()  # (asserts that the case compiled)
+    sass = _sass(compiled[case], cuobjdump)
+    (meta_path,) = glob.glob(f"{compiled[case].cache_dir}/*/{KERNEL}.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert meta["num_warps"] == 4 + 2 * 4  # (the launch's 4 and two 4-warp partitions)
+    # the host's count (what the launcher checks against the limit) is Triton's, but for alignment
+    assert V_LANDING.value == SPLIT_V_LANDING
+    dqk, _causal, _lse, _kernel, _via, *config = CASES[case]
+    stages, block_n = config or (4, 128)
+    counted = fp8_shared_bytes(
+        dqk, 128, PrefillLaunchConfig(block_n=block_n, num_stages=stages, kernel=PrefillKernel.SPLIT)
+    )
+    assert 0 <= meta["shared"] - counted <= 1024, (meta["shared"], counted)
+    allocs = [int(x, 16) for x in re.findall(r"SETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass)]
+    deallocs = [int(x, 16) for x in re.findall(r"SETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass)]
+    # (each partition first gives registers back to 120, then the consumers take theirs)
+    assert allocs.count(FP8_SPLIT_CONSUMER_REGS.value) == 2, sorted(set(allocs))
+    producer = min(deallocs)
+    assert producer == 504 - 2 * FP8_SPLIT_CONSUMER_REGS.value, sorted(set(deallocs))
+    # the consumers' wgmmas: QKᵀ (M 64, N = block_n) and P·V (M 64, N = Dv = 128), e4m3 only
+    mmas = set(re.findall(r"\b([A-Z]GMMA\.64x\d+x32\.\S+)", sass))
+    assert mmas, "no M-64 wgmma"
+    assert all(".E4M3.E4M3" in mma for mma in mmas), sorted(mmas)

@@ -134,14 +134,48 @@ def test_default_configs_fit_in_shared_memory() -> None:
     )
 
 
+def test_split_layout_counts_its_transposed_v_ring() -> None:
+    """The split layout: per stage a K tile, a transposed V tile and the stage's float32 flags,
+    plus two V landing tiles (not one V tile a stage) and the query tile: 4 stages fit at
+    192/128 (218 KiB), 5 do not; at 128/128 5 fit, 6 do not."""
+    split = PrefillLaunchConfig(num_stages=4, kernel=PrefillKernel.SPLIT)
+    assert fp8_shared_bytes(192, 128, split) == (
+        128 * 192 + 4 * 128 * (192 + 128 + 4) + prefill_fp8_launch.SPLIT_V_LANDING * 128 * 128
+        + 8 * (1 + 4 * 4 + 2)
+    )  # fmt: skip
+    assert prefill_fp8_launch.SPLIT_V_LANDING == 2
+    fits = {
+        (dqk, block_n, stages)
+        for dqk in (192, 128)
+        for block_n in (64, 128)
+        for stages in range(2, 8)
+        if fp8_shared_bytes(dqk, 128, attrs.evolve(split, block_n=block_n, num_stages=stages))
+        <= SHARED_MEMORY_BYTES
+    }
+    assert {(192, 128, s) for s in range(2, 8)} & fits == {(192, 128, s) for s in (2, 3, 4)}
+    assert {(128, 128, s) for s in range(2, 8)} & fits == {(128, 128, s) for s in (2, 3, 4, 5)}
+    assert {(dqk, 64, s) for dqk in (192, 128) for s in range(2, 8)} <= fits
+    # more than the producer layout at the same stages (a transposed V tile a stage)
+    producer = attrs.evolve(split, kernel=PrefillKernel.PRODUCER)
+    assert fp8_shared_bytes(192, 128, split) > fp8_shared_bytes(192, 128, producer)
+    # the default stays the producer layout
+    assert fp8_prefill_config(192, 128).kernel is PrefillKernel.PRODUCER
+
+
 def test_launcher_refuses_declined_calls_other_warp_splits_and_plan_mismatches() -> None:
     with pytest.raises(InvalidInputError, match="Triton provider"):
         launch_gluon_fp8_prefill(_call(q=torch.zeros(8, 4, 192, dtype=E5M2)))
-    for kernel in (PrefillKernel.SPLIT, PrefillKernel.OVERLAP):
-        with pytest.raises(InvalidInputError, match="PLAIN and PRODUCER"):
-            launch_gluon_fp8_prefill(_call(), PrefillLaunchConfig(kernel=kernel))
-    with pytest.raises(InvalidInputError, match="shared memory"):
-        launch_gluon_fp8_prefill(_call(), PrefillLaunchConfig(num_stages=5))
+    with pytest.raises(InvalidInputError, match="PLAIN, PRODUCER and SPLIT") as overlap:
+        launch_gluon_fp8_prefill(_call(), PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP))
+    assert overlap.value.argument == "config"
+    for config in (
+        PrefillLaunchConfig(num_stages=5),
+        PrefillLaunchConfig(num_stages=5, kernel=PrefillKernel.SPLIT),
+    ):
+        with pytest.raises(InvalidInputError, match="shared memory") as refused:
+            launch_gluon_fp8_prefill(_call(), config)
+        assert refused.value.argument == "config"
+        assert "at 192/128" in str(refused.value)
     for plan in (_plan(heads=2), _plan(causal=False), _plan(tokens=9), _plan(keys=7)):
         with pytest.raises(PlanMismatchError, match="rebuild it"):
             launch_gluon_fp8_prefill(_call(schedule=plan))

@@ -2,7 +2,7 @@
 dequantized inputs.
 
 Drives :func:`~mla.providers.gluon.prefill_fp8_launch.launch_gluon_fp8_prefill` directly (the
-plain and producer warp splits, 192/128 and 128/128, causal and not, 1/16/128 heads, LSE on
+plain, producer and split warp layouts, 192/128 and 128/128, causal and not, 1/16/128 heads, LSE on
 and off, bf16/fp16/fp32 outputs) and the opted-in gluon provider (``fp8_prefill="gluon"``: its
 plan, the route, the contract's NaN rules, CUDA graph capture). Batches hold empty and
 one-token requests, requests with more queries than keys, and lengths that are not tile
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
+from varlen_batches import VARLEN_BATCHES
 
 from mla.core.platform import detect_platform
 from mla.providers import get_provider
@@ -39,12 +41,7 @@ from mla.tools.reference import reference_prefill
 
 pytestmark = pytest.mark.gpu
 
-BATCHES = {
-    "mixed": ([100, 1, 257, 0, 64, 5, 1], [300, 50, 257, 10, 64, 0, 1]),
-    "sk-lt-sq": ([130, 70, 300], [40, 70, 129]),
-    "long": ([1030], [2051]),
-    "tiles": ([256, 384], [256, 512]),
-}
+BATCHES = VARLEN_BATCHES
 OUT_TOL = 4e-2
 """Relative output error (norm) allowed: P in e4m3 (see the module docstring)."""
 LSE_TOL = 2e-3
@@ -52,6 +49,8 @@ E4M3 = torch.float8_e4m3fn
 CONFIGS = {
     "producer": PrefillLaunchConfig(num_stages=4),
     "plain": PrefillLaunchConfig(num_stages=4, kernel=PrefillKernel.PLAIN),
+    # (4 stages: the most that fit at 192/128 with the transposed V ring)
+    "split": PrefillLaunchConfig(num_stages=4, kernel=PrefillKernel.SPLIT),
 }
 
 
@@ -139,6 +138,10 @@ VARIANTS = {
     # name: (dqk, out dtype, config)
     "d128": (128, torch.bfloat16, None),
     "d128-plain": (128, torch.bfloat16, CONFIGS["plain"]),
+    "d128-split": (128, torch.bfloat16, CONFIGS["split"]),
+    "split-stages-2": (192, torch.bfloat16, PrefillLaunchConfig(num_stages=2, kernel=PrefillKernel.SPLIT)),
+    "split-n64": (192, torch.bfloat16, attrs.evolve(CONFIGS["split"], block_n=64)),
+    "split-fp32-out": (192, torch.float32, CONFIGS["split"]),
     "fp16-out": (192, torch.float16, None),
     "fp32-out": (192, torch.float32, None),
     "stages-2": (192, torch.bfloat16, PrefillLaunchConfig(num_stages=2)),
@@ -190,20 +193,25 @@ def test_opted_in_provider_plans_and_runs_the_gluon_kernel(causal: bool) -> None
     print(f"relative output error: gluon (P e4m3) {gluon_err:.4f}, triton (P fp16) {triton_err:.4f}")
 
 
+@pytest.mark.parametrize("poisoned", ["kv", "v"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_nan_key_stays_in_the_rows_that_see_it(causal: bool, config: str) -> None:
-    """A NaN key (k and v) of request 1 shows in the rows that see it and nowhere else: not in
-    requests 0 and 2 (whose tiles run into request 1's rows), not in request 1's earlier rows
-    (causal: the key's tile is a diagonal tile of theirs)."""
+def test_nan_key_stays_in_the_rows_that_see_it(causal: bool, config: str, poisoned: str) -> None:
+    """A NaN key (k and v, or only its value row: then only the kernel's per-key flags of a
+    masked tile, or the unmasked P·V, can carry it) of request 1 shows in the rows that see it
+    and nowhere else: not in requests 0 and 2 (whose tiles run into request 1's rows), not in
+    request 1's earlier rows (causal: the key's tile is a diagonal tile of theirs)."""
     lengths = [33, 140, 7]
     gen = torch.Generator(device="cuda").manual_seed(9)
     tokens, heads = sum(lengths), 4
     raw = [torch.randn(tokens, heads, d, device="cuda", generator=gen) for d in (192, 192, 128)]
     bad = 33 + 70  # request 1's key 70
-    raw[1][bad], raw[2][bad] = math.nan, math.nan
+    raw[2][bad] = math.nan
+    if poisoned == "kv":
+        raw[1][bad] = math.nan
     (q, qs), (k, ks), (v, vs) = (quantize_per_tensor(x, E4M3) for x in raw)
-    assert torch.isnan(k[bad].float()).all()
+    assert torch.isnan(v[bad].float()).all()
+    assert bool(torch.isnan(k[bad].float()).all()) == (poisoned == "kv")
     cu = _indptr(lengths)
     plan = GluonFp8PrefillPlan(
         triton=None, max_seqlen_q=140, num_heads=heads, num_tokens=tokens, num_kv_tokens=tokens, causal=causal

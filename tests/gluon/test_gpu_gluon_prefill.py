@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from varlen_batches import VARLEN_BATCHES
 
 from mla.providers import get_provider
 from mla.providers.calls import VarlenPrefillCall
@@ -29,14 +30,7 @@ from mla.tools.reference import reference_prefill
 
 pytestmark = pytest.mark.gpu
 
-# request lengths (q, k): Sk > Sq (chunked prefill), Sk < Sq (rows with no key), empty q / k,
-# one-token requests, tile multiples and not
-BATCHES = {
-    "mixed": ([100, 1, 257, 0, 64, 5, 1], [300, 50, 257, 10, 64, 0, 1]),
-    "sk-lt-sq": ([130, 70, 300], [40, 70, 129]),
-    "long": ([1030], [2051]),
-    "tiles": ([256, 384], [256, 512]),
-}
+BATCHES = VARLEN_BATCHES
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
 
 

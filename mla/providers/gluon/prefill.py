@@ -68,14 +68,18 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_CONSUMER_REGS,
     SPLIT_PRODUCER_WARPS,
     TILE_LAYOUT,
+    _consumer_prologue,
+    _consumer_rows,
     _copy_boxes,
+    _issue_ahead,
     _issue_kv,
+    _key_range,
     _mma_layout,
+    _query_tile,
     _release,
     _softmax_step,
     _split_producer,
     _store_rows,
-    _tile_range,
 )
 
 
@@ -176,35 +180,15 @@ def _consumer(
     ) = args  # fmt: skip
     s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(WARPS, D_V)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    if not ISSUE_LOADS:
-        # The partition reads its arguments before anything of it writes shared memory.
-        gl.thread_barrier()
-    else:
-        for t in gl.static_range(NUM_STAGES - 1):
-            if t < n_tiles:
-                _issue_kv(
-                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
-                    v_col, t, BLOCK_N, NUM_STAGES,
-                )  # fmt: skip
-
-    rows = W * M + gl.arange(0, M, layout=s_rows)
-    row_last = gl.minimum(rows + shift, seq_k - 1)
-    acc = gl.zeros([M, D_V], gl.float32, layout=o_layout)
-    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([M], gl.float32, layout=s_rows)
-    mbarrier.wait(q_bar, 0)
+    ring = (k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col)
+    _consumer_prologue(ring, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
+    rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
     # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
     for masked in gl.static_range(2):
         first = n_full if masked else 0
         last = n_tiles if masked else n_full
         for t in range(first, last):
-            if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
-                if t + NUM_STAGES - 1 < n_tiles:
-                    _issue_kv(
-                        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
-                        v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
-                    )  # fmt: skip
+            _issue_ahead(ring, t, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
             acc, m_i, l_i = _attend_tile(
                 q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
@@ -254,21 +238,12 @@ def mla_prefill_kernel(
     dtype: gl.constexpr = q_desc.dtype
 
     # -- the query tile of this program --------------------------------------------------------
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // num_heads
-    h = bh % num_heads
-    # Each range clamped into the tensor: a bad indptr touches no row outside it (the call
-    # checks the values and raises).
-    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
-    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
-    m0 = m_block * BLOCK_M
+    b, h, q_begin, seq_q, m0 = _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows)
     if m0 >= seq_q:
         return
-    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
-    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
-    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    k_begin, seq_k, shift, n_full, n_tiles = _key_range(
+        cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+    )
 
     # -- shared memory and barriers --------------------------------------------------------------
     # q and K tiles as D_QK / BOX boxes of BOX columns (192 is not a power of two).

@@ -5,7 +5,10 @@ The layout of :mod:`.prefill`'s bf16 kernel (``PLAIN`` and ``PRODUCER`` warp spl
 program per 128-row query tile of one (request, head), the two warpgroups of an 8-warp
 consumer taking 64 rows each; a K/V ring filled by TMA; causal masking only on the tiles that
 straddle the diagonal or the end of the request's keys; the same varlen, NaN and LSE rules) over
-e4m3 q/k/v whose values are ``stored * scale`` (per-tensor float32 scales, read on the device):
+e4m3 q/k/v whose values are ``stored * scale`` (per-tensor float32 scales, read on the device).
+``SPLIT`` (``MODE`` 2) is FA3's fp8 layout instead: a 4-warp producer that loads and transposes
+V, and each consumer warpgroup a partition of its own (:mod:`.prefill_fp8_split`); what follows
+holds for it but for who transposes V.
 
 * **QKᵀ** is an fp8 ``wgmma`` (e4m3 × e4m3 → fp32): the q and K tiles are ``[rows, D]`` with
   ``D`` contiguous, i.e. K-major for both operands, as TMA lands them (64-column boxes of 64
@@ -38,35 +41,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.prefill import _producer
+from mla.providers.gluon.prefill_fp8_parts import (
+    FP8_TILE_LAYOUT,
+    P_OFFSET,
+    _fp8_mma_layout,
+    _softmax_step_fp8,
+    _vt_layout,
+)
+from mla.providers.gluon.prefill_fp8_split import fp8_split_attention
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
     CONSUMER_WARPS,
     PRODUCER_REGS,
     PRODUCER_WARPS,
+    SPLIT_PRODUCER_WARPS,
+    _consumer_prologue,
+    _consumer_rows,
     _copy_boxes,
-    _issue_kv,
+    _issue_ahead,
+    _key_range,
+    _query_tile,
     _release,
     _store_rows,
-    _tile_range,
 )
-
-FP8_TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-"""Shared layout of the q/K/V tiles and of their TMA boxes (64 e4m3 columns: 64 bytes)."""
-P_OFFSET = gl.constexpr(8.0)
-"""log2 of P's scale: the running max is kept this far below the true max (``p <= 2**8``)."""
-
-
-@gluon.constexpr_function
-def _fp8_mma_layout(warps, cols):
-    """The accumulator layout of an 8-bit ``[16·warps, cols]`` wgmma (k = 32 per instruction)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 32])
-
-
-@gluon.constexpr_function
-def _vt_layout(keys):
-    """Shared layout of the transposed ``[Dv, keys]`` V tile (keys contiguous)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, keys), element_bitwidth=8, rank=2)
 
 
 @gluon.jit
@@ -88,28 +86,6 @@ def _transpose_v(v_slot, vt_smem, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, K
     fence_async_shared()
     gl.thread_barrier()
     return key_bad
-
-
-@gluon.jit
-def _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
-    """:func:`.prefill_parts._softmax_step` with the running max ``m`` kept ``P_OFFSET`` below
-    the scaled scores' max, so ``p <= 2**P_OFFSET``: ``(p, alpha, m_new, row_bad)``."""
-    if MASKED:
-        keys = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sc.type.layout))
-        seen = keys[None, :] <= row_last[:, None]
-        sc = gl.where(seen, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale - P_OFFSET)
-        # rows that have seen no key yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc * qk_scale - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        row_bad = gl.max(gl.where(seen, key_bad[None, :], 0.0), axis=1)
-    else:
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1) * qk_scale - P_OFFSET)
-        p = gl.exp2(sc * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        row_bad = gl.zeros_like(m_new)
-    return p, alpha, m_new, row_bad
 
 
 @gluon.jit
@@ -168,35 +144,15 @@ def _fp8_consumer(
     ) = args  # fmt: skip
     s_layout: gl.constexpr = _fp8_mma_layout(CONSUMER_WARPS, BLOCK_N)
     o_layout: gl.constexpr = _fp8_mma_layout(CONSUMER_WARPS, D_V)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    if not ISSUE_LOADS:
-        # The partition reads its arguments before anything of it writes shared memory.
-        gl.thread_barrier()
-    else:
-        for t in gl.static_range(NUM_STAGES - 1):
-            if t < n_tiles:
-                _issue_kv(
-                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
-                    v_col, t, BLOCK_N, NUM_STAGES,
-                )  # fmt: skip
-
-    rows = gl.arange(0, BLOCK_M, layout=s_rows)
-    row_last = gl.minimum(rows + shift, seq_k - 1)
-    acc = gl.zeros([BLOCK_M, D_V], gl.float32, layout=o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
-    mbarrier.wait(q_bar, 0)
+    ring = (k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col)
+    _consumer_prologue(ring, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
+    rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, 0, BLOCK_M, D_V, s_layout, o_layout)
     # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
     for masked in gl.static_range(2):
         first = n_full if masked else 0
         last = n_tiles if masked else n_full
         for t in range(first, last):
-            if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
-                if t + NUM_STAGES - 1 < n_tiles:
-                    _issue_kv(
-                        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
-                        v_col, t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
-                    )  # fmt: skip
+            _issue_ahead(ring, t, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
             acc, m_i, l_i = _attend_tile_fp8(
                 q_smem, k_ring, v_ring, vt_smem, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
                 row_last, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, s_layout, o_layout,
@@ -210,62 +166,15 @@ def _fp8_consumer(
 
 
 @gluon.jit
-def mla_fp8_prefill_kernel(
-    q_desc,
-    k_desc,
-    v_desc,
-    out_ptr,
-    lse_ptr,
-    cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr,
-    q_scale_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_qh,
-    stride_kh,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    stride_lh,
-    num_heads,
-    num_m_blocks,
-    num_q_rows,
-    num_k_rows,
-    softmax_scale_log2e,
-    D_QK: gl.constexpr,
-    D_V: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
-    MODE: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition.
-    gl.static_assert(num_warps == CONSUMER_WARPS, "launch warps")
-    gl.static_assert(MODE <= 1, "the fp8 kernel has the plain and producer warp splits")
-    gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
+def _fp8_ring_attention(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full, n_tiles,
+    stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
+    D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    WRITE_LSE: gl.constexpr, MODE: gl.constexpr,
+):  # fmt: skip
+    """The plain (``MODE`` 0) and producer (1) layouts' shared memory, barriers and partitions
+    for one query tile: the K/V ring, one transposed V tile, the 8-warp consumer."""
     dtype: gl.constexpr = q_desc.dtype
-
-    # -- the query tile of this program (as in the bf16 kernel) --------------------------------
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
-    b = bh // num_heads
-    h = bh % num_heads
-    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
-    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
-    m0 = m_block * BLOCK_M
-    if m0 >= seq_q:
-        return
-    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
-    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
-    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
-    # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
-    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
-    v_scale = gl.load(v_scale_ptr)
-
     # -- shared memory and barriers --------------------------------------------------------------
     NQ: gl.constexpr = D_QK // BOX
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, BOX], FP8_TILE_LAYOUT)
@@ -315,6 +224,69 @@ def mla_fp8_prefill_kernel(
         )  # fmt: skip
     else:
         _fp8_consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True)
+
+
+@gluon.jit
+def mla_fp8_prefill_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    q_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_qh,
+    stride_kh,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    num_heads,
+    num_m_blocks,
+    num_q_rows,
+    num_k_rows,
+    softmax_scale_log2e,
+    D_QK: gl.constexpr,
+    D_V: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    MODE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # MODE 0: plain (the 8 consumer warps issue the loads); 1: a one-warp TMA producer partition;
+    # 2: split (the launch's 4 warps are the producer, each consumer warpgroup its own partition).
+    gl.static_assert(num_warps == (SPLIT_PRODUCER_WARPS if MODE == 2 else CONSUMER_WARPS), "launch warps")
+    gl.static_assert(MODE <= 2, "the fp8 kernel has the plain, producer and split warp splits")
+    gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
+
+    # -- the query tile of this program (as in the bf16 kernel) --------------------------------
+    b, h, q_begin, seq_q, m0 = _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows)
+    if m0 >= seq_q:
+        return
+    k_begin, seq_k, shift, n_full, n_tiles = _key_range(
+        cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+    )
+    # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
+    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
+    v_scale = gl.load(v_scale_ptr)
+    if MODE == 2:
+        fp8_split_attention(
+            q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,
+            n_tiles, stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+            v_scale, D_QK, D_V, BLOCK_N, NUM_STAGES, WRITE_LSE,
+        )  # fmt: skip
+    else:
+        _fp8_ring_attention(
+            q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,
+            n_tiles, stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+            v_scale, D_QK, D_V, BLOCK_N, NUM_STAGES, WRITE_LSE, MODE,
+        )  # fmt: skip
 
 
 __all__ = ["FP8_TILE_LAYOUT", "P_OFFSET", "mla_fp8_prefill_kernel"]

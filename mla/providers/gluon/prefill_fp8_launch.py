@@ -32,8 +32,9 @@ from mla.providers.gluon.prefill_launch import (
 FP8_PREFILL_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
 """q/k/v dtypes the kernel takes (e4m3: P is quantized to e4m3 for the fp8 ``P·V``)."""
 FP8_OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-FP8_KERNELS: tuple[PrefillKernel, ...] = (PrefillKernel.PLAIN, PrefillKernel.PRODUCER)
-"""The warp splits the fp8 kernel has."""
+FP8_KERNELS: tuple[PrefillKernel, ...] = (PrefillKernel.PLAIN, PrefillKernel.PRODUCER, PrefillKernel.SPLIT)
+"""The warp splits the fp8 kernel has (``SPLIT``: :mod:`.prefill_fp8_split`; opt-in through the
+launch config, the default is :func:`fp8_prefill_config`'s)."""
 MAX_STAGES = 4
 
 
@@ -66,11 +67,23 @@ def plan_gluon_fp8_prefill(call: Fp8PrefillPlanCall, triton_plan: object) -> Glu
     )
 
 
+SPLIT_V_LANDING = 2
+"""V landing slots of the split layout (``prefill_fp8_split.V_LANDING``)."""
+
+
 def fp8_shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
-    """Shared memory of a launch: the query tile, the K/V ring and the transposed V tile (all
-    8-bit) and the barriers."""
-    ring = config.num_stages * config.block_n * (qk_dim + v_dim)
-    return QUERY_TILE * qk_dim + ring + v_dim * config.block_n + 8 * (1 + 4 * config.num_stages)
+    """Shared memory of a launch (8-bit tiles): the query tile, and per ring stage a K and a V
+    tile; plus one transposed V tile (plain and producer layouts), or (split layout) per stage
+    a transposed V tile and the stage's per-key flags (float32), and :data:`SPLIT_V_LANDING` V
+    tiles instead of one a stage; and the barriers."""
+    stages, keys = config.num_stages, config.block_n
+    if config.kernel is PrefillKernel.SPLIT:
+        tiles = stages * keys * (qk_dim + v_dim + 4) + SPLIT_V_LANDING * keys * v_dim
+        barriers = 1 + 4 * stages + SPLIT_V_LANDING
+    else:
+        tiles = stages * keys * (qk_dim + v_dim) + v_dim * keys
+        barriers = 1 + 4 * stages
+    return QUERY_TILE * qk_dim + tiles + 8 * barriers
 
 
 def fp8_prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
@@ -158,7 +171,7 @@ def launch_gluon_fp8_prefill(
     schedule a :class:`GluonFp8PrefillPlan`; ``lse`` written only with ``write_lse``). Raises
     :class:`InvalidInputError` for a call :func:`fp8_prefill_route` sends to the Triton kernel."""
     from mla.providers.gluon.prefill_fp8 import mla_fp8_prefill_kernel  # noqa: PLC0415 (lazy)
-    from mla.providers.gluon.prefill_parts import CONSUMER_WARPS  # noqa: PLC0415
+    from mla.providers.gluon.prefill_parts import CONSUMER_WARPS, SPLIT_PRODUCER_WARPS  # noqa: PLC0415
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
@@ -176,7 +189,7 @@ def launch_gluon_fp8_prefill(
     cfg = config or fp8_prefill_config(qk_dim, v_dim)
     if cfg.kernel not in FP8_KERNELS:
         raise InvalidInputError(
-            "config", f"the fp8 kernel has the PLAIN and PRODUCER warp splits, got {cfg.kernel}"
+            "config", f"the fp8 kernel has the PLAIN, PRODUCER and SPLIT warp splits, got {cfg.kernel}"
         )
     if fp8_shared_bytes(qk_dim, v_dim, cfg) > SHARED_MEMORY_BYTES:
         raise InvalidInputError(
@@ -191,7 +204,8 @@ def launch_gluon_fp8_prefill(
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
         D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
-        WRITE_LSE=write_lse, MODE=cfg.kernel.value, num_warps=CONSUMER_WARPS.value,
+        WRITE_LSE=write_lse, MODE=cfg.kernel.value,
+        num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel is PrefillKernel.SPLIT else CONSUMER_WARPS).value,
     )  # fmt: skip
 
 

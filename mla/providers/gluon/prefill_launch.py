@@ -37,7 +37,9 @@ class PrefillKernel(enum.Enum):
     """A one-warp TMA producer partition and the 8 consumer warps (one partition)."""
     SPLIT = 2
     """A 4-warp producer (TMA, and the V clean-up of masked tiles) and each consumer warpgroup a
-    partition of its own (64 query rows each), so the two run out of step."""
+    partition of its own (64 query rows each), so the two run out of step. In the fp8 kernel
+    the producer also transposes every V tile into a ring of ``[Dv, keys]`` tiles
+    (:mod:`~mla.providers.gluon.prefill_fp8_split`)."""
     OVERLAP = 3
     """The split layout with each consumer warpgroup pipelined: the next tile's QKᵀ and this
     tile's PV in flight while it runs the softmax of the next (:mod:`.prefill_overlap`); P goes

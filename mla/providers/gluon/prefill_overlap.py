@@ -31,7 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.prefill_parts import _mma_layout, _release, _softmax_step, _store_rows
+from mla.providers.gluon.prefill_parts import (
+    _consumer_rows,
+    _mma_layout,
+    _release,
+    _softmax_step,
+    _store_rows,
+)
 
 WARPS = gl.constexpr(4)
 """Warps of a consumer partition (one warpgroup)."""
@@ -111,16 +117,10 @@ def overlap_consumer(
     ) = args  # fmt: skip
     s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(WARPS, D_V)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_buf = p_smem.index(W)
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
-    rows = W * M + gl.arange(0, M, layout=s_rows)
-    row_last = gl.minimum(rows + shift, seq_k - 1)
-    acc = gl.zeros([M, D_V], gl.float32, layout=o_layout)
-    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([M], gl.float32, layout=s_rows)
-    mbarrier.wait(q_bar, 0)
+    rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
         sc = _issue_scores(q_smem, k_ring, k_ready, 0, s_zero, W, NUM_STAGES)

@@ -32,6 +32,33 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
+def _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
+    """This program's query tile: ``(b, h, q_begin, seq_q, m0)``, the request and head, the
+    request's first token and query count, and the tile's first row (``m0 >= seq_q``: nothing
+    to do). The grid is flat, the tile index fastest and reversed (the heaviest causal tiles
+    first). Each range is clamped into the tensor: a bad indptr touches no row outside it (the
+    call checks the values and raises)."""
+    pid = gl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = pid // num_m_blocks
+    b = bh // num_heads
+    h = bh % num_heads
+    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
+    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
+    return b, h, q_begin, seq_q, m_block * BLOCK_M
+
+
+@gluon.jit
+def _key_range(cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Request ``b``'s keys for the query tile at ``m0``: ``(k_begin, seq_k, shift, n_full,
+    n_tiles)`` (:func:`_tile_range`), the range clamped into the tensor."""
+    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
+    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
+    shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
+    return k_begin, seq_k, shift, n_full, n_tiles
+
+
+@gluon.jit
 def _tile_range(seq_q, seq_k, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """``(shift, n_full, n_tiles)`` of the query tile at row ``m0``: row ``r`` of the tile sees
     key ``n`` iff ``n <= r + shift`` and ``n < seq_k``; key tiles ``[0, n_full)`` are seen whole
@@ -57,6 +84,61 @@ def _issue_kv(
     _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
     mbarrier.wait(v_empty.index(s), phase)
     _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, v_ring.shape[2] // BOX, True)
+
+
+@gluon.jit
+def _consumer_prologue(
+    ring, n_tiles, ISSUE_LOADS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """A consumer partition's start: with a producer partition, a barrier (the partition reads
+    its arguments before anything of it writes shared memory); without one (``ISSUE_LOADS``),
+    the loads of the first ``NUM_STAGES - 1`` key tiles. ``ring``: the loads' operands
+    ``(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+    v_col)``."""
+    if not ISSUE_LOADS:
+        gl.thread_barrier()
+    else:
+        k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col = ring
+        for t in gl.static_range(NUM_STAGES - 1):
+            if t < n_tiles:
+                _issue_kv(
+                    k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col,
+                    v_col, t, BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+
+
+@gluon.jit
+def _issue_ahead(
+    ring, t, n_tiles, ISSUE_LOADS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """Without a producer partition (``ISSUE_LOADS``): before attending key tile ``t``, the loads
+    of tile ``t + NUM_STAGES - 1`` when there is one (``ring``: as :func:`_consumer_prologue`)."""
+    if ISSUE_LOADS:  # noqa: SIM102 (a constexpr: resolved at compile time)
+        if t + NUM_STAGES - 1 < n_tiles:
+            k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col = ring
+            _issue_kv(
+                k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col,
+                t + NUM_STAGES - 1, BLOCK_N, NUM_STAGES,
+            )  # fmt: skip
+
+
+@gluon.jit
+def _consumer_rows(
+    q_bar, shift, seq_k, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """A consumer's query rows ``[W·M, (W+1)·M)`` of the tile, each row's last visible key
+    (bottom-right causal: ``row + shift``, at most ``seq_k - 1``), and its empty output, row max
+    and row sum, once the query tile has landed (``q_bar``): ``(rows, row_last, acc, m_i,
+    l_i)``."""
+    s_rows: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    rows = W * M + gl.arange(0, M, layout=s_rows)
+    row_last = gl.minimum(rows + shift, seq_k - 1)
+    acc = gl.zeros([M, D_V], gl.float32, layout=O_LAYOUT)
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([M], gl.float32, layout=s_rows)
+    mbarrier.wait(q_bar, 0)
+    return rows, row_last, acc, m_i, l_i
 
 
 @gluon.jit

@@ -1,0 +1,264 @@
+# mypy: disable-error-code="no-untyped-def, untyped-decorator"
+"""The split warp layout of the Gluon fp8 prefill (``PrefillKernel.SPLIT``, ``MODE 2`` of
+:func:`~mla.providers.gluon.prefill_fp8.mla_fp8_prefill_kernel`), as FA3's fp8 kernel splits it.
+
+* **Producer** (the launch's 4 warps, the default partition; ``setmaxnreg`` leaves it what the
+  consumers do not take: 72 registers): at step ``t`` it issues the TMA loads of key tile ``t``
+  (K into the K ring slot ``t % NUM_STAGES`` on ``k_ready``; V into a landing slot ``t %
+  V_LANDING`` on ``v_landed``), then transposes the V tile before it from its landing slot into
+  the ``[Dv, keys]`` V^T ring slot (keys contiguous: the K-major B operand of the fp8 ``P·V``),
+  64 value lanes (one TMA box) at a time through registers, fences the generic stores against
+  the async proxy, meets its warps at a barrier and arrives on ``vt_ready``. In a masked tile
+  (``t >= n_full``) it zeroes the non-finite lanes on the way and writes, per key, 1.0 into
+  ``flags`` where its value row had one (0.0 otherwise), as the bf16 split kernel's producer
+  does. The landing slots are the producer's alone: it has read a slot before it issues the
+  copy that reuses it, two tiles later.
+* **Consumers**: two worker partitions of one warpgroup each (query rows ``[64·W, 64·(W+1))``,
+  ``FP8_SPLIT_CONSUMER_REGS`` registers), running ``S = q·Kᵀ`` (fp8 ``wgmma``), the online
+  softmax (P in e4m3 scaled by ``2**8``, as in the plain and producer layouts) and ``O += P·V``
+  (fp8 ``wgmma``: P from registers, V as the V^T slot read K-major). Each releases its K slot
+  once its ``QKᵀ`` is done and its V^T slot once its ``P·V`` is done; ``k_empty`` and
+  ``vt_empty`` count two arrivals, so the two warpgroups run out of step (one's softmax can
+  overlap the other's ``wgmma``). No consumer writes shared memory the other reads; in a
+  masked tile a consumer reads the slot's flags after ``vt_ready`` and before it releases the
+  slot, as the bf16 split kernel does.
+
+Shared memory per ring stage: a K tile, a V^T tile (8-bit) and the stage's flags; plus the
+query tile and ``V_LANDING`` V tiles (:func:`~.prefill_fp8_launch.fp8_shared_bytes`): 218 KiB
+at 192/128 with 128-key tiles and 4 stages.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.providers.gluon.prefill_fp8_parts import (
+    FP8_TILE_LAYOUT,
+    _fp8_mma_layout,
+    _softmax_step_fp8,
+    _vt_layout,
+)
+from mla.providers.gluon.prefill_parts import (
+    BLOCK_M,
+    BOX,
+    FLAGS_LAYOUT,
+    SPLIT_PRODUCER_WARPS,
+    _consumer_rows,
+    _copy_boxes,
+    _release,
+    _store_rows,
+)
+
+V_LANDING = gl.constexpr(2)
+"""V landing slots (the producer issues tile ``t``'s V before it transposes tile ``t - 1``'s)."""
+FP8_SPLIT_CONSUMER_REGS = gl.constexpr(216)
+"""Registers per consumer thread (``setmaxnreg``); the producer gets what is left."""
+CONSUMER_M = gl.constexpr(64)
+"""Query rows of a consumer warpgroup."""
+
+
+@gluon.jit
+def _transpose_v_split(
+    v_slot, vt_slot, flag_slot, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr
+):
+    """Copy the ``[keys, Dv]`` V tile ``v_slot`` into ``vt_slot`` (``[Dv, keys]``), by the 4
+    producer warps, ``BOX`` value lanes at a time (one TMA box of ``v_slot``, ``BOX`` rows of
+    ``vt_slot``); ``MASKED``: zero its non-finite lanes (e4m3fn has no infinity: NaN is ``x &
+    0x7f == 0x7f``) and write 1.0 into ``flag_slot[n]`` for each key ``n`` that had one (0.0
+    otherwise). Then fence (the stores before any ``wgmma`` reads them) and meet at a barrier."""
+    # 4 keys x 4 lanes a thread: 32-bit loads along Dv, 32-bit stores along the keys.
+    ld: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [SPLIT_PRODUCER_WARPS, 1], [1, 0])
+    key_bad = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, ld))
+    for c in gl.static_range(D_V // BOX):
+        v = v_slot.slice(c * BOX, BOX, dim=1).load(ld)
+        if MASKED:
+            bits = v.to(gl.int8, bitcast=True)
+            bad = (bits & 0x7F) == 0x7F
+            key_bad = gl.maximum(key_bad, gl.max(gl.where(bad, 1.0, 0.0), axis=1))
+            v = gl.where(bad, 0, bits).to(v.dtype, bitcast=True)
+        vt_slot.slice(c * BOX, BOX, dim=0).store(gl.permute(v, (1, 0)))
+    if MASKED:
+        flag_slot.store(key_bad)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _fp8_split_producer(
+    k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, k_row0,
+    k_col, v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer partition (see the module docstring): at step ``t`` K and V of tile ``t``
+    into their slots, then V of tile ``t - 1`` transposed into its V^T ring slot."""
+    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
+    D_V: gl.constexpr = v_land.shape[2]
+    NV: gl.constexpr = D_V // BOX
+    # The partition reads its arguments before anything of it writes shared memory.
+    gl.thread_barrier()
+    for t in range(n_tiles + 1):
+        if t < n_tiles:
+            s = t % NUM_STAGES
+            row = k_row0 + t * BLOCK_N
+            mbarrier.wait(k_empty.index(s), (t // NUM_STAGES) & 1)
+            _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
+            # (its landing slot: last read by the transpose of tile t - V_LANDING, done)
+            lv = t % V_LANDING
+            _copy_boxes(v_desc, row, v_col, v_landed.index(lv), v_land.index(lv), 0, NV, True)
+        if t > 0:
+            u = t - 1
+            s = u % NUM_STAGES
+            mbarrier.wait(v_landed.index(u % V_LANDING), (u // V_LANDING) & 1)
+            mbarrier.wait(vt_empty.index(s), (u // NUM_STAGES) & 1)
+            v_slot = v_land.index(u % V_LANDING)
+            if u >= n_full:
+                _transpose_v_split(v_slot, vt_ring.index(s), flags.index(s), True, BLOCK_N, D_V)
+            else:
+                _transpose_v_split(v_slot, vt_ring.index(s), flags.index(s), False, BLOCK_N, D_V)
+            mbarrier.arrive(vt_ready.index(s))
+
+
+@gluon.jit
+def _fp8_split_tile(
+    q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, t, row_last,
+    qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr, W: gl.constexpr,
+):  # fmt: skip
+    """Online softmax of key tile ``t`` into ``(acc, m_i, l_i)`` for the query rows ``[64·W,
+    64·(W+1))``; ``MASKED``: key ``n`` counts for row ``r`` only when ``n <= row_last[r]``, and
+    the rows that see a key whose value row had a non-finite lane (``flags``) get NaN."""
+    s = t % NUM_STAGES
+    phase = (t // NUM_STAGES) & 1
+    M: gl.constexpr = CONSUMER_M
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
+    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    mbarrier.wait(k_ready.index(s), phase)
+    sc = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    NQ: gl.constexpr = q_smem.shape[0]
+    for c in gl.static_range(NQ):
+        q_box = q_smem.index(c).slice(W * M, M, dim=0)
+        sc = warpgroup_mma(q_box, k_ring.index(s * NQ + c).permute((1, 0)), sc, use_acc=c > 0, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+    _release(k_empty.index(s))
+    if MASKED:
+        # the transposed V tile, and which of its keys had a non-finite value lane
+        mbarrier.wait(vt_ready.index(s), phase)
+        key_bad = flags.index(s).load(keys_layout)
+    else:
+        key_bad = m_i  # (unread)
+    p, alpha, m_new, row_bad = _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    if MASKED:
+        acc = acc + gl.convert_layout(gl.where(row_bad > 0.0, float("nan"), 0.0), o_rows)[:, None]
+    else:
+        mbarrier.wait(vt_ready.index(s), phase)
+    p8 = gl.convert_layout(p.to(vt_ring.dtype), p_layout)
+    acc = warpgroup_mma(p8, vt_ring.index(s).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    _release(vt_empty.index(s))
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _fp8_split_consumer(
+    args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+    W: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroup ``W``: every key tile of the query tile for its 64 rows, then its output
+    rows of the request (and their LSE). ``args``: buffers, barriers, tile and strides."""
+    (
+        q_smem, k_ring, vt_ring, flags, q_bar, k_ready, k_empty, vt_ready, vt_empty, out_ptr, lse_ptr,
+        q_begin, m0, seq_q, seq_k, h, shift, n_full, n_tiles, stride_ot, stride_oh, stride_lt, stride_lh,
+        qk_scale, v_scale,
+    ) = args  # fmt: skip
+    M: gl.constexpr = CONSUMER_M
+    s_layout: gl.constexpr = _fp8_mma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = _fp8_mma_layout(4, D_V)
+    # The partition reads its arguments before anything of it writes shared memory.
+    gl.thread_barrier()
+    rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
+    # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
+    for masked in gl.static_range(2):
+        first = n_full if masked else 0
+        last = n_tiles if masked else n_full
+        for t in range(first, last):
+            acc, m_i, l_i = _fp8_split_tile(
+                q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, t,
+                row_last, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
+            )  # fmt: skip
+    _store_rows(
+        acc * v_scale, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
+        stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def fp8_split_attention(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full, n_tiles,
+    stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
+    D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+):  # fmt: skip
+    """The split layout's shared memory, barriers and partitions for one query tile (called by
+    the kernel once it has the tile's key range and scales)."""
+    dtype: gl.constexpr = q_desc.dtype
+    NQ: gl.constexpr = D_QK // BOX
+    q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, BOX], FP8_TILE_LAYOUT)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, BOX], FP8_TILE_LAYOUT)
+    v_land = gl.allocate_shared_memory(dtype, [V_LANDING, BLOCK_N, D_V], FP8_TILE_LAYOUT)
+    vt_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, D_V, BLOCK_N], _vt_layout(BLOCK_N))
+    flags = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], FLAGS_LAYOUT)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    vt_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    vt_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_landed = gl.allocate_shared_memory(gl.int64, [V_LANDING, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(V_LANDING):
+        mbarrier.init(v_landed.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(vt_ready.index(i), count=1)
+        # (one release per consumer warpgroup)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(vt_empty.index(i), count=2)
+    # Every ring slot starts free (phase 0 of its empty barriers).
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.arrive(k_empty.index(i), count=2)
+        mbarrier.arrive(vt_empty.index(i), count=2)
+    fence_async_shared()
+
+    _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)
+
+    consumer_args = (
+        q_smem, k_ring, vt_ring, flags, q_bar, k_ready, k_empty, vt_ready, vt_empty, out_ptr, lse_ptr,
+        q_begin, m0, seq_q, seq_k, h, shift, n_full, n_tiles, stride_ot, stride_oh, stride_lt, stride_lh,
+        qk_scale, v_scale,
+    )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (
+                _fp8_split_producer,
+                (
+                    k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready,
+                    vt_empty, k_begin, h * stride_kh, h * stride_vh, n_full, n_tiles, BLOCK_N, NUM_STAGES,
+                ),
+            ),
+            (_fp8_split_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0)),
+            (_fp8_split_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1)),
+        ],
+        [4, 4],
+        [FP8_SPLIT_CONSUMER_REGS, FP8_SPLIT_CONSUMER_REGS],
+    )  # fmt: skip
+
+
+__all__ = ["FP8_SPLIT_CONSUMER_REGS", "V_LANDING", "fp8_split_attention"]
