@@ -479,7 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, kernel in gluon_kernels()
         ]
         if gluon_kernels():
-            timed.append(("gluon-fp8", bench_us(case.run_gluon_fp8), "e4m3, producer"))
+            from mla.providers.gluon.prefill_fp8_launch import fp8_prefill_config
+
+            fp8_layout = fp8_prefill_config(QK_DIM, V_DIM).kernel.name.lower()
+            timed.append(("gluon-fp8", bench_us(case.run_gluon_fp8), f"e4m3, {fp8_layout}"))
         cudnn = cudnn_sdpa(case)
         if cudnn is not None:
             timed.append(("cudnn-sdpa", bench_us(cudnn), "padded batch"))

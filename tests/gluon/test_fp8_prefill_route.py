@@ -122,10 +122,10 @@ def test_route_sends_other_calls_to_triton(change: dict[str, Any], why: str | No
 
 
 def test_default_configs_fit_in_shared_memory() -> None:
-    # 8-bit tiles: 24 KiB query tile + 4 x 40 KiB ring + 16 KiB transposed V at 192/128
+    # the split layout, 4 stages (MAX_STAGES) at both head dims
     for dqk in (192, 128):
         config = fp8_prefill_config(dqk, 128)
-        assert config == PrefillLaunchConfig(block_n=128, num_stages=4, kernel=PrefillKernel.PRODUCER)
+        assert config == PrefillLaunchConfig(block_n=128, num_stages=4, kernel=PrefillKernel.SPLIT)
         assert fp8_shared_bytes(dqk, 128, config) <= SHARED_MEMORY_BYTES
     assert fp8_shared_bytes(192, 128, PrefillLaunchConfig(num_stages=5)) > SHARED_MEMORY_BYTES
     assert (
@@ -158,8 +158,8 @@ def test_split_layout_counts_its_transposed_v_ring() -> None:
     # more than the producer layout at the same stages (a transposed V tile a stage)
     producer = attrs.evolve(split, kernel=PrefillKernel.PRODUCER)
     assert fp8_shared_bytes(192, 128, split) > fp8_shared_bytes(192, 128, producer)
-    # the default stays the producer layout
-    assert fp8_prefill_config(192, 128).kernel is PrefillKernel.PRODUCER
+    # the default is the split layout
+    assert fp8_prefill_config(192, 128).kernel is PrefillKernel.SPLIT
 
 
 def test_launcher_refuses_declined_calls_other_warp_splits_and_plan_mismatches() -> None:

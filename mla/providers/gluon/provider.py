@@ -104,7 +104,7 @@ PREFILL_OPT_IN_NOTE = (
 FP8_PREFILL_NOTE = (
     "opted in (fp8_prefill='gluon'): fp8 prefill runs on the Gluon fp8 prefill kernel for e4m3 q/k/v "
     "with 192/128 or 128/128 head dims and TMA-readable layouts, on the Triton provider's kernels "
-    "otherwise (not yet run on a GPU)"
+    "otherwise"
 )
 """Added to the prefill kernel note of a provider built with ``fp8_prefill="gluon"``."""
 PREFILL_KERNELS = ("triton", "gluon")
@@ -150,9 +150,9 @@ class GluonProvider(KernelProvider):
         kernels) or ``"gluon"`` (the Gluon fp8 prefill kernel of :mod:`.prefill_fp8` where
         :func:`.prefill_fp8_launch.fp8_prefill_route` takes the call; ``plan_fp8_prefill``
         then returns a :class:`.prefill_fp8_launch.GluonFp8PrefillPlan` around the Triton
-        plan). It passes its GPU tests and runs 1.09-1.17x the Triton fp8 kernel on an H200,
-        but quantizes P to e4m3 (about 2% relative output error against 0.2% for the Triton
-        kernel's fp16 P): opt-in for that trade."""
+        plan). It passes its GPU tests and runs 1.2-1.4x the Triton fp8 kernel on an H200 (its
+        split warp layout, ``docs/performance.md``), but quantizes P to e4m3 (about 2% relative
+        output error against 0.2% for the Triton kernel's fp16 P): opt-in for that trade."""
         if prefill not in PREFILL_KERNELS:
             raise InvalidInputError("prefill", f"one of {'/'.join(PREFILL_KERNELS)}, got {prefill!r}")
         if fp8_prefill not in PREFILL_KERNELS:
@@ -216,7 +216,8 @@ class GluonProvider(KernelProvider):
             + ("" if self._prefill == "gluon" else " (opt-in: GluonProvider(prefill='gluon'); now: Triton)")
         )
         probes["fp8_prefill"] = (
-            "Gluon fp8 prefill kernel (e4m3 wgmma QKᵀ and PV, V transposed in shared memory) for e4m3 "
+            "Gluon fp8 prefill kernel (e4m3 wgmma QKᵀ and PV; a producer warpgroup transposes V in shared "
+            "memory for two consumer warpgroups) for e4m3 "
             "192/128 and 128/128; Triton fp8 kernels otherwise"
             if self._fp8_prefill == "gluon"
             else "Triton fp8 kernels (opt-in: GluonProvider(fp8_prefill='gluon'))"
