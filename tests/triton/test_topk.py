@@ -168,6 +168,8 @@ def test_topk_config_splits_only_few_rows() -> None:
     decode = topk_config(rows=64, max_keys=32768, num_sms=132)
     assert decode.split == 4096  # 8 splits: 512 programs
     assert decode.finish_warps == 8
+    assert decode.finish_bits == 6
+    assert topk_config(rows=8192, max_keys=8192, num_sms=132).finish_bits == 4
     assert topk_config(rows=1, max_keys=100, num_sms=132).split == 1024  # never below one tile
 
 
