@@ -78,6 +78,7 @@ def test_capabilities_compose_the_triton_record() -> None:
         Contract.DECODE_SCHEDULE,
         Contract.SMALL_HEAD_DECODE,
         Contract.SPARSE_ATTENTION,
+        Contract.INDEXER,
     } == set(caps.contracts)
     probes = GluonProvider().describe_probes()
     assert probes["delegated_to_triton"] == sorted(c.value for c in DELEGATED)

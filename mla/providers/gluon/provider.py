@@ -84,11 +84,11 @@ DELEGATED: tuple[Contract, ...] = (
     Contract.MERGE_STATES,
     Contract.EXPAND_PAGES,
     Contract.KV_WRITE,
-    Contract.INDEXER,
 )
-"""Contracts served by the Triton provider's kernels (sparse attention and varlen prefill too,
-for the calls :func:`~mla.providers.gluon.sparse.sparse_on_gluon` and
-:func:`~mla.providers.gluon.prefill_launch.prefill_route` decline)."""
+"""Contracts served by the Triton provider's kernels (sparse attention, varlen prefill and the
+indexer's scores too, for the calls :func:`~mla.providers.gluon.sparse.sparse_on_gluon`,
+:func:`~mla.providers.gluon.prefill_launch.prefill_route` and
+:func:`~mla.providers.gluon.index_scores.gluon_scores_route` decline; the indexer's top-k always)."""
 PREFILL_NOTE = (
     "varlen prefill runs on the Gluon prefill kernel for bf16/fp16 q/k/v with 192/128 or 128/128 "
     "head dims and TMA-readable layouts (16-byte-aligned base and strides, last dim contiguous), "
@@ -208,6 +208,11 @@ class GluonProvider(KernelProvider):
         probes["sparse_attention"] = (
             "Gluon decode kernels, each query row a qlen-1 decode over its slots (512+64 dims; "
             "16-bit, per-tensor fp8 or fp8_ds_mla rows with a bf16 query); Triton sparse kernel otherwise"
+        )
+        probes["index_topk"] = (
+            "Gluon scores kernel (TMA key tiles, fp8 wgmma) for e4m3 queries and keys, 128-dim index "
+            "heads (up to 128), cache blocks of a multiple of 64 keys and decode-sized row counts; "
+            "Triton scores kernel otherwise; the top-k on the Triton kernels"
         )
         probes["varlen_prefill"] = (
             "Gluon prefill kernel (TMA ring, TMA producer warp, wgmma, 128-row query tiles) for "
@@ -357,7 +362,12 @@ class GluonProvider(KernelProvider):
         self._triton.write_index_keys(call)
 
     def index_topk(self, call: IndexTopkCall) -> None:
-        self._triton.index_topk(call)
+        # The scores on the Gluon kernel where gluon_scores_route takes the call, the top-k on
+        # the Triton kernels.
+        from mla.providers.gluon.index_scores import gluon_index_scores  # noqa: PLC0415 (kernels load lazily)
+        from mla.providers.triton.indexer import index_topk  # noqa: PLC0415
+
+        index_topk(call, scores_kernel=gluon_index_scores)
 
     def sparse_slots(self, call: SparseSlotsCall) -> None:
         self._triton.sparse_slots(call)

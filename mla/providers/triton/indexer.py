@@ -43,6 +43,8 @@ Both launchers are graph-capturable: grids and workspaces are sized by shapes an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 import triton
@@ -483,17 +485,23 @@ runs as one chunk; a prefill of 8192 rows over 128K positions would need 4 GB of
 once)."""
 
 
+ScoresKernel = Callable[..., None]
+"""A scores kernel with :func:`index_scores`'s signature (``(call, scores, *, stats, config)``)."""
+
+
 def index_topk(
     call: IndexTopkCall,
     *,
     scores_config: IndexScoresConfig | None = None,
     select_config: TopkConfig | None = None,
+    scores_kernel: ScoresKernel | None = None,
 ) -> None:
     """The indexer's scores (:func:`index_scores` into a float32 ``[rows, max_keys]`` workspace
     per chunk of rows, with each chunk's score range) and the threshold top-k
     (:func:`~mla.providers.triton.topk.radix_topk`) on the device: per row the ``min(topk,
     visible)`` best positions in no score order, then ``-1``. ``scores_config`` and
-    ``select_config`` override the launches (the probe's sweeps)."""
+    ``select_config`` override the launches (the probe's sweeps); ``scores_kernel`` replaces
+    :func:`index_scores` (another provider's kernel, same contract and chunking)."""
     indices = call.indices
     rows, topk = indices.shape
     if rows == 0 or topk == 0:
@@ -530,7 +538,7 @@ def index_topk(
             )
         )
         part_stats = stats[:, : hi - lo]
-        index_scores(part, scores[: hi - lo], stats=part_stats, config=config)
+        (scores_kernel or index_scores)(part, scores[: hi - lo], stats=part_stats, config=config)
         radix_topk(
             scores[: hi - lo],
             indices[lo:hi],
