@@ -278,7 +278,8 @@ def _mma_warpgroup(
     keys: gl.constexpr = gl.SliceLayout(0, s_layout)
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
     # Keys past hi are masked by the row limit, ids outside the cache (unsigned) by the id ring
-    # (read once _scores waited for the tile; global re-reads here doubled the loop's spills).
+    # (global re-reads here doubled the loop's spills), tile-relative (offs_n < limit - first
+    # position: no loop-invariant key positions in registers, no adds a tile).
     row_limit = gl.minimum(row_limit, hi)
     offs_n = gl.arange(0, BLOCK_N, layout=keys)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -296,7 +297,7 @@ def _mma_warpgroup(
             key_ok = None if IN_PAGE else _ring_key_ok(ids_0, id_limit, keys)
             limit = _tile_key_limit(ids_0, row_limit, hi, id_limit, IN_PAGE)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, lo + offs_n, key_ok, limit, qk_scale, 1)
+            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, offs_n, key_ok, limit - lo, qk_scale, 1)
             acc, l_o = _add_own_tile(
                 lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
                 0, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
@@ -310,11 +311,10 @@ def _mma_warpgroup(
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-        n = t * BLOCK_N + lo + offs_n
         ids_t = id_ring.index(_slot(t, hi, NUM_STAGES))
         key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, keys)
-        limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
-        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, n, key_ok, limit, qk_scale, 1)
+        limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE) - (t * BLOCK_N + lo)
+        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, offs_n, key_ok, limit, qk_scale, 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
         acc, l_o = _add_own_tile(
