@@ -310,8 +310,9 @@ def test_small_head_decode(heads: int, kv_dtype: torch.dtype) -> None:
 
 # Block-table launches (what the engine runs on this provider): 64-token pages on the
 # non-persistent launches put every tile inside one page (its block id read and checked once
-# by the few-rows, dual-chain and 64-row kernels; the ping-pong kernel checks each key's id from
-# its id ring); pages of 16 and the planned schedule take the per-key ids.
+# by the few-rows, dual-chain and 64-row kernels; the ping-pong kernel's loader checks it and
+# hands its MMA warpgroups one word a tile: h128-q2-bs64-auto on bf16); pages of 16 and the
+# planned schedule take the per-key ids.
 TABLE_RUNS = [
     (CASES[0], "auto"),
     (CASES[0], "splits3"),

@@ -62,9 +62,9 @@ from mla.providers.gluon.kernels import (
     _row_info,
     _row_lse,
     _safe_sum,
+    _slot_block,
     _tile_ids,
     _tile_in_page,
-    _tile_key_limit,
     _work_item,
     _work_range,
 )
@@ -115,14 +115,14 @@ def _load_chunk(
 def _loader(
     kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, IN_PAGE: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES``, half
     by half as the MMA warpgroups release them (the half its owner frees first, first). Token
     ids are loaded one tile ahead. The copy layout puts 8 threads on each 128-byte row segment
     (one swizzle line: no bank conflicts) and 4 rows on each thread, so the ids and addresses
     fit the few registers this partition keeps. What the key operand holds for a tile's positions
-    goes into ``id_ring`` as well, for the MMA warpgroups' key check."""
+    goes into ``id_ring`` as well, for the MMA warpgroups' key check (:func:`_id_copy`)."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
@@ -133,8 +133,7 @@ def _loader(
         nids, nok = _tile_ids(index_base, lo, hi, t + 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
         kv_row = kv_ptr + ids.to(gl.int64)[:, None] * stride_kv
         lat, rope = lat_ring.index(s), rope_ring.index(s)
-        n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [LOADER_WARPS], [0]))
-        ids_in = (id_ring.index(s), index_base + n // (PAGE_SIZE if PAGE_SIZE > 0 else 1), n < hi)
+        ids_in = _id_copy(id_ring.index(s), index_base, lo, hi, t, id_limit, BLOCK_N, PAGE_SIZE, IN_PAGE)
         if t % 2 == 0:
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld, ids_in)
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld)
@@ -142,6 +141,25 @@ def _loader(
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld, ids_in)
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld)
         ids, ok = nids, nok
+
+
+@gluon.jit
+def _id_copy(
+    id_slot, index_base, lo, hi, t, id_limit, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    IN_PAGE: gl.constexpr,
+):  # fmt: skip
+    """The copy (destination, sources, mask) of tile ``t``'s id-ring slot: what the key operand
+    holds for its positions; with ``IN_PAGE`` one word, the tile's block id where that is outside
+    the cache (never 0: the kernel runs no tile when no block is inside) and 0 (masked: zero-fill)
+    where inside, so the MMA warpgroups check a tile against 0, without the cache's bound."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [LOADER_WARPS], [0])
+    if IN_PAGE:  # (the tile's first position is < hi: t is a tile of the range)
+        src = index_base + (lo + t * BLOCK_N + gl.zeros([1], gl.int32, layout=one)) // PAGE_SIZE
+        copy = (id_slot.slice(0, 1), src, gl.load(src).to(gl.uint32, bitcast=True) >= id_limit)
+    else:
+        n = lo + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=one)
+        copy = (id_slot, index_base + n // (PAGE_SIZE if PAGE_SIZE > 0 else 1), n < hi)
+    return copy
 
 
 @gluon.jit
@@ -252,7 +270,8 @@ def _mma_warpgroup(
     tile over output columns ``[W·L/2, (W+1)·L/2)``, then those columns of the output (and the
     LSE, when this warpgroup owns the last tile). ``args``: the kernel's buffers, barriers, work
     item and strides (one tuple for both warpgroups). ``IN_PAGE``: every tile lies inside one
-    page (:func:`.kernels._tile_in_page`), so a tile's ids are one block id, checked once."""
+    page (:func:`.kernels._tile_in_page`), checked once from its id-ring word (0: its block is
+    inside the cache, :func:`_id_copy`)."""
     (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
@@ -277,8 +296,9 @@ def _mma_warpgroup(
 
     keys: gl.constexpr = gl.SliceLayout(0, s_layout)
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
-    # Keys past hi are masked by the row limit, ids outside the cache (unsigned) by the id ring
-    # (read once _scores waited for the tile; global re-reads here doubled the loop's spills).
+    # Keys past hi are masked by the row limit, ids outside the cache by the id ring (a word a
+    # tile with IN_PAGE, else each key's id; global re-reads here doubled the loop's spills), all
+    # tile-relative (offs_n < limit - first position: no key positions in registers, no adds).
     row_limit = gl.minimum(row_limit, hi)
     offs_n = gl.arange(0, BLOCK_N, layout=keys)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -294,9 +314,9 @@ def _mma_warpgroup(
             sc = _scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, 0, hi, W, NUM_STAGES)
             ids_0 = id_ring.index(_slot(0, hi, NUM_STAGES))
             key_ok = None if IN_PAGE else _ring_key_ok(ids_0, id_limit, keys)
-            limit = _tile_key_limit(ids_0, row_limit, hi, id_limit, IN_PAGE)
+            limit = gl.where(_slot_block(ids_0) == 0, row_limit, 0) if IN_PAGE else row_limit
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, lo + offs_n, key_ok, limit, qk_scale, 1)
+            p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, offs_n, key_ok, limit - lo, qk_scale, 1)
             acc, l_o = _add_own_tile(
                 lat_ring, p_smem, m_smem, alpha_smem, l_smem, p_ready, empty, acc, p, alpha, m_i, l_i,
                 0, hi, W, COLS, NUM_STAGES, o_rows, p_layout,
@@ -310,11 +330,11 @@ def _mma_warpgroup(
             W, COLS, NUM_STAGES, s_rows, o_rows,
         )  # fmt: skip
         scores = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-        n = t * BLOCK_N + lo + offs_n
         ids_t = id_ring.index(_slot(t, hi, NUM_STAGES))
         key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, keys)
-        limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
-        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, n, key_ok, limit, qk_scale, 1)
+        limit = gl.where(_slot_block(ids_t) == 0, row_limit, 0) if IN_PAGE else row_limit
+        limit = limit - (t * BLOCK_N + lo)
+        p, alpha, m_i, l_i = _online_softmax(scores, m_i, l_i, offs_n, key_ok, limit, qk_scale, 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(_slot(t - 1, hi, NUM_STAGES) * 2 + W))
         acc, l_o = _add_own_tile(
@@ -357,51 +377,15 @@ def _mma_warpgroup(
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
 @gluon.jit(do_not_specialize=["num_splits"])
 def mla_decode_pingpong_kernel(
-    q_nope_ptr,
-    q_pe_ptr,
-    kv_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    qo_indptr_ptr,
-    work_info_ptr,
-    split_indptr_ptr,
-    out_ptr,
-    lse_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    kv_scale_ptr,
-    num_splits,
-    stride_qn_t,
-    stride_qn_h,
-    stride_qp_t,
-    stride_qp_h,
-    stride_kv,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_lse_h,
-    stride_po_w,
-    stride_po_q,
-    stride_po_h,
-    stride_pl_w,
-    stride_pl_q,
-    sm_scale_log2,
-    num_kv_rows,
-    stride_bt,
-    row_request_ptr,
-    H: gl.constexpr,
-    L: gl.constexpr,
-    R: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    ROW_BLOCKS: gl.constexpr,
-    MODE: gl.constexpr,
-    UNIT_QLEN: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    ROW_MAP: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+    q_nope_ptr, q_pe_ptr, kv_ptr, kv_indptr_ptr, kv_indices_ptr, qo_indptr_ptr, work_info_ptr,
+    split_indptr_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_scale_ptr, num_splits,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv, stride_o_t, stride_o_h,
+    stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
+    sm_scale_log2, num_kv_rows, stride_bt, row_request_ptr, H: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+    MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    ROW_MAP: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
     BLOCK_M: gl.constexpr = 64
     gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ N of one warpgroup)")
@@ -471,6 +455,8 @@ def mla_decode_pingpong_kernel(
     index_base = _key_operand(kv_indices_ptr, kv_start, req, stride_bt, row_request_ptr, PAGE_SIZE, ROW_MAP)
     id_limit = _id_limit(num_kv_rows, PAGE_SIZE)
     IN_PAGE: gl.constexpr = _tile_in_page(MODE, PAGE_SIZE, BLOCK_N)
+    if IN_PAGE:  # (no block inside the cache: no tile, every row sees no key, as all masked)
+        hi = gl.where(id_limit == 0, lo, hi)
     mma_args = (
         q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem, m_smem, alpha_smem, l_smem,
         ready, empty, p_ready,
@@ -485,7 +471,7 @@ def mla_decode_pingpong_kernel(
                 _loader,
                 (
                     kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring,
-                    ready, empty, L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE,
+                    ready, empty, L, R, BLOCK_N, NUM_STAGES, PAGE_SIZE, IN_PAGE,
                 ),
             ),
             (_mma_warpgroup, (mma_args, 0, H, L, BLOCK_N, NUM_STAGES, WRITE_LSE, IN_PAGE)),
