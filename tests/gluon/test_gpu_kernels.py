@@ -388,3 +388,34 @@ def test_paged_decode_over_the_block_table(
     paged_decode(call(out, lse, schedule), config=config)
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, ref_out, ref_lse, context=f"gluon table {variant} {config}")
+
+
+def test_pingpong_over_a_cache_smaller_than_one_page() -> None:
+    """A cache of fewer rows than one page holds no whole block, so every block id is outside it:
+    on the ping-pong kernel (H128 bf16, 64-token pages: its loader's one-word tile check, which
+    runs no tile then) every row sees no key: ``o = 0``, ``lse = -inf``, nothing read."""
+    from mla.providers.gluon.decode import paged_decode
+    from mla.providers.gluon.planner import GluonKernel, launch_config
+    from mla.providers.triton.decode import num_sms
+
+    heads, block, lens = 128, 64, [40, 10]
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens), heads, RANK + ROPE, generator=gen).to(torch.bfloat16).cuda()
+    cache = torch.randn(block // 2, RANK + ROPE, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.full((len(lens), heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((len(lens), heads), math.nan, device="cuda")
+    call = PagedDecodeCall(
+        q=q, kv_cache=cache, kv_indptr=torch.tensor([0, 40, 50], dtype=torch.int32, device="cuda"),
+        kv_indices=None, block_table=torch.zeros(len(lens), 1, dtype=torch.int32, device="cuda"),
+        qo_indptr=torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda"), out=out, lse=lse, max_qlen=1,
+        max_seqlen_k=max(lens), page_size=block, softmax_scale=SCALE, kv_scale=None, schedule=None,
+    )  # fmt: skip
+    config = launch_config(
+        batch=len(lens), rows=heads, max_seqlen_k=max(lens), num_sms=num_sms(q.device), persistent=False,
+        kv_fp8=False,
+    )  # fmt: skip
+    assert config.kernel == GluonKernel.PINGPONG, config
+    paged_decode(call, config=config)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
