@@ -22,8 +22,8 @@ its tiles through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA:
   rows (within a quad of lanes).
 
 One warpgroup a program; about 33 KB of shared memory at three stages, so several programs share
-an SM and hide each other's epilogues (H200, 64 rows x 32768 positions, 64 heads: 74.0 µs,
-3.74 TB/s, against 81.2 µs for the Triton kernel). :func:`gluon_scores_route` says which calls it takes;
+an SM and hide each other's epilogues (on the H200 about 9% faster than the Triton kernel at the
+DSA decode shape: ``docs/performance.md``). :func:`gluon_scores_route` says which calls it takes;
 the gluon provider's ``index_topk`` runs every other call on the Triton kernel.
 """
 
@@ -68,8 +68,9 @@ class GluonScoresConfig:
     """The launch of :func:`index_scores_kernel`: ``num_stages`` ring slots."""
 
     num_stages: int = 3
-    """Ring slots (tiles in flight: ``num_stages - 1``). On the H200, 64 rows x 32768 positions:
-    2-3 stages 73.9-74.0 µs, 4-5 76.7-76.9, 6-8 94.5-95.2 (fewer programs fit an SM)."""
+    """Ring slots (tiles in flight: ``num_stages - 1``). Two and three measured fastest on the
+    H200, six and more much slower (fewer programs fit an SM): ``docs/performance.md``, "Kernel
+    choices"."""
 
     def __attrs_post_init__(self) -> None:
         if not 2 <= self.num_stages <= 8:

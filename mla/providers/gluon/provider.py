@@ -150,8 +150,8 @@ class GluonProvider(KernelProvider):
         kernels) or ``"gluon"`` (the Gluon fp8 prefill kernel of :mod:`.prefill_fp8` where
         :func:`.prefill_fp8_launch.fp8_prefill_route` takes the call; ``plan_fp8_prefill``
         then returns a :class:`.prefill_fp8_launch.GluonFp8PrefillPlan` around the Triton
-        plan). It passes its GPU tests and runs 1.2-1.4x the Triton fp8 kernel on an H200 (its
-        split warp layout, ``docs/performance.md``), but quantizes P to e4m3 (about 2% relative
+        plan). It passes its GPU tests and runs faster than the Triton fp8 kernel on an H200
+        (``docs/performance.md``), but quantizes P to e4m3 (about 2% relative
         output error against 0.2% for the Triton kernel's fp16 P): opt-in for that trade."""
         if prefill not in PREFILL_KERNELS:
             raise InvalidInputError("prefill", f"one of {'/'.join(PREFILL_KERNELS)}, got {prefill!r}")

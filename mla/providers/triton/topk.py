@@ -91,8 +91,8 @@ class TopkConfig:
 
 
 DECODE_FINISH_BITS = 6
-"""Key bits a finish pass of the split (few-rows) launch: on the H200 at 64 rows x 32768, top-k
-2048, 6 bits measured 31.0 µs (median of 4 interleaved rounds) against 31.3 at 4 and 32.7 at 8."""
+"""Key bits a finish pass of the split (few-rows) launch: 6 measured a little faster than 4 and 8
+on the H200 at 64 rows x 32768, top-k 2048 (``docs/performance.md``, "Kernel choices")."""
 MIN_SPLIT = 2048
 """Fewest positions a program of the histogram and collect passes is given when rows are split."""
 PROGRAMS_PER_SM = 4
