@@ -47,7 +47,13 @@ from mla.providers.calls import IndexTopkCall
 from mla.providers.formats import E4M3
 from mla.providers.gluon.kernels import _wait_for_previous
 from mla.providers.triton.decode import num_sms
-from mla.providers.triton.indexer import IndexScoresConfig, index_scores, index_scores_config, score_chunk
+from mla.providers.triton.indexer import (
+    PREFILL_ROWS,
+    IndexScoresConfig,
+    index_scores,
+    index_scores_config,
+    score_chunk,
+)
 from mla.providers.triton.pdl import pdl_options
 
 HEAD_DIM = gl.constexpr(128)
@@ -56,9 +62,9 @@ TILE = gl.constexpr(64)
 """Keys per tile (the ``wgmma`` M of one warpgroup)."""
 MAX_HEADS = 128
 """Most index heads (the ``wgmma`` N, padded to a power of two from 16)."""
-MAX_ROWS = 4 * 132
-"""Rows above which the Triton kernel's prefill launch (two rows a program share each key tile)
-is kept."""
+MAX_ROWS = PREFILL_ROWS
+"""Most rows the kernel takes: the count from which the Triton kernel's scores launch is its
+prefill one (two rows a program share each key tile); more rows stay on it."""
 KEY_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 

@@ -23,6 +23,7 @@ from mla.providers.gluon.prefill_launch import (
     PREFILL_DIMS,
     QUERY_TILE,
     SHARED_MEMORY_BYTES,
+    SPLIT_V_LANDING,
     TMA_ALIGN,
     PrefillKernel,
     PrefillLaunchConfig,
@@ -65,10 +66,6 @@ def plan_gluon_fp8_prefill(call: Fp8PrefillPlanCall, triton_plan: object) -> Glu
         num_kv_tokens=cu_k[-1] if cu_k else 0,
         causal=call.causal,
     )
-
-
-SPLIT_V_LANDING = 2
-"""V landing slots of the split layout (``prefill_fp8_split.V_LANDING``)."""
 
 
 def fp8_shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:

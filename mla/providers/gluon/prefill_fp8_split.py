@@ -45,6 +45,7 @@ from mla.providers.gluon.prefill_fp8_parts import (
     _softmax_step_fp8,
     _vt_layout,
 )
+from mla.providers.gluon.prefill_launch import SPLIT_V_LANDING
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
@@ -56,8 +57,9 @@ from mla.providers.gluon.prefill_parts import (
     _store_rows,
 )
 
-V_LANDING = gl.constexpr(2)
-"""V landing slots (the producer issues tile ``t``'s V before it transposes tile ``t - 1``'s)."""
+V_LANDING = gl.constexpr(SPLIT_V_LANDING)
+"""V landing slots (the producer issues tile ``t``'s V before it transposes tile ``t - 1``'s;
+:func:`~.prefill_fp8_launch.fp8_shared_bytes` counts them)."""
 FP8_SPLIT_CONSUMER_REGS = gl.constexpr(216)
 """Registers per consumer thread (``setmaxnreg``); the producer gets what is left."""
 CONSUMER_M = gl.constexpr(64)

@@ -63,6 +63,9 @@ class PrefillLaunchConfig:
             raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
 
 
+SPLIT_V_LANDING = 2
+"""V landing slots of the fp8 kernel's split layout (its ``V_LANDING``; the producer issues tile
+``t``'s V before it transposes tile ``t - 1``'s), counted by ``fp8_shared_bytes``."""
 SHARED_MEMORY_BYTES = 232448
 """Shared memory a Hopper block may use (227 KiB)."""
 

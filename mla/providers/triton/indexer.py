@@ -83,6 +83,11 @@ class IndexScoresConfig:
     """Positions per program (a multiple of ``block_p``); ``None``: :func:`position_chunk`."""
 
 
+PREFILL_ROWS = 4 * 132
+"""Rows from which the fp8 scores launch is the prefill one (:func:`index_scores_config`: two
+rows a program share each key tile)."""
+
+
 def index_scores_config(*, rows: int, fp8_dot: bool) -> IndexScoresConfig:
     """The scores kernel's launch for ``rows`` rows, from sweeps on the H200
     (``docs/performance.md``, "Kernel choices"). 16-bit dots: 64-position tiles on 4 warps, two
@@ -91,7 +96,7 @@ def index_scores_config(*, rows: int, fp8_dot: bool) -> IndexScoresConfig:
     of a few rows is latency-bound, and deeper rings (6-8) measured no better."""
     if not fp8_dot:
         return IndexScoresConfig()
-    if rows >= 4 * 132:
+    if rows >= PREFILL_ROWS:
         return IndexScoresConfig(rows=2, num_stages=3)
     return IndexScoresConfig(num_stages=5)
 
