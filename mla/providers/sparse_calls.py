@@ -37,6 +37,12 @@ class SparseAttentionCall:
     softmax_scale: float
     kv_scale: torch.Tensor | None
     """float32 ``[1]`` dequant scale of a per-tensor fp8 cache, else ``None``."""
+    lengths: torch.Tensor | None = None
+    """int32 ``[T]`` or ``None``: row ``t`` attends only ``slots[t, :lengths[t]]`` (clamped to
+    ``[0, K]``); the columns at or past it are never read, so a kernel skips their tiles. The
+    same result as those columns set to ``-1`` (a causal prefill's early rows, a short
+    request's decode: the indexer leaves their tails ``-1``). ``None``: all ``K`` columns.
+    :class:`SparseSlotsCall` writes it."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -66,6 +72,9 @@ class SparseSlotsCall:
     """int32 ``[T, K]`` output (may be ``indices`` itself, converted in place)."""
     invalid_count: torch.Tensor
     """int32 ``[1]`` device counter, incremented by the number of invalid entries."""
+    lengths: torch.Tensor | None = None
+    """int32 ``[T]`` output or ``None``: ``1 +`` the last column of row ``t`` whose slot is valid
+    (0 when none), the :attr:`SparseAttentionCall.lengths` of the converted slots."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
