@@ -96,10 +96,23 @@ def attention_rows(case: AttentionCase, providers: Sequence[str]) -> list[dict[s
     nbytes = attended * row_bytes + q.numel() * 2 + rows * case.heads * L * 2
     flops = 2.0 * attended * case.heads * (L + R + L)
 
-    def call_for(out: torch.Tensor) -> SparseAttentionCall:
+    # As the sparse strategies pass them (the slot conversion writes them): 1 + each row's last
+    # valid column, so a causal prefill's early rows skip their -1 tails.
+    columns = torch.arange(1, TOPK + 1, device="cuda", dtype=torch.int32)
+    lengths = torch.where(slots >= 0, columns, 0).amax(dim=1).to(torch.int32)
+
+    def call_for(out: torch.Tensor, *, every_column: bool = False) -> SparseAttentionCall:
         return SparseAttentionCall(
-            q=q, kv_cache=flat, slots=slots, out=out, lse=None, kv_lora_rank=L, rope_dim=R,
-            softmax_scale=192**-0.5, kv_scale=scale,
+            q=q,
+            kv_cache=flat,
+            slots=slots,
+            out=out,
+            lse=None,
+            kv_lora_rank=L,
+            rope_dim=R,
+            softmax_scale=192**-0.5,
+            kv_scale=scale,
+            lengths=None if every_column else lengths,
         )
 
     # The check: the torch provider's float32 math on (a sample of) the rows.
@@ -108,13 +121,20 @@ def attention_rows(case: AttentionCase, providers: Sequence[str]) -> list[dict[s
         check = torch.cat([check[:512], check[-512:]])
     reference = torch.empty(check.numel(), case.heads, L, device="cuda", dtype=torch.bfloat16)
     get_provider("torch").sparse_attention(
-        attrs.evolve(call_for(reference), q=q[check].contiguous(), slots=slots[check].contiguous())
+        attrs.evolve(
+            call_for(reference),
+            q=q[check].contiguous(),
+            slots=slots[check].contiguous(),
+            lengths=lengths[check],
+        )
     )
     table = []
-    for name in providers:
+    # A prefill's early rows end in -1: timed with the lengths and, on gluon, over all K columns.
+    runs = [(name, False) for name in providers] + ([("gluon", True)] if case.prefill else [])
+    for name, every_column in runs:
         provider = get_provider(name)
         out = torch.full((rows, case.heads, L), math.nan, device="cuda", dtype=torch.bfloat16)
-        call = call_for(out)
+        call = call_for(out, every_column=every_column)
         provider.sparse_attention(call)
         error = rel_error(out[check].float(), reference.float())
         if name == "torch" and case.prefill:
@@ -122,8 +142,12 @@ def attention_rows(case: AttentionCase, providers: Sequence[str]) -> list[dict[s
         us = bench_graph_us(lambda p=provider, c=call: p.sparse_attention(c))
         table.append(
             {
-                "case": case.name, "impl": name, "us": us, "TB/s": tbps(nbytes, us),
-                "TFLOP/s": tflops(flops, us), "rel err": error,
+                "case": case.name,
+                "impl": f"{name}, all K columns" if every_column else name,
+                "us": us,
+                "TB/s": tbps(nbytes, us),
+                "TFLOP/s": tflops(flops, us),
+                "rel err": error,
             }
         )
     if not case.prefill:
@@ -143,19 +167,29 @@ def dense_decode_row(label: str, *, batch: int, qlen: int, context: int, heads: 
     blocks_per = (context + qlen + block_size - 1) // block_size
     blocks = batch * blocks_per
     limits = mla.EngineLimits(
-        max_num_seqs=batch, max_model_len=blocks_per * block_size, max_num_batched_tokens=batch * qlen,
-        max_decode_qlen=qlen, graph_mode="full",
+        max_num_seqs=batch,
+        max_model_len=blocks_per * block_size,
+        max_num_batched_tokens=batch * qlen,
+        max_decode_qlen=qlen,
+        graph_mode="full",
     )
     table = torch.arange(blocks, dtype=torch.int32, device="cuda").view(batch, blocks_per)
     seq = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32) * qlen
     step = mla.StepInputs(
-        query_start_loc_cpu=qsl, query_start_loc=qsl.cuda(), seq_lens=seq, block_table=table,
-        num_decodes=batch, num_decode_tokens=batch * qlen, seq_lens_cpu=seq.cpu(),
+        query_start_loc_cpu=qsl,
+        query_start_loc=qsl.cuda(),
+        seq_lens=seq,
+        block_table=table,
+        num_decodes=batch,
+        num_decode_tokens=batch * qlen,
+        seq_lens_cpu=seq.cpu(),
     )
     dense = mla.MLABackend(
         mla.MLADims(num_heads=heads, softmax_scale=192**-0.5),
-        mla.KVCacheSpec(block_size, "bf16", num_blocks=blocks), limits, provider="gluon",
+        mla.KVCacheSpec(block_size, "bf16", num_blocks=blocks),
+        limits,
+        provider="gluon",
     )
     cache, _ = _cache("bf16", blocks, block_size, gen)
     q = torch.randn(batch * qlen, heads, L + R, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -164,8 +198,13 @@ def dense_decode_row(label: str, *, batch: int, qlen: int, context: int, heads: 
     us = bench_graph_us(lambda: dense.impl.forward_decode(meta, q, cache, out=out))
     nbytes = batch * context * (L + R) * 2 + q.numel() * 2 + out.numel() * 2
     flops = 2.0 * batch * qlen * context * heads * (L + R + L)
-    return {"case": label, "impl": "dense gluon bf16", "us": us, "TB/s": tbps(nbytes, us),
-            "TFLOP/s": tflops(flops, us)}
+    return {
+        "case": label,
+        "impl": "dense gluon bf16",
+        "us": us,
+        "TB/s": tbps(nbytes, us),
+        "TFLOP/s": tflops(flops, us),
+    }
 
 
 def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[dict[str, Any]]:
@@ -188,10 +227,17 @@ def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[di
     table_ = torch.arange(blocks, dtype=torch.int32, device="cuda")[None]
     indices = torch.empty(tokens, TOPK, dtype=torch.int32, device="cuda")
     call = IndexTopkCall(
-        q=q, weights=weights, index_cache=cache, key_dtype=torch.float8_e4m3fn, block_table=table_,
+        q=q,
+        weights=weights,
+        index_cache=cache,
+        key_dtype=torch.float8_e4m3fn,
+        block_table=table_,
         row_request=torch.zeros(tokens, dtype=torch.int32, device="cuda"),
         row_keys=torch.arange(1, tokens + 1, dtype=torch.int32, device="cuda"),
-        max_keys=tokens, softmax_scale=dim**-0.5, topk=TOPK, indices=indices,
+        max_keys=tokens,
+        softmax_scale=dim**-0.5,
+        topk=TOPK,
+        indices=indices,
     )
     scores = torch.empty(tokens, tokens, dtype=torch.float32, device="cuda")
     flops = 2.0 * heads * dim * tokens * (tokens + 1) / 2
@@ -209,10 +255,19 @@ def indexer_rows(tokens: int = 8192, heads: int = 64, dim: int = 128) -> list[di
         / sum(len({v for v in b.tolist() if v >= 0}) for b in ref[::512])
     )
     return [
-        {"case": f"indexer-logits-fp8-{tokens}x{heads}", "impl": "triton, bf16 q", "us": logits_us,
-         "TFLOP/s": tflops(flops, logits_us), "overlap": same},
-        {"case": f"indexer-logits-fp8-{tokens}x{heads}", "impl": "triton, fp8 q", "us": logits_fp8_us,
-         "TFLOP/s": tflops(flops, logits_fp8_us)},
+        {
+            "case": f"indexer-logits-fp8-{tokens}x{heads}",
+            "impl": "triton, bf16 q",
+            "us": logits_us,
+            "TFLOP/s": tflops(flops, logits_us),
+            "overlap": same,
+        },
+        {
+            "case": f"indexer-logits-fp8-{tokens}x{heads}",
+            "impl": "triton, fp8 q",
+            "us": logits_fp8_us,
+            "TFLOP/s": tflops(flops, logits_fp8_us),
+        },
         {"case": f"indexer-topk-{tokens}", "impl": "torch.topk", "us": topk_us, "overlap": same},
         {"case": f"indexer-topk-{tokens}", "impl": "triton radix_topk", "us": radix_us},
     ]
@@ -234,8 +289,13 @@ def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> lis
     seq = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     step = mla.StepInputs(
-        query_start_loc_cpu=qsl, query_start_loc=qsl.cuda(), seq_lens=seq, block_table=table,
-        num_decodes=batch, num_decode_tokens=batch, seq_lens_cpu=seq.cpu(),
+        query_start_loc_cpu=qsl,
+        query_start_loc=qsl.cuda(),
+        seq_lens=seq,
+        block_table=table,
+        num_decodes=batch,
+        num_decode_tokens=batch,
+        seq_lens_cpu=seq.cpu(),
     )
     slots = (table[:, -1].long() * block_size + block_size - 1).contiguous()
     q = torch.randn(batch, heads, L + R, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -245,8 +305,11 @@ def dsa_step_rows(batch: int = 64, context: int = 32768, heads: int = 16) -> lis
     sparse_dims = mla.MLADims(num_heads=heads, softmax_scale=192**-0.5, index_topk=TOPK)
     spec = mla.IndexerSpec(num_heads=64, head_dim=128, key_dtype="fp8")
     sparse = mla.MLABackend(
-        sparse_dims, mla.KVCacheSpec(block_size, "fp8_ds_mla", num_blocks=blocks), limits,
-        indexer=spec, provider="gluon",
+        sparse_dims,
+        mla.KVCacheSpec(block_size, "fp8_ds_mla", num_blocks=blocks),
+        limits,
+        indexer=spec,
+        provider="gluon",
     )
     cache, _ = _cache("fp8_ds_mla", blocks, block_size, gen)
     index_cache = torch.zeros(blocks, block_size, spec.row_width, dtype=torch.uint8, device="cuda")

@@ -34,7 +34,8 @@ from mla.providers.calls import (
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton import TritonProvider
-from mla.providers.triton.decode import paged_decode
+from mla.providers.triton.decode import launch_kernel, paged_decode
+from mla.providers.triton.decode_launch import DecodeInputs, launch_split_decode
 from mla.providers.triton.schedule import DecodeLaunchConfig, allocate_schedule, decode_launch_config
 from mla.testing import DecodeCase, check_decode_strategy
 
@@ -185,6 +186,58 @@ def test_plan_matches_torch_schedule_and_scheduled_decode() -> None:
     assert torch.equal(schedule.chunk, reference.chunk)
     assert int((schedule.split_indptr[1:] - schedule.split_indptr[:-1])[:num_requests].max()) > 1
     _assert_close(batch.run(TRITON.paged_mqa_decode, schedule=schedule), batch.run(REF.paged_mqa_decode))
+
+
+def _key_counts(batch: _PagedBatch) -> torch.Tensor:
+    """Per-request key counts for ``DecodeInputs.lengths``: a cut, none, past the span, negative."""
+    return torch.tensor([20, 5, 41, 3, -4], dtype=torch.int32, device=DEVICE)[: len(batch.seq_lens)]
+
+
+def _tail_masked(batch: _PagedBatch, counts: torch.Tensor) -> torch.Tensor:
+    """``kv_indices`` with each request's ids at or past its count set to -1 (what the counts mean)."""
+    starts = batch.kv_indptr[:-1].tolist()
+    ids = batch.kv_indices.clone()
+    for start, length, count in zip(starts, batch.seq_lens, counts.tolist(), strict=True):
+        keep = min(max(count, 0), length)
+        ids[start + keep : start + length] = -1
+    return ids
+
+
+@pytest.mark.parametrize("mode", ["one split", "three splits", "scheduled"])
+def test_decode_lengths_end_each_request_keys(mode: str) -> None:
+    """``DecodeInputs.lengths`` ends a request's keys there, causal limits unchanged: the same
+    as its later ids masked (-1), in the split and the scheduled modes."""
+    batch = _PagedBatch(heads=4, rank=32, rope=16, dtype=torch.float16, kv_dtype=torch.float16)
+    counts = _key_counts(batch)
+    schedule = None
+    if mode == "scheduled":
+        schedule = allocate_schedule(
+            max_batch=8, max_kernel_qlen=4, kernel_heads=4, kv_lora_rank=32, num_sms=3, device=DEVICE
+        )
+        schedule.min_chunk = 16
+        TRITON.plan_decode_schedule(
+            PlanDecodeScheduleCall(
+                schedule=schedule, qo_indptr=batch.qo_indptr, kv_indptr=batch.kv_indptr,
+                batch_size=len(batch.qlens), kernel_qlen=4, uniform_qlen=False,
+            )
+        )  # fmt: skip
+    config = DecodeLaunchConfig(
+        block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=3 if mode == "three splits" else 1
+    )
+
+    def with_lengths(call: PagedDecodeCall) -> None:
+        inputs = DecodeInputs.paged(call, provider="triton", block_table=True)._replace(lengths=counts)
+        launch_split_decode(
+            inputs, row_tile=config.block_m, num_splits=config.num_splits,
+            launch=lambda decode: launch_kernel(config, decode),
+        )  # fmt: skip
+
+    got = batch.run(with_lengths, schedule=schedule)
+    every_key = batch.run(REF.paged_mqa_decode)
+    assert (got[0].float() - every_key[0].float()).abs().max() > 0.05, "the counts changed nothing"
+    batch.kv_indices = _tail_masked(batch, counts)
+    _assert_close(got, batch.run(REF.paged_mqa_decode))
+    _assert_close(got, batch.run(paged_decode, schedule=schedule, config=config))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn])

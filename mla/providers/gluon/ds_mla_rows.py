@@ -360,6 +360,7 @@ def mla_decode_ds_mla_kernel(
     num_kv_rows,
     stride_bt,
     row_request_ptr,
+    lengths_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -377,6 +378,7 @@ def mla_decode_ds_mla_kernel(
     WRITE_LSE: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     ROW_MAP: gl.constexpr,
+    HAS_LENGTHS: gl.constexpr,
     PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -404,8 +406,8 @@ def mla_decode_ds_mla_kernel(
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
-        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
-        MODE, UNIT_QLEN, BLOCK_N,
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr, lengths_ptr,
+        MODE, UNIT_QLEN, BLOCK_N, HAS_LENGTHS,
     )  # fmt: skip
     qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, False)
 

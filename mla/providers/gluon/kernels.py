@@ -72,25 +72,30 @@ def _work_item(num_splits, work_info_ptr, ROW_BLOCKS: gl.constexpr, MODE: gl.con
 
 @gluon.jit
 def _work_range(
-    req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
-    MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, BLOCK_N: gl.constexpr,
+    req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr, lengths_ptr,
+    MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LENGTHS: gl.constexpr,
 ):  # fmt: skip
     """``(kv_start, kv_len, lo, hi, direct, q_start, qlen)`` of work item ``work`` of request
     ``req``: the request's KV span, the item's key range ``[lo, hi)`` (its split of
     ``num_splits`` tile-aligned chunks, or the schedule's ``work_info`` row), whether it covers
     the whole request (output written directly), and the request's query rows (from
-    ``qo_indptr``, or row ``req`` alone with ``UNIT_QLEN``). Shared by both Gluon kernels."""
+    ``qo_indptr``, or row ``req`` alone with ``UNIT_QLEN``). ``HAS_LENGTHS``: the keys end at
+    ``lengths[req]`` (clamped into the span; the splits divide the keys before it), ``kv_len``
+    and so the causal limits stay the span's. Shared by the Gluon kernels."""
     kv_start = gl.load(kv_indptr_ptr + req)
     kv_len = gl.load(kv_indptr_ptr + req + 1) - kv_start
+    kv_end = kv_len
+    if HAS_LENGTHS:
+        kv_end = gl.minimum(gl.maximum(gl.load(lengths_ptr + req), 0), kv_len)
     if MODE == 0:
         split = work % num_splits
-        chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        chunk = gl.cdiv(gl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
-        hi = gl.minimum(lo + chunk, kv_len)
+        hi = gl.minimum(lo + chunk, kv_end)
         direct = num_splits == 1
     else:
         lo = gl.load(work_info_ptr + work * 4 + 1) - kv_start
-        hi = gl.load(work_info_ptr + work * 4 + 2) - kv_start
+        hi = gl.minimum(gl.load(work_info_ptr + work * 4 + 2) - kv_start, kv_end)
         direct = (gl.load(split_indptr_ptr + req + 1) - gl.load(split_indptr_ptr + req)) == 1
     q_start, qlen = request_rows(qo_indptr_ptr, req, UNIT_QLEN)
     return kv_start, kv_len, lo, hi, direct, q_start, qlen
@@ -617,6 +622,7 @@ def mla_decode_kernel(
     num_kv_rows,
     stride_bt,
     row_request_ptr,
+    lengths_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -630,6 +636,7 @@ def mla_decode_kernel(
     KV_DS_MLA: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     ROW_MAP: gl.constexpr,
+    HAS_LENGTHS: gl.constexpr,
     OVERLAP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -662,8 +669,8 @@ def mla_decode_kernel(
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
-        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
-        MODE, UNIT_QLEN, BLOCK_N,
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr, lengths_ptr,
+        MODE, UNIT_QLEN, BLOCK_N, HAS_LENGTHS,
     )  # fmt: skip
     qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8 and not KV_DS_MLA)
 

@@ -381,10 +381,10 @@ def mla_decode_pingpong_kernel(
     split_indptr_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_scale_ptr, num_splits,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv, stride_o_t, stride_o_h,
     stride_lse_t, stride_lse_h, stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q,
-    sm_scale_log2, num_kv_rows, stride_bt, row_request_ptr, H: gl.constexpr, L: gl.constexpr,
+    sm_scale_log2, num_kv_rows, stride_bt, row_request_ptr, lengths_ptr, H: gl.constexpr, L: gl.constexpr,
     R: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, ROW_BLOCKS: gl.constexpr,
     MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    ROW_MAP: gl.constexpr, num_warps: gl.constexpr,
+    ROW_MAP: gl.constexpr, HAS_LENGTHS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = 64
     gl.static_assert(num_warps == LOADER_WARPS, "the launch's warps are the loader warpgroup")
@@ -400,8 +400,8 @@ def mla_decode_pingpong_kernel(
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
-        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
-        MODE, UNIT_QLEN, BLOCK_N,
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr, lengths_ptr,
+        MODE, UNIT_QLEN, BLOCK_N, HAS_LENGTHS,
     )  # fmt: skip
 
     # -- shared memory and barriers --------------------------------------------------------------

@@ -5,8 +5,10 @@ the same list: that is exactly the decode kernels' unit-qlen mode (row ``t`` a q
 over ``kv_indices[kv_indptr[t] : kv_indptr[t+1]]``). :func:`sparse_inputs` hands the kernels the
 slot matrix as that index list (``kv_indptr[t] = t · topk``), so the kernels' gather, their
 masking of ids outside the cache (a ``-1`` pad is such an id) and their split-KV paths serve the
-sparse attention unchanged. ``fp8_ds_mla`` byte rows travel as an fp8 view of the same memory;
-the kernels read each row's tile scales and bf16 rope lanes from it.
+sparse attention unchanged; a call's ``lengths`` become the launch's per-request key counts
+(``DecodeInputs.lengths``), so a row's ``-1`` tail costs no tile. ``fp8_ds_mla`` byte rows
+travel as an fp8 view of the same memory; the kernels read each row's tile scales and bf16
+rope lanes from it.
 
 :func:`sparse_on_gluon` says which calls the Gluon kernels take: 512 + 64 latent/rope dims, a
 bf16/fp16 query with a cache of its dtype, a per-tensor fp8 cache, or ``fp8_ds_mla`` rows with
@@ -67,7 +69,9 @@ def row_indptr(rows: int, topk: int, device: torch.device) -> torch.Tensor:
 
 
 def sparse_inputs(call: SparseAttentionCall) -> DecodeInputs:
-    """The decode launch operands of ``call``: one qlen-1 request per query row over its slots."""
+    """The decode launch operands of ``call``: one qlen-1 request per query row over its slots
+    (over its first ``lengths[t]`` slots when the call carries lengths: the kernels then skip
+    the tiles past them)."""
     q, rank = call.q, call.kv_lora_rank
     slots = call.slots if call.slots.is_contiguous() else call.slots.contiguous()
     rows, topk = int(slots.shape[0]), int(slots.shape[1])
@@ -76,7 +80,7 @@ def sparse_inputs(call: SparseAttentionCall) -> DecodeInputs:
     return DecodeInputs(
         q[..., :rank], q[..., rank:], kv, kv_indptr, slots.view(-1), None, rows, 1, topk,
         call.softmax_scale, None if is_ds_mla(call.kv_cache.dtype) else call.kv_scale, call.out,
-        call.lse, None,
+        call.lse, None, None, call.lengths,
     )  # fmt: skip
 
 

@@ -139,6 +139,7 @@ def mla_decode_rows_kernel(
     num_kv_rows,
     stride_bt,
     row_request_ptr,
+    lengths_ptr,
     H: gl.constexpr,
     L: gl.constexpr,
     R: gl.constexpr,
@@ -153,6 +154,7 @@ def mla_decode_rows_kernel(
     KV_DS_MLA: gl.constexpr,
     PAGE_SIZE: gl.constexpr,
     ROW_MAP: gl.constexpr,
+    HAS_LENGTHS: gl.constexpr,
     FOLD_SPLITS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -188,8 +190,8 @@ def mla_decode_rows_kernel(
         if req < 0:
             return
     kv_start, kv_len, lo, hi, direct, q_start, qlen = _work_range(
-        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr,
-        MODE, UNIT_QLEN, BLOCK_N,
+        req, work, num_splits, kv_indptr_ptr, work_info_ptr, split_indptr_ptr, qo_indptr_ptr, lengths_ptr,
+        MODE, UNIT_QLEN, BLOCK_N, HAS_LENGTHS,
     )  # fmt: skip
     qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8 and not KV_DS_MLA)
 

@@ -46,6 +46,15 @@ from mla.providers.triton.schedule import DecodeLaunchConfig, decode_launch_conf
 
 
 @triton.jit
+def _key_end(lengths_ptr, req, kv_len, HAS_LENGTHS: tl.constexpr):
+    """Where request ``req``'s keys end: ``lengths[req]`` clamped into ``[0, kv_len]`` with
+    ``HAS_LENGTHS``, else ``kv_len`` (the causal limits keep ``kv_len``)."""
+    if HAS_LENGTHS:
+        return tl.minimum(tl.maximum(tl.load(lengths_ptr + req), 0), kv_len)
+    return kv_len
+
+
+@triton.jit
 def _load_tile_ids(index_base, n0, hi, offs_n, num_rows, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Flat token ids of KV positions ``n0 + offs_n`` (int32; the row address is widened to
     int64 where it is formed, so no int64 id vector stays live across the pipelined loop): -1 past
@@ -211,6 +220,7 @@ def _mla_decode_kernel(
     num_rows,
     stride_bt,
     row_request_ptr,
+    lengths_ptr,
     H: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -228,6 +238,7 @@ def _mla_decode_kernel(
     REG_PIPELINE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     ROW_MAP: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rb = pid % ROW_BLOCKS
@@ -245,9 +256,10 @@ def _mla_decode_kernel(
         split = work % num_splits
         kv_start = tl.load(kv_indptr_ptr + req)
         kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        kv_end = _key_end(lengths_ptr, req, kv_len, HAS_LENGTHS)
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_len)
+        hi = tl.minimum(lo + chunk, kv_end)
         direct = num_splits == 1
     else:
         req = tl.load(work_info_ptr + work * 4)
@@ -256,7 +268,8 @@ def _mla_decode_kernel(
         kv_start = tl.load(kv_indptr_ptr + req)
         kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
         lo = tl.load(work_info_ptr + work * 4 + 1) - kv_start
-        hi = tl.load(work_info_ptr + work * 4 + 2) - kv_start
+        kv_end = _key_end(lengths_ptr, req, kv_len, HAS_LENGTHS)
+        hi = tl.minimum(tl.load(work_info_ptr + work * 4 + 2) - kv_start, kv_end)
         direct = (tl.load(split_indptr_ptr + req + 1) - tl.load(split_indptr_ptr + req)) == 1
 
     q_start, qlen = request_rows(qo_indptr_ptr, req, UNIT_QLEN)

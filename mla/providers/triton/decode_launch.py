@@ -98,6 +98,10 @@ class DecodeInputs(NamedTuple):
     """The planned split-KV schedule (persistent), or ``None`` (non-persistent)."""
     blocks: BlockTableKeys | None = None
     """``kv_indices`` is a block table read this way, or ``None``: flat per-token ids."""
+    lengths: torch.Tensor | None = None
+    """int32 ``[num_requests]`` or ``None``: request ``r`` reads only its first
+    ``lengths[r]`` keys (clamped to ``[0, kv_indptr[r+1] - kv_indptr[r]]``), the tiles past them
+    never loaded (sparse rows whose slot lists end in ``-1`` pads)."""
 
     @classmethod
     def paged(cls, call: PagedDecodeCall, *, provider: str, block_table: bool = False) -> DecodeInputs:
@@ -231,23 +235,30 @@ class DecodeLaunch(NamedTuple):
         """Rows of the cache: the kernels mask a token id outside ``[0, num_rows)``."""
         return int(self.inputs.kv_cache.shape[0])
 
-    def key_operands(self) -> tuple[int, int, torch.Tensor]:
+    def key_operands(self) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """The operands that say how the kernel finds its keys, after the scalars: the cache's
-        row count (ids outside it are masked), the block table's row stride (0 for flat ids)
-        and the verify rows' request map (a stand-in pointer without one, never read)."""
+        row count (ids outside it are masked), the block table's row stride (0 for flat ids),
+        the verify rows' request map and the requests' key counts (:attr:`DecodeInputs.lengths`;
+        each a stand-in pointer without one, never read)."""
         x = self.inputs
         blocks = x.blocks
         stride_bt = x.kv_indices.stride(0) if blocks is not None else 0
         row_request = blocks.row_request if blocks is not None else None
-        return self.num_rows, stride_bt, row_request if row_request is not None else x.kv_indptr
+        return (
+            self.num_rows, stride_bt, row_request if row_request is not None else x.kv_indptr,
+            x.lengths if x.lengths is not None else x.kv_indptr,
+        )  # fmt: skip
 
     def key_constexprs(self) -> dict[str, int | bool]:
-        """``PAGE_SIZE`` (0: flat per-token ids; else the block table's page size) and
-        ``ROW_MAP`` (the block-table row of a work request is ``row_request[request]``)."""
-        blocks = self.inputs.blocks
+        """``PAGE_SIZE`` (0: flat per-token ids; else the block table's page size), ``ROW_MAP``
+        (the block-table row of a work request is ``row_request[request]``) and ``HAS_LENGTHS``
+        (a request reads only its first ``lengths[request]`` keys)."""
+        x = self.inputs
+        blocks = x.blocks
         return {
             "PAGE_SIZE": blocks.page_size if blocks is not None else 0,
             "ROW_MAP": blocks is not None and blocks.row_request is not None,
+            "HAS_LENGTHS": x.lengths is not None,
         }
 
 
