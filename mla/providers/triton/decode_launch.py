@@ -25,8 +25,9 @@ out ``[T, H, L]``, lse ``[T, H]`` float32 or ``None`` (not written). ``kv_indice
 per-token view, or, when :attr:`DecodeInputs.blocks` is set, the engine's block table
 ``[B, max_blocks]`` (only launch functions that read a block table take such inputs: the
 Triton kernel; :meth:`DecodeInputs.paged` and :meth:`DecodeInputs.small_head` refuse them for
-the others). Everything is graph-capturable: grids come from shapes and Python ints, never
-from tensor values.
+the others). :attr:`DecodeInputs.lengths` (int32 per request, optional) ends each request's
+keys early: every kernel takes it (``HAS_LENGTHS``) and loads no tile past it. Everything is
+graph-capturable: grids come from shapes and Python ints, never from tensor values.
 
 The per-launch records are named tuples, not attrs records: a decode launch is on the engine's
 per-step path, where their construction costs a fraction of a microsecond.
