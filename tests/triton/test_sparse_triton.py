@@ -679,7 +679,7 @@ def _slots_record(topk: int) -> dict[str, Any]:
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("topk", [40, 1100], ids=["k40-one-chunk", "k1100-two-chunks"])
+@pytest.mark.parametrize("topk", [40, 2100], ids=["k40-one-chunk", "k2100-two-chunks"])
 def test_sparse_slots_kernel_matches_torch_default(topk: int) -> None:
     record = _slots_record(topk)
     indices = record["indices"]
@@ -703,7 +703,7 @@ def test_sparse_slots_kernel_matches_torch_default(topk: int) -> None:
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
-@pytest.mark.parametrize("topk", [40, 1100], ids=["k40-one-chunk", "k1100-two-chunks"])
+@pytest.mark.parametrize("topk", [40, 2100], ids=["k40-one-chunk", "k2100-two-chunks"])
 def test_sparse_slots_kernel_writes_the_torch_default_lengths(topk: int, in_place: bool) -> None:
     """One program per row over every chunk: the same slots and count as without lengths, and
     the torch default's lengths (0 for rows with nothing valid, ``K`` for a valid last column,

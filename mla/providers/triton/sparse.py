@@ -40,8 +40,8 @@ Slot conversion (:func:`sparse_slots`)
     :class:`~mla.providers.calls.SparseSlotsCall` fused into one launch (the torch default is
     a dozen ops): a program per (row, 1024 entries), invalid entries counted with one atomic add
     per program that has any. With a ``lengths`` output, a program per row walks the row's
-    chunks of 1024 and writes its length (``1 +`` its last valid column) itself: no zeroing
-    launch, no atomics on the lengths.
+    chunks of 2048 (one for DeepSeek's top-k, on 8 warps) and writes its length (``1 +`` its last
+    valid column) itself: no zeroing launch, no atomics on the lengths.
 
 Every launcher is graph-capturable: grids and workspaces are sized by shapes and Python ints,
 never by tensor values; nothing here synchronises with the host.
@@ -701,9 +701,9 @@ SPARSE_SLOTS_LAUNCH = LaunchCache(_sparse_slots_kernel)
 
 def sparse_slots(call: SparseSlotsCall) -> None:
     """:class:`~mla.providers.calls.SparseSlotsCall` as one launch: a program per (row, 1024
-    entries), or per row with a ``lengths`` output (int32 ``[T]``, stride 1; written for every
-    row, 0 when ``K == 0``). Each entry is read and written by the same program, so ``slots``
-    may alias ``indices``."""
+    entries), or per row (chunks of 2048) with a ``lengths`` output (int32 ``[T]``, stride 1;
+    written for every row, 0 when ``K == 0``). Each entry is read and written by the same
+    program, so ``slots`` may alias ``indices``."""
     indices, slots, table, lengths = call.indices, call.slots, call.block_table, call.lengths
     rows, topk = indices.shape
     if rows == 0:
@@ -715,7 +715,9 @@ def sparse_slots(call: SparseSlotsCall) -> None:
         return
     if indices.stride(-1) != 1 or slots.stride(-1) != 1 or table.stride(-1) != 1:
         raise InvalidInputError("indices", "indices, slots and block_table need a contiguous last dim")
-    block = min(1024, max(16, triton.next_power_of_2(topk)))
+    # With lengths one program walks its row: up to 2048 entries (DeepSeek's top-k) in one step,
+    # on 8 warps, as many entries per thread as the (row, 1024 entries) grid without lengths.
+    block = min(1024 if lengths is None else 2048, max(16, triton.next_power_of_2(topk)))
     SPARSE_SLOTS_LAUNCH.launch(
         (rows, 1 if lengths is not None else triton.cdiv(topk, block)),
         indices,
@@ -736,7 +738,7 @@ def sparse_slots(call: SparseSlotsCall) -> None:
         BLOCK=block,
         HAS_LENGTHS=lengths is not None,
         **pdl_options(indices.device),
-        num_warps=4,
+        num_warps=8 if block > 1024 else 4,
     )
 
 
