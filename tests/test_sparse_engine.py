@@ -30,6 +30,8 @@ from torch._dynamo.utils import counters
 
 import mla
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
+from mla.providers import TorchProvider
+from mla.providers.calls import SparseAttentionCall, SparseSlotsCall
 from mla.testing import encode_latent_cache, poisoned_index_cache, simulated_capabilities
 from mla.testing.sparse import SELECTION_POISON
 
@@ -76,16 +78,18 @@ def _backend(
     key_dtype: torch.dtype | str = F32,
     *,
     limits: mla.EngineLimits = LIMITS,
+    provider: str | mla.KernelProvider = "torch",
     **options: Any,
 ) -> mla.MLABackend:
-    """A sparse model's backend on the torch provider (CPU), sized by :data:`LIMITS`."""
+    """A sparse model's backend on the torch provider (CPU; or ``provider``), sized by
+    :data:`LIMITS`."""
     return mla.MLABackend(
         _dims(heads),
         mla.KVCacheSpec(BLOCK, fmt.cache_dtype, num_blocks=NUM_BLOCKS),
         limits,
         model_dtype=fmt.model_dtype,
         indexer=_indexer(key_dtype),
-        provider="torch",
+        provider=provider,
         platform="cpu",
         **options,
     )
@@ -451,6 +455,65 @@ def test_engine_steps_match_the_reference(fmt: KVFormat, heads: int, keys: str) 
             want = reference(step, q, caches.kv_cache, selection, fmt.kv_scale)
             assert_close(got, want, fmt.tol, f"{context} ({label} selection)")
     assert backend.invalid_index_count() == 0
+
+
+class RecordingSparse(TorchProvider):
+    """The torch provider, recording each slot conversion and sparse attention call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slot_calls: list[SparseSlotsCall] = []
+        self.attention_calls: list[SparseAttentionCall] = []
+
+    def sparse_slots(self, call: SparseSlotsCall) -> None:
+        self.slot_calls.append(call)
+        super().sparse_slots(call)
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        self.attention_calls.append(call)
+        super().sparse_attention(call)
+
+
+@pytest.mark.parametrize("selection_kind", ["indexer", "hand-made"])
+@pytest.mark.parametrize("scenario", [SCENARIOS[3], SCENARIOS[4]], ids=lambda s: s.name)
+def test_a_causal_sparse_prefill_attends_with_row_lengths(scenario: Scenario, selection_kind: str) -> None:
+    """The run converts the selection into the plan's slot and length views (``1 +`` each row's
+    last valid column: a causal prefill's early rows, whose windows are shorter than the top-k,
+    end early) and hands the attention the same lengths; the result is the reference's."""
+    fmt = FORMATS[0]
+    provider = RecordingSparse()
+    backend = _backend(3, fmt, provider=provider)
+    gen = torch.Generator().manual_seed(23)
+    step = make_step(scenario, gen)
+    metadata = backend.builder.build(step.inputs)
+    plan = metadata.sparse_prefill
+    assert plan is not None
+    caches = fill_caches(backend, step, fmt, gen)
+    q = torch.randn(step.rows, 3, RANK + ROPE, generator=gen)
+    if selection_kind == "indexer":
+        index_q, weights = index_inputs(step, fmt.model_dtype, gen)
+        selection = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)
+        backend.impl.index_topk(metadata, index_q, weights, caches.index_cache, out=selection)
+    else:
+        selection = hand_selection(step, TOPK - 3, gen)
+    plan.lengths.fill_(-7)
+    got = attend(backend, metadata, step, q, caches.kv_cache, selection, fmt.kv_scale)
+    assert_close(got, reference(step, q, caches.kv_cache, selection, fmt.kv_scale), fmt.tol, scenario.name)
+    (slots_call,), (attention_call,) = provider.slot_calls, provider.attention_calls
+    assert slots_call.lengths is plan.lengths
+    assert attention_call.lengths is plan.lengths
+    assert attention_call.slots is slots_call.slots
+    buffers = backend.sparse_buffers
+    assert buffers is not None
+    assert plan.lengths.data_ptr() == buffers.lengths.data_ptr(), "a view of the backend's buffer"
+    columns = torch.arange(1, selection.shape[1] + 1)
+    want = torch.where(selection >= 0, columns, 0).amax(dim=1)  # every selected position is in its window
+    assert plan.lengths.tolist() == want.tolist()
+    windows = [w for _, w in filter(None, step.row_positions())]
+    assert min(windows) < TOPK, "early rows see fewer positions than the top-k"
+    if selection_kind == "indexer":
+        assert plan.lengths.tolist() == [min(TOPK, w) for w in windows]
+    assert int(plan.lengths.min()) < selection.shape[1], "some rows end before the last column"
 
 
 def test_a_device_kv_scale_is_read_on_the_device() -> None:

@@ -19,10 +19,13 @@ import torch
 import mla
 from mla.core.capabilities import Contract
 from mla.core.platform import Platform
+from mla.providers import TorchProvider
 from mla.providers.base import KernelProvider
+from mla.providers.calls import SparseAttentionCall, SparseSlotsCall
 from mla.testing import (
     SparseCase,
     check_indexer_strategy,
+    check_sparse_lengths,
     check_sparse_strategy,
     provider_kernels,
     sparse_cases,
@@ -109,6 +112,21 @@ def test_sparse_strategy_passes_the_kit(strategy: type[mla.SparseStrategy[Any]],
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_sparse_kernels_write_and_honour_lengths(provider: str) -> None:
+    prov, platform = _provider(provider)
+    kernels = provider_kernels(prov, platform, (Contract.SPARSE_ATTENTION,))
+    if not kernels:
+        pytest.skip(f"{provider}: {kernels}")
+    failures = []
+    for phase in ("decode", "prefill"):
+        for case in _cases(provider, phase):
+            result = check_sparse_lengths(case, provider=prov, platform=platform, device=DEVICE)
+            if not result.ok:  # unsupported counts too: every case is one the provider claims
+                failures.append(str(result))
+    assert not failures, "\n".join(failures)
+
+
 INDEXER_PARAMS = [
     pytest.param(indexer, provider, id=f"{indexer.NAME}-{provider}")
     for indexer in (mla.LightningIndexer,)
@@ -166,6 +184,43 @@ class FirstPositions(mla.LightningIndexer):
         super().run(plan, q, weights, index_cache, out=out)
         columns = torch.arange(out.shape[1], dtype=torch.int32)[None, :]
         out.copy_(torch.where(columns < plan.row_keys[:, None], columns, -1))
+
+
+class IgnoresLengths(TorchProvider):
+    """Attends every column (reads the rows past each length)."""
+
+    def sparse_attention(self, call: SparseAttentionCall) -> None:
+        super().sparse_attention(attrs.evolve(call, lengths=None))
+
+
+class WritesNoLengths(TorchProvider):
+    """Converts the slots but leaves the lengths output as it was."""
+
+    def sparse_slots(self, call: SparseSlotsCall) -> None:
+        super().sparse_slots(attrs.evolve(call, lengths=None))
+
+
+def test_lengths_check_passes_torch_and_catches_both_halves() -> None:
+    check_sparse_lengths(CASE, provider="torch", platform="cpu").assert_passed()
+    reads = check_sparse_lengths(CASE, provider=IgnoresLengths(), platform="cpu")
+    assert reads.supported
+    assert reads.wrong_lengths == 0
+    with pytest.raises(AssertionError, match="MISMATCH"):
+        reads.assert_passed()
+    unwritten = check_sparse_lengths(CASE, provider=WritesNoLengths(), platform="cpu")
+    assert unwritten.comparison is not None
+    assert unwritten.comparison.ok  # the attention got the right cut lengths
+    assert unwritten.wrong_lengths == CASE.num_tokens
+    with pytest.raises(AssertionError, match="wrote a wrong length"):
+        unwritten.assert_passed()
+
+
+def test_lengths_check_reports_a_provider_without_the_kernels() -> None:
+    aiter = mla.testing.emulated_provider("aiter", "gfx950")
+    result = check_sparse_lengths(CASE, provider=aiter, platform="gfx950")
+    assert not result.supported
+    assert "missing-kernel" in result.reasons
+    assert "not supported" in str(result)
 
 
 def test_reading_an_unselected_row_fails_the_kit() -> None:

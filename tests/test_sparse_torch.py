@@ -274,6 +274,95 @@ def test_sparse_attention_masks_a_nan_row_behind_minus_one() -> None:
     assert bool((lse[1] == float("-inf")).all())
 
 
+# -- lengths: row t attends only slots[t, :lengths[t]] ------------------------------------------
+
+
+def _attend(
+    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the torch sparse attention into NaN-poisoned outputs."""
+    rows, heads = q.shape[:2]
+    out = torch.full((rows, heads, RANK), float("nan"))
+    lse = torch.full((rows, heads), float("nan"))
+    PROVIDER.sparse_attention(
+        SparseAttentionCall(
+            q=q, kv_cache=cache, slots=slots, out=out, lse=lse, kv_lora_rank=RANK, rope_dim=ROPE,
+            softmax_scale=0.07, kv_scale=None, lengths=lengths,
+        )
+    )  # fmt: skip
+    return out, lse
+
+
+def _cut_tails(slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``slots`` with every column at or past ``clamp(lengths[t], 0, K)`` set to ``-1``."""
+    columns = torch.arange(slots.shape[1])[None, :]
+    return torch.where(columns < lengths.to(torch.int64)[:, None], slots, -1)
+
+
+def _tail_poisoned_cache(cache_rows: int, kept: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random rows where a kept slot names them, NaN everywhere else (a tail's rows included)."""
+    cache = torch.randn(cache_rows, RANK + ROPE, generator=gen)
+    named = torch.zeros(cache_rows, dtype=torch.bool)
+    named[kept[kept >= 0].long()] = True
+    cache[~named] = float("nan")
+    return cache
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_lengths_give_the_result_of_minus_one_tails(data: st.DataObject) -> None:
+    """Any lengths (negative, 0, inside, ``K``, past ``K``) equal the same slots with the
+    columns at or past the clamped length set to ``-1``; the tails name NaN rows."""
+    rows = data.draw(st.integers(1, 4))
+    width = data.draw(st.integers(1, 9))
+    cache_rows = 12
+    table = []
+    for _ in range(rows):
+        chosen = data.draw(st.permutations(range(cache_rows)))[:width]
+        holes = data.draw(st.lists(st.booleans(), min_size=width, max_size=width))
+        table.append([-1 if hole else s for s, hole in zip(chosen, holes, strict=True)])
+    slots = torch.tensor(table, dtype=torch.int32).view(rows, width)
+    lengths = torch.tensor(
+        data.draw(st.lists(st.integers(-3, width + 3), min_size=rows, max_size=rows)), dtype=torch.int32
+    )
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    cut = _cut_tails(slots, lengths)
+    cache = _tail_poisoned_cache(cache_rows, cut, gen)
+    q = torch.randn(rows, 2, RANK + ROPE, generator=gen)
+    got = _attend(q, cache, slots, lengths)
+    want = _attend(q, cache, cut, None)
+    assert bool(torch.isfinite(got[0]).all())
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+LENGTH_EDGES = [
+    # name, lengths of every row (K = 6), what it must equal
+    ("zero", 0, "empty"),
+    ("negative-clamped-to-0", -5, "empty"),
+    ("K", 6, "all"),
+    ("past-K-clamped", 1 << 20, "all"),
+]
+
+
+@pytest.mark.parametrize(
+    ("length", "expect"), [e[1:] for e in LENGTH_EDGES], ids=[e[0] for e in LENGTH_EDGES]
+)
+def test_lengths_edges(length: int, expect: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.tensor([[3, -1, 7, 1, -1, 9], [0, 2, 4, 6, 8, 10]], dtype=torch.int32)
+    cache = torch.randn(12, RANK + ROPE, generator=gen)
+    q = torch.randn(2, 3, RANK + ROPE, generator=gen)
+    out, lse = _attend(q, cache, slots, torch.full((2,), length, dtype=torch.int32))
+    if expect == "empty":  # rows with valid slots attend none of them
+        assert bool((out == 0).all())
+        assert bool(torch.isneginf(lse).all())
+        return
+    want = _attend(q, cache, slots, None)
+    assert torch.equal(out, want[0])
+    assert torch.equal(lse, want[1])
+
+
 # -- sparse_slots -------------------------------------------------------------------------------
 
 
@@ -302,6 +391,11 @@ def _slots_by_definition(
     return out, bad
 
 
+def _lengths_by_definition(slots: list[list[int]]) -> list[int]:
+    """``1 +`` the last column of each row whose slot is valid, 0 for a row with none."""
+    return [max((j + 1 for j, s in enumerate(row) if s != -1), default=0) for row in slots]
+
+
 def _run_slots(
     indices: list[list[int]],
     table: list[list[int]],
@@ -309,22 +403,35 @@ def _run_slots(
     row_keys: list[int],
     block_size: int,
     num_blocks: int,
-) -> tuple[torch.Tensor, int]:
-    slots = torch.full((len(indices), len(indices[0]) if indices else 0), 99, dtype=torch.int32)
-    invalid = torch.tensor([5], dtype=torch.int32)
-    PROVIDER.sparse_slots(
-        SparseSlotsCall(
-            indices=torch.tensor(indices, dtype=torch.int32).view(slots.shape),
-            block_table=torch.tensor(table, dtype=torch.int32),
-            row_request=torch.tensor(row_request, dtype=torch.int32),
-            row_keys=torch.tensor(row_keys, dtype=torch.int32),
-            block_size=block_size,
-            num_blocks=num_blocks,
-            slots=slots,
-            invalid_count=invalid,
+    *,
+    width: int | None = None,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``(slots, invalid entries, lengths)``: the conversion run with a poisoned lengths output,
+    after a run without one whose slots and count must be the same."""
+    shape = (len(indices), len(indices[0]) if indices else (width or 0))
+    runs = []
+    for lengths in (None, torch.full((shape[0],), 99, dtype=torch.int32)):
+        slots = torch.full(shape, 99, dtype=torch.int32)
+        invalid = torch.tensor([5], dtype=torch.int32)
+        PROVIDER.sparse_slots(
+            SparseSlotsCall(
+                indices=torch.tensor(indices, dtype=torch.int32).view(shape),
+                block_table=torch.tensor(table, dtype=torch.int32),
+                row_request=torch.tensor(row_request, dtype=torch.int32),
+                row_keys=torch.tensor(row_keys, dtype=torch.int32),
+                block_size=block_size,
+                num_blocks=num_blocks,
+                slots=slots,
+                invalid_count=invalid,
+                lengths=lengths,
+            )
         )
-    )
-    return slots, int(invalid) - 5
+        runs.append((slots, int(invalid) - 5, lengths))
+    (plain, plain_bad, _), (slots, bad, lengths) = runs
+    assert torch.equal(slots, plain), "the lengths output changes no slot"
+    assert bad == plain_bad
+    assert lengths is not None
+    return slots, bad, lengths
 
 
 def test_sparse_slots_masks_and_counts_every_kind_of_invalid_entry() -> None:
@@ -335,7 +442,7 @@ def test_sparse_slots_masks_and_counts_every_kind_of_invalid_entry() -> None:
         [8, 2, 4, 12],  # 8 in block 0 and 2 in block 2 valid, 4 in block -1, 12 past the table
         [0, 1, 2, 3],  # graph padding (no keys): all invalid
     ]
-    slots, bad = _run_slots(indices, table, [0, 0, 1, 0], [10, 7, 13, 0], 4, 4)
+    slots, bad, lengths = _run_slots(indices, table, [0, 0, 1, 0], [10, 7, 13, 0], 4, 4)
     assert slots.tolist() == [
         [12, 5, -1, -1],
         [6, -1, -1, -1],
@@ -343,6 +450,30 @@ def test_sparse_slots_masks_and_counts_every_kind_of_invalid_entry() -> None:
         [-1, -1, -1, -1],
     ]
     assert bad == 1 + 2 + 2 + 4
+    assert lengths.tolist() == [2, 1, 2, 0]
+
+
+def test_sparse_slots_lengths_end_at_the_last_valid_column() -> None:
+    """Invalid entries in the middle do not cut a row; at its tail they do; a row of only
+    invalid or ``-1`` entries gets 0; a valid last column gives ``K``."""
+    table = [[0, 1, 2, 3]]
+    indices = [
+        [-1, 3, 99, 5, -1],  # invalid in the middle and -1 at the tail: 4
+        [2, 99, -7, 50, 60],  # invalid tail: 1
+        [-1, -1, -1, -1, -1],
+        [99, 40, -3, 100, -1],  # all invalid: 0
+        [-1, -1, -1, -1, 0],  # valid last column: K
+    ]
+    slots, bad, lengths = _run_slots(indices, table, [0] * 5, [8] * 5, 4, 4)
+    assert lengths.tolist() == [4, 1, 0, 0, 5] == _lengths_by_definition(slots.tolist())
+    assert bad == 1 + 4 + 4
+
+
+def test_sparse_slots_of_zero_columns_write_zero_lengths() -> None:
+    slots, bad, lengths = _run_slots([[], []], [[0]], [0, 0], [3, 3], 4, 1, width=0)
+    assert slots.shape == (2, 0)
+    assert bad == 0
+    assert lengths.tolist() == [0, 0]
 
 
 @settings(max_examples=40, deadline=None)
@@ -372,9 +503,10 @@ def test_sparse_slots_follows_its_definition(data: st.DataObject) -> None:
     if rows == 0:
         indices = []
     expect, expect_bad = _slots_by_definition(indices, table, row_request, row_keys, block_size, num_blocks)
-    slots, bad = _run_slots(indices, table, row_request, row_keys, block_size, num_blocks)
+    slots, bad, lengths = _run_slots(indices, table, row_request, row_keys, block_size, num_blocks)
     if rows:
         assert slots.tolist() == expect
+        assert lengths.tolist() == _lengths_by_definition(expect)
     assert bad == expect_bad
 
 
@@ -605,8 +737,9 @@ def test_write_kv_of_zero_tokens_is_a_no_op(dtype: torch.dtype) -> None:
 # -- no host sync: the meta device --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["all-columns", "lengths"])
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[2], FORMATS[3]], ids=lambda f: f.name)
-def test_sparse_attention_runs_on_meta(fmt: KVFormat) -> None:
+def test_sparse_attention_runs_on_meta(fmt: KVFormat, with_lengths: bool) -> None:
     width = ds_mla_row_bytes(RANK, ROPE) if fmt.cache_dtype == DS_MLA_DTYPE else RANK + ROPE
     torch_sparse.sparse_attention(
         SparseAttentionCall(
@@ -619,6 +752,23 @@ def test_sparse_attention_runs_on_meta(fmt: KVFormat) -> None:
             rope_dim=ROPE,
             softmax_scale=0.1,
             kv_scale=None if fmt.kv_scale is None else torch.empty(1, device=META),
+            lengths=torch.empty(5, dtype=torch.int32, device=META) if with_lengths else None,
+        )
+    )
+
+
+def test_sparse_slots_runs_on_meta() -> None:
+    PROVIDER.sparse_slots(
+        SparseSlotsCall(
+            indices=torch.empty(5, 7, dtype=torch.int32, device=META),
+            block_table=torch.empty(2, 3, dtype=torch.int32, device=META),
+            row_request=torch.empty(5, dtype=torch.int32, device=META),
+            row_keys=torch.empty(5, dtype=torch.int32, device=META),
+            block_size=BLOCK,
+            num_blocks=6,
+            slots=torch.empty(5, 7, dtype=torch.int32, device=META),
+            invalid_count=torch.empty(1, dtype=torch.int32, device=META),
+            lengths=torch.empty(5, dtype=torch.int32, device=META),
         )
     )
 

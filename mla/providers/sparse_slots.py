@@ -9,10 +9,16 @@ from mla.providers.calls import SparseSlotsCall
 
 
 def sparse_slots(call: SparseSlotsCall) -> None:
-    """Fill ``call.slots`` from ``call.indices`` (see :class:`SparseSlotsCall`)."""
+    """Fill ``call.slots`` from ``call.indices`` (see :class:`SparseSlotsCall`) and, when
+    ``call.lengths`` is given, its first ``T`` entries with each row's ``1 +`` last valid column
+    (0 for a row with none, every row when ``K == 0``)."""
     indices, slots = call.indices, call.slots
-    rows = indices.shape[0]
-    if rows == 0 or indices.shape[1] == 0:
+    rows, width = indices.shape
+    if rows == 0:
+        return
+    if width == 0:
+        if call.lengths is not None:
+            call.lengths[:rows].zero_()
         return
     table = call.block_table
     positions = indices.to(torch.int64)
@@ -25,5 +31,8 @@ def sparse_slots(call: SparseSlotsCall) -> None:
     valid = in_range & (block >= 0) & (block < call.num_blocks)
     flat = block * call.block_size + positions % call.block_size
     slots.copy_(torch.where(valid, flat, -1).to(slots.dtype))
+    if call.lengths is not None:
+        ends = torch.arange(1, width + 1, dtype=torch.int32, device=indices.device)
+        call.lengths[:rows].copy_(torch.where(valid, ends, 0).amax(dim=1))
     bad = (~valid & (positions != -1)).sum(dtype=torch.int32)
     call.invalid_count.add_(bad.reshape(1))

@@ -70,8 +70,10 @@ def _masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Te
 def sparse_attention(call: SparseAttentionCall) -> None:
     """Each query row attends exactly its valid slots (see :class:`SparseAttentionCall`).
 
-    A slot that is ``-1`` (or, out of contract, outside the cache) is masked. Computes in
-    float32; writes ``out`` in its dtype and ``lse`` only when given."""
+    A slot that is ``-1`` (or, out of contract, outside the cache) is masked, and so is every
+    column ``j >= lengths[t]`` when ``call.lengths`` (int32 ``[T]``) is given (a negative length
+    masks the whole row, one above ``K`` none: the clamp to ``[0, K]``). Computes in float32;
+    writes ``out`` in its dtype and ``lse`` only when given."""
     q, slots, out, lse = call.q, call.slots, call.out, call.lse
     rows, heads, _ = q.shape
     width = slots.shape[1]
@@ -88,10 +90,13 @@ def sparse_attention(call: SparseAttentionCall) -> None:
     # tensors (scores, exp, probabilities).
     row_bytes = call.kv_cache.shape[-1] * call.kv_cache.element_size() + 2 * _F32 * (rank + rope_dim)
     step = _chunk(rows, width * (row_bytes + 3 * _F32 * heads))
+    columns = torch.arange(width, device=slots.device)[None, :]
     for lo in range(0, rows, step):
         hi = min(lo + step, rows)
         slot = slots[lo:hi].to(torch.int64)
         valid = (slot >= 0) & (slot < cache_rows)
+        if call.lengths is not None:
+            valid = valid & (columns < call.lengths[lo:hi].to(torch.int64)[:, None])
         latent, rope = _gather_latent(call, torch.clamp(slot, 0, cache_rows - 1))
         latent = torch.where(valid[..., None], latent, 0.0)
         rope = torch.where(valid[..., None], rope, 0.0)

@@ -5,7 +5,9 @@ absorbed MQA form over only the cache rows its indexer selected. A step's rows a
 on the device (:meth:`SparseBuffers.map_rows`: the request of each row and how many positions its
 causal window shows); each phase's plan holds views of that map. ``run`` turns a layer's
 request-local top-k positions into cache slots (invalid ones masked and counted, never read) and
-calls the provider's ``sparse-attention`` kernel.
+each row's length (``1 +`` its last valid column), and calls the provider's ``sparse-attention``
+kernel with both, so a kernel skips the ``-1`` tail of a short row (a causal prefill's early
+rows, a short request's decode).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class SparseBuffers:
     """Persistent buffers of a sparse backend, sized at init from the engine limits.
 
     ``row_request``/``row_keys`` hold the step's row map (:meth:`map_rows`), ``slots`` the cache
-    slots of the rows' top-k positions (rewritten by every layer's run), ``invalid_count`` the
-    number of top-k entries masked because they were outside their row's window or the cache.
+    slots of the rows' top-k positions and ``lengths`` each row's slot count up to its last valid
+    one (both rewritten by every layer's run), ``invalid_count`` the number of top-k entries
+    masked because they were outside their row's window or the cache.
     """
 
     row_request: torch.Tensor
@@ -41,6 +44,9 @@ class SparseBuffers:
     """int32 ``[max_rows]``: positions ``0 .. row_keys[t] - 1`` are visible to row ``t``."""
     slots: torch.Tensor
     """int32 ``[max_rows, index_topk]``."""
+    lengths: torch.Tensor
+    """int32 ``[max_rows]``: ``1 +`` the last column of each row's ``slots`` that is valid (0:
+    none), :attr:`~mla.providers.calls.SparseSlotsCall.lengths`."""
     invalid_count: torch.Tensor
     """int32 ``[1]``, cumulative since the backend was made (or last reset)."""
 
@@ -55,6 +61,7 @@ class SparseBuffers:
             row_request=torch.zeros(rows, dtype=torch.int32, device=dev),
             row_keys=torch.zeros(rows, dtype=torch.int32, device=dev),
             slots=torch.full((rows, topk), -1, dtype=torch.int32, device=dev),
+            lengths=torch.zeros(rows, dtype=torch.int32, device=dev),
             invalid_count=torch.zeros(1, dtype=torch.int32, device=dev),
         )
 
@@ -108,7 +115,8 @@ class SparseGeometry:
 
 @attrs.frozen(eq=False)
 class SparsePlan(PlanBase):
-    """One phase's sparse rows: views of the backend's row map and slot buffer."""
+    """One phase's sparse rows: views of the backend's row map, slot and length buffers (fixed
+    buffers: a captured CUDA graph replays on what later runs write into them)."""
 
     geometry: SparseGeometry
     block_table: torch.Tensor
@@ -119,6 +127,8 @@ class SparsePlan(PlanBase):
     """int32 ``[num_rows]`` view."""
     slots: torch.Tensor
     """int32 ``[num_rows, topk]`` view."""
+    lengths: torch.Tensor
+    """int32 ``[num_rows]`` view: written by ``run``'s slot conversion, read by its attention."""
     invalid_count: torch.Tensor
 
 
@@ -152,6 +162,7 @@ def rows_plan(name: str, setup: StrategySetup, buffers: SparseBuffers, rows: Spa
         row_request=buffers.row_request[start:end],
         row_keys=buffers.row_keys[start:end],
         slots=buffers.slots[start:end],
+        lengths=buffers.lengths[start:end],
         invalid_count=buffers.invalid_count,
     )
 
@@ -230,7 +241,8 @@ class SparseStrategy(Strategy[CtxT]):
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
     ) -> None:
-        """Convert positions to slots and attend, on inputs checked against ``plan``
+        """Convert positions to slots (and each row's length, ``1 +`` its last valid column) and
+        attend over each row's first ``length`` slots, on inputs checked against ``plan``
         (:meth:`check_inputs`, which the engine runs at its door; only the plan's strategy and
         row count are asserted here). ``kv_scale``: the float32 ``[1]`` device tensor the engine
         converted (``None`` unless the cache is per-tensor fp8)."""
@@ -251,6 +263,7 @@ class SparseStrategy(Strategy[CtxT]):
                 num_blocks=kv_cache.shape[0],
                 slots=slots,
                 invalid_count=plan.invalid_count,
+                lengths=plan.lengths,
             )
         )
         provider.sparse_attention(
@@ -264,6 +277,7 @@ class SparseStrategy(Strategy[CtxT]):
                 rope_dim=dims.qk_rope_head_dim,
                 softmax_scale=dims.scale,
                 kv_scale=kv_scale,
+                lengths=plan.lengths,
             )
         )
 

@@ -37,7 +37,8 @@ checks in :mod:`~mla.testing.sparse`::
 Each row attends a hand-made selection (``-1`` padding between and after its positions, rows
 that select nothing, graph padding) over a cache that is NaN in every row the selection does not
 name; :func:`~mla.testing.check_indexer_strategy` checks an indexer's top-k against the float64
-scores without depending on how ties break.
+scores without depending on how ties break; :func:`~mla.testing.check_sparse_lengths` checks that
+a provider's sparse kernels write and honour per-row ``lengths`` (nothing read past a length).
 
 Modules: :mod:`~mla.testing.compare` (tolerances, comparison, NaN poisoning),
 :mod:`~mla.testing.cases` (case records and generators), :mod:`~mla.testing.inputs` (input
@@ -99,9 +100,11 @@ from mla.testing.inputs import (
 )
 from mla.testing.sparse import (
     IndexerCheckResult,
+    LengthsCheckResult,
     SparseCase,
     SparseInputs,
     check_indexer_strategy,
+    check_sparse_lengths,
     check_sparse_strategy,
     encode_latent_cache,
     make_sparse_inputs,
@@ -120,6 +123,7 @@ __all__ = [
     "DecodeCase",
     "DecodeInputs",
     "IndexerCheckResult",
+    "LengthsCheckResult",
     "PaddingKind",
     "PrefillCase",
     "PrefillInputs",
@@ -132,6 +136,7 @@ __all__ = [
     "check_decode_strategy",
     "check_indexer_strategy",
     "check_prefill_strategy",
+    "check_sparse_lengths",
     "check_sparse_strategy",
     "compare_to_reference",
     "context_prefill_cases",

@@ -11,6 +11,13 @@ columns with ``-1`` between and after them; some rows select nothing; graph-padd
 (owned or not, the null rows and stale block-table columns included) is NaN (``fp8_ds_mla``:
 NaN tile scales), so a kernel that reads one (a ``-1`` taken for position 0, a clamped index)
 fails. A valid selection must not be counted as invalid (``backend.invalid_index_count()``).
+The strategies' runs hand the kernel each row's length (``1 +`` its last valid column), so the
+case's ``-1`` tails exercise :attr:`~mla.providers.calls.SparseAttentionCall.lengths` too.
+
+A lengths check (:func:`check_sparse_lengths`) calls a provider's sparse kernels directly: its
+``sparse_slots`` must write every row's length, and its ``sparse_attention`` must read nothing at
+or past a length that cuts a row through its selected slots (the cache rows only those columns
+select are NaN).
 
 An indexer check (:func:`check_indexer_strategy`) writes the index keys of every owned position
 through ``impl.write_index_keys`` into a NaN-poisoned index-key cache, runs ``impl.index_topk``
@@ -39,6 +46,7 @@ from mla.core.capabilities import Contract
 from mla.core.config import (
     EngineLimits,
     KVCacheSpec,
+    dtype_name,
 )
 from mla.core.errors import UnsupportedError
 from mla.core.platform import Platform
@@ -47,11 +55,13 @@ from mla.engine.backend import MLABackend
 from mla.engine.decision.registry import Registry
 from mla.providers import resolve_provider
 from mla.providers.base import CONTRACT_METHODS, KernelProvider
+from mla.providers.calls import SparseAttentionCall, SparseSlotsCall
+from mla.providers.sparse_slots import sparse_slots as default_sparse_slots
 from mla.sparse.base import SparseStrategy
 from mla.sparse.indexer import IndexerStrategy
 from mla.strategy import Phase
 from mla.testing.check import CheckResult, _unsupported, _Verdict, _with_and_without_lse
-from mla.testing.compare import tolerance_for
+from mla.testing.compare import Comparison, tolerance_for
 from mla.testing.contexts import _case_backend, _decode_limits, as_platform, device_for
 from mla.testing.sparse_cases import (
     DEFAULT_SPARSE_DTYPES,
@@ -198,6 +208,162 @@ def check_sparse_strategy(
 
 
 @attrs.frozen
+class LengthsCheckResult(_Verdict):
+    """The outcome of :func:`check_sparse_lengths`: one provider's sparse kernels on one case."""
+
+    strategy: str
+    """What was checked: ``"<provider> sparse lengths"``."""
+    case: str
+    support: Support
+    comparison: Comparison | None = None
+    """The attention with an LSE tensor over the cut rows, against the reference."""
+    without_lse: Comparison | None = None
+    """The same with ``lse=None``."""
+    wrong_lengths: int = 0
+    """Rows whose ``sparse_slots`` length is not ``1 +`` their last valid column."""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.supported
+            and self.comparison is not None
+            and self.comparison.ok
+            and self.without_lse is not None
+            and self.without_lse.ok
+            and self.wrong_lengths == 0
+        )
+
+    def __str__(self) -> str:
+        head = f"{self.strategy} on {self.case}"
+        if not self.supported:
+            return f"{head}: not supported: {self.reasons}"
+        if self.wrong_lengths:
+            head += f": sparse_slots wrote a wrong length for {self.wrong_lengths} rows"
+        return f"{head}: {self.comparison}; {self.without_lse}"
+
+
+def _row_map(case: SparseCase, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``(row_request, row_keys)`` of the case's rows: each row's request and its causal
+    window (graph-padding rows: request 0, no keys), as the engine's row map holds them."""
+    requests: list[int] = []
+    keys: list[int] = []
+    for b, qlen in enumerate(case.qlens):
+        requests += [b] * qlen
+        keys += [case.window(b, i) for i in range(qlen)]
+    requests += [0] * case.extra_rows
+    keys += [0] * case.extra_rows
+    as_tensor = partial(torch.tensor, dtype=torch.int32, device=device)
+    return as_tensor(requests), as_tensor(keys)
+
+
+def _row_lengths(slots: torch.Tensor) -> torch.Tensor:
+    """int32 ``[T]``: ``1 +`` the last column of each row of ``slots`` that is not ``-1`` (0: none)."""
+    if slots.shape[1] == 0:
+        return torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
+    ends = torch.arange(1, slots.shape[1] + 1, dtype=torch.int32, device=slots.device)
+    return torch.where(slots >= 0, ends, 0).amax(dim=1).to(torch.int32)
+
+
+def check_sparse_lengths(
+    case: SparseCase,
+    *,
+    provider: str | KernelProvider,
+    platform: Platform | str,
+    device: torch.device | str | None = None,
+) -> LengthsCheckResult:
+    """Check a provider's :attr:`~mla.providers.calls.SparseSlotsCall.lengths` output and
+    :attr:`~mla.providers.calls.SparseAttentionCall.lengths` input on ``case`` (its phase only
+    shapes the rows), calling the kernels directly.
+
+    ``provider.sparse_slots`` converts the case's selection with a poisoned lengths output: each
+    row's length must be ``1 +`` its last valid column (counted in ``wrong_lengths``). Each
+    length is then cut to half (rounded down: a row of one slot attends none), the cache rows
+    that only the columns past the cut select are set to NaN, and ``provider.sparse_attention``
+    runs with the cut lengths into NaN-poisoned outputs, with an LSE tensor and with
+    ``lse=None``; both are compared with :func:`~mla.tools.reference.reference_sparse` over the
+    selection with those columns ``-1``. A provider whose record or class lacks the
+    ``sparse-attention`` kernel, or whose record does not list the case's cache dtype, reports
+    unsupported.
+    """
+    plat = as_platform(platform)
+    dev = torch.device(device_for(plat, device))
+    prov = resolve_provider(provider, plat)
+    name = f"{prov.name} sparse lengths"
+    kernels = provider_kernels(prov, plat, (Contract.SPARSE_ATTENTION,))
+    if not kernels:
+        return LengthsCheckResult(name, case.id, kernels)
+    caps = prov.capabilities(plat)
+    if case.kv_dtype not in caps.sparse_kv_dtypes:
+        message = (
+            f"provider {prov.name!r}'s sparse attention does not read {dtype_name(case.kv_dtype)} caches"
+        )
+        reason = Reason("kv-dtype", message)
+        return LengthsCheckResult(name, case.id, Support((reason,)))
+    inputs = make_sparse_inputs(case, dev)
+    row_request, row_keys = _row_map(case, dev)
+    rows, width = inputs.topk_indices.shape
+    slots = torch.full((rows, width), -1, dtype=torch.int32, device=dev)
+    lengths = torch.full((rows,), SELECTION_POISON, dtype=torch.int32, device=dev)
+    slots_call = SparseSlotsCall(
+        indices=inputs.topk_indices,
+        block_table=inputs.block_table,
+        row_request=row_request,
+        row_keys=row_keys,
+        block_size=case.block_size,
+        num_blocks=inputs.num_blocks,
+        slots=slots,
+        invalid_count=torch.zeros(1, dtype=torch.int32, device=dev),
+        lengths=lengths,
+    )
+    prov.sparse_slots(slots_call)
+    want_slots = torch.full((rows, width), -1, dtype=torch.int32, device=dev)
+    default_sparse_slots(attrs.evolve(slots_call, slots=want_slots, lengths=None))
+    want = _row_lengths(want_slots)
+    wrong = int((lengths != want).sum())
+    # Cut every row through its selected slots; only the rows the kept columns select keep values.
+    cut = want // 2
+    kept = torch.arange(width, device=dev)[None, :] < cut[:, None]
+    flat = inputs.kv_cache.clone().view(inputs.num_blocks * case.block_size, -1)
+    dropped = torch.zeros(flat.shape[0], dtype=torch.bool, device=dev)
+    dropped[want_slots[~kept & (want_slots >= 0)].long()] = True
+    dropped[want_slots[kept & (want_slots >= 0)].long()] = False
+    nan_rows = encode_latent_cache(
+        torch.full((int(dropped.sum()), case.latent_dim), math.nan),
+        case.kv_dtype,
+        kv_lora_rank=case.kv_lora_rank,
+        kv_scale=case.kv_scale_or_none,
+    )
+    flat.view(torch.uint8)[dropped] = nan_rows.view(torch.uint8).to(dev)  # bytes: any format
+    cut_inputs = attrs.evolve(
+        inputs,
+        kv_cache=flat.view(inputs.kv_cache.shape),
+        topk_indices=torch.where(kept, inputs.topk_indices, -1),
+    )
+    scale = None if inputs.kv_scale is None else torch.tensor([inputs.kv_scale], device=dev)
+
+    def run(*, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        prov.sparse_attention(
+            SparseAttentionCall(
+                q=inputs.q,
+                kv_cache=flat,
+                slots=slots,
+                out=out,
+                lse=lse,
+                kv_lora_rank=case.kv_lora_rank,
+                rope_dim=case.rope_dim,
+                softmax_scale=case.scale,
+                kv_scale=scale,
+                lengths=cut,
+            )
+        )
+
+    with_lse, without_lse = _with_and_without_lse(f"{name} on {case.id}", cut_inputs, run)
+    return LengthsCheckResult(
+        name, case.id, Support.yes(), comparison=with_lse, without_lse=without_lse, wrong_lengths=wrong
+    )
+
+
+@attrs.frozen
 class IndexerCheckResult(_Verdict):
     """The outcome of running one indexer strategy on one case."""
 
@@ -307,9 +473,11 @@ def check_indexer_strategy(
 __all__ = [
     "DEFAULT_SPARSE_DTYPES",
     "IndexerCheckResult",
+    "LengthsCheckResult",
     "SparseCase",
     "SparseInputs",
     "check_indexer_strategy",
+    "check_sparse_lengths",
     "check_sparse_strategy",
     "encode_latent_cache",
     "make_sparse_inputs",

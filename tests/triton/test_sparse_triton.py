@@ -3,15 +3,17 @@
 Interpreter tests (``interpret``; on a GPU the same tests run compiled): sparse attention over
 float, per-tensor fp8 and ``fp8_ds_mla`` caches with NaN-poisoned outputs and NaN in every cache
 row no slot selects, ``-1`` padding between and after the selected slots, empty rows, graph
-padding rows, split slot lists and several head blocks, ``lse=None``; the indexer's scores and
-top-k over float and fp8 index keys; index-key and ``fp8_ds_mla`` writes byte for byte against
-:mod:`mla.providers.formats`; the fused slot conversion against the torch default. Tiny dims
-(latent 128 or 256, rope 64, index head dim 32) and fp16/fp32 queries (the interpreter computes
-``tl.dot`` on bf16 wrongly).
+padding rows, split slot lists and several head blocks, ``lse=None``, per-row ``lengths`` that
+cut rows short (the rows past the cut are NaN); the indexer's scores and top-k over float and
+fp8 index keys; index-key and ``fp8_ds_mla`` writes byte for byte against
+:mod:`mla.providers.formats`; the fused slot conversion (and its ``lengths``) against the torch
+default. Tiny dims (latent 128 or 256, rope 64, index head dim 32) and fp16/fp32 queries (the
+interpreter computes ``tl.dot`` on bf16 wrongly).
 
 GPU tests (``gpu``; skipped without CUDA): DeepSeek dims (512 + 64, top-k 2048, index heads
 64 × 128) with bf16, fp8 and ``fp8_ds_mla`` caches, 8 to 128 heads, qlen 1 to 4, on the
-``triton`` and ``gluon`` providers, and a CUDA-graph replay after the slots change in place.
+``triton`` and ``gluon`` providers, the Triton kernel with ``lengths`` that cut rows short, and a
+CUDA-graph replay (with and without ``lengths``) after the slots change in place.
 Run: ``pytest -m gpu tests/triton/test_sparse_triton.py``.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -93,14 +96,18 @@ class SparseBatch:
     kv_scale: float | None
     rank: int
     rope: int
+    lengths: torch.Tensor | None = None
+    """int32 ``[T]`` passed as :attr:`SparseAttentionCall.lengths` (the reference drops the
+    columns at or past each, and the cache rows only they select are NaN), or ``None``."""
 
     @property
     def flat_cache(self) -> torch.Tensor:
         return self.cache.view(-1, self.cache.shape[-1])
 
     def reference(self, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = self.indices if self.lengths is None else cut_at_lengths(self.indices, self.lengths)
         return reference_sparse(
-            self.q, self.cache, self.block_table, self.seq_lens, self.query_start_loc, self.indices,
+            self.q, self.cache, self.block_table, self.seq_lens, self.query_start_loc, indices,
             softmax_scale=softmax_scale, kv_lora_rank=self.rank, kv_scale=self.kv_scale,
         )  # fmt: skip
 
@@ -123,10 +130,16 @@ class SparseBatch:
         scale = None if self.kv_scale is None else torch.tensor([self.kv_scale], device=self.q.device)
         call = SparseAttentionCall(
             q=self.q, kv_cache=self.flat_cache, slots=self.slots, out=out, lse=lse, kv_lora_rank=self.rank,
-            rope_dim=self.rope, softmax_scale=softmax_scale, kv_scale=scale,
+            rope_dim=self.rope, softmax_scale=softmax_scale, kv_scale=scale, lengths=self.lengths,
         )  # fmt: skip
         attend(call, **kwargs)
         return out, lse
+
+
+def cut_at_lengths(table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``table [T, K]`` with every column at or past ``clamp(lengths[t], 0, K)`` set to ``-1``."""
+    columns = torch.arange(table.shape[1], device=table.device)[None, :]
+    return torch.where(columns < lengths.to(torch.int64)[:, None], table, -1)
 
 
 def _paged_table(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -178,8 +191,11 @@ def make_sparse_batch(
     pad_rows: int = 1,
     seed: int = 0,
     poison: bool = True,
+    lengths: list[int] | None = None,
     device: torch.device = DEVICE,
 ) -> SparseBatch:
+    """``lengths``: each row's :attr:`SparseAttentionCall.lengths` (the rows only the columns at
+    or past it select are poisoned too)."""
     gen = torch.Generator().manual_seed(seed)
     table, num_blocks = _paged_table(seq_lens, block_size, gen)
     requests, keys = _row_windows(qlens, seq_lens, pad_rows)
@@ -198,9 +214,11 @@ def make_sparse_batch(
     )  # fmt: skip
     values = torch.randn(num_blocks * block_size, rank + rope, generator=gen)
     selected = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    length_tensor = None if lengths is None else torch.tensor(lengths, dtype=torch.int32)
     if poison:
+        kept = slots if length_tensor is None else cut_at_lengths(slots, length_tensor)
         selected.zero_()
-        selected[slots[slots >= 0].long()] = True
+        selected[kept[kept >= 0].long()] = True
     kv_dtype = FORMATS[kv_format]
     kv_scale = None
     if kv_dtype == DS_MLA_DTYPE:
@@ -226,6 +244,7 @@ def make_sparse_batch(
         kv_scale=kv_scale,
         rank=rank,
         rope=rope,
+        lengths=None if length_tensor is None else length_tensor.to(device),
     )
 
 
@@ -292,6 +311,72 @@ def test_sparse_attention_all_padding_and_bad_slots_read_nothing() -> None:
     assert lse is not None
     assert bool((out == 0).all())
     assert bool(torch.isneginf(lse).all())
+
+
+LENGTHS = [29, 7, 0, -3, 13, 1, 24, 3]
+"""Per row of :data:`QLENS` / :data:`SEQ_LENS` (8 rows with the padding row): past ``K`` (24,
+clamped), cuts through selected slots, 0, negative (clamped to 0), ``K``."""
+LENGTH_CASES = [
+    # q dtype, format, heads, rank, config (None: the heuristic)
+    (torch.float16, "fp16", 5, 128, None),
+    (torch.float32, "fp32", 20, 128, SPLIT3),  # the second split of a row cut at 7 is empty
+    (torch.float16, "fp8", 3, 128, SPLIT2),
+    (torch.float32, "ds_mla", 17, 256, SPLIT2),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_format", "heads", "rank", "config"),
+    LENGTH_CASES,
+    ids=[f"{c[1]}-q{str(c[0])[-2:]}-h{c[2]}-{'split' if c[4] else 'auto'}" for c in LENGTH_CASES],
+)
+def test_sparse_attention_with_lengths_matches_reference(
+    q_dtype: torch.dtype, kv_format: str, heads: int, rank: int, config: SparseLaunchConfig | None
+) -> None:
+    """Row ``t`` attends only ``slots[t, :lengths[t]]``: the rows the columns past it select are
+    NaN, the reference drops those columns."""
+    batch = make_sparse_batch(
+        qlens=QLENS, seq_lens=SEQ_LENS, heads=heads, rank=rank, rope=64, topk=24, block_size=4,
+        q_dtype=q_dtype, kv_format=kv_format, seed=heads, lengths=LENGTHS,
+    )  # fmt: skip
+    assert batch.lengths is not None
+    cut = cut_at_lengths(batch.slots, batch.lengths)
+    assert int((cut >= 0).sum()) < int((batch.slots >= 0).sum()), "the lengths must cut selected slots"
+    ref_out, ref_lse = batch.reference(0.09)
+    out, lse = batch.run(sparse_attention, softmax_scale=0.09, config=config)
+    assert_matches_reference(out, lse, ref_out, ref_lse, context=f"{kv_format} {heads} heads, lengths")
+    assert lse is not None
+    for row in (2, 3):  # length 0 and negative: nothing attended
+        assert bool((out[row] == 0).all())
+        assert bool(torch.isneginf(lse[row]).all())
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(6, dtype=torch.int32)[::2],
+    ],
+    ids=["int64", "too-few-rows", "strided"],
+)
+def test_sparse_kernels_reject_bad_lengths(bad: torch.Tensor) -> None:
+    batch = make_sparse_batch(
+        qlens=[3], seq_lens=[9], heads=2, rank=128, rope=64, topk=8, block_size=4,
+        q_dtype=torch.float16, kv_format="fp16", pad_rows=0,
+    )  # fmt: skip
+    message = r"^lengths: expected int32 \[3\] with stride 1"
+    with pytest.raises(InvalidInputError, match=message):
+        attrs.evolve(batch, lengths=bad.to(DEVICE)).run(sparse_attention, softmax_scale=0.1)
+    slots_call = SparseSlotsCall(
+        indices=batch.indices, block_table=batch.block_table, row_request=batch.row_request,
+        row_keys=batch.row_keys, block_size=4, num_blocks=batch.cache.shape[0], slots=batch.slots.clone(),
+        invalid_count=torch.zeros(1, dtype=torch.int32, device=DEVICE), lengths=bad.to(DEVICE),
+    )  # fmt: skip
+    with pytest.raises(InvalidInputError, match=message):
+        sparse_slots(slots_call)
 
 
 def test_launch_config_heads_and_splits() -> None:
@@ -570,10 +655,12 @@ def test_write_kv_ds_mla_matches_pack(kv_dtype: torch.dtype) -> None:
     assert torch.equal(got.cpu().view(blocks * block_size, -1), want)
 
 
-@pytest.mark.interpret
-def test_sparse_slots_kernel_matches_torch_default() -> None:
+def _slots_record(topk: int) -> dict[str, Any]:
+    """A slot conversion's inputs: a block id outside the cache and a ``-1`` one in the table, a
+    request past the table, junk in padding rows, a negative position, an invalid entry at a
+    row's tail and a valid entry in another's last column."""
     gen = torch.Generator().manual_seed(8)
-    block_size, topk = 4, 40
+    block_size = 4
     qlens, seq_lens = [1, 3, 2], [30, 19, 60]
     table, num_blocks = _paged_table(seq_lens, block_size, gen)
     table[2, 3] = num_blocks + 2  # a block id outside the cache
@@ -582,25 +669,85 @@ def test_sparse_slots_kernel_matches_torch_default() -> None:
     indices = _topk_rows(keys, topk, gen)
     indices[-1, :3] = torch.tensor([0, 5, -4], dtype=torch.int32)  # junk in a padding row
     indices[0, 0] = -9
+    indices[1, -2:] = torch.tensor([-1, 10_000], dtype=torch.int32)  # an invalid tail
+    indices[4, -1] = 0  # a valid last column
     requests[1] = 99  # a request past the block table: clamped to its last row, as torch does
-    record = {
+    return {
         "indices": indices, "block_table": table, "row_request": torch.tensor(requests, dtype=torch.int32),
         "row_keys": torch.tensor(keys, dtype=torch.int32), "block_size": block_size, "num_blocks": num_blocks,
     }  # fmt: skip
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("topk", [40, 2100], ids=["k40-one-chunk", "k2100-two-chunks"])
+def test_sparse_slots_kernel_matches_torch_default(topk: int) -> None:
+    record = _slots_record(topk)
+    indices = record["indices"]
     want = torch.full_like(indices, 77)
     want_count = torch.tensor([3], dtype=torch.int32)
-    torch_sparse_slots(SparseSlotsCall(**record, slots=want, invalid_count=want_count))  # type: ignore[arg-type]
-    on_device = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
+    torch_sparse_slots(SparseSlotsCall(**record, slots=want, invalid_count=want_count))
+    on_device: dict[str, Any] = {
+        k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in record.items()
+    }
     got = torch.full_like(indices, 77).to(DEVICE)
     count = torch.tensor([3], dtype=torch.int32, device=DEVICE)
-    sparse_slots(SparseSlotsCall(**on_device, slots=got, invalid_count=count))  # type: ignore[arg-type]
+    sparse_slots(SparseSlotsCall(**on_device, slots=got, invalid_count=count))
     assert torch.equal(got.cpu(), want)
     assert int(count) == int(want_count) > 3
     # In place: slots may be the indices tensor itself.
     in_place = on_device["indices"].clone()
     in_place_record = {**on_device, "indices": in_place}
-    TRITON.sparse_slots(SparseSlotsCall(**in_place_record, slots=in_place, invalid_count=count))  # type: ignore[arg-type]
+    TRITON.sparse_slots(SparseSlotsCall(**in_place_record, slots=in_place, invalid_count=count))
     assert torch.equal(in_place.cpu(), want)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize("topk", [40, 2100], ids=["k40-one-chunk", "k2100-two-chunks"])
+def test_sparse_slots_kernel_writes_the_torch_default_lengths(topk: int, in_place: bool) -> None:
+    """One program per row over every chunk: the same slots and count as without lengths, and
+    the torch default's lengths (0 for rows with nothing valid, ``K`` for a valid last column,
+    an invalid tail not counted in)."""
+    record = _slots_record(topk)
+    indices = record["indices"]
+    rows = indices.shape[0]
+    want = torch.full_like(indices, 77)
+    want_count = torch.tensor([3], dtype=torch.int32)
+    want_lengths = torch.full((rows,), 77, dtype=torch.int32)
+    torch_sparse_slots(SparseSlotsCall(**record, slots=want, invalid_count=want_count, lengths=want_lengths))
+    valid_columns = [[j for j in range(topk) if want[t, j] >= 0] for t in range(rows)]
+    assert want_lengths.tolist() == [max(c, default=-1) + 1 for c in valid_columns]
+    assert {0, topk} <= set(want_lengths.tolist())
+    assert 0 < int(want_lengths[1]) < topk - 1, "row 1 ends in an invalid entry after a -1"
+    on_device: dict[str, Any] = {
+        k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in record.items()
+    }
+    got = on_device["indices"].clone() if in_place else torch.full_like(indices, 77).to(DEVICE)
+    if in_place:
+        on_device["indices"] = got
+    count = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    lengths = torch.full((rows,), 77, dtype=torch.int32, device=DEVICE)
+    TRITON.sparse_slots(SparseSlotsCall(**on_device, slots=got, invalid_count=count, lengths=lengths))
+    assert torch.equal(got.cpu(), want)
+    assert int(count) == int(want_count)
+    assert torch.equal(lengths.cpu(), want_lengths)
+
+
+@pytest.mark.interpret
+def test_sparse_slots_kernel_of_zero_columns_zeroes_lengths() -> None:
+    lengths = torch.full((3,), 77, dtype=torch.int32, device=DEVICE)
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    empty = torch.empty(3, 0, dtype=torch.int32, device=DEVICE)
+    sparse_slots(
+        SparseSlotsCall(
+            indices=empty, block_table=torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
+            row_request=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+            row_keys=torch.full((3,), 5, dtype=torch.int32, device=DEVICE), block_size=4, num_blocks=2,
+            slots=empty, invalid_count=count, lengths=lengths,
+        )
+    )  # fmt: skip
+    assert lengths.tolist() == [0, 0, 0]
+    assert int(count) == 0
 
 
 # -- the providers' records and delegation ---------------------------------------------------------
@@ -672,6 +819,34 @@ def test_gpu_sparse_attention(
         assert_matches_reference(out, lse, ref_out, ref_lse, context=f"{provider} {kv_format} h{heads}")
 
 
+GPU_LENGTHS = [2148, 1000, 0, -5, 2048, 1, 64, 1500, 700]
+"""Row ``t`` of a GPU case gets ``GPU_LENGTHS[t % 9]``: past ``K``, cuts, 0, negative, ``K``."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "ds_mla"])
+@pytest.mark.parametrize(
+    ("heads", "qlens", "seq_lens"), GPU_CASES, ids=[f"h{c[0]}-q{max(c[1])}" for c in GPU_CASES]
+)
+def test_gpu_triton_sparse_attention_with_lengths(
+    kv_format: str, heads: int, qlens: list[int], seq_lens: list[int]
+) -> None:
+    """The compiled Triton kernel (split or not, as the heuristic picks) walks only each row's
+    first ``lengths[t]`` slots; the rows only the columns past them select are NaN."""
+    prov = _gpu_provider("triton")
+    rows = sum(qlens) + 2
+    batch = make_sparse_batch(
+        qlens=qlens, seq_lens=seq_lens, heads=heads, rank=512, rope=64, topk=2048, block_size=64,
+        q_dtype=torch.bfloat16, kv_format=kv_format, pad_rows=2, seed=heads,
+        lengths=[GPU_LENGTHS[t % len(GPU_LENGTHS)] for t in range(rows)],
+    )  # fmt: skip
+    ref_out, ref_lse = batch.reference(576**-0.5)
+    for with_lse in (True, False):
+        out, lse = batch.run(prov.sparse_attention, softmax_scale=576**-0.5, with_lse=with_lse)
+        torch.cuda.synchronize()
+        assert_matches_reference(out, lse, ref_out, ref_lse, context=f"lengths {kv_format} h{heads}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("provider", GPU_PROVIDERS)
 @pytest.mark.parametrize("key_dtype", [torch.bfloat16, E4M3], ids=["bf16", "fp8"])
@@ -713,11 +888,13 @@ def test_gpu_writes_match_formats(provider: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["all-columns", "lengths"])
 @pytest.mark.parametrize("provider", GPU_PROVIDERS)
 @pytest.mark.parametrize("kv_format", ["bf16", "ds_mla"])
-def test_gpu_sparse_graph_replay_sees_new_slots(provider: str, kv_format: str) -> None:
+def test_gpu_sparse_graph_replay_sees_new_slots(provider: str, kv_format: str, with_lengths: bool) -> None:
     """Slot conversion and attention captured once; the replay reads the indices written in
-    place afterwards (no value of a tensor is baked into the launch)."""
+    place afterwards (no value of a tensor is baked into the launch). With ``lengths`` the
+    conversion writes them and the attention reads them, both inside the graph."""
     prov = _gpu_provider(provider)
     first = make_sparse_batch(
         qlens=[1, 1, 2], seq_lens=[3000, 900, 2500], heads=16, rank=512, rope=64, topk=2048,
@@ -733,19 +910,20 @@ def test_gpu_sparse_graph_replay_sees_new_slots(provider: str, kv_format: str) -
     out = torch.empty(first.q.shape[0], 16, 512, dtype=torch.bfloat16, device=DEVICE)
     lse = torch.empty(first.q.shape[0], 16, dtype=torch.float32, device=DEVICE)
     count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    lengths = torch.full((first.q.shape[0],), -1, dtype=torch.int32, device=DEVICE) if with_lengths else None
 
     def step() -> None:
         prov.sparse_slots(
             SparseSlotsCall(
                 indices=indices, block_table=first.block_table, row_request=first.row_request,
                 row_keys=first.row_keys, block_size=64, num_blocks=first.cache.shape[0], slots=slots,
-                invalid_count=count,
+                invalid_count=count, lengths=lengths,
             )
         )  # fmt: skip
         prov.sparse_attention(
             SparseAttentionCall(
                 q=first.q, kv_cache=first.flat_cache, slots=slots, out=out, lse=lse, kv_lora_rank=512,
-                rope_dim=64, softmax_scale=0.05, kv_scale=None,
+                rope_dim=64, softmax_scale=0.05, kv_scale=None, lengths=lengths,
             )
         )  # fmt: skip
 
@@ -762,3 +940,7 @@ def test_gpu_sparse_graph_replay_sees_new_slots(provider: str, kv_format: str) -
     torch.cuda.synchronize()
     ref_out, ref_lse = second.reference(0.05)
     assert_matches_reference(out, lse, ref_out, ref_lse, context=f"graph replay {provider} {kv_format}")
+    if lengths is not None:
+        valid = slots >= 0
+        columns = torch.arange(1, slots.shape[1] + 1, dtype=torch.int32, device=DEVICE)
+        assert torch.equal(lengths, torch.where(valid, columns, 0).amax(dim=1)), "the replay's lengths"

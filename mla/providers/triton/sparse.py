@@ -5,9 +5,11 @@
 
 Sparse attention (:func:`sparse_attention`, contract ``sparse-attention``)
     A program owns one query row ``t``, a block of ``BLOCK_H`` of its heads (masked: any head
-    count runs, nothing is padded) and one split of the row's slot list. It first finds the
-    split's last valid slot (a scan of the int32 slot ids, so the ``-1`` padding at the end of a
-    short row costs no tile), then walks the slots in tiles of ``BLOCK_N``: it gathers the cache
+    count runs, nothing is padded) and one split of the row's slot list. It first finds where
+    the split's walk ends: at the row's length when the call carries ``lengths`` (clamped to
+    ``[0, K]``; no slot at or past it is read), else after the split's last valid slot (a scan
+    of the int32 slot ids). Either way the ``-1`` padding at the end of a short row costs no
+    tile. It then walks the slots in tiles of ``BLOCK_N``: it gathers the cache
     rows by slot (masked loads: a ``-1`` slot, or one past the cache, is never read), computes
     ``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` (two ``tl.dot``), an online softmax in fp32 (exp2
     domain) and ``O += P·K_lat`` (V is the latent part of the same tile). Rows do not share
@@ -37,7 +39,9 @@ Writes (:func:`write_index_keys`, :func:`write_kv_ds_mla`)
 Slot conversion (:func:`sparse_slots`)
     :class:`~mla.providers.calls.SparseSlotsCall` fused into one launch (the torch default is
     a dozen ops): a program per (row, 1024 entries), invalid entries counted with one atomic add
-    per program that has any.
+    per program that has any. With a ``lengths`` output, a program per row walks the row's
+    chunks of 2048 (one for DeepSeek's top-k, on 8 warps) and writes its length (``1 +`` its last
+    valid column) itself: no zeroing launch, no atomics on the lengths.
 
 Every launcher is graph-capturable: grids and workspaces are sized by shapes and Python ints,
 never by tensor values; nothing here synchronises with the host.
@@ -120,6 +124,7 @@ def _sparse_mla_kernel(
     part_o_ptr,
     part_lse_ptr,
     kv_scale_ptr,
+    lengths_ptr,
     H,
     K,
     num_rows,
@@ -149,8 +154,10 @@ def _sparse_mla_kernel(
     INPUT_PRECISION: tl.constexpr,
     TILE: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
 ):
-    """Program (row ``t``, head block, split): online softmax over the split's slots."""
+    """Program (row ``t``, head block, split): online softmax over the split's slots (those
+    before ``lengths[t]`` with ``HAS_LENGTHS``)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -170,17 +177,21 @@ def _sparse_mla_kernel(
     q_nope = q_nope.to(DOT_DTYPE)
     q_pe = q_pe.to(DOT_DTYPE)
 
-    # The split's slot range, trimmed after its last valid slot (rows shorter than the top-k
-    # are padded with -1 at the end: those tiles are not walked).
+    # The split's slot range, cut at the row's length or trimmed after its last valid slot
+    # (rows shorter than the top-k are padded with -1 at the end: those tiles are not walked).
     lo = split * chunk
     hi = tl.minimum(lo + chunk, K)
     slot_row = slots_ptr + t * stride_s_t
-    offs_scan = tl.arange(0, SCAN_BLOCK)
-    end = lo
-    for s0 in range(lo, hi, SCAN_BLOCK):
-        n = s0 + offs_scan
-        ids = tl.load(slot_row + n, mask=n < hi, other=-1)
-        end = tl.maximum(end, tl.max(tl.where((ids >= 0) & (ids < num_rows), n + 1, 0), 0))
+    if HAS_LENGTHS:
+        # The caller's length replaces the scan: no slot id at or past it is read.
+        end = tl.maximum(lo, tl.minimum(hi, tl.load(lengths_ptr + t)))
+    else:
+        offs_scan = tl.arange(0, SCAN_BLOCK)
+        end = lo
+        for s0 in range(lo, hi, SCAN_BLOCK):
+            n = s0 + offs_scan
+            ids = tl.load(slot_row + n, mask=n < hi, other=-1)
+            end = tl.maximum(end, tl.max(tl.where((ids >= 0) & (ids < num_rows), n + 1, 0), 0))
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -299,9 +310,24 @@ def _sparse_dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.d
     return _dot_dtype(q_dtype, kv_dtype)
 
 
+def _check_lengths(lengths: torch.Tensor | None, rows: int) -> None:
+    """Raise :class:`InvalidInputError` unless ``lengths`` is ``None`` or int32 ``[rows]`` with
+    stride 1 (the kernels index it by row)."""
+    if lengths is None:
+        return
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (rows,) or lengths.stride(0) != 1:
+        raise InvalidInputError(
+            "lengths",
+            f"expected int32 [{rows}] with stride 1, got {lengths.dtype} {tuple(lengths.shape)} "
+            f"strides {lengths.stride()}",
+        )
+
+
 def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | None = None) -> None:
     """Sparse MLA over each row's slot list (the ``sparse-attention`` contract); ``config``
-    overrides :func:`sparse_launch_config` (tests, benchmarks)."""
+    overrides :func:`sparse_launch_config` (tests, benchmarks). With ``call.lengths`` (int32
+    ``[T]``, stride 1) row ``t`` walks only its first ``clamp(lengths[t], 0, K)`` slots, in
+    every split; without, each split is trimmed after its last valid slot by a scan."""
     q, kv_cache, slots, out, lse = call.q, call.kv_cache, call.slots, call.out, call.lse
     rank, rope = call.kv_lora_rank, call.rope_dim
     rows, heads = q.shape[0], q.shape[1]
@@ -319,6 +345,7 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
             raise InvalidInputError(
                 name, f"last dim must be contiguous (stride 1); strides {tensor.stride()}"
             )
+    _check_lengths(call.lengths, rows)
     if topk == 0:
         out.zero_()
         if lse is not None:
@@ -354,6 +381,7 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
         part_o,
         part_lse,
         call.kv_scale if fp8 else lse_arg,
+        call.lengths if call.lengths is not None else slots,  # unused without HAS_LENGTHS
         heads,
         topk,
         kv_cache.shape[0],
@@ -383,6 +411,7 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
         INPUT_PRECISION=precision,
         TILE=DS_MLA_TILE,
         SCAN_BLOCK=SCAN_BLOCK,
+        HAS_LENGTHS=call.lengths is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -595,6 +624,25 @@ def write_kv_ds_mla(call: WriteKVCall) -> None:
 
 
 @triton.jit
+def _convert_slots(
+    indices_ptr, block_table_ptr, slots_ptr, t, j, K, stride_i_t, stride_s_t, stride_bt, row_keys, req,
+    max_blocks, num_blocks, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Entries ``j`` of row ``t`` (request ``req``, ``row_keys`` visible positions) to slots:
+    ``(valid, invalid)`` masks of ``j`` (invalid: neither valid nor ``-1``, to be counted)."""
+    ok = j < K
+    pos = tl.load(indices_ptr + t * stride_i_t + j, mask=ok, other=-1).to(tl.int64)
+    in_range = ok & (pos >= 0) & (pos < row_keys) & (pos < max_blocks * BLOCK_SIZE)
+    block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_range, other=-1).to(
+        tl.int64
+    )
+    valid = in_range & (block >= 0) & (block < num_blocks)
+    slot = tl.where(valid, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+    tl.store(slots_ptr + t * stride_s_t + j, slot.to(tl.int32), mask=ok)
+    return valid, ok & (pos != -1) & ~valid
+
+
+@triton.jit
 def _sparse_slots_kernel(
     indices_ptr,
     block_table_ptr,
@@ -602,6 +650,7 @@ def _sparse_slots_kernel(
     row_keys_ptr,
     slots_ptr,
     count_ptr,
+    lengths_ptr,
     K,
     stride_i_t,
     stride_s_t,
@@ -611,27 +660,40 @@ def _sparse_slots_kernel(
     num_blocks,
     BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (row ``t``, ``BLOCK`` entries): positions to slots, counting invalid entries."""
+    """Program (row ``t``, ``BLOCK`` entries), or with ``HAS_LENGTHS`` program (row ``t``) over
+    all its entries: positions to slots, counting invalid entries (one atomic add per program
+    that has any); with ``HAS_LENGTHS`` also ``lengths[t]``, ``1 +`` the last valid column."""
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < K
-    pos = tl.load(indices_ptr + t * stride_i_t + j, mask=ok, other=-1).to(tl.int64)
     row_keys = tl.load(row_keys_ptr + t)
-    in_range = ok & (pos >= 0) & (pos < row_keys) & (pos < max_blocks * BLOCK_SIZE)
     # The request is clamped into the block table (memory safety, as the torch versions do).
     req = tl.minimum(tl.maximum(tl.load(row_request_ptr + t), 0), last_request).to(tl.int64)
-    block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=in_range, other=-1).to(
-        tl.int64
-    )
-    valid = in_range & (block >= 0) & (block < num_blocks)
-    slot = tl.where(valid, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
-    tl.store(slots_ptr + t * stride_s_t + j, slot.to(tl.int32), mask=ok)
-    bad = tl.sum((ok & (pos != -1) & ~valid).to(tl.int32), 0)
-    if bad > 0:
-        tl.atomic_add(count_ptr, bad)
+    offs = tl.arange(0, BLOCK)
+    if HAS_LENGTHS:
+        # Per lane: 1 + the last valid column it saw, and its invalid entries.
+        ends = tl.zeros([BLOCK], tl.int32)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, K, BLOCK):
+            j = j0 + offs
+            valid, invalid = _convert_slots(
+                indices_ptr, block_table_ptr, slots_ptr, t, j, K, stride_i_t, stride_s_t, stride_bt,
+                row_keys, req, max_blocks, num_blocks, BLOCK_SIZE,
+            )  # fmt: skip
+            ends = tl.maximum(ends, tl.where(valid, j + 1, 0))
+            bad += invalid.to(tl.int32)
+        tl.store(lengths_ptr + t, tl.max(ends, 0))
+    else:
+        _, invalid = _convert_slots(
+            indices_ptr, block_table_ptr, slots_ptr, t, tl.program_id(1) * BLOCK + offs, K, stride_i_t,
+            stride_s_t, stride_bt, row_keys, req, max_blocks, num_blocks, BLOCK_SIZE,
+        )  # fmt: skip
+        bad = invalid.to(tl.int32)
+    row_bad = tl.sum(bad, 0)
+    if row_bad > 0:
+        tl.atomic_add(count_ptr, row_bad)
 
 
 SPARSE_SLOTS_LAUNCH = LaunchCache(_sparse_slots_kernel)
@@ -639,23 +701,32 @@ SPARSE_SLOTS_LAUNCH = LaunchCache(_sparse_slots_kernel)
 
 def sparse_slots(call: SparseSlotsCall) -> None:
     """:class:`~mla.providers.calls.SparseSlotsCall` as one launch: a program per (row, 1024
-    entries). Each entry is read and written by the same program, so ``slots`` may alias
-    ``indices``."""
-    indices, slots, table = call.indices, call.slots, call.block_table
+    entries), or per row (chunks of 2048) with a ``lengths`` output (int32 ``[T]``, stride 1;
+    written for every row, 0 when ``K == 0``). Each entry is read and written by the same
+    program, so ``slots`` may alias ``indices``."""
+    indices, slots, table, lengths = call.indices, call.slots, call.block_table, call.lengths
     rows, topk = indices.shape
-    if rows == 0 or topk == 0:
+    if rows == 0:
+        return
+    _check_lengths(lengths, rows)
+    if topk == 0:
+        if lengths is not None:
+            lengths.zero_()
         return
     if indices.stride(-1) != 1 or slots.stride(-1) != 1 or table.stride(-1) != 1:
         raise InvalidInputError("indices", "indices, slots and block_table need a contiguous last dim")
-    block = min(1024, max(16, triton.next_power_of_2(topk)))
+    # With lengths one program walks its row: up to 2048 entries (DeepSeek's top-k) in one step,
+    # on 8 warps, as many entries per thread as the (row, 1024 entries) grid without lengths.
+    block = min(1024 if lengths is None else 2048, max(16, triton.next_power_of_2(topk)))
     SPARSE_SLOTS_LAUNCH.launch(
-        (rows, triton.cdiv(topk, block)),
+        (rows, 1 if lengths is not None else triton.cdiv(topk, block)),
         indices,
         table,
         call.row_request,
         call.row_keys,
         slots,
         call.invalid_count,
+        lengths if lengths is not None else slots,  # unused without HAS_LENGTHS
         topk,
         indices.stride(0),
         slots.stride(0),
@@ -665,8 +736,9 @@ def sparse_slots(call: SparseSlotsCall) -> None:
         call.num_blocks,
         BLOCK_SIZE=call.block_size,
         BLOCK=block,
+        HAS_LENGTHS=lengths is not None,
         **pdl_options(indices.device),
-        num_warps=4,
+        num_warps=8 if block > 1024 else 4,
     )
 
 
