@@ -8,6 +8,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from mla.core.errors import InvalidInputError
+
 
 @attrs.frozen(kw_only=True, eq=False)
 class SparseAttentionCall:
@@ -128,4 +130,20 @@ class WriteIndexKeysCall:
     """``[N]`` flat slots (negative or past the cache = skip)."""
 
 
-__all__ = ["IndexTopkCall", "SparseAttentionCall", "SparseSlotsCall", "WriteIndexKeysCall"]
+def check_lengths(lengths: torch.Tensor | None, rows: int, device: torch.device) -> None:
+    """Raise :class:`InvalidInputError` (argument ``lengths``) unless ``lengths`` is ``None`` or
+    int32 ``[rows]`` with stride 1 on ``device`` (the kernels index it by row); its values need
+    no check (a kernel clamps each into ``[0, K]``)."""
+    if lengths is None:
+        return
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (rows,) or lengths.stride(0) != 1:
+        raise InvalidInputError(
+            "lengths",
+            f"expected int32 [{rows}] with stride 1, got {lengths.dtype} {tuple(lengths.shape)} "
+            f"strides {lengths.stride()}",
+        )
+    if lengths.device != device:
+        raise InvalidInputError("lengths", f"expected device {device} (the query's), got {lengths.device}")
+
+
+__all__ = ["IndexTopkCall", "SparseAttentionCall", "SparseSlotsCall", "WriteIndexKeysCall", "check_lengths"]

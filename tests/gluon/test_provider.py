@@ -265,3 +265,40 @@ def test_sparse_row_offsets_are_made_once_per_shape() -> None:
     for rows in range(ROW_INDPTR_CACHE + 1):  # the cache stays bounded: the oldest goes first
         row_indptr(100 + rows, 8, torch.device("cpu"))
     assert row_indptr(3, 2048, torch.device("cpu")) is not first
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (torch.zeros(3, dtype=torch.int64), r"expected int32 \[3\] with stride 1"),
+        (torch.zeros(2, dtype=torch.int32), r"expected int32 \[3\] with stride 1"),
+        (torch.zeros(6, dtype=torch.int32)[::2], r"expected int32 \[3\] with stride 1"),
+        (torch.zeros(3, dtype=torch.int32, device="meta"), "expected device cpu"),
+    ],
+    ids=["int64", "too-few-rows", "strided", "other-device"],
+)
+def test_sparse_inputs_reject_bad_lengths(bad: torch.Tensor, message: str) -> None:
+    from mla.providers.gluon.sparse import sparse_inputs
+
+    call = SparseAttentionCall(
+        q=torch.zeros(3, 16, 576, dtype=torch.bfloat16), kv_cache=torch.zeros(64, 576, dtype=torch.bfloat16),
+        slots=torch.zeros(3, 128, dtype=torch.int32), out=torch.zeros(3, 16, 512, dtype=torch.bfloat16),
+        lse=None, kv_lora_rank=512, rope_dim=64, softmax_scale=0.1, kv_scale=None, lengths=bad,
+    )  # fmt: skip
+    with pytest.raises(InvalidInputError, match=f"^lengths: {message}"):
+        sparse_inputs(call)
+
+
+def test_sparse_inputs_carry_the_lengths() -> None:
+    from mla.providers.gluon.sparse import sparse_inputs
+
+    lengths = torch.tensor([5, 0, 128], dtype=torch.int32)
+    call = SparseAttentionCall(
+        q=torch.zeros(3, 16, 576, dtype=torch.bfloat16), kv_cache=torch.zeros(64, 576, dtype=torch.bfloat16),
+        slots=torch.zeros(3, 128, dtype=torch.int32), out=torch.zeros(3, 16, 512, dtype=torch.bfloat16),
+        lse=None, kv_lora_rank=512, rope_dim=64, softmax_scale=0.1, kv_scale=None, lengths=lengths,
+    )  # fmt: skip
+    inputs = sparse_inputs(call)
+    assert inputs.lengths is lengths
+    assert inputs.kv_indptr.tolist() == [0, 128, 256, 384]
+    assert sparse_inputs(attrs.evolve(call, lengths=None)).lengths is None

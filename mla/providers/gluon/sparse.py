@@ -24,6 +24,7 @@ import torch
 from mla.core.config import ds_mla_row_bytes, is_ds_mla
 from mla.providers.calls import SparseAttentionCall
 from mla.providers.gluon.planner import FP8_KV_DTYPES, decode_kernel
+from mla.providers.sparse_calls import check_lengths
 from mla.providers.triton.decode_launch import DecodeInputs
 
 
@@ -71,10 +72,12 @@ def row_indptr(rows: int, topk: int, device: torch.device) -> torch.Tensor:
 def sparse_inputs(call: SparseAttentionCall) -> DecodeInputs:
     """The decode launch operands of ``call``: one qlen-1 request per query row over its slots
     (over its first ``lengths[t]`` slots when the call carries lengths: the kernels then skip
-    the tiles past them)."""
+    the tiles past them). :class:`~mla.core.errors.InvalidInputError` for ``lengths`` that are not int32
+    ``[T]`` on the query's device."""
     q, rank = call.q, call.kv_lora_rank
     slots = call.slots if call.slots.is_contiguous() else call.slots.contiguous()
     rows, topk = int(slots.shape[0]), int(slots.shape[1])
+    check_lengths(call.lengths, rows, q.device)
     kv = call.kv_cache.view(torch.float8_e4m3fn) if is_ds_mla(call.kv_cache.dtype) else call.kv_cache
     kv_indptr = row_indptr(rows, topk, q.device)
     return DecodeInputs(

@@ -63,6 +63,7 @@ from mla.providers.calls import (
     WriteKVCall,
 )
 from mla.providers.formats import E4M3
+from mla.providers.sparse_calls import check_lengths
 from mla.providers.triton.decode import LOG2E, _dot_dtype, num_sms
 from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.merge import launch_merge
@@ -310,19 +311,6 @@ def _sparse_dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[tl.d
     return _dot_dtype(q_dtype, kv_dtype)
 
 
-def _check_lengths(lengths: torch.Tensor | None, rows: int) -> None:
-    """Raise :class:`InvalidInputError` unless ``lengths`` is ``None`` or int32 ``[rows]`` with
-    stride 1 (the kernels index it by row)."""
-    if lengths is None:
-        return
-    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (rows,) or lengths.stride(0) != 1:
-        raise InvalidInputError(
-            "lengths",
-            f"expected int32 [{rows}] with stride 1, got {lengths.dtype} {tuple(lengths.shape)} "
-            f"strides {lengths.stride()}",
-        )
-
-
 def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | None = None) -> None:
     """Sparse MLA over each row's slot list (the ``sparse-attention`` contract); ``config``
     overrides :func:`sparse_launch_config` (tests, benchmarks). With ``call.lengths`` (int32
@@ -345,7 +333,7 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
             raise InvalidInputError(
                 name, f"last dim must be contiguous (stride 1); strides {tensor.stride()}"
             )
-    _check_lengths(call.lengths, rows)
+    check_lengths(call.lengths, rows, call.q.device)
     if topk == 0:
         out.zero_()
         if lse is not None:
@@ -708,7 +696,7 @@ def sparse_slots(call: SparseSlotsCall) -> None:
     rows, topk = indices.shape
     if rows == 0:
         return
-    _check_lengths(lengths, rows)
+    check_lengths(lengths, rows, indices.device)
     if topk == 0:
         if lengths is not None:
             lengths.zero_()
