@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import glob
 import pathlib
-import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import mma_loop_lengths, run_without_interpreter
+from sm90_compile import run_without_interpreter, stack_and_mma_loops
 
 triton = pytest.importorskip("triton")
 
@@ -64,15 +62,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _read(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:
-    """``(stack bytes, MMA loop lengths)`` of a compiled kernel."""
-    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
-    assert stack is not None, usage.stdout
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    return int(stack.group(1)), mma_loop_lengths(sass)
-
-
 def test_lengths_leave_the_key_loop_alone_and_spill_nothing_more(
     tmp_path: pathlib.Path, cuobjdump: str
 ) -> None:
@@ -82,11 +71,11 @@ def test_lengths_leave_the_key_loop_alone_and_spill_nothing_more(
         read = {}
         for form in ("plain", "lengths"):
             (cubin,) = glob.glob(f"{tmp_path / form / name}/*/_sparse_mla_kernel.cubin")
-            read[form] = _read(cubin, cuobjdump)
+            read[form] = stack_and_mma_loops(cubin, cuobjdump)
         (plain_stack, plain_loops), (stack, loops) = read["plain"], read["lengths"]
         assert stack <= plain_stack, (name, read)
         assert len(loops) == len(plain_loops) == 1, (name, read)  # the key loop
         assert loops[0] <= plain_loops[0] + 4, (name, read)  # (ds_mla: 7 instructions shorter)
     for form in ("plain", "lengths"):
         (cubin,) = glob.glob(f"{tmp_path / form / 'slots'}/*/_sparse_slots_kernel.cubin")
-        assert _read(cubin, cuobjdump)[0] == 0, form
+        assert stack_and_mma_loops(cubin, cuobjdump)[0] == 0, form

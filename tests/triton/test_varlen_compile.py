@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import glob
 import pathlib
-import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import mma_loop_lengths, run_without_interpreter
+from sm90_compile import run_without_interpreter, stack_and_mma_loops
 
 triton = pytest.importorskip("triton")
 
@@ -57,15 +55,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _read(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:
-    """``(stack bytes, MMA loop lengths)`` of a compiled kernel."""
-    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
-    assert stack is not None, usage.stdout
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    return int(stack.group(1)), mma_loop_lengths(sass)
-
-
 def test_split_keys_and_the_merge_epilogue_leave_the_key_loop_alone(
     tmp_path: pathlib.Path, cuobjdump: str
 ) -> None:
@@ -73,7 +62,7 @@ def test_split_keys_and_the_merge_epilogue_leave_the_key_loop_alone(
     read = {}
     for form in ("plain", "split", "merge"):
         (cubin,) = glob.glob(f"{tmp_path / form}/*/_varlen_fwd_kernel.cubin")
-        read[form] = _read(cubin, cuobjdump)
+        read[form] = stack_and_mma_loops(cubin, cuobjdump)
     (plain_stack, plain), (split_stack, split), (_, merged) = read["plain"], read["split"], read["merge"]
     assert plain_stack == 0
     assert split_stack == 0
