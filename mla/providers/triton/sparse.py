@@ -6,10 +6,10 @@
 Sparse attention (:func:`sparse_attention`, contract ``sparse-attention``)
     A program owns one query row ``t``, a block of ``BLOCK_H`` of its heads (masked: any head
     count runs, nothing is padded) and one split of the row's slot list. It first finds where
-    the split's walk ends: at the row's length when the call carries ``lengths`` (clamped to
-    ``[0, K]``; no slot at or past it is read), else after the split's last valid slot (a scan
-    of the int32 slot ids). Either way the ``-1`` padding at the end of a short row costs no
-    tile. It then walks the slots in tiles of ``BLOCK_N``: it gathers the cache
+    the split's walk ends: after the split's last valid slot (a scan of the int32 slot ids), and
+    no later than the row's length when the call carries ``lengths`` (clamped to ``[0, K]``; no
+    slot at or past it is read). The ``-1`` padding at the end of a short row costs no tile. It
+    then walks the slots in tiles of ``BLOCK_N``: it gathers the cache
     rows by slot (masked loads: a ``-1`` slot, or one past the cache, is never read), computes
     ``S = q_nope·K_latᵀ + q_pe·K_ropeᵀ`` (two ``tl.dot``), an online softmax in fp32 (exp2
     domain) and ``O += P·K_lat`` (V is the latent part of the same tile). Rows do not share
@@ -183,16 +183,17 @@ def _sparse_mla_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, K)
     slot_row = slots_ptr + t * stride_s_t
-    if HAS_LENGTHS:
-        # The caller's length replaces the scan: no slot id at or past it is read.
-        end = tl.maximum(lo, tl.minimum(hi, tl.load(lengths_ptr + t)))
-    else:
-        offs_scan = tl.arange(0, SCAN_BLOCK)
-        end = lo
-        for s0 in range(lo, hi, SCAN_BLOCK):
-            n = s0 + offs_scan
-            ids = tl.load(slot_row + n, mask=n < hi, other=-1)
-            end = tl.maximum(end, tl.max(tl.where((ids >= 0) & (ids < num_rows), n + 1, 0), 0))
+    stop = hi
+    if HAS_LENGTHS:  # no slot id at or past the row's length is read
+        stop = tl.minimum(hi, tl.load(lengths_ptr + t))
+    # The scan also brings the split's slot ids into the cache before the walk reads them (with
+    # lengths it stops there rather than go: docs/performance.md, "Kernel choices").
+    offs_scan = tl.arange(0, SCAN_BLOCK)
+    end = lo
+    for s0 in range(lo, stop, SCAN_BLOCK):
+        n = s0 + offs_scan
+        ids = tl.load(slot_row + n, mask=n < stop, other=-1)
+        end = tl.maximum(end, tl.max(tl.where((ids >= 0) & (ids < num_rows), n + 1, 0), 0))
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -315,7 +316,7 @@ def sparse_attention(call: SparseAttentionCall, *, config: SparseLaunchConfig | 
     """Sparse MLA over each row's slot list (the ``sparse-attention`` contract); ``config``
     overrides :func:`sparse_launch_config` (tests, benchmarks). With ``call.lengths`` (int32
     ``[T]``, stride 1) row ``t`` walks only its first ``clamp(lengths[t], 0, K)`` slots, in
-    every split; without, each split is trimmed after its last valid slot by a scan."""
+    every split; each split is trimmed after its last valid slot by a scan."""
     q, kv_cache, slots, out, lse = call.q, call.kv_cache, call.slots, call.out, call.lse
     rank, rope = call.kv_lora_rank, call.rope_dim
     rows, heads = q.shape[0], q.shape[1]
