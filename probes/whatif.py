@@ -80,7 +80,7 @@ def _after_loop(code: str) -> Edit:
 
 
 _SOFTMAX = _dual_lines(
-    "        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)",
+    "        visible = gl.expand_dims(n, 1) < gl.expand_dims(limit, 0)",
     "        l_part = l_part * gl.expand_dims(alpha, 0) + p",
 )
 """The MMA warpgroup's softmax (against the reference max), which the softmax variants replace."""
@@ -99,9 +99,7 @@ _ONLINE_SOFTMAX: list[Edit] = [
     (_M_INIT, _M_INIT + "    l_i = gl.zeros([NR], gl.float32, layout=rows_layout)\n"),
     (
         _SOFTMAX,
-        """        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
+        """        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, limit, qk_scale, 0)
 """
         + _P_STORE,
     ),
@@ -112,8 +110,9 @@ _ONLINE_SOFTMAX: list[Edit] = [
 _FIXED_ROW_MAX: list[Edit] = [
     (
         _SOFTMAX,
-        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        """        visible = gl.expand_dims(n, 1) < gl.expand_dims(limit, 0)
+        if key_ok is not None:
+            visible = visible & gl.expand_dims(key_ok, 1)
         p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
 """
         + _P_STORE
@@ -209,7 +208,8 @@ _PV_HALF_INT_WIDEN: list[Edit] = [
 # The loader reads token ids two tiles ahead instead of one (their load's latency under the
 # cache traffic hidden behind two tiles).
 _IDS_ONE_AHEAD = _dual_lines(
-    "    ids, ok = _tile_ids(index_base, lo, hi, 0, BLOCK_N, rows)", "        nidr, nokr = _tile_ids("
+    "    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)",
+    "        nidr, nokr = _tile_ids(",
 )
 _IDS_TWO_AHEAD: list[Edit] = [
     (
@@ -217,8 +217,10 @@ _IDS_TWO_AHEAD: list[Edit] = [
         _IDS_ONE_AHEAD,
         _IDS_ONE_AHEAD.replace("t + 1,", "t + 2,").replace(
             "    for t in range(n_tiles):\n",
-            "    ids1, ok1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, rows)\n"
-            "    idr1, okr1 = _tile_ids(index_base, lo, hi, 1, BLOCK_N, gl.SliceLayout(1, rope_ld))\n"
+            "    ids1, ok1 = _tile_ids(index_base, lo, hi, 1, id_limit, BLOCK_N, rows, PAGE_SIZE)\n"
+            "    idr1, okr1 = _tile_ids(\n"
+            "        index_base, lo, hi, 1, id_limit, BLOCK_N, gl.SliceLayout(1, rope_ld), PAGE_SIZE\n"
+            "    )\n"
             "    for t in range(n_tiles):\n",
         ),
     ),
