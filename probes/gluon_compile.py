@@ -88,9 +88,7 @@ def compile_variant(
     names = list(kernel.arg_names)
     sig = {k: "constexpr" if k in constexprs else types[k] for k in names}
     attrs = {
-        (names.index(k),): [["tt.divisibility", 16]]
-        for k in names
-        if k in ptrs or k.startswith("stride")
+        (names.index(k),): [["tt.divisibility", 16]] for k in names if k in ptrs or k.startswith("stride")
     }
     src = GluonASTSource(
         kernel,
