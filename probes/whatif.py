@@ -45,14 +45,29 @@ Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
 
 
-def _dual_lines(first: str, last: str) -> str:
-    """The lines of ``dual.py`` from the one that starts with ``first`` through the next one that
-    starts with ``last`` (leading spaces count): a snippet an edit replaces, read from the kernel
-    rather than copied."""
-    lines = Path(dual_on_main.__file__ or "").read_text().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.startswith(first))
-    stop = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
+def _module_lines(module: ModuleType, first: str, last: str) -> str:
+    """The lines of ``module``'s source from the one that starts with ``first`` through the next
+    one that starts with ``last`` (leading spaces count): a snippet an edit replaces, read from
+    the kernel rather than copied. Raises when either line is gone (the probe then says which)."""
+    path = Path(module.__file__ or "")
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(first)), None)
+    if start is None:
+        raise ValueError(f"no line of {path.name} starts with {first!r}")
+    stop = next((i for i in range(start, len(lines)) if lines[i].startswith(last)), None)
+    if stop is None:
+        raise ValueError(f"no line of {path.name} after {first!r} starts with {last!r}")
     return "".join(lines[start : stop + 1])
+
+
+def _dual_lines(first: str, last: str) -> str:
+    """:func:`_module_lines` of ``dual.py``, the dual-chain kernel."""
+    return _module_lines(dual_on_main, first, last)
+
+
+def _rows_lines(first: str, last: str) -> str:
+    """:func:`_module_lines` of ``transposed.py``, the few-rows kernel."""
+    return _module_lines(rows_on_main, first, last)
 
 
 _PV = _dual_lines(
@@ -209,8 +224,10 @@ _PV_HALF_INT_WIDEN: list[Edit] = [
 # cache traffic hidden behind two tiles).
 _IDS_ONE_AHEAD = _dual_lines(
     "    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)",
-    "        nidr, nokr = _tile_ids(",
+    "            index_base, lo, hi, t + 1, id_limit,",
 )
+"""The loader's ids of tile 0 before its loop through those of tile ``t + 1`` (both copy layouts)
+in it."""
 _IDS_TWO_AHEAD: list[Edit] = [
     (
         # the ids of tiles 0 and 1 before the loop, those of t + 2 in it
@@ -233,11 +250,9 @@ _IDS_TWO_AHEAD: list[Edit] = [
 # Every whole tile by TMA without checking that its 64 cache rows are consecutive (one
 # cross-warp reduction of the loader a tile fewer): exact only where they are, as on the
 # benchmark's 64-token pages.
+# (The check also sends a tile with an id outside the cache to the gather; the benchmark has none.)
 _NO_CONSECUTIVE_CHECK: list[Edit] = [
-    (
-        "        consecutive = gl.sum((ids != first + offs).to(gl.int32), axis=0) == 0\n",
-        "        consecutive = True\n",
-    )
+    (_dual_lines("        consecutive = ", "        consecutive = "), "        consecutive = True\n")
 ]
 # QKᵀ as fp8 wgmma reading K straight from the ring (no ldmatrix, no conversion). Each query row
 # is scaled by a power of two s (its largest value near 224) and split into four e4m3 parts,
@@ -304,8 +319,9 @@ _QK_FP8_RING: list[Edit] = [
         ),
     ),
     (
-        "        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem,",
-        "        q8_lat, q8_rope, qs_smem, lat_ring, rope_ring, p_smem,",
+        # the MMA warpgroups' arguments (the tuple and its unpacking)
+        "        q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem,",
+        "        q8_lat, q8_rope, qs_smem, lat_ring, rope_ring, id_ring, p_smem,",
         2,
     ),
     (
