@@ -445,29 +445,30 @@ class Kernel:
 # Every tile's ids and rows past ``hi`` as far as the loads know: cp.async zero-fills the ring,
 # nothing is read from the cache (the softmax still masks by the real ``hi``).
 _ROWS_NO_DRAM: list[Edit] = [
+    # the ids of the first tiles and those tiles, before the loop; the later tiles and their ids,
+    # by the refill in the 16-bit path of the loop (the ids then zero-filled: id 0 for the key
+    # check, inside the cache)
+    ("_issue_ids(index_base, idx_ring, j, lo, hi,", "_issue_ids(index_base, idx_ring, j, lo, lo,"),
+    ("kv_ptr, idx_ring, st, lo, hi, id_limit,", "kv_ptr, idx_ring, st, lo, lo, id_limit,"),
     (
-        "_issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)",
-        "_issue_ids(index_base, idx_ring, j, lo, lo, BLOCK_N, ID_SLOTS, id_ld)",
-    ),
-    ("kv_ptr, idx_ring, st, lo, hi, stride_kv,", "kv_ptr, idx_ring, st, lo, lo, stride_kv,"),
-    (
-        "kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv,",
-        "kv_ptr, idx_ring, index_base, t, lo, lo, stride_kv,",
+        "kv_ptr, idx_ring, index_base, t, lo, hi, id_limit,",
+        "kv_ptr, idx_ring, index_base, t, lo, lo, id_limit,",
     ),
 ]
-_ROWS_SOFTMAX = """        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
-        acc = acc * alpha[None, :]
-"""
+_ROWS_SOFTMAX = _rows_lines(
+    "        p, alpha, m_i, l_i = _online_softmax(", "        acc = acc * alpha[None, :]"
+)
+"""The few-rows kernel's online softmax step and its rescale of the output."""
 _ROWS_EPILOGUE = "    # -- epilogue ----"
 # Every row's max taken as 8 (log2 domain): no cross-warp row max (the row sum's stays). Exact
 # only while no score exceeds it.
 _ROWS_FIXED_ROW_MAX: list[Edit] = [
     (
         _ROWS_SOFTMAX,
-        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        # the masks of _online_softmax (keys past the rows' limit, ids outside the cache)
+        """        visible = gl.expand_dims(n, 1) < gl.expand_dims(limit, 0)
+        if key_ok is not None:
+            visible = visible & gl.expand_dims(key_ok, 1)
         p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
         l_i = l_i + gl.sum(p, 0)
 """,
@@ -509,14 +510,14 @@ def _l2_prefetch_lines(kv_ptr, ids, valid, stride_kv, LINES: gl.constexpr, LAYOU
 _ROWS_KERNEL_DEF = '\n\n@gluon.jit(do_not_specialize=["num_splits"])'
 _ROWS_LOOP = """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(n_tiles):"""
-_ROWS_TAKE = """                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
-            )  # fmt: skip
-"""
+_ROWS_TAKE = _rows_lines("            k_lat, k_rope = _take_tile(", "            )  # fmt: skip")
+"""The 16-bit path's take of tile ``t`` (refill, wait, MMA operands)."""
 
 
 def _rows_prefetch(setup: str, per_tile: str) -> list[Edit]:
     """The few-rows kernel with :data:`_ROWS_PREFETCH_HELPERS`, ``setup`` before its tile loop
-    and ``per_tile`` after each 16-bit tile is taken."""
+    and ``per_tile`` after each 16-bit tile is taken. The prefetches read the tiles' ids as flat
+    token ids (the probe's launches: no block table)."""
     return [
         (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
         (_ROWS_LOOP, _ROWS_LOOP.replace("    for t", setup + "    for t")),
@@ -525,7 +526,8 @@ def _rows_prefetch(setup: str, per_tile: str) -> list[Edit]:
 
 
 _ROWS_PREFETCH_TILE = _rows_prefetch(
-    """    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
+    """    gl.static_assert(PAGE_SIZE == 0, "the prefetch reads flat token ids")
+    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
     pf0 = lo + 2 * BLOCK_N
     pf_first = gl.load(index_base + pf0, mask=pf0 < hi, other=0)
     pf_last = gl.load(index_base + pf0 + BLOCK_N - 1, mask=pf0 + BLOCK_N - 1 < hi, other=-1)
@@ -537,7 +539,8 @@ _ROWS_PREFETCH_TILE = _rows_prefetch(
 """,
 )
 _ROWS_PREFETCH_LINES = _rows_prefetch(
-    """    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
+    """    gl.static_assert(PAGE_SIZE == 0, "the prefetch reads flat token ids")
+    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
     pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
     offs_pf = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pf_layout))
     pf_n = lo + 2 * BLOCK_N + offs_pf
