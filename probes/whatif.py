@@ -65,6 +65,11 @@ def _dual_lines(first: str, last: str) -> str:
     return _module_lines(dual_on_main, first, last)
 
 
+def _pingpong_lines(first: str, last: str) -> str:
+    """:func:`_module_lines` of ``pingpong.py``, the ping-pong kernel."""
+    return _module_lines(pingpong_on_main, first, last)
+
+
 def _rows_lines(first: str, last: str) -> str:
     """:func:`_module_lines` of ``transposed.py``, the few-rows kernel."""
     return _module_lines(rows_on_main, first, last)
@@ -402,10 +407,9 @@ _PP_NO_DRAM: list[Edit] = [
 ]
 # The chunk waits stay (they pace the ring); the scores stay zero.
 _PP_NO_QK: list[Edit] = [
+    # a chunk's MMA, and the rope part's with the last chunk (in _chunk_scores)
     (
-        "    sc = warpgroup_mma(q_nope_smem.slice(C * CHUNK, CHUNK, dim=1), k, sc, use_acc=USE_ACC, "
-        "is_async=True)\n    if C == CHUNKS - 1:\n"
-        "        sc = warpgroup_mma(q_pe_smem, rope.permute((1, 0)), sc, is_async=True)\n",
+        _pingpong_lines("    sc = warpgroup_mma(q_nope_smem.slice(", "        sc = warpgroup_mma(q_pe_smem,"),
         "",
     )
 ]
