@@ -39,69 +39,63 @@ def compile_variant(
     dual: bool = False,
     e5m2: bool = False,
     fold: int = 0,
+    page_size: int = 0,
+    lengths: bool = False,
 ):
+    """The decode kernel these options pick compiled for sm_90: flat per-token ids unless
+    ``page_size`` (a block table of that page size), per-request key counts with ``lengths``."""
     kv = ("*fp8e5" if e5m2 else "*fp8e4nv") if fp8 else "*bf16"
-    ptrs = {
-        "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": kv, "kv_indptr_ptr": "*i32",
-        "kv_indices_ptr": "*i32", "qo_indptr_ptr": "*i32", "work_info_ptr": "*i32",
-        "split_indptr_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32",
-        "part_lse_ptr": "*fp32", "kv_scale_ptr": "*fp32",
-    }  # fmt: skip
-    ints = [
-        "num_splits", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_kv",
-        "stride_o_t", "stride_o_h", "stride_lse_t", "stride_lse_h", "stride_po_w", "stride_po_q",
-        "stride_po_h", "stride_pl_w", "stride_pl_q",
-    ]  # fmt: skip
-    constexprs = {
-        "H": heads, "L": 512, "R": 64, "BLOCK_N": block_n, "NUM_STAGES": stages, "ROW_BLOCKS": 1,
-        "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8, "OVERLAP": overlap,
-        "num_warps": 8,
-    }  # fmt: skip
-    scalars = {**dict.fromkeys(ints, "i32"), "sm_scale_log2": "fp32"}
-    sig = {**ptrs, **scalars}
-    if rows:
-        del constexprs["OVERLAP"]
-        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R", "num_warps")}
-        constexprs = {
-            "H": heads, "L": 512, "R": 64, "NR": rows, **rest, "FOLD_SPLITS": fold,
-            "num_warps": 8 if rows == 64 else 4,
-        }  # fmt: skip
-        # the few-rows kernel takes the fold's barrier words after the fp8 scale
-        sig = {**ptrs, "barrier_ptr": "*i32", **scalars}
-    if pingpong:
-        del constexprs["OVERLAP"], constexprs["KV_FP8"]
-        constexprs["num_warps"] = 4
-    if dual:
-        # the dual-chain kernel takes its merge buffer after the fp8 scale
-        kv_type = kv[1:]
-        sig = {
-            **ptrs,
-            "merge_ptr": "*fp32",
-            "lat_desc": f"tensordesc<{kv_type}[64, 128],{LAT_BOX_LAYOUT!r}>",
-            "rope_desc": f"tensordesc<{kv_type}[64, 64],{ROPE_BOX_LAYOUT!r}>",
-            **scalars,
-        }
-        del constexprs["OVERLAP"], constexprs["KV_FP8"], constexprs["NUM_STAGES"]
-        rest = {k: v for k, v in constexprs.items() if k not in ("H", "L", "R", "num_warps")}
-        constexprs = {"H": heads, "L": 512, "R": 64, "NR": 16, **rest, "num_warps": 4}
-    for k, _v in constexprs.items():
-        sig[k] = "constexpr"
-    names = list(sig)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in [*ptrs, "merge_ptr"] if k in sig}
-    attrs.update({(names.index(k),): [["tt.divisibility", 16]] for k in ints if k.startswith("stride")})
-    src = GluonASTSource(
+    kernel = (
         mla_decode_dual_kernel
         if dual
         else mla_decode_pingpong_kernel
         if pingpong
         else mla_decode_rows_kernel
         if rows
-        else mla_decode_kernel,
+        else mla_decode_kernel
+    )
+    ptrs = {
+        "q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": kv, "kv_indptr_ptr": "*i32",
+        "kv_indices_ptr": "*i32", "qo_indptr_ptr": "*i32", "work_info_ptr": "*i32",
+        "split_indptr_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_o_ptr": "*fp32",
+        "part_lse_ptr": "*fp32", "kv_scale_ptr": "*fp32",
+        # the few-rows kernel's fold barrier words; the dual-chain kernel's merge buffer
+        "barrier_ptr": "*i32", "merge_ptr": "*fp32",
+        # the key operands (after the scalars): the verify rows' request map, the key counts
+        "row_request_ptr": "*i32", "lengths_ptr": "*i32",
+    }  # fmt: skip
+    ints = [
+        "num_splits", "stride_qn_t", "stride_qn_h", "stride_qp_t", "stride_qp_h", "stride_kv",
+        "stride_o_t", "stride_o_h", "stride_lse_t", "stride_lse_h", "stride_po_w", "stride_po_q",
+        "stride_po_h", "stride_pl_w", "stride_pl_q", "num_kv_rows", "stride_bt",
+    ]  # fmt: skip
+    kv_type = kv[1:]
+    types = {
+        **ptrs,
+        **dict.fromkeys(ints, "i32"),
+        "sm_scale_log2": "fp32",
+        "lat_desc": f"tensordesc<{kv_type}[64, 128],{LAT_BOX_LAYOUT!r}>",
+        "rope_desc": f"tensordesc<{kv_type}[64, 64],{ROPE_BOX_LAYOUT!r}>",
+    }
+    warps = 4 if pingpong or dual or (rows and rows < 64) else 8
+    constexprs = {
+        "H": heads, "L": 512, "R": 64, "NR": rows or 16, "BLOCK_N": block_n, "NUM_STAGES": stages,
+        "ROW_BLOCKS": 1, "MODE": mode, "UNIT_QLEN": False, "WRITE_LSE": True, "KV_FP8": fp8,
+        "KV_DS_MLA": False, "PAGE_SIZE": page_size, "ROW_MAP": False, "HAS_LENGTHS": lengths,
+        "OVERLAP": overlap, "FOLD_SPLITS": fold, "num_warps": warps,
+    }  # fmt: skip
+    # the signature in the kernel's own parameter order (a parameter this does not know raises)
+    names = list(kernel.arg_names)
+    sig = {k: "constexpr" if k in constexprs else types[k] for k in names}
+    attrs = {
+        (names.index(k),): [["tt.divisibility", 16]] for k in names if k in ptrs or k.startswith("stride")
+    }
+    src = GluonASTSource(
+        kernel,
         signature=sig,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        constexprs={(names.index(k),): constexprs[k] for k in names if k in constexprs},
         attrs=attrs,
     )
-    warps = 4 if pingpong or dual or (rows and rows < 64) else 8
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 

@@ -45,14 +45,34 @@ Edit = tuple[str, str] | tuple[str, str, int]
 """``(old, new)``: replace the one occurrence of ``old``; ``(old, new, n)``: its ``n`` occurrences."""
 
 
-def _dual_lines(first: str, last: str) -> str:
-    """The lines of ``dual.py`` from the one that starts with ``first`` through the next one that
-    starts with ``last`` (leading spaces count): a snippet an edit replaces, read from the kernel
-    rather than copied."""
-    lines = Path(dual_on_main.__file__ or "").read_text().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.startswith(first))
-    stop = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
+def _module_lines(module: ModuleType, first: str, last: str) -> str:
+    """The lines of ``module``'s source from the one that starts with ``first`` through the next
+    one that starts with ``last`` (leading spaces count): a snippet an edit replaces, read from
+    the kernel rather than copied. Raises when either line is gone (the probe then says which)."""
+    path = Path(module.__file__ or "")
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(first)), None)
+    if start is None:
+        raise ValueError(f"no line of {path.name} starts with {first!r}")
+    stop = next((i for i in range(start, len(lines)) if lines[i].startswith(last)), None)
+    if stop is None:
+        raise ValueError(f"no line of {path.name} after {first!r} starts with {last!r}")
     return "".join(lines[start : stop + 1])
+
+
+def _dual_lines(first: str, last: str) -> str:
+    """:func:`_module_lines` of ``dual.py``, the dual-chain kernel."""
+    return _module_lines(dual_on_main, first, last)
+
+
+def _pingpong_lines(first: str, last: str) -> str:
+    """:func:`_module_lines` of ``pingpong.py``, the ping-pong kernel."""
+    return _module_lines(pingpong_on_main, first, last)
+
+
+def _rows_lines(first: str, last: str) -> str:
+    """:func:`_module_lines` of ``transposed.py``, the few-rows kernel."""
+    return _module_lines(rows_on_main, first, last)
 
 
 _PV = _dual_lines(
@@ -209,8 +229,10 @@ _PV_HALF_INT_WIDEN: list[Edit] = [
 # cache traffic hidden behind two tiles).
 _IDS_ONE_AHEAD = _dual_lines(
     "    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)",
-    "        nidr, nokr = _tile_ids(",
+    "            index_base, lo, hi, t + 1, id_limit,",
 )
+"""The loader's ids of tile 0 before its loop through those of tile ``t + 1`` (both copy layouts)
+in it."""
 _IDS_TWO_AHEAD: list[Edit] = [
     (
         # the ids of tiles 0 and 1 before the loop, those of t + 2 in it
@@ -233,11 +255,9 @@ _IDS_TWO_AHEAD: list[Edit] = [
 # Every whole tile by TMA without checking that its 64 cache rows are consecutive (one
 # cross-warp reduction of the loader a tile fewer): exact only where they are, as on the
 # benchmark's 64-token pages.
+# (The check also sends a tile with an id outside the cache to the gather; the benchmark has none.)
 _NO_CONSECUTIVE_CHECK: list[Edit] = [
-    (
-        "        consecutive = gl.sum((ids != first + offs).to(gl.int32), axis=0) == 0\n",
-        "        consecutive = True\n",
-    )
+    (_dual_lines("        consecutive = ", "        consecutive = "), "        consecutive = True\n")
 ]
 # QKᵀ as fp8 wgmma reading K straight from the ring (no ldmatrix, no conversion). Each query row
 # is scaled by a power of two s (its largest value near 224) and split into four e4m3 parts,
@@ -304,8 +324,9 @@ _QK_FP8_RING: list[Edit] = [
         ),
     ),
     (
-        "        q_nope_smem, q_pe_smem, lat_ring, rope_ring, p_smem,",
-        "        q8_lat, q8_rope, qs_smem, lat_ring, rope_ring, p_smem,",
+        # the MMA warpgroups' arguments (the tuple and its unpacking)
+        "        q_nope_smem, q_pe_smem, lat_ring, rope_ring, id_ring, p_smem,",
+        "        q8_lat, q8_rope, qs_smem, lat_ring, rope_ring, id_ring, p_smem,",
         2,
     ),
     (
@@ -386,10 +407,9 @@ _PP_NO_DRAM: list[Edit] = [
 ]
 # The chunk waits stay (they pace the ring); the scores stay zero.
 _PP_NO_QK: list[Edit] = [
+    # a chunk's MMA, and the rope part's with the last chunk (in _chunk_scores)
     (
-        "    sc = warpgroup_mma(q_nope_smem.slice(C * CHUNK, CHUNK, dim=1), k, sc, use_acc=USE_ACC, "
-        "is_async=True)\n    if C == CHUNKS - 1:\n"
-        "        sc = warpgroup_mma(q_pe_smem, rope.permute((1, 0)), sc, is_async=True)\n",
+        _pingpong_lines("    sc = warpgroup_mma(q_nope_smem.slice(", "        sc = warpgroup_mma(q_pe_smem,"),
         "",
     )
 ]
@@ -429,29 +449,30 @@ class Kernel:
 # Every tile's ids and rows past ``hi`` as far as the loads know: cp.async zero-fills the ring,
 # nothing is read from the cache (the softmax still masks by the real ``hi``).
 _ROWS_NO_DRAM: list[Edit] = [
+    # the ids of the first tiles and those tiles, before the loop; the later tiles and their ids,
+    # by the refill in the 16-bit path of the loop (the ids then zero-filled: id 0 for the key
+    # check, inside the cache)
+    ("_issue_ids(index_base, idx_ring, j, lo, hi,", "_issue_ids(index_base, idx_ring, j, lo, lo,"),
+    ("kv_ptr, idx_ring, st, lo, hi, id_limit,", "kv_ptr, idx_ring, st, lo, lo, id_limit,"),
     (
-        "_issue_ids(index_base, idx_ring, j, lo, hi, BLOCK_N, ID_SLOTS, id_ld)",
-        "_issue_ids(index_base, idx_ring, j, lo, lo, BLOCK_N, ID_SLOTS, id_ld)",
-    ),
-    ("kv_ptr, idx_ring, st, lo, hi, stride_kv,", "kv_ptr, idx_ring, st, lo, lo, stride_kv,"),
-    (
-        "kv_ptr, idx_ring, index_base, t, lo, hi, stride_kv,",
-        "kv_ptr, idx_ring, index_base, t, lo, lo, stride_kv,",
+        "kv_ptr, idx_ring, index_base, t, lo, hi, id_limit,",
+        "kv_ptr, idx_ring, index_base, t, lo, lo, id_limit,",
     ),
 ]
-_ROWS_SOFTMAX = """        p, alpha, m_i, l_i = _online_softmax(
-            sc, m_i, l_i, t * BLOCK_N + lo + offs_n, hi, row_limit, qk_scale, 0
-        )
-        acc = acc * alpha[None, :]
-"""
+_ROWS_SOFTMAX = _rows_lines(
+    "        p, alpha, m_i, l_i = _online_softmax(", "        acc = acc * alpha[None, :]"
+)
+"""The few-rows kernel's online softmax step and its rescale of the output."""
 _ROWS_EPILOGUE = "    # -- epilogue ----"
 # Every row's max taken as 8 (log2 domain): no cross-warp row max (the row sum's stays). Exact
 # only while no score exceeds it.
 _ROWS_FIXED_ROW_MAX: list[Edit] = [
     (
         _ROWS_SOFTMAX,
-        """        keys = gl.expand_dims(t * BLOCK_N + lo + offs_n, 1)
-        visible = (keys < hi) & (keys < gl.expand_dims(row_limit, 0))
+        # the masks of _online_softmax (keys past the rows' limit, ids outside the cache)
+        """        visible = gl.expand_dims(n, 1) < gl.expand_dims(limit, 0)
+        if key_ok is not None:
+            visible = visible & gl.expand_dims(key_ok, 1)
         p = gl.exp2(gl.where(visible, sc * qk_scale, float("-inf")) - 8.0)
         l_i = l_i + gl.sum(p, 0)
 """,
@@ -493,14 +514,14 @@ def _l2_prefetch_lines(kv_ptr, ids, valid, stride_kv, LINES: gl.constexpr, LAYOU
 _ROWS_KERNEL_DEF = '\n\n@gluon.jit(do_not_specialize=["num_splits"])'
 _ROWS_LOOP = """    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     for t in range(n_tiles):"""
-_ROWS_TAKE = """                0, L, R, BLOCK_N, NUM_STAGES, 1, ID_SLOTS, False, lat_ld, rope_ld, id_ld,
-            )  # fmt: skip
-"""
+_ROWS_TAKE = _rows_lines("            k_lat, k_rope = _take_tile(", "            )  # fmt: skip")
+"""The 16-bit path's take of tile ``t`` (refill, wait, MMA operands)."""
 
 
 def _rows_prefetch(setup: str, per_tile: str) -> list[Edit]:
     """The few-rows kernel with :data:`_ROWS_PREFETCH_HELPERS`, ``setup`` before its tile loop
-    and ``per_tile`` after each 16-bit tile is taken."""
+    and ``per_tile`` after each 16-bit tile is taken. The prefetches read the tiles' ids as flat
+    token ids (the probe's launches: no block table)."""
     return [
         (_ROWS_KERNEL_DEF, _ROWS_PREFETCH_HELPERS),
         (_ROWS_LOOP, _ROWS_LOOP.replace("    for t", setup + "    for t")),
@@ -509,7 +530,8 @@ def _rows_prefetch(setup: str, per_tile: str) -> list[Edit]:
 
 
 _ROWS_PREFETCH_TILE = _rows_prefetch(
-    """    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
+    """    gl.static_assert(PAGE_SIZE == 0, "the prefetch reads flat token ids")
+    ROW_BYTES: gl.constexpr = (L + R) * kv_dtype.primitive_bitwidth // 8
     pf0 = lo + 2 * BLOCK_N
     pf_first = gl.load(index_base + pf0, mask=pf0 < hi, other=0)
     pf_last = gl.load(index_base + pf0 + BLOCK_N - 1, mask=pf0 + BLOCK_N - 1 < hi, other=-1)
@@ -521,7 +543,8 @@ _ROWS_PREFETCH_TILE = _rows_prefetch(
 """,
 )
 _ROWS_PREFETCH_LINES = _rows_prefetch(
-    """    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
+    """    gl.static_assert(PAGE_SIZE == 0, "the prefetch reads flat token ids")
+    LINES: gl.constexpr = ((L + R) * kv_dtype.primitive_bitwidth // 8 + 127) // 128
     pf_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
     offs_pf = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pf_layout))
     pf_n = lo + 2 * BLOCK_N + offs_pf
