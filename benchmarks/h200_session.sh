@@ -80,7 +80,8 @@ bench)
 sparse)
   part "sparse GPU tests"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/triton/test_sparse_triton.py \
-    tests/test_sparse_gpu.py tests/test_sparse_kit.py 2>&1 | tee "$OUT/gpu_sparse.log" | summary
+    tests/test_sparse_gpu.py tests/test_sparse_kit.py tests/test_sparse_lengths_gpu.py 2>&1 \
+    | tee "$OUT/gpu_sparse.log" | summary
   part "mla demo --sparse"
   timeout 60 python3 -m mla demo --sparse --kv-dtype fp8_ds_mla --index-dtype fp8 --steps 24 --quiet \
     2>&1 | tee "$OUT/demo_sparse.log" | tail -3
