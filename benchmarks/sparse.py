@@ -30,6 +30,7 @@ from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
 from mla.providers import get_provider
 from mla.providers.calls import IndexTopkCall, SparseAttentionCall
 from mla.providers.formats import pack_ds_mla, quantize_index_keys, quantize_index_queries
+from mla.providers.sparse_slots import slot_lengths
 
 L, R = 512, 64
 TOPK = 2048
@@ -98,8 +99,7 @@ def attention_rows(case: AttentionCase, providers: Sequence[str]) -> list[dict[s
 
     # As the sparse strategies pass them (the slot conversion writes them): 1 + each row's last
     # valid column, so a causal prefill's early rows skip their -1 tails.
-    columns = torch.arange(1, TOPK + 1, device="cuda", dtype=torch.int32)
-    lengths = torch.where(slots >= 0, columns, 0).amax(dim=1).to(torch.int32)
+    lengths = slot_lengths(slots)
 
     def call_for(out: torch.Tensor, *, every_column: bool = False) -> SparseAttentionCall:
         return SparseAttentionCall(

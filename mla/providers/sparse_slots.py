@@ -8,6 +8,16 @@ import torch
 from mla.providers.calls import SparseSlotsCall
 
 
+def slot_lengths(slots: torch.Tensor) -> torch.Tensor:
+    """int32 ``[T]``: ``1 +`` the last column of each row of ``slots`` (``[T, K]``) that holds a
+    slot (``>= 0``), 0 for a row with none: the
+    :attr:`~mla.providers.calls.SparseAttentionCall.lengths` of those slots."""
+    if slots.shape[1] == 0:
+        return torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
+    ends = torch.arange(1, slots.shape[1] + 1, dtype=torch.int32, device=slots.device)
+    return torch.where(slots >= 0, ends, 0).amax(dim=1).to(torch.int32)
+
+
 def sparse_slots(call: SparseSlotsCall) -> None:
     """Fill ``call.slots`` from ``call.indices`` (see :class:`SparseSlotsCall`) and, when
     ``call.lengths`` is given, its first ``T`` entries with each row's ``1 +`` last valid column
@@ -32,7 +42,9 @@ def sparse_slots(call: SparseSlotsCall) -> None:
     flat = block * call.block_size + positions % call.block_size
     slots.copy_(torch.where(valid, flat, -1).to(slots.dtype))
     if call.lengths is not None:
-        ends = torch.arange(1, width + 1, dtype=torch.int32, device=indices.device)
-        call.lengths[:rows].copy_(torch.where(valid, ends, 0).amax(dim=1))
+        call.lengths[:rows].copy_(slot_lengths(slots))
     bad = (~valid & (positions != -1)).sum(dtype=torch.int32)
     call.invalid_count.add_(bad.reshape(1))
+
+
+__all__ = ["slot_lengths", "sparse_slots"]

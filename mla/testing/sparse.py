@@ -56,6 +56,7 @@ from mla.engine.decision.registry import Registry
 from mla.providers import resolve_provider
 from mla.providers.base import CONTRACT_METHODS, KernelProvider
 from mla.providers.calls import SparseAttentionCall, SparseSlotsCall
+from mla.providers.sparse_slots import slot_lengths
 from mla.providers.sparse_slots import sparse_slots as default_sparse_slots
 from mla.sparse.base import SparseStrategy
 from mla.sparse.indexer import IndexerStrategy
@@ -256,14 +257,6 @@ def _row_map(case: SparseCase, device: torch.device) -> tuple[torch.Tensor, torc
     return as_tensor(requests), as_tensor(keys)
 
 
-def _row_lengths(slots: torch.Tensor) -> torch.Tensor:
-    """int32 ``[T]``: ``1 +`` the last column of each row of ``slots`` that is not ``-1`` (0: none)."""
-    if slots.shape[1] == 0:
-        return torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
-    ends = torch.arange(1, slots.shape[1] + 1, dtype=torch.int32, device=slots.device)
-    return torch.where(slots >= 0, ends, 0).amax(dim=1).to(torch.int32)
-
-
 def check_sparse_lengths(
     case: SparseCase,
     *,
@@ -318,7 +311,7 @@ def check_sparse_lengths(
     prov.sparse_slots(slots_call)
     want_slots = torch.full((rows, width), -1, dtype=torch.int32, device=dev)
     default_sparse_slots(attrs.evolve(slots_call, slots=want_slots, lengths=None))
-    want = _row_lengths(want_slots)
+    want = slot_lengths(want_slots)
     wrong = int((lengths != want).sum())
     # Cut every row through its selected slots; only the rows the kept columns select keep values.
     cut = want // 2
