@@ -50,6 +50,8 @@ from mla.providers.triton.decode import num_sms
 from mla.providers.triton.indexer import (
     PREFILL_ROWS,
     IndexScoresConfig,
+    check_score_operands,
+    check_stats,
     index_scores,
     index_scores_config,
     score_chunk,
@@ -276,10 +278,8 @@ def gluon_index_scores(
         return
     chunk = int(config.chunk or 0)
     chunks = triton.cdiv(call.max_keys, chunk)
-    if stats is not None and tuple(stats.shape) != (2, rows, chunks):
-        raise InvalidInputError("stats", f"expected [2, {rows}, {chunks}], got {tuple(stats.shape)}")
-    if scores.stride(-1) != 1 or table.stride(-1) != 1:
-        raise InvalidInputError("scores", "scores and block_table need a contiguous last dim")
+    check_score_operands(call, scores, fp8=True)
+    check_stats(stats, rows, chunks)
     blocks, block_size = cache.shape[0], cache.shape[1]
     dim, tile = HEAD_DIM.value, TILE.value
     lines = blocks * block_size * (dim + 4) // dim

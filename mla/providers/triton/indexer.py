@@ -391,6 +391,28 @@ def _operands(call: IndexTopkCall) -> tuple[bool, tl.dtype, str]:
     return fp8, dot_dtype, precision
 
 
+def check_score_operands(call: IndexTopkCall, scores: torch.Tensor, *, fp8: bool) -> None:
+    """Raise :class:`InvalidInputError` unless a scores kernel can read ``call`` and write
+    ``scores``: an fp8 index-key cache contiguous (its block layout), ``q``, the cache, the block
+    table and ``scores`` with a contiguous last dim."""
+    cache = call.index_cache
+    if fp8 and not cache.is_contiguous():
+        raise InvalidInputError("index_cache", "an fp8 index-key cache must be contiguous (its block layout)")
+    if (
+        call.q.stride(-1) != 1
+        or cache.stride(-1) != 1
+        or call.block_table.stride(-1) != 1
+        or scores.stride(-1) != 1
+    ):
+        raise InvalidInputError("q", "q, index_cache, block_table and scores need a contiguous last dim")
+
+
+def check_stats(stats: torch.Tensor | None, rows: int, chunks: int) -> None:
+    """Raise :class:`InvalidInputError` unless ``stats`` is ``None`` or ``[2, rows, chunks]``."""
+    if stats is not None and tuple(stats.shape) != (2, rows, chunks):
+        raise InvalidInputError("stats", f"expected [2, {rows}, {chunks}], got {tuple(stats.shape)}")
+
+
 def index_scores(
     call: IndexTopkCall,
     scores: torch.Tensor,
@@ -410,10 +432,7 @@ def index_scores(
     if rows == 0 or call.max_keys == 0:
         return
     fp8, dot_dtype, precision = _operands(call)
-    if fp8 and not cache.is_contiguous():
-        raise InvalidInputError("index_cache", "an fp8 index-key cache must be contiguous (its block layout)")
-    if q.stride(-1) != 1 or cache.stride(-1) != 1 or table.stride(-1) != 1 or scores.stride(-1) != 1:
-        raise InvalidInputError("q", "q, index_cache, block_table and scores need a contiguous last dim")
+    check_score_operands(call, scores, fp8=fp8)
     if config is None:
         config = index_scores_config(rows=rows, fp8_dot=dot_dtype == tl.float8e4nv)
     if chunk is not None:
@@ -425,8 +444,7 @@ def index_scores(
     if chunk <= 0 or chunk % config.block_p:
         raise InvalidInputError("chunk", f"must be a positive multiple of {config.block_p}, got {chunk}")
     chunks = triton.cdiv(call.max_keys, chunk)
-    if stats is not None and tuple(stats.shape) != (2, rows, chunks):
-        raise InvalidInputError("stats", f"expected [2, {rows}, {chunks}], got {tuple(stats.shape)}")
+    check_stats(stats, rows, chunks)
     block_size = cache.shape[1]
     INDEX_SCORES_LAUNCH.launch(
         (triton.cdiv(rows, group), chunks),
@@ -556,7 +574,10 @@ def index_topk(
 
 __all__ = [
     "INDEX_WORKSPACE_BYTES",
+    "PREFILL_ROWS",
     "IndexScoresConfig",
+    "check_score_operands",
+    "check_stats",
     "index_scores",
     "index_scores_config",
     "index_topk",
