@@ -216,13 +216,16 @@ one-token and context-free requests, both ``expand_context`` forms."""
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("provider", ["triton", "gluon", "gluon-prefill"])
+@pytest.mark.parametrize("provider", ["triton", "gluon", "gluon-triton-prefill"])
 @pytest.mark.parametrize("case", GPU_CONTEXT_CASES, ids=lambda case: case.id)
 def test_chunked_context_on_the_gpu(provider: str, case: PrefillCase) -> None:
     """The chunked-context step on the GPU providers' kernels (the split keys and the epilogue
-    merge of the varlen kernel; ``gluon-prefill`` with the Gluon prefill kernel opted in),
-    NaN-poisoned outputs, against the float64 reference."""
-    chosen = GluonProvider(prefill="gluon") if provider == "gluon-prefill" else mla.get_provider(provider)
+    merge of the varlen kernel; ``gluon`` runs the new tokens' pass on the Gluon prefill kernel,
+    ``gluon-triton-prefill`` on the Triton kernel), NaN-poisoned outputs, against the float64
+    reference."""
+    chosen = (
+        GluonProvider(prefill="triton") if provider == "gluon-triton-prefill" else mla.get_provider(provider)
+    )
     available = chosen.availability()
     if not available:
         pytest.skip(f"{provider}: {available}")

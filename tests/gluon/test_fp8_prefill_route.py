@@ -1,8 +1,8 @@
 """Host side of the Gluon fp8 varlen prefill on a CPU: which calls the Gluon fp8 kernel takes
 (:func:`~mla.providers.gluon.prefill_fp8_launch.fp8_prefill_route`), its plan and launch
-config, and the gluon provider's opt-in (``fp8_prefill="gluon"``): the default provider still
-plans and runs fp8 prefill on the Triton kernels, and an opted-in provider runs the calls the
-route declines on them too (in the interpreter)."""
+config, and the gluon provider's ``fp8_prefill`` option: the default (``"gluon"``) plans around
+the Triton plan and runs the calls the route declines on the Triton kernels (in the
+interpreter); ``"triton"`` plans and runs every fp8 prefill on them."""
 
 from __future__ import annotations
 
@@ -201,12 +201,12 @@ def test_plan_wraps_the_triton_plan_with_the_batch_sizes() -> None:
     )
 
 
-def test_fp8_prefill_stays_on_triton_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default provider's plan is the Triton plan and its fp8 prefill the Triton kernel's,
-    even for a call the Gluon fp8 kernel would take."""
+def test_fp8_prefill_triton_option_keeps_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fp8_prefill="triton"`` the provider's plan is the Triton plan and its fp8 prefill
+    the Triton kernel's, even for a call the Gluon fp8 kernel would take."""
     monkeypatch.setattr(prefill_fp8_launch, "launch_gluon_fp8_prefill", _refuse)
-    provider = GluonProvider()
-    assert repr(provider) == "GluonProvider()"
+    provider = GluonProvider(fp8_prefill="triton")
+    assert repr(provider) == "GluonProvider(fp8_prefill='triton')"
     plan = provider.plan_fp8_prefill(_plan_call())
     assert isinstance(plan, Fp8PrefillPlan)
     ran: list[object] = []
@@ -214,22 +214,24 @@ def test_fp8_prefill_stays_on_triton_by_default(monkeypatch: pytest.MonkeyPatch)
     call = _call(schedule=plan)
     provider.fp8_prefill(call)
     assert ran == [plan]
-    assert "Triton fp8 kernels (opt-in" in str(provider.describe_probes()["fp8_prefill"])
+    assert "Triton fp8 kernels (GluonProvider(fp8_prefill='triton'))" in str(
+        provider.describe_probes()["fp8_prefill"]
+    )
 
 
 def _refuse(*args: object, **kwargs: object) -> None:
     raise AssertionError("the Gluon fp8 kernel was launched")
 
 
-def test_opted_in_provider_launches_the_gluon_kernel_where_the_route_takes_the_call(
+def test_default_provider_launches_the_gluon_kernel_where_the_route_takes_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     launched: list[Fp8PrefillCall] = []
     monkeypatch.setattr(prefill_fp8_launch, "launch_gluon_fp8_prefill", launched.append)
-    provider = GluonProvider(fp8_prefill="gluon")
-    assert repr(provider) == "GluonProvider(fp8_prefill='gluon')"
-    assert repr(GluonProvider(prefill="gluon", fp8_prefill="gluon")) == (
-        "GluonProvider(prefill='gluon', fp8_prefill='gluon')"
+    provider = GluonProvider()
+    assert repr(provider) == "GluonProvider()"
+    assert repr(GluonProvider(prefill="triton", fp8_prefill="triton")) == (
+        "GluonProvider(prefill='triton', fp8_prefill='triton')"
     )
     plan = provider.plan_fp8_prefill(_plan_call())
     assert isinstance(plan, GluonFp8PrefillPlan)
@@ -242,7 +244,7 @@ def test_opted_in_provider_launches_the_gluon_kernel_where_the_route_takes_the_c
         phase="prefill", q_dtype=E4M3, kv_dtype=E4M3, kv_lora_rank=512, rope_dim=64
     )  # fmt: skip
     assert note is not None
-    assert "fp8_prefill='gluon'" in note
+    assert "Gluon fp8 prefill kernel" in note
 
 
 def test_invalid_fp8_prefill_option() -> None:
@@ -250,8 +252,8 @@ def test_invalid_fp8_prefill_option() -> None:
         GluonProvider(fp8_prefill="cutlass")
 
 
-def test_opted_in_provider_runs_declined_calls_on_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """e4m3 48/32 is not a Gluon fp8 case: the opted-in provider hands the Triton kernel the
+def test_default_provider_runs_declined_calls_on_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """e4m3 48/32 is not a Gluon fp8 case: the default provider hands the Triton kernel the
     Triton plan inside its own (here in the interpreter) and matches the reference."""
     monkeypatch.setattr(prefill_fp8_launch, "launch_gluon_fp8_prefill", _refuse)
     gen = torch.Generator().manual_seed(5)
@@ -259,7 +261,7 @@ def test_opted_in_provider_runs_declined_calls_on_the_triton_kernel(monkeypatch:
     cu_q, cu_k = torch.tensor(CU_Q, dtype=torch.int32), torch.tensor(CU_K, dtype=torch.int32)
     raw = [torch.randn(8, heads, d, generator=gen) for d in (48, 48, 32)]
     (q8, qs), (k8, ks), (v8, vs) = (quantize_per_tensor(x, E4M3) for x in raw)
-    provider = GluonProvider(fp8_prefill="gluon")
+    provider = GluonProvider()
     plan = provider.plan_fp8_prefill(_plan_call(causal, heads))
     assert isinstance(plan, GluonFp8PrefillPlan)
     out, lse = torch.full((8, heads, 32), math.nan), torch.full((8, heads), math.nan)

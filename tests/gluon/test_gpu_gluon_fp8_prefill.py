@@ -3,7 +3,7 @@ dequantized inputs.
 
 Drives :func:`~mla.providers.gluon.prefill_fp8_launch.launch_gluon_fp8_prefill` directly (the
 plain, producer and split warp layouts, 192/128 and 128/128, causal and not, 1/16/128 heads, LSE on
-and off, bf16/fp16/fp32 outputs) and the opted-in gluon provider (``fp8_prefill="gluon"``: its
+and off, bf16/fp16/fp32 outputs) and the gluon provider (its default ``fp8_prefill="gluon"``: its
 plan, the route, the contract's NaN rules, CUDA graph capture). Batches hold empty and
 one-token requests, requests with more queries than keys, and lengths that are not tile
 multiples. Outputs are NaN-poisoned before each run. Run:
@@ -168,11 +168,11 @@ def test_lse_is_written_only_when_asked(causal: bool, config: str) -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_opted_in_provider_plans_and_runs_the_gluon_kernel(causal: bool) -> None:
-    """``GluonProvider(fp8_prefill="gluon")``: its plan wraps the Triton plan, the call runs on
+def test_default_provider_plans_and_runs_the_gluon_kernel(causal: bool) -> None:
+    """``GluonProvider()`` (``fp8_prefill="gluon"``): its plan wraps the Triton plan, the call runs on
     the Gluon kernel and matches; the Triton fp8 kernel on the same inputs stays within its own
     2e-2 (P in fp16), the Gluon kernel within :data:`OUT_TOL` (P in e4m3)."""
-    provider = GluonProvider(fp8_prefill="gluon")
+    provider = GluonProvider()
     lengths_q, lengths_k = BATCHES["mixed"]
     heads = 16
     cu_q, cu_k = _indptr(lengths_q), _indptr(lengths_k)
@@ -187,7 +187,7 @@ def test_opted_in_provider_plans_and_runs_the_gluon_kernel(causal: bool) -> None
     provider.fp8_prefill(call)
     gluon_err = _check(call)
     triton_call = _call("mixed", heads, 192, causal, seed=4, schedule=plan.triton)
-    GluonProvider().fp8_prefill(triton_call)
+    GluonProvider(fp8_prefill="triton").fp8_prefill(triton_call)
     triton_err = _check(triton_call)
     assert triton_err < 2e-2
     print(f"relative output error: gluon (P e4m3) {gluon_err:.4f}, triton (P fp16) {triton_err:.4f}")

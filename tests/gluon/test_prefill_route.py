@@ -96,9 +96,11 @@ def test_route_sends_other_calls_to_triton(change: dict[str, torch.Tensor], why:
 
 
 def test_default_configs_fit_in_shared_memory() -> None:
-    assert prefill_config(192, 128) == PrefillLaunchConfig(block_n=128, num_stages=2)
+    # The split layout (the fastest on the H200: docs/performance.md, "Prefill")
+    split = PrefillKernel.SPLIT
+    assert prefill_config(192, 128) == PrefillLaunchConfig(block_n=128, num_stages=2, kernel=split)
     # 128/128: 32 KiB query tile + 3 x 64 KiB
-    assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3)
+    assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3, kernel=split)
     for dqk in (192, 128):
         assert shared_bytes(dqk, 128, prefill_config(dqk, 128)) <= SHARED_MEMORY_BYTES
     # 128-key tiles in three stages do not fit at 192/128; 64-key tiles do.

@@ -74,6 +74,7 @@ def test_capabilities_compose_the_triton_record() -> None:
     assert not caps.persistent_decode_preferred
     assert set(DELEGATED) | {
         Contract.VARLEN_PREFILL,
+        Contract.FP8_PREFILL,
         Contract.PAGED_DECODE,
         Contract.DECODE_SCHEDULE,
         Contract.SMALL_HEAD_DECODE,
@@ -82,6 +83,8 @@ def test_capabilities_compose_the_triton_record() -> None:
     } == set(caps.contracts)
     probes = GluonProvider().describe_probes()
     assert probes["delegated_to_triton"] == sorted(c.value for c in DELEGATED)
+    on_triton = GluonProvider(fp8_prefill="triton").describe_probes()["delegated_to_triton"]
+    assert on_triton == sorted(c.value for c in (*DELEGATED, Contract.FP8_PREFILL))
 
 
 def test_other_dims_and_dtypes_run_on_the_triton_kernel() -> None:
@@ -133,15 +136,21 @@ def test_delegated_write_kv_matches_torch() -> None:
         (GluonProvider(), "decode", torch.float8_e4m3fn, 512, ["Gluon kernels", "fp8"]),
         (GluonProvider(), "decode", torch.bfloat16, 256, ["256+64"]),
         (
-            GluonProvider(prefill="gluon"),
+            GluonProvider(),
             "prefill",
             torch.bfloat16,
             512,
-            ["Gluon prefill kernel", "192/128", "delegates"],
+            ["Gluon prefill kernel", "192/128", "Gluon fp8 prefill kernel", "e4m3"],
         ),
-        (GluonProvider(), "prefill", torch.bfloat16, 512, ["opt-in"]),
+        (
+            GluonProvider(prefill="triton", fp8_prefill="triton"),
+            "prefill",
+            torch.bfloat16,
+            512,
+            ["Triton provider's varlen kernel (prefill='triton')", "fp8_prefill='triton'"],
+        ),
     ],
-    ids=["bf16", "fp8", "rank256", "prefill-opted-in", "prefill-default"],
+    ids=["bf16", "fp8", "rank256", "prefill-default", "prefill-triton"],
 )
 def test_kernel_note_names_the_kernel_and_the_reason(
     provider: GluonProvider, phase: str, kv_dtype: torch.dtype, rank: int, wanted: list[str]
@@ -163,9 +172,10 @@ def test_the_triton_provider_has_no_kernel_note() -> None:
     )
 
 
-def test_gluon_prefill_is_opt_in() -> None:
+def test_gluon_prefill_is_the_default() -> None:
     assert repr(GluonProvider()) == "GluonProvider()"
-    assert repr(GluonProvider(prefill="gluon")) == "GluonProvider(prefill='gluon')"
+    assert repr(GluonProvider(prefill="gluon", fp8_prefill="gluon")) == "GluonProvider()"
+    assert repr(GluonProvider(prefill="triton")) == "GluonProvider(prefill='triton')"
     with pytest.raises(InvalidInputError, match="prefill") as info:
         GluonProvider(prefill="fa3")
     assert info.value.argument == "prefill"

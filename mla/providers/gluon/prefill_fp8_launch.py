@@ -1,9 +1,10 @@
 """Host side of the Gluon fp8 varlen prefill (:mod:`.prefill_fp8`): its plan, route, launch
 config and launcher.
 
-The kernel is opt-in (``GluonProvider(fp8_prefill="gluon")``): that provider's
-``plan_fp8_prefill`` returns a :class:`GluonFp8PrefillPlan`, which wraps the Triton provider's
-plan (so a call the route declines still runs on the Triton fp8 kernel) and records the
+The gluon provider runs it by default (``GluonProvider(fp8_prefill="gluon")``; ``"triton"``
+keeps the Triton fp8 kernels): that provider's ``plan_fp8_prefill`` returns a
+:class:`GluonFp8PrefillPlan`, which wraps the Triton provider's plan (so a call the route
+declines still runs on the Triton fp8 kernel) and records the
 longest request's query length (the grid: one program per 128-row query tile, request and
 head; the call carries no ``max_seqlen_q``). :func:`fp8_prefill_route` (pure Python, reads only
 dtypes, shapes, strides and addresses) says whether a call runs on the Gluon kernel.
@@ -41,7 +42,7 @@ MAX_STAGES = 4
 
 @attrs.frozen(eq=False)
 class GluonFp8PrefillPlan:
-    """The gluon provider's fp8 prefill plan when the Gluon kernel is opted in: the Triton
+    """The gluon provider's fp8 prefill plan (``fp8_prefill="gluon"``, the default): the Triton
     provider's plan (for the calls the route declines) and the batch's sizes."""
 
     triton: object

@@ -80,9 +80,10 @@ def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
 
 
 def prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
-    """The default launch: 128-key tiles, warp-specialized, the most ring slots (up to 3) that
-    fit in shared memory (2 for 192/128: 48 KiB query tile + 2 × 80 KiB)."""
-    best = PrefillLaunchConfig(num_stages=2)
+    """The default launch: 128-key tiles, the split layout (a producer warpgroup and two
+    consumer warpgroups), the most ring slots (up to 3) that fit in shared memory (2 for
+    192/128: 48 KiB query tile + 2 × 80 KiB)."""
+    best = PrefillLaunchConfig(num_stages=2, kernel=PrefillKernel.SPLIT)
     for stages in (3,):
         config = attrs.evolve(best, num_stages=stages)
         if shared_bytes(qk_dim, v_dim, config) <= SHARED_MEMORY_BYTES:

@@ -1,11 +1,11 @@
-"""The ``gluon`` kernel provider: Hopper-native decode kernels, the Triton provider for the rest.
+"""The ``gluon`` kernel provider: Hopper-native decode and prefill kernels, the Triton provider for the rest.
 
 Decode (``paged-decode`` on both split-KV paths, ``decode-schedule``, ``small-head-decode``)
 runs on the Gluon kernels of :mod:`.kernels` / :mod:`.transposed` wherever
 :func:`~mla.providers.gluon.planner.decode_kernel` says they apply (16-bit queries with a cache
 of the same dtype, 512 + 64 latent/rope dims); every other decode case runs on the Triton
-provider's decode kernel, and the contracts the Gluon kernels do not implement (fp8 prefill,
-merge, page expansion, KV write and the indexer) are the Triton provider's kernels.
+provider's decode kernel, and the contracts the Gluon kernels do not implement (merge, page
+expansion, KV write and the indexer's top-k) are the Triton provider's kernels.
 Sparse attention runs on the Gluon decode kernels (each query row a qlen-1 decode over its
 slots, :mod:`.sparse`) for 512 + 64 dims with a 16-bit, per-tensor fp8 or ``fp8_ds_mla``
 cache, on the Triton sparse kernel otherwise. An engine builds one backend with one provider
@@ -14,15 +14,19 @@ for both phases, so composing the Triton provider is what lets ``provider="auto"
 the routing rules under the provider's probes.
 
 Varlen prefill (``varlen-prefill``) runs on the Gluon prefill kernel of :mod:`.prefill`
-(TMA K/V ring, a one-warp TMA producer partition, ``wgmma`` QKᵀ and PV over 128-row query
-tiles, causal masked only on diagonal tiles; ``PrefillKernel`` names the other warp splits a
-launch may ask for) where
+(TMA K/V ring, a 4-warp TMA producer and two consumer warpgroups of 64 query rows each, the
+split layout; ``wgmma`` QKᵀ and PV over 128-row query tiles, causal masked only on diagonal
+tiles; ``PrefillKernel`` names the other warp splits a launch may ask for) where
 :func:`~mla.providers.gluon.prefill_launch.prefill_call_route` takes the call (no chunked-context
 operands): bf16/fp16 q/k/v of one
 dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads (last dim
 contiguous, 16-byte-aligned base, token and head strides, each token's heads within its row);
-every other call runs on the Triton provider's varlen kernel. The route reads only dtypes,
-shapes and strides; ``mla explain`` shows the rule as the prefill kernel note.
+every other call runs on the Triton provider's varlen kernel. fp8 prefill (``fp8-prefill``)
+runs on the Gluon fp8 kernel of :mod:`.prefill_fp8_split` where
+:func:`~mla.providers.gluon.prefill_fp8_launch.fp8_prefill_route` takes the call (e4m3 q/k/v,
+the same dims and layouts), on the Triton provider's fp8 kernels otherwise. The routes read
+only dtypes, shapes and strides; ``mla explain`` shows the rules as the prefill kernel note.
+``GluonProvider(prefill="triton", fp8_prefill="triton")`` keeps both on the Triton kernels.
 
 Available on an NVIDIA sm_90 device where ``triton.experimental.gluon.language.nvidia.hopper``
 imports (Triton >= 3.6); elsewhere :meth:`GluonProvider.availability` says why.
@@ -80,33 +84,31 @@ HOPPER_MODULE = "triton.experimental.gluon.language.nvidia.hopper"
 GLUON_ARCH = "sm90"
 """The only arch the kernels are built for (wgmma needs sm_90a)."""
 DELEGATED: tuple[Contract, ...] = (
-    Contract.FP8_PREFILL,
     Contract.MERGE_STATES,
     Contract.EXPAND_PAGES,
     Contract.KV_WRITE,
 )
-"""Contracts served by the Triton provider's kernels (sparse attention, varlen prefill and the
-indexer's scores too, for the calls :func:`~mla.providers.gluon.sparse.sparse_on_gluon`,
-:func:`~mla.providers.gluon.prefill_launch.prefill_route` and
+"""Contracts served by the Triton provider's kernels (sparse attention, varlen and fp8 prefill
+and the indexer's scores too, for the calls :func:`~mla.providers.gluon.sparse.sparse_on_gluon`,
+:func:`~mla.providers.gluon.prefill_launch.prefill_route`,
+:func:`~mla.providers.gluon.prefill_fp8_launch.fp8_prefill_route` and
 :func:`~mla.providers.gluon.index_scores.gluon_scores_route` decline; the indexer's top-k always)."""
 PREFILL_NOTE = (
     "varlen prefill runs on the Gluon prefill kernel for bf16/fp16 q/k/v with 192/128 or 128/128 "
     "head dims and TMA-readable layouts (16-byte-aligned base and strides, last dim contiguous), "
-    "on the Triton provider's varlen kernel otherwise; fp8 prefill runs on the Triton provider's "
-    "kernels (the gluon provider delegates it)"
+    "on the Triton provider's varlen kernel otherwise (chunked-context passes too)"
 )
-"""The prefill kernel note (``mla explain``) of a provider built with ``prefill="gluon"``."""
-PREFILL_OPT_IN_NOTE = (
-    "prefill runs on the Triton provider's kernels; the Gluon prefill kernel is opt-in "
-    "(GluonProvider(prefill='gluon'), registered under a name of your own) while it is validated"
-)
-"""The prefill kernel note of the default provider."""
+"""The varlen part of the prefill kernel note (``mla explain``), ``prefill="gluon"`` (the default)."""
+TRITON_PREFILL_NOTE = "varlen prefill runs on the Triton provider's varlen kernel (prefill='triton')"
+"""The varlen part of the prefill kernel note of a provider built with ``prefill="triton"``."""
 FP8_PREFILL_NOTE = (
-    "opted in (fp8_prefill='gluon'): fp8 prefill runs on the Gluon fp8 prefill kernel for e4m3 q/k/v "
-    "with 192/128 or 128/128 head dims and TMA-readable layouts, on the Triton provider's kernels "
-    "otherwise"
+    "fp8 prefill runs on the Gluon fp8 prefill kernel for e4m3 q/k/v with 192/128 or 128/128 head "
+    "dims and TMA-readable layouts (P quantized to e4m3 for the fp8 P·V), on the Triton provider's "
+    "fp8 kernels otherwise"
 )
-"""Added to the prefill kernel note of a provider built with ``fp8_prefill="gluon"``."""
+"""The fp8 part of the prefill kernel note, ``fp8_prefill="gluon"`` (the default)."""
+TRITON_FP8_PREFILL_NOTE = "fp8 prefill runs on the Triton provider's fp8 kernels (fp8_prefill='triton')"
+"""The fp8 part of the prefill kernel note of a provider built with ``fp8_prefill="triton"``."""
 PREFILL_KERNELS = ("triton", "gluon")
 """What ``GluonProvider(prefill=...)`` takes."""
 
@@ -137,22 +139,19 @@ class GluonProvider(KernelProvider):
 
     name: ClassVar[str] = "gluon"
 
-    def __init__(self, *, prefill: str = "triton", fp8_prefill: str = "triton") -> None:
-        """``prefill``: ``"triton"`` (the default: varlen prefill on the Triton provider's
-        kernel) or ``"gluon"`` (the Gluon prefill kernel where
-        :func:`.prefill_launch.prefill_call_route` takes the call). The Gluon prefill kernel
-        passes its GPU tests, a random-varlen stress run and memcheck; it stays opt-in until a
-        GPU session makes it the default (one unexplained illegal-address fault in an early
-        benchmark session; racecheck reports hazards on its faster split layout's per-key flags
-        hand-off, not on its default producer layout).
+    def __init__(self, *, prefill: str = "gluon", fp8_prefill: str = "gluon") -> None:
+        """``prefill``: ``"gluon"`` (the default: the Gluon prefill kernel, split layout, where
+        :func:`.prefill_launch.prefill_call_route` takes the call, the Triton provider's varlen
+        kernel otherwise) or ``"triton"`` (always the Triton varlen kernel).
 
-        ``fp8_prefill``: ``"triton"`` (the default: fp8 prefill on the Triton provider's
-        kernels) or ``"gluon"`` (the Gluon fp8 prefill kernel of :mod:`.prefill_fp8` where
-        :func:`.prefill_fp8_launch.fp8_prefill_route` takes the call; ``plan_fp8_prefill``
-        then returns a :class:`.prefill_fp8_launch.GluonFp8PrefillPlan` around the Triton
-        plan). It passes its GPU tests and runs faster than the Triton fp8 kernel on an H200
-        (``docs/performance.md``), but quantizes P to e4m3 (about 2% relative
-        output error against 0.2% for the Triton kernel's fp16 P): opt-in for that trade."""
+        ``fp8_prefill``: ``"gluon"`` (the default: the Gluon fp8 prefill kernel of
+        :mod:`.prefill_fp8_split` where :func:`.prefill_fp8_launch.fp8_prefill_route` takes the
+        call; ``plan_fp8_prefill`` returns a :class:`.prefill_fp8_launch.GluonFp8PrefillPlan`
+        around the Triton plan) or ``"triton"`` (the Triton fp8 kernels). The Gluon fp8 kernel
+        quantizes P to e4m3 for its fp8 ``P·V``, as FP8 attention kernels on Hopper do: about
+        2% relative output error against the dequantized inputs, where the Triton kernel's fp16
+        P gives 0.2%. ``fp8_prefill="triton"`` is the choice for that accuracy
+        (``docs/performance.md`` has both kernels' speed)."""
         if prefill not in PREFILL_KERNELS:
             raise InvalidInputError("prefill", f"one of {'/'.join(PREFILL_KERNELS)}, got {prefill!r}")
         if fp8_prefill not in PREFILL_KERNELS:
@@ -166,7 +165,7 @@ class GluonProvider(KernelProvider):
         options = [
             f"{name}={value!r}"
             for name, value in (("prefill", self._prefill), ("fp8_prefill", self._fp8_prefill))
-            if value != "triton"
+            if value != "gluon"
         ]
         return f"GluonProvider({', '.join(options)})"
 
@@ -218,16 +217,17 @@ class GluonProvider(KernelProvider):
             "Gluon prefill kernel (TMA ring, TMA producer warp, wgmma, 128-row query tiles) for "
             f"bf16/fp16 {' and '.join(f'{a}/{b}' for a, b in sorted(PREFILL_DIMS, reverse=True))} "
             "head dims and TMA-readable layouts; Triton varlen kernel otherwise"
-            + ("" if self._prefill == "gluon" else " (opt-in: GluonProvider(prefill='gluon'); now: Triton)")
+            + ("" if self._prefill == "gluon" else " (off: GluonProvider(prefill='triton'); now: Triton)")
         )
         probes["fp8_prefill"] = (
             "Gluon fp8 prefill kernel (e4m3 wgmma QKᵀ and PV; a producer warpgroup transposes V in shared "
             "memory for two consumer warpgroups) for e4m3 "
             "192/128 and 128/128; Triton fp8 kernels otherwise"
             if self._fp8_prefill == "gluon"
-            else "Triton fp8 kernels (opt-in: GluonProvider(fp8_prefill='gluon'))"
+            else "Triton fp8 kernels (GluonProvider(fp8_prefill='triton'))"
         )
-        probes["delegated_to_triton"] = sorted(c.value for c in DELEGATED)
+        delegated = DELEGATED + ((Contract.FP8_PREFILL,) if self._fp8_prefill == "triton" else ())
+        probes["delegated_to_triton"] = sorted(c.value for c in delegated)
         return probes
 
     def kernel_note(
@@ -240,8 +240,9 @@ class GluonProvider(KernelProvider):
         rope_dim: int,
     ) -> str | None:
         if phase == "prefill":
-            note = PREFILL_NOTE if self._prefill == "gluon" else PREFILL_OPT_IN_NOTE
-            return note + (f"; {FP8_PREFILL_NOTE}" if self._fp8_prefill == "gluon" else "")
+            varlen = PREFILL_NOTE if self._prefill == "gluon" else TRITON_PREFILL_NOTE
+            fp8 = FP8_PREFILL_NOTE if self._fp8_prefill == "gluon" else TRITON_FP8_PREFILL_NOTE
+            return f"{varlen}; {fp8}"
         if phase != "decode":
             return f"{phase} runs on the Triton provider's kernels (the gluon provider delegates it)"
         kernel, why = decode_kernel(
@@ -306,7 +307,7 @@ class GluonProvider(KernelProvider):
     # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
-        # Opted in: the Gluon prefill kernel where prefill_call_route takes the call; else Triton's.
+        # The Gluon prefill kernel where prefill_call_route takes the call; else Triton's.
         if self._prefill == "gluon" and prefill_call_route(call)[0] == "gluon":
             from mla.providers.gluon.prefill_launch import launch_gluon_prefill  # noqa: PLC0415
 
@@ -318,11 +319,11 @@ class GluonProvider(KernelProvider):
         plan = self._triton.plan_fp8_prefill(call)
         if self._fp8_prefill != "gluon":
             return plan
-        # Opted in: the Triton plan (for the calls the route declines) and the batch's sizes.
+        # The Triton plan (for the calls the route declines) and the batch's sizes.
         return plan_gluon_fp8_prefill(call, plan)
 
     def fp8_prefill(self, call: Fp8PrefillCall) -> None:
-        # Opted in (a GluonFp8PrefillPlan): the Gluon fp8 kernel where fp8_prefill_route takes
+        # A GluonFp8PrefillPlan: the Gluon fp8 kernel where fp8_prefill_route takes
         # the call, else the Triton kernels on the plan's Triton schedule.
         plan = call.schedule
         if isinstance(plan, GluonFp8PrefillPlan):
