@@ -3,9 +3,10 @@
 Drives :func:`~mla.providers.gluon.prefill_launch.launch_gluon_prefill` directly (every launch
 variant: the three warp splits of ``PrefillKernel``, 128- and 64-key tiles, 192/128 and
 128/128, bf16 and fp16, causal and not, LSE on and off) and the gluon provider's
-``varlen_attention`` (the route, the contract's NaN rules, head-dim slices of one buffer, CUDA
-graph capture). Batches hold empty and one-token requests, requests with more queries than
-keys, and lengths that are not tile multiples. Outputs are NaN-poisoned before each run. Run:
+``varlen_attention`` (the route, the contract's NaN rules, head-dim slices of one buffer, the
+chunked-context form: ``k_pe`` and a prior state merged in place, CUDA graph capture). Batches
+hold empty and one-token requests, requests with more queries than keys, and lengths that are
+not tile multiples. Outputs are NaN-poisoned before each run. Run:
 ``pytest -m gpu tests/gluon/test_gpu_gluon_prefill.py`` (skipped without a Hopper GPU).
 """
 
@@ -24,6 +25,7 @@ from mla.providers.gluon.prefill_launch import (
     PrefillKernel,
     PrefillLaunchConfig,
     launch_gluon_prefill,
+    prefill_call_route,
     prefill_route,
 )
 from mla.tools.reference import reference_prefill
@@ -214,3 +216,56 @@ def test_prefill_captures_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     _check(call)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("prior", ["prior-state", "no-prior"])
+@pytest.mark.parametrize("batch", ["mixed", "sk-lt-sq"])
+def test_chunked_context_form_matches_reference(batch: str, prior: str, causal: bool) -> None:
+    """A context chunk's pass on the provider's Gluon kernel: ``k`` and ``v`` as head-dim slices
+    of one up-projection buffer, the rope lanes every head shares as ``k_pe`` (a slice of the
+    latent rows), merged in place into a prior state whose rows include ``lse = -inf`` ones
+    holding NaN (they must weigh nothing), against the float64 reference over the whole keys
+    merged by the LSE rule."""
+    lengths_q, lengths_k = BATCHES[batch]
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    heads, tokens, keys = 16, sum(lengths_q), sum(lengths_k)
+    q = torch.randn(tokens, heads, 192, device="cuda", generator=gen).bfloat16()
+    up = torch.randn(keys, heads, 128 + 128, device="cuda", generator=gen).bfloat16()
+    latent = torch.randn(keys, 512 + 64, device="cuda", generator=gen).bfloat16()
+    k_nope, v, k_pe = up[..., :128], up[..., 128:], latent[:, 512:]
+    cu_q, cu_k = _indptr(lengths_q), _indptr(lengths_k)
+    if prior == "prior-state":
+        out = torch.randn(tokens, heads, 128, device="cuda", generator=gen).bfloat16()
+        lse = torch.randn(tokens, heads, device="cuda", generator=gen) * 3
+        empty = torch.rand(tokens, heads, device="cuda", generator=gen) < 0.2
+        lse[empty] = -math.inf
+        out[empty] = math.nan
+        prior_out, prior_lse = out.cpu().double(), lse.cpu().double()
+    else:
+        out = torch.full((tokens, heads, 128), math.nan, dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((tokens, heads), math.nan, device="cuda")
+    call = VarlenPrefillCall(
+        q=q, k=k_nope, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+        max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=192**-0.5, causal=causal,
+        k_pe=k_pe, prior_out=out if prior == "prior-state" else None,
+        prior_lse=lse if prior == "prior-state" else None,
+    )  # fmt: skip
+    assert prefill_call_route(call)[0] == "gluon"
+    GluonProvider().varlen_attention(call)
+    whole = torch.cat([k_nope, k_pe[:, None, :].expand(keys, heads, 64)], dim=-1)
+    ref_out, ref_lse = reference_prefill(q, whole, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=causal)
+    if prior == "prior-state":
+        merged_lse = torch.logaddexp(ref_lse, prior_lse)
+        top = torch.where(merged_lse == -math.inf, 0.0, merged_lse)
+        w, w_p = torch.exp(ref_lse - top), torch.exp(prior_lse - top)
+        o_p = torch.where((w_p == 0)[..., None], 0.0, prior_out)
+        ref_out = (w[..., None] * ref_out + w_p[..., None] * o_p) / (w + w_p).clamp_min(1e-300)[..., None]
+        ref_lse = merged_lse
+    out64, lse64 = out.cpu().double(), lse.cpu().double()
+    assert not torch.isnan(out64).any(), "NaN rows (an lse = -inf prior row must weigh nothing)"
+    err = float((out64 - ref_out).norm() / ref_out.norm())
+    assert err < TOL[torch.bfloat16], f"relative output error {err:.3g}"
+    assert torch.equal(torch.isfinite(lse64), torch.isfinite(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 2e-3

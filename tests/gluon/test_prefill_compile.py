@@ -30,9 +30,18 @@ SCRIPT = textwrap.dedent(
     def indptr(lengths):
         return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
-    def call(dqk, dv, causal, dtype, heads=4, kv_slices=False):
+    def call(dqk, dv, causal, dtype, heads=4, kv_slices=False, context=False):
         tq, tk = sum(LQ), sum(LK)
         q = torch.zeros(tq, heads, dqk, dtype=dtype)
+        out, lse = torch.zeros(tq, heads, dv, dtype=dtype), torch.zeros(tq, heads)
+        if context:  # a context chunk's pass: k_nope and v slices of the up-projection, the
+            # latent's rope lanes as k_pe, merged into out/lse in place
+            up = torch.zeros(tk, heads, dqk - 64 + dv, dtype=dtype)
+            latent = torch.zeros(tk, 512 + 64, dtype=dtype)
+            return VarlenPrefillCall(
+                q=q, k=up[..., : dqk - 64], v=up[..., dqk - 64 :], cu_seqlens_q=indptr(LQ),
+                cu_seqlens_k=indptr(LK), out=out, lse=lse, max_seqlen_q=max(LQ), max_seqlen_k=max(LK),
+                softmax_scale=0.07, causal=causal, k_pe=latent[:, 512:], prior_out=out, prior_lse=lse)
         if kv_slices:  # k and v as head-dim slices of one [Tk, H, Dqk + Dv] buffer
             kv = torch.zeros(tk, heads, dqk + dv, dtype=dtype)
             k, v = kv[..., :dqk], kv[..., dqk:]
@@ -40,8 +49,7 @@ SCRIPT = textwrap.dedent(
             k = torch.zeros(tk, heads, dqk, dtype=dtype)
             v = torch.zeros(tk, heads, dv, dtype=dtype)
         return VarlenPrefillCall(
-            q=q, k=k, v=v, cu_seqlens_q=indptr(LQ), cu_seqlens_k=indptr(LK),
-            out=torch.zeros(tq, heads, dv, dtype=dtype), lse=torch.zeros(tq, heads),
+            q=q, k=k, v=v, cu_seqlens_q=indptr(LQ), cu_seqlens_k=indptr(LK), out=out, lse=lse,
             max_seqlen_q=max(LQ), max_seqlen_k=max(LK), softmax_scale=0.07, causal=causal)
 
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -78,9 +86,11 @@ SCRIPT = textwrap.dedent(
         for name, kwargs in {
             "provider-192": {},
             "provider-h128-slices": {"heads": 128, "kv_slices": True},
+            "provider-context": {"heads": 16, "context": True},
         }.items():
             driver.launches.clear()
-            GluonProvider(prefill="gluon").varlen_attention(call(192, 128, True, bf16, **kwargs))
+            causal = not kwargs.get("context", False)  # (a context chunk's pass is not causal)
+            GluonProvider(prefill="gluon").varlen_attention(call(192, 128, causal, bf16, **kwargs))
             out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
     json.dump(out, sys.stdout)
     """
@@ -127,3 +137,10 @@ def test_strided_kv_slices_and_128_heads_run_on_the_gluon_kernel(
     launches: dict[str, list[list[object]]],
 ) -> None:
     assert launches["provider-h128-slices"] == [[KERNEL, [3 * 4 * 128, 1, 1]]]
+
+
+def test_the_chunked_context_form_runs_on_the_gluon_kernel(launches: dict[str, list[list[object]]]) -> None:
+    """A context chunk's pass (``k`` and ``v`` slices of the up-projection, the latent's rope
+    lanes as ``k_pe``, merged into ``out``/``lse`` in place) compiles and launches the split
+    layout (one program per query tile, request and head)."""
+    assert launches["provider-context"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]

@@ -140,23 +140,53 @@ def test_launcher_refuses_calls_the_route_declines() -> None:
         launch_gluon_prefill(_call(q, k, v, out, torch.zeros(8, 4)))
 
 
-def test_chunked_context_operands_route_to_triton() -> None:
-    """A call with ``k_pe`` or a prior state (the chunked-context forms) is not a Gluon case,
-    however its tensors look; the launcher refuses it too (a split ``k`` already fails its
-    argument check)."""
+def test_chunked_context_operands_route_to_the_gluon_kernel() -> None:
+    """``k_pe`` of 64 rope lanes (here a strided slice of latent rows) and a prior state (the
+    chunked-context forms) run on the Gluon kernel's split layout."""
     q, k, v, out = _qkvo()
     lse = torch.zeros(8, 4)
     plain = _call(q, k, v, out, lse)
-    assert prefill_call_route(plain)[0] == "gluon"
+    latent = torch.zeros(8, 576, dtype=BF16)
     k_nope = torch.zeros(8, 4, 128, dtype=BF16)
     for call in (
-        attrs.evolve(plain, k=k_nope, k_pe=torch.zeros(8, 64, dtype=BF16)),
+        attrs.evolve(plain, k=k_nope, k_pe=latent[:, 512:]),
         attrs.evolve(plain, prior_out=out, prior_lse=lse),
+        attrs.evolve(plain, k=k_nope, k_pe=latent[:, 512:], prior_out=out, prior_lse=lse),
     ):
         kernel, why = prefill_call_route(call)
-        assert (kernel, "chunked-context" in why) == ("triton", True)
-        with pytest.raises(InvalidInputError):
-            launch_gluon_prefill(call)
+        assert kernel == "gluon", why
+
+
+@pytest.mark.parametrize(
+    ("k_pe", "why"),
+    [
+        (torch.zeros(8, 32, dtype=BF16), "[Tk, 64]"),
+        (torch.zeros(8, 64, dtype=torch.float16), "k_pe dtype"),
+        (torch.zeros(8, 72, dtype=BF16)[:, 4:68], "k_pe's base address"),
+        (torch.zeros(8, 68, dtype=BF16)[:, :64], "k_pe's token stride"),
+    ],
+    ids=["rope-32", "fp16", "unaligned-base", "unaligned-stride"],
+)
+def test_k_pe_the_gluon_kernel_cannot_read_routes_to_triton(k_pe: torch.Tensor, why: str) -> None:
+    """Other rope widths, another dtype than q's, and layouts TMA cannot read go to the Triton
+    kernel, with the reason."""
+    q, k, v, out = _qkvo()
+    call = attrs.evolve(
+        _call(q, k, v, out, torch.zeros(8, 4)), k=torch.zeros(8, 4, 192 - k_pe.shape[1], dtype=BF16), k_pe=k_pe
+    )
+    kernel, reason = prefill_call_route(call)
+    assert kernel == "triton"
+    assert why in reason
+
+
+def test_launcher_runs_the_chunked_context_form_on_the_split_layout_only() -> None:
+    """Another layout than the split one refuses the chunked-context operands, naming the config."""
+    q, k, v, out = _qkvo()
+    lse = torch.zeros(8, 4)
+    call = attrs.evolve(_call(q, k, v, out, lse), prior_out=out, prior_lse=lse)
+    with pytest.raises(InvalidInputError, match="split layout") as info:
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel.PRODUCER))
+    assert info.value.argument == "config"
 
 
 def test_provider_runs_declined_calls_on_the_triton_kernel() -> None:

@@ -164,13 +164,15 @@ def _attend_tile(
 @gluon.jit
 def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
-    ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr,
+    ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr, prior=None,
+    HAS_PRIOR: gl.constexpr = False,
 ):  # fmt: skip
     """A consumer partition of ``WARPS`` warps (8: both warpgroups, the whole query tile; 4: one
     warpgroup, query rows ``[64·W, 64·(W+1))`` of the split kernel): every key tile of the
-    query tile, then its output rows of the request (and their LSE). ``ISSUE_LOADS``: no
-    producer partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight itself. ``args``:
-    the kernel's buffers, barriers, query tile and strides (one tuple)."""
+    query tile, then its output rows of the request (and their LSE; with ``HAS_PRIOR`` merged
+    into the ``prior`` state, :func:`.prefill_parts._store_rows`). ``ISSUE_LOADS``: no producer
+    partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight itself. ``args``: the
+    kernel's buffers, barriers, query tile and strides (one tuple)."""
     M: gl.constexpr = 16 * WARPS
     FLAGS: gl.constexpr = WARPS == 4
     (
@@ -196,7 +198,7 @@ def _consumer(
 
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
-        stride_lh, W, M, D_V, WRITE_LSE, o_layout,
+        stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR,
     )  # fmt: skip
 
 
@@ -221,6 +223,13 @@ def mla_prefill_kernel(
     num_q_rows,
     num_k_rows,
     qk_scale,
+    kpe_desc,
+    prior_out_ptr,
+    prior_lse_ptr,
+    stride_pot,
+    stride_poh,
+    stride_plt,
+    stride_plh,
     D_QK: gl.constexpr,
     D_V: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -228,12 +237,17 @@ def mla_prefill_kernel(
     CAUSAL: gl.constexpr,
     WRITE_LSE: gl.constexpr,
     MODE: gl.constexpr,
+    HAS_K_PE: gl.constexpr,
+    HAS_PRIOR: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # MODE 0: plain (8 consumer warps issue the loads); 1: a one-warp TMA producer partition and
     # the 8 consumer warps; 2 (split): the launch's 4 warps are the producer (TMA and the V
-    # clean-up of masked tiles), each consumer warpgroup a partition of its own.
+    # clean-up of masked tiles), each consumer warpgroup a partition of its own. The
+    # chunked-context form (HAS_K_PE: each key tile's last box from kpe_desc, the rope lanes
+    # every head shares; HAS_PRIOR: the rows merged into a prior state) is the split layout's.
     gl.static_assert(num_warps == (SPLIT_PRODUCER_WARPS if MODE >= 2 else CONSUMER_WARPS), "launch warps")
+    gl.static_assert(MODE == 2 or not (HAS_K_PE or HAS_PRIOR), "the chunked-context form: split layout")
     gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
     dtype: gl.constexpr = q_desc.dtype
 
@@ -305,17 +319,25 @@ def mla_prefill_kernel(
             [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
         )  # fmt: skip
     elif MODE == 2:
+        prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh)
         gl.warp_specialize(
             [
                 (
                     _split_producer,
                     (
                         k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
-                        k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES, False,
+                        k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES, False, kpe_desc,
+                        HAS_K_PE,
                     ),
                 ),
-                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4)),
-                (_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4)),
+                (
+                    _consumer,
+                    (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR),
+                ),
+                (
+                    _consumer,
+                    (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR),
+                ),
             ],
             [4, 4],
             [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],

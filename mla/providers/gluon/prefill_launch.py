@@ -10,6 +10,7 @@ launches one program per (128-row query tile, request, head).
 from __future__ import annotations
 
 import enum
+import functools
 
 import attrs
 import torch
@@ -79,6 +80,7 @@ def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
     return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * (2 + 4 * config.num_stages)
 
 
+@functools.cache
 def prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
     """The default launch: 128-key tiles, the split layout (a producer warpgroup and two
     consumer warpgroups), the most ring slots (up to 3) that fit in shared memory (2 for
@@ -140,13 +142,26 @@ def prefill_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     return "gluon", f"16-bit {dims[0]}/{dims[1]} q/k/v with TMA-readable layouts"
 
 
+CONTEXT_ROPE = 64
+"""The rope lanes a ``k_pe`` operand may have on the Gluon kernel: one TMA box of each key tile."""
+
+
 def prefill_call_route(call: VarlenPrefillCall) -> tuple[str, str]:
-    """:func:`prefill_route` for a whole call: the chunked-context forms (``k_pe``, a prior
-    state) go to the Triton kernel (the Gluon kernel reads whole keys and writes a plain
-    epilogue)."""
-    if call.k_pe is not None or call.prior_out is not None:
-        return "triton", "chunked-context operands (k_pe, a prior state): the Gluon kernel reads whole keys"
-    return prefill_route(call.q, call.k, call.v, call.out)
+    """:func:`prefill_route` for a whole call, with the chunked-context forms: ``k_pe`` of
+    :data:`CONTEXT_ROPE` lanes that TMA can read (the kernel loads it as each key tile's last
+    box) and a prior state (merged in the epilogue) run on the Gluon kernel's split layout."""
+    kernel, why = prefill_route(call.q, call.k, call.v, call.out)
+    if kernel != "gluon" or call.k_pe is None:
+        return kernel, why
+    k_pe = call.k_pe
+    if k_pe.dim() != 2 or k_pe.shape[1] != CONTEXT_ROPE:
+        return "triton", f"k_pe of shape {tuple(k_pe.shape)} (the Gluon prefill takes [Tk, {CONTEXT_ROPE}])"
+    if k_pe.dtype != call.q.dtype:
+        return "triton", f"k_pe dtype {k_pe.dtype} is not q's {call.q.dtype}"
+    problem = _tma_problem("k_pe", k_pe[:, None, :])
+    if problem is not None:
+        return "triton", problem
+    return "gluon", f"{why}; k_pe's {CONTEXT_ROPE} rope lanes as each key tile's last box"
 
 
 def _descriptor(x: torch.Tensor, rows: int) -> object:
@@ -164,12 +179,30 @@ def _descriptor(x: torch.Tensor, rows: int) -> object:
     return TensorDescriptor(x, [tokens, width], [row_stride, 1], [rows, BOX.value], TILE_LAYOUT)
 
 
+def try_gluon_prefill(call: VarlenPrefillCall) -> bool:
+    """Run ``call`` on the Gluon prefill kernel (its default launch) and return ``True`` when
+    :func:`prefill_call_route` takes it; return ``False``, launching nothing, when the route
+    sends it to the Triton kernel. The gluon provider's ``varlen_attention`` (one route a call:
+    the launch's host time counts against the prefill's)."""
+    if prefill_call_route(call)[0] != "gluon":
+        return False
+    _launch(call, None, write_lse=True, routed=True)
+    return True
+
+
 def launch_gluon_prefill(
     call: VarlenPrefillCall, config: PrefillLaunchConfig | None = None, *, write_lse: bool = True
 ) -> None:
     """Launch the Gluon varlen prefill for ``call`` (the ``varlen-prefill`` contract; ``lse``
     written only with ``write_lse``). Raises :class:`InvalidInputError` for a call
     :func:`prefill_route` sends to the Triton kernel."""
+    _launch(call, config, write_lse=write_lse, routed=False)
+
+
+def _launch(
+    call: VarlenPrefillCall, config: PrefillLaunchConfig | None, *, write_lse: bool, routed: bool
+) -> None:
+    """:func:`launch_gluon_prefill`; ``routed``: the caller's route took the call already."""
     from mla.providers.gluon.prefill import (  # noqa: PLC0415 (kernels load lazily)
         CONSUMER_WARPS,
         SPLIT_PRODUCER_WARPS,
@@ -178,16 +211,27 @@ def launch_gluon_prefill(
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    k_pe, prior_out, prior_lse = call.k_pe, call.prior_out, call.prior_lse
     if not call.checked:  # (see VarlenPrefillCall.checked)
-        check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
-    kernel, why = prefill_call_route(call)
-    if kernel != "gluon":
-        raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
+        check_attention_args(
+            q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale, k_pe=k_pe,
+            prior_out=prior_out, prior_lse=prior_lse,
+        )  # fmt: skip
+    if not routed:
+        kernel, why = prefill_call_route(call)
+        if kernel != "gluon":
+            raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
+    heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
+    cfg = config or prefill_config(qk_dim, v_dim)
+    context = k_pe is not None or prior_out is not None
+    if context and cfg.kernel is not PrefillKernel.SPLIT:
+        raise InvalidInputError(
+            "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split layout "
+            "(PrefillKernel.SPLIT)",
+        )  # fmt: skip
     batch = call.cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or batch <= 0 or call.max_seqlen_q <= 0:
         return
-    heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
-    cfg = config or prefill_config(qk_dim, v_dim)
     if shared_bytes(qk_dim, v_dim, cfg) > SHARED_MEMORY_BYTES:
         raise InvalidInputError(
             "config", f"{cfg} needs {shared_bytes(qk_dim, v_dim, cfg)} bytes of shared memory at "
@@ -195,18 +239,25 @@ def launch_gluon_prefill(
         )  # fmt: skip
     num_m_blocks = -(-call.max_seqlen_q // QUERY_TILE)
     grid = (num_m_blocks * batch * heads,)
+    k_desc = _descriptor(k, cfg.block_n)
+    # (without the context operands their slots take the call's own descriptor and outputs)
+    prior_o, prior_l = (out, lse) if prior_out is None or prior_lse is None else (prior_out, prior_lse)
     mla_prefill_kernel[grid](
-        _descriptor(q, QUERY_TILE), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+        _descriptor(q, QUERY_TILE), k_desc, _descriptor(v, cfg.block_n),
         out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
+        k_desc if k_pe is None else _descriptor(k_pe[:, None, :], cfg.block_n),
+        prior_o, prior_l, prior_o.stride(0), prior_o.stride(1), prior_l.stride(0), prior_l.stride(1),
         D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
-        WRITE_LSE=write_lse, MODE=cfg.kernel.value,
+        WRITE_LSE=write_lse or prior_out is not None, MODE=cfg.kernel.value, HAS_K_PE=k_pe is not None,
+        HAS_PRIOR=prior_out is not None,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
     )  # fmt: skip
 
 
 __all__ = [
+    "CONTEXT_ROPE",
     "PREFILL_DIMS",
     "PrefillKernel",
     "PrefillLaunchConfig",
@@ -215,4 +266,5 @@ __all__ = [
     "prefill_config",
     "prefill_route",
     "shared_bytes",
+    "try_gluon_prefill",
 ]

@@ -2,7 +2,7 @@
 """Pieces shared by the Gluon prefill kernels (:mod:`.prefill`, :mod:`.prefill_overlap`): the
 launch constants, the tile range of a query tile, the TMA box copies into the K/V ring, the
 split kernel's producer (TMA, and the V clean-up of masked tiles), the ring-slot release and
-the epilogue."""
+the epilogue (with the merge into a prior state of the chunked-context form)."""
 
 from __future__ import annotations
 
@@ -153,15 +153,31 @@ def _copy_boxes(desc, row, col, bar, dst, first, N: gl.constexpr, SLICED: gl.con
 
 
 @gluon.jit
+def _copy_key_boxes(k_desc, kpe_desc, row, col, bar, dst, first, N: gl.constexpr, HAS_K_PE: gl.constexpr):
+    """TMA the ``N`` boxes of a key tile at ``(row, col)`` into boxes ``dst[first + c]``, all on
+    ``bar``: with ``HAS_K_PE`` the first ``N - 1`` from ``k_desc`` (each head's own lanes) and the
+    last from ``kpe_desc`` at column 0 (the rope lanes every head shares: one ``BOX``-wide box)."""
+    if HAS_K_PE:
+        mbarrier.expect(bar, k_desc.block_type.nbytes * N)
+        for c in gl.static_range(N - 1):
+            tma.async_copy_global_to_shared(k_desc, [row, col + c * BOX], bar, dst.index(first + c))
+        tma.async_copy_global_to_shared(kpe_desc, [row, 0], bar, dst.index(first + N - 1))
+    else:
+        _copy_boxes(k_desc, row, col, bar, dst, first, N, False)
+
+
+@gluon.jit
 def _split_producer(
     k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, k_row0, k_col,
     v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LAST_MASKED: gl.constexpr,
+    kpe_desc=None, HAS_K_PE: gl.constexpr = False,
 ):  # fmt: skip
     """The split kernels' producer (their 4-warp default partition): every key tile into the
-    ring. The V of a masked tile (``t >= n_full``, and the last tile with ``LAST_MASKED``) lands
-    on ``v_landed``; the producer zeroes its non-finite lanes in shared memory, writes which
-    keys had one into ``flags[s]``, then announces it on ``v_ready[s]`` (both consumer
-    warpgroups read the cleaned tile: neither writes it)."""
+    ring (with ``HAS_K_PE`` its last box from ``kpe_desc``, :func:`_copy_key_boxes`). The V of a
+    masked tile (``t >= n_full``, and the last tile with ``LAST_MASKED``) lands on
+    ``v_landed``; the producer zeroes its non-finite lanes in shared memory, writes which keys
+    had one into ``flags[s]``, then announces it on ``v_ready[s]`` (both consumer warpgroups read
+    the cleaned tile: neither writes it)."""
     NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
     NV: gl.constexpr = v_ring.shape[2] // BOX
     cleaned = 0
@@ -170,7 +186,7 @@ def _split_producer(
         phase = (t // NUM_STAGES) & 1
         row = k_row0 + t * BLOCK_N
         mbarrier.wait(k_empty.index(s), phase)
-        _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
+        _copy_key_boxes(k_desc, kpe_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, HAS_K_PE)
         mbarrier.wait(v_empty.index(s), phase)
         masked = t >= n_full
         if LAST_MASKED:
@@ -243,11 +259,14 @@ def _release(bar):
 def _store_rows(
     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
     stride_lh, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, WRITE_LSE: gl.constexpr,
-    O_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr, prior=None, HAS_PRIOR: gl.constexpr = False,
 ):  # fmt: skip
     """The epilogue of query rows ``m0 + W·M + [0, M)`` (``rows``: those rows relative to ``m0``,
     in the score row layout): the output ``acc / l`` (0 where no key was seen) and the natural
-    log LSE (``-inf`` there), only for rows of the request."""
+    log LSE (``-inf`` there), only for rows of the request. ``HAS_PRIOR``: merged by LSE into
+    the state ``prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt,
+    stride_plh)`` of the same rows first (:func:`_merge_prior`; it may be ``out``/``lse`` itself:
+    each element is read by the thread that then writes it)."""
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     seen = l_i != 0.0  # (a NaN sum, from a key the row sees, stays NaN)
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
@@ -255,10 +274,37 @@ def _store_rows(
     rows_o = m0 + W * M + gl.arange(0, M, layout=o_rows)
     cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, O_LAYOUT))
     tok = (q_begin + rows_o).to(gl.int64)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    rows_s = m0 + rows
+    tok_s = (q_begin + rows_s).to(gl.int64)
+    if HAS_PRIOR:
+        o, lse = _merge_prior(o, lse, prior, tok, tok_s, rows_o < seq_q, rows_s < seq_q, h, cols, o_rows)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols[None, :]
     gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
     if WRITE_LSE:
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-        rows_s = m0 + rows
-        tok_s = (q_begin + rows_s).to(gl.int64)
         gl.store(lse_ptr + tok_s * stride_lt + h.to(gl.int64) * stride_lh, lse, mask=rows_s < seq_q)
+
+
+@gluon.jit
+def _merge_prior(o, lse, prior, tok, tok_s, ok_o, ok_s, h, cols, O_ROWS: gl.constexpr):
+    """``(o*, lse*)``: this pass's normalised rows ``o`` (``[M, Dv]``) and natural-log ``lse`` merged
+    with the prior state's rows: ``lse* = log(e^lse + e^lse_p)``, ``o* = e^(lse - lse*)·o +
+    e^(lse_p - lse*)·o_p``. A state with ``lse = -inf`` weighs nothing whatever its rows hold (both
+    ``-inf``: ``o* = 0``, ``lse* = -inf``); a NaN LSE stays NaN."""
+    prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh = prior
+    hd = h.to(gl.int64)
+    lse_p = gl.load(prior_lse_ptr + tok_s * stride_plt + hd * stride_plh, mask=ok_s, other=float("-inf"))
+    top = gl.maximum(lse, lse_p)
+    top = gl.where(top == float("-inf"), 0.0, top)  # (both -inf: weights 0, no inf - inf)
+    w = gl.exp(lse - top)
+    w_p = gl.exp(lse_p - top)
+    total = w + w_p
+    merged_lse = top + gl.log(total)  # (-inf for a total of 0; NaN stays NaN)
+    some = total > 0.0
+    inv = gl.where(some, 1.0 / gl.where(some, total, 1.0), 0.0)
+    a = gl.convert_layout(w * inv, O_ROWS)
+    b = gl.convert_layout(w_p * inv, O_ROWS)[:, None]
+    p_ptrs = prior_out_ptr + tok[:, None] * stride_pot + hd * stride_poh + cols[None, :]
+    o_p = gl.load(p_ptrs, mask=ok_o[:, None], other=0.0).to(gl.float32)
+    # a prior row of weight 0 adds nothing, even where it holds NaN (a NaN weight stays NaN)
+    return o * a[:, None] + gl.where(b == 0.0, 0.0, o_p * b), merged_lse

@@ -17,11 +17,12 @@ Varlen prefill (``varlen-prefill``) runs on the Gluon prefill kernel of :mod:`.p
 (TMA K/V ring, a 4-warp TMA producer and two consumer warpgroups of 64 query rows each, the
 split layout; ``wgmma`` QKᵀ and PV over 128-row query tiles, causal masked only on diagonal
 tiles; ``PrefillKernel`` names the other warp splits a launch may ask for) where
-:func:`~mla.providers.gluon.prefill_launch.prefill_call_route` takes the call (no chunked-context
-operands): bf16/fp16 q/k/v of one
-dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads (last dim
-contiguous, 16-byte-aligned base, token and head strides, each token's heads within its row);
-every other call runs on the Triton provider's varlen kernel. fp8 prefill (``fp8-prefill``)
+:func:`~mla.providers.gluon.prefill_launch.prefill_call_route` takes the call: bf16/fp16
+q/k/v of one dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads
+(last dim contiguous, 16-byte-aligned base, token and head strides, each token's heads within
+its row), the chunked-context forms too (a 64-lane ``k_pe`` read as each key tile's last box, a
+prior state merged in the epilogue); every other call runs on the Triton provider's varlen
+kernel. fp8 prefill (``fp8-prefill``)
 runs on the Gluon fp8 kernel of :mod:`.prefill_fp8_split` where
 :func:`~mla.providers.gluon.prefill_fp8_launch.fp8_prefill_route` takes the call (e4m3 q/k/v,
 the same dims and layouts), on the Triton provider's fp8 kernels otherwise. The routes read
@@ -74,7 +75,7 @@ from mla.providers.gluon.prefill_fp8_launch import (
     fp8_prefill_route,
     plan_gluon_fp8_prefill,
 )
-from mla.providers.gluon.prefill_launch import PREFILL_DIMS, prefill_call_route
+from mla.providers.gluon.prefill_launch import PREFILL_DIMS, try_gluon_prefill
 from mla.providers.gluon.sparse import sparse_on_gluon
 from mla.providers.split_kv import SplitKVSchedule
 from mla.providers.triton import TritonProvider
@@ -96,7 +97,8 @@ and the indexer's scores too, for the calls :func:`~mla.providers.gluon.sparse.s
 PREFILL_NOTE = (
     "varlen prefill runs on the Gluon prefill kernel for bf16/fp16 q/k/v with 192/128 or 128/128 "
     "head dims and TMA-readable layouts (16-byte-aligned base and strides, last dim contiguous), "
-    "on the Triton provider's varlen kernel otherwise (chunked-context passes too)"
+    "on the Triton provider's varlen kernel otherwise; chunked-context passes (k_pe of 64 lanes, a "
+    "prior state) on the Gluon kernel too"
 )
 """The varlen part of the prefill kernel note (``mla explain``), ``prefill="gluon"`` (the default)."""
 TRITON_PREFILL_NOTE = "varlen prefill runs on the Triton provider's varlen kernel (prefill='triton')"
@@ -308,11 +310,7 @@ class GluonProvider(KernelProvider):
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
         # The Gluon prefill kernel where prefill_call_route takes the call; else Triton's.
-        if self._prefill == "gluon" and prefill_call_route(call)[0] == "gluon":
-            from mla.providers.gluon.prefill_launch import launch_gluon_prefill  # noqa: PLC0415
-
-            launch_gluon_prefill(call)
-        else:
+        if self._prefill != "gluon" or not try_gluon_prefill(call):
             self._triton.varlen_attention(call)
 
     def plan_fp8_prefill(self, call: Fp8PrefillPlanCall) -> object:
