@@ -171,9 +171,8 @@ def test_k_pe_the_gluon_kernel_cannot_read_routes_to_triton(k_pe: torch.Tensor, 
     """Other rope widths, another dtype than q's, and layouts TMA cannot read go to the Triton
     kernel, with the reason."""
     q, k, v, out = _qkvo()
-    call = attrs.evolve(
-        _call(q, k, v, out, torch.zeros(8, 4)), k=torch.zeros(8, 4, 192 - k_pe.shape[1], dtype=BF16), k_pe=k_pe
-    )
+    k_nope = torch.zeros(8, 4, 192 - k_pe.shape[1], dtype=BF16)
+    call = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), k=k_nope, k_pe=k_pe)
     kernel, reason = prefill_call_route(call)
     assert kernel == "triton"
     assert why in reason
