@@ -194,8 +194,10 @@ def launch_gluon_prefill(
     call: VarlenPrefillCall, config: PrefillLaunchConfig | None = None, *, write_lse: bool = True
 ) -> None:
     """Launch the Gluon varlen prefill for ``call`` (the ``varlen-prefill`` contract; ``lse``
-    written only with ``write_lse``). Raises :class:`InvalidInputError` for a call
-    :func:`prefill_route` sends to the Triton kernel."""
+    written only with ``write_lse``, or when the call merges into a prior state, whose merged
+    LSE is part of the result). Raises :class:`InvalidInputError` for a call
+    :func:`prefill_call_route` sends to the Triton kernel, or for the chunked-context operands
+    on another layout than the split one."""
     _launch(call, config, write_lse=write_lse, routed=False)
 
 
