@@ -81,12 +81,14 @@ _HANDLES = itertools.count()
 class StandInKernel:
     """What ``JITFunction.run`` uses of a ``CompiledKernel``, without compiling."""
 
-    def __init__(self, driver: StandInDriver, name: str, key: object) -> None:
+    def __init__(self, driver: StandInDriver, name: str, key: object, options: object = None) -> None:
         self.run = RecordingLauncher(driver)
         self.function = ("function", name, next(_HANDLES))
         self.packed_metadata = ("packed metadata", name)
         self.key = key
         """Triton's cache key this kernel was made for."""
+        self.options = options
+        """The compile options Triton handed the compiler (its backend's options record)."""
 
     def launch_metadata(self, grid: object, stream: object, *args: Any) -> None:
         return None
@@ -143,7 +145,7 @@ def stand_in_driver(*, compile_kernels: bool = True) -> Iterator[StandInDriver]:
         attrs: object,
         warmup: bool,
     ) -> StandInKernel:
-        kernel = StandInKernel(stand_in, fn.fn.__name__, key)
+        kernel = StandInKernel(stand_in, fn.fn.__name__, key, options)
         fn.device_caches[device][0][key] = kernel
         return kernel
 

@@ -172,6 +172,20 @@ def test_cached_launch_follows_the_current_device_and_binds_like_triton(driver: 
 
 
 @needs_verified_triton
+def test_another_driver_never_gets_a_kernel_compiled_under_the_first() -> None:
+    kernel = fresh_fill_kernel()
+    cache = LaunchCache(kernel)
+    grid, args, kwargs = fill_args(4)
+    for _ in range(2):
+        kernel.device_caches.clear()  # (Triton's own: its kernels record to the driver they were made under)
+        with stand_in_driver(compile_kernels=False) as stand_in:
+            cache.launch(grid, *args, **kwargs)
+            cache.launch(grid, *args, **kwargs)
+            assert len(stand_in.launches) == 2
+    assert (cache.slow_launches, cache.fast_launches) == (2, 2)
+
+
+@needs_verified_triton
 def test_the_planner_launch_is_cached(driver: StandInDriver) -> None:
     kernel = JITFunction(schedule._plan_split_kv_kernel.fn)
     cache = LaunchCache(kernel)
@@ -200,7 +214,7 @@ class Sixteen(enum.IntEnum):
         "unkeyed argument",
         "callable grid",
         "four-dimensional grid",
-        "global values",
+        "unhashable global value",
         "disabled",
     ],
 )
@@ -223,8 +237,8 @@ def test_fallbacks_launch_through_triton(
         launch_grid = lambda meta: grid  # noqa: E731
     elif case == "four-dimensional grid":
         launch_grid = (*grid, 1, 1)  # Triton launches the first three
-    elif case == "global values":
-        kernel.used_global_vals = {("G", 0): (1, {"G": 1})}
+    elif case == "unhashable global value":
+        kernel.used_global_vals = {("G", 0): ([1], {"G": [1]})}
     else:
         monkeypatch.setattr(launch_cache, "ENABLED", False)
     try:
@@ -238,6 +252,91 @@ def test_fallbacks_launch_through_triton(
     assert (cache.slow_launches, cache.fast_launches) == (3, 0)
     if case == "pre-run hook":
         assert len(seen) == 3
+
+
+@needs_verified_triton
+def test_global_values_are_cached_while_each_name_keeps_its_object(driver: StandInDriver) -> None:
+    kernel = fresh_fill_kernel()
+    scope: dict[str, object] = {"G": 16, "LAYOUT": ("swizzle", 128)}
+    kernel.used_global_vals = {("G", 0): (16, scope), ("LAYOUT", 0): (("swizzle", 128), scope)}
+    cache = LaunchCache(kernel)
+    grid, args, kwargs = fill_args(4)
+    for _ in range(3):
+        cache.launch(grid, *args, **kwargs)
+    assert (cache.slow_launches, cache.fast_launches) == (1, 2)
+    # An equal value bound anew: Triton checks it (and launches), the entry records the new object.
+    scope["LAYOUT"] = tuple(["swizzle", 128])  # noqa: C409 (a literal would be the same constant object)
+    for _ in range(2):
+        cache.launch(grid, *args, **kwargs)
+    assert (cache.slow_launches, cache.fast_launches) == (2, 3)
+    # A changed value: Triton's own check raises, as it does without the cache.
+    scope["G"] = 32
+    with pytest.raises(RuntimeError, match="Global variable G has changed"):
+        cache.launch(grid, *args, **kwargs)
+    assert cache.fast_launches == 3
+
+
+@needs_verified_triton
+def test_gluon_descriptors_are_keyed_by_their_type_string(driver: StandInDriver) -> None:
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+
+    def copy_tile(desc, out, n) -> None:  # type: ignore[no-untyped-def]
+        pass  # (never compiled: the stand-in driver records the launch)
+
+    kernel = JITFunction(copy_tile)
+    cache = LaunchCache(kernel)
+    wide = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    narrow = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    out = torch.zeros(16)
+
+    def descriptor(rows: int, cols: int, block: list[int], layout: object, dtype: torch.dtype) -> object:
+        x = torch.zeros(rows, cols, dtype=dtype)
+        return gluon_hopper.TensorDescriptor(x, [rows, cols], [cols, 1], block, layout)
+
+    cases = [
+        (256, 192, [128, 64], wide, torch.bfloat16),
+        (512, 256, [128, 64], wide, torch.bfloat16),  # another shape and base: same kernel
+        (256, 192, [64, 64], wide, torch.bfloat16),
+        (256, 192, [128, 64], narrow, torch.bfloat16),
+        (256, 192, [128, 64], wide, torch.float16),
+    ]
+    for case in cases * 2:
+        desc = descriptor(*case)
+        cache.launch((4,), desc, out, 7)
+        cached = driver.launches[-1]
+        assert cached.args[0] is desc
+        kernel[(4,)](desc, out, 7)
+        assert same_launch(cached, driver.launches[-1]), case
+    # Triton makes one kernel per type string (dtype, block shape, layout); so does the cache.
+    types = {native_specialize_impl(BaseBackend, descriptor(*case), False, True, True)[0] for case in cases}
+    assert len(types) == len(kernel.device_caches[0][0]) == 4
+    assert (cache.slow_launches, cache.fast_launches) == (4, 2 * len(cases) - 4)
+
+
+@needs_verified_triton
+def test_a_parameter_named_like_a_launch_option_reaches_the_options(driver: StandInDriver) -> None:
+    """A kernel may read its launch's ``num_warps`` as a constexpr parameter: Triton then binds
+    the keyword to the parameter and to the options; the cached path's launches through Triton
+    must pass it the same way (else the kernel is compiled for the default 4 warps)."""
+    from triton import language as tl
+
+    def reads_warps(x, num_warps: tl.constexpr) -> None:  # type: ignore[no-untyped-def]
+        pass  # (never compiled)
+
+    kernel = JITFunction(reads_warps)
+    cache = LaunchCache(kernel)
+    x = torch.zeros(4)
+    for warps in (8, 8, 4):
+        cache.launch((1,), x, num_warps=warps)
+        cached = driver.launches[-1]
+        kernel[(1,)](x, num_warps=warps)
+        assert same_launch(cached, driver.launches[-1]), warps
+    compiled = kernel.device_caches[0][0].values()
+    assert sorted(k.options.num_warps for k in compiled) == [4, 8]
+    assert (cache.slow_launches, cache.fast_launches) == (2, 1)
 
 
 def test_another_triton_version_or_an_interpreted_kernel_is_never_cached(
@@ -306,7 +405,7 @@ def _keyed(x_ptr, n, unaligned, BLOCK: triton.language.constexpr = 64):  # type:
 
 @needs_verified_triton
 def test_the_generated_launch_keys_each_argument_by_arg_key(driver: StandInDriver) -> None:
-    """The generated launch's key: the device, each parameter's :func:`arg_key` (defaults
+    """The generated launch's key: the driver and the device, each parameter's :func:`arg_key` (defaults
     applied, constexprs by type and value), the options, then the debug and instrumentation
     settings; arguments it does not key and unhashable options go through Triton uncached."""
 
@@ -326,12 +425,12 @@ def test_the_generated_launch_keys_each_argument_by_arg_key(driver: StandInDrive
         (key,) = cache._entries
         parts = tuple(arg_key(v, kind, align) for v, (kind, align) in zip((x, n, u), plan, strict=True))
         settings = (kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-        assert key == (0, *parts, int, 64, ("num_warps", 2), *settings)
+        assert key == (driver, 0, *parts, int, 64, ("num_warps", 2), *settings)
         cache.launch((1,), x, n, u, num_warps=2)
         assert driver.launches[-1].args == (x, n, u, 64)
     slow = cache.slow_launches
     cache.launch((1,), base, 1, 1, BLOCK=True)
-    assert any(key[4:6] == (bool, True) for key in cache._entries)  # another key than int 1
+    assert any(key[5:7] == (bool, True) for key in cache._entries)  # another key than int 1
     cache.launch((1,), Sixteen.VALUE, 1, 1)  # not keyed: through Triton
     with pytest.raises(TypeError, match="unhashable"):  # through Triton, which raises
         cache.launch((1,), 1, 2, 3, BLOCK=[64])

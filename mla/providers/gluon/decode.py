@@ -46,6 +46,7 @@ from mla.providers.gluon.planner import (
 from mla.providers.gluon.sparse import sparse_inputs
 from mla.providers.gluon.transposed import mla_decode_rows_kernel
 from mla.providers.triton.decode_launch import DecodeInputs, DecodeLaunch, launch_split_decode, num_sms
+from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.pdl import pdl_options
 
 
@@ -82,6 +83,14 @@ def kv_ds_mla(inputs: DecodeInputs) -> bool:
     return inputs.kv_fp8 and int(inputs.kv_cache.shape[1]) == ds_mla_row_bytes(rank, rope)
 
 
+ROWS_LAUNCH = LaunchCache(mla_decode_rows_kernel)
+ROW64_LAUNCH = LaunchCache(mla_decode_kernel)
+PINGPONG_LAUNCH = LaunchCache(mla_decode_pingpong_kernel)
+DUAL_LAUNCH = LaunchCache(mla_decode_dual_kernel)
+DS_MLA_LAUNCH = LaunchCache(ds_mla_rows.mla_decode_ds_mla_kernel)
+"""The decode kernels' cached launches (:mod:`mla.providers.triton.launch_cache`), one per kernel."""
+
+
 def _constexprs(decode: DecodeLaunch, config: GluonLaunchConfig) -> dict[str, int | bool]:
     """The shared constexprs (the key operand's too) plus the KV tile every Gluon kernel takes."""
     return {**decode.constexprs(), **decode.key_constexprs(), "BLOCK_N": config.block_n}
@@ -93,7 +102,8 @@ def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     out = decode.inputs.out
     words = _fold_barrier(config, grid=decode.grid[0], rank=out.shape[-1], device=out.device)
     folds = words is not None
-    mla_decode_rows_kernel[decode.grid](
+    ROWS_LAUNCH.launch(
+        decode.grid,
         # Without a fold the kernel never reads barrier_ptr: any device pointer will do.
         *decode.tensors(), decode.kv_scale, words if folds else decode.kv_scale, *decode.scalars(),
         *decode.key_operands(), **_constexprs(decode, config), NUM_STAGES=config.num_stages,
@@ -106,7 +116,8 @@ def _launch_rows(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
 
 def _launch_row64(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     """The 64-row kernel (8 warps; 16-bit or fp8 caches; optionally overlapped MMAs)."""
-    mla_decode_kernel[decode.grid](
+    ROW64_LAUNCH.launch(
+        decode.grid,
         *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NUM_STAGES=config.num_stages, KV_FP8=decode.inputs.kv_fp8,
         KV_DS_MLA=kv_ds_mla(decode.inputs), OVERLAP=config.overlap, num_warps=NUM_WARPS,
@@ -116,7 +127,8 @@ def _launch_row64(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
 
 def _launch_pingpong(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     """The ping-pong kernel (64 rows of a 16-bit cache; the launch's warps are its loader)."""
-    mla_decode_pingpong_kernel[decode.grid](
+    PINGPONG_LAUNCH.launch(
+        decode.grid,
         *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NUM_STAGES=config.num_stages, num_warps=PINGPONG_LOADER_WARPS.value,
     )  # fmt: skip
@@ -131,7 +143,8 @@ def _launch_dual(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     rank = x.q_nope.shape[2]
     merge = x.out.new_empty(decode.grid[0], config.row_tile * (rank + 2), dtype=torch.float32)
     boxes = _kv_box_descriptors(x.kv_cache, rank, config.block_n)
-    mla_decode_dual_kernel[decode.grid](
+    DUAL_LAUNCH.launch(
+        decode.grid,
         *decode.tensors(), decode.kv_scale, merge, *boxes, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NR=config.row_tile, num_warps=DUAL_LOADER_WARPS.value,
     )  # fmt: skip
@@ -143,7 +156,8 @@ def _launch_ds_mla(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     MMA registers are :mod:`.ds_mla_rows`'s module settings, read at each launch."""
     rings = ds_mla_rows.RINGS[config.row_tile]
     regs = ds_mla_rows.MMA_REGS if config.row_tile == 16 else ds_mla_rows.MMA_REGS_32
-    ds_mla_rows.mla_decode_ds_mla_kernel[decode.grid](
+    DS_MLA_LAUNCH.launch(
+        decode.grid,
         *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NR=config.row_tile, CHUNK=rings.chunk, FP8_SLOTS=rings.fp8_slots,
         ROPE_SLOTS=rings.rope_slots, WIDE_SLOTS=rings.wide_slots, MMA_REGS=regs, OVERLAP=config.overlap,

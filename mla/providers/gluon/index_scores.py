@@ -56,6 +56,7 @@ from mla.providers.triton.indexer import (
     index_scores_config,
     score_chunk,
 )
+from mla.providers.triton.launch_cache import LaunchCache
 from mla.providers.triton.pdl import pdl_options
 
 HEAD_DIM = gl.constexpr(128)
@@ -290,7 +291,8 @@ def gluon_index_scores(
     launch = gluon_config or GluonScoresConfig()
     width = table.shape[1] if table.shape[0] else 0  # an empty table: no position is in range
     weights = call.weights
-    index_scores_kernel[(rows, chunks)](
+    INDEX_SCORES_LAUNCH.launch(
+        (rows, chunks),
         q, weights, key_desc, scale_desc, table, call.row_request, call.row_keys, scores,
         scores if stats is None else stats,
         heads, call.max_keys, chunk, max(table.shape[0] - 1, 0), width, blocks,
@@ -299,6 +301,10 @@ def gluon_index_scores(
         BLOCK_SIZE=block_size, HP=max(16, triton.next_power_of_2(heads)), NUM_STAGES=launch.num_stages,
         STATS=stats is not None, **pdl_options(q.device), num_warps=4,
     )  # fmt: skip
+
+
+INDEX_SCORES_LAUNCH = LaunchCache(index_scores_kernel)
+"""``index_scores_kernel[grid](...)`` through the cached launch (:mod:`mla.providers.triton.launch_cache`)."""
 
 
 __all__ = ["GluonScoresConfig", "gluon_index_scores", "gluon_scores_route", "index_scores_kernel"]

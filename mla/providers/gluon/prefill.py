@@ -86,6 +86,7 @@ from mla.providers.gluon.prefill_parts import (
     _split_producer,
     _store_rows,
 )
+from mla.providers.triton.launch_cache import LaunchCache
 
 
 @gluon.jit
@@ -366,10 +367,15 @@ def mla_prefill_kernel(
         _consumer(consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, True, 0, CONSUMER_WARPS)
 
 
+PREFILL_LAUNCH = LaunchCache(mla_prefill_kernel)
+"""``mla_prefill_kernel[grid](...)`` through the cached launch (:mod:`mla.providers.triton.launch_cache`)."""
+
+
 __all__ = [
     "BLOCK_M",
     "BOX",
     "CONSUMER_WARPS",
+    "PREFILL_LAUNCH",
     "SPLIT_PRODUCER_WARPS",
     "TILE_LAYOUT",
     "mla_prefill_kernel",

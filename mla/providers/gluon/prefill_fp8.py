@@ -65,6 +65,7 @@ from mla.providers.gluon.prefill_parts import (
     _release,
     _store_rows,
 )
+from mla.providers.triton.launch_cache import LaunchCache
 
 
 @gluon.jit
@@ -289,4 +290,9 @@ def mla_fp8_prefill_kernel(
         )  # fmt: skip
 
 
-__all__ = ["FP8_TILE_LAYOUT", "P_OFFSET", "mla_fp8_prefill_kernel"]
+FP8_PREFILL_LAUNCH = LaunchCache(mla_fp8_prefill_kernel)
+"""``mla_fp8_prefill_kernel[grid](...)`` through the cached launch
+(:mod:`mla.providers.triton.launch_cache`)."""
+
+
+__all__ = ["FP8_PREFILL_LAUNCH", "FP8_TILE_LAYOUT", "P_OFFSET", "mla_fp8_prefill_kernel"]

@@ -19,13 +19,13 @@ import torch
 
 from mla.core.errors import InvalidInputError, PlanMismatchError
 from mla.providers.calls import Fp8PrefillCall, Fp8PrefillPlanCall
+from mla.providers.gluon.descriptors import token_descriptor
 from mla.providers.gluon.prefill_launch import (
     LOG2E,
     PREFILL_DIMS,
     QUERY_TILE,
     SHARED_MEMORY_BYTES,
     SPLIT_V_LANDING,
-    TMA_ALIGN,
     PrefillKernel,
     PrefillLaunchConfig,
     _tma_problem,
@@ -136,22 +136,6 @@ def fp8_prefill_route(call: Fp8PrefillCall) -> tuple[str, str]:
     return "gluon", f"e4m3 {dims[0]}/{dims[1]} q/k/v with TMA-readable layouts"
 
 
-def _descriptor(x: torch.Tensor, rows: int) -> object:
-    """TMA descriptor of ``[rows, 64]`` boxes over the 2-D view of ``x`` (as
-    :func:`.prefill_launch._descriptor`, for 8-bit elements)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
-    from mla.providers.gluon.prefill_fp8 import FP8_TILE_LAYOUT  # noqa: PLC0415 (kernels load lazily)
-    from mla.providers.gluon.prefill_parts import BOX  # noqa: PLC0415
-
-    tokens, heads, dim = x.shape
-    width = (heads - 1) * x.stride(1) + dim
-    row_stride = x.stride(0) if tokens > 1 else max(width, x.stride(0))
-    per_align = TMA_ALIGN // x.element_size()
-    row_stride = -(-row_stride // per_align) * per_align
-    return TensorDescriptor(x, [tokens, width], [row_stride, 1], [rows, BOX.value], FP8_TILE_LAYOUT)
-
-
 def _check_plan(call: Fp8PrefillCall, plan: GluonFp8PrefillPlan) -> None:
     q, k = call.q, call.k
     if (plan.num_heads, plan.num_tokens, plan.num_kv_tokens, plan.causal) != (
@@ -170,8 +154,8 @@ def launch_gluon_fp8_prefill(
     """Launch the Gluon fp8 varlen prefill for ``call`` (the ``fp8-prefill`` contract, its
     schedule a :class:`GluonFp8PrefillPlan`; ``lse`` written only with ``write_lse``). Raises
     :class:`InvalidInputError` for a call :func:`fp8_prefill_route` sends to the Triton kernel."""
-    from mla.providers.gluon.prefill_fp8 import mla_fp8_prefill_kernel  # noqa: PLC0415 (lazy)
-    from mla.providers.gluon.prefill_parts import CONSUMER_WARPS, SPLIT_PRODUCER_WARPS  # noqa: PLC0415
+    from mla.providers.gluon.prefill_fp8 import FP8_PREFILL_LAUNCH, FP8_TILE_LAYOUT  # noqa: PLC0415 (lazy)
+    from mla.providers.gluon.prefill_parts import BOX, CONSUMER_WARPS, SPLIT_PRODUCER_WARPS  # noqa: PLC0415
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
@@ -198,8 +182,12 @@ def launch_gluon_fp8_prefill(
         )  # fmt: skip
     num_m_blocks = -(-plan.max_seqlen_q // QUERY_TILE)
     grid = (num_m_blocks * batch * heads,)
-    mla_fp8_prefill_kernel[grid](
-        _descriptor(q, QUERY_TILE), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+    box = BOX.value  # (each descriptor: [rows, 64] boxes over the 2-D view the route checked)
+    FP8_PREFILL_LAUNCH.launch(
+        grid,
+        token_descriptor(q, QUERY_TILE, box, FP8_TILE_LAYOUT),
+        token_descriptor(k, cfg.block_n, box, FP8_TILE_LAYOUT),
+        token_descriptor(v, cfg.block_n, box, FP8_TILE_LAYOUT),
         out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.q_scale, call.k_scale, call.v_scale,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,

@@ -17,6 +17,7 @@ import torch
 
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
+from mla.providers.gluon.descriptors import token_descriptor
 
 PREFILL_DIMS: frozenset[tuple[int, int]] = frozenset({(192, 128), (128, 128)})
 """``(Dqk, Dv)`` pairs the kernel is built for."""
@@ -164,21 +165,6 @@ def prefill_call_route(call: VarlenPrefillCall) -> tuple[str, str]:
     return "gluon", f"{why}; k_pe's {CONTEXT_ROPE} rope lanes as each key tile's last box"
 
 
-def _descriptor(x: torch.Tensor, rows: int) -> object:
-    """TMA descriptor of ``[rows, 64]`` boxes (a ``D``-wide tile is ``D / 64`` of them) over the
-    2-D view of ``x`` (see :func:`_tma_problem`)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
-    from mla.providers.gluon.prefill import BOX, TILE_LAYOUT  # noqa: PLC0415 (kernels load lazily)
-
-    tokens, heads, dim = x.shape
-    width = (heads - 1) * x.stride(1) + dim
-    row_stride = x.stride(0) if tokens > 1 else max(width, x.stride(0))
-    # (a one-token tensor's row stride is never used; TMA still wants it aligned)
-    row_stride = -(-row_stride // 8) * 8
-    return TensorDescriptor(x, [tokens, width], [row_stride, 1], [rows, BOX.value], TILE_LAYOUT)
-
-
 def try_gluon_prefill(call: VarlenPrefillCall) -> bool:
     """Run ``call`` on the Gluon prefill kernel (its default launch) and return ``True`` when
     :func:`prefill_call_route` takes it; return ``False``, launching nothing, when the route
@@ -206,9 +192,11 @@ def _launch(
 ) -> None:
     """:func:`launch_gluon_prefill`; ``routed``: the caller's route took the call already."""
     from mla.providers.gluon.prefill import (  # noqa: PLC0415 (kernels load lazily)
+        BOX,
         CONSUMER_WARPS,
+        PREFILL_LAUNCH,
         SPLIT_PRODUCER_WARPS,
-        mla_prefill_kernel,
+        TILE_LAYOUT,
     )
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
 
@@ -241,15 +229,18 @@ def _launch(
         )  # fmt: skip
     num_m_blocks = -(-call.max_seqlen_q // QUERY_TILE)
     grid = (num_m_blocks * batch * heads,)
-    k_desc = _descriptor(k, cfg.block_n)
+    box = BOX.value  # (each descriptor: [rows, 64] boxes over the 2-D view _tma_problem checked)
+    k_desc = token_descriptor(k, cfg.block_n, box, TILE_LAYOUT)
     # (without the context operands their slots take the call's own descriptor and outputs)
     prior_o, prior_l = (out, lse) if prior_out is None or prior_lse is None else (prior_out, prior_lse)
-    mla_prefill_kernel[grid](
-        _descriptor(q, QUERY_TILE), k_desc, _descriptor(v, cfg.block_n),
+    PREFILL_LAUNCH.launch(
+        grid,
+        token_descriptor(q, QUERY_TILE, box, TILE_LAYOUT), k_desc,
+        token_descriptor(v, cfg.block_n, box, TILE_LAYOUT),
         out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
-        k_desc if k_pe is None else _descriptor(k_pe[:, None, :], cfg.block_n),
+        k_desc if k_pe is None else token_descriptor(k_pe[:, None, :], cfg.block_n, box, TILE_LAYOUT),
         prior_o, prior_l, prior_o.stride(0), prior_o.stride(1), prior_l.stride(0), prior_l.stride(1),
         D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
         WRITE_LSE=write_lse or prior_out is not None, MODE=cfg.kernel.value, HAS_K_PE=k_pe is not None,

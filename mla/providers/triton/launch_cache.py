@@ -24,10 +24,22 @@ does, from one generated function per kernel (:func:`make_launcher`). The key is
 fine as Triton's own: per argument the facts Triton specializes on (an int's width class
 i32/i64/u64, whether it is 1 and whether it is a multiple of 16, unless the parameter is in
 ``do_not_specialize``; a tensor's dtype and whether its address is 16-byte aligned; the type and
-value of a constexpr; a float or bool by type), plus the launch options, the debug and
-instrumentation settings and the current device. Two calls with the same key therefore get the
-same compiled kernel from Triton, so the cached one is the one Triton would launch. Values that
-are not specialized on (an int's value, a tensor's address) are passed through on every call.
+value of a constexpr; a float or bool by type; a Gluon ``TensorDescriptor``'s dtype, block
+shape and shared layout, the parts of its type string), plus the launch options, the debug and
+instrumentation settings, the active driver and the current device. Two calls with the same
+key therefore get the same compiled kernel from Triton, so the cached one is the one Triton
+would launch. Values that are not specialized on (an int's value, a tensor's address, a
+descriptor's shape and strides) are passed through on every call (the launcher encodes a
+descriptor's TMA map from them).
+
+Global values: Triton compares every module-level value a kernel reads (Gluon kernels read their
+module's constants and layouts) with its value at compile time on each launch, and raises when
+one changed. The first launch of a key goes through that check; the cached entry then records
+which object each of those names was bound to, and a later launch takes the cached path only
+while every name is still bound to the same object (a rebound name sends the call through
+Triton, which checks it by value). A value changed in place would not show as a rebinding, so
+the values must be hashable, as immutable ones are: a kernel reading an unhashable global is
+never cached.
 
 Limits (each one sends the call through ``kernel[grid](...)``, so nothing changes but the cost):
 
@@ -35,9 +47,9 @@ Limits (each one sends the call through ``kernel[grid](...)``, so nothing change
   module mirrors (an older launcher took only the non-constexpr arguments), and any installed
   Triton lacking the attributes used here (checked once per kernel);
 * the interpreter (``TRITON_INTERPRET=1``: the kernel is not a ``JITFunction``);
-* kernels with pre-run hooks or global values (Triton re-checks those per call), launch
-  enter/exit hooks set in ``triton.knobs`` (profilers), arguments of other types (numpy
-  scalars, tuples, descriptors), unhashable constexprs or options, a grid that is not a tuple
+* kernels with pre-run hooks or an unhashable global value, launch enter/exit hooks set in
+  ``triton.knobs`` (profilers), arguments of other types (numpy scalars, tuples, host-side
+  ``triton.tools`` descriptors), unhashable constexprs or options, a grid that is not a tuple
   of 1-3 sizes;
 * ``MLA_TRITON_LAUNCH_CACHE=0`` in the environment when this module is imported.
 
@@ -132,6 +144,18 @@ class _Missing:
 _MISSING = _Missing()
 
 
+def _descriptor_types() -> tuple[type, ...]:
+    """The Gluon ``TensorDescriptor`` class of the installed Triton (none when it has no Gluon)."""
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415 (optional)
+    except ImportError:
+        return ()
+    return (TensorDescriptor,)
+
+
+_DESCRIPTOR_TYPES = _descriptor_types()
+
+
 class UnkeyedArgumentError(Exception):
     """An argument of a type this module does not key (the launch goes through Triton)."""
 
@@ -160,7 +184,31 @@ def arg_key(value: object, kind: int, align: bool) -> Hashable:
         return (value.dtype, align and value.data_ptr() % 16 == 0)
     if type(value) in (float, bool) or value is None:
         return type(value).__name__
+    if type(value) in _DESCRIPTOR_TYPES:
+        desc: Any = value
+        return (type(value), desc.base.dtype, tuple(desc.block_shape), desc.layout)
     raise UnkeyedArgumentError(f"no launch key for a {type(value).__name__} argument")
+
+
+GlobalBindings = tuple[tuple[dict[str, Any], str, object], ...]
+"""``(globals dict, name, bound object)`` per global value a kernel reads."""
+
+
+def global_bindings(fn: Any) -> GlobalBindings | None:
+    """What each global value ``fn`` reads is bound to now, as ``(globals dict, name, object)``;
+    ``None`` when one is unhashable (mutable: a change in place would not show as a rebinding)
+    or missing."""
+    bindings = []
+    for (name, _), (_, globals_dict) in fn.used_global_vals.items():
+        bound = globals_dict.get(name, _MISSING)
+        try:
+            hash(bound)
+        except TypeError:
+            return None
+        if bound is _MISSING:
+            return None
+        bindings.append((globals_dict, name, bound))
+    return tuple(bindings)
 
 
 def _arg_expr(name: str, kind: int, align: bool) -> str:
@@ -186,15 +234,18 @@ def make_launcher(
     """The fast launch of ``cache``'s kernel: a function taking ``(grid, *args, **kwargs)`` as
     ``kernel[grid](...)`` does (the kernel's parameters positionally or by name, defaults
     applied, launch options as extra keywords) that launches through the cached compiled kernel
-    of the call's key, or hands the call to ``cache``'s Triton path (:meth:`LaunchCache._slow`)
+    of the call's key, or hands the call to ``cache``'s Triton path (:meth:`LaunchCache._slow_bound`)
     when a limit of the module docstring applies or the key is new.
 
     Generated once per kernel (as Triton generates its own binder): binding is Python's own,
     every argument's key part (:func:`arg_key`, with the tensor and int cases inline) and the
-    launch are one frame, and the key is one flat tuple ``(device, part per parameter...,
+    launch are one frame, and the key is one flat tuple ``(driver, device, part per parameter...,
     (option, value) pairs..., fn.debug, runtime debug, instrumentation mode)`` (a constexpr's
-    part is two elements, its type and value). A missing or repeated argument raises
-    ``TypeError`` naming it, as Triton does."""
+    part is two elements, its type and value; the active driver by identity, so a kernel compiled
+    under another driver, such as a test's stand-in, is never launched through this one). A
+    missing or repeated argument raises ``TypeError`` naming it, as Triton does. A cached entry
+    whose kernel reads global values is taken only while each of them is bound to the object
+    recorded with it (see the module docstring)."""
     _, driver, knobs = runtime
     namespace: dict[str, Any] = {
         "_lc_Tensor": torch.Tensor,
@@ -228,21 +279,24 @@ def _lc_launch({", ".join(["_lc_grid", *params, "**_lc_options"])}):
         or not (_lc_enter is None or (type(_lc_enter) is _lc_HookChain and not _lc_enter.calls))
         or not (_lc_exit is None or (type(_lc_exit) is _lc_HookChain and not _lc_exit.calls))
     ):
-        return _lc_cache._slow(_lc_grid, ({values}), _lc_options, None)
+        return _lc_cache._slow_bound(_lc_grid, ({values}), _lc_options, None)
     _lc_active = _lc_driver._active
     if _lc_active is None:
         _lc_active = _lc_driver.active
     _lc_device = _lc_active.get_current_device()
     try:
         _lc_k = (
-            _lc_device, {keys}*_lc_options.items(),
+            _lc_active, _lc_device, {keys}*_lc_options.items(),
             _lc_fn.debug, _lc_rt.debug, _lc_compilation.instrumentation_mode,
         )
         _lc_entry = _lc_entries.get(_lc_k)
     except (TypeError, _lc_Unkeyed):
-        return _lc_cache._slow(_lc_grid, ({values}), _lc_options, None)
+        return _lc_cache._slow_bound(_lc_grid, ({values}), _lc_options, None)
     if _lc_entry is None:
-        return _lc_cache._slow(_lc_grid, ({values}), _lc_options, _lc_k)
+        return _lc_cache._slow_bound(_lc_grid, ({values}), _lc_options, _lc_k)
+    for _lc_globals, _lc_name, _lc_bound in _lc_entry[3]:
+        if _lc_globals.get(_lc_name, _lc_cache) is not _lc_bound:
+            return _lc_cache._slow_bound(_lc_grid, ({values}), _lc_options, _lc_k)
     if len(_lc_grid) == 1:
         _lc_g0, _lc_g1, _lc_g2 = _lc_grid[0], 1, 1
     elif len(_lc_grid) == 2:
@@ -273,9 +327,10 @@ class LaunchCache:
         self.fn = fn
         runtime = _runtime() if ENABLED else None
         plan = None if runtime is None else _param_plan(fn, runtime[0])
-        self._entries: dict[tuple[Hashable, ...], tuple[Any, Any, Any]] = {}
+        self._entries: dict[tuple[Hashable, ...], tuple[Any, Any, Any, GlobalBindings]] = {}
         self.fast_launches = 0
         self.slow_launches = 0
+        self._names = () if plan is None else tuple(name for name, _, _, _ in plan)
         self.active = plan is not None and runtime is not None
         """Whether launches can take the cached path (version, runtime and kernel checks passed)."""
         self.launch: Callable[..., None] = (
@@ -291,6 +346,18 @@ class LaunchCache:
     def _through_triton(self, grid: Any, *args: Any, **kwargs: Any) -> None:
         self._slow(grid, args, kwargs, None)
 
+    def _slow_bound(
+        self,
+        grid: Any,
+        values: tuple[Any, ...],
+        options: dict[str, Any],
+        key: tuple[Hashable, ...] | None,
+    ) -> None:
+        """:meth:`_slow` for the generated launch, which has bound every parameter (``values``, in
+        order): each passed by name, as a caller may pass them, so that a parameter named like a
+        launch option (a kernel reading ``num_warps``) reaches both the kernel and the options."""
+        self._slow(grid, (), {**dict(zip(self._names, values, strict=True)), **options}, key)
+
     def _slow(
         self,
         grid: Any,
@@ -298,15 +365,18 @@ class LaunchCache:
         kwargs: dict[str, Any],
         key: tuple[Hashable, ...] | None,
     ) -> None:
-        """``fn[grid](...)``; with a ``key``, store the compiled kernel it returns (when it has
-        the launcher attributes this module calls and the kernel reads no global values, which
-        Triton re-checks on every launch)."""
+        """``fn[grid](...)``; with a ``key``, store the compiled kernel it returns with the
+        objects its global values are bound to now (Triton has just checked them), when it has
+        the launcher attributes this module calls and every global value is hashable."""
         self.slow_launches += 1
         compiled = self.fn[grid](*args, **kwargs)
-        if key is None or self.fn.used_global_vals:
+        if key is None:
+            return
+        bindings = global_bindings(self.fn)
+        if bindings is None:
             return
         try:
-            entry = (compiled.run, compiled.function, compiled.packed_metadata)
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, bindings)
         except AttributeError:
             return
         if callable(entry[0]) and entry[1] is not None:
