@@ -195,8 +195,20 @@ def gather_context(
             latent.mul_(kv_scale)
     if latent.dtype != dtype:
         latent = latent.to(dtype)
-    latent.masked_fill_(~inside[:, None], 0.0)
+    zero_rows(latent, ~inside)
     return latent, cu_seqlens_k
+
+
+def zero_rows(rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """Set the rows of the contiguous ``rows`` ``[n, D]`` where ``mask`` (bool ``[n]``) holds to
+    +0.0, in place. Through a 64-bit integer view of each row where its bytes allow (zero bits
+    are +0.0 in every float dtype): a row-broadcast mask over 8-byte words instead of 2-byte
+    elements, less than half the time for bf16 rows."""
+    row_bytes = rows.shape[-1] * rows.element_size()
+    if rows.numel() and rows.is_contiguous() and row_bytes % 8 == 0 and rows.data_ptr() % 8 == 0:
+        rows.view(torch.int64).masked_fill_(mask[:, None], 0)
+    else:
+        rows.masked_fill_(mask[:, None], 0.0)
 
 
 def context_rows_inside(
@@ -208,22 +220,28 @@ def context_rows_inside(
     it, negative, or the fill's -1 mark) is never read and counts as no key: the tokens inside
     the cache move to the front of their request (stable order) and ``cu_seqlens_k`` counts
     only them; the rest sort last, past ``cu_seqlens_k[-1]``, where no request attends them.
-    Returns ``(row ids clamped into the cache, inside mask, cu_seqlens_k)`` in that order.
+    Returns ``(row ids clamped into the cache, inside mask, cu_seqlens_k)`` in that order (the
+    ids in the chunk's dtype, int32; ``cu_seqlens_k`` int32).
+
+    The requests' tokens are contiguous and in request order, so that stable partition needs
+    no sort: a token inside the cache goes to the count of such tokens before it, one outside
+    after all of them, at the count of outside tokens before it (a few prefix sums and one
+    scatter over the chunk's tokens).
     """
-    ids = chunk.token_indices[: chunk.num_tokens].to(torch.int64)
-    cu = chunk.cu_seqlens_k.to(torch.int64)
-    num_requests = cu.numel() - 1
-    inside = (ids >= 0) & (ids < cache_rows)
-    position = torch.arange(ids.numel(), device=ids.device)
-    request = torch.searchsorted(cu[1:].contiguous(), position, right=True)
-    key = torch.where(inside, request, torch.full_like(request, num_requests))
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_requests + 1, dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, key, torch.ones_like(key))
-    cu_inside = torch.zeros(num_requests + 1, dtype=torch.int32, device=ids.device)
-    cu_inside[1:] = torch.cumsum(counts[:num_requests], 0)
-    ids, inside = ids[order], inside[order]
-    return torch.clamp(ids, 0, max(cache_rows - 1, 0)), inside, cu_inside
+    ids = chunk.token_indices[: chunk.num_tokens]  # (int32: compared, clamped and permuted as is)
+    n = ids.numel()
+    position = torch.arange(n, device=ids.device)
+    inside = (ids >= 0) & (position < chunk.cu_seqlens_k[-1])
+    if cache_rows <= torch.iinfo(ids.dtype).max:
+        inside &= ids < cache_rows
+    before = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)  # inside tokens before each
+    torch.cumsum(inside, 0, out=before[1:])
+    total = before[n]
+    destination = torch.where(inside, before[:n], total + position - before[:n])
+    order = torch.empty_like(position).scatter_(0, destination, position)
+    cu_inside = before[chunk.cu_seqlens_k.clamp(0, n)].to(torch.int32)
+    rows = ids.clamp(0, max(cache_rows - 1, 0)).index_select(0, order)
+    return rows, position < total, cu_inside
 
 
 def check_expanded(
