@@ -28,6 +28,11 @@ Per shape it prints:
   These counts are taken after every time in the tables (the profiler can leave CUPTI attached,
   slowing the CUDA API calls of whatever runs after it).
 
+Then the prefill doors on one batch (16 x 1024 tokens, 16 heads, 192/128 causal on the GPU):
+``mla.mla_prefill`` as the README calls it and the engine's ``impl.forward_prefill`` on a step
+built once, each a loop of calls against the provider's varlen kernel alone (graph replay):
+``plain overhead`` and ``forward_prefill overhead`` (the issue's bound for both: 30 us).
+
 ``mla_decode`` is called with ``out=`` and ``return_lse=False`` on the same tensors every call,
 so from the third call on it replays the CUDA graph it captured on the second
 (:mod:`mla.engine.functional.decode_graphs`); ``--no-graph`` measures the eager path instead.
@@ -49,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mla
 from benchmarks._common import bench_graph_us, gpu_name, print_profile, print_table, wall_us
 from mla.engine.functional.decode_graphs import CapturedCall
+from mla.testing import PrefillCase, make_prefill_inputs, prefill_case_backend
 
 
 def _count_syncs(fn: Callable[[], Any]) -> int | str:
@@ -286,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         counts()
     print_table([row for row, _counts in timed], title=title)
     print_table(
-        [prefill], title="mla_prefill host overhead (the README-style call: fresh outputs, LSE returned)"
+        [prefill],
+        title="prefill host overhead: mla_prefill (the README-style call: fresh outputs, LSE returned) "
+        "and the engine's impl.forward_prefill (metadata built once)",
     )
     print_launch_cache()
 
@@ -324,13 +332,38 @@ def prefill_row(*, device: str, provider: str, gpu: bool) -> dict[str, Any]:
         else wall_us(lambda: kernel_provider.varlen_attention(varlen), calls=calls, rounds=rounds, sync=sync)
     )
     call_us = wall_us(call, calls=calls, rounds=rounds, sync=sync)
+    forward_us = wall_us(
+        _engine_prefill(batch, seq, heads, dtype, dev, provider), calls=calls, rounds=rounds, sync=sync
+    )
     return {
         "B x S": f"{batch} x {seq}",
         "H": heads,
         "kernel us": round(kernel_us, 1),
         "plain call us": round(call_us, 1),
         "plain overhead us": round(call_us - kernel_us, 1),
+        "forward_prefill us": round(forward_us, 1),
+        "forward_prefill overhead us": round(forward_us - kernel_us, 1),
     }
+
+
+def _engine_prefill(
+    batch: int, seq: int, heads: int, dtype: torch.dtype, device: torch.device, provider: str
+) -> Callable[[], None]:
+    """The engine path on the same batch shape: ``impl.forward_prefill`` of a step built once
+    (an engine builds each step's metadata once, before the model's layers run)."""
+    case = PrefillCase(heads=heads, q_lens=(seq,) * batch, dtype=dtype, softmax_scale=192**-0.5)
+    inputs = make_prefill_inputs(case, device)
+    backend = prefill_case_backend(
+        case, provider=provider, platform=mla.detect_platform(device.type), device=device
+    )
+    metadata = backend.builder.build(inputs.step())
+    out, lse = inputs.poisoned_outputs()
+
+    def forward() -> None:
+        backend.impl.forward_prefill(metadata, inputs.q, inputs.k, inputs.v, out=out, lse=lse)
+
+    forward()
+    return forward
 
 
 def print_launch_cache() -> None:

@@ -17,3 +17,4 @@ def test_overhead_rows_run_on_the_cpu() -> None:
     prefill = prefill_row(device="cpu", provider="torch", gpu=False)
     assert prefill["kernel us"] > 0
     assert prefill["plain call us"] > 0
+    assert prefill["forward_prefill us"] > 0
