@@ -226,8 +226,14 @@ def _refuse(*args: object, **kwargs: object) -> None:
 def test_default_provider_launches_the_gluon_kernel_where_the_route_takes_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    launched: list[Fp8PrefillCall] = []
-    monkeypatch.setattr(prefill_fp8_launch, "launch_gluon_fp8_prefill", launched.append)
+    launched: list[tuple[Fp8PrefillCall, bool]] = []
+
+    def record(call: Fp8PrefillCall, config: object, *, write_lse: bool, routed: bool) -> None:
+        assert config is None
+        assert write_lse
+        launched.append((call, routed))
+
+    monkeypatch.setattr(prefill_fp8_launch, "_launch", record)
     provider = GluonProvider()
     assert repr(provider) == "GluonProvider()"
     assert repr(GluonProvider(prefill="triton", fp8_prefill="triton")) == (
@@ -239,7 +245,7 @@ def test_default_provider_launches_the_gluon_kernel_where_the_route_takes_the_ca
     monkeypatch.setattr(provider._triton, "fp8_prefill", _refuse)
     call = _call(schedule=plan)
     provider.fp8_prefill(call)
-    assert launched == [call]
+    assert launched == [(call, True)]  # (routed once, by the provider)
     note = provider.kernel_note(
         phase="prefill", q_dtype=E4M3, kv_dtype=E4M3, kv_lora_rank=512, rope_dim=64
     )  # fmt: skip

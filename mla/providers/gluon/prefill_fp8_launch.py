@@ -148,21 +148,39 @@ def _check_plan(call: Fp8PrefillCall, plan: GluonFp8PrefillPlan) -> None:
         )
 
 
+def try_gluon_fp8_prefill(call: Fp8PrefillCall) -> bool:
+    """Run ``call`` on the Gluon fp8 prefill kernel (its default launch) and return ``True`` when
+    :func:`fp8_prefill_route` takes it; return ``False``, launching nothing, when the route sends
+    it to the Triton kernels. The gluon provider's ``fp8_prefill`` (one route a call)."""
+    if fp8_prefill_route(call)[0] != "gluon":
+        return False
+    _launch(call, None, write_lse=True, routed=True)
+    return True
+
+
 def launch_gluon_fp8_prefill(
     call: Fp8PrefillCall, config: PrefillLaunchConfig | None = None, *, write_lse: bool = True
 ) -> None:
     """Launch the Gluon fp8 varlen prefill for ``call`` (the ``fp8-prefill`` contract, its
     schedule a :class:`GluonFp8PrefillPlan`; ``lse`` written only with ``write_lse``). Raises
     :class:`InvalidInputError` for a call :func:`fp8_prefill_route` sends to the Triton kernel."""
+    _launch(call, config, write_lse=write_lse, routed=False)
+
+
+def _launch(
+    call: Fp8PrefillCall, config: PrefillLaunchConfig | None, *, write_lse: bool, routed: bool
+) -> None:
+    """:func:`launch_gluon_fp8_prefill`; ``routed``: the caller's route took the call already."""
     from mla.providers.gluon.prefill_fp8 import FP8_PREFILL_LAUNCH, FP8_TILE_LAYOUT  # noqa: PLC0415 (lazy)
     from mla.providers.gluon.prefill_parts import BOX, CONSUMER_WARPS, SPLIT_PRODUCER_WARPS  # noqa: PLC0415
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
-    kernel, why = fp8_prefill_route(call)
-    if kernel != "gluon":
-        raise InvalidInputError("q", f"not a Gluon fp8 prefill case ({why}): use the Triton provider")
+    if not routed:
+        kernel, why = fp8_prefill_route(call)
+        if kernel != "gluon":
+            raise InvalidInputError("q", f"not a Gluon fp8 prefill case ({why}): use the Triton provider")
     plan = call.schedule
     assert isinstance(plan, GluonFp8PrefillPlan)  # (the route checked it)
     _check_plan(call, plan)
@@ -206,4 +224,5 @@ __all__ = [
     "fp8_shared_bytes",
     "launch_gluon_fp8_prefill",
     "plan_gluon_fp8_prefill",
+    "try_gluon_fp8_prefill",
 ]

@@ -72,8 +72,8 @@ from mla.providers.gluon.planner import (
 )
 from mla.providers.gluon.prefill_fp8_launch import (
     GluonFp8PrefillPlan,
-    fp8_prefill_route,
     plan_gluon_fp8_prefill,
+    try_gluon_fp8_prefill,
 )
 from mla.providers.gluon.prefill_launch import PREFILL_DIMS, try_gluon_prefill
 from mla.providers.gluon.sparse import sparse_on_gluon
@@ -325,10 +325,7 @@ class GluonProvider(KernelProvider):
         # the call, else the Triton kernels on the plan's Triton schedule.
         plan = call.schedule
         if isinstance(plan, GluonFp8PrefillPlan):
-            if fp8_prefill_route(call)[0] == "gluon":
-                from mla.providers.gluon.prefill_fp8_launch import launch_gluon_fp8_prefill  # noqa: PLC0415
-
-                launch_gluon_fp8_prefill(call)
+            if try_gluon_fp8_prefill(call):
                 return
             call = attrs.evolve(call, schedule=plan.triton)
         self._triton.fp8_prefill(call)
