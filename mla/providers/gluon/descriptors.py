@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+TMA_ALIGN = 16
+"""Bytes: TMA needs 16-byte-aligned base addresses and row strides."""
 KNOWN_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")
 """The fields of Triton 3.6's Gluon ``TensorDescriptor``, in order."""
 
@@ -53,9 +55,9 @@ def token_descriptor(x: torch.Tensor, rows: int, box: int, layout: Any) -> Any:
     tokens, heads, dim = x.shape
     width = (heads - 1) * x.stride(1) + dim
     row_stride = x.stride(0) if tokens > 1 else max(width, x.stride(0))
-    per_align = 16 // x.element_size()
+    per_align = TMA_ALIGN // x.element_size()
     row_stride = -(-row_stride // per_align) * per_align
     return unchecked_descriptor(x, [tokens, width], [row_stride, 1], [rows, box], layout)
 
 
-__all__ = ["KNOWN_FIELDS", "token_descriptor", "unchecked_descriptor"]
+__all__ = ["KNOWN_FIELDS", "TMA_ALIGN", "token_descriptor", "unchecked_descriptor"]

@@ -17,14 +17,12 @@ import torch
 
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
-from mla.providers.gluon.descriptors import token_descriptor
+from mla.providers.gluon.descriptors import TMA_ALIGN, token_descriptor
 
 PREFILL_DIMS: frozenset[tuple[int, int]] = frozenset({(192, 128), (128, 128)})
 """``(Dqk, Dv)`` pairs the kernel is built for."""
 PREFILL_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 """q/k/v dtypes the kernel takes (one dtype for the three)."""
-TMA_ALIGN = 16
-"""Bytes: TMA needs 16-byte-aligned base addresses and row strides."""
 LOG2E = 1.4426950408889634
 QUERY_TILE = 128
 """Query rows per program (``prefill.BLOCK_M``)."""

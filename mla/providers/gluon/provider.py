@@ -216,7 +216,8 @@ class GluonProvider(KernelProvider):
             "Triton scores kernel otherwise; the top-k on the Triton kernels"
         )
         probes["varlen_prefill"] = (
-            "Gluon prefill kernel (TMA ring, TMA producer warp, wgmma, 128-row query tiles) for "
+            "Gluon prefill kernel (TMA ring, a TMA producer warpgroup and two consumer warpgroups, wgmma, "
+            "128-row query tiles) for "
             f"bf16/fp16 {' and '.join(f'{a}/{b}' for a, b in sorted(PREFILL_DIMS, reverse=True))} "
             "head dims and TMA-readable layouts; Triton varlen kernel otherwise"
             + ("" if self._prefill == "gluon" else " (off: GluonProvider(prefill='triton'); now: Triton)")
