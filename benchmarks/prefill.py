@@ -83,7 +83,7 @@ OUT_TOL = {"triton-bf16": 1e-2, "triton-fp8": 2e-2, "gluon-fp8": 4e-2, "varlen_a
 it in fp16), hence its wider bound."""
 PEER_TOL = {"flex-attention": 1e-2}
 """Tolerances of the peers checked only where they run (absent from ``check``'s errors else)."""
-GLUON_KERNELS = (("gluon-producer", "PRODUCER"), ("gluon-split", "SPLIT"))
+GLUON_KERNELS = (("gluon-producer", "PRODUCER"), ("gluon-split", "SPLIT"), ("gluon-persistent", "PERSISTENT"))
 """The Gluon prefill layouts timed where the Gluon kernels run (``PrefillKernel`` names)."""
 LSE_TOL = 1e-2
 

@@ -89,6 +89,7 @@ MAIN_CONFIGS = {
     "producer": PrefillLaunchConfig(),
     "split": PrefillLaunchConfig(kernel=PrefillKernel.SPLIT),
     "overlap": PrefillLaunchConfig(block_n=64, num_stages=3, kernel=PrefillKernel.OVERLAP),
+    "persistent": PrefillLaunchConfig(kernel=PrefillKernel.PERSISTENT),
 }
 
 

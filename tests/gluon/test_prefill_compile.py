@@ -56,6 +56,7 @@ SCRIPT = textwrap.dedent(
     PLAIN = PrefillLaunchConfig(kernel=PrefillKernel.PLAIN)
     SPLIT = PrefillLaunchConfig(kernel=PrefillKernel.SPLIT)
     OVERLAP = PrefillLaunchConfig(block_n=64, num_stages=3, kernel=PrefillKernel.OVERLAP)
+    PERSISTENT = PrefillLaunchConfig(kernel=PrefillKernel.PERSISTENT)
     cases = {
         # name: (dqk, dv, causal, dtype, write_lse, config)
         "192-causal-lse": (192, 128, True, bf16, True, None),
@@ -75,6 +76,9 @@ SCRIPT = textwrap.dedent(
         "128-causal-overlap-fp16": (
             128, 128, True, fp16, True, PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP)
         ),
+        "192-causal-persistent": (192, 128, True, bf16, True, PERSISTENT),
+        "192-full-persistent-nolse": (192, 128, False, bf16, False, PERSISTENT),
+        "128-causal-persistent-fp16": (128, 128, True, fp16, True, attrs.evolve(PERSISTENT, num_stages=3)),
     }
     out = {}
     with stand_in_driver(compile_kernels=True) as driver:
@@ -131,6 +135,16 @@ def test_every_prefill_variant_compiles_and_launches(
 ) -> None:
     # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads.
     assert launches[case] == [[KERNEL, [3 * 4 * 4, 1, 1]]]
+
+
+@pytest.mark.parametrize(
+    "case", ["192-causal-persistent", "192-full-persistent-nolse", "128-causal-persistent-fp16"]
+)
+def test_the_persistent_kernel_compiles_and_launches_one_program_per_sm(
+    launches: dict[str, list[list[object]]], case: str
+) -> None:
+    # 48 query tiles over the recorder's 8 "SMs" (num_sms off a CUDA device)
+    assert launches[case] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]
 
 
 def test_strided_kv_slices_and_128_heads_run_on_the_gluon_kernel(

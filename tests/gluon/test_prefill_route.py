@@ -103,6 +103,10 @@ def test_default_configs_fit_in_shared_memory() -> None:
     assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3, kernel=split)
     for dqk in (192, 128):
         assert shared_bytes(dqk, 128, prefill_config(dqk, 128)) <= SHARED_MEMORY_BYTES
+        # the persistent kernel: one more barrier (its query buffer's)
+        persistent = attrs.evolve(prefill_config(dqk, 128), kernel=PrefillKernel.PERSISTENT)
+        assert shared_bytes(dqk, 128, persistent) == shared_bytes(dqk, 128, prefill_config(dqk, 128)) + 8
+        assert shared_bytes(dqk, 128, persistent) <= SHARED_MEMORY_BYTES
     # 128-key tiles in three stages do not fit at 192/128; 64-key tiles do.
     assert shared_bytes(192, 128, PrefillLaunchConfig(num_stages=3)) > SHARED_MEMORY_BYTES
     assert shared_bytes(192, 128, PrefillLaunchConfig(block_n=64, num_stages=3)) <= SHARED_MEMORY_BYTES
@@ -178,13 +182,14 @@ def test_k_pe_the_gluon_kernel_cannot_read_routes_to_triton(k_pe: torch.Tensor, 
     assert why in reason
 
 
-def test_launcher_runs_the_chunked_context_form_on_the_split_layout_only() -> None:
+@pytest.mark.parametrize("kernel", [PrefillKernel.PRODUCER, PrefillKernel.PERSISTENT], ids=lambda k: k.name)
+def test_launcher_runs_the_chunked_context_form_on_the_split_layout_only(kernel: PrefillKernel) -> None:
     """Another layout than the split one refuses the chunked-context operands, naming the config."""
     q, k, v, out = _qkvo()
     lse = torch.zeros(8, 4)
     call = attrs.evolve(_call(q, k, v, out, lse), prior_out=out, prior_lse=lse)
     with pytest.raises(InvalidInputError, match="split layout") as info:
-        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel.PRODUCER))
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
     assert info.value.argument == "config"
 
 

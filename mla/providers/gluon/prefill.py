@@ -119,18 +119,19 @@ def _sanitize_v(v_slot, BLOCK_N: gl.constexpr, D_V: gl.constexpr, KEYS: gl.const
 
 @gluon.jit
 def _attend_tile(
-    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, row_last, qk_scale,
-    MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
+    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g, row_last,
+    qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
     FLAGS: gl.constexpr,
 ):  # fmt: skip
-    """Online softmax of key tile ``t`` (ring slot ``t % NUM_STAGES``) into ``(acc, m_i, l_i)``
+    """Online softmax of key tile ``t`` (the ring's ``g``-th tile: slot ``g % NUM_STAGES``; ``g``
+    counts on across a persistent program's query tiles, else ``g = t``) into ``(acc, m_i, l_i)``
     for the query rows ``[W·M, (W+1)·M)`` of the tile; ``MASKED``: key ``n`` counts for row ``r``
     only when ``n <= row_last[r]``. In a masked tile the V tile's non-finite lanes are zeroed
     here, or (``FLAGS``) were zeroed by the producer, which wrote which keys had one in
     ``flags[s]``."""
-    s = t % NUM_STAGES
-    phase = (t // NUM_STAGES) & 1
+    s = g % NUM_STAGES
+    phase = (g // NUM_STAGES) & 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
@@ -198,7 +199,7 @@ def _consumer(
         for t in range(first, last):
             _issue_ahead(ring, t, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
             acc, m_i, l_i = _attend_tile(
-                q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
+                q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, t,
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
             )  # fmt: skip
 

@@ -44,6 +44,10 @@ class PrefillKernel(enum.Enum):
     """The split layout with each consumer warpgroup pipelined: the next tile's QKᵀ and this
     tile's PV in flight while it runs the softmax of the next (:mod:`.prefill_overlap`); P goes
     through shared memory (16 KiB more at 128-key tiles: at 192/128 only 64-key tiles fit)."""
+    PERSISTENT = 4
+    """The split layout with one program per SM looping over the query tiles
+    (:mod:`.prefill_persistent`): the next tile's loads go out under the current one's last key
+    tiles and epilogue. Without the chunked-context forms."""
 
 
 @attrs.frozen
@@ -72,11 +76,13 @@ SHARED_MEMORY_BYTES = 232448
 
 def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
     """Shared memory of a launch: the query tile, the K/V ring (16-bit), the per-key flags, the
-    overlap kernel's P tiles and the barriers."""
+    overlap kernel's P tiles and the barriers (the persistent kernel's query buffer has one
+    more)."""
     ring = config.num_stages * config.block_n * (qk_dim + v_dim) * 2
     flags = 4 * config.num_stages * config.block_n
     p_tiles = QUERY_TILE * config.block_n * 2 if config.kernel is PrefillKernel.OVERLAP else 0
-    return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * (2 + 4 * config.num_stages)
+    barriers = 2 + 4 * config.num_stages + (config.kernel is PrefillKernel.PERSISTENT)
+    return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * barriers
 
 
 @functools.cache
@@ -227,7 +233,10 @@ def _launch(
         )  # fmt: skip
     num_m_blocks = -(-call.max_seqlen_q // QUERY_TILE)
     grid = (num_m_blocks * batch * heads,)
-    box = BOX.value  # (each descriptor: [rows, 64] boxes over the 2-D view _tma_problem checked)
+    box = BOX.value
+    if cfg.kernel is PrefillKernel.PERSISTENT:
+        _launch_persistent(call, cfg, grid[0], num_m_blocks, write_lse=write_lse)
+        return  # (each descriptor: [rows, 64] boxes over the 2-D view _tma_problem checked)
     k_desc = token_descriptor(k, cfg.block_n, box, TILE_LAYOUT)
     # (without the context operands their slots take the call's own descriptor and outputs)
     prior_o, prior_l = (out, lse) if prior_out is None or prior_lse is None else (prior_out, prior_lse)
@@ -244,6 +253,28 @@ def _launch(
         WRITE_LSE=write_lse or prior_out is not None, MODE=cfg.kernel.value, HAS_K_PE=k_pe is not None,
         HAS_PRIOR=prior_out is not None,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
+    )  # fmt: skip
+
+
+def _launch_persistent(
+    call: VarlenPrefillCall, cfg: PrefillLaunchConfig, num_tiles: int, num_m_blocks: int, *, write_lse: bool
+) -> None:
+    """The persistent kernel's launch: one program per SM (at most one per query tile)."""
+    from mla.providers.gluon.prefill import BOX, SPLIT_PRODUCER_WARPS, TILE_LAYOUT  # noqa: PLC0415 (lazy)
+    from mla.providers.gluon.prefill_persistent import PERSISTENT_LAUNCH  # noqa: PLC0415
+    from mla.providers.triton.decode_launch import num_sms  # noqa: PLC0415
+
+    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
+    box = BOX.value
+    PERSISTENT_LAUNCH.launch(
+        (min(num_sms(q.device), num_tiles),),
+        token_descriptor(q, QUERY_TILE, box, TILE_LAYOUT), token_descriptor(k, cfg.block_n, box, TILE_LAYOUT),
+        token_descriptor(v, cfg.block_n, box, TILE_LAYOUT),
+        out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
+        q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        int(q.shape[1]), num_m_blocks, num_tiles, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
+        D_QK=int(q.shape[2]), D_V=int(v.shape[2]), BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        CAUSAL=call.causal, WRITE_LSE=write_lse, num_warps=SPLIT_PRODUCER_WARPS.value,
     )  # fmt: skip
 
 

@@ -33,14 +33,19 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 @gluon.jit
 def _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
-    """This program's query tile: ``(b, h, q_begin, seq_q, m0)``, the request and head, the
+    """This program's query tile (:func:`_query_tile_at` of its program id)."""
+    return _query_tile_at(gl.program_id(0), cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows)
+
+
+@gluon.jit
+def _query_tile_at(tile, cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
+    """Query tile number ``tile``: ``(b, h, q_begin, seq_q, m0)``, the request and head, the
     request's first token and query count, and the tile's first row (``m0 >= seq_q``: nothing
-    to do). The grid is flat, the tile index fastest and reversed (the heaviest causal tiles
-    first). Each range is clamped into the tensor: a bad indptr touches no row outside it (the
-    call checks the values and raises)."""
-    pid = gl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = pid // num_m_blocks
+    to do). Tiles are numbered flat, the tile index fastest and reversed (the heaviest causal
+    tiles first). Each range is clamped into the tensor: a bad indptr touches no row outside it
+    (the call checks the values and raises)."""
+    m_block = num_m_blocks - 1 - tile % num_m_blocks
+    bh = tile // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
     q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
@@ -125,19 +130,19 @@ def _issue_ahead(
 @gluon.jit
 def _consumer_rows(
     q_bar, shift, seq_k, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, S_LAYOUT: gl.constexpr,
-    O_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr, q_phase=0,
 ):  # fmt: skip
     """A consumer's query rows ``[W·M, (W+1)·M)`` of the tile, each row's last visible key
     (bottom-right causal: ``row + shift``, at most ``seq_k - 1``), and its empty output, row max
-    and row sum, once the query tile has landed (``q_bar``): ``(rows, row_last, acc, m_i,
-    l_i)``."""
+    and row sum, once the query tile has landed (phase ``q_phase`` of ``q_bar``): ``(rows,
+    row_last, acc, m_i, l_i)``."""
     s_rows: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     rows = W * M + gl.arange(0, M, layout=s_rows)
     row_last = gl.minimum(rows + shift, seq_k - 1)
     acc = gl.zeros([M, D_V], gl.float32, layout=O_LAYOUT)
     m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([M], gl.float32, layout=s_rows)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     return rows, row_last, acc, m_i, l_i
 
 
