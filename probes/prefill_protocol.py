@@ -10,39 +10,51 @@ random later steps, and a random scheduler interleaves everything. Over random q
 sequences (0-6 key tiles each, masked tails) it checks: no deadlock, every consumer read sees
 the tile it expects (query buffer and ring slots), and no copy overwrites a buffer a consumer
 still reads. It models the protocol as written in the kernel; change both together."""
+
 import random
+
 
 class Bar:
     def __init__(self, count):
         self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
     def arrive(self, n=1):
         self.pending -= n
         assert self.pending >= 0, "too many arrivals"
         self._maybe_flip()
+
     def expect(self, nbytes):
         self.tx += nbytes
         self.arrive(1)
+
     def land(self, nbytes):
         self.tx -= nbytes
         self._maybe_flip()
+
     def _maybe_flip(self):
         if self.pending == 0 and self.tx == 0:
             self.phase += 1
             self.pending = self.count
+
     def done(self, parity):  # try_wait.parity: the phase of this parity has completed
         return (self.phase & 1) != parity
+
 
 def run(tiles_per_program, NS, seed):
     rng = random.Random(seed)
     q_bar, q_empty, v_landed = Bar(1), Bar(2), Bar(1)
-    k_ready = [Bar(1) for _ in range(NS)]; v_ready = [Bar(1) for _ in range(NS)]
-    k_empty = [Bar(2) for _ in range(NS)]; v_empty = [Bar(2) for _ in range(NS)]
+    k_ready = [Bar(1) for _ in range(NS)]
+    v_ready = [Bar(1) for _ in range(NS)]
+    k_empty = [Bar(2) for _ in range(NS)]
+    v_empty = [Bar(2) for _ in range(NS)]
     q_empty.arrive(2)
     for i in range(NS):
-        k_empty[i].arrive(2); v_empty[i].arrive(2)
+        k_empty[i].arrive(2)
+        v_empty[i].arrive(2)
     mem: dict[object, object] = {"q": None}
     for i in range(NS):
-        mem[("k", i)] = None; mem[("v", i)] = None
+        mem[("k", i)] = None
+        mem[("v", i)] = None
     inflight = []  # (bar, nbytes, buffer key, value)
     in_use = {}  # buffer key -> set of consumers using it
 
@@ -68,7 +80,8 @@ def run(tiles_per_program, NS, seed):
                     cleaned += 1
                 else:
                     tma(v_ready[s], ("v", s), (tile, t))
-            g += n_tiles; done += 1
+            g += n_tiles
+            done += 1  # noqa: SIM113 (the kernel's counter)
 
     def consumer(w):
         g = done = 0
@@ -85,24 +98,28 @@ def run(tiles_per_program, NS, seed):
                 if t >= n_full:
                     yield lambda s=s, ph=ph: v_ready[s].done(ph)
                 assert mem["q"] == tile
-                in_use[("k", s)].discard(w); k_empty[s].arrive()
+                in_use[("k", s)].discard(w)
+                k_empty[s].arrive()
                 yield lambda s=s, ph=ph: v_ready[s].done(ph)
                 assert mem[("v", s)] == (tile, t), (w, "v", mem[("v", s)], tile, t)
                 in_use.setdefault(("v", s), set()).add(w)
                 yield None
-                in_use[("v", s)].discard(w); v_empty[s].arrive()
-            in_use["q"].discard(w); q_empty.arrive()
+                in_use[("v", s)].discard(w)
+                v_empty[s].arrive()
+            in_use["q"].discard(w)
+            q_empty.arrive()
             yield None  # epilogue
-            g += n_tiles; done += 1
+            g += n_tiles
+            done += 1  # noqa: SIM113 (the kernel's counter)
 
     agents = {"P": producer(), "C0": consumer(0), "C1": consumer(1)}
-    waiting = {name: None for name in agents}
+    waiting = dict.fromkeys(agents)
     steps = 0
     while agents or inflight:
         runnable = [n for n in agents if waiting[n] is None or waiting[n]()]
         choices = runnable + (["tma"] if inflight else [])
         if not choices:
-            raise RuntimeError(f"deadlock: {[(n) for n in agents]}")
+            raise RuntimeError(f"deadlock: {list(agents)}")
         pick = rng.choice(choices)
         if pick == "tma":
             bar, key, value = inflight.pop(rng.randrange(len(inflight)))
@@ -115,6 +132,7 @@ def run(tiles_per_program, NS, seed):
             del agents[pick]
         steps += 1
     return steps
+
 
 for seed in range(3000):
     rng = random.Random(seed)
