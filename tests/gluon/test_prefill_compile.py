@@ -112,12 +112,6 @@ def launches() -> dict[str, list[list[object]]]:
 @pytest.mark.parametrize(
     "case",
     [
-        "192-causal-lse",
-        "192-full-lse",
-        "192-causal-nolse",
-        "192-causal-fp16",
-        "128-causal-lse",
-        "128-full-nolse",
         "192-causal-plain",
         "128-full-plain",
         "192-causal-split",
@@ -127,18 +121,28 @@ def launches() -> dict[str, list[list[object]]]:
         "192-causal-overlap-n64",
         "192-full-overlap-nolse",
         "128-causal-overlap-fp16",
-        "provider-192",
     ],
 )
-def test_every_prefill_variant_compiles_and_launches(
-    launches: dict[str, list[list[object]]], case: str
-) -> None:
+def test_every_one_tile_layout_compiles_and_launches(launches: dict[str, list[list[object]]], case: str) -> None:
     # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads.
     assert launches[case] == [[KERNEL, [3 * 4 * 4, 1, 1]]]
 
 
 @pytest.mark.parametrize(
-    "case", ["192-causal-persistent", "192-full-persistent-nolse", "128-causal-persistent-fp16"]
+    "case",
+    [
+        "192-causal-persistent",
+        "192-full-persistent-nolse",
+        "128-causal-persistent-fp16",
+        # the default launch (no config): the persistent layout
+        "192-causal-lse",
+        "192-full-lse",
+        "192-causal-nolse",
+        "192-causal-fp16",
+        "128-causal-lse",
+        "128-full-nolse",
+        "provider-192",
+    ],
 )
 def test_the_persistent_kernel_compiles_and_launches_one_program_per_sm(
     launches: dict[str, list[list[object]]], case: str
@@ -150,7 +154,7 @@ def test_the_persistent_kernel_compiles_and_launches_one_program_per_sm(
 def test_strided_kv_slices_and_128_heads_run_on_the_gluon_kernel(
     launches: dict[str, list[list[object]]],
 ) -> None:
-    assert launches["provider-h128-slices"] == [[KERNEL, [3 * 4 * 128, 1, 1]]]
+    assert launches["provider-h128-slices"] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]
 
 
 def test_the_chunked_context_form_runs_on_the_gluon_kernel(launches: dict[str, list[list[object]]]) -> None:

@@ -96,17 +96,20 @@ def test_route_sends_other_calls_to_triton(change: dict[str, torch.Tensor], why:
 
 
 def test_default_configs_fit_in_shared_memory() -> None:
-    # The split layout (the fastest on the H200: docs/performance.md, "Prefill")
-    split = PrefillKernel.SPLIT
-    assert prefill_config(192, 128) == PrefillLaunchConfig(block_n=128, num_stages=2, kernel=split)
+    # The persistent split layout (the fastest on the H200: docs/performance.md, "Prefill"); the
+    # chunked-context operands run on the one-tile-a-program split layout.
+    persistent, split = PrefillKernel.PERSISTENT, PrefillKernel.SPLIT
+    assert prefill_config(192, 128) == PrefillLaunchConfig(block_n=128, num_stages=2, kernel=persistent)
+    assert prefill_config(192, 128, context=True) == PrefillLaunchConfig(num_stages=2, kernel=split)
     # 128/128: 32 KiB query tile + 3 x 64 KiB
-    assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3, kernel=split)
+    assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3, kernel=persistent)
+    assert prefill_config(128, 128, context=True) == PrefillLaunchConfig(num_stages=3, kernel=split)
     for dqk in (192, 128):
-        assert shared_bytes(dqk, 128, prefill_config(dqk, 128)) <= SHARED_MEMORY_BYTES
+        for context in (False, True):
+            assert shared_bytes(dqk, 128, prefill_config(dqk, 128, context=context)) <= SHARED_MEMORY_BYTES
         # the persistent kernel: one more barrier (its query buffer's)
-        persistent = attrs.evolve(prefill_config(dqk, 128), kernel=PrefillKernel.PERSISTENT)
-        assert shared_bytes(dqk, 128, persistent) == shared_bytes(dqk, 128, prefill_config(dqk, 128)) + 8
-        assert shared_bytes(dqk, 128, persistent) <= SHARED_MEMORY_BYTES
+        one_tile = prefill_config(dqk, 128, context=True)
+        assert shared_bytes(dqk, 128, prefill_config(dqk, 128)) == shared_bytes(dqk, 128, one_tile) + 8
     # 128-key tiles in three stages do not fit at 192/128; 64-key tiles do.
     assert shared_bytes(192, 128, PrefillLaunchConfig(num_stages=3)) > SHARED_MEMORY_BYTES
     assert shared_bytes(192, 128, PrefillLaunchConfig(block_n=64, num_stages=3)) <= SHARED_MEMORY_BYTES

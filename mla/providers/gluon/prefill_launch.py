@@ -86,11 +86,13 @@ def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
 
 
 @functools.cache
-def prefill_config(qk_dim: int, v_dim: int) -> PrefillLaunchConfig:
-    """The default launch: 128-key tiles, the split layout (a producer warpgroup and two
-    consumer warpgroups), the most ring slots (up to 3) that fit in shared memory (2 for
-    192/128: 48 KiB query tile + 2 × 80 KiB)."""
-    best = PrefillLaunchConfig(num_stages=2, kernel=PrefillKernel.SPLIT)
+def prefill_config(qk_dim: int, v_dim: int, *, context: bool = False) -> PrefillLaunchConfig:
+    """The default launch: 128-key tiles, the most ring slots (up to 3) that fit in shared
+    memory (2 for 192/128: 48 KiB query tile + 2 × 80 KiB), and the persistent split layout (one
+    program per SM; a producer warpgroup and two consumer warpgroups). With the chunked-context
+    operands (``context``) the one-tile-a-program split layout, the only one that takes them."""
+    kernel = PrefillKernel.SPLIT if context else PrefillKernel.PERSISTENT
+    best = PrefillLaunchConfig(num_stages=2, kernel=kernel)
     for stages in (3,):
         config = attrs.evolve(best, num_stages=stages)
         if shared_bytes(qk_dim, v_dim, config) <= SHARED_MEMORY_BYTES:
@@ -216,8 +218,8 @@ def _launch(
         if kernel != "gluon":
             raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
-    cfg = config or prefill_config(qk_dim, v_dim)
     context = k_pe is not None or prior_out is not None
+    cfg = config or prefill_config(qk_dim, v_dim, context=context)
     if context and cfg.kernel is not PrefillKernel.SPLIT:
         raise InvalidInputError(
             "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split layout "
