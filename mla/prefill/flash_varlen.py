@@ -11,13 +11,13 @@ import attrs
 import torch
 
 from mla.core.capabilities import Contract
-from mla.core.config import is_fp8
 from mla.core.context import PrefillContext
 from mla.core.errors import InvalidInputError
 from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.prefill.base import ContextChunk, ContextExpander, PrefillPlan, PrefillStrategy
-from mla.providers.calls import MergeStatesCall, VarlenPrefillCall
+from mla.providers.base import KernelProvider
+from mla.providers.calls import GatherContextCall, MergeStatesCall, VarlenPrefillCall
 from mla.strategy import StrategyKind, require_dtype
 
 _VARLEN_CALL = fast_constructor(VarlenPrefillCall)
@@ -121,7 +121,7 @@ class FlashVarlen(PrefillStrategy):
         ``out``/``lse``; the caller picks the outputs): the chunk gathered, expanded by the
         callback, its keys whole or (``split_keys``) as ``k_nope`` plus the latent's rope lanes."""
         q, v = new_tokens.q, new_tokens.v
-        latent, cu_seqlens_k = gather_context(chunk, flat, kv_scale, q.dtype)
+        latent, cu_seqlens_k = gather_context(self.setup.provider, chunk, flat, kv_scale, q.dtype)
         rope = self.setup.dims.qk_rope_head_dim
         k_ctx, v_ctx = check_expanded(expand_context(latent), latent.shape[0], q, v, rope)
         k_pe: torch.Tensor | None = None
@@ -181,67 +181,25 @@ class FlashVarlen(PrefillStrategy):
 
 
 def gather_context(
-    chunk: ContextChunk, flat: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype
+    provider: KernelProvider,
+    chunk: ContextChunk,
+    flat: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's latent rows ``[n, L+R]`` in ``dtype`` and its ``cu_seqlens_k``
-    (:func:`context_rows_inside`): one gather in the cache dtype, one cast where the cache
-    dtype differs (an fp8 cache: dequantized by ``kv_scale`` in float32 first), and the rows
-    outside the cache zeroed in place."""
-    rows, inside, cu_seqlens_k = context_rows_inside(chunk, flat.shape[0])
-    latent = flat.index_select(0, rows)
-    if is_fp8(flat.dtype):
-        latent = latent.to(torch.float32)
-        if kv_scale is not None:
-            latent.mul_(kv_scale)
-    if latent.dtype != dtype:
-        latent = latent.to(dtype)
-    zero_rows(latent, ~inside)
+    """The chunk's latent rows ``[n, L+R]`` in ``dtype`` and its ``cu_seqlens_k``, gathered by
+    ``provider`` (:class:`~mla.providers.calls.GatherContextCall`: each request's tokens inside
+    the cache first, the rest zeroed past the last request's)."""
+    n = chunk.num_tokens
+    latent = torch.empty(n, flat.shape[1], dtype=dtype, device=flat.device)
+    cu_seqlens_k = torch.empty_like(chunk.cu_seqlens_k)
+    provider.gather_context(
+        GatherContextCall(
+            cache=flat, token_ids=chunk.token_indices[:n], cu_seqlens_k=chunk.cu_seqlens_k,
+            kv_scale=kv_scale, out=latent, cu_seqlens_out=cu_seqlens_k,
+        )
+    )  # fmt: skip
     return latent, cu_seqlens_k
-
-
-def zero_rows(rows: torch.Tensor, mask: torch.Tensor) -> None:
-    """Set the rows of the contiguous ``rows`` ``[n, D]`` where ``mask`` (bool ``[n]``) holds to
-    +0.0, in place. Through a 64-bit integer view of each row where its bytes allow (zero bits
-    are +0.0 in every float dtype): a row-broadcast mask over 8-byte words instead of 2-byte
-    elements, less than half the time for bf16 rows."""
-    row_bytes = rows.shape[-1] * rows.element_size()
-    if rows.numel() and rows.is_contiguous() and row_bytes % 8 == 0 and rows.data_ptr() % 8 == 0:
-        rows.view(torch.int64).masked_fill_(mask[:, None], 0)
-    else:
-        rows.masked_fill_(mask[:, None], 0.0)
-
-
-def context_rows_inside(
-    chunk: ContextChunk, cache_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunk's cache rows with those outside the cache masked, on the device (no sync).
-
-    A token id outside the ``cache_rows`` rows of the cache the run was handed (a block id past
-    it, negative, or the fill's -1 mark) is never read and counts as no key: the tokens inside
-    the cache move to the front of their request (stable order) and ``cu_seqlens_k`` counts
-    only them; the rest sort last, past ``cu_seqlens_k[-1]``, where no request attends them.
-    Returns ``(row ids clamped into the cache, inside mask, cu_seqlens_k)`` in that order (the
-    ids in the chunk's dtype, int32; ``cu_seqlens_k`` int32).
-
-    The requests' tokens are contiguous and in request order, so that stable partition needs
-    no sort: a token inside the cache goes to the count of such tokens before it, one outside
-    after all of them, at the count of outside tokens before it (a few prefix sums and one
-    scatter over the chunk's tokens).
-    """
-    ids = chunk.token_indices[: chunk.num_tokens]  # (int32: compared, clamped and permuted as is)
-    n = ids.numel()
-    position = torch.arange(n, device=ids.device)
-    inside = (ids >= 0) & (position < chunk.cu_seqlens_k[-1])
-    if cache_rows <= torch.iinfo(ids.dtype).max:
-        inside &= ids < cache_rows
-    before = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)  # inside tokens before each
-    torch.cumsum(inside, 0, out=before[1:])
-    total = before[n]
-    destination = torch.where(inside, before[:n], total + position - before[:n])
-    order = torch.empty_like(position).scatter_(0, destination, position)
-    cu_inside = before[chunk.cu_seqlens_k.clamp(0, n)].to(torch.int32)
-    rows = ids.clamp(0, max(cache_rows - 1, 0)).index_select(0, order)
-    return rows, position < total, cu_inside
 
 
 def check_expanded(

@@ -26,6 +26,7 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    GatherContextCall,
     IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
@@ -37,6 +38,7 @@ from mla.providers.calls import (
     WriteIndexKeysCall,
     WriteKVCall,
 )
+from mla.providers.context_gather import gather_context_rows
 from mla.providers.sparse_slots import sparse_slots
 from mla.providers.transforms import fill_page_indices
 
@@ -167,6 +169,16 @@ class KernelProvider(abc.ABC):
         provider does), since the builder calls it every decode step.
         """
         fill_page_indices(call)
+
+    def gather_context(self, call: GatherContextCall) -> None:
+        """A chunk of cached context's latent rows, inside-first, for its up-projection.
+
+        The default runs :func:`~mla.providers.context_gather.gather_context_rows` (a dozen
+        torch ops and two passes over the rows, any device); a provider overrides it with fused
+        kernels (the Triton provider does), since every chunk of a chunked-context prefill
+        calls it.
+        """
+        gather_context_rows(call)
 
     def write_kv(self, call: WriteKVCall) -> None:
         """Write new tokens' latent + rope rows into the paged cache."""

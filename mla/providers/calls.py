@@ -326,6 +326,39 @@ class ExpandPagesCall:
 
 
 @attrs.frozen(kw_only=True, eq=False)
+class GatherContextCall:
+    """A chunk of cached context's latent rows, gathered for its up-projection (part of the
+    chunked-context prefill; :meth:`KernelProvider.gather_context` has a torch default, a
+    provider may fuse it into a few kernels). With ``n = token_ids.numel()``:
+
+    * token ``p`` is *inside* when ``0 <= token_ids[p] < cache.shape[0]`` and
+      ``p < cu_seqlens_k[-1]`` (a token past the last request, a negative id such as the fill's
+      -1 mark, or an id past the cache counts as no key and is never read);
+    * ``out`` holds each request's inside tokens in order, request after request, then the
+      outside tokens' rows as +0.0 (a stable inside-first partition), every row in ``out``'s
+      dtype: the cache row as is, or (an fp8 cache) dequantized in float32 by ``kv_scale``;
+    * ``cu_seqlens_out[r]`` = the inside tokens before request ``r``'s first (clamped to
+      ``[0, n]``), so request ``r``'s keys are ``out[cu_seqlens_out[r]:cu_seqlens_out[r+1]]``.
+
+    No host sync.
+    """
+
+    cache: torch.Tensor
+    """``[rows, D]``, the latent cache's token rows (any float dtype, e4m3 too), last dim
+    contiguous."""
+    token_ids: torch.Tensor
+    """int32 ``[n]``, a cache row per token."""
+    cu_seqlens_k: torch.Tensor
+    """int32 ``[B+1]``, the chunk's token offsets per request (non-decreasing)."""
+    kv_scale: torch.Tensor | None
+    """float32 (one element) dequantization scale of an fp8 cache, or ``None`` (1)."""
+    out: torch.Tensor
+    """``[n, D]`` contiguous, a 16- or 32-bit float dtype (written)."""
+    cu_seqlens_out: torch.Tensor
+    """int32 ``[B+1]`` (written)."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
 class FillPagesCall:
     """A step's page indices planned from the device lengths (part of contract
     ``expand-pages``; :meth:`KernelProvider.fill_page_indices` has a torch default, a provider
@@ -411,6 +444,7 @@ __all__ = [
     "FillPagesCall",
     "Fp8PrefillCall",
     "Fp8PrefillPlanCall",
+    "GatherContextCall",
     "IndexTopkCall",
     "MergeStatesCall",
     "PagedDecodeCall",

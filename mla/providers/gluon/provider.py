@@ -52,6 +52,7 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    GatherContextCall,
     IndexTopkCall,
     MergeStatesCall,
     PagedDecodeCall,
@@ -341,6 +342,9 @@ class GluonProvider(KernelProvider):
 
     def fill_page_indices(self, call: FillPagesCall) -> None:
         self._triton.fill_page_indices(call)
+
+    def gather_context(self, call: GatherContextCall) -> None:
+        self._triton.gather_context(call)
 
     def write_kv(self, call: WriteKVCall) -> None:
         self._triton.write_kv(call)

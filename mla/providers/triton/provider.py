@@ -35,6 +35,7 @@ from mla.providers.calls import (
     FillPagesCall,
     Fp8PrefillCall,
     Fp8PrefillPlanCall,
+    GatherContextCall,
     IndexTopkCall,
     MergeStatesCall,
     PlanDecodeScheduleCall,
@@ -46,6 +47,7 @@ from mla.providers.calls import (
     WriteKVCall,
 )
 from mla.providers.split_kv import SplitKVSchedule
+from mla.providers.triton.context_gather import gather_context
 from mla.providers.triton.decode import paged_decode
 from mla.providers.triton.fp8_prefill import fp8_prefill_fwd, plan_fp8_prefill
 from mla.providers.triton.indexer import index_topk
@@ -210,6 +212,9 @@ class TritonProvider(KernelProvider):
 
     def fill_page_indices(self, call: FillPagesCall) -> None:
         fill_page_indices(call)
+
+    def gather_context(self, call: GatherContextCall) -> None:
+        gather_context(call)
 
     def write_kv(self, call: WriteKVCall) -> None:
         write_kv(call)
