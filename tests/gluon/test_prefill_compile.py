@@ -123,7 +123,9 @@ def launches() -> dict[str, list[list[object]]]:
         "128-causal-overlap-fp16",
     ],
 )
-def test_every_one_tile_layout_compiles_and_launches(launches: dict[str, list[list[object]]], case: str) -> None:
+def test_every_one_tile_layout_compiles_and_launches(
+    launches: dict[str, list[list[object]]], case: str
+) -> None:
     # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads.
     assert launches[case] == [[KERNEL, [3 * 4 * 4, 1, 1]]]
 

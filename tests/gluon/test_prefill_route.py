@@ -14,9 +14,11 @@ from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
+    PERSISTENT_MAX_SEQLEN_Q,
     SHARED_MEMORY_BYTES,
     PrefillKernel,
     PrefillLaunchConfig,
+    default_kernel,
     launch_gluon_prefill,
     prefill_call_route,
     prefill_config,
@@ -96,20 +98,28 @@ def test_route_sends_other_calls_to_triton(change: dict[str, torch.Tensor], why:
 
 
 def test_default_configs_fit_in_shared_memory() -> None:
-    # The persistent split layout (the fastest on the H200: docs/performance.md, "Prefill"); the
-    # chunked-context operands run on the one-tile-a-program split layout.
     persistent, split = PrefillKernel.PERSISTENT, PrefillKernel.SPLIT
-    assert prefill_config(192, 128) == PrefillLaunchConfig(block_n=128, num_stages=2, kernel=persistent)
-    assert prefill_config(192, 128, context=True) == PrefillLaunchConfig(num_stages=2, kernel=split)
+    assert prefill_config(192, 128, persistent) == PrefillLaunchConfig(num_stages=2, kernel=persistent)
+    assert prefill_config(192, 128, split) == PrefillLaunchConfig(num_stages=2, kernel=split)
     # 128/128: 32 KiB query tile + 3 x 64 KiB
-    assert prefill_config(128, 128) == PrefillLaunchConfig(block_n=128, num_stages=3, kernel=persistent)
-    assert prefill_config(128, 128, context=True) == PrefillLaunchConfig(num_stages=3, kernel=split)
+    assert prefill_config(128, 128, persistent) == PrefillLaunchConfig(num_stages=3, kernel=persistent)
+    assert prefill_config(128, 128, split) == PrefillLaunchConfig(num_stages=3, kernel=split)
     for dqk in (192, 128):
-        for context in (False, True):
-            assert shared_bytes(dqk, 128, prefill_config(dqk, 128, context=context)) <= SHARED_MEMORY_BYTES
+        for kernel in (persistent, split):
+            assert shared_bytes(dqk, 128, prefill_config(dqk, 128, kernel)) <= SHARED_MEMORY_BYTES
         # the persistent kernel: one more barrier (its query buffer's)
-        one_tile = prefill_config(dqk, 128, context=True)
-        assert shared_bytes(dqk, 128, prefill_config(dqk, 128)) == shared_bytes(dqk, 128, one_tile) + 8
+        one_tile = shared_bytes(dqk, 128, prefill_config(dqk, 128, split))
+        assert shared_bytes(dqk, 128, prefill_config(dqk, 128, persistent)) == one_tile + 8
+
+
+def test_the_default_layout_is_persistent_up_to_2048_queries_without_context() -> None:
+    # (the H200 measurements behind the bound: docs/performance.md, "Kernel choices")
+    assert PERSISTENT_MAX_SEQLEN_Q == 2048
+    assert default_kernel(1, context=False) is PrefillKernel.PERSISTENT
+    assert default_kernel(2048, context=False) is PrefillKernel.PERSISTENT
+    assert default_kernel(2049, context=False) is PrefillKernel.SPLIT
+    assert default_kernel(16, context=True) is PrefillKernel.SPLIT
+
     # 128-key tiles in three stages do not fit at 192/128; 64-key tiles do.
     assert shared_bytes(192, 128, PrefillLaunchConfig(num_stages=3)) > SHARED_MEMORY_BYTES
     assert shared_bytes(192, 128, PrefillLaunchConfig(block_n=64, num_stages=3)) <= SHARED_MEMORY_BYTES

@@ -85,13 +85,31 @@ def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
     return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * barriers
 
 
+PERSISTENT_MAX_SEQLEN_Q = 2048
+"""The longest request (in queries) the default launch runs on the persistent layout. Its one
+program per SM saves the block start, barrier set-up, first loads and epilogue latency of each
+query tile (about 6.7 µs against 2.24 µs a 128 x 128 key tile on the H200): 5–10% at 256–2048
+queries a request; at 4096 and up, where a query tile has up to 32 key tiles, the one-tile
+launch's hardware scheduling balances the causal tiles as well or better (H200, 2026-12-04:
+docs/performance.md, "Kernel choices")."""
+
+
+def default_kernel(max_seqlen_q: int, *, context: bool) -> PrefillKernel:
+    """The default layout of a call: the one-tile-a-program split layout with the chunked-context
+    operands (``context``: the only layout that takes them) or past
+    :data:`PERSISTENT_MAX_SEQLEN_Q` queries a request, else the persistent split layout."""
+    if context or max_seqlen_q > PERSISTENT_MAX_SEQLEN_Q:
+        return PrefillKernel.SPLIT
+    return PrefillKernel.PERSISTENT
+
+
 @functools.cache
-def prefill_config(qk_dim: int, v_dim: int, *, context: bool = False) -> PrefillLaunchConfig:
-    """The default launch: 128-key tiles, the most ring slots (up to 3) that fit in shared
-    memory (2 for 192/128: 48 KiB query tile + 2 × 80 KiB), and the persistent split layout (one
-    program per SM; a producer warpgroup and two consumer warpgroups). With the chunked-context
-    operands (``context``) the one-tile-a-program split layout, the only one that takes them."""
-    kernel = PrefillKernel.SPLIT if context else PrefillKernel.PERSISTENT
+def prefill_config(
+    qk_dim: int, v_dim: int, kernel: PrefillKernel = PrefillKernel.SPLIT
+) -> PrefillLaunchConfig:
+    """The default launch of layout ``kernel`` (:func:`default_kernel` picks it): 128-key tiles
+    and the most ring slots (up to 3) that fit in shared memory (2 for 192/128: 48 KiB query
+    tile + 2 × 80 KiB)."""
     best = PrefillLaunchConfig(num_stages=2, kernel=kernel)
     for stages in (3,):
         config = attrs.evolve(best, num_stages=stages)
@@ -219,7 +237,7 @@ def _launch(
             raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
     context = k_pe is not None or prior_out is not None
-    cfg = config or prefill_config(qk_dim, v_dim, context=context)
+    cfg = config or prefill_config(qk_dim, v_dim, default_kernel(call.max_seqlen_q, context=context))
     if context and cfg.kernel is not PrefillKernel.SPLIT:
         raise InvalidInputError(
             "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split layout "
@@ -282,9 +300,11 @@ def _launch_persistent(
 
 __all__ = [
     "CONTEXT_ROPE",
+    "PERSISTENT_MAX_SEQLEN_Q",
     "PREFILL_DIMS",
     "PrefillKernel",
     "PrefillLaunchConfig",
+    "default_kernel",
     "launch_gluon_prefill",
     "prefill_call_route",
     "prefill_config",
