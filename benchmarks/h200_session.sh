@@ -8,15 +8,15 @@
 #   bash benchmarks/h200_session.sh sparse      # sparse MLA: GPU tests, demo --sparse, benchmark (~7 min)
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh sanitizer-sparse-prefill  # memcheck: sparse and prefill subsets (~3 min)
-#   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~2 min)
+#   bash benchmarks/h200_session.sh breakdown   # per-kernel Gluon decode times (~8 min)
 #   bash benchmarks/h200_session.sh pingpong    # racecheck of the ping-pong kernel and the probes (~4 min)
 #   bash benchmarks/h200_session.sh dual        # the dual-chain fp8 kernel: tests, sanitizers, timing (~3 min)
 #   bash benchmarks/h200_session.sh profile     # Nsight Compute: the dual-chain kernel's stalls, per instruction (~1 min)
 #   bash benchmarks/h200_session.sh whatif      # the dual-chain kernel with pieces of work taken out, and candidates (~8 min)
 #   bash benchmarks/h200_session.sh whatif-other  # the same for the ping-pong and few-rows kernels (~5 min)
-#   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~2 min)
+#   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~8 min)
 #   bash benchmarks/h200_session.sh fold        # the split reduce folded into the few-rows kernel: tests, sanitizers, timing (~4 min)
-#   bash benchmarks/h200_session.sh prefill-race  # the Gluon prefill's layouts under Triton's concurrency sanitizer (~2 min)
+#   bash benchmarks/h200_session.sh prefill-race  # the Gluon prefill's layouts under Triton's concurrency sanitizer (~8 min)
 #
 # The bench part runs the user-facing benchmarks (python3 -m benchmarks NAME); the breakdown,
 # pingpong, dual, profile, whatif, whatif-other, power, fold and prefill-race parts run kernel-research probes
@@ -188,8 +188,8 @@ fold)
   ;;
 prefill-race)
   part "the Gluon prefill's layouts under Triton's concurrency sanitizer (probes/prefill_consan.py)"
-  for args in "SPLIT 1" "SPLIT 0" "PRODUCER 1"; do
-    TRITON_INSTRUMENTATION_MODE=consan timeout 120 python3 -m probes.prefill_consan $args 2>&1 \
+  for args in "SPLIT 1" "SPLIT 0" "PRODUCER 1" "PERSISTENT 1"; do
+    TRITON_INSTRUMENTATION_MODE=consan timeout 240 python3 -m probes.prefill_consan $args 2>&1 \
       | tee -a "$OUT/prefill_consan.log" | tail -4
   done
   ;;

@@ -18,7 +18,13 @@ Triton through ``triton.set_allocator``. Without the environment variable it run
 launches uninstrumented and checks them against the Triton kernel. Prints ``consan probe
 <layout> causal=<c>: ok`` or the mismatch; a sanitizer finding aborts the launch with its report.
 Needs an sm_90 GPU; the instrumented build compiles for sm_90 on a CPU as well (PTX about 20x
-the plain kernel's).
+the plain kernel's; on the H200 its compile takes one to two minutes a layout).
+
+On the H200 (2026-12-04) the sanitizer's deadlock check stops the split and persistent layouts
+alike, causal, at the producer's wait for a masked tile's V to land (``v_landed``: it waits on
+its own TMA before cleaning the tile) while both consumer warpgroups wait for that tile: a wait
+that only the TMA unit can end (the check seems to count it as blocked). Neither layout has hung
+on the GPU.
 """
 
 from __future__ import annotations
