@@ -183,27 +183,43 @@ def _split_producer(
     ``v_landed``; the producer zeroes its non-finite lanes in shared memory, writes which keys
     had one into ``flags[s]``, then announces it on ``v_ready[s]`` (both consumer warpgroups read
     the cleaned tile: neither writes it)."""
-    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
-    NV: gl.constexpr = v_ring.shape[2] // BOX
     cleaned = 0
     for t in range(n_tiles):
-        s = t % NUM_STAGES
-        phase = (t // NUM_STAGES) & 1
-        row = k_row0 + t * BLOCK_N
-        mbarrier.wait(k_empty.index(s), phase)
-        _copy_key_boxes(k_desc, kpe_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, HAS_K_PE)
-        mbarrier.wait(v_empty.index(s), phase)
         masked = t >= n_full
         if LAST_MASKED:
             masked = masked | (t == n_tiles - 1)
-        if masked:
-            _copy_boxes(v_desc, row, v_col, v_landed, v_ring.index(s), 0, NV, True)
-            mbarrier.wait(v_landed, cleaned & 1)
-            _clean_v(v_ring.index(s), flags.index(s), BLOCK_N)
-            mbarrier.arrive(v_ready.index(s))
-            cleaned += 1
-        else:
-            _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, NV, True)
+        cleaned = _load_key_tile(
+            k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+            k_row0 + t * BLOCK_N, k_col, v_col, t % NUM_STAGES, (t // NUM_STAGES) & 1, masked, cleaned,
+            HAS_K_PE,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _load_key_tile(
+    k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, row, k_col,
+    v_col, s, phase, masked, cleaned, HAS_K_PE: gl.constexpr,
+):  # fmt: skip
+    """Once ring slot ``s`` is released (its empty barriers' phase ``phase``), the key tile at
+    ``row`` into it: K on ``k_ready[s]`` (:func:`_copy_key_boxes`); V on ``v_ready[s]``, or, when
+    ``masked``, on ``v_landed`` (its ``cleaned``-th landing), its non-finite lanes zeroed and its
+    ``flags[s]`` written (:func:`_clean_v`), then announced on ``v_ready[s]``. Returns the count
+    of cleaned tiles."""
+    NUM_STAGES: gl.constexpr = v_ring.shape[0]
+    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
+    NV: gl.constexpr = v_ring.shape[2] // BOX
+    mbarrier.wait(k_empty.index(s), phase)
+    _copy_key_boxes(k_desc, kpe_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, HAS_K_PE)
+    mbarrier.wait(v_empty.index(s), phase)
+    if masked:
+        _copy_boxes(v_desc, row, v_col, v_landed, v_ring.index(s), 0, NV, True)
+        mbarrier.wait(v_landed, cleaned & 1)
+        _clean_v(v_ring.index(s), flags.index(s), v_ring.shape[1])
+        mbarrier.arrive(v_ready.index(s))
+        cleaned += 1
+    else:
+        _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, NV, True)
+    return cleaned
 
 
 @gluon.jit

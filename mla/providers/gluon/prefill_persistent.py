@@ -39,10 +39,10 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_CONSUMER_REGS,
     SPLIT_PRODUCER_WARPS,
     TILE_LAYOUT,
-    _clean_v,
     _consumer_rows,
     _copy_boxes,
     _key_range,
+    _load_key_tile,
     _mma_layout,
     _query_tile_at,
     _release,
@@ -71,8 +71,6 @@ def _persistent_producer(
     """The producer partition: each of the program's query tiles, then its key tiles (see the
     module docstring)."""
     NQ: gl.constexpr = q_smem.shape[0]
-    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
-    NV: gl.constexpr = v_ring.shape[2] // BOX
     g = 0
     done = 0
     cleaned = 0
@@ -91,20 +89,11 @@ def _persistent_producer(
                 k_col = h * stride_kh
                 v_col = h * stride_vh
                 for t in range(n_tiles):
-                    s = (g + t) % NUM_STAGES
-                    phase = ((g + t) // NUM_STAGES) & 1
-                    row = k_begin + t * BLOCK_N
-                    mbarrier.wait(k_empty.index(s), phase)
-                    _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
-                    mbarrier.wait(v_empty.index(s), phase)
-                    if t >= n_full:
-                        _copy_boxes(v_desc, row, v_col, v_landed, v_ring.index(s), 0, NV, True)
-                        mbarrier.wait(v_landed, cleaned & 1)
-                        _clean_v(v_ring.index(s), flags.index(s), BLOCK_N)
-                        mbarrier.arrive(v_ready.index(s))
-                        cleaned += 1
-                    else:
-                        _copy_boxes(v_desc, row, v_col, v_ready.index(s), v_ring.index(s), 0, NV, True)
+                    cleaned = _load_key_tile(
+                        k_desc, k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty,
+                        v_empty, k_begin + t * BLOCK_N, k_col, v_col, (g + t) % NUM_STAGES,
+                        ((g + t) // NUM_STAGES) & 1, t >= n_full, cleaned, False,
+                    )  # fmt: skip
                 g += n_tiles
                 done += 1
 
