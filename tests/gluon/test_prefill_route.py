@@ -206,6 +206,7 @@ def test_launcher_runs_the_chunked_context_form_on_the_split_layout_only(kernel:
     assert info.value.argument == "config"
 
 
+@pytest.mark.interpret  # (CPU tensors: Triton runs them in its interpreter only)
 def test_provider_runs_declined_calls_on_the_triton_kernel() -> None:
     """fp32 48/32 is not a Gluon prefill case: the gluon provider runs the Triton varlen kernel
     (here in the interpreter) and matches the reference."""
