@@ -218,3 +218,10 @@ def test_the_torch_form_takes_a_good_call() -> None:
     call = _good_call()
     gather_context_rows(call)
     assert call.cu_seqlens_out.tolist() == [0, 3]
+
+
+def test_the_torch_form_takes_a_cache_that_requires_grad() -> None:
+    """A traced layer's cache may require grad; ``index_select``'s ``out=`` form refuses one."""
+    call = attrs.evolve(_good_call(), cache=torch.arange(48.0).reshape(6, 8).requires_grad_())
+    gather_context_rows(call)
+    torch.testing.assert_close(call.out, torch.arange(24.0).reshape(3, 8))

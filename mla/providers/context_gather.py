@@ -92,14 +92,15 @@ def gather_context_rows(call: GatherContextCall) -> None:
     call.cu_seqlens_out.copy_(cu_inside)
     if rows.numel() == 0:
         return
-    if call.cache.dtype == call.out.dtype:
+    tracked = torch.is_grad_enabled() and call.cache.requires_grad  # (out= refuses such a cache)
+    if call.cache.dtype == call.out.dtype and not tracked:
         torch.index_select(call.cache, 0, rows, out=call.out)
     else:
         latent = call.cache.index_select(0, rows)
         if is_fp8(latent.dtype):
             latent = latent.to(torch.float32)
             if call.kv_scale is not None:
-                latent.mul_(call.kv_scale)
+                latent = latent * call.kv_scale
         call.out.copy_(latent)
     zero_rows(call.out, ~inside)
 
