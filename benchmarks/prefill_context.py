@@ -13,6 +13,8 @@ Rows (``time_us`` median, TFLOP/s of the attention FLOPs):
 
 * ``chunked-context step``: ``builder.build`` once, then ``impl.forward_prefill`` timed (the
   engine path: gather, the up-projection callback, the attention passes);
+* ``latent gather alone``: the provider's gather of every context chunk
+  (``KernelProvider.gather_context``), the step's own work before the callback;
 * ``up-projection alone``: the callback on every context token once (a bf16 matmul standing in
   for the model's ``kv_b_proj``): how much of the step is the engine's own work;
 * ``attention without context``: the provider's varlen attention over the whole key ranges.
@@ -31,6 +33,7 @@ import torch
 
 import mla
 from benchmarks._common import attention_flops
+from mla.prefill.flash_varlen import gather_context
 from mla.providers.calls import VarlenPrefillCall
 from mla.testing import PrefillCase, make_prefill_inputs, prefill_case_backend
 from mla.tools.reference import reference_prefill
@@ -74,7 +77,7 @@ class Bf16UpProjection:
 def context_rows(
     shape: ContextShape, *, timer: Timer, device: str = "cuda", provider: str = "auto"
 ) -> tuple[list[dict[str, Any]], float]:
-    """The three rows for ``shape`` and the step's relative output error (checked first)."""
+    """The four rows for ``shape`` and the step's relative output error (checked first)."""
     case = PrefillCase(
         heads=shape.heads,
         q_lens=(shape.new_tokens,) * shape.batch,
@@ -128,17 +131,30 @@ def context_rows(
         h=shape.heads, d_qk=case.qk_dim, d_v=case.v_dim, causal=True,
     )  # fmt: skip
     latents = inputs.context_latents()
-    timed = [
-        ("chunked-context step", timer(step)),
-        ("up-projection alone", timer(lambda: [expand(latent) for latent in latents])),
-        ("attention without context", timer(lambda: kernel_provider.varlen_attention(peer))),
-    ]
+    assert metadata.prefill is not None
+    chunks = metadata.prefill.context_chunks
+    cache = inputs.context.kv_cache
+    flat = cache.view(-1, cache.shape[-1])
+
+    def gather() -> None:
+        for chunk in chunks:
+            gather_context(kernel_provider, chunk, flat, None, inputs.q.dtype)
+
+    timed = {
+        "chunked-context step": timer(step),
+        "latent gather alone": timer(gather),
+        "up-projection alone": timer(lambda: [expand(latent) for latent in latents]),
+        "attention without context": timer(lambda: kernel_provider.varlen_attention(peer)),
+    }
+    parts = ("latent gather alone", "up-projection alone")
     rows = [
         {
             "shape": shape.name, "impl": name, "time_us": us,
-            "TFLOP/s": flops / (us * 1e-6) / 1e12 if name != "up-projection alone" else float("nan"),
-            "x without context": timed[2][1] / us if name == "chunked-context step" else float("nan"),
+            "TFLOP/s": float("nan") if name in parts else flops / (us * 1e-6) / 1e12,
+            "x without context": (
+                timed["attention without context"] / us if name == "chunked-context step" else float("nan")
+            ),
         }
-        for name, us in timed
+        for name, us in timed.items()
     ]  # fmt: skip
     return rows, error

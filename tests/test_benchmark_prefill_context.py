@@ -16,15 +16,18 @@ def _wall_us(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def test_context_rows_check_the_step_and_time_three_rows() -> None:
+def test_context_rows_check_the_step_and_time_it_with_its_parts_and_the_peer() -> None:
     shape = ContextShape(heads=2, batch=2, new_tokens=5, cached_tokens=70)
     rows, error = context_rows(shape, timer=_wall_us, device="cpu", provider="torch")
     assert error < 1e-5
     assert [row["impl"] for row in rows] == [
         "chunked-context step",
+        "latent gather alone",
         "up-projection alone",
         "attention without context",
     ]
     assert all(row["time_us"] > 0 for row in rows)
     assert rows[0]["x without context"] > 0
     assert math.isnan(rows[1]["TFLOP/s"])
+    assert math.isnan(rows[2]["TFLOP/s"])
+    assert rows[3]["TFLOP/s"] > 0
