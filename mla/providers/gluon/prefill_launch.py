@@ -222,7 +222,9 @@ def _launch(
         SPLIT_PRODUCER_WARPS,
         TILE_LAYOUT,
     )
+    from mla.providers.gluon.prefill_persistent import PERSISTENT_LAUNCH  # noqa: PLC0415
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
+    from mla.providers.triton.decode_launch import num_sms  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     k_pe, prior_out, prior_lse = call.k_pe, call.prior_out, call.prior_lse
@@ -252,49 +254,32 @@ def _launch(
             f"{qk_dim}/{v_dim}; a Hopper block has {SHARED_MEMORY_BYTES}",
         )  # fmt: skip
     num_m_blocks = -(-call.max_seqlen_q // QUERY_TILE)
-    grid = (num_m_blocks * batch * heads,)
-    box = BOX.value
-    if cfg.kernel is PrefillKernel.PERSISTENT:
-        _launch_persistent(call, cfg, grid[0], num_m_blocks, write_lse=write_lse)
-        return  # (each descriptor: [rows, 64] boxes over the 2-D view _tma_problem checked)
+    num_tiles = num_m_blocks * batch * heads
+    box = BOX.value  # (each descriptor: [rows, 64] boxes over the 2-D view _tma_problem checked)
     k_desc = token_descriptor(k, cfg.block_n, box, TILE_LAYOUT)
-    # (without the context operands their slots take the call's own descriptor and outputs)
-    prior_o, prior_l = (out, lse) if prior_out is None or prior_lse is None else (prior_out, prior_lse)
-    PREFILL_LAUNCH.launch(
-        grid,
+    operands = (
         token_descriptor(q, QUERY_TILE, box, TILE_LAYOUT), k_desc,
         token_descriptor(v, cfg.block_n, box, TILE_LAYOUT),
         out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
+    )  # fmt: skip
+    rows = (q.shape[0], k.shape[0], call.softmax_scale * LOG2E)
+    shape = {"D_QK": qk_dim, "D_V": v_dim, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages}
+    if cfg.kernel is PrefillKernel.PERSISTENT:  # one program per SM (at most one per query tile)
+        PERSISTENT_LAUNCH.launch(
+            (min(num_sms(q.device), num_tiles),), *operands, heads, num_m_blocks, num_tiles, *rows, **shape,
+            CAUSAL=call.causal, WRITE_LSE=write_lse, num_warps=SPLIT_PRODUCER_WARPS.value,
+        )  # fmt: skip
+        return
+    # (without the context operands their slots take the call's own descriptor and outputs)
+    prior_o, prior_l = (out, lse) if prior_out is None or prior_lse is None else (prior_out, prior_lse)
+    PREFILL_LAUNCH.launch(
+        (num_tiles,), *operands, heads, num_m_blocks, *rows,
         k_desc if k_pe is None else token_descriptor(k_pe[:, None, :], cfg.block_n, box, TILE_LAYOUT),
         prior_o, prior_l, prior_o.stride(0), prior_o.stride(1), prior_l.stride(0), prior_l.stride(1),
-        D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
-        WRITE_LSE=write_lse or prior_out is not None, MODE=cfg.kernel.value, HAS_K_PE=k_pe is not None,
-        HAS_PRIOR=prior_out is not None,
+        **shape, CAUSAL=call.causal, WRITE_LSE=write_lse or prior_out is not None, MODE=cfg.kernel.value,
+        HAS_K_PE=k_pe is not None, HAS_PRIOR=prior_out is not None,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
-    )  # fmt: skip
-
-
-def _launch_persistent(
-    call: VarlenPrefillCall, cfg: PrefillLaunchConfig, num_tiles: int, num_m_blocks: int, *, write_lse: bool
-) -> None:
-    """The persistent kernel's launch: one program per SM (at most one per query tile)."""
-    from mla.providers.gluon.prefill import BOX, SPLIT_PRODUCER_WARPS, TILE_LAYOUT  # noqa: PLC0415 (lazy)
-    from mla.providers.gluon.prefill_persistent import PERSISTENT_LAUNCH  # noqa: PLC0415
-    from mla.providers.triton.decode_launch import num_sms  # noqa: PLC0415
-
-    q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
-    box = BOX.value
-    PERSISTENT_LAUNCH.launch(
-        (min(num_sms(q.device), num_tiles),),
-        token_descriptor(q, QUERY_TILE, box, TILE_LAYOUT), token_descriptor(k, cfg.block_n, box, TILE_LAYOUT),
-        token_descriptor(v, cfg.block_n, box, TILE_LAYOUT),
-        out, lse, call.cu_seqlens_q, call.cu_seqlens_k,
-        q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        int(q.shape[1]), num_m_blocks, num_tiles, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
-        D_QK=int(q.shape[2]), D_V=int(v.shape[2]), BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        CAUSAL=call.causal, WRITE_LSE=write_lse, num_warps=SPLIT_PRODUCER_WARPS.value,
     )  # fmt: skip
 
 
