@@ -219,11 +219,13 @@ def test_prefill_captures_in_a_cuda_graph() -> None:
     _check(call)
 
 
+@pytest.mark.parametrize("layout", ["provider", "split", "persistent"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("prior", ["prior-state", "no-prior"])
 @pytest.mark.parametrize("batch", ["mixed", "sk-lt-sq"])
-def test_chunked_context_form_matches_reference(batch: str, prior: str, causal: bool) -> None:
-    """A context chunk's pass on the provider's Gluon kernel: ``k`` and ``v`` as head-dim slices
+def test_chunked_context_form_matches_reference(batch: str, prior: str, causal: bool, layout: str) -> None:
+    """A context chunk's pass on the Gluon kernel (the provider's default launch, or the split or
+    persistent layout): ``k`` and ``v`` as head-dim slices
     of one up-projection buffer, the rope lanes every head shares as ``k_pe`` (a slice of the
     latent rows), merged in place into a prior state whose rows include ``lse = -inf`` ones
     holding NaN (they must weigh nothing), against the float64 reference over the whole keys
@@ -253,7 +255,10 @@ def test_chunked_context_form_matches_reference(batch: str, prior: str, causal: 
         prior_lse=lse if prior == "prior-state" else None,
     )  # fmt: skip
     assert prefill_call_route(call)[0] == "gluon"
-    GluonProvider().varlen_attention(call)
+    if layout == "provider":
+        GluonProvider().varlen_attention(call)
+    else:
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel[layout.upper()]))
     whole = torch.cat([k_nope, k_pe[:, None, :].expand(keys, heads, 64)], dim=-1)
     ref_out, ref_lse = reference_prefill(q, whole, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=causal)
     if prior == "prior-state":

@@ -96,6 +96,11 @@ SCRIPT = textwrap.dedent(
             causal = not kwargs.get("context", False)  # (a context chunk's pass is not causal)
             GluonProvider(prefill="gluon").varlen_attention(call(192, 128, causal, bf16, **kwargs))
             out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+        # a context chunk's pass on each layout that takes the chunked-context operands
+        for name, config in {"context-split": SPLIT, "context-persistent": PERSISTENT}.items():
+            driver.launches.clear()
+            launch_gluon_prefill(call(192, 128, False, bf16, heads=16, context=True), config)
+            out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
     json.dump(out, sys.stdout)
     """
 )
@@ -161,6 +166,7 @@ def test_strided_kv_slices_and_128_heads_run_on_the_gluon_kernel(
 
 def test_the_chunked_context_form_runs_on_the_gluon_kernel(launches: dict[str, list[list[object]]]) -> None:
     """A context chunk's pass (``k`` and ``v`` slices of the up-projection, the latent's rope
-    lanes as ``k_pe``, merged into ``out``/``lse`` in place) compiles and launches the split
-    layout (one program per query tile, request and head)."""
-    assert launches["provider-context"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
+    lanes as ``k_pe``, merged into ``out``/``lse`` in place) compiles and launches on the
+    split layout (one program per query tile, request and head) and on the persistent one."""
+    assert launches["context-split"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
+    assert launches["context-persistent"] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]

@@ -14,6 +14,7 @@ from mla.core.errors import InvalidInputError
 from mla.providers.calls import VarlenPrefillCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
+    CONTEXT_KERNELS,
     PERSISTENT_MAX_SEQLEN_Q,
     SHARED_MEMORY_BYTES,
     PrefillKernel,
@@ -195,13 +196,16 @@ def test_k_pe_the_gluon_kernel_cannot_read_routes_to_triton(k_pe: torch.Tensor, 
     assert why in reason
 
 
-@pytest.mark.parametrize("kernel", [PrefillKernel.PRODUCER, PrefillKernel.PERSISTENT], ids=lambda k: k.name)
-def test_launcher_runs_the_chunked_context_form_on_the_split_layout_only(kernel: PrefillKernel) -> None:
-    """Another layout than the split one refuses the chunked-context operands, naming the config."""
+@pytest.mark.parametrize(
+    "kernel", sorted(set(PrefillKernel) - CONTEXT_KERNELS, key=lambda k: k.value), ids=lambda k: k.name
+)
+def test_launcher_runs_the_chunked_context_form_on_the_split_layouts_only(kernel: PrefillKernel) -> None:
+    """A layout other than the split and persistent ones refuses the chunked-context operands,
+    naming the config."""
     q, k, v, out = _qkvo()
     lse = torch.zeros(8, 4)
     call = attrs.evolve(_call(q, k, v, out, lse), prior_out=out, prior_lse=lse)
-    with pytest.raises(InvalidInputError, match="split layout") as info:
+    with pytest.raises(InvalidInputError, match="split layouts") as info:
         launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
     assert info.value.argument == "config"
 

@@ -41,11 +41,12 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   the producer cleans it, records the keys that had a non-finite lane in ``flags`` and then
   arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads. A row
   that sees no key gets ``out = 0`` and ``lse = -inf``.
-* **Chunked-context form** (split layout only: ``HAS_K_PE``, ``HAS_PRIOR``). The keys' last
-  ``BOX`` lanes come from ``kpe_desc`` (``k_pe [Tk, 64]``, shared by every head) as each key
-  tile's last box, so no whole key tensor is assembled; the rows are merged by LSE into a prior
-  state (``prior_out``/``prior_lse``, possibly ``out``/``lse`` themselves) in the epilogue, a
-  prior row of ``lse = -inf`` weighing nothing.
+* **Chunked-context form** (``HAS_K_PE``, ``HAS_PRIOR``; the split layout here and the
+  persistent one of :mod:`.prefill_persistent`). The keys' last ``BOX`` lanes come from
+  ``kpe_desc`` (``k_pe [Tk, 64]``, shared by every head) as each key tile's last box, so no
+  whole key tensor is assembled; the rows are merged by LSE into a prior state
+  (``prior_out``/``prior_lse``, possibly ``out``/``lse`` themselves) in the epilogue, a prior
+  row of ``lse = -inf`` weighing nothing.
 
 The grid is flat, the query tile index fastest and reversed: the programs of one
 (request, head) run together (its K/V stays in L2) and the heaviest causal tiles start first.

@@ -47,7 +47,11 @@ class PrefillKernel(enum.Enum):
     PERSISTENT = 4
     """The split layout with one program per SM looping over the query tiles
     (:mod:`.prefill_persistent`): the next tile's loads go out under the current one's last key
-    tiles and epilogue. Without the chunked-context forms."""
+    tiles and epilogue. With the chunked-context forms too."""
+
+
+CONTEXT_KERNELS = frozenset({PrefillKernel.SPLIT, PrefillKernel.PERSISTENT})
+"""The layouts that take the chunked-context operands (``k_pe``, a prior state)."""
 
 
 @attrs.frozen
@@ -96,8 +100,9 @@ docs/performance.md, "Kernel choices")."""
 
 def default_kernel(max_seqlen_q: int, *, context: bool) -> PrefillKernel:
     """The default layout of a call: the one-tile-a-program split layout with the chunked-context
-    operands (``context``: the only layout that takes them) or past
-    :data:`PERSISTENT_MAX_SEQLEN_Q` queries a request, else the persistent split layout."""
+    operands (``context``: a context chunk's long non-causal rows, where the persistent layout,
+    which takes them too, measured no faster) or past :data:`PERSISTENT_MAX_SEQLEN_Q` queries a
+    request, else the persistent split layout."""
     if context or max_seqlen_q > PERSISTENT_MAX_SEQLEN_Q:
         return PrefillKernel.SPLIT
     return PrefillKernel.PERSISTENT
@@ -174,7 +179,8 @@ CONTEXT_ROPE = 64
 def prefill_call_route(call: VarlenPrefillCall) -> tuple[str, str]:
     """:func:`prefill_route` for a whole call, with the chunked-context forms: ``k_pe`` of
     :data:`CONTEXT_ROPE` lanes that TMA can read (the kernel loads it as each key tile's last
-    box) and a prior state (merged in the epilogue) run on the Gluon kernel's split layout."""
+    box) and a prior state (merged in the epilogue) run on the Gluon kernel's split layouts
+    (:data:`CONTEXT_KERNELS`)."""
     kernel, why = prefill_route(call.q, call.k, call.v, call.out)
     if kernel != "gluon" or call.k_pe is None:
         return kernel, why
@@ -207,7 +213,7 @@ def launch_gluon_prefill(
     written only with ``write_lse``, or when the call merges into a prior state, whose merged
     LSE is part of the result). Raises :class:`InvalidInputError` for a call
     :func:`prefill_call_route` sends to the Triton kernel, or for the chunked-context operands
-    on another layout than the split one."""
+    on a layout outside :data:`CONTEXT_KERNELS`."""
     _launch(call, config, write_lse=write_lse, routed=False)
 
 
@@ -240,10 +246,10 @@ def _launch(
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
     context = k_pe is not None or prior_out is not None
     cfg = config or prefill_config(qk_dim, v_dim, default_kernel(call.max_seqlen_q, context=context))
-    if context and cfg.kernel is not PrefillKernel.SPLIT:
+    if context and cfg.kernel not in CONTEXT_KERNELS:
         raise InvalidInputError(
-            "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split layout "
-            "(PrefillKernel.SPLIT)",
+            "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split "
+            "layouts (PrefillKernel.SPLIT or PrefillKernel.PERSISTENT)",
         )  # fmt: skip
     batch = call.cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or batch <= 0 or call.max_seqlen_q <= 0:
@@ -264,26 +270,33 @@ def _launch(
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
     )  # fmt: skip
     rows = (q.shape[0], k.shape[0], call.softmax_scale * LOG2E)
-    shape = {"D_QK": qk_dim, "D_V": v_dim, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages}
-    if cfg.kernel is PrefillKernel.PERSISTENT:  # one program per SM (at most one per query tile)
-        PERSISTENT_LAUNCH.launch(
-            (min(num_sms(q.device), num_tiles),), *operands, heads, num_m_blocks, num_tiles, *rows, **shape,
-            CAUSAL=call.causal, WRITE_LSE=write_lse, num_warps=SPLIT_PRODUCER_WARPS.value,
-        )  # fmt: skip
-        return
-    # (without the context operands their slots take the call's own descriptor and outputs)
+    # The chunked-context operands (without them their slots take the call's own descriptor and
+    # outputs); a merge writes the LSE, part of its result.
     prior_o, prior_l = (out, lse) if prior_out is None or prior_lse is None else (prior_out, prior_lse)
-    PREFILL_LAUNCH.launch(
-        (num_tiles,), *operands, heads, num_m_blocks, *rows,
+    context_operands = (
         k_desc if k_pe is None else token_descriptor(k_pe[:, None, :], cfg.block_n, box, TILE_LAYOUT),
         prior_o, prior_l, prior_o.stride(0), prior_o.stride(1), prior_l.stride(0), prior_l.stride(1),
-        **shape, CAUSAL=call.causal, WRITE_LSE=write_lse or prior_out is not None, MODE=cfg.kernel.value,
-        HAS_K_PE=k_pe is not None, HAS_PRIOR=prior_out is not None,
+    )  # fmt: skip
+    constants = {
+        "D_QK": qk_dim, "D_V": v_dim, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
+        "CAUSAL": call.causal, "WRITE_LSE": write_lse or prior_out is not None, "HAS_K_PE": k_pe is not None,
+        "HAS_PRIOR": prior_out is not None,
+    }  # fmt: skip
+    if cfg.kernel is PrefillKernel.PERSISTENT:  # one program per SM (at most one per query tile)
+        PERSISTENT_LAUNCH.launch(
+            (min(num_sms(q.device), num_tiles),), *operands, heads, num_m_blocks, num_tiles, *rows,
+            *context_operands, **constants, num_warps=SPLIT_PRODUCER_WARPS.value,
+        )  # fmt: skip
+        return
+    PREFILL_LAUNCH.launch(
+        (num_tiles,), *operands, heads, num_m_blocks, *rows, *context_operands, **constants,
+        MODE=cfg.kernel.value,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
     )  # fmt: skip
 
 
 __all__ = [
+    "CONTEXT_KERNELS",
     "CONTEXT_ROPE",
     "PERSISTENT_MAX_SEQLEN_Q",
     "PREFILL_DIMS",

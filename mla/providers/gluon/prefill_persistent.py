@@ -22,7 +22,8 @@ program keeps its shared memory, barriers and partitions across query tiles:
   arrival on ``q_empty``, then the epilogue of their rows.
 
 Every rule of :mod:`.prefill` holds (causal masking on the diagonal tiles only, the NaN rules,
-varlen clamping, LSE); the chunked-context forms run on the split layout.
+varlen clamping, LSE), and so does its chunked-context form (``HAS_K_PE``: each key tile's last
+box from ``kpe_desc``; ``HAS_PRIOR``: the rows merged by LSE into a prior state in the epilogue).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def _snake_tile(r, num_tiles):
 def _persistent_producer(
     q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, v_landed,
     k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_qh, stride_kh, stride_vh, num_heads,
-    num_m_blocks, num_tiles, num_q_rows, num_k_rows, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr, HAS_K_PE: gl.constexpr,
 ):  # fmt: skip
     """The producer partition: each of the program's query tiles, then its key tiles (see the
     module docstring)."""
@@ -90,9 +91,9 @@ def _persistent_producer(
                 v_col = h * stride_vh
                 for t in range(n_tiles):
                     cleaned = _load_key_tile(
-                        k_desc, k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty,
+                        k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty,
                         v_empty, k_begin + t * BLOCK_N, k_col, v_col, (g + t) % NUM_STAGES,
-                        ((g + t) // NUM_STAGES) & 1, t >= n_full, cleaned, False,
+                        ((g + t) // NUM_STAGES) & 1, t >= n_full, cleaned, HAS_K_PE,
                     )  # fmt: skip
                 g += n_tiles
                 done += 1
@@ -102,8 +103,9 @@ def _persistent_producer(
 def _persistent_consumer(
     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_m_blocks,
-    num_tiles, num_q_rows, num_k_rows, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_tiles, num_q_rows, num_k_rows, qk_scale, prior, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
     D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, W: gl.constexpr,
+    HAS_PRIOR: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``W`` (query rows ``[64·W, 64·(W+1))`` of each query tile): every key
     tile of each of the program's query tiles, then the rows' epilogue (see the module
@@ -139,7 +141,7 @@ def _persistent_consumer(
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
                 _store_rows(
                     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
-                    stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout,
+                    stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR,
                 )  # fmt: skip
                 g += n_tiles
                 done += 1
@@ -167,12 +169,21 @@ def mla_prefill_persistent_kernel(
     num_q_rows,
     num_k_rows,
     qk_scale,
+    kpe_desc,
+    prior_out_ptr,
+    prior_lse_ptr,
+    stride_pot,
+    stride_poh,
+    stride_plt,
+    stride_plh,
     D_QK: gl.constexpr,
     D_V: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
     WRITE_LSE: gl.constexpr,
+    HAS_K_PE: gl.constexpr,
+    HAS_PRIOR: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == SPLIT_PRODUCER_WARPS, "launch warps: the producer's")
@@ -204,6 +215,7 @@ def mla_prefill_persistent_kernel(
         mbarrier.arrive(k_empty.index(i), count=2)
         mbarrier.arrive(v_empty.index(i), count=2)
     fence_async_shared()
+    prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh)
     gl.warp_specialize(
         [
             (
@@ -211,8 +223,8 @@ def mla_prefill_persistent_kernel(
                 (
                     q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready,
                     v_landed, k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_qh, stride_kh,
-                    stride_vh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, CAUSAL, BLOCK_N,
-                    NUM_STAGES,
+                    stride_vh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, CAUSAL,
+                    BLOCK_N, NUM_STAGES, HAS_K_PE,
                 ),
             ),
             (
@@ -220,8 +232,8 @@ def mla_prefill_persistent_kernel(
                 (
                     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
-                    stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, CAUSAL,
-                    BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0,
+                    stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
+                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0, HAS_PRIOR,
                 ),
             ),
             (
@@ -229,8 +241,8 @@ def mla_prefill_persistent_kernel(
                 (
                     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
-                    stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, CAUSAL,
-                    BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1,
+                    stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
+                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1, HAS_PRIOR,
                 ),
             ),
         ],
