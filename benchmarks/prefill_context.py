@@ -9,7 +9,9 @@ Its peer is one varlen attention over the same pairs: each request's new queries
 context and new keys as one key range (bottom-right causal), so both rows count the same FLOPs
 and the ratio says what the chunking costs.
 
-Rows (``time_us`` median, TFLOP/s of the attention FLOPs):
+Rows (``time_us``: the median over ``rounds`` of the timer's result, the four timed in turn each
+round, so that the step and its peer meet the same clocks: the GPU's power cap lowers them over a
+run; TFLOP/s of the attention FLOPs):
 
 * ``chunked-context step``: ``builder.build`` once, then ``impl.forward_prefill`` timed (the
   engine path: gather, the up-projection callback, the attention passes);
@@ -25,6 +27,7 @@ inputs and the same up-projection).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -75,9 +78,10 @@ class Bf16UpProjection:
 
 
 def context_rows(
-    shape: ContextShape, *, timer: Timer, device: str = "cuda", provider: str = "auto"
+    shape: ContextShape, *, timer: Timer, device: str = "cuda", provider: str = "auto", rounds: int = 5
 ) -> tuple[list[dict[str, Any]], float]:
-    """The four rows for ``shape`` and the step's relative output error (checked first)."""
+    """The four rows for ``shape`` and the step's relative output error (checked first); each
+    row's time the median of ``rounds`` interleaved rounds."""
     case = PrefillCase(
         heads=shape.heads,
         q_lens=(shape.new_tokens,) * shape.batch,
@@ -140,12 +144,17 @@ def context_rows(
         for chunk in chunks:
             gather_context(kernel_provider, chunk, flat, None, inputs.q.dtype)
 
-    timed = {
-        "chunked-context step": timer(step),
-        "latent gather alone": timer(gather),
-        "up-projection alone": timer(lambda: [expand(latent) for latent in latents]),
-        "attention without context": timer(lambda: kernel_provider.varlen_attention(peer)),
+    timed_fns: dict[str, Callable[[], Any]] = {
+        "chunked-context step": step,
+        "latent gather alone": gather,
+        "up-projection alone": lambda: [expand(latent) for latent in latents],
+        "attention without context": lambda: kernel_provider.varlen_attention(peer),
     }
+    samples: dict[str, list[float]] = {name: [] for name in timed_fns}
+    for _ in range(rounds):
+        for name, fn in timed_fns.items():
+            samples[name].append(timer(fn))
+    timed = {name: statistics.median(times) for name, times in samples.items()}
     parts = ("latent gather alone", "up-projection alone")
     rows = [
         {

@@ -18,7 +18,16 @@ def _wall_us(fn: Callable[[], Any]) -> float:
 
 def test_context_rows_check_the_step_and_time_it_with_its_parts_and_the_peer() -> None:
     shape = ContextShape(heads=2, batch=2, new_tokens=5, cached_tokens=70)
-    rows, error = context_rows(shape, timer=_wall_us, device="cpu", provider="torch")
+    timed: list[Callable[[], Any]] = []
+
+    def timer(fn: Callable[[], Any]) -> float:
+        timed.append(fn)
+        return _wall_us(fn)
+
+    rows, error = context_rows(shape, timer=timer, device="cpu", provider="torch", rounds=2)
+    # the four timed in turn, round after round (each row the median of its rounds)
+    assert len(timed) == 8
+    assert timed[:4] == timed[4:]
     assert error < 1e-5
     assert [row["impl"] for row in rows] == [
         "chunked-context step",
