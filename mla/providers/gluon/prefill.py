@@ -39,8 +39,11 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   and a row that does see a non-finite value gets NaN. The 8-warp consumer cleans the tile
   itself; in the split kernel the producer does (V of a masked tile lands on ``v_landed``,
   the producer cleans it, records the keys that had a non-finite lane in ``flags`` and then
-  arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads. A row
-  that sees no key gets ``out = 0`` and ``lse = -inf``.
+  arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads; it
+  cleans only the tiles that reach past the request's keys (``_cleans_v``): a later key of the
+  row's own request in its diagonal tile may reach it as ``0·NaN``, as in the paged decode
+  kernels, while memory no request owns never does. A row that sees no key gets ``out = 0``
+  and ``lse = -inf``.
 * **Chunked-context form** (``HAS_K_PE``, ``HAS_PRIOR``; the split layout here and the
   persistent one of :mod:`.prefill_persistent`). The keys' last ``BOX`` lanes come from
   ``kpe_desc`` (``k_pe [Tk, 64]``, shared by every head) as each key tile's last box, so no
@@ -74,6 +77,7 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_CONSUMER_REGS,
     SPLIT_PRODUCER_WARPS,
     TILE_LAYOUT,
+    _cleans_v,
     _consumer_prologue,
     _consumer_rows,
     _copy_boxes,
@@ -123,14 +127,15 @@ def _attend_tile(
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g, row_last,
     qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
-    FLAGS: gl.constexpr,
+    FLAGS: gl.constexpr, seq_k=0,
 ):  # fmt: skip
     """Online softmax of key tile ``t`` (the ring's ``g``-th tile: slot ``g % NUM_STAGES``; ``g``
     counts on across a persistent program's query tiles, else ``g = t``) into ``(acc, m_i, l_i)``
     for the query rows ``[W·M, (W+1)·M)`` of the tile; ``MASKED``: key ``n`` counts for row ``r``
     only when ``n <= row_last[r]``. In a masked tile the V tile's non-finite lanes are zeroed
     here, or (``FLAGS``) were zeroed by the producer, which wrote which keys had one in
-    ``flags[s]``."""
+    ``flags[s]``, when the tile reaches past the request's ``seq_k`` keys
+    (:func:`.prefill_parts._cleans_v`; its flags are read then only)."""
     s = g % NUM_STAGES
     phase = (g // NUM_STAGES) & 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -148,7 +153,7 @@ def _attend_tile(
         # (while QKᵀ runs) the tile's V, its non-finite lanes zeroed
         mbarrier.wait(v_ready.index(s), phase)
         if FLAGS:
-            key_bad = flags.index(s).load(keys_layout)
+            key_bad = gl.where(_cleans_v(t, seq_k, BLOCK_N), flags.index(s).load(keys_layout), 0.0)
         else:
             key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
@@ -202,6 +207,7 @@ def _consumer(
             acc, m_i, l_i = _attend_tile(
                 q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, t,
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+                seq_k,
             )  # fmt: skip
 
     _store_rows(
@@ -335,7 +341,7 @@ def mla_prefill_kernel(
                     (
                         k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
                         k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES, False, kpe_desc,
-                        HAS_K_PE,
+                        HAS_K_PE, seq_k, True,
                     ),
                 ),
                 (

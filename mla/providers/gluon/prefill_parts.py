@@ -175,11 +175,12 @@ def _copy_key_boxes(k_desc, kpe_desc, row, col, bar, dst, first, N: gl.constexpr
 def _split_producer(
     k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, k_row0, k_col,
     v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LAST_MASKED: gl.constexpr,
-    kpe_desc=None, HAS_K_PE: gl.constexpr = False,
+    kpe_desc=None, HAS_K_PE: gl.constexpr = False, seq_k=0, OWN_KEYS: gl.constexpr = False,
 ):  # fmt: skip
     """The split kernels' producer (their 4-warp default partition): every key tile into the
     ring (with ``HAS_K_PE`` its last box from ``kpe_desc``, :func:`_copy_key_boxes`). The V of a
-    masked tile (``t >= n_full``, and the last tile with ``LAST_MASKED``) lands on
+    masked tile (``t >= n_full``, and the last tile with ``LAST_MASKED``; with ``OWN_KEYS`` only
+    a tile reaching past the request's ``seq_k`` keys, :func:`_cleans_v`) lands on
     ``v_landed``; the producer zeroes its non-finite lanes in shared memory, writes which keys
     had one into ``flags[s]``, then announces it on ``v_ready[s]`` (both consumer warpgroups read
     the cleaned tile: neither writes it)."""
@@ -188,11 +189,23 @@ def _split_producer(
         masked = t >= n_full
         if LAST_MASKED:
             masked = masked | (t == n_tiles - 1)
+        if OWN_KEYS:
+            masked = _cleans_v(t, seq_k, BLOCK_N)
         cleaned = _load_key_tile(
             k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
             k_row0 + t * BLOCK_N, k_col, v_col, t % NUM_STAGES, (t // NUM_STAGES) & 1, masked, cleaned,
             HAS_K_PE,
         )  # fmt: skip
+
+
+@gluon.jit
+def _cleans_v(t, seq_k, BLOCK_N: gl.constexpr):
+    """Whether key tile ``t`` of a request of ``seq_k`` keys reaches past them (into another
+    request's rows or past the tensor): the split and persistent layouts clean the V of those
+    tiles only. A tile of the request's own keys goes to ``P·V`` as it is, so a non-finite V
+    lane of a later key of the request reaches the earlier rows of its diagonal tile as
+    ``0·NaN``, as in the paged decode kernels; memory no request owns never does."""
+    return (t + 1) * BLOCK_N > seq_k
 
 
 @gluon.jit

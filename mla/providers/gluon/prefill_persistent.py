@@ -40,6 +40,7 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_CONSUMER_REGS,
     SPLIT_PRODUCER_WARPS,
     TILE_LAYOUT,
+    _cleans_v,
     _consumer_rows,
     _copy_boxes,
     _key_range,
@@ -82,7 +83,7 @@ def _persistent_producer(
                 tile, cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows
             )
             if m0 < seq_q:
-                k_begin, _seq_k, _shift, n_full, n_tiles = _key_range(
+                k_begin, seq_k, _shift, _n_full, n_tiles = _key_range(
                     cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
                 )
                 mbarrier.wait(q_empty, done & 1)
@@ -93,7 +94,7 @@ def _persistent_producer(
                     cleaned = _load_key_tile(
                         k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty,
                         v_empty, k_begin + t * BLOCK_N, k_col, v_col, (g + t) % NUM_STAGES,
-                        ((g + t) // NUM_STAGES) & 1, t >= n_full, cleaned, HAS_K_PE,
+                        ((g + t) // NUM_STAGES) & 1, _cleans_v(t, seq_k, BLOCK_N), cleaned, HAS_K_PE,
                     )  # fmt: skip
                 g += n_tiles
                 done += 1
@@ -136,7 +137,7 @@ def _persistent_consumer(
                         acc, m_i, l_i = _attend_tile(
                             q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i,
                             t, g + t, row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout,
-                            o_layout, W, M, True,
+                            o_layout, W, M, True, seq_k,
                         )  # fmt: skip
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
                 _store_rows(
