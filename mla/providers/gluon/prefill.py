@@ -39,11 +39,12 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   and a row that does see a non-finite value gets NaN. The 8-warp consumer cleans the tile
   itself; in the split kernel the producer does (V of a masked tile lands on ``v_landed``,
   the producer cleans it, records the keys that had a non-finite lane in ``flags`` and then
-  arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads; it
-  cleans only the tiles that reach past the request's keys (``_cleans_v``): a later key of the
-  row's own request in its diagonal tile may reach it as ``0·NaN``, as in the paged decode
-  kernels, while memory no request owns never does. A row that sees no key gets ``out = 0``
-  and ``lse = -inf``.
+  arrives on ``v_ready``), so neither consumer warpgroup writes a tile the other reads. The
+  split layout (``MODE == 2``) and the persistent one clean only the tiles that reach past the
+  request's keys (``_cleans_v``): a later key of the row's own request in its diagonal tile may
+  reach it as ``0·NaN`` (a row that sees no key then too), as in the paged decode kernels, while
+  memory no request owns never does; the other layouts clean every masked tile. A row that
+  sees no key gets ``out = 0`` and ``lse = -inf``.
 * **Chunked-context form** (``HAS_K_PE``, ``HAS_PRIOR``; the split layout here and the
   persistent one of :mod:`.prefill_persistent`). The keys' last ``BOX`` lanes come from
   ``kpe_desc`` (``k_pe [Tk, 64]``, shared by every head) as each key tile's last box, so no
