@@ -186,11 +186,12 @@ def _split_producer(
     the cleaned tile: neither writes it)."""
     cleaned = 0
     for t in range(n_tiles):
-        masked = t >= n_full
-        if LAST_MASKED:
-            masked = masked | (t == n_tiles - 1)
         if OWN_KEYS:
             masked = _cleans_v(t, seq_k, BLOCK_N)
+        elif LAST_MASKED:
+            masked = (t >= n_full) | (t == n_tiles - 1)
+        else:
+            masked = t >= n_full
         cleaned = _load_key_tile(
             k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
             k_row0 + t * BLOCK_N, k_col, v_col, t % NUM_STAGES, (t // NUM_STAGES) & 1, masked, cleaned,
