@@ -249,7 +249,7 @@ def _launch(
     if context and cfg.kernel not in CONTEXT_KERNELS:
         raise InvalidInputError(
             "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split "
-            "layouts (PrefillKernel.SPLIT or PrefillKernel.PERSISTENT)",
+            f"layouts ({' or '.join(sorted(f'PrefillKernel.{k.name}' for k in CONTEXT_KERNELS))})",
         )  # fmt: skip
     batch = call.cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or batch <= 0 or call.max_seqlen_q <= 0:
