@@ -363,6 +363,28 @@ def test_builder_non_monotonic_query_start_loc() -> None:
     expect_invalid("query_start_loc", lambda: builder.build(step(qsl=torch.tensor([0, 3, 2]))), "monotonic")
 
 
+@pytest.mark.parametrize(
+    ("argument", "change", "match"),
+    [
+        (
+            "query_start_loc",
+            {"qsl": torch.zeros(0, dtype=torch.int32), "num_decodes": 0, "num_decode_tokens": 0},
+            "at least one entry",
+        ),
+        ("seq_lens", {"seq_lens": torch.tensor([20, 37, 5], dtype=torch.int32)}, "describes 2 requests"),
+        (
+            "block_table",
+            {"block_table": torch.tensor([[3, 1, 0]], dtype=torch.int32)},
+            "1 rows for 2 requests",
+        ),
+    ],
+    ids=["empty-indptr", "a-seq-len-too-many", "a-table-row-short"],
+)
+def test_builder_rejects_steps_of_mismatched_sizes(argument: str, change: dict[str, Any], match: str) -> None:
+    builder = make_backend().builder
+    expect_invalid(argument, lambda: builder.build(step(**change)), match)
+
+
 def test_builder_integer_dtypes() -> None:
     builder = make_backend().builder
     expect_invalid(
@@ -682,6 +704,25 @@ FUNCTIONAL_CASES = [
     ("decode", "provider", lambda p: decode(provider=3), "KernelProvider"),
     ("decode", "platform", lambda p: decode(platform="banana", provider=p), "unknown arch"),
     ("decode", "platform", lambda p: decode(platform=9, provider=p), "arch name"),
+    ("decode", "lse", lambda p: decode(provider=p, lse=torch.empty(3, 4, device=META)), "move it to cpu"),
+    (
+        "decode",
+        "kv_scale",
+        lambda p: fp8_decode(provider=p, kv_scale=torch.tensor([1], dtype=torch.int32)),
+        "a float tensor",
+    ),
+    (
+        "decode",
+        "kv_scale",
+        lambda p: fp8_decode(provider=p, kv_scale=torch.tensor([1.0], device=META)),
+        "keep it on cpu",
+    ),
+    (
+        "decode",
+        "kv_scale",
+        lambda p: fp8_decode(provider=p, kv_scale=torch.tensor([1.0, 2.0])),
+        "one-element tensor",
+    ),
     # mla_prefill
     (
         "prefill",
@@ -697,6 +738,12 @@ FUNCTIONAL_CASES = [
     ),
     ("prefill", "max_seqlen_q", lambda p: prefill(provider=p, max_seqlen_q="5"), "an int"),
     ("prefill", "causal", lambda p: prefill(provider=p, causal="yes"), "True or False"),
+    (
+        "prefill",
+        "cu_seqlens_q",
+        lambda p: prefill(provider=p, cu_seqlens_q=torch.zeros(0, dtype=torch.int32)),
+        "empty",
+    ),
 ]
 
 

@@ -331,6 +331,8 @@ def _bad_expander(change: str) -> Any:
             return k.to("meta"), v.to("meta")
         if change == "single":
             return k
+        if change == "v-none":  # a pair, but not of tensors
+            return k, None
         if change == "k-nope-short":  # neither whole keys nor the nope lanes alone
             return k[..., : CONTEXT_CASE.qk_nope_dim - 1], v
         if change == "v-stride":  # the right shape, its last dim strided
@@ -341,7 +343,8 @@ def _bad_expander(change: str) -> Any:
 
 
 @pytest.mark.parametrize(
-    "change", ["rows", "heads", "k-dim", "v-dim", "dtype", "device", "single", "k-nope-short", "v-stride"]
+    "change",
+    ["rows", "heads", "k-dim", "v-dim", "dtype", "device", "single", "v-none", "k-nope-short", "v-stride"],
 )
 def test_expand_context_output_is_checked(change: str) -> None:
     """Fewer rows were accepted (a silently wrong prefill, max difference 3.85); a wrong head

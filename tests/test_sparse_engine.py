@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -951,3 +952,193 @@ def test_compiled_sparse_layer_matches_eager_without_recompiling() -> None:
     )
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def _strided(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in a non-contiguous tensor of the same shape (the last two dims swapped
+    in memory)."""
+    return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+BAD_KV_CACHES: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
+    "not-a-tensor": (lambda cache: cache.numpy(), "expected a torch.Tensor"),
+    "flat-rows": (lambda cache: cache.view(-1, cache.shape[-1]), "KVCacheSpec format"),
+    "other-device": (lambda cache: torch.empty_like(cache, device="meta"), "move it to cpu"),
+    "non-contiguous": (_strided, "contiguous"),
+}
+"""A latent cache the sparse attention must refuse, as made from a good one, and its message."""
+
+
+@pytest.mark.parametrize("case", list(BAD_KV_CACHES))
+def test_a_bad_sparse_kv_cache_is_rejected_before_any_write(case: str) -> None:
+    backend = _backend()
+    step, metadata, caches, q = _ready(backend)
+    make_bad, message = BAD_KV_CACHES[case]
+    selection = hand_selection(step, TOPK, torch.Generator().manual_seed(0))
+    out, lse = poisoned(step.rows, 3, F32)
+    bad = make_bad(caches.kv_cache)
+    expect_invalid(
+        "kv_cache",
+        lambda: backend.impl.forward_sparse_decode(metadata, q, bad, selection, out=out, lse=lse),
+        message,
+    )
+    assert torch.isnan(out).all()
+    assert torch.isnan(lse).all()
+
+
+BAD_SELECTIONS: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
+    "a-list": (lambda sel: sel.tolist(), "expected a torch.Tensor"),
+    "float": (lambda sel: sel.float(), "expected int32"),
+    "one-dim": (lambda sel: sel.reshape(-1), "expected int32"),
+    "a-row-short": (lambda sel: sel[:-1], "rows"),
+    "other-device": (lambda sel: torch.empty_like(sel, device="meta"), "move it to cpu"),
+}
+"""A ``topk_indices`` the sparse attention must refuse, as made from a good one, and its message."""
+
+
+@pytest.mark.parametrize("case", list(BAD_SELECTIONS))
+def test_a_bad_selection_is_rejected_before_any_write(case: str) -> None:
+    backend = _backend()
+    step, metadata, caches, q = _ready(backend)
+    make_bad, message = BAD_SELECTIONS[case]
+    bad = make_bad(hand_selection(step, TOPK, torch.Generator().manual_seed(0)))
+    out, lse = poisoned(step.rows, 3, F32)
+    expect_invalid(
+        "topk_indices",
+        lambda: backend.impl.forward_sparse_decode(metadata, q, caches.kv_cache, bad, out=out, lse=lse),
+        message,
+    )
+    assert torch.isnan(out).all()
+    assert torch.isnan(lse).all()
+
+
+BAD_INDEX_CACHES: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
+    "not-a-tensor": (lambda cache: cache.numpy(), "expected a torch.Tensor"),
+    "other-device": (lambda cache: torch.empty_like(cache, device="meta"), "move it to cpu"),
+    "non-contiguous": (_strided, "contiguous tensor on"),
+}
+"""An index-key cache the indexer must refuse, as made from a good one, and its message."""
+
+
+@pytest.mark.parametrize("case", list(BAD_INDEX_CACHES))
+def test_a_bad_index_cache_is_rejected_before_any_write(case: str) -> None:
+    backend = _backend()
+    step, metadata, caches, _ = _ready(backend)
+    make_bad, message = BAD_INDEX_CACHES[case]
+    bad = make_bad(caches.index_cache)
+    index_q, weights = index_inputs(step, F32, torch.Generator().manual_seed(0))
+    out = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)
+    expect_invalid(
+        "index_cache", lambda: backend.impl.index_topk(metadata, index_q, weights, bad, out=out), message
+    )
+    assert bool((out == SELECTION_POISON).all())
+
+
+def test_integer_index_queries_are_rejected() -> None:
+    backend = _backend()
+    step, metadata, caches, _ = _ready(backend)
+    index_q, weights = index_inputs(step, F32, torch.Generator().manual_seed(0))
+    out = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)
+    expect_invalid(
+        "index_q",
+        lambda: backend.impl.index_topk(
+            metadata, index_q.to(torch.int32), weights, caches.index_cache, out=out
+        ),
+        "expected bf16, fp16 or fp32",
+    )
+    assert bool((out == SELECTION_POISON).all())
+
+
+@pytest.mark.parametrize("strategy", [int, mla.GluonDecode], ids=["not-a-strategy", "a-decode-strategy"])
+def test_an_indexer_strategy_of_another_kind_is_rejected(strategy: type) -> None:
+    expect_invalid(
+        "indexer_strategy",
+        lambda: _backend(indexer_strategy=strategy),
+        "expected an IndexerStrategy subclass",
+    )
+
+
+def _dense_backend() -> mla.MLABackend:
+    dims = mla.MLADims(3, RANK, ROPE, NOPE, VDIM, softmax_scale=SCALE)
+    cache = mla.KVCacheSpec(BLOCK, F32, num_blocks=NUM_BLOCKS)
+    return mla.MLABackend(dims, cache, LIMITS, model_dtype=F32, provider="torch", platform="cpu")
+
+
+def test_the_sparse_doors_of_a_dense_backend_name_what_is_missing() -> None:
+    backend, sparse = _dense_backend(), _backend()
+    step, _, caches, q = _ready(sparse)
+    metadata = backend.builder.build(step.inputs)
+    selection = hand_selection(step, TOPK, torch.Generator().manual_seed(0))
+    out, lse = poisoned(step.rows, 3, F32)
+    expect_invalid(
+        "metadata",
+        lambda: backend.impl.forward_sparse_decode(metadata, q, caches.kv_cache, selection, out=out, lse=lse),
+        "dense model",
+    )
+    assert torch.isnan(out).all()
+    index_q, weights = index_inputs(step, F32, torch.Generator().manual_seed(0))
+    picked = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)
+    expect_invalid(
+        "metadata",
+        lambda: backend.impl.index_topk(metadata, index_q, weights, caches.index_cache, out=picked),
+        "no indexer",
+    )
+    assert bool((picked == SELECTION_POISON).all())
+    expect_invalid(
+        "index_cache",
+        lambda: backend.impl.write_index_keys(
+            torch.randn(2, INDEX_DIM), caches.index_cache, torch.tensor([0, 1])
+        ),
+        "no indexer",
+    )
+
+
+def _layer_call(change: str) -> tuple[mla.MLAAttention, tuple[Any, ...], dict[str, Any]]:
+    """A sparse layer, its positional arguments and its keyword arguments with one ``change``."""
+    heads, fmt = 3, FORMATS[0]
+    backend = _backend(heads, fmt)
+    gen = torch.Generator().manual_seed(3)
+    layer = mla.MLAAttention(backend, torch.randn(heads * (NOPE + VDIM), RANK, generator=gen) * RANK**-0.5)
+    step = make_step(SCENARIOS[1], gen)
+    metadata = backend.builder.build(step.inputs)
+    caches = fill_caches(backend, step, fmt, gen)
+    new = step.new_rows(caches.latent)
+    q_nope = torch.randn(step.rows, heads, NOPE, generator=gen)
+    q_pe = torch.randn(step.rows, heads, ROPE, generator=gen)
+    args = (metadata, q_nope, q_pe, new[:, :RANK], new[:, RANK:], caches.kv_cache)
+    index_q, weights = index_inputs(step, F32, gen)
+    kwargs: dict[str, Any] = {
+        "slot_mapping": step.new_slots(),
+        "index_q": index_q,
+        "index_weights": weights,
+        "index_k": torch.randn(step.rows, INDEX_DIM, generator=gen),
+        "index_cache": caches.index_cache,
+    }
+    if change == "index_k-alone":
+        kwargs["index_cache"] = None
+    elif change == "index_cache-geometry":
+        kwargs["index_cache"] = caches.index_cache[:-1].contiguous()
+    elif change == "topk-rows":
+        kwargs["topk_indices"] = hand_selection(step, TOPK, gen)[:-1]
+    elif change == "no-selection":
+        kwargs.update(index_q=None, index_k=None, index_cache=None)
+    return layer, args, kwargs
+
+
+@pytest.mark.parametrize(
+    ("change", "argument", "match"),
+    [
+        pytest.param("index_k-alone", "index_k", "go together", id="index_k-alone"),
+        pytest.param(
+            "index_cache-geometry",
+            "index_cache",
+            "shares the KV cache's block table",
+            id="index_cache-geometry",
+        ),
+        pytest.param("topk-rows", "topk_indices", r"rows \(the step's\)", id="topk-rows"),
+        pytest.param("no-selection", "topk_indices", "needs the indexer's inputs", id="no-selection"),
+    ],
+)
+def test_the_sparse_layer_names_a_missing_or_mismatched_input(change: str, argument: str, match: str) -> None:
+    layer, args, kwargs = _layer_call(change)
+    expect_invalid(argument, lambda: layer(*args, **kwargs), match)
