@@ -909,6 +909,7 @@ BACKEND_CASES = [
     ("device", {"device": "gpu0"}, "not a torch device"),
     ("provider", {"provider": 3}, "KernelProvider"),
     ("context_chunk_tokens", {"context_chunk_tokens": "4096"}, "an int"),
+    ("resolver", {"resolver": object()}, "an mla.Resolver"),
 ]
 
 

@@ -179,6 +179,22 @@ def test_config_rejects_sizes_the_loop_cannot_serve() -> None:
         small(max_num_batched_tokens=16)
 
 
+@pytest.mark.parametrize(
+    ("changes", "argument", "match"),
+    [
+        ({"kv_dtype": "fp8_ds_mla"}, "kv_dtype", "add --sparse"),
+        ({"sparse": True, "dcp": 2}, "dcp", "drop --dcp or --sparse"),
+    ],
+    ids=["fp8_ds_mla-without-sparse", "sparse-with-dcp"],
+)
+def test_config_rejects_options_that_do_not_go_together(
+    changes: dict[str, Any], argument: str, match: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=match) as info:
+        small(**changes)
+    assert info.value.argument == argument
+
+
 def test_progress_bar_writes_lines_off_a_terminal() -> None:
     stream = io.StringIO()
     bar = cli.ProgressBar(stream)

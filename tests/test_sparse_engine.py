@@ -1142,3 +1142,10 @@ def _layer_call(change: str) -> tuple[mla.MLAAttention, tuple[Any, ...], dict[st
 def test_the_sparse_layer_names_a_missing_or_mismatched_input(change: str, argument: str, match: str) -> None:
     layer, args, kwargs = _layer_call(change)
     expect_invalid(argument, lambda: layer(*args, **kwargs), match)
+
+
+@pytest.mark.parametrize("key_dtype", [torch.int8, torch.float8_e5m2, "int4"], ids=str)
+def test_an_index_key_dtype_the_cache_cannot_store_is_rejected(key_dtype: torch.dtype | str) -> None:
+    with pytest.raises(mla.InvalidInputError) as info:
+        mla.IndexerSpec(num_heads=INDEX_HEADS, head_dim=INDEX_DIM, key_dtype=key_dtype)
+    assert info.value.argument == "key_dtype", str(info.value)

@@ -290,3 +290,17 @@ def test_kit_catches_a_wrong_user_strategy() -> None:
     result = check_decode_strategy(SeesTheFuture, verify, provider="torch", platform="cpu")
     assert result.supported
     assert not result.ok
+
+
+def test_a_name_another_phase_holds_is_refused() -> None:
+    class Clash(DenseWindowDecode):
+        NAME = mla.FlashVarlen.NAME  # a prefill strategy's
+
+    registry = scratch_registry([(DenseWindowDecode, PRIORITY)])
+    before = registry.version
+    with pytest.raises(mla.InvalidInputError, match="already the name of a prefill strategy") as info:
+        mla.register(Clash, priority=PRIORITY, registry=registry)
+    assert info.value.argument == "strategy"
+    assert "FlashVarlen" in str(info.value)
+    assert registry.version == before
+    assert Clash.NAME not in registry.names(mla.Phase.DECODE)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from mla.core.errors import UnsupportedError
+from mla.core.errors import InvalidInputError, UnsupportedError
 from mla.decode.asm_non_persistent import AsmNonPersistent
 from mla.decode.asm_padded_persistent import PaddedAsmPersistent
 from mla.decode.base import DecodeStrategy
@@ -49,7 +49,11 @@ class Registry:
     def register(self, strategy: AnyStrategy, *, priority: int) -> None:
         for phase, entries in self._entries.items():
             if strategy.NAME in entries and phase is not strategy.PHASE:
-                raise ValueError(f"strategy name {strategy.NAME!r} is already a {phase.value} strategy")
+                raise InvalidInputError(
+                    "strategy",
+                    f"{strategy.__name__}.NAME {strategy.NAME!r} is already the name of a {phase.value} "
+                    f"strategy ({entries[strategy.NAME].strategy.__name__}); give it a NAME of its own",
+                )
         self._entries[strategy.PHASE][strategy.NAME] = Registration(strategy, priority)
         self.version += 1
 
