@@ -710,19 +710,6 @@ def expect_invalid(argument: str, call: Any, match: str | None = None) -> None:
     assert info.value.argument == argument, str(info.value)
 
 
-def test_more_columns_than_index_topk_is_rejected() -> None:
-    backend = _backend()
-    step, metadata, caches, q = _ready(backend)
-    wide = torch.full((step.rows, TOPK + 1), -1, dtype=torch.int32)
-    out, lse = poisoned(step.rows, 3, F32)
-    expect_invalid(
-        "topk_indices",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, caches.kv_cache, wide, out=out, lse=lse),
-        "more than the backend's index buffer",
-    )
-    assert torch.isnan(out).all()
-
-
 def _out_of_window(step: Step) -> tuple[torch.Tensor, int, int]:
     """A valid selection plus one entry at the first position row 1 may not see (the next
     token of its verify request: a real, written cache row). Returns it, the row and column."""
@@ -960,52 +947,46 @@ def _strided(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-BAD_KV_CACHES: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
-    "not-a-tensor": (lambda cache: cache.numpy(), "expected a torch.Tensor"),
-    "flat-rows": (lambda cache: cache.view(-1, cache.shape[-1]), "KVCacheSpec format"),
-    "other-device": (lambda cache: torch.empty_like(cache, device="meta"), "move it to cpu"),
-    "non-contiguous": (_strided, "contiguous"),
-}
-"""A latent cache the sparse attention must refuse, as made from a good one, and its message."""
-
-
-@pytest.mark.parametrize("case", list(BAD_KV_CACHES))
-def test_a_bad_sparse_kv_cache_is_rejected_before_any_write(case: str) -> None:
-    backend = _backend()
-    step, metadata, caches, q = _ready(backend)
-    make_bad, message = BAD_KV_CACHES[case]
-    selection = hand_selection(step, TOPK, torch.Generator().manual_seed(0))
-    out, lse = poisoned(step.rows, 3, F32)
-    bad = make_bad(caches.kv_cache)
-    expect_invalid(
+BAD_SPARSE_INPUTS: dict[str, tuple[str, Callable[[torch.Tensor], Any], str]] = {
+    "kv_cache-not-a-tensor": ("kv_cache", lambda cache: cache.numpy(), "expected a torch.Tensor"),
+    "kv_cache-flat-rows": ("kv_cache", lambda cache: cache.view(-1, cache.shape[-1]), "KVCacheSpec format"),
+    "kv_cache-other-device": (
         "kv_cache",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, bad, selection, out=out, lse=lse),
-        message,
-    )
-    assert torch.isnan(out).all()
-    assert torch.isnan(lse).all()
-
-
-BAD_SELECTIONS: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
-    "a-list": (lambda sel: sel.tolist(), "expected a torch.Tensor"),
-    "float": (lambda sel: sel.float(), "expected int32"),
-    "one-dim": (lambda sel: sel.reshape(-1), "expected int32"),
-    "a-row-short": (lambda sel: sel[:-1], "rows"),
-    "other-device": (lambda sel: torch.empty_like(sel, device="meta"), "move it to cpu"),
+        lambda cache: torch.empty_like(cache, device="meta"),
+        "move it to cpu",
+    ),
+    "kv_cache-non-contiguous": ("kv_cache", _strided, "contiguous"),
+    "topk-a-list": ("topk_indices", lambda sel: sel.tolist(), "expected a torch.Tensor"),
+    "topk-float": ("topk_indices", lambda sel: sel.float(), "expected int32"),
+    "topk-one-dim": ("topk_indices", lambda sel: sel.reshape(-1), "expected int32"),
+    "topk-a-row-short": ("topk_indices", lambda sel: sel[:-1], "rows"),
+    "topk-other-device": ("topk_indices", lambda sel: torch.empty_like(sel, device="meta"), "move it to cpu"),
+    "topk-wider-than-index_topk": (
+        "topk_indices",
+        lambda sel: torch.full((sel.shape[0], TOPK + 1), -1, dtype=torch.int32),
+        "more than the backend's index buffer",
+    ),
 }
-"""A ``topk_indices`` the sparse attention must refuse, as made from a good one, and its message."""
+"""An input the sparse attention must refuse: the argument, how it is made from a good one, and a
+fragment of the message."""
 
 
-@pytest.mark.parametrize("case", list(BAD_SELECTIONS))
-def test_a_bad_selection_is_rejected_before_any_write(case: str) -> None:
+@pytest.mark.parametrize("case", list(BAD_SPARSE_INPUTS))
+def test_a_bad_sparse_input_is_rejected_before_any_write(case: str) -> None:
     backend = _backend()
     step, metadata, caches, q = _ready(backend)
-    make_bad, message = BAD_SELECTIONS[case]
-    bad = make_bad(hand_selection(step, TOPK, torch.Generator().manual_seed(0)))
+    argument, make_bad, message = BAD_SPARSE_INPUTS[case]
+    inputs = {
+        "kv_cache": caches.kv_cache,
+        "topk_indices": hand_selection(step, TOPK, torch.Generator().manual_seed(0)),
+    }
+    inputs[argument] = make_bad(inputs[argument])
     out, lse = poisoned(step.rows, 3, F32)
     expect_invalid(
-        "topk_indices",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, caches.kv_cache, bad, out=out, lse=lse),
+        argument,
+        lambda: backend.impl.forward_sparse_decode(
+            metadata, q, inputs["kv_cache"], inputs["topk_indices"], out=out, lse=lse
+        ),
         message,
     )
     assert torch.isnan(out).all()
