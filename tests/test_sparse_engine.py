@@ -25,6 +25,7 @@ import sparse_steps
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layouts import strided_last_dim
 from sparse_steps import assert_close, check_selection
 from torch import nn
 from torch._dynamo.utils import counters
@@ -941,12 +942,6 @@ def test_compiled_sparse_layer_matches_eager_without_recompiling() -> None:
     assert explanation.graph_count == 1
 
 
-def _strided(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in a non-contiguous tensor of the same shape (the last two dims swapped
-    in memory)."""
-    return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
 BAD_SPARSE_INPUTS: dict[str, tuple[str, Callable[[torch.Tensor], Any], str]] = {
     "kv_cache-not-a-tensor": ("kv_cache", lambda cache: cache.numpy(), "expected a torch.Tensor"),
     "kv_cache-flat-rows": ("kv_cache", lambda cache: cache.view(-1, cache.shape[-1]), "KVCacheSpec format"),
@@ -955,7 +950,7 @@ BAD_SPARSE_INPUTS: dict[str, tuple[str, Callable[[torch.Tensor], Any], str]] = {
         lambda cache: torch.empty_like(cache, device="meta"),
         "move it to cpu",
     ),
-    "kv_cache-non-contiguous": ("kv_cache", _strided, "contiguous"),
+    "kv_cache-non-contiguous": ("kv_cache", strided_last_dim, "contiguous"),
     "topk-a-list": ("topk_indices", lambda sel: sel.tolist(), "expected a torch.Tensor"),
     "topk-float": ("topk_indices", lambda sel: sel.float(), "expected int32"),
     "topk-one-dim": ("topk_indices", lambda sel: sel.reshape(-1), "expected int32"),
@@ -996,7 +991,7 @@ def test_a_bad_sparse_input_is_rejected_before_any_write(case: str) -> None:
 BAD_INDEX_CACHES: dict[str, tuple[Callable[[torch.Tensor], Any], str]] = {
     "not-a-tensor": (lambda cache: cache.numpy(), "expected a torch.Tensor"),
     "other-device": (lambda cache: torch.empty_like(cache, device="meta"), "move it to cpu"),
-    "non-contiguous": (_strided, "contiguous tensor on"),
+    "non-contiguous": (strided_last_dim, "contiguous tensor on"),
 }
 """An index-key cache the indexer must refuse, as made from a good one, and its message."""
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from layouts import strided_last_dim
 
 from mla import InvalidInputError
 from mla.providers.triton.attention_host import check_attention_args
@@ -30,11 +31,6 @@ def _args() -> dict[str, Any]:
         "lse": torch.zeros(TQ, H),
         "softmax_scale": 0.125,
     }
-
-
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values with a strided last dim."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def _with_context(**changes: Any) -> dict[str, Any]:
@@ -58,7 +54,7 @@ def _changed(**changes: Any) -> dict[str, Any]:
 
 BAD_CALLS: dict[str, tuple[str, dict[str, Any], str]] = {
     "q-2d": ("q", _changed(q=torch.zeros(TQ, H * DQK)), "expected 3 dims"),
-    "k-strided": ("k", _changed(k=_strided(torch.zeros(TK, H, DQK))), "last dim must be contiguous"),
+    "k-strided": ("k", _changed(k=strided_last_dim(torch.zeros(TK, H, DQK))), "last dim must be contiguous"),
     "lse-3d": ("lse", _changed(lse=torch.zeros(TQ, H, 1)), "expected 2 dims"),
     "k-heads": (
         "k",

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from layouts import strided_last_dim
 
 from mla import InvalidInputError
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
@@ -35,10 +36,6 @@ def _call(**changes: Any) -> SparseAttentionCall:
     }
     values.update(changes)
     return SparseAttentionCall(**values)
-
-
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def _misaligned_rows() -> torch.Tensor:
@@ -71,7 +68,7 @@ BAD_CALLS: dict[str, tuple[str, Any, str]] = {
     ),
     "q-strided": (
         "q",
-        lambda: _call(q=_strided(torch.zeros(ROWS, HEADS, RANK + ROPE, dtype=torch.bfloat16))),
+        lambda: _call(q=strided_last_dim(torch.zeros(ROWS, HEADS, RANK + ROPE, dtype=torch.bfloat16))),
         "last dim must be contiguous",
     ),
     "slots-strided": (

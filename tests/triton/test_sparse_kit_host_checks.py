@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from layouts import strided_last_dim
 
 from mla import InvalidInputError
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
@@ -22,11 +23,6 @@ from mla.providers.triton.topk import radix_topk
 E4M3 = torch.float8_e4m3fn
 ROWS, HEADS, DIM, BLOCK, BLOCKS = 4, 2, 32, 8, 6
 KEYS = BLOCK * BLOCKS
-
-
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values with a strided last dim."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def _index_call(
@@ -96,7 +92,7 @@ BAD_CALLS: dict[str, tuple[str, Callable[[], object], str]] = {
     ),
     "scores-q-strided": (
         "q",
-        lambda: index_scores(_index_call(q=_strided(torch.zeros(ROWS, HEADS, DIM))), _scores()),
+        lambda: index_scores(_index_call(q=strided_last_dim(torch.zeros(ROWS, HEADS, DIM))), _scores()),
         "contiguous last dim",
     ),
     "scores-stats-shape": (
@@ -113,7 +109,9 @@ BAD_CALLS: dict[str, tuple[str, Callable[[], object], str]] = {
     ),
     "topk-strided": (
         "scores",
-        lambda: radix_topk(_strided(torch.zeros(ROWS, KEYS)), torch.zeros(ROWS, 8, dtype=torch.int32), k=8),
+        lambda: radix_topk(
+            strided_last_dim(torch.zeros(ROWS, KEYS)), torch.zeros(ROWS, 8, dtype=torch.int32), k=8
+        ),
         "contiguous last dim",
     ),
     "index-keys-fp8-cache-strided": (
@@ -132,7 +130,7 @@ BAD_CALLS: dict[str, tuple[str, Callable[[], object], str]] = {
         "keys",
         lambda: write_index_keys(
             WriteIndexKeysCall(
-                keys=_strided(torch.zeros(3, DIM)),
+                keys=strided_last_dim(torch.zeros(3, DIM)),
                 index_cache=torch.zeros(BLOCKS, BLOCK, DIM),
                 key_dtype=torch.float32,
                 slot_mapping=torch.arange(3),
