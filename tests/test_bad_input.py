@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import pytest
+import rejections
 import torch
 
 import mla
@@ -32,9 +33,9 @@ META = torch.device("meta")
 
 
 def expect_invalid(argument: str, call: Callable[[], object], match: str | None = None) -> InvalidInputError:
-    with pytest.raises(InvalidInputError, match=match) as info:
-        call()
-    error = info.value
+    """:func:`rejections.expect_invalid`, and the error is a ``ValueError`` and an ``MLAError``
+    whose message starts with the argument's name."""
+    error = rejections.expect_invalid(argument, call, match)
     assert isinstance(error, ValueError)
     assert isinstance(error, mla.MLAError)
     assert error.argument == argument

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rejections import expect_invalid
 
 import mla
 from mla.core.step_rules import check_block_ids, check_paged_request_values
@@ -82,13 +83,6 @@ BAD = list(bad_values(decode_args()))
 STRATEGIES = [None, "asm-non-persistent", "asm-padded-persistent", "gluon-verify-flatten"]
 """Automatic selection and each multi-token strategy's fill (the paged one copies the query
 indptr in the fill, the padded one pads qlens, the verify rows read it for the row map)."""
-
-
-def expect_invalid(argument: str, call: Callable[[], object]) -> mla.InvalidInputError:
-    with pytest.raises(mla.InvalidInputError) as info:
-        call()
-    assert info.value.argument == argument
-    return info.value
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s or "auto")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from rejections import expect_invalid
 
 import mla
 from mla import InvalidInputError, TorchProvider
@@ -60,12 +61,6 @@ def door_checks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
     monkeypatch.setattr(functional_prefill, "check_prefill_call", counted)
     yield runs
     prefill_call.PREFILL_CALLS.clear()
-
-
-def expect_invalid(argument: str, call: Callable[[], object], match: str) -> None:
-    with pytest.raises(InvalidInputError, match=match) as info:
-        call()
-    assert info.value.argument == argument
 
 
 def test_the_checks_of_a_signature_run_once(door_checks: list[object]) -> None:

@@ -16,21 +16,14 @@ import attrs
 import pytest
 import reliability_cases as cases
 import torch
+from rejections import expect_invalid
 
 import mla
-from mla import InvalidInputError
 from mla.providers.calls import PagedDecodeCall
 from mla.providers.torch_ref import TorchProvider
 from mla.testing import PrefillCase, make_prefill_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def expect_invalid(argument: str, call: Any, match: str | None = None) -> InvalidInputError:
-    with pytest.raises(InvalidInputError, match=match) as info:
-        call()
-    assert info.value.argument == argument
-    return info.value
 
 
 def run_child(

@@ -26,6 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from layouts import strided_last_dim
+from rejections import expect_invalid
 from sparse_steps import assert_close, check_selection
 from torch import nn
 from torch._dynamo.utils import counters
@@ -270,6 +271,27 @@ def poisoned(rows: int, heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
         torch.full((rows, heads, RANK), math.nan, dtype=dtype),
         torch.full((rows, heads), math.nan, dtype=torch.float32),
     )
+
+
+def rejected_decode(
+    backend: mla.MLABackend,
+    metadata: Any,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    selection: torch.Tensor,
+    argument: str,
+    match: str | None = None,
+) -> torch.Tensor:
+    """``forward_sparse_decode`` into NaN-poisoned outputs (of ``q``'s rows and heads, in its
+    dtype), expected to raise the :class:`~mla.InvalidInputError` naming ``argument``; returns
+    the output buffer, for the caller to check that nothing was written."""
+    out, lse = poisoned(q.shape[0], q.shape[1], q.dtype)
+    expect_invalid(
+        argument,
+        lambda: backend.impl.forward_sparse_decode(metadata, q, kv_cache, selection, out=out, lse=lse),
+        match,
+    )
+    return out
 
 
 def attend(
@@ -705,12 +727,6 @@ def _ready(
     return step, metadata, caches, q
 
 
-def expect_invalid(argument: str, call: Any, match: str | None = None) -> None:
-    with pytest.raises(mla.InvalidInputError, match=match) as info:
-        call()
-    assert info.value.argument == argument, str(info.value)
-
-
 def _out_of_window(step: Step) -> tuple[torch.Tensor, int, int]:
     """A valid selection plus one entry at the first position row 1 may not see (the next
     token of its verify request: a real, written cache row). Returns it, the row and column."""
@@ -727,11 +743,8 @@ def test_an_index_outside_its_window_is_rejected_under_full_validation() -> None
     backend = _backend(validate="full")
     step, metadata, caches, q = _ready(backend)
     selection, _, _ = _out_of_window(step)
-    out, lse = poisoned(step.rows, 3, F32)
-    expect_invalid(
-        "topk_indices",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, caches.kv_cache, selection, out=out, lse=lse),
-        "outside the row's request window",
+    out = rejected_decode(
+        backend, metadata, q, caches.kv_cache, selection, "topk_indices", "outside the row's request window"
     )
     assert torch.isnan(out).all()
     assert backend.invalid_index_count() == 0
@@ -777,12 +790,7 @@ def test_a_cache_of_another_format_is_rejected(backend_format: str, cache_format
         torch.randn(NUM_BLOCKS, BLOCK, RANK + ROPE), other.cache_dtype, kv_lora_rank=RANK
     )
     selection = hand_selection(step, TOPK, torch.Generator().manual_seed(2))
-    out, lse = poisoned(step.rows, 3, fmt.model_dtype)
-    expect_invalid(
-        "kv_cache",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, wrong, selection, out=out, lse=lse),
-        "KVCacheSpec format",
-    )
+    out = rejected_decode(backend, metadata, q, wrong, selection, "kv_cache", "KVCacheSpec format")
     assert torch.isnan(out).all()
 
 
@@ -821,11 +829,7 @@ def test_a_kv_cache_with_fewer_blocks_than_the_spec_is_rejected() -> None:
     step, metadata, caches, q = _ready(backend)
     small = caches.kv_cache[: NUM_BLOCKS // 2].contiguous()
     selection = hand_selection(step, TOPK, torch.Generator().manual_seed(0))
-    out, lse = poisoned(step.rows, 3, F32)
-    expect_invalid(
-        "kv_cache",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, small, selection, out=out, lse=lse),
-    )
+    rejected_decode(backend, metadata, q, small, selection, "kv_cache")
 
 
 def test_dense_forward_decode_on_a_sparse_backend_names_metadata() -> None:
@@ -1045,12 +1049,7 @@ def test_the_sparse_doors_of_a_dense_backend_name_what_is_missing() -> None:
     step, _, caches, q = _ready(sparse)
     metadata = backend.builder.build(step.inputs)
     selection = hand_selection(step, TOPK, torch.Generator().manual_seed(0))
-    out, lse = poisoned(step.rows, 3, F32)
-    expect_invalid(
-        "metadata",
-        lambda: backend.impl.forward_sparse_decode(metadata, q, caches.kv_cache, selection, out=out, lse=lse),
-        "dense model",
-    )
+    out = rejected_decode(backend, metadata, q, caches.kv_cache, selection, "metadata", "dense model")
     assert torch.isnan(out).all()
     index_q, weights = index_inputs(step, F32, torch.Generator().manual_seed(0))
     picked = torch.full((step.rows, TOPK), SELECTION_POISON, dtype=torch.int32)

@@ -6,10 +6,9 @@ the argument. CPU tensors; nothing reaches Triton.
 
 from __future__ import annotations
 
-import pytest
 import torch
+from rejections import expect_invalid
 
-from mla import InvalidInputError
 from mla.core.config import ds_mla_row_bytes
 from mla.providers.gluon.decode import launch_gluon_decode
 from mla.providers.gluon.planner import launch_config
@@ -41,13 +40,9 @@ def _launch(q_dtype: torch.dtype, cache: torch.Tensor, kv_scale: torch.Tensor | 
 
 def test_fp8_ds_mla_rows_need_a_bf16_query() -> None:
     rows = torch.zeros(REQUESTS * KEYS, ds_mla_row_bytes(RANK, ROPE), dtype=torch.uint8).view(E4M3)
-    with pytest.raises(InvalidInputError, match="bf16 rope lanes") as info:
-        _launch(torch.float16, rows, None)
-    assert info.value.argument == "q"
+    expect_invalid("q", lambda: _launch(torch.float16, rows, None), "bf16 rope lanes")
 
 
 def test_a_per_tensor_fp8_cache_needs_its_scale() -> None:
     rows = torch.zeros(REQUESTS * KEYS, RANK + ROPE, dtype=E4M3)
-    with pytest.raises(InvalidInputError, match="per-tensor scale") as info:
-        _launch(torch.bfloat16, rows, None)
-    assert info.value.argument == "kv_scale"
+    expect_invalid("kv_scale", lambda: _launch(torch.bfloat16, rows, None), "per-tensor scale")

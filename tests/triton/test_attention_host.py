@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 from layouts import strided_last_dim
+from rejections import expect_invalid
 
-from mla import InvalidInputError
 from mla.providers.triton.attention_host import check_attention_args
 
 TQ, TK, H, DQK, DV, ROPE = 8, 12, 4, 48, 24, 16
@@ -113,9 +113,7 @@ BAD_CALLS: dict[str, tuple[str, dict[str, Any], str]] = {
 @pytest.mark.parametrize("case", list(BAD_CALLS))
 def test_a_bad_prefill_argument_is_named(case: str) -> None:
     argument, args, match = BAD_CALLS[case]
-    with pytest.raises(InvalidInputError, match=re.escape(match)) as info:
-        check_attention_args(**args)
-    assert info.value.argument == argument, str(info.value)
+    expect_invalid(argument, lambda: check_attention_args(**args), re.escape(match))
 
 
 @pytest.mark.parametrize("make", [_args, _with_context], ids=["plain", "chunked-context"])

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from layouts import strided_last_dim
+from rejections import expect_invalid
 
-from mla import InvalidInputError
 from mla.core.config import DS_MLA_DTYPE, ds_mla_row_bytes
 from mla.providers.calls import IndexTopkCall, SparseSlotsCall, WriteIndexKeysCall, WriteKVCall
 from mla.providers.triton.indexer import index_scores
@@ -155,6 +155,4 @@ BAD_CALLS: dict[str, tuple[str, Callable[[], object], str]] = {
 @pytest.mark.parametrize("case", list(BAD_CALLS))
 def test_a_bad_operand_is_named_before_any_launch(case: str) -> None:
     argument, call, match = BAD_CALLS[case]
-    with pytest.raises(InvalidInputError, match=re.escape(match)) as info:
-        call()
-    assert info.value.argument == argument, str(info.value)
+    expect_invalid(argument, call, re.escape(match))
