@@ -179,7 +179,7 @@ def _attend_tile(
 def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr, prior=None,
-    HAS_PRIOR: gl.constexpr = False,
+    HAS_PRIOR: gl.constexpr = False, VEC_STORE: gl.constexpr = False,
 ):  # fmt: skip
     """A consumer partition of ``WARPS`` warps (8: both warpgroups, the whole query tile; 4: one
     warpgroup, query rows ``[64·W, 64·(W+1))`` of the split kernel): every key tile of the
@@ -213,7 +213,7 @@ def _consumer(
 
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
-        stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR,
+        stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR, VEC_STORE,
     )  # fmt: skip
 
 
@@ -254,6 +254,7 @@ def mla_prefill_kernel(
     MODE: gl.constexpr,
     HAS_K_PE: gl.constexpr,
     HAS_PRIOR: gl.constexpr,
+    VEC_STORE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # MODE 0: plain (8 consumer warps issue the loads); 1: a one-warp TMA producer partition and
@@ -347,11 +348,17 @@ def mla_prefill_kernel(
                 ),
                 (
                     _consumer,
-                    (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR),
+                    (
+                        consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR,
+                        VEC_STORE,
+                    ),
                 ),
                 (
                     _consumer,
-                    (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR),
+                    (
+                        consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR,
+                        VEC_STORE,
+                    ),
                 ),
             ],
             [4, 4],

@@ -89,6 +89,11 @@ def shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> int:
     return QUERY_TILE * qk_dim * 2 + ring + flags + p_tiles + 8 * barriers
 
 
+STORE_SCRATCH_BYTES = 4160
+"""Shared memory the bf16 split layouts' 16-byte output stores add (their two consumer
+warpgroups' layout conversion, sm_90 compile); launches that leave it free use them."""
+
+
 PERSISTENT_MAX_SEQLEN_Q = 2048
 """The longest request (in queries) the default launch runs on the persistent layout. Its one
 program per SM saves the block start, barrier set-up, first loads and epilogue latency of each
@@ -281,6 +286,8 @@ def _launch(
         "D_QK": qk_dim, "D_V": v_dim, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
         "CAUSAL": call.causal, "WRITE_LSE": write_lse or prior_out is not None, "HAS_K_PE": k_pe is not None,
         "HAS_PRIOR": prior_out is not None,
+        "VEC_STORE": cfg.kernel in CONTEXT_KERNELS
+        and shared_bytes(qk_dim, v_dim, cfg) + STORE_SCRATCH_BYTES <= SHARED_MEMORY_BYTES,
     }  # fmt: skip
     if cfg.kernel is PrefillKernel.PERSISTENT:  # one program per SM (at most one per query tile)
         PERSISTENT_LAUNCH.launch(

@@ -290,11 +290,23 @@ def _release(bar):
     mbarrier.arrive(bar)
 
 
+@gluon.constexpr_function
+def _store_layout(rows, cols):
+    """The accumulator layout of a ``[rows, cols]`` wgmma (``rows // 16`` warps) with each quad's
+    column blocks transposed: a thread holds 8 consecutive columns (one 16-byte store of 16-bit
+    lanes) of the same two rows, and every element stays in its warp."""
+    col_bits = (cols // 8).bit_length() - 1  # (8-column blocks: the accumulator's register bits)
+    reg_bases = [[0, 1], [0, 2], [0, 4], [8, 0]] + [[0, 8 << (2 + i)] for i in range(col_bits - 2)]
+    lane_bases = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+    warp_bases = [[16 << i, 0] for i in range((rows // 16).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases, lane_bases, warp_bases, [], [rows, cols])
+
+
 @gluon.jit
 def _store_rows(
     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
     stride_lh, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, WRITE_LSE: gl.constexpr,
-    O_LAYOUT: gl.constexpr, prior=None, HAS_PRIOR: gl.constexpr = False,
+    O_LAYOUT: gl.constexpr, prior=None, HAS_PRIOR: gl.constexpr = False, VEC_STORE: gl.constexpr = False,
 ):  # fmt: skip
     """The epilogue of query rows ``m0 + W·M + [0, M)`` (``rows``: those rows relative to ``m0``,
     in the score row layout): the output ``acc / l`` (0 where no key was seen) and the natural
@@ -314,8 +326,19 @@ def _store_rows(
     tok_s = (q_begin + rows_s).to(gl.int64)
     if HAS_PRIOR:
         o, lse = _merge_prior(o, lse, prior, tok, tok_s, rows_o < seq_q, rows_s < seq_q, h, cols, o_rows)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols[None, :]
-    gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
+    if VEC_STORE:
+        # from a layout of 8 consecutive lanes a thread (16-byte stores; the conversion takes
+        # STORE_SCRATCH_BYTES of shared memory)
+        st: gl.constexpr = _store_layout(M, D_V)
+        o_st = gl.convert_layout(o.to(out_ptr.dtype.element_ty), st)
+        rows_st = m0 + W * M + gl.arange(0, M, layout=gl.SliceLayout(1, st))
+        cols_st = gl.arange(0, D_V, layout=gl.SliceLayout(0, st))
+        tok_st = (q_begin + rows_st).to(gl.int64)
+        o_ptrs = out_ptr + tok_st[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols_st[None, :]
+        gl.store(o_ptrs, o_st, mask=(rows_st < seq_q)[:, None])
+    else:
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols[None, :]
+        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows_o < seq_q)[:, None])
     if WRITE_LSE:
         gl.store(lse_ptr + tok_s * stride_lt + h.to(gl.int64) * stride_lh, lse, mask=rows_s < seq_q)
 

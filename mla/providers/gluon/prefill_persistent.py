@@ -106,7 +106,7 @@ def _persistent_consumer(
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_m_blocks,
     num_tiles, num_q_rows, num_k_rows, qk_scale, prior, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
     D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, W: gl.constexpr,
-    HAS_PRIOR: gl.constexpr,
+    HAS_PRIOR: gl.constexpr, VEC_STORE: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``W`` (query rows ``[64·W, 64·(W+1))`` of each query tile): every key
     tile of each of the program's query tiles, then the rows' epilogue (see the module
@@ -142,7 +142,7 @@ def _persistent_consumer(
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
                 _store_rows(
                     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
-                    stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR,
+                    stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR, VEC_STORE,
                 )  # fmt: skip
                 g += n_tiles
                 done += 1
@@ -185,6 +185,7 @@ def mla_prefill_persistent_kernel(
     WRITE_LSE: gl.constexpr,
     HAS_K_PE: gl.constexpr,
     HAS_PRIOR: gl.constexpr,
+    VEC_STORE: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == SPLIT_PRODUCER_WARPS, "launch warps: the producer's")
@@ -234,7 +235,7 @@ def mla_prefill_persistent_kernel(
                     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
                     stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
-                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0, HAS_PRIOR,
+                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0, HAS_PRIOR, VEC_STORE,
                 ),
             ),
             (
@@ -243,7 +244,7 @@ def mla_prefill_persistent_kernel(
                     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
                     stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
-                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1, HAS_PRIOR,
+                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1, HAS_PRIOR, VEC_STORE,
                 ),
             ),
         ],
