@@ -83,23 +83,29 @@ def compile_cases(script: str, cases: dict[str, list[str]], root: pathlib.Path) 
     return {name: Compiled(dirs[name], *results[name]) for name in cases}
 
 
-def mma_loop_lengths(sass: str) -> list[int]:
-    """Instructions of each loop of ``cuobjdump -sass`` output that issues tensor-core MMAs
-    (``HGMMA``, or ``HMMA`` for ``mma.sync``): from a backward branch's target to the branch,
-    skipping the spans that cross a warp specialisation's register reallocation or an exit
-    (branches between partitions)."""
+def mma_loops(sass: str, mma: tuple[str, ...] = ("HGMMA", "HMMA")) -> list[list[str]]:
+    """The instructions of each loop of ``cuobjdump -sass`` output that issues tensor-core MMAs
+    (an instruction naming one of ``mma``: by default 16-bit ``wgmma``, ``HGMMA``, and
+    ``mma.sync``, ``HMMA``; ``"GMMA"`` takes the 8-bit ``QGMMA`` too): from a backward branch's
+    target to the branch, skipping the spans that cross a warp specialisation's register
+    reallocation or an exit (branches between partitions)."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    lengths = []
+    loops = []
     for i, (addr, text) in enumerate(ins):
         branch = re.search(r"\bBRA\S*\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)", text)
         if branch is None or int(branch.group(1), 16) >= addr:
             continue
-        body = [t for a, t in ins[: i + 1] if a >= int(branch.group(1), 16)]
-        if any("HGMMA" in t or "HMMA" in t for t in body) and not any(
+        body = [t.strip() for a, t in ins[: i + 1] if a >= int(branch.group(1), 16)]
+        if any(name in t for t in body for name in mma) and not any(
             "SETMAXREG" in t or "EXIT" in t for t in body
         ):
-            lengths.append(len(body))
-    return lengths
+            loops.append(body)
+    return loops
+
+
+def mma_loop_lengths(sass: str) -> list[int]:
+    """Instructions of each loop of :func:`mma_loops`."""
+    return [len(body) for body in mma_loops(sass)]
 
 
 def stack_and_mma_loops(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:

@@ -8,7 +8,7 @@ At ``1cf15b5`` (192/128, 128-key tiles, 4 stages): the producer kernel's consume
 240 registers (``setmaxnreg``) and the plain kernel at 242, no stack, 205 KB of shared memory.
 
 The split layout (``PrefillKernel.SPLIT``, :mod:`mla.providers.gluon.prefill_fp8_split`): its two
-consumer warpgroups at ``FP8_SPLIT_CONSUMER_REGS`` (216) registers, the 4-warp producer (TMA and
+consumer warpgroups at ``FP8_SPLIT_CONSUMER_REGS`` (224) registers, the 4-warp producer (TMA and
 the V transpose) at what is left (72), no stack; 218 KiB of shared memory at 192/128 with 4
 stages (Triton's count: 223,616 bytes).
 """
@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases
+from sm90_compile import Compiled, compile_cases, mma_loops
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -139,7 +139,7 @@ def _sass(compiled: Compiled, cuobjdump: str) -> str:
 def test_split_layout_register_budgets(compiled: dict[str, Compiled], cuobjdump: str, case: str) -> None:
     """The split layout launches 4 warps (its producer) and two 4-warp consumer partitions:
     ``setmaxnreg`` gives each consumer warpgroup ``FP8_SPLIT_CONSUMER_REGS`` and the producer
-    what is left of the register file (72 of 504 - 2 x 216), with no spills (the test above)."""
+    what is left of the register file (56 of 504 - 2 x 224), with no spills (the test above)."""
     from mla.providers.gluon.prefill_fp8_launch import SPLIT_V_LANDING, fp8_shared_bytes
     from mla.providers.gluon.prefill_fp8_split import FP8_SPLIT_CONSUMER_REGS, V_LANDING
     from mla.providers.gluon.prefill_launch import PrefillKernel, PrefillLaunchConfig
@@ -168,3 +168,24 @@ def test_split_layout_register_budgets(compiled: dict[str, Compiled], cuobjdump:
     mmas = set(re.findall(r"\b([A-Z]GMMA\.64x\d+x32\.\S+)", sass))
     assert mmas, "no M-64 wgmma"
     assert all(".E4M3.E4M3" in mma for mma in mmas), sorted(mmas)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_layout_p_becomes_the_operand_without_shuffles(
+    compiled: dict[str, Compiled], cuobjdump: str, case: str
+) -> None:
+    """The split layout's consumers read the keys of ``P·V`` in the order of
+    ``prefill_fp8_parts._pv_key_order`` (the producer writes V^T in it), in which the fp32
+    scores' registers already hold the 8-bit operand's 4-key groups: no key loop moves P between
+    threads (``SHFL.IDX``; the row maxima and sums still use ``SHFL.BFLY``). In natural key order
+    each step shuffled 16 times."""
+    compiled[case].stdout()  # (asserts that the case compiled)
+    loops = [
+        body
+        for body in mma_loops(_sass(compiled[case], cuobjdump), ("GMMA",))
+        if any("MUFU.EX2" in t for t in body)
+    ]
+    assert len(loops) == 4, [len(body) for body in loops]  # (two consumers: unmasked and masked tiles)
+    for body in loops:
+        assert not [t for t in body if t.startswith("SHFL.IDX")]
+        assert any(t.startswith("SHFL.BFLY") for t in body)

@@ -1,7 +1,8 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
 """Pieces shared by the warp layouts of the Gluon fp8 prefill (:mod:`.prefill_fp8`'s plain and
 producer layouts, :mod:`.prefill_fp8_split`'s split layout): the 8-bit shared layouts, the fp8
-``wgmma`` accumulator layout and the online-softmax step with P scaled by ``2**P_OFFSET``."""
+``wgmma`` accumulator layout, the key order of the split layout's ``P·V`` and the online-softmax
+step with P scaled by ``2**P_OFFSET``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,25 @@ P_OFFSET = gl.constexpr(8.0)
 def _fp8_mma_layout(warps, cols):
     """The accumulator layout of an 8-bit ``[16·warps, cols]`` wgmma (k = 32 per instruction)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 32])
+
+
+@gluon.jit
+def _pv_key_order(x):
+    """``x[:, π(k)]`` for a ``[rows, keys]`` tensor (``keys`` a multiple of 32): the order in
+    which the split layout's ``P·V`` reads the keys. Within each 32 keys, key
+    ``16h + 8g + 2c + e`` (``h, g, e < 2``, ``c < 4``) goes to place ``16h + 4c + 2g + e``.
+
+    An 8-bit ``wgmma`` A operand gives thread ``c`` of a quad 4 consecutive keys of a row
+    (``4c…4c+3``, and ``16+4c…``), where the fp32 accumulator holding the scores gives it pairs
+    (``2c, 2c+1, 8+2c, 9+2c``, …): in this order P becomes the operand in the registers that hold
+    it, without the shuffles of a layout conversion (FlashAttention-3 reorders V's keys for the
+    same reason). The V^T tile is written in the same order, so ``P·V`` sums the same products;
+    every reader of the V^T ring permutes its P with this function."""
+    R: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    gl.static_assert(N % 32 == 0, "whole 32-key groups")
+    x = gl.reshape(x, [R, N // 32, 2, 2, 4, 2])
+    return gl.reshape(gl.permute(x, [0, 1, 2, 4, 3, 5]), [R, N])
 
 
 @gluon.constexpr_function

@@ -3,16 +3,17 @@
 :func:`~mla.providers.gluon.prefill_fp8.mla_fp8_prefill_kernel`), as FA3's fp8 kernel splits it.
 
 * **Producer** (the launch's 4 warps, the default partition; ``setmaxnreg`` leaves it what the
-  consumers do not take: 72 registers): at step ``t`` it issues the TMA loads of key tile ``t``
+  consumers do not take: 56 registers): at step ``t`` it issues the TMA loads of key tile ``t``
   (K into the K ring slot ``t % NUM_STAGES`` on ``k_ready``; V into a landing slot ``t %
   V_LANDING`` on ``v_landed``), then transposes the V tile before it from its landing slot into
-  the ``[Dv, keys]`` V^T ring slot (keys contiguous: the K-major B operand of the fp8 ``P·V``),
-  64 value lanes (one TMA box) at a time through registers, fences the generic stores against
-  the async proxy, meets its warps at a barrier and arrives on ``vt_ready``. In a masked tile
-  (``t >= n_full``) it zeroes the non-finite lanes on the way and writes, per key, 1.0 into
-  ``flags`` where its value row had one (0.0 otherwise), as the bf16 split kernel's producer
-  does. The landing slots are the producer's alone: it has read a slot before it issues the
-  copy that reuses it, two tiles later.
+  the ``[Dv, keys]`` V^T ring slot (keys contiguous: the K-major B operand of the fp8 ``P·V``;
+  in the order of :func:`.prefill_fp8_parts._pv_key_order`, in which P needs no shuffle to
+  become the operand), 64 value lanes (one TMA box) at a time through registers, fences the
+  generic stores against the async proxy, meets its warps at a barrier and arrives on
+  ``vt_ready``. In a masked tile (``t >= n_full``) it zeroes the non-finite lanes on the way and
+  writes, per key, 1.0 into ``flags`` where its value row had one (0.0 otherwise), as the bf16
+  split kernel's producer does. The landing slots are the producer's alone: it has read a slot
+  before it issues the copy that reuses it, two tiles later.
 * **Consumers**: two worker partitions of one warpgroup each (query rows ``[64·W, 64·(W+1))``,
   ``FP8_SPLIT_CONSUMER_REGS`` registers), running ``S = q·Kᵀ`` (fp8 ``wgmma``), the online
   softmax (P in e4m3 scaled by ``2**8``, as in the plain and producer layouts) and ``O += P·V``
@@ -42,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla.providers.gluon.prefill_fp8_parts import (
     FP8_TILE_LAYOUT,
     _fp8_mma_layout,
+    _pv_key_order,
     _softmax_step_fp8,
     _vt_layout,
 )
@@ -60,23 +62,38 @@ from mla.providers.gluon.prefill_parts import (
 V_LANDING = gl.constexpr(SPLIT_V_LANDING)
 """V landing slots (the producer issues tile ``t``'s V before it transposes tile ``t - 1``'s;
 :func:`~.prefill_fp8_launch.fp8_shared_bytes` counts them)."""
-FP8_SPLIT_CONSUMER_REGS = gl.constexpr(216)
-"""Registers per consumer thread (``setmaxnreg``); the producer gets what is left."""
+FP8_SPLIT_CONSUMER_REGS = gl.constexpr(224)
+"""Registers per consumer thread (``setmaxnreg``); the producer gets what is left (56)."""
 CONSUMER_M = gl.constexpr(64)
 """Query rows of a consumer warpgroup."""
+
+
+@gluon.constexpr_function
+def _vt_load_layout(keys, lanes, warps):
+    """The producer's register layout of a ``[keys, lanes]`` V box for :func:`_transpose_v_split`:
+    4 value lanes of 4 keys a thread, keys ``n, n+1, n+8, n+9`` (which
+    :func:`.prefill_fp8_parts._pv_key_order` makes 4 consecutive places): 32-bit loads along
+    the lanes and 32-bit stores along the keys of the V^T tile."""
+    assert keys in (64, 128), keys
+    assert lanes == 64, lanes
+    assert warps == 4, warps  # (the warp bases below split the keys in four)
+    regs = [[1, 0], [8, 0], [0, 1], [0, 2], [0, 32]] + ([[64, 0]] if keys == 128 else [])
+    threads = [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
+    warps = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(regs, threads, warps, [], [keys, lanes])
 
 
 @gluon.jit
 def _transpose_v_split(
     v_slot, vt_slot, flag_slot, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr
 ):
-    """Copy the ``[keys, Dv]`` V tile ``v_slot`` into ``vt_slot`` (``[Dv, keys]``), by the 4
-    producer warps, ``BOX`` value lanes at a time (one TMA box of ``v_slot``, ``BOX`` rows of
-    ``vt_slot``); ``MASKED``: zero its non-finite lanes (e4m3fn has no infinity: NaN is ``x &
-    0x7f == 0x7f``) and write 1.0 into ``flag_slot[n]`` for each key ``n`` that had one (0.0
-    otherwise). Then fence (the stores before any ``wgmma`` reads them) and meet at a barrier."""
-    # 4 keys x 4 lanes a thread: 32-bit loads along Dv, 32-bit stores along the keys.
-    ld: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [SPLIT_PRODUCER_WARPS, 1], [1, 0])
+    """Copy the ``[keys, Dv]`` V tile ``v_slot`` into ``vt_slot`` (``[Dv, keys]``, the keys in
+    ``P·V``'s order, :func:`.prefill_fp8_parts._pv_key_order`), by the 4 producer warps, ``BOX``
+    value lanes at a time (one TMA box of ``v_slot``, ``BOX`` rows of ``vt_slot``); ``MASKED``:
+    zero its non-finite lanes (e4m3fn has no infinity: NaN is ``x & 0x7f == 0x7f``) and write 1.0
+    into ``flag_slot[n]`` for each key ``n`` that had one (0.0 otherwise). Then fence (the stores
+    before any ``wgmma`` reads them) and meet at a barrier."""
+    ld: gl.constexpr = _vt_load_layout(BLOCK_N, BOX, SPLIT_PRODUCER_WARPS)
     key_bad = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, ld))
     for c in gl.static_range(D_V // BOX):
         v = v_slot.slice(c * BOX, BOX, dim=1).load(ld)
@@ -85,7 +102,7 @@ def _transpose_v_split(
             bad = (bits & 0x7F) == 0x7F
             key_bad = gl.maximum(key_bad, gl.max(gl.where(bad, 1.0, 0.0), axis=1))
             v = gl.where(bad, 0, bits).to(v.dtype, bitcast=True)
-        vt_slot.slice(c * BOX, BOX, dim=0).store(gl.permute(v, (1, 0)))
+        vt_slot.slice(c * BOX, BOX, dim=0).store(_pv_key_order(gl.permute(v, (1, 0))))
     if MASKED:
         flag_slot.store(key_bad)
     fence_async_shared()
@@ -162,7 +179,7 @@ def _fp8_split_tile(
         acc = acc + gl.convert_layout(gl.where(row_bad > 0.0, float("nan"), 0.0), o_rows)[:, None]
     else:
         mbarrier.wait(vt_ready.index(s), phase)
-    p8 = gl.convert_layout(p.to(vt_ring.dtype), p_layout)
+    p8 = gl.convert_layout(_pv_key_order(p).to(vt_ring.dtype), p_layout)
     acc = warpgroup_mma(p8, vt_ring.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     _release(vt_empty.index(s))
