@@ -158,6 +158,28 @@ def test_few_rows_kernel_still_takes_ds_mla_rows(batch: int, qlen: int) -> None:
         _check(call, f"rows {config}")
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(("block_n", "stages"), [(32, 3), (32, 4)])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_row64_kernel_overlapped_on_ds_mla_rows(heads: int, block_n: int, stages: int, splits: int) -> None:
+    """The 64-row kernel (picked for ``fp8_ds_mla`` tiles of 64 rows) with its overlapped loop:
+    the next tile widened while this tile's ``P·V`` runs (the fits at 64 rows: 32-token tiles)."""
+    from mla.providers.gluon.decode import sparse_decode
+    from mla.providers.gluon.planner import GluonKernel, launch_config
+    from mla.providers.triton.decode import num_sms
+
+    call = _call(3, 2, heads, seed=heads + block_n + stages + splits)
+    auto = launch_config(
+        batch=call.q.shape[0], rows=heads, max_seqlen_k=TOPK, num_sms=num_sms(call.q.device),
+        persistent=False, kv_fp8=True, ds_mla=True,
+    )  # fmt: skip
+    assert auto.kernel is GluonKernel.ROW64, auto
+    config = attrs.evolve(auto, overlap=True, block_n=block_n, num_stages=stages, num_splits=splits)
+    sparse_decode(call, config=config)
+    torch.cuda.synchronize()
+    _check(call, f"row64 overlap {config}")
+
+
 @pytest.mark.parametrize("heads", [16, 32])
 def test_ds_mla_kernel_on_the_planned_schedule(heads: int) -> None:
     """The persistent path: work items from a :class:`~mla.providers.split_kv.SplitKVSchedule`

@@ -41,7 +41,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -721,8 +720,8 @@ def mla_decode_kernel(
 
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     if OVERLAP:
-        # Software-pipelined: PV of tile t and QKᵀ of tile t+1 are issued back to back and
-        # waited together, so the tensor cores see both while the ring streams tiles ahead.
+        # Software-pipelined: tile t's PV runs while tile t+1 is taken (widened on fp8 caches),
+        # then tile t+1's QKᵀ; both are waited for at the end of the step.
         async_copy.wait_group(NUM_STAGES - 2)
         k_lat, k_rope = _mma_operands(
             lat_ring,
@@ -739,14 +738,13 @@ def mla_decode_kernel(
         )
         sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
-        acc = warpgroup_mma_init(acc)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
         for t in range(n_tiles):
             n = t * BLOCK_N + lo + offs_n
             # (tile t's id slot takes new ids in the _take_tile of tile t + 1)
             ids_t = idx_ring.index(t % ID_SLOTS)
             key_ok = None if IN_PAGE else _ring_key_ok(ids_t, id_limit, keys)
             limit = _tile_key_limit(ids_t, row_limit, hi, id_limit, IN_PAGE)
-            sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
             p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, limit, qk_scale, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -761,7 +759,9 @@ def mla_decode_kernel(
             )  # fmt: skip
             sc = warpgroup_mma(q_nope_smem, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma(q_pe_smem, k_rope.permute((1, 0)), sc, is_async=True)
-        sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
+            # Both products waited here, not at the loop's top: a wgmma in flight across the back
+            # edge with P in registers makes ptxas serialise every wgmma of the kernel.
+            sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
     else:
         for t in range(n_tiles):
             k_lat, k_rope = _take_tile(
