@@ -9,7 +9,7 @@ At ``1cf15b5`` (192/128, 128-key tiles, 4 stages): the producer kernel's consume
 
 The split layout (``PrefillKernel.SPLIT``, :mod:`mla.providers.gluon.prefill_fp8_split`): its two
 consumer warpgroups at ``FP8_SPLIT_CONSUMER_REGS`` (224) registers, the 4-warp producer (TMA and
-the V transpose) at what is left (72), no stack; 218 KiB of shared memory at 192/128 with 4
+the V transpose) at what is left (56), no stack; 218 KiB of shared memory at 192/128 with 4
 stages (Triton's count: 223,616 bytes).
 """
 
