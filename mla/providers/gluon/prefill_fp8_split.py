@@ -79,8 +79,8 @@ def _vt_load_layout(keys, lanes, warps):
     assert warps == 4, warps  # (the warp bases below split the keys in four)
     regs = [[1, 0], [8, 0], [0, 1], [0, 2], [0, 32]] + ([[64, 0]] if keys == 128 else [])
     threads = [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
-    warps = [[16, 0], [32, 0]]
-    return gl.DistributedLinearLayout(regs, threads, warps, [], [keys, lanes])
+    warp_bases = [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(regs, threads, warp_bases, [], [keys, lanes])
 
 
 @gluon.jit
