@@ -15,6 +15,7 @@ from mla.providers.calls import VarlenPrefillCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
     CONTEXT_KERNELS,
+    PERSISTENT_ANY_LENGTH_MAX_HEADS,
     PERSISTENT_MAX_SEQLEN_Q,
     SHARED_MEMORY_BYTES,
     PrefillKernel,
@@ -113,13 +114,19 @@ def test_default_configs_fit_in_shared_memory() -> None:
         assert shared_bytes(dqk, 128, prefill_config(dqk, 128, persistent)) == one_tile + 8
 
 
-def test_the_default_layout_is_persistent_up_to_2048_queries_without_context() -> None:
-    # (the H200 measurements behind the bound: docs/performance.md, "Kernel choices")
+def test_the_default_layout_is_persistent_up_to_2048_queries_or_16_heads_without_context() -> None:
+    # (the H200 measurements behind the bounds: docs/performance.md, "Kernel choices")
     assert PERSISTENT_MAX_SEQLEN_Q == 2048
-    assert default_kernel(1, context=False) is PrefillKernel.PERSISTENT
-    assert default_kernel(2048, context=False) is PrefillKernel.PERSISTENT
-    assert default_kernel(2049, context=False) is PrefillKernel.SPLIT
-    assert default_kernel(16, context=True) is PrefillKernel.SPLIT
+    assert PERSISTENT_ANY_LENGTH_MAX_HEADS == 16
+    for heads in (1, 16, 17, 128):
+        assert default_kernel(1, context=False, num_heads=heads) is PrefillKernel.PERSISTENT
+        assert default_kernel(2048, context=False, num_heads=heads) is PrefillKernel.PERSISTENT
+        assert default_kernel(16, context=True, num_heads=heads) is PrefillKernel.SPLIT
+        assert default_kernel(8192, context=True, num_heads=heads) is PrefillKernel.SPLIT
+    assert default_kernel(2049, context=False, num_heads=16) is PrefillKernel.PERSISTENT
+    assert default_kernel(65536, context=False, num_heads=1) is PrefillKernel.PERSISTENT
+    assert default_kernel(2049, context=False, num_heads=17) is PrefillKernel.SPLIT
+    assert default_kernel(4096, context=False, num_heads=128) is PrefillKernel.SPLIT
 
     # 128-key tiles in three stages do not fit at 192/128; 64-key tiles do.
     assert shared_bytes(192, 128, PrefillLaunchConfig(num_stages=3)) > SHARED_MEMORY_BYTES

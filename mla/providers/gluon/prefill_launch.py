@@ -99,18 +99,31 @@ PERSISTENT_MAX_SEQLEN_Q = 2048
 program per SM saves the block start, barrier set-up, first loads and epilogue latency of each
 query tile (about 6.7 µs against 2.24 µs a 128 x 128 key tile on the H200): 5–10% at 256–2048
 queries a request; at 4096 and up, where a query tile has up to 32 key tiles, the one-tile
-launch's hardware scheduling balances the causal tiles as well or better (H200, 2026-12-04:
-docs/performance.md, "Kernel choices")."""
+launch's hardware scheduling balances the causal tiles as well or better at 128 heads (H200,
+2026-12-04: docs/performance.md, "Kernel choices"); calls of few heads keep the persistent
+layout (:data:`PERSISTENT_ANY_LENGTH_MAX_HEADS`)."""
 
 
-def default_kernel(max_seqlen_q: int, *, context: bool) -> PrefillKernel:
+PERSISTENT_ANY_LENGTH_MAX_HEADS = 16
+"""Calls of at most this many heads (a tensor-parallel rank of a 128-head model at TP8) run on
+the persistent layout at any request length. H200, 192/128 causal bf16, persistent against
+split: H16 4 x 4096 531.1 / 553.7 / 564.9 against 511.5 / 517.7 / 537.1 TFLOP/s (three benchmark
+runs, 2026-12-04 and 2026-12-05), H16 2 x 8192 581.3 / 581.8 against 571.5 / 560.4; at H128 4 x
+4096 the split layout stays faster (549.4 against 505.5). Head counts between 16 and 128 at
+more than :data:`PERSISTENT_MAX_SEQLEN_Q` queries are unmeasured and keep the split layout."""
+
+
+def default_kernel(max_seqlen_q: int, *, context: bool, num_heads: int) -> PrefillKernel:
     """The default layout of a call: the one-tile-a-program split layout with the chunked-context
     operands (``context``: a context chunk's long non-causal rows, where the persistent layout,
-    which takes them too, measured no faster) or past :data:`PERSISTENT_MAX_SEQLEN_Q` queries a
-    request, else the persistent split layout."""
-    if context or max_seqlen_q > PERSISTENT_MAX_SEQLEN_Q:
+    which takes them too, measured no faster) and past :data:`PERSISTENT_MAX_SEQLEN_Q` queries a
+    request when the call has more than :data:`PERSISTENT_ANY_LENGTH_MAX_HEADS` heads; else the
+    persistent split layout."""
+    if context:
         return PrefillKernel.SPLIT
-    return PrefillKernel.PERSISTENT
+    if max_seqlen_q <= PERSISTENT_MAX_SEQLEN_Q or num_heads <= PERSISTENT_ANY_LENGTH_MAX_HEADS:
+        return PrefillKernel.PERSISTENT
+    return PrefillKernel.SPLIT
 
 
 @functools.cache
@@ -250,7 +263,9 @@ def _launch(
             raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
     context = k_pe is not None or prior_out is not None
-    cfg = config or prefill_config(qk_dim, v_dim, default_kernel(call.max_seqlen_q, context=context))
+    cfg = config or prefill_config(
+        qk_dim, v_dim, default_kernel(call.max_seqlen_q, context=context, num_heads=heads)
+    )
     if context and cfg.kernel not in CONTEXT_KERNELS:
         raise InvalidInputError(
             "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split "
@@ -305,6 +320,7 @@ def _launch(
 __all__ = [
     "CONTEXT_KERNELS",
     "CONTEXT_ROPE",
+    "PERSISTENT_ANY_LENGTH_MAX_HEADS",
     "PERSISTENT_MAX_SEQLEN_Q",
     "PREFILL_DIMS",
     "PrefillKernel",

@@ -15,10 +15,10 @@ the routing rules under the provider's probes.
 
 Varlen prefill (``varlen-prefill``) runs on the Gluon prefill kernel of :mod:`.prefill`
 (TMA K/V ring, a 4-warp TMA producer and two consumer warpgroups of 64 query rows each, the
-split layout, one program per SM up to 2048 queries a request and one per query tile past it
-(:func:`~mla.providers.gluon.prefill_launch.default_kernel`); ``wgmma`` QKᵀ and PV over 128-row
-query tiles, causal masked only on diagonal tiles; ``PrefillKernel`` names the other warp
-splits a launch may ask for) where
+split layout, one program per SM up to 2048 queries a request (at any length up to 16 heads)
+and one per query tile past it (:func:`~mla.providers.gluon.prefill_launch.default_kernel`);
+``wgmma`` QKᵀ and PV over 128-row query tiles, causal masked only on diagonal tiles;
+``PrefillKernel`` names the other warp splits a launch may ask for) where
 :func:`~mla.providers.gluon.prefill_launch.prefill_call_route` takes the call: bf16/fp16
 q/k/v of one dtype with 192/128 or 128/128 head dims, at least one key, and layouts TMA reads
 (last dim contiguous, 16-byte-aligned base, token and head strides, each token's heads within
@@ -220,7 +220,7 @@ class GluonProvider(KernelProvider):
         )
         probes["varlen_prefill"] = (
             "Gluon prefill kernel (TMA ring, a TMA producer warpgroup and two consumer warpgroups, wgmma, "
-            "128-row query tiles; one program per SM up to 2048 queries a request) for "
+            "128-row query tiles; one program per SM up to 2048 queries a request or 16 heads) for "
             f"bf16/fp16 {' and '.join(f'{a}/{b}' for a, b in sorted(PREFILL_DIMS, reverse=True))} "
             "head dims and TMA-readable layouts; Triton varlen kernel otherwise"
             + ("" if self._prefill == "gluon" else " (off: GluonProvider(prefill='triton'); now: Triton)")
