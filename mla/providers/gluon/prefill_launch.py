@@ -94,6 +94,18 @@ STORE_SCRATCH_BYTES = 4160
 warpgroups' layout conversion, sm_90 compile); launches that leave it free use them."""
 
 
+@functools.cache
+def vec_store(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> bool:
+    """Whether launch ``config`` stores its output rows with 16-byte stores (the kernels'
+    ``VEC_STORE``): the split and persistent layouts, whose consumers are single warpgroups,
+    where :data:`STORE_SCRATCH_BYTES` of shared memory are left (192/128: yes; 128/128 at 3
+    stages: no)."""
+    return (
+        config.kernel in (PrefillKernel.SPLIT, PrefillKernel.PERSISTENT)
+        and shared_bytes(qk_dim, v_dim, config) + STORE_SCRATCH_BYTES <= SHARED_MEMORY_BYTES
+    )
+
+
 PERSISTENT_MAX_SEQLEN_Q = 2048
 """The longest request (in queries) the default launch runs on the persistent layout. Its one
 program per SM saves the block start, barrier set-up, first loads and epilogue latency of each
@@ -301,8 +313,7 @@ def _launch(
         "D_QK": qk_dim, "D_V": v_dim, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
         "CAUSAL": call.causal, "WRITE_LSE": write_lse or prior_out is not None, "HAS_K_PE": k_pe is not None,
         "HAS_PRIOR": prior_out is not None,
-        "VEC_STORE": cfg.kernel in CONTEXT_KERNELS
-        and shared_bytes(qk_dim, v_dim, cfg) + STORE_SCRATCH_BYTES <= SHARED_MEMORY_BYTES,
+        "VEC_STORE": vec_store(qk_dim, v_dim, cfg),
     }  # fmt: skip
     if cfg.kernel is PrefillKernel.PERSISTENT:  # one program per SM (at most one per query tile)
         PERSISTENT_LAUNCH.launch(
@@ -332,4 +343,5 @@ __all__ = [
     "prefill_route",
     "shared_bytes",
     "try_gluon_prefill",
+    "vec_store",
 ]
