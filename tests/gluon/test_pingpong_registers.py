@@ -9,7 +9,9 @@ shared-memory ring the loader fills (one word a tile inside a page, 0 for a bloc
 cache: with the cache's bound live in the loop the stack was 104 bytes). This test compiles
 the launch the planner picks for 128 heads (B64 S4096, non-persistent) over the block table and
 over flat ids for sm_90 without a GPU (:mod:`mla.testing.triton_driver`) and bounds the cubin's
-stack with the ``cuobjdump`` Triton ships.
+stack with the ``cuobjdump`` Triton ships, and reads from its SASS that the 16-bit output leaves
+with 16-byte stores (staged through shared memory; the accumulator layout alone gives a thread
+pairs of columns: 4-byte stores, each half a sector).
 """
 
 from __future__ import annotations
@@ -74,3 +76,15 @@ def test_pingpong_decode_spills_stay_small(keys: str, compiled: dict[str, Compil
     stack = re.search(r"STACK:(\d+)", done.stdout)
     assert stack is not None, done.stdout
     assert int(stack.group(1)) <= MAX_STACK, f"{keys} {config}: {done.stdout.strip()}"
+
+
+@pytest.mark.parametrize("keys", ["table", "flat"])
+def test_pingpong_output_leaves_in_16_byte_stores(
+    keys: str, compiled: dict[str, Compiled], cuobjdump: str
+) -> None:
+    (cubin,) = glob.glob(f"{compiled[keys].cache_dir}/*/mla_decode_pingpong_kernel.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    wide = len(re.findall(r"STG\.E\.128 ", sass))
+    # A thread of each MMA warpgroup stores 256 bytes of its 64x256 bf16 half: 16 stores of 16
+    # bytes in each warpgroup's code (128 STG.E of 4 bytes without the staging).
+    assert wide >= 2 * 16, f"{keys}: {wide} STG.E.128 in the SASS"

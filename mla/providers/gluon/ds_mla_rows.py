@@ -69,7 +69,7 @@ from mla.providers.gluon.kernels import (
     _key_operand,
     _kv_copy_layouts,
     _online_softmax,
-    _query_to_smem,
+    _query_copy,
     _row_info,
     _scales,
     _wait_for_previous,
@@ -436,11 +436,14 @@ def mla_decode_ds_mla_kernel(
     for i in gl.static_range(ROPE_SLOTS):
         mbarrier.arrive(rope_free.index(i))
 
-    # -- the NR query rows (by the producer warps) -------------------------------------------------
-    _query_to_smem(
+    # -- the NR query rows (by the producer warps), in flight with the producer's first token ids:
+    # its first wait for the id group waits for this older group too, and the MMA warpgroup
+    # reads the rows after the producer's first wide_ready arrival. ------------------------------
+    _query_copy(
         q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
         stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, NR, L, R,
     )  # fmt: skip
+    # (the barriers' initialisation, as before the partitions start)
     fence_async_shared()
     gl.thread_barrier()
 

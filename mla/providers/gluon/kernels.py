@@ -363,6 +363,57 @@ def _query_ptrs(
 
 
 @gluon.jit
+def _query_copy(
+    q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+    H: gl.constexpr, ROWS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+):  # fmt: skip
+    """Issue the ``cp.async`` copies of the ``ROWS`` packed query rows of row block ``rb`` into
+    shared memory (the buffers' dtype must be the query's; rows past ``qlen`` are zero-filled),
+    by every warp of the caller, every 128-column piece in flight at once, as one commit group.
+    Nothing waits here: the caller waits for the group, or lets a later ``cp.async`` arrival of the
+    same threads on an mbarrier stand for it (such an arrival completes once every earlier copy of
+    the arriving thread has landed). Shared by the ping-pong and ``fp8_ds_mla`` kernels."""
+    warps: gl.constexpr = gl.num_warps()
+    Q_CHUNK: gl.constexpr = 128
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
+    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+    qn_ptrs, ok_q = _query_ptrs(
+        q_nope_ptr, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, ROWS, Q_CHUNK, q_ld
+    )
+    qp_ptrs, ok_r = _query_ptrs(
+        q_pe_ptr, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, ROWS, R, qr_ld
+    )
+    for c in gl.static_range(L // Q_CHUNK):
+        async_copy.async_copy_global_to_shared(
+            q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1), qn_ptrs + c * Q_CHUNK, mask=ok_q[:, None]
+        )
+    async_copy.async_copy_global_to_shared(q_pe_smem, qp_ptrs, mask=ok_r[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _store_staged(
+    o16, stage, out_ptr, rb, qlen, kv_len, q_start, stride_o_t, stride_o_h,
+    H: gl.constexpr, ROWS: gl.constexpr, COL0,
+):  # fmt: skip
+    """Store ``o16`` (``[ROWS, C]`` output columns ``[COL0, COL0 + C)`` of row block ``rb``, in the
+    output's 16-bit dtype, any register layout) with 16-byte stores: through ``stage`` (a free
+    ``[ROWS, C]`` shared buffer of that dtype), read back 8 consecutive columns a thread. An MMA
+    accumulator layout gives a thread pairs of columns: 4-byte stores, half a sector each. Rows
+    past ``qlen`` are not stored. Needs 4 warps in the caller (one warpgroup)."""
+    stage.store(o16)
+    gl.thread_barrier()
+    vec: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    o_vec = stage.load(vec)
+    qi, head, ok, _lim = _row_info(rb, qlen, kv_len, H, ROWS, gl.SliceLayout(1, vec))
+    cols = COL0 + gl.arange(0, stage.shape[1], layout=gl.SliceLayout(0, vec))
+    tok = (q_start + qi).to(gl.int64)
+    ptrs = out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + cols[None, :]
+    gl.store(ptrs, o_vec, mask=ok[:, None])
+
+
+@gluon.jit
 def _issue_ids(
     index_base, idx_ring, j, lo, hi, BLOCK_N: gl.constexpr, ID_SLOTS: gl.constexpr, ID_LD: gl.constexpr,
     PAGE_SIZE: gl.constexpr = 0,

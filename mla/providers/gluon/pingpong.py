@@ -57,12 +57,13 @@ from mla.providers.gluon.kernels import (
     _id_limit,
     _key_operand,
     _online_softmax,
-    _query_ptrs,
+    _query_copy,
     _ring_key_ok,
     _row_info,
     _row_lse,
     _safe_sum,
     _slot_block,
+    _store_staged,
     _tile_ids,
     _tile_in_page,
     _work_item,
@@ -141,6 +142,9 @@ def _loader(
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 1, L, R, ld, ids_in)
             _load_half(kv_row, ok, lat, rope, ready, empty, s, phase, 0, L, R, ld)
         ids, ok = nids, nok
+    # No copy of these threads outlives the program (the query tile's, when there is no tile).
+    async_copy.commit_group()
+    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -361,9 +365,20 @@ def _mma_warpgroup(
     qi_s, head_s, ok_s, _lim_s = _row_info(rb, qlen, kv_len, H, BLOCK_M, s_rows)
     ok_s = ok_s & (gl.maximum(last, 0) % 2 == W)
     if direct:
-        tok_o = (q_start + qi_o).to(gl.int64)
-        o_ptrs = out_ptr + tok_o[:, None] * stride_o_t + head_o[:, None] * stride_o_h + cols_o[None, :]
-        gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[:, None])
+        if out_ptr.dtype.element_ty == lat_ring.dtype:
+            # Staged in this warpgroup's column half of ring slot 0, dead by now: every QKᵀ (the
+            # only reader of both halves) is done before either warpgroup's last P·V (each tile's
+            # P needs the previous tile's row max), the other warpgroup's P·V reads its own half,
+            # and every tile has landed (waited for here, directly or through p_ready).
+            stage = lat_ring.index(0).slice(W * COLS, COLS, dim=1)
+            _store_staged(
+                o.to(lat_ring.dtype), stage, out_ptr, rb, qlen, kv_len, q_start, stride_o_t, stride_o_h,
+                H, BLOCK_M, W * COLS,
+            )  # fmt: skip
+        else:
+            tok_o = (q_start + qi_o).to(gl.int64)
+            o_ptrs = out_ptr + tok_o[:, None] * stride_o_t + head_o[:, None] * stride_o_h + cols_o[None, :]
+            gl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=ok_o[:, None])
         if WRITE_LSE:
             tok_s = (q_start + qi_s).to(gl.int64)
             gl.store(lse_ptr + tok_s * stride_lse_t + head_s * stride_lse_h, lse, mask=ok_s)
@@ -431,24 +446,16 @@ def mla_decode_pingpong_kernel(
     for i in gl.static_range(NUM_STAGES * 2):
         mbarrier.arrive(empty.index(i))
 
-    # -- the query tile (by the 4 loader warps), every piece in flight at once by cp.async ---------
-    Q_CHUNK: gl.constexpr = 128
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    qr_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    qn_ptrs, ok_q = _query_ptrs(
-        q_nope_ptr, rb, qlen, kv_len, q_start, stride_qn_t, stride_qn_h, H, BLOCK_M, Q_CHUNK, q_ld
-    )
-    qp_ptrs, ok_r = _query_ptrs(
-        q_pe_ptr, rb, qlen, kv_len, q_start, stride_qp_t, stride_qp_h, H, BLOCK_M, R, qr_ld
-    )
-    # (masked rows are filled with zeros)
-    for c in gl.static_range(L // Q_CHUNK):
-        async_copy.async_copy_global_to_shared(
-            q_nope_smem.slice(c * Q_CHUNK, Q_CHUNK, dim=1), qn_ptrs + c * Q_CHUNK, mask=ok_q[:, None]
-        )
-    async_copy.async_copy_global_to_shared(q_pe_smem, qp_ptrs, mask=ok_r[:, None])
-    async_copy.commit_group()
-    async_copy.wait_group(0)
+    # -- the query tile (by the 4 loader warps), every piece in flight at once by cp.async, and
+    # still in flight while the loader partition fetches the first tiles' ids and rows. Nothing
+    # waits for it here: a cp.async arrival on an mbarrier completes once every earlier copy of
+    # the arriving thread has landed, so each ring chunk's ``ready`` (arrived on by these same
+    # threads after these copies) also says the query tile is in shared memory. ------------------
+    _query_copy(
+        q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
+        stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, H, BLOCK_M, L, R,
+    )  # fmt: skip
+    # (the barriers' initialisation, as before the partitions start)
     fence_async_shared()
     gl.thread_barrier()
 
