@@ -38,7 +38,10 @@ one reader); the warpgroup owning the last tile writes the LSE. compute-sanitize
 flags none of the kernel's buffers, only ``gl.warp_specialize``'s start-up hand-off (as the
 probe ``probes/ws_mbarrier_probe.py`` shows). Picked by the planner's kernel table
 (``GluonKernel.PINGPONG``) for every 64-row tile of a 16-bit cache (fp8 caches run on
-:mod:`.kernels`). Work items, masking, NaN rules and outputs are those of :mod:`.kernels`.
+:mod:`.kernels`). Work items, masking, NaN rules and outputs are those of :mod:`.kernels`; a
+16-bit output leaves through shared memory (each MMA warpgroup's half staged in its own column
+half of ring slot 0, dead by then) in 16-byte stores: with 4-byte stores from the accumulator
+layout the epilogue of a sparse prefill program took about 5 µs of its 80.
 """
 
 from __future__ import annotations
