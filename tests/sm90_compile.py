@@ -108,10 +108,15 @@ def mma_loop_lengths(sass: str) -> list[int]:
     return [len(body) for body in mma_loops(sass)]
 
 
+def sass_of(cubin: str, cuobjdump: str) -> str:
+    """The ``cuobjdump -sass`` listing of a compiled kernel's cubin."""
+    return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
 def stack_and_mma_loops(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:
     """``(stack bytes, MMA loop lengths)`` of a compiled kernel's cubin, read with ``cuobjdump``."""
     usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
     stack = re.search(r"STACK:(\d+)", usage.stdout)
     assert stack is not None, usage.stdout
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     return int(stack.group(1)), mma_loop_lengths(sass)

@@ -26,7 +26,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loop_lengths
+from sm90_compile import Compiled, compile_cases, mma_loop_lengths, sass_of
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -99,7 +99,7 @@ def test_decode_spills_stay_at_the_flat_id_kernels(
     stack = re.search(r"STACK:(\d+)", done.stdout)
     assert stack is not None, done.stdout
     assert int(stack.group(1)) <= max_stack, f"{keys} {config}: {done.stdout.strip()}"
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     loops = mma_loop_lengths(sass)
     assert loops, "no MMA loop found in the SASS"
     assert max(loops) <= max_loop, f"{keys} {config}: MMA loops of {loops} instructions"

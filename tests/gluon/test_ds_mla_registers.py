@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases
+from sm90_compile import Compiled, compile_cases, sass_of
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -95,7 +95,7 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     stack = re.search(r"STACK:(\d+)", usage.stdout)
     assert stack is not None, usage.stdout
     assert int(stack.group(1)) == 0, f"{config}: {usage.stdout.strip()}"
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     assert "LDL" not in sass, config
     assert "STL" not in sass, config
     regs = ds_mla_rows.MMA_REGS if heads == 16 else ds_mla_rows.MMA_REGS_32

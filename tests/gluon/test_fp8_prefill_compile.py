@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loops
+from sm90_compile import Compiled, compile_cases, mma_loops, sass_of
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -124,7 +124,7 @@ def test_every_fp8_prefill_variant_compiles_without_spills(
     assert stack is not None, usage
     assert local is not None, usage
     assert (int(stack.group(1)), int(local.group(1))) == (0, 0), f"spills: {usage.strip()}"
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     mmas = set(re.findall(r"\b([A-Z]GMMA\.\S+)", sass))
     assert mmas, "no wgmma in the SASS"
     assert all(".E4M3.E4M3" in mma for mma in mmas), f"not every wgmma is an e4m3 one: {sorted(mmas)}"
@@ -132,7 +132,7 @@ def test_every_fp8_prefill_variant_compiles_without_spills(
 
 def _sass(compiled: Compiled, cuobjdump: str) -> str:
     (cubin,) = glob.glob(f"{compiled.cache_dir}/*/{KERNEL}.cubin")
-    return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return sass_of(cubin, cuobjdump)
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES)

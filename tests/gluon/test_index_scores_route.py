@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from sm90_compile import Compiled, compile_cases
+from sm90_compile import Compiled, compile_cases, sass_of
 
 from mla.providers.calls import IndexTopkCall
 from mla.providers.formats import E4M3
@@ -160,7 +160,7 @@ def test_kernel_compiles_to_fp8_wgmma_without_stack(
     stack = re.search(r"STACK:(\d+)", usage.stdout)
     assert stack is not None, usage.stdout
     assert int(stack.group(1)) == 0, usage.stdout
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     assert f"QGMMA.64x{max(16, heads)}x32.F32.E4M3.E4M3" in sass
     assert "HGMMA" not in sass
     (meta,) = glob.glob(f"{compiled[case].cache_dir}/*/index_scores_kernel.json")

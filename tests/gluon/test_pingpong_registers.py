@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases
+from sm90_compile import Compiled, compile_cases, sass_of
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -83,7 +83,7 @@ def test_pingpong_output_leaves_in_16_byte_stores(
     keys: str, compiled: dict[str, Compiled], cuobjdump: str
 ) -> None:
     (cubin,) = glob.glob(f"{compiled[keys].cache_dir}/*/mla_decode_pingpong_kernel.cubin")
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     wide = len(re.findall(r"STG\.E\.128 ", sass))
     # A thread of each MMA warpgroup stores 256 bytes of its 64x256 bf16 half: 16 stores of 16
     # bytes in each warpgroup's code (128 STG.E of 4 bytes without the staging).

@@ -13,11 +13,10 @@ serialised every ``wgmma`` of the kernel (a wait behind each one: 74 waits for t
 from __future__ import annotations
 
 import glob
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loops
+from sm90_compile import Compiled, compile_cases, mma_loops, sass_of
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -78,7 +77,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
 def test_overlapped_loop_waits_once_a_tile(compiled: dict[str, Compiled], cuobjdump: str, case: str) -> None:
     config = compiled[case].stdout().strip().splitlines()[-1]
     (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/mla_decode_kernel.cubin")
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    sass = sass_of(cubin, cuobjdump)
     loops = mma_loops(sass)
     assert len(loops) == 1, (config, [len(body) for body in loops])
     (body,) = loops

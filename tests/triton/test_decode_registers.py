@@ -21,7 +21,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loop_lengths
+from sm90_compile import Compiled, compile_cases, mma_loop_lengths, sass_of
 
 triton = pytest.importorskip("triton")
 
@@ -88,7 +88,7 @@ def test_block_table_decode_does_not_spill(case: str, compiled: dict[str, Compil
     assert stack is not None, done.stdout
     assert int(stack.group(1)) == 0, f"{config}: {done.stdout.strip()}"
     if max_loop is not None:
-        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        sass = sass_of(cubin, cuobjdump)
         loops = mma_loop_lengths(sass)
         assert loops, "no MMA loop found in the SASS"
         assert max(loops) <= max_loop, f"{config}: tile loops of {loops} instructions"
