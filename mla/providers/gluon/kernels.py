@@ -373,7 +373,8 @@ def _query_copy(
     by every warp of the caller, every 128-column piece in flight at once, as one commit group.
     Nothing waits here: the caller waits for the group, or lets a later ``cp.async`` arrival of the
     same threads on an mbarrier stand for it (such an arrival completes once every earlier copy of
-    the arriving thread has landed). Shared by the ping-pong and ``fp8_ds_mla`` kernels."""
+    the arriving thread has landed). Shared by the ping-pong and ``fp8_ds_mla`` kernels;
+    :func:`_query_to_smem` is the register path, for a converted dtype or column order."""
     warps: gl.constexpr = gl.num_warps()
     Q_CHUNK: gl.constexpr = 128
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
@@ -401,7 +402,9 @@ def _store_staged(
     output's 16-bit dtype, any register layout) with 16-byte stores: through ``stage`` (a free
     ``[ROWS, C]`` shared buffer of that dtype), read back 8 consecutive columns a thread. An MMA
     accumulator layout gives a thread pairs of columns: 4-byte stores, half a sector each. Rows
-    past ``qlen`` are not stored. Needs 4 warps in the caller (one warpgroup)."""
+    past ``qlen`` are not stored. Needs 4 warps in the caller (one warpgroup). For kernels with
+    no free buffer to stage in; the prefill's ``_store_rows`` converts the layout in registers
+    instead, through the compiler's own scratch."""
     stage.store(o16)
     gl.thread_barrier()
     vec: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
