@@ -40,10 +40,15 @@ RUNNER = textwrap.dedent(
 cache directory; prints ``{case: [stdout, traceback or None]}``."""
 
 
-def run_without_interpreter(args: list[str], *, timeout: float = 900) -> str:
-    """``python args...`` without ``TRITON_INTERPRET``; its stdout, after asserting that it exited
-    with 0 (the assertion shows the end of its stderr)."""
+def run_without_interpreter(
+    args: list[str], *, timeout: float = 900, cache_dir: pathlib.Path | None = None
+) -> str:
+    """``python args...`` without ``TRITON_INTERPRET`` (and with ``cache_dir`` as Triton's cache
+    when given, to read the cubins after); its stdout, after asserting that it exited with 0
+    (the assertion shows the end of its stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if cache_dir is not None:
+        env["TRITON_CACHE_DIR"] = str(cache_dir)
     done = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -120,3 +125,99 @@ def stack_and_mma_loops(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:
     assert stack is not None, usage.stdout
     sass = sass_of(cubin, cuobjdump)
     return int(stack.group(1)), mma_loop_lengths(sass)
+
+
+_GMMA = re.compile(r"^(?:@!?U?P\w+\s+)?[HQI]GMMA\.\d+x(\d+)x\d+\.(\S+)\s+R(\d+),\s*(R(\d+)|gdesc)")
+"""A ``wgmma`` in SASS: its N, types, first accumulator register and register-A operand (if any)."""
+_NO_REGISTER_DESTINATION = (
+    "ST", "LDGSTS", "LDGDEPBAR", "RED", "ATOM", "BRA", "BAR", "WARPGROUP", "BSYNC", "BSSY", "SYNCS",
+    "EXIT", "RET", "CALL", "NOP", "DEPBAR", "MEMBAR", "FENCE", "UTMA", "WARPSYNC", "CCTL", "ERRBAR",
+    "YIELD", "ISETP", "FSETP", "PLOP3", "R2UR",
+)  # fmt: skip
+"""Opcodes whose first operand is not a destination register (stores, branches, barriers,
+predicate and uniform-register writers)."""
+
+
+def _sass_instructions(sass: str) -> list[tuple[int, str]]:
+    return [
+        (int(m.group(1), 16), m.group(2).strip())
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
+
+
+def _registers(text: str) -> set[int]:
+    return {int(r) for r in re.findall(r"\bR(\d+)\b", text)}
+
+
+def _written_and_read(text: str) -> tuple[set[int], set[int]]:
+    """The general registers an instruction writes and reads (vector widths from ``.64``/``.128``)."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, rest = body.partition(" ")
+    operands = [o.strip() for o in rest.split(",")] if rest else []
+    if not operands or op.startswith(_NO_REGISTER_DESTINATION):
+        return set(), set().union(*map(_registers, operands)) if operands else set()
+    first = _registers(operands[0])
+    width = 4 if ".128" in op else 2 if ".64" in op else 1
+    written = set(range(min(first), min(first) + width)) if first else set()
+    return written, set().union(*map(_registers, operands[1:])) if len(operands) > 1 else set()
+
+
+def wgmma_register_hazards(sass: str) -> list[str]:
+    """Every instruction that touches an asynchronous ``wgmma``'s registers before the wait that
+    retires it: for each commit group (the ``wgmma`` instructions up to one marked ``gsb0``), the
+    control flow is followed from the group's end until a ``WARPGROUP.DEPBAR.LE gsb0, N`` with
+    ``N`` below the groups issued since; a non-``wgmma`` instruction on the way that reads or
+    writes one of the group's accumulator registers, or writes one of its register-A operands,
+    is a hazard (the PTX ISA, "wgmma.wait_group": such an access is undefined behaviour; a
+    compiler that reuses those registers early corrupts the product). One line per hazard."""
+    code = _sass_instructions(sass)
+    index = {addr: i for i, (addr, _) in enumerate(code)}
+
+    def successors(i: int) -> list[int]:
+        text = code[i][1]
+        body = re.sub(r"^@!?U?P\w+\s+", "", text)
+        nxt = [i + 1] if i + 1 < len(code) else []
+        if body.startswith("BRA"):
+            target = re.search(r"0x([0-9a-f]+)", body)
+            jump = [index[int(target.group(1), 16)]] if target and int(target.group(1), 16) in index else []
+            return jump + nxt if text.startswith("@") else jump
+        if body.startswith(("EXIT", "RET")) and not text.startswith("@"):
+            return []
+        return nxt
+
+    groups, acc, reg_a = [], set(), set()
+    for i, (_, text) in enumerate(code):
+        m = _GMMA.match(text)
+        if m is None:
+            continue
+        n, types, first = int(m.group(1)), m.group(2), int(m.group(3))
+        acc |= set(range(first, first + (n // 2 if types.startswith(("F32", "S32")) else n // 4)))
+        if m.group(5) is not None:
+            reg_a |= set(range(int(m.group(5)), int(m.group(5)) + 4))
+        if "gsb0" in text:
+            groups.append((i, acc, reg_a))
+            acc, reg_a = set(), set()
+    hazards = []
+    for end, acc, reg_a in groups:
+        pending, seen = [(end + 1, 0)], set()
+        while pending:
+            i, later = pending.pop()
+            if i >= len(code) or (i, later) in seen:
+                continue
+            seen.add((i, later))
+            addr, text = code[i]
+            wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)
+            if wait and int(wait.group(1), 16) <= later:
+                continue
+            if _GMMA.match(text):
+                later += "gsb0" in text
+            else:
+                written, read = _written_and_read(text)
+                touched = (written & (acc | reg_a)) | (read & acc)
+                if touched:
+                    hazards.append(
+                        f"{code[end][0]:05x} {code[end][1]} -> {addr:05x} {text} (R{min(touched)})"
+                    )
+                    continue
+            pending.extend((j, later) for j in successors(i))
+    return hazards

@@ -26,7 +26,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loop_lengths, sass_of
+from sm90_compile import Compiled, compile_cases, mma_loop_lengths, sass_of, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -103,3 +103,15 @@ def test_decode_spills_stay_at_the_flat_id_kernels(
     loops = mma_loop_lengths(sass)
     assert loops, "no MMA loop found in the SASS"
     assert max(loops) <= max_loop, f"{keys} {config}: MMA loops of {loops} instructions"
+
+
+@pytest.mark.parametrize("keys", ["table", "flat"])
+@pytest.mark.parametrize("kernel", sorted(CASES))
+def test_no_register_of_a_wgmma_is_touched_before_its_wait(
+    kernel: str, keys: str, compiled: dict[str, Compiled], cuobjdump: str
+) -> None:
+    """The dual-chain kernel's register-A products (fp8 V widened in registers) and both kernels'
+    accumulators: no instruction reads or writes them while their ``wgmma`` is in flight
+    (:func:`sm90_compile.wgmma_register_hazards`)."""
+    (cubin,) = glob.glob(f"{compiled[f'{kernel}-{keys}'].cache_dir}/*/{CASES[kernel][0]}.cubin")
+    assert wgmma_register_hazards(sass_of(cubin, cuobjdump)) == []

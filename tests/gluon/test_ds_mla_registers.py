@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, sass_of
+from sm90_compile import Compiled, compile_cases, sass_of, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -96,6 +96,8 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     assert stack is not None, usage.stdout
     assert int(stack.group(1)) == 0, f"{config}: {usage.stdout.strip()}"
     sass = sass_of(cubin, cuobjdump)
+    # (no register of a wgmma read or written while it is in flight)
+    assert wgmma_register_hazards(sass) == [], config
     assert "LDL" not in sass, config
     assert "STL" not in sass, config
     regs = ds_mla_rows.MMA_REGS if heads == 16 else ds_mla_rows.MMA_REGS_32

@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loops, sass_of
+from sm90_compile import Compiled, compile_cases, mma_loops, sass_of, wgmma_register_hazards
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -189,3 +189,12 @@ def test_split_layout_p_becomes_the_operand_without_shuffles(
     for body in loops:
         assert not [t for t in body if t.startswith("SHFL.IDX")]
         assert any(t.startswith("SHFL.BFLY") for t in body)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_register_of_a_wgmma_is_touched_before_its_wait(
+    compiled: dict[str, Compiled], cuobjdump: str, case: str
+) -> None:
+    """P·V's register-A operand (P in e4m3) and the accumulators of every variant stay untouched
+    while their ``wgmma`` is in flight (:func:`sm90_compile.wgmma_register_hazards`)."""
+    assert wgmma_register_hazards(_sass(compiled[case], cuobjdump)) == []

@@ -22,7 +22,7 @@ import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, sass_of
+from sm90_compile import Compiled, compile_cases, sass_of, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -88,3 +88,13 @@ def test_pingpong_output_leaves_in_16_byte_stores(
     # A thread of each MMA warpgroup stores 256 bytes of its 64x256 bf16 half: 16 stores of 16
     # bytes in each warpgroup's code (128 STG.E of 4 bytes without the staging).
     assert wide >= 2 * 16, f"{keys}: {wide} STG.E.128 in the SASS"
+
+
+@pytest.mark.parametrize("keys", ["table", "flat"])
+def test_pingpong_touches_no_wgmma_register_before_its_wait(
+    keys: str, compiled: dict[str, Compiled], cuobjdump: str
+) -> None:
+    """Its P·V reads P from registers while the other products run: no instruction touches a
+    product's registers before the wait that retires it (:func:`sm90_compile.wgmma_register_hazards`)."""
+    (cubin,) = glob.glob(f"{compiled[keys].cache_dir}/*/mla_decode_pingpong_kernel.cubin")
+    assert wgmma_register_hazards(sass_of(cubin, cuobjdump)) == []

@@ -5,11 +5,13 @@ shared-memory limit included, and records each launch instead of making it)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import pathlib
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter
+from sm90_compile import run_without_interpreter, sass_of, wgmma_register_hazards
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -108,8 +110,14 @@ KERNEL = "mla_prefill_kernel"
 
 
 @pytest.fixture(scope="module")
-def launches() -> dict[str, list[list[object]]]:
-    stdout = run_without_interpreter(["-c", SCRIPT])
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Triton's cache of the compile process: every variant's cubin."""
+    return tmp_path_factory.mktemp("prefill-compile")
+
+
+@pytest.fixture(scope="module")
+def launches(cache_dir: pathlib.Path) -> dict[str, list[list[object]]]:
+    stdout = run_without_interpreter(["-c", SCRIPT], cache_dir=cache_dir)
     result: dict[str, list[list[object]]] = json.loads(stdout.strip().splitlines()[-1])
     return result
 
@@ -170,3 +178,15 @@ def test_the_chunked_context_form_runs_on_the_gluon_kernel(launches: dict[str, l
     split layout (one program per query tile, request and head) and on the persistent one."""
     assert launches["context-split"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
     assert launches["context-persistent"] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]
+
+
+def test_no_register_of_a_wgmma_is_touched_before_its_wait(
+    launches: dict[str, list[list[object]]], cache_dir: pathlib.Path, cuobjdump: str
+) -> None:
+    """Every compiled variant (the layouts, head dims, dtypes and forms above): P·V's register-A
+    operand and the accumulators stay untouched while their ``wgmma`` is in flight
+    (:func:`sm90_compile.wgmma_register_hazards`)."""
+    cubins = sorted(glob.glob(f"{cache_dir}/*/mla_prefill*_kernel.cubin"))
+    assert len(cubins) >= len(launches) // 2, cubins  # (the provider cases reuse compiled variants)
+    hazards = {pathlib.Path(c).parent.name: wgmma_register_hazards(sass_of(c, cuobjdump)) for c in cubins}
+    assert {k: v for k, v in hazards.items() if v} == {}

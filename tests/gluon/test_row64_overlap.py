@@ -16,7 +16,7 @@ import glob
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loops, sass_of
+from sm90_compile import Compiled, compile_cases, mma_loops, sass_of, wgmma_register_hazards
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -88,3 +88,5 @@ def test_overlapped_loop_waits_once_a_tile(compiled: dict[str, Compiled], cuobjd
     first_barrier = next(i for i, t in enumerate(body) if "BAR.SYNC" in t and i > mmas[0])
     assert any(i > first_barrier for i in mmas), config
     assert waits[0] > mmas[-1], config
+    # P stays in its registers, untouched, while its P·V runs under the next tile's work
+    assert wgmma_register_hazards(sass) == [], config
