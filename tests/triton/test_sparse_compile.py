@@ -18,7 +18,7 @@ import pathlib
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter, stack_and_mma_loops
+from sm90_compile import run_without_interpreter, sass_of, stack_and_mma_loops, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 
@@ -73,6 +73,7 @@ def test_lengths_leave_the_key_loop_alone_and_spill_nothing_more(
         for form in ("plain", "lengths"):
             (cubin,) = glob.glob(f"{tmp_path / form / name}/*/_sparse_mla_kernel.cubin")
             read[form] = stack_and_mma_loops(cubin, cuobjdump)
+            assert wgmma_register_hazards(sass_of(cubin, cuobjdump)) == [], (name, form)
         (plain_stack, plain_loops), (stack, loops) = read["plain"], read["lengths"]
         assert stack <= plain_stack, (name, read)
         assert len(loops) == len(plain_loops) == 1, (name, read)  # the key loop

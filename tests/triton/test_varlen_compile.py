@@ -17,7 +17,7 @@ import pathlib
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter, stack_and_mma_loops
+from sm90_compile import run_without_interpreter, sass_of, stack_and_mma_loops, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 
@@ -63,6 +63,8 @@ def test_split_keys_and_the_merge_epilogue_leave_the_key_loop_alone(
     for form in ("plain", "split", "merge"):
         (cubin,) = glob.glob(f"{tmp_path / form}/*/_varlen_fwd_kernel.cubin")
         read[form] = stack_and_mma_loops(cubin, cuobjdump)
+        # (Triton's pipelined P·V reads P from registers: untouched until its wait)
+        assert wgmma_register_hazards(sass_of(cubin, cuobjdump)) == [], form
     (plain_stack, plain), (split_stack, split), (_, merged) = read["plain"], read["split"], read["merge"]
     assert plain_stack == 0
     assert split_stack == 0
