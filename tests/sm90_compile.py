@@ -210,7 +210,7 @@ def wgmma_register_hazards(sass: str) -> list[str]:
             if wait and int(wait.group(1), 16) <= later:
                 continue
             if _GMMA.match(text):
-                later += "gsb0" in text
+                later = min(later + ("gsb0" in text), 8)  # (bounded: a loop's path revisits its states)
             else:
                 written, read = _written_and_read(text)
                 touched = (written & (acc | reg_a)) | (read & acc)
