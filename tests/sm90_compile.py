@@ -88,19 +88,32 @@ def compile_cases(script: str, cases: dict[str, list[str]], root: pathlib.Path) 
     return {name: Compiled(dirs[name], *results[name]) for name in cases}
 
 
+def _sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of each line of a ``cuobjdump -sass`` listing."""
+    return [
+        (int(m.group(1), 16), m.group(2).strip())
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
+
+
+def _unpredicated(text: str) -> str:
+    """A SASS instruction without its ``@P``/``@!P`` guard."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text)
+
+
 def mma_loops(sass: str, mma: tuple[str, ...] = ("HGMMA", "HMMA")) -> list[list[str]]:
     """The instructions of each loop of ``cuobjdump -sass`` output that issues tensor-core MMAs
     (an instruction naming one of ``mma``: by default 16-bit ``wgmma``, ``HGMMA``, and
     ``mma.sync``, ``HMMA``; ``"GMMA"`` takes the 8-bit ``QGMMA`` too): from a backward branch's
     target to the branch, skipping the spans that cross a warp specialisation's register
     reallocation or an exit (branches between partitions)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    ins = _sass_instructions(sass)
     loops = []
     for i, (addr, text) in enumerate(ins):
         branch = re.search(r"\bBRA\S*\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)", text)
         if branch is None or int(branch.group(1), 16) >= addr:
             continue
-        body = [t.strip() for a, t in ins[: i + 1] if a >= int(branch.group(1), 16)]
+        body = [t for a, t in ins[: i + 1] if a >= int(branch.group(1), 16)]
         if any(name in t for t in body for name in mma) and not any(
             "SETMAXREG" in t or "EXIT" in t for t in body
         ):
@@ -138,21 +151,13 @@ _NO_REGISTER_DESTINATION = (
 predicate and uniform-register writers)."""
 
 
-def _sass_instructions(sass: str) -> list[tuple[int, str]]:
-    return [
-        (int(m.group(1), 16), m.group(2).strip())
-        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
-    ]
-
-
 def _registers(text: str) -> set[int]:
     return {int(r) for r in re.findall(r"\bR(\d+)\b", text)}
 
 
 def _written_and_read(text: str) -> tuple[set[int], set[int]]:
     """The general registers an instruction writes and reads (vector widths from ``.64``/``.128``)."""
-    body = re.sub(r"^@!?U?P\w+\s+", "", text)
-    op, _, rest = body.partition(" ")
+    op, _, rest = _unpredicated(text).partition(" ")
     operands = [o.strip() for o in rest.split(",")] if rest else []
     if not operands or op.startswith(_NO_REGISTER_DESTINATION):
         return set(), set().union(*map(_registers, operands)) if operands else set()
@@ -175,7 +180,7 @@ def wgmma_register_hazards(sass: str) -> list[str]:
 
     def successors(i: int) -> list[int]:
         text = code[i][1]
-        body = re.sub(r"^@!?U?P\w+\s+", "", text)
+        body = _unpredicated(text)
         nxt = [i + 1] if i + 1 < len(code) else []
         if body.startswith("BRA"):
             target = re.search(r"0x([0-9a-f]+)", body)
