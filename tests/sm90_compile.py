@@ -131,13 +131,20 @@ def sass_of(cubin: str, cuobjdump: str) -> str:
     return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
 
 
+def resource_usage(cubin: str, cuobjdump: str) -> tuple[int, str]:
+    """``(stack bytes, the whole ``cuobjdump -res-usage`` report)`` of a compiled kernel's cubin
+    (the report for assertion messages, and its other fields)."""
+    usage = subprocess.run(
+        [cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    stack = re.search(r"STACK:(\d+)", usage)
+    assert stack is not None, usage
+    return int(stack.group(1)), usage
+
+
 def stack_and_mma_loops(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:
     """``(stack bytes, MMA loop lengths)`` of a compiled kernel's cubin, read with ``cuobjdump``."""
-    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
-    assert stack is not None, usage.stdout
-    sass = sass_of(cubin, cuobjdump)
-    return int(stack.group(1)), mma_loop_lengths(sass)
+    return resource_usage(cubin, cuobjdump)[0], mma_loop_lengths(sass_of(cubin, cuobjdump))
 
 
 _GMMA = re.compile(r"^(?:@!?U?P\w+\s+)?[HQI]GMMA\.\d+x(\d+)x\d+\.(\S+)\s+R(\d+),\s*(R(\d+)|gdesc)")

@@ -21,12 +21,17 @@ few-rows 242 (table) / 255 (flat) registers, no stack, loops of 1087 / 1174; dua
 from __future__ import annotations
 
 import glob
-import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loop_lengths, sass_of, wgmma_register_hazards
+from sm90_compile import (
+    Compiled,
+    compile_cases,
+    mma_loop_lengths,
+    resource_usage,
+    sass_of,
+    wgmma_register_hazards,
+)
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -95,10 +100,8 @@ def test_decode_spills_stay_at_the_flat_id_kernels(
     case = compiled[f"{kernel}-{keys}"]
     config = case.stdout().strip().splitlines()[-1]
     (cubin,) = glob.glob(f"{case.cache_dir}/*/{name}.cubin")
-    done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", done.stdout)
-    assert stack is not None, done.stdout
-    assert int(stack.group(1)) <= max_stack, f"{keys} {config}: {done.stdout.strip()}"
+    stack, usage = resource_usage(cubin, cuobjdump)
+    assert stack <= max_stack, f"{keys} {config}: {usage.strip()}"
     sass = sass_of(cubin, cuobjdump)
     loops = mma_loop_lengths(sass)
     assert loops, "no MMA loop found in the SASS"

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import pathlib
 import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, sass_of, wgmma_register_hazards
+from sm90_compile import Compiled, compile_cases, resource_usage, sass_of, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -61,13 +59,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _tool(name: str) -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        pytest.skip(f"this Triton build ships no {name}")
-    return path
-
-
 CASES = [(16, False), (16, True), (32, True)]
 
 
@@ -83,18 +74,15 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
 @pytest.mark.heavy
 @pytest.mark.parametrize(("heads", "overlap"), CASES)
 def test_ds_mla_kernel_has_no_spills_and_fits(
-    heads: int, overlap: bool, compiled: dict[str, Compiled]
+    heads: int, overlap: bool, compiled: dict[str, Compiled], cuobjdump: str
 ) -> None:
     from mla.providers.gluon import ds_mla_rows
 
-    cuobjdump = _tool("cuobjdump")
     case = compiled[f"{heads}-{overlap}"]
     config = case.stdout().strip().splitlines()[-1]
     (cubin,) = glob.glob(f"{case.cache_dir}/*/mla_decode_ds_mla_kernel.cubin")
-    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
-    assert stack is not None, usage.stdout
-    assert int(stack.group(1)) == 0, f"{config}: {usage.stdout.strip()}"
+    stack, usage = resource_usage(cubin, cuobjdump)
+    assert stack == 0, f"{config}: {usage.strip()}"
     sass = sass_of(cubin, cuobjdump)
     # (no register of a wgmma read or written while it is in flight)
     assert wgmma_register_hazards(sass) == [], config

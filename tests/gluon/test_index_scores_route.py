@@ -8,15 +8,13 @@ from __future__ import annotations
 import glob
 import json
 import pathlib
-import re
-import subprocess
 import textwrap
 from typing import Any
 
 import attrs
 import pytest
 import torch
-from sm90_compile import Compiled, compile_cases, sass_of
+from sm90_compile import Compiled, compile_cases, resource_usage, sass_of
 
 from mla.providers.calls import IndexTopkCall
 from mla.providers.formats import E4M3
@@ -156,10 +154,8 @@ def test_kernel_compiles_to_fp8_wgmma_without_stack(
     compiled[case].stdout()
     heads, stages = int(CASES[case][0]), int(CASES[case][1])
     (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/index_scores_kernel.cubin")
-    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
-    assert stack is not None, usage.stdout
-    assert int(stack.group(1)) == 0, usage.stdout
+    stack, usage = resource_usage(cubin, cuobjdump)
+    assert stack == 0, usage
     sass = sass_of(cubin, cuobjdump)
     assert f"QGMMA.64x{max(16, heads)}x32.F32.E4M3.E4M3" in sass
     assert "HGMMA" not in sass

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import glob
 import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, sass_of, wgmma_register_hazards
+from sm90_compile import Compiled, compile_cases, resource_usage, sass_of, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -72,10 +71,8 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
 def test_pingpong_decode_spills_stay_small(keys: str, compiled: dict[str, Compiled], cuobjdump: str) -> None:
     config = compiled[keys].stdout().strip().splitlines()[-1]
     (cubin,) = glob.glob(f"{compiled[keys].cache_dir}/*/mla_decode_pingpong_kernel.cubin")
-    done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", done.stdout)
-    assert stack is not None, done.stdout
-    assert int(stack.group(1)) <= MAX_STACK, f"{keys} {config}: {done.stdout.strip()}"
+    stack, usage = resource_usage(cubin, cuobjdump)
+    assert stack <= MAX_STACK, f"{keys} {config}: {usage.strip()}"
 
 
 @pytest.mark.parametrize("keys", ["table", "flat"])

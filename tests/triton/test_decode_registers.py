@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import glob
 import json
-import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, mma_loop_lengths, sass_of
+from sm90_compile import Compiled, compile_cases, mma_loop_lengths, resource_usage, sass_of
 
 triton = pytest.importorskip("triton")
 
@@ -83,10 +81,8 @@ def test_block_table_decode_does_not_spill(case: str, compiled: dict[str, Compil
     max_loop = CASES[case][-1]
     config = json.loads(compiled[case].stdout().strip().splitlines()[-1])
     (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/_mla_decode_kernel.cubin")
-    done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-    stack = re.search(r"STACK:(\d+)", done.stdout)
-    assert stack is not None, done.stdout
-    assert int(stack.group(1)) == 0, f"{config}: {done.stdout.strip()}"
+    stack, usage = resource_usage(cubin, cuobjdump)
+    assert stack == 0, f"{config}: {usage.strip()}"
     if max_loop is not None:
         sass = sass_of(cubin, cuobjdump)
         loops = mma_loop_lengths(sass)

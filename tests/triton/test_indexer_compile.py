@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import glob
 import pathlib
-import re
-import subprocess
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter
+from sm90_compile import resource_usage, run_without_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -104,11 +102,9 @@ def test_indexer_kernels_compile_for_sm90_without_spills(
         "_topk_finish_kernel",
     }
     for cubin in cubins:
-        done = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True)
-        stack = re.search(r"STACK:(\d+)", done.stdout)
-        assert stack is not None, done.stdout
+        stack, usage = resource_usage(cubin, cuobjdump)
         allowed = FINISH_STACK if pathlib.Path(cubin).stem == "_topk_finish_kernel" else 0
-        assert int(stack.group(1)) <= allowed, f"{cubin}: {done.stdout.strip()}"
+        assert stack <= allowed, f"{cubin}: {usage.strip()}"
     fp8_dots = [
         p
         for p in glob.glob(f"{tmp_path}/*/_index_scores_kernel.ptx")
