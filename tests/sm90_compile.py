@@ -147,8 +147,9 @@ def stack_and_mma_loops(cubin: str, cuobjdump: str) -> tuple[int, list[int]]:
     return resource_usage(cubin, cuobjdump)[0], mma_loop_lengths(sass_of(cubin, cuobjdump))
 
 
-_GMMA = re.compile(r"^(?:@!?U?P\w+\s+)?[HQI]GMMA\.\d+x(\d+)x\d+\.(\S+)\s+R(\d+),\s*(R(\d+)|gdesc)")
-"""A ``wgmma`` in SASS: its N, types, first accumulator register and register-A operand (if any)."""
+_GMMA = re.compile(r"^[HQI]GMMA\.\d+x(\d+)x\d+\.(\S+)\s+R(\d+),\s*(R(\d+)|gdesc)")
+"""A ``wgmma`` in SASS (without its guard, :func:`_unpredicated`): its N, types, first accumulator
+register and register-A operand (if any)."""
 _NO_REGISTER_DESTINATION = (
     "ST", "LDGSTS", "LDGDEPBAR", "RED", "ATOM", "BRA", "BAR", "WARPGROUP", "BSYNC", "BSSY", "SYNCS",
     "EXIT", "RET", "CALL", "NOP", "DEPBAR", "MEMBAR", "FENCE", "UTMA", "WARPSYNC", "CCTL", "ERRBAR",
@@ -199,7 +200,7 @@ def wgmma_register_hazards(sass: str) -> list[str]:
 
     groups, acc, reg_a = [], set(), set()
     for i, (_, text) in enumerate(code):
-        m = _GMMA.match(text)
+        m = _GMMA.match(_unpredicated(text))
         if m is None:
             continue
         n, types, first = int(m.group(1)), m.group(2), int(m.group(3))
@@ -221,7 +222,7 @@ def wgmma_register_hazards(sass: str) -> list[str]:
             wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)
             if wait and int(wait.group(1), 16) <= later:
                 continue
-            if _GMMA.match(text):
+            if _GMMA.match(_unpredicated(text)):
                 later = min(later + ("gsb0" in text), 8)  # (bounded: a loop's path revisits its states)
             else:
                 written, read = _written_and_read(text)
