@@ -3,7 +3,6 @@ elsewhere)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -17,7 +16,7 @@ from mla.core.records import fast_constructor
 from mla.core.support import ReasonCollector
 from mla.prefill.base import ContextChunk, ContextExpander, PrefillPlan, PrefillStrategy
 from mla.providers.base import KernelProvider
-from mla.providers.calls import GatherContextCall, MergeStatesCall, VarlenPrefillCall
+from mla.providers.calls import AppendedKeys, GatherContextCall, MergeStatesCall, VarlenPrefillCall
 from mla.strategy import StrategyKind, require_dtype
 
 _VARLEN_CALL = fast_constructor(VarlenPrefillCall)
@@ -35,9 +34,11 @@ class FlashVarlen(PrefillStrategy):
     callback, attended non-causally, and merged with the new tokens' result by LSE
     (vLLM's chunked-context prefill). On a provider whose varlen kernel takes the
     chunked-context operands (:attr:`~mla.core.capabilities.ProviderCapabilities.varlen_context_operands`)
-    the new tokens are attended straight into ``out``/``lse`` and each chunk's pass merges into
-    them in its epilogue, its keys read as the callback's (strided) ``k_nope`` plus the latent's
-    rope lanes: no key assembly, no merge pass, no partial buffers. Elsewhere the keys
+    the first chunk and the new tokens are one call (the new tokens' keys appended to each
+    request's chunk keys, causal over them) straight into ``out``/``lse``, and each later
+    chunk's pass merges into them in its epilogue, the chunk's keys read as the callback's
+    (strided) ``k_nope`` plus the latent's rope lanes: no key assembly, no merge pass, no
+    partial buffers. Elsewhere the keys
     are assembled and the partial states merged by the ``merge-states`` kernel. The fallback
     prefill: any head count and KV dtype.
     """
@@ -90,6 +91,7 @@ class FlashVarlen(PrefillStrategy):
             k_pe=None,
             prior_out=None,
             prior_lse=None,
+            appended=None,
         )
         if not plan.context_chunks:
             provider.varlen_attention(new_tokens)
@@ -142,16 +144,21 @@ class FlashVarlen(PrefillStrategy):
         )
 
     def _fused_context(self, new_tokens: VarlenPrefillCall, chunk_calls: Iterator[VarlenPrefillCall]) -> None:
-        """The new tokens straight into ``out``/``lse`` (the causal pass on the plain kernel),
-        then each chunk's call (``chunk_calls``, split keys, built lazily) merged into them by
-        the varlen kernel's epilogue (in place: each row is read before it is written). The
-        first chunk is gathered, expanded and its callback output checked before the first
-        launch, so a bad callback leaves ``out`` and ``lse`` unwritten."""
+        """The first chunk's call (``chunk_calls``: split keys, built lazily) with the new tokens'
+        keys appended (:class:`~mla.providers.calls.AppendedKeys`, causal over them as
+        ``new_tokens`` is) straight into ``out``/``lse``, then each later chunk's call merged
+        into them by the varlen kernel's epilogue (in place: each row is read before it is
+        written). The first chunk is gathered, expanded and its callback output checked before
+        the first launch, so a bad callback leaves ``out`` and ``lse`` unwritten."""
         provider = self.setup.provider
         out, lse = new_tokens.out, new_tokens.lse
         first = next(chunk_calls)
-        provider.varlen_attention(new_tokens)
-        for call in itertools.chain((first,), chunk_calls):
+        new_keys = AppendedKeys(
+            k=new_tokens.k, v=new_tokens.v, cu_seqlens_k=new_tokens.cu_seqlens_k,
+            max_seqlen_k=new_tokens.max_seqlen_k,
+        )  # fmt: skip
+        provider.varlen_attention(attrs.evolve(first, appended=new_keys, causal=new_tokens.causal))
+        for call in chunk_calls:
             provider.varlen_attention(attrs.evolve(call, prior_out=out, prior_lse=lse))
 
     def _merged_context(

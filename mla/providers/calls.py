@@ -196,7 +196,7 @@ class VarlenPrefillCall:
     """Flash-style varlen attention (contract ``varlen-prefill``). Causal is bottom-right
     aligned: row ``i`` of a request sees keys ``<= i + Sk - Sq``.
 
-    Two optional forms serve a chunked-context step, only on providers whose record says
+    Three optional forms serve a chunked-context step, only on providers whose record says
     :attr:`~mla.core.capabilities.ProviderCapabilities.varlen_context_operands`:
 
     * ``k_pe`` given: the keys' last ``R`` lanes come from ``k_pe [Tk, R]``, shared by every
@@ -206,7 +206,13 @@ class VarlenPrefillCall:
       earlier state of the same rows (the :class:`MergeStatesCall` rule, a state with
       ``lse = -inf`` contributing nothing whatever its rows hold) and the merged state is written
       to ``out``/``lse``; they may be the very tensors ``out``/``lse`` (merged in place: each
-      row is read before it is written), so no separate merge pass is needed.
+      row is read before it is written), so no separate merge pass is needed;
+    * ``appended`` given (:class:`AppendedKeys`): each request's keys continue with its rows of
+      a second key range (the new tokens' own keys, in the pass of a context chunk), so the
+      chunk and the new tokens are one pass. Every row then sees all of its request's ``k``
+      keys, and the appended keys by the call's ``causal`` rule over the appended range alone
+      (row ``i`` sees appended key ``j <= i + Sa - Sq``): the context keys precede every new
+      token. :func:`appended_passes` gives the same result as two calls.
     """
 
     q: torch.Tensor
@@ -242,6 +248,39 @@ class VarlenPrefillCall:
     with ``prior_lse``; ``None`` (with ``prior_lse``): no merge, ``out`` is this call's result."""
     prior_lse: torch.Tensor | None = None
     """``[T, H]`` float32: the LSE of ``prior_out`` (``-inf``: the row has no state yet)."""
+    appended: AppendedKeys | None = None
+    """A second key range after each request's ``k``/``v`` rows, or ``None``."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class AppendedKeys:
+    """The keys a :class:`VarlenPrefillCall` attends after each request's ``k``/``v`` rows (its
+    ``appended``): in a chunked-context step, the new tokens' own keys, attended in the pass of a
+    context chunk (causal over them when the call is)."""
+
+    k: torch.Tensor
+    """``[Ta, H, Dqk]`` whole keys (the rope lanes included) in q's dtype; any token and head
+    strides with a contiguous last dim."""
+    v: torch.Tensor
+    """``[Ta, H, Dv]`` in q's dtype; any token and head strides with a contiguous last dim."""
+    cu_seqlens_k: torch.Tensor
+    """int32 ``[B+1]``: request ``b``'s appended keys are rows ``[cu[b], cu[b+1])``."""
+    max_seqlen_k: int
+
+
+def appended_passes(call: VarlenPrefillCall) -> tuple[VarlenPrefillCall, VarlenPrefillCall]:
+    """Two calls that compute ``call`` (which has ``appended``) in turn, for a kernel without the
+    form: the appended keys' pass (``call.causal``, merged into ``call``'s prior state if it has
+    one) into ``out``/``lse``, then ``call``'s own keys, non-causal, merged into them in place."""
+    appended = call.appended
+    if appended is None:
+        raise ValueError("appended_passes needs a call with appended keys")
+    first = attrs.evolve(
+        call, k=appended.k, v=appended.v, k_pe=None, cu_seqlens_k=appended.cu_seqlens_k,
+        max_seqlen_k=appended.max_seqlen_k, appended=None,
+    )  # fmt: skip
+    second = attrs.evolve(call, causal=False, prior_out=call.out, prior_lse=call.lse, appended=None)
+    return first, second
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -438,6 +477,7 @@ class WriteKVCall:
 
 
 __all__ = [
+    "AppendedKeys",
     "DecodeSchedule",
     "DecodeScheduleBuffersCall",
     "ExpandPagesCall",
@@ -455,4 +495,5 @@ __all__ = [
     "VarlenPrefillCall",
     "WriteIndexKeysCall",
     "WriteKVCall",
+    "appended_passes",
 ]

@@ -46,6 +46,7 @@ from mla.providers.calls import (
     VarlenPrefillCall,
     WriteIndexKeysCall,
     WriteKVCall,
+    appended_passes,
 )
 from mla.providers.formats import pack_ds_mla, scatter_rows
 from mla.providers.split_kv import SplitKVSchedule
@@ -156,6 +157,10 @@ class TorchProvider(KernelProvider):
     # -- prefill ----------------------------------------------------------------------------
 
     def varlen_attention(self, call: VarlenPrefillCall) -> None:
+        if call.appended is not None:
+            for one_pass in appended_passes(call):
+                self.varlen_attention(one_pass)
+            return
         if call.k_pe is not None:
             # Every head's keys as one tensor: [k | k_pe] (the reference's own copy).
             heads = call.k.shape[1]

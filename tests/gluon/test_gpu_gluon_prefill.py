@@ -4,7 +4,8 @@ Drives :func:`~mla.providers.gluon.prefill_launch.launch_gluon_prefill` directly
 variant: the three warp splits of ``PrefillKernel``, 128- and 64-key tiles, 192/128 and
 128/128, bf16 and fp16, causal and not, LSE on and off) and the gluon provider's
 ``varlen_attention`` (the route, the contract's NaN rules, head-dim slices of one buffer, the
-chunked-context form: ``k_pe`` and a prior state merged in place, CUDA graph capture). Batches
+chunked-context form: ``k_pe``, a prior state merged in place and appended keys, CUDA graph
+capture). Batches
 hold empty and one-token requests, requests with more queries than keys, and lengths that are
 not tile multiples. Outputs are NaN-poisoned before each run. Run:
 ``pytest -m gpu tests/gluon/test_gpu_gluon_prefill.py`` (skipped without a Hopper GPU).
@@ -19,7 +20,7 @@ import torch
 from varlen_batches import VARLEN_BATCHES
 
 from mla.providers import get_provider
-from mla.providers.calls import VarlenPrefillCall
+from mla.providers.calls import AppendedKeys, VarlenPrefillCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
     PrefillKernel,
@@ -28,7 +29,7 @@ from mla.providers.gluon.prefill_launch import (
     prefill_call_route,
     prefill_route,
 )
-from mla.tools.reference import reference_prefill
+from mla.tools.reference import merge_reference, reference_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -277,5 +278,60 @@ def test_chunked_context_form_matches_reference(batch: str, prior: str, causal: 
     err = float((out64 - ref_out).norm() / ref_out.norm())
     assert err < TOL[torch.bfloat16], f"relative output error {err:.3g}"
     assert torch.equal(torch.isfinite(lse64), torch.isfinite(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 2e-3
+
+
+APPENDED = {"mixed": [100, 1, 257, 0, 64, 5, 1], "sk-lt-sq": [130, 0, 17]}
+"""Appended key counts per request of a batch: the new tokens' own (as many as queries), and
+none or fewer than queries (the first rows then see only the chunk's keys)."""
+
+
+@pytest.mark.parametrize("layout", ["provider", "split"])
+@pytest.mark.parametrize("keys", ["k_pe", "whole"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("batch", sorted(APPENDED))
+def test_appended_keys_match_reference(batch: str, causal: bool, keys: str, layout: str) -> None:
+    """A context chunk's pass with the new tokens' keys appended (one launch of the split
+    layout): every row sees all of its request's chunk keys and the appended ones by the causal
+    rule over them alone; against the float64 reference of the two passes merged by LSE. The
+    buffers run on into NaN rows past the last request's keys, which must reach no row."""
+    lengths_q, lengths_k = BATCHES[batch]
+    lengths_a = APPENDED[batch]
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    heads, tokens, n_ctx, n_new, pad = 16, sum(lengths_q), sum(lengths_k), sum(lengths_a), 130
+    q = torch.randn(tokens, heads, 192, device="cuda", generator=gen).bfloat16()
+    up = torch.randn(n_ctx + pad, heads, 128 + 128, device="cuda", generator=gen).bfloat16()
+    latent = torch.randn(n_ctx + pad, 512 + 64, device="cuda", generator=gen).bfloat16()
+    new_kv = torch.randn(n_new + pad, heads, 192 + 128, device="cuda", generator=gen).bfloat16()
+    up[n_ctx:], latent[n_ctx:], new_kv[n_new:] = math.nan, math.nan, math.nan
+    k_pe = latent[:n_ctx, 512:]
+    whole = torch.cat([up[:n_ctx, :, :128], k_pe[:, None, :].expand(n_ctx, heads, 64)], dim=-1)
+    k, v = (up[:n_ctx, :, :128], up[:n_ctx, :, 128:]) if keys == "k_pe" else (whole, up[:n_ctx, :, 128:])
+    cu_q, cu_k, cu_a = _indptr(lengths_q), _indptr(lengths_k), _indptr(lengths_a)
+    appended = AppendedKeys(
+        k=new_kv[:n_new, :, :192], v=new_kv[:n_new, :, 192:], cu_seqlens_k=cu_a, max_seqlen_k=max(lengths_a)
+    )
+    out = torch.full((tokens, heads, 128), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((tokens, heads), math.nan, device="cuda")
+    call = VarlenPrefillCall(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+        max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=192**-0.5, causal=causal,
+        k_pe=k_pe if keys == "k_pe" else None, appended=appended,
+    )  # fmt: skip
+    assert prefill_call_route(call)[0] == "gluon"
+    if layout == "provider":
+        GluonProvider().varlen_attention(call)
+    else:
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel.SPLIT))
+    own = reference_prefill(q, whole, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=False)
+    new = reference_prefill(q, appended.k, appended.v, cu_q, cu_a, softmax_scale=192**-0.5, causal=causal)
+    ref_out, ref_lse = merge_reference(*own, *new)
+    out64, lse64 = out.cpu().double(), lse.cpu().double()
+    assert not torch.isnan(out64).any(), "unwritten or NaN rows (the NaN rows past the keys reached a row)"
+    err = float((out64 - ref_out).norm() / ref_out.norm())
+    assert err < TOL[torch.bfloat16], f"relative output error {err:.3g}"
+    assert torch.equal(torch.isfinite(lse64), torch.isfinite(ref_lse))
+    assert bool((out64[~torch.isfinite(ref_lse)] == 0).all()), "rows without keys must be 0"
     finite = torch.isfinite(ref_lse)
     assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 2e-3

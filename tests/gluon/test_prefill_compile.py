@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import attrs
     import torch
-    from mla.providers.calls import VarlenPrefillCall
+    from mla.providers.calls import AppendedKeys, VarlenPrefillCall
     from mla.providers.gluon.prefill_launch import PrefillKernel, PrefillLaunchConfig, launch_gluon_prefill
     from mla.providers.gluon.provider import GluonProvider
     from mla.testing.triton_driver import stand_in_driver
@@ -103,6 +103,20 @@ SCRIPT = textwrap.dedent(
             driver.launches.clear()
             launch_gluon_prefill(call(192, 128, False, bf16, heads=16, context=True), config)
             out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+        # the first chunk's pass with the new tokens' keys appended (causal over them), fresh
+        # outputs, through the provider: 128/128 without k_pe too
+        for name, (dqk, k_pe) in {"appended-192": (192, True), "appended-128-whole": (128, False)}.items():
+            driver.launches.clear()
+            chunk = call(dqk, 128, False, bf16, heads=16, context=True)
+            if not k_pe:
+                chunk = attrs.evolve(chunk, k=torch.zeros(chunk.k.shape[0], 16, dqk, dtype=bf16), k_pe=None)
+            new = call(dqk, 128, True, bf16, heads=16)
+            keys = AppendedKeys(
+                k=new.k[: sum(LQ)], v=new.v[: sum(LQ)], cu_seqlens_k=indptr(LQ), max_seqlen_k=max(LQ))
+            fused = attrs.evolve(chunk, appended=keys, causal=True, prior_out=None, prior_lse=None,
+                                 out=torch.zeros_like(chunk.out), lse=torch.zeros_like(chunk.lse))
+            GluonProvider(prefill="gluon").varlen_attention(fused)
+            out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
     json.dump(out, sys.stdout)
     """
 )
@@ -178,6 +192,13 @@ def test_the_chunked_context_form_runs_on_the_gluon_kernel(launches: dict[str, l
     split layout (one program per query tile, request and head) and on the persistent one."""
     assert launches["context-split"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
     assert launches["context-persistent"] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]
+
+
+def test_appended_keys_run_as_one_pass_on_the_split_layout(launches: dict[str, list[list[object]]]) -> None:
+    """A context chunk's call with the new tokens' keys appended (``AppendedKeys``): one launch
+    of the split layout, with ``k_pe`` (192/128) and with whole keys (128/128)."""
+    assert launches["appended-192"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
+    assert launches["appended-128-whole"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
 
 
 def test_no_register_of_a_wgmma_is_touched_before_its_wait(

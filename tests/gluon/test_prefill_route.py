@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from mla.core.errors import InvalidInputError
-from mla.providers.calls import VarlenPrefillCall
+from mla.providers.calls import AppendedKeys, VarlenPrefillCall
 from mla.providers.gluon import GluonProvider
 from mla.providers.gluon.prefill_launch import (
+    APPENDED_KERNELS,
     CONTEXT_KERNELS,
     PERSISTENT_ANY_LENGTH_MAX_HEADS,
     PERSISTENT_MAX_SEQLEN_Q,
@@ -232,3 +233,82 @@ def test_provider_runs_declined_calls_on_the_triton_kernel() -> None:
     ref_out, ref_lse = torch.empty(9, heads, 32), torch.empty(9, heads)
     TorchProvider().varlen_attention(_call(q, k, v, ref_out, ref_lse))
     assert_matches_reference(out, lse, ref_out, ref_lse, context="gluon prefill -> triton fallback")
+
+
+def _appended(keys: torch.Tensor, values: torch.Tensor) -> AppendedKeys:
+    """The rows of ``keys``/``values`` as three requests' appended keys (:func:`_call`'s batch)."""
+    cu = torch.tensor([0, 2, 2, keys.shape[0]], dtype=torch.int32)
+    return AppendedKeys(k=keys, v=values, cu_seqlens_k=cu, max_seqlen_k=max(2, keys.shape[0] - 2))
+
+
+def test_appended_keys_route_to_the_gluon_kernel() -> None:
+    """A context chunk's call with the new tokens' keys appended (whole 192-lane keys, v)
+    runs on the Gluon kernel, with ``k_pe`` and without."""
+    q, k, v, out = _qkvo()
+    latent = torch.zeros(8, 576, dtype=BF16)
+    chunk = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), k=torch.zeros(8, 4, 128, dtype=BF16))
+    for call in (attrs.evolve(chunk, k_pe=latent[:, 512:]), attrs.evolve(chunk, k=k)):
+        kernel, why = prefill_call_route(attrs.evolve(call, appended=_appended(k, v)))
+        assert kernel == "gluon", why
+        assert "appended" in why
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"k": torch.zeros(8, 4, 192, dtype=torch.float16)}, "appended keys of torch.float16"),
+        (
+            {"k": torch.zeros(0, 4, 192, dtype=BF16), "v": torch.zeros(0, 4, 128, dtype=BF16)},
+            "no appended keys",
+        ),
+        ({"k": torch.zeros(8, 4, 200, dtype=BF16)[..., 4:196]}, "appended.k's base address"),
+        (
+            {"v": torch.zeros(8, 4, 128, dtype=BF16).transpose(0, 1).contiguous().transpose(0, 1)},
+            "appended.v's heads",
+        ),
+    ],
+    ids=["fp16", "empty", "unaligned-base", "head-major-v"],
+)
+def test_appended_keys_the_gluon_kernel_cannot_read_route_to_triton(
+    change: dict[str, torch.Tensor], why: str
+) -> None:
+    q, k, v, out = _qkvo()
+    appended = attrs.evolve(_appended(k, v), **change)
+    call = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), appended=appended)
+    kernel, reason = prefill_call_route(call)
+    assert kernel == "triton"
+    assert why in reason
+
+
+@pytest.mark.parametrize(
+    "kernel", sorted(set(PrefillKernel) - APPENDED_KERNELS, key=lambda k: k.value), ids=lambda k: k.name
+)
+def test_launcher_runs_appended_keys_on_the_split_layout_only(kernel: PrefillKernel) -> None:
+    q, k, v, out = _qkvo()
+    call = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), appended=_appended(k, v))
+    with pytest.raises(InvalidInputError, match="layout") as info:
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=kernel))
+    assert info.value.argument == "config"
+
+
+@pytest.mark.parametrize(
+    ("change", "argument"),
+    [
+        ({"k": torch.zeros(8, 4, 128, dtype=BF16)}, "appended.k"),
+        ({"v": torch.zeros(8, 4, 64, dtype=BF16)}, "out"),
+        ({"v": torch.zeros(7, 4, 128, dtype=BF16)}, "appended.v"),
+        ({"cu_seqlens_k": torch.tensor([0, 8], dtype=torch.int32)}, "appended.cu_seqlens_k"),
+        ({"cu_seqlens_k": torch.tensor([0, 2, 2, 8])}, "appended.cu_seqlens_k"),
+    ],
+    ids=["k-without-rope", "v-dim", "v-rows", "cu-entries", "cu-int64"],
+)
+def test_bad_appended_keys_are_refused_naming_them(change: dict[str, torch.Tensor], argument: str) -> None:
+    """The launcher checks the appended keys before launching anything; the error names the
+    appended argument (a ``v`` of another width than the call's shows as ``out``'s shape)."""
+    q, k, v, out = _qkvo()
+    call = attrs.evolve(
+        _call(q, k, v, out, torch.zeros(8, 4)), appended=attrs.evolve(_appended(k, v), **change)
+    )
+    with pytest.raises(InvalidInputError) as info:
+        launch_gluon_prefill(call)
+    assert info.value.argument == argument

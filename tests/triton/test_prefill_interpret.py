@@ -24,7 +24,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from mla.providers.calls import Fp8PrefillCall, VarlenPrefillCall
+from mla.providers.calls import AppendedKeys, Fp8PrefillCall, VarlenPrefillCall
+from mla.providers.torch_ref import TorchProvider
 from mla.providers.triton.fp8_prefill import (
     KV_SPLIT_ALIGN,
     build_fp8_prefill_plan,
@@ -132,6 +133,46 @@ def test_varlen_split_keys_merge_into_prior_state(dtype: torch.dtype, causal: bo
         )
     )  # fmt: skip
     _check(out, lse, ref, 2e-3 if dtype == torch.float16 else 1e-5)
+
+
+APPENDED = [36, 0, 70, 0, 3]
+"""Appended key counts for :data:`LENGTHS`' requests: as many as queries, none, fewer."""
+
+
+@pytest.mark.parametrize("provider", ["triton", "torch"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_appended_keys_are_a_context_pass_and_a_pass_over_them(provider: str, causal: bool) -> None:
+    """A call with appended keys (the new tokens' own keys after a context chunk's): every row
+    sees all of its request's chunk keys (``k_nope`` plus ``k_pe``), and the appended keys by
+    the call's ``causal`` rule over them alone; equals the two references merged by LSE, on the
+    Triton kernel (its two passes) and on the torch provider."""
+    lengths_q, lengths_k = LENGTHS
+    gen = torch.Generator().manual_seed(8)
+    heads, nope, rope, v_dim, rank = 2, 24, 8, 16, 40
+    scale = (nope + rope) ** -0.5
+    tokens, keys, added = sum(lengths_q), sum(lengths_k), sum(APPENDED)
+    q = _random((tokens, heads, nope + rope), gen).half()
+    kv = _random((keys, heads, nope + v_dim), gen).half()
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k_pe = _random((keys, rank + rope), gen).half()[:, rank:]
+    k_new = _random((added, heads, nope + rope), gen).half()
+    v_new = _random((added, heads, v_dim), gen).half()
+    cu_q, cu_k, cu_a = _indptr(lengths_q), _indptr(lengths_k), _indptr(APPENDED)
+    whole = torch.cat([k_nope, k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
+    own = reference_prefill(q, whole, v, cu_q, cu_k, softmax_scale=scale, causal=False)
+    new = reference_prefill(q, k_new, v_new, cu_q, cu_a, softmax_scale=scale, causal=causal)
+    out = torch.full((tokens, heads, v_dim), float("nan"), dtype=torch.float16, device=DEVICE)
+    lse = torch.full((tokens, heads), float("nan"), device=DEVICE)
+    call = VarlenPrefillCall(
+        q=q, k=k_nope, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out, lse=lse,
+        max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k), softmax_scale=scale, causal=causal,
+        k_pe=k_pe, appended=AppendedKeys(k=k_new, v=v_new, cu_seqlens_k=cu_a, max_seqlen_k=max(APPENDED)),
+    )  # fmt: skip
+    if provider == "triton":
+        varlen_attention_fwd(call)
+    else:
+        TorchProvider().varlen_attention(call)
+    _check(out, lse, merge_reference(*own, *new), 2e-3)
 
 
 def test_split_keys_use_the_plain_blocks_at_128_plus_64() -> None:

@@ -24,7 +24,7 @@ from mla.providers.quant import dequantize
 def varlen_attention(aiter: Any, call: VarlenPrefillCall) -> None:
     """``flash_attn_varlen_func`` for ``call``, its LSE transposed to ``[T, H]``."""
     q, k, v, out, lse, causal = call.q, call.k, call.v, call.out, call.lse, call.causal
-    for name, given in (("k_pe", call.k_pe), ("prior_out", call.prior_out)):
+    for name, given in (("k_pe", call.k_pe), ("prior_out", call.prior_out), ("appended", call.appended)):
         if given is not None:
             raise InvalidInputError(
                 name, "aiter's flash_attn_varlen_func takes whole keys and no prior state (the aiter "

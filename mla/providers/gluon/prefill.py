@@ -50,7 +50,10 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   ``kpe_desc`` (``k_pe [Tk, 64]``, shared by every head) as each key tile's last box, so no
   whole key tensor is assembled; the rows are merged by LSE into a prior state
   (``prior_out``/``prior_lse``, possibly ``out``/``lse`` themselves) in the epilogue, a prior
-  row of ``lse = -inf`` weighing nothing.
+  row of ``lse = -inf`` weighing nothing. ``HAS_APPENDED`` (split layout only): after its own
+  keys, which every row then sees whole, each request's appended keys (``kn_desc``/``vn_desc``,
+  rows from ``cu_seqlens_kn``; the new tokens' own keys) go through the same ring, masked by
+  ``CAUSAL`` over the appended range alone: a context chunk and the new tokens in one pass.
 
 The grid is flat, the query tile index fastest and reversed: the programs of one
 (request, head) run together (its K/V stays in L2) and the heaviest causal tiles start first.
@@ -78,6 +81,7 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_CONSUMER_REGS,
     SPLIT_PRODUCER_WARPS,
     TILE_LAYOUT,
+    _appended_producer,
     _cleans_v,
     _consumer_prologue,
     _consumer_rows,
@@ -179,14 +183,17 @@ def _attend_tile(
 def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr, prior=None,
-    HAS_PRIOR: gl.constexpr = False, VEC_STORE: gl.constexpr = False,
+    HAS_PRIOR: gl.constexpr = False, VEC_STORE: gl.constexpr = False, appended=None,
+    HAS_APPENDED: gl.constexpr = False,
 ):  # fmt: skip
     """A consumer partition of ``WARPS`` warps (8: both warpgroups, the whole query tile; 4: one
     warpgroup, query rows ``[64·W, 64·(W+1))`` of the split kernel): every key tile of the
-    query tile, then its output rows of the request (and their LSE; with ``HAS_PRIOR`` merged
-    into the ``prior`` state, :func:`.prefill_parts._store_rows`). ``ISSUE_LOADS``: no producer
-    partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight itself. ``args``: the
-    kernel's buffers, barriers, query tile and strides (one tuple)."""
+    query tile (with ``HAS_APPENDED`` then those of the appended keys, ``appended = (seq_kn,
+    shift_n, n_full_n, n_tiles_n)`` as :func:`.prefill_parts._key_range` gives them, the ring's
+    tiles ``n_tiles + t``), then its output rows of the request (and their LSE; with
+    ``HAS_PRIOR`` merged into the ``prior`` state, :func:`.prefill_parts._store_rows`).
+    ``ISSUE_LOADS``: no producer partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight
+    itself. ``args``: the kernel's buffers, barriers, query tile and strides (one tuple)."""
     M: gl.constexpr = 16 * WARPS
     FLAGS: gl.constexpr = WARPS == 4
     (
@@ -210,6 +217,18 @@ def _consumer(
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
                 seq_k,
             )  # fmt: skip
+    if HAS_APPENDED:
+        seq_kn, shift_n, n_full_n, n_tiles_n = appended
+        row_last_n = gl.minimum(rows + shift_n, seq_kn - 1)
+        for masked in gl.static_range(2):
+            first = n_full_n if masked else 0
+            last = n_tiles_n if masked else n_full_n
+            for t in range(first, last):
+                acc, m_i, l_i = _attend_tile(
+                    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
+                    n_tiles + t, row_last_n, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout,
+                    o_layout, W, M, FLAGS, seq_kn,
+                )  # fmt: skip
 
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
@@ -245,6 +264,12 @@ def mla_prefill_kernel(
     stride_poh,
     stride_plt,
     stride_plh,
+    kn_desc,
+    vn_desc,
+    cu_seqlens_kn_ptr,
+    stride_knh,
+    stride_vnh,
+    num_kn_rows,
     D_QK: gl.constexpr,
     D_V: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -255,15 +280,20 @@ def mla_prefill_kernel(
     HAS_K_PE: gl.constexpr,
     HAS_PRIOR: gl.constexpr,
     VEC_STORE: gl.constexpr,
+    HAS_APPENDED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     # MODE 0: plain (8 consumer warps issue the loads); 1: a one-warp TMA producer partition and
     # the 8 consumer warps; 2 (split): the launch's 4 warps are the producer (TMA and the V
     # clean-up of masked tiles), each consumer warpgroup a partition of its own. The
     # chunked-context form (HAS_K_PE: each key tile's last box from kpe_desc, the rope lanes
-    # every head shares; HAS_PRIOR: the rows merged into a prior state) is the split layout's.
+    # every head shares; HAS_PRIOR: the rows merged into a prior state; HAS_APPENDED: each
+    # request's appended keys, kn_desc/vn_desc rows from cu_seqlens_kn, after its own keys, which
+    # every row then sees whole) is the split layout's.
     gl.static_assert(num_warps == (SPLIT_PRODUCER_WARPS if MODE >= 2 else CONSUMER_WARPS), "launch warps")
-    gl.static_assert(MODE == 2 or not (HAS_K_PE or HAS_PRIOR), "the chunked-context form: split layout")
+    gl.static_assert(
+        MODE == 2 or not (HAS_K_PE or HAS_PRIOR or HAS_APPENDED), "the chunked-context form: split layout"
+    )
     gl.static_assert(NUM_STAGES >= 2, "a ring of two or more slots")
     dtype: gl.constexpr = q_desc.dtype
 
@@ -271,8 +301,9 @@ def mla_prefill_kernel(
     b, h, q_begin, seq_q, m0 = _query_tile(cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows)
     if m0 >= seq_q:
         return
+    OWN_CAUSAL: gl.constexpr = CAUSAL and not HAS_APPENDED
     k_begin, seq_k, shift, n_full, n_tiles = _key_range(
-        cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+        cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, OWN_CAUSAL, BLOCK_N
     )
 
     # -- shared memory and barriers --------------------------------------------------------------
@@ -330,6 +361,40 @@ def mla_prefill_kernel(
                 ),
                 (overlap_consumer, (consumer_args, p_smem, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0)),
                 (overlap_consumer, (consumer_args, p_smem, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1)),
+            ],
+            [4, 4],
+            [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
+        )  # fmt: skip
+    elif MODE == 2 and HAS_APPENDED:
+        prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh)
+        kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
+            cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
+        )
+        appended = (seq_kn, shift_n, n_full_n, n_tiles_n)
+        gl.warp_specialize(
+            [
+                (
+                    _appended_producer,
+                    (
+                        k_desc, v_desc, kn_desc, vn_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed,
+                        k_empty, v_empty, k_begin, k_col, v_col, n_tiles, seq_k, kn_begin, h * stride_knh,
+                        h * stride_vnh, n_tiles_n, seq_kn, kpe_desc, BLOCK_N, NUM_STAGES, HAS_K_PE,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR,
+                        VEC_STORE, appended, True,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR,
+                        VEC_STORE, appended, True,
+                    ),
+                ),
             ],
             [4, 4],
             [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],

@@ -52,6 +52,8 @@ class PrefillKernel(enum.Enum):
 
 CONTEXT_KERNELS = frozenset({PrefillKernel.SPLIT, PrefillKernel.PERSISTENT})
 """The layouts that take the chunked-context operands (``k_pe``, a prior state)."""
+APPENDED_KERNELS = frozenset({PrefillKernel.SPLIT})
+"""The layouts that take appended keys (:class:`~mla.providers.calls.AppendedKeys`)."""
 
 
 @attrs.frozen
@@ -128,7 +130,8 @@ more than :data:`PERSISTENT_MAX_SEQLEN_Q` queries are unmeasured and keep the sp
 def default_kernel(max_seqlen_q: int, *, context: bool, num_heads: int) -> PrefillKernel:
     """The default layout of a call: the one-tile-a-program split layout with the chunked-context
     operands (``context``: a context chunk's long non-causal rows, where the persistent layout,
-    which takes them too, measured no faster) and past :data:`PERSISTENT_MAX_SEQLEN_Q` queries a
+    which takes ``k_pe`` and a prior state too, measured no faster; appended keys run on the
+    split layout only) and past :data:`PERSISTENT_MAX_SEQLEN_Q` queries a
     request when the call has more than :data:`PERSISTENT_ANY_LENGTH_MAX_HEADS` heads; else the
     persistent split layout."""
     if context:
@@ -210,9 +213,25 @@ def prefill_call_route(call: VarlenPrefillCall) -> tuple[str, str]:
     """:func:`prefill_route` for a whole call, with the chunked-context forms: ``k_pe`` of
     :data:`CONTEXT_ROPE` lanes that TMA can read (the kernel loads it as each key tile's last
     box) and a prior state (merged in the epilogue) run on the Gluon kernel's split layouts
-    (:data:`CONTEXT_KERNELS`)."""
+    (:data:`CONTEXT_KERNELS`), appended keys TMA can read on the split layout
+    (:data:`APPENDED_KERNELS`)."""
     kernel, why = prefill_route(call.q, call.k, call.v, call.out)
-    if kernel != "gluon" or call.k_pe is None:
+    if kernel != "gluon":
+        return kernel, why
+    appended = call.appended
+    if appended is not None:
+        if appended.k.dim() != 3 or appended.v.dim() != 3:
+            return "triton", "appended k and v are not [tokens, heads, dim]"
+        if appended.k.dtype != call.q.dtype or appended.v.dtype != call.q.dtype:
+            return "triton", f"appended keys of {appended.k.dtype}/{appended.v.dtype}, q of {call.q.dtype}"
+        if appended.k.shape[0] == 0:
+            return "triton", "no appended keys (a TMA descriptor needs at least one row)"
+        for name, x in (("appended.k", appended.k), ("appended.v", appended.v)):
+            problem = _tma_problem(name, x)
+            if problem is not None:
+                return "triton", problem
+        why = f"{why}; the appended keys after each request's keys, through the same ring"
+    if call.k_pe is None:
         return kernel, why
     k_pe = call.k_pe
     if k_pe.dim() != 2 or k_pe.shape[1] != CONTEXT_ROPE:
@@ -259,22 +278,19 @@ def _launch(
         TILE_LAYOUT,
     )
     from mla.providers.gluon.prefill_persistent import PERSISTENT_LAUNCH  # noqa: PLC0415
-    from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
+    from mla.providers.triton.attention_host import check_varlen_call  # noqa: PLC0415
     from mla.providers.triton.decode_launch import num_sms  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
-    k_pe, prior_out, prior_lse = call.k_pe, call.prior_out, call.prior_lse
+    k_pe, prior_out, prior_lse, appended = call.k_pe, call.prior_out, call.prior_lse, call.appended
     if not call.checked:  # (see VarlenPrefillCall.checked)
-        check_attention_args(
-            q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale, k_pe=k_pe,
-            prior_out=prior_out, prior_lse=prior_lse,
-        )  # fmt: skip
+        check_varlen_call(call)
     if not routed:
         kernel, why = prefill_call_route(call)
         if kernel != "gluon":
             raise InvalidInputError("q", f"not a Gluon prefill case ({why}): use the Triton provider")
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
-    context = k_pe is not None or prior_out is not None
+    context = k_pe is not None or prior_out is not None or appended is not None
     cfg = config or prefill_config(
         qk_dim, v_dim, default_kernel(call.max_seqlen_q, context=context, num_heads=heads)
     )
@@ -283,6 +299,10 @@ def _launch(
             "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split "
             f"layouts ({' or '.join(sorted(f'PrefillKernel.{k.name}' for k in CONTEXT_KERNELS))})",
         )  # fmt: skip
+    if appended is not None and cfg.kernel not in APPENDED_KERNELS:
+        raise InvalidInputError(
+            "config", f"{cfg}: appended keys run on the split layout (PrefillKernel.SPLIT)"
+        )
     batch = call.cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or batch <= 0 or call.max_seqlen_q <= 0:
         return
@@ -321,14 +341,24 @@ def _launch(
             *context_operands, **constants, num_warps=SPLIT_PRODUCER_WARPS.value,
         )  # fmt: skip
         return
+    # (without appended keys their slots take the call's own keys)
+    appended_operands = (k_desc, operands[2], call.cu_seqlens_k, k.stride(1), v.stride(1), k.shape[0])
+    if appended is not None:
+        kn, vn = appended.k, appended.v
+        appended_operands = (
+            token_descriptor(kn, cfg.block_n, box, TILE_LAYOUT),
+            token_descriptor(vn, cfg.block_n, box, TILE_LAYOUT), appended.cu_seqlens_k,
+            kn.stride(1), vn.stride(1), kn.shape[0],
+        )  # fmt: skip
     PREFILL_LAUNCH.launch(
-        (num_tiles,), *operands, heads, num_m_blocks, *rows, *context_operands, **constants,
-        MODE=cfg.kernel.value,
+        (num_tiles,), *operands, heads, num_m_blocks, *rows, *context_operands, *appended_operands,
+        **constants, HAS_APPENDED=appended is not None, MODE=cfg.kernel.value,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel.value >= 2 else CONSUMER_WARPS).value,
     )  # fmt: skip
 
 
 __all__ = [
+    "APPENDED_KERNELS",
     "CONTEXT_KERNELS",
     "CONTEXT_ROPE",
     "PERSISTENT_ANY_LENGTH_MAX_HEADS",

@@ -1,8 +1,9 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
 """Pieces shared by the Gluon prefill kernels (:mod:`.prefill`, :mod:`.prefill_overlap`): the
 launch constants, the tile range of a query tile, the TMA box copies into the K/V ring, the
-split kernel's producer (TMA, and the V clean-up of masked tiles), the ring-slot release and
-the epilogue (with the merge into a prior state of the chunked-context form)."""
+split kernel's producers (TMA, and the V clean-up of masked tiles; one for a call with appended
+keys), the ring-slot release and the epilogue (with the merge into a prior state of the
+chunked-context form)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,33 @@ def _split_producer(
             k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
             k_row0 + t * BLOCK_N, k_col, v_col, t % NUM_STAGES, (t // NUM_STAGES) & 1, masked, cleaned,
             HAS_K_PE,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _appended_producer(
+    k_desc, v_desc, kn_desc, vn_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+    k_row0, k_col, v_col, n_tiles, seq_k, kn_row0, kn_col, vn_col, n_tiles_n, seq_kn, kpe_desc,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_K_PE: gl.constexpr,
+):  # fmt: skip
+    """The split kernel's producer with appended keys: the ``n_tiles`` key tiles of the request's
+    keys (``k_desc``/``v_desc``, with ``HAS_K_PE`` each tile's last box from ``kpe_desc``), then
+    the ``n_tiles_n`` tiles of its appended keys (``kn_desc``/``vn_desc``, whole keys) as ring
+    tiles ``n_tiles + t``; each range's V cleaned where a tile reaches past that range's keys
+    (``seq_k``, ``seq_kn``; :func:`_cleans_v`), as in :func:`_split_producer`."""
+    cleaned = 0
+    for t in range(n_tiles):
+        cleaned = _load_key_tile(
+            k_desc, kpe_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+            k_row0 + t * BLOCK_N, k_col, v_col, t % NUM_STAGES, (t // NUM_STAGES) & 1,
+            _cleans_v(t, seq_k, BLOCK_N), cleaned, HAS_K_PE,
+        )  # fmt: skip
+    for t in range(n_tiles_n):
+        g = n_tiles + t
+        cleaned = _load_key_tile(
+            kn_desc, kn_desc, vn_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+            kn_row0 + t * BLOCK_N, kn_col, vn_col, g % NUM_STAGES, (g // NUM_STAGES) & 1,
+            _cleans_v(t, seq_kn, BLOCK_N), cleaned, False,
         )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import torch
 import triton.language as tl
 
 from mla.core.errors import InvalidInputError
+from mla.providers.calls import VarlenPrefillCall, appended_passes
 from mla.providers.triton.host_math import next_power_of_2
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -207,3 +208,26 @@ def check_attention_args(
             )  # fmt: skip
     if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise InvalidInputError("softmax_scale", f"must be a positive finite float, got {softmax_scale}")
+
+
+def check_varlen_call(call: VarlenPrefillCall) -> None:
+    """:func:`check_attention_args` for a varlen call, with q/k/v of one float dtype; with
+    ``appended`` keys, for both of its passes (:func:`~mla.providers.calls.appended_passes`),
+    an error of the appended pass naming ``appended.<argument>``. No host sync."""
+    if call.appended is not None:
+        appended, own = appended_passes(call)
+        try:
+            check_varlen_call(appended)
+        except InvalidInputError as exc:
+            if exc.argument not in ("k", "v", "cu_seqlens_k"):
+                raise
+            raise InvalidInputError(f"appended.{exc.argument}", str(exc).split(": ", 1)[1]) from exc
+        check_varlen_call(own)
+        return
+    q, k, v = call.q, call.k, call.v
+    check_attention_args(
+        q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.out, call.lse, call.softmax_scale,
+        k_pe=call.k_pe, prior_out=call.prior_out, prior_lse=call.prior_lse,
+    )  # fmt: skip
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise InvalidInputError("q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

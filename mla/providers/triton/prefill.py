@@ -29,14 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.core.errors import InvalidInputError
-from mla.providers.calls import VarlenPrefillCall
+from mla.providers.calls import VarlenPrefillCall, appended_passes
 from mla.providers.triton.attention_epilogue import finalize_rows, merge_prior_rows, store_rows
 from mla.providers.triton.attention_host import (
-    FLOAT_DTYPES,
     AttentionLaunchConfig,
     HeadDimBlocks,
     check_attention_args,
+    check_varlen_call,
     choose_varlen_config,
     head_dim_blocks,
     split_key_blocks,
@@ -413,8 +412,16 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
     strides) is read as the keys' last ``R`` lanes by every head (the q/k dot runs as a
     ``Dqk - R`` chunk over ``k`` and an ``R`` chunk over ``k_pe``); ``prior_out``/``prior_lse``
     are merged into in the epilogue (:func:`merge_prior_rows`), in place when they are
-    ``out``/``lse``.
+    ``out``/``lse``. ``appended`` keys run as the two passes of
+    :func:`~mla.providers.calls.appended_passes`.
     """
+    if call.appended is not None:
+        # (no appended form in the kernel) its two passes, both checked before either runs
+        if not call.checked:
+            check_varlen_call(call)
+        for part in appended_passes(call):
+            varlen_attention_fwd(attrs.evolve(part, checked=True), config=config)
+        return
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     k_pe, prior_out, prior_lse = call.k_pe, call.prior_out, call.prior_lse
     if q.dtype == torch.bfloat16 and _INTERPRETED and q.shape[0]:
@@ -432,14 +439,7 @@ def varlen_attention_fwd(call: VarlenPrefillCall, *, config: AttentionLaunchConf
     cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
     max_seqlen_q, softmax_scale, causal = call.max_seqlen_q, call.softmax_scale, call.causal
     if not call.checked:  # (a call of this signature passed them before: VarlenPrefillCall.checked)
-        check_attention_args(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, softmax_scale,
-            k_pe=k_pe, prior_out=prior_out, prior_lse=prior_lse,
-        )  # fmt: skip
-        if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-            raise InvalidInputError(
-                "q", f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-            )
+        check_varlen_call(call)
     num_tokens, num_heads, qk_dim = q.shape
     v_dim = v.shape[2]
     batch = cu_seqlens_q.numel() - 1
