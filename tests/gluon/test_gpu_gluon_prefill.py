@@ -282,9 +282,10 @@ def test_chunked_context_form_matches_reference(batch: str, prior: str, causal: 
     assert float((lse64[finite] - ref_lse[finite]).abs().max()) < 2e-3
 
 
-APPENDED = {"mixed": [100, 1, 257, 0, 64, 5, 1], "sk-lt-sq": [130, 0, 17]}
-"""Appended key counts per request of a batch: the new tokens' own (as many as queries), and
-none or fewer than queries (the first rows then see only the chunk's keys)."""
+APPENDED = {"mixed": [100, 1, 257, 0, 64, 2, 1], "sk-lt-sq": [130, 0, 17]}
+"""Appended key counts per request of a batch: the new tokens' own (as many as queries), none,
+or fewer than queries (causal: the first rows see only the chunk's keys; request 5 of "mixed"
+has no chunk keys, so its first three rows see no key at all)."""
 
 
 @pytest.mark.parametrize("layout", ["provider", "split"])
