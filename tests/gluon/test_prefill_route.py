@@ -183,6 +183,12 @@ def test_chunked_context_operands_route_to_the_gluon_kernel() -> None:
         assert kernel == "gluon", why
 
 
+def _assert_routes_to_triton(call: VarlenPrefillCall, why: str) -> None:
+    kernel, reason = prefill_call_route(call)
+    assert kernel == "triton"
+    assert why in reason
+
+
 @pytest.mark.parametrize(
     ("k_pe", "why"),
     [
@@ -198,10 +204,7 @@ def test_k_pe_the_gluon_kernel_cannot_read_routes_to_triton(k_pe: torch.Tensor, 
     kernel, with the reason."""
     q, k, v, out = _qkvo()
     k_nope = torch.zeros(8, 4, 192 - k_pe.shape[1], dtype=BF16)
-    call = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), k=k_nope, k_pe=k_pe)
-    kernel, reason = prefill_call_route(call)
-    assert kernel == "triton"
-    assert why in reason
+    _assert_routes_to_triton(attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), k=k_nope, k_pe=k_pe), why)
 
 
 @pytest.mark.parametrize(
@@ -274,10 +277,7 @@ def test_appended_keys_the_gluon_kernel_cannot_read_route_to_triton(
 ) -> None:
     q, k, v, out = _qkvo()
     appended = attrs.evolve(_appended(k, v), **change)
-    call = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), appended=appended)
-    kernel, reason = prefill_call_route(call)
-    assert kernel == "triton"
-    assert why in reason
+    _assert_routes_to_triton(attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), appended=appended), why)
 
 
 @pytest.mark.parametrize(

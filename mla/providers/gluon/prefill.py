@@ -180,6 +180,31 @@ def _attend_tile(
 
 
 @gluon.jit
+def _attend_range(
+    tiles, ring, acc, m_i, l_i, n_full, n_tiles, g0, row_last, seq_k, qk_scale, ISSUE_LOADS: gl.constexpr,
+    BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, FLAGS: gl.constexpr,
+):  # fmt: skip
+    """The key tiles ``[0, n_tiles)`` of one key range of ``seq_k`` keys (the ring's tiles ``g0 +
+    t``) into ``(acc, m_i, l_i)``: those every row sees whole (``[0, n_full)``) unmasked, then
+    the diagonal and partial ones masked by ``row_last`` (:func:`_attend_tile`). ``tiles``: the
+    query tile, the rings, flags and barriers; ``ring``: the loads' operands when the consumer
+    issues them itself (``ISSUE_LOADS``, :func:`.prefill_parts._issue_ahead`)."""
+    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty = tiles
+    for masked in gl.static_range(2):
+        first = n_full if masked else 0
+        last = n_tiles if masked else n_full
+        for t in range(first, last):
+            _issue_ahead(ring, t, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
+            acc, m_i, l_i = _attend_tile(
+                q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g0 + t,
+                row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS,
+                seq_k,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr, prior=None,
@@ -206,29 +231,17 @@ def _consumer(
     ring = (k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row0, k_col, v_col)
     _consumer_prologue(ring, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
     rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
-    # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
-    for masked in gl.static_range(2):
-        first = n_full if masked else 0
-        last = n_tiles if masked else n_full
-        for t in range(first, last):
-            _issue_ahead(ring, t, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
-            acc, m_i, l_i = _attend_tile(
-                q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, t,
-                row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
-                seq_k,
-            )  # fmt: skip
+    tiles = (q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty)
+    acc, m_i, l_i = _attend_range(
+        tiles, ring, acc, m_i, l_i, n_full, n_tiles, 0, row_last, seq_k, qk_scale, ISSUE_LOADS, BLOCK_N, D_V,
+        NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+    )  # fmt: skip
     if HAS_APPENDED:
         seq_kn, shift_n, n_full_n, n_tiles_n = appended
-        row_last_n = gl.minimum(rows + shift_n, seq_kn - 1)
-        for masked in gl.static_range(2):
-            first = n_full_n if masked else 0
-            last = n_tiles_n if masked else n_full_n
-            for t in range(first, last):
-                acc, m_i, l_i = _attend_tile(
-                    q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t,
-                    n_tiles + t, row_last_n, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout,
-                    o_layout, W, M, FLAGS, seq_kn,
-                )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            tiles, ring, acc, m_i, l_i, n_full_n, n_tiles_n, n_tiles, gl.minimum(rows + shift_n, seq_kn - 1),
+            seq_kn, qk_scale, False, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+        )  # fmt: skip
 
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
