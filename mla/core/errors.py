@@ -36,12 +36,14 @@ class UnsupportedError(MLAError, NotImplementedError):
 class InvalidInputError(MLAError, ValueError):
     """An argument has the wrong shape, dtype, device or values.
 
-    ``argument`` names the offending argument; the message says what was expected.
+    ``argument`` names the offending argument; ``reason`` (the message after ``"<argument>: "``)
+    says what was expected.
     """
 
     def __init__(self, argument: str, message: str) -> None:
         super().__init__(f"{argument}: {message}")
         self.argument = argument
+        self.reason = message
 
 
 AttrsValidator = Callable[[Any, "attrs.Attribute[Any]", Any], None]

@@ -282,8 +282,7 @@ def new_entry(call: DecodeCall, args: DecodeArgs, max_decode_qlen: int) -> Decod
         if own is None:
             raise
         name, what = own
-        message = str(error).split(": ", 1)[-1]
-        raise InvalidInputError(name, f"{what} {message}") from error
+        raise InvalidInputError(name, f"{what} {error.reason}") from error
 
 
 _DECODE_ARGUMENT: dict[str, tuple[str, str]] = {

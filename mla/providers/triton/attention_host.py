@@ -221,7 +221,7 @@ def check_varlen_call(call: VarlenPrefillCall) -> None:
         except InvalidInputError as exc:
             if exc.argument not in ("k", "v", "cu_seqlens_k"):
                 raise
-            raise InvalidInputError(f"appended.{exc.argument}", str(exc).split(": ", 1)[1]) from exc
+            raise InvalidInputError(f"appended.{exc.argument}", exc.reason) from exc
         check_varlen_call(own)
         return
     q, k, v = call.q, call.k, call.v
