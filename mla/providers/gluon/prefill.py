@@ -81,7 +81,6 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_CONSUMER_REGS,
     SPLIT_PRODUCER_WARPS,
     TILE_LAYOUT,
-    _appended_producer,
     _cleans_v,
     _consumer_prologue,
     _consumer_rows,
@@ -378,42 +377,17 @@ def mla_prefill_kernel(
             [4, 4],
             [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
         )  # fmt: skip
-    elif MODE == 2 and HAS_APPENDED:
-        prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh)
-        kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
-            cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
-        )
-        appended = (seq_kn, shift_n, n_full_n, n_tiles_n)
-        gl.warp_specialize(
-            [
-                (
-                    _appended_producer,
-                    (
-                        k_desc, v_desc, kn_desc, vn_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed,
-                        k_empty, v_empty, k_begin, k_col, v_col, n_tiles, seq_k, kn_begin, h * stride_knh,
-                        h * stride_vnh, n_tiles_n, seq_kn, kpe_desc, BLOCK_N, NUM_STAGES, HAS_K_PE,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR,
-                        VEC_STORE, appended, True,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR,
-                        VEC_STORE, appended, True,
-                    ),
-                ),
-            ],
-            [4, 4],
-            [SPLIT_CONSUMER_REGS, SPLIT_CONSUMER_REGS],
-        )  # fmt: skip
     elif MODE == 2:
         prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh)
+        if HAS_APPENDED:
+            kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
+                cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
+            )
+            appended = (seq_kn, shift_n, n_full_n, n_tiles_n)
+            loads_n = (kn_desc, vn_desc, kn_begin, h * stride_knh, h * stride_vnh, seq_kn, n_tiles_n)
+        else:  # (placeholders, unread without HAS_APPENDED)
+            appended = (seq_k, shift, n_full, n_tiles)
+            loads_n = (k_desc, v_desc, k_begin, k_col, v_col, seq_k, n_tiles)
         gl.warp_specialize(
             [
                 (
@@ -421,21 +395,21 @@ def mla_prefill_kernel(
                     (
                         k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
                         k_begin, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES, False, kpe_desc,
-                        HAS_K_PE, seq_k, True,
+                        HAS_K_PE, seq_k, True, loads_n, HAS_APPENDED,
                     ),
                 ),
                 (
                     _consumer,
                     (
                         consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR,
-                        VEC_STORE,
+                        VEC_STORE, appended, HAS_APPENDED,
                     ),
                 ),
                 (
                     _consumer,
                     (
                         consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR,
-                        VEC_STORE,
+                        VEC_STORE, appended, HAS_APPENDED,
                     ),
                 ),
             ],

@@ -176,7 +176,8 @@ def _copy_key_boxes(k_desc, kpe_desc, row, col, bar, dst, first, N: gl.constexpr
 def _split_producer(
     k_desc, v_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, k_row0, k_col,
     v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LAST_MASKED: gl.constexpr,
-    kpe_desc=None, HAS_K_PE: gl.constexpr = False, seq_k=0, OWN_KEYS: gl.constexpr = False,
+    kpe_desc=None, HAS_K_PE: gl.constexpr = False, seq_k=0, OWN_KEYS: gl.constexpr = False, appended=None,
+    HAS_APPENDED: gl.constexpr = False,
 ):  # fmt: skip
     """The split kernels' producer (their 4-warp default partition): every key tile into the
     ring (with ``HAS_K_PE`` its last box from ``kpe_desc``, :func:`_copy_key_boxes`). The V of a
@@ -184,7 +185,16 @@ def _split_producer(
     a tile reaching past the request's ``seq_k`` keys, :func:`_cleans_v`) lands on
     ``v_landed``; the producer zeroes its non-finite lanes in shared memory, writes which keys
     had one into ``flags[s]``, then announces it on ``v_ready[s]`` (both consumer warpgroups read
-    the cleaned tile: neither writes it)."""
+    the cleaned tile: neither writes it). With ``HAS_APPENDED``: :func:`_appended_producer`
+    (``appended = (kn_desc, vn_desc, kn_row0, kn_col, vn_col, seq_kn, n_tiles_n)``)."""
+    if HAS_APPENDED:
+        kn_desc, vn_desc, kn_row0, kn_col, vn_col, seq_kn, n_tiles_n = appended
+        _appended_producer(
+            k_desc, v_desc, kn_desc, vn_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty,
+            v_empty, k_row0, k_col, v_col, n_tiles, seq_k, kn_row0, kn_col, vn_col, n_tiles_n, seq_kn,
+            kpe_desc, BLOCK_N, NUM_STAGES, HAS_K_PE,
+        )  # fmt: skip
+        return
     cleaned = 0
     for t in range(n_tiles):
         if OWN_KEYS:
