@@ -11,12 +11,13 @@ program keeps its shared memory, barriers and partitions across query tiles:
   (request, head)'s tiles together, the heaviest first). Program ``p`` of ``G`` takes, in
   round ``r``, tile ``r·G + p`` when ``r`` is even and ``r·G + G - 1 - p`` when it is odd (a
   snake over the rounds), which evens the programs' causal work without a device-side queue.
-* **Producer** (the launch's 4 warps): per query tile, once both consumer warpgroups are done
-  with the previous query tile (``q_empty``, two arrivals), its query tile into ``q_smem``
-  (``q_bar``); then its key tiles into the ring as in the split layout (the V of a masked tile
-  cleaned in shared memory, its per-key flags written). The ring's slot and phase count on
-  across query tiles (``g``), so the next query tile's first loads go out while the consumers
-  still finish the previous one's last tiles and epilogue.
+* **Producer** (the launch's 4 warps): per query tile, its key tiles into the ring as in the
+  split layout (the V of a masked tile cleaned in shared memory, its per-key flags written),
+  and after the first of them, once both consumer warpgroups are done with the previous query
+  tile (``q_empty``, two arrivals), its query tile into ``q_smem`` (``q_bar``). The ring's slot
+  and phase count on across query tiles (``g``), so the next query tile's first key tile goes
+  out while the consumers still finish the previous one's last tiles and epilogue, ahead of
+  the query tile that has to wait for them.
 * **Consumers** (two warpgroups of 64 query rows): per query tile, the phase ``n & 1`` of
   ``q_bar`` (``n``: the program's query tiles so far), every key tile (ring tile ``g + t``), an
   arrival on ``q_empty``, then the epilogue of their rows.
@@ -64,15 +65,23 @@ def _snake_tile(r, num_tiles):
 
 
 @gluon.jit
+def _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done):
+    """Once both consumer warpgroups have released the program's previous query tile (the
+    ``done``-th phase of ``q_empty``), the query tile at row ``m0`` of the request whose
+    tokens start at ``q_begin``, head ``h``, into ``q_smem`` on ``q_bar``."""
+    mbarrier.wait(q_empty, done & 1)
+    _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, q_smem.shape[0], False)
+
+
+@gluon.jit
 def _persistent_producer(
     q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, v_landed,
     k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_qh, stride_kh, stride_vh, num_heads,
     num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, HAS_K_PE: gl.constexpr,
 ):  # fmt: skip
-    """The producer partition: each of the program's query tiles, then its key tiles (see the
-    module docstring)."""
-    NQ: gl.constexpr = q_smem.shape[0]
+    """The producer partition: the key tiles of each of the program's query tiles, the query
+    tile itself after the first of them (see the module docstring)."""
     g = 0
     done = 0
     cleaned = 0
@@ -86,8 +95,6 @@ def _persistent_producer(
                 k_begin, seq_k, _shift, _n_full, n_tiles = _key_range(
                     cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
                 )
-                mbarrier.wait(q_empty, done & 1)
-                _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)
                 k_col = h * stride_kh
                 v_col = h * stride_vh
                 for t in range(n_tiles):
@@ -96,6 +103,10 @@ def _persistent_producer(
                         v_empty, k_begin + t * BLOCK_N, k_col, v_col, (g + t) % NUM_STAGES,
                         ((g + t) // NUM_STAGES) & 1, _cleans_v(t, seq_k, BLOCK_N), cleaned, HAS_K_PE,
                     )  # fmt: skip
+                    if t == 0:
+                        _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
+                if n_tiles == 0:
+                    _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
                 g += n_tiles
                 done += 1
 
