@@ -288,13 +288,13 @@ or fewer than queries (causal: the first rows see only the chunk's keys; request
 has no chunk keys, so its first three rows see no key at all)."""
 
 
-@pytest.mark.parametrize("layout", ["provider", "split"])
+@pytest.mark.parametrize("layout", ["provider", "split", "persistent"])
 @pytest.mark.parametrize("keys", ["k_pe", "whole"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("batch", sorted(APPENDED))
 def test_appended_keys_match_reference(batch: str, causal: bool, keys: str, layout: str) -> None:
-    """A context chunk's pass with the new tokens' keys appended (one launch of the split
-    layout): every row sees all of its request's chunk keys and the appended ones by the causal
+    """A context chunk's pass with the new tokens' keys appended (one launch of the split or the
+    persistent layout): every row sees all of its request's chunk keys and the appended ones by the causal
     rule over them alone; against the float64 reference of the two passes merged by LSE. The
     buffers run on into NaN rows past the last request's keys, which must reach no row."""
     lengths_q, lengths_k = BATCHES[batch]
@@ -324,7 +324,7 @@ def test_appended_keys_match_reference(batch: str, causal: bool, keys: str, layo
     if layout == "provider":
         GluonProvider().varlen_attention(call)
     else:
-        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel.SPLIT))
+        launch_gluon_prefill(call, PrefillLaunchConfig(kernel=PrefillKernel[layout.upper()]))
     own = reference_prefill(q, whole, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=False)
     new = reference_prefill(q, appended.k, appended.v, cu_q, cu_a, softmax_scale=192**-0.5, causal=causal)
     ref_out, ref_lse = merge_reference(*own, *new)

@@ -117,6 +117,9 @@ SCRIPT = textwrap.dedent(
                                  out=torch.zeros_like(chunk.out), lse=torch.zeros_like(chunk.lse))
             GluonProvider(prefill="gluon").varlen_attention(fused)
             out[name] = [[l.function[1], list(l.grid)] for l in driver.launches]
+            driver.launches.clear()
+            launch_gluon_prefill(fused, SPLIT)
+            out[f"{name}-split"] = [[l.function[1], list(l.grid)] for l in driver.launches]
     json.dump(out, sys.stdout)
     """
 )
@@ -194,11 +197,13 @@ def test_the_chunked_context_form_runs_on_the_gluon_kernel(launches: dict[str, l
     assert launches["context-persistent"] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]
 
 
-def test_appended_keys_run_as_one_pass_on_the_split_layout(launches: dict[str, list[list[object]]]) -> None:
+def test_appended_keys_run_as_one_pass_on_the_split_layouts(launches: dict[str, list[list[object]]]) -> None:
     """A context chunk's call with the new tokens' keys appended (``AppendedKeys``): one launch
-    of the split layout, with ``k_pe`` (192/128) and with whole keys (128/128)."""
-    assert launches["appended-192"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
-    assert launches["appended-128-whole"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
+    of the persistent layout through the provider (its default), with ``k_pe`` (192/128) and
+    with whole keys (128/128), and of the split layout when its launch config asks for it."""
+    for name in ("appended-192", "appended-128-whole"):
+        assert launches[name] == [["mla_prefill_persistent_kernel", [8, 1, 1]]]
+        assert launches[f"{name}-split"] == [[KERNEL, [3 * 4 * 16, 1, 1]]]
 
 
 def test_no_register_of_a_wgmma_is_touched_before_its_wait(

@@ -115,7 +115,7 @@ def test_default_configs_fit_in_shared_memory() -> None:
         assert shared_bytes(dqk, 128, prefill_config(dqk, 128, persistent)) == one_tile + 8
 
 
-def test_the_default_layout_is_persistent_up_to_2048_queries_or_16_heads_without_context() -> None:
+def test_the_default_layout_is_persistent_up_to_2048_queries_or_16_heads_or_with_appended_keys() -> None:
     # (the H200 measurements behind the bounds: docs/performance.md, "Kernel choices")
     assert PERSISTENT_MAX_SEQLEN_Q == 2048
     assert PERSISTENT_ANY_LENGTH_MAX_HEADS == 16
@@ -124,6 +124,9 @@ def test_the_default_layout_is_persistent_up_to_2048_queries_or_16_heads_without
         assert default_kernel(2048, context=False, num_heads=heads) is PrefillKernel.PERSISTENT
         assert default_kernel(16, context=True, num_heads=heads) is PrefillKernel.SPLIT
         assert default_kernel(8192, context=True, num_heads=heads) is PrefillKernel.SPLIT
+        # a context chunk's first pass with the new tokens' keys appended
+        assert default_kernel(2048, context=True, num_heads=heads, appended=True) is PrefillKernel.PERSISTENT
+        assert default_kernel(8192, context=True, num_heads=heads, appended=True) is PrefillKernel.PERSISTENT
     assert default_kernel(2049, context=False, num_heads=16) is PrefillKernel.PERSISTENT
     assert default_kernel(65536, context=False, num_heads=1) is PrefillKernel.PERSISTENT
     assert default_kernel(2049, context=False, num_heads=17) is PrefillKernel.SPLIT
@@ -283,7 +286,7 @@ def test_appended_keys_the_gluon_kernel_cannot_read_route_to_triton(
 @pytest.mark.parametrize(
     "kernel", sorted(set(PrefillKernel) - APPENDED_KERNELS, key=lambda k: k.value), ids=lambda k: k.name
 )
-def test_launcher_runs_appended_keys_on_the_split_layout_only(kernel: PrefillKernel) -> None:
+def test_launcher_runs_appended_keys_on_the_split_layouts_only(kernel: PrefillKernel) -> None:
     q, k, v, out = _qkvo()
     call = attrs.evolve(_call(q, k, v, out, torch.zeros(8, 4)), appended=_appended(k, v))
     with pytest.raises(InvalidInputError, match="layout") as info:

@@ -50,10 +50,11 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   ``kpe_desc`` (``k_pe [Tk, 64]``, shared by every head) as each key tile's last box, so no
   whole key tensor is assembled; the rows are merged by LSE into a prior state
   (``prior_out``/``prior_lse``, possibly ``out``/``lse`` themselves) in the epilogue, a prior
-  row of ``lse = -inf`` weighing nothing. ``HAS_APPENDED`` (split layout only): after its own
-  keys, which every row then sees whole, each request's appended keys (``kn_desc``/``vn_desc``,
-  rows from ``cu_seqlens_kn``; the new tokens' own keys) go through the same ring, masked by
-  ``CAUSAL`` over the appended range alone: a context chunk and the new tokens in one pass.
+  row of ``lse = -inf`` weighing nothing. ``HAS_APPENDED`` (the split layout here, and the
+  persistent one): after its own keys, which every row then sees whole, each request's appended
+  keys (``kn_desc``/``vn_desc``, rows from ``cu_seqlens_kn``; the new tokens' own keys) go
+  through the same ring, masked by ``CAUSAL`` over the appended range alone: a context chunk
+  and the new tokens in one pass.
 
 The grid is flat, the query tile index fastest and reversed: the programs of one
 (request, head) run together (its K/V stays in L2) and the heaviest causal tiles start first.

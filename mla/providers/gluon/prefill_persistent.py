@@ -24,7 +24,9 @@ program keeps its shared memory, barriers and partitions across query tiles:
 
 Every rule of :mod:`.prefill` holds (causal masking on the diagonal tiles only, the NaN rules,
 varlen clamping, LSE), and so does its chunked-context form (``HAS_K_PE``: each key tile's last
-box from ``kpe_desc``; ``HAS_PRIOR``: the rows merged by LSE into a prior state in the epilogue).
+box from ``kpe_desc``; ``HAS_PRIOR``: the rows merged by LSE into a prior state in the epilogue;
+``HAS_APPENDED``: after the request's own keys, which every row then sees whole, its appended
+keys' tiles through the same ring, causal by ``CAUSAL`` over the appended range alone).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from mla.providers.gluon.prefill import _attend_tile
+from mla.providers.gluon.prefill import _attend_range, _attend_tile
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
@@ -77,11 +79,15 @@ def _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
 def _persistent_producer(
     q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, v_landed,
     k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_qh, stride_kh, stride_vh, num_heads,
-    num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, HAS_K_PE: gl.constexpr,
+    num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, appended, CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_K_PE: gl.constexpr, HAS_APPENDED: gl.constexpr,
 ):  # fmt: skip
     """The producer partition: the key tiles of each of the program's query tiles, the query
-    tile itself after the first of them (see the module docstring)."""
+    tile itself after the first of them (see the module docstring). With ``HAS_APPENDED`` the
+    request's keys are seen whole and its appended keys' tiles follow them
+    (:func:`_load_appended`; ``appended = (kn_desc, vn_desc, cu_seqlens_kn_ptr, stride_knh,
+    stride_vnh, num_kn_rows)``)."""
+    OWN_CAUSAL: gl.constexpr = CAUSAL and not HAS_APPENDED
     g = 0
     done = 0
     cleaned = 0
@@ -93,7 +99,7 @@ def _persistent_producer(
             )
             if m0 < seq_q:
                 k_begin, seq_k, _shift, _n_full, n_tiles = _key_range(
-                    cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+                    cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, OWN_CAUSAL, BLOCK_N
                 )
                 k_col = h * stride_kh
                 v_col = h * stride_vh
@@ -105,23 +111,61 @@ def _persistent_producer(
                     )  # fmt: skip
                     if t == 0:
                         _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
-                if n_tiles == 0:
+                if HAS_APPENDED:
+                    n_tiles_n, cleaned = _load_appended(
+                        appended, q_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+                        q_bar, q_smem, q_empty, q_begin, m0, h, stride_qh, b, seq_q, g + n_tiles,
+                        n_tiles == 0, done, cleaned, CAUSAL, BLOCK_N, NUM_STAGES,
+                    )  # fmt: skip
+                    g += n_tiles_n
+                elif n_tiles == 0:
                     _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
                 g += n_tiles
                 done += 1
 
 
 @gluon.jit
+def _load_appended(
+    appended, q_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty, q_bar, q_smem,
+    q_empty, q_begin, m0, h, stride_qh, b, seq_q, g0, query_pending, done, cleaned, CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer's appended keys of the query tile at ``m0`` of request ``b``, head ``h``: their
+    key tiles (whole keys from ``kn_desc``/``vn_desc``, causal by ``CAUSAL`` over the appended
+    range alone) as ring tiles ``g0 + t``, each V cleaned where the tile reaches past the
+    request's appended keys; the query tile after the first of them when ``query_pending`` (the
+    request had no key tile of its own), or at once when there is none. Returns ``(n_tiles_n,
+    cleaned)``."""
+    kn_desc, vn_desc, cu_seqlens_kn_ptr, stride_knh, stride_vnh, num_kn_rows = appended
+    kn_begin, seq_kn, _shift, _n_full, n_tiles_n = _key_range(
+        cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
+    )
+    for t in range(n_tiles_n):
+        cleaned = _load_key_tile(
+            kn_desc, kn_desc, vn_desc, k_ring, v_ring, flags, k_ready, v_ready, v_landed, k_empty, v_empty,
+            kn_begin + t * BLOCK_N, h * stride_knh, h * stride_vnh, (g0 + t) % NUM_STAGES,
+            ((g0 + t) // NUM_STAGES) & 1, _cleans_v(t, seq_kn, BLOCK_N), cleaned, False,
+        )  # fmt: skip
+        if query_pending & (t == 0):
+            _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
+    if query_pending & (n_tiles_n == 0):
+        _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
+    return n_tiles_n, cleaned
+
+
+@gluon.jit
 def _persistent_consumer(
     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_m_blocks,
-    num_tiles, num_q_rows, num_k_rows, qk_scale, prior, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-    D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, W: gl.constexpr,
-    HAS_PRIOR: gl.constexpr, VEC_STORE: gl.constexpr,
+    num_tiles, num_q_rows, num_k_rows, qk_scale, prior, appended, CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+    W: gl.constexpr, HAS_PRIOR: gl.constexpr, VEC_STORE: gl.constexpr, HAS_APPENDED: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``W`` (query rows ``[64·W, 64·(W+1))`` of each query tile): every key
-    tile of each of the program's query tiles, then the rows' epilogue (see the module
-    docstring)."""
+    tile of each of the program's query tiles (with ``HAS_APPENDED`` then those of the request's
+    appended keys, as :func:`_persistent_producer` loads them), then the rows' epilogue (see the
+    module docstring)."""
+    OWN_CAUSAL: gl.constexpr = CAUSAL and not HAS_APPENDED
     M: gl.constexpr = 64
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, D_V)
@@ -135,7 +179,7 @@ def _persistent_consumer(
             )
             if m0 < seq_q:
                 _k_begin, seq_k, shift, n_full, n_tiles = _key_range(
-                    cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+                    cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, OWN_CAUSAL, BLOCK_N
                 )
                 rows, row_last, acc, m_i, l_i = _consumer_rows(
                     q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout, done & 1
@@ -150,6 +194,18 @@ def _persistent_consumer(
                             t, g + t, row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout,
                             o_layout, W, M, True, seq_k,
                         )  # fmt: skip
+                if HAS_APPENDED:
+                    _kn_desc, _vn_desc, cu_seqlens_kn_ptr, _sk, _sv, num_kn_rows = appended
+                    _kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
+                        cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
+                    )
+                    tiles = (q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty)
+                    acc, m_i, l_i = _attend_range(
+                        tiles, tiles, acc, m_i, l_i, n_full_n, n_tiles_n, g + n_tiles,
+                        gl.minimum(rows + shift_n, seq_kn - 1), seq_kn, qk_scale, False, BLOCK_N, D_V,
+                        NUM_STAGES, s_layout, o_layout, W, M, True,
+                    )  # fmt: skip
+                    g += n_tiles_n
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
                 _store_rows(
                     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
@@ -188,6 +244,12 @@ def mla_prefill_persistent_kernel(
     stride_poh,
     stride_plt,
     stride_plh,
+    kn_desc,
+    vn_desc,
+    cu_seqlens_kn_ptr,
+    stride_knh,
+    stride_vnh,
+    num_kn_rows,
     D_QK: gl.constexpr,
     D_V: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -197,6 +259,7 @@ def mla_prefill_persistent_kernel(
     HAS_K_PE: gl.constexpr,
     HAS_PRIOR: gl.constexpr,
     VEC_STORE: gl.constexpr,
+    HAS_APPENDED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == SPLIT_PRODUCER_WARPS, "launch warps: the producer's")
@@ -229,6 +292,7 @@ def mla_prefill_persistent_kernel(
         mbarrier.arrive(v_empty.index(i), count=2)
     fence_async_shared()
     prior = (prior_out_ptr, prior_lse_ptr, stride_pot, stride_poh, stride_plt, stride_plh)
+    appended = (kn_desc, vn_desc, cu_seqlens_kn_ptr, stride_knh, stride_vnh, num_kn_rows)
     gl.warp_specialize(
         [
             (
@@ -236,8 +300,8 @@ def mla_prefill_persistent_kernel(
                 (
                     q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready,
                     v_landed, k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_qh, stride_kh,
-                    stride_vh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, CAUSAL,
-                    BLOCK_N, NUM_STAGES, HAS_K_PE,
+                    stride_vh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, kpe_desc, appended,
+                    CAUSAL, BLOCK_N, NUM_STAGES, HAS_K_PE, HAS_APPENDED,
                 ),
             ),
             (
@@ -246,7 +310,8 @@ def mla_prefill_persistent_kernel(
                     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
                     stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
-                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0, HAS_PRIOR, VEC_STORE,
+                    appended, CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0, HAS_PRIOR, VEC_STORE,
+                    HAS_APPENDED,
                 ),
             ),
             (
@@ -255,7 +320,8 @@ def mla_prefill_persistent_kernel(
                     q_smem, k_ring, v_ring, flags, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
                     stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
-                    CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1, HAS_PRIOR, VEC_STORE,
+                    appended, CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1, HAS_PRIOR, VEC_STORE,
+                    HAS_APPENDED,
                 ),
             ),
         ],
