@@ -302,16 +302,13 @@ def _launch(
         qk_dim, v_dim,
         default_kernel(call.max_seqlen_q, context=context, num_heads=heads, appended=appended is not None),
     )  # fmt: skip
-    if context and cfg.kernel not in CONTEXT_KERNELS:
-        raise InvalidInputError(
-            "config", f"{cfg}: the chunked-context operands (k_pe, a prior state) run on the split "
-            f"layouts ({' or '.join(sorted(f'PrefillKernel.{k.name}' for k in CONTEXT_KERNELS))})",
-        )  # fmt: skip
-    if appended is not None and cfg.kernel not in APPENDED_KERNELS:
-        raise InvalidInputError(
-            "config", f"{cfg}: appended keys run on the split layouts "
-            f"({' or '.join(sorted(f'PrefillKernel.{k.name}' for k in APPENDED_KERNELS))})",
-        )  # fmt: skip
+    for operands_name, takes, layouts in (
+        ("the chunked-context operands (k_pe, a prior state)", context, CONTEXT_KERNELS),
+        ("appended keys", appended is not None, APPENDED_KERNELS),
+    ):
+        if takes and cfg.kernel not in layouts:
+            names = " or ".join(sorted(f"PrefillKernel.{k.name}" for k in layouts))
+            raise InvalidInputError("config", f"{cfg}: {operands_name} run on the split layouts ({names})")
     batch = call.cu_seqlens_q.numel() - 1
     if q.shape[0] == 0 or batch <= 0 or call.max_seqlen_q <= 0:
         return

@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from mla.providers.gluon.prefill import _attend_range, _attend_tile
+from mla.providers.gluon.prefill import _attend_range
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
@@ -169,6 +169,7 @@ def _persistent_consumer(
     M: gl.constexpr = 64
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, D_V)
+    tiles = (q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty)
     g = 0
     done = 0
     for r in range(gl.cdiv(num_tiles, gl.num_programs(0))):
@@ -184,24 +185,18 @@ def _persistent_consumer(
                 rows, row_last, acc, m_i, l_i = _consumer_rows(
                     q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout, done & 1
                 )
-                # The tiles every row sees whole, unmasked; then the diagonal and partial ones.
-                for masked in gl.static_range(2):
-                    first = n_full if masked else 0
-                    last = n_tiles if masked else n_full
-                    for t in range(first, last):
-                        acc, m_i, l_i = _attend_tile(
-                            q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i,
-                            t, g + t, row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, s_layout,
-                            o_layout, W, M, True, seq_k,
-                        )  # fmt: skip
+                # (the producer issues every load: no ring operands for _attend_range)
+                acc, m_i, l_i = _attend_range(
+                    tiles, None, acc, m_i, l_i, n_full, n_tiles, g, row_last, seq_k, qk_scale, False,
+                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True,
+                )  # fmt: skip
                 if HAS_APPENDED:
                     _kn_desc, _vn_desc, cu_seqlens_kn_ptr, _sk, _sv, num_kn_rows = appended
                     _kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
                         cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
                     )
-                    tiles = (q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty)
                     acc, m_i, l_i = _attend_range(
-                        tiles, tiles, acc, m_i, l_i, n_full_n, n_tiles_n, g + n_tiles,
+                        tiles, None, acc, m_i, l_i, n_full_n, n_tiles_n, g + n_tiles,
                         gl.minimum(rows + shift_n, seq_kn - 1), seq_kn, qk_scale, False, BLOCK_N, D_V,
                         NUM_STAGES, s_layout, o_layout, W, M, True,
                     )  # fmt: skip
