@@ -203,3 +203,50 @@ def test_ds_mla_kernel_on_the_planned_schedule(heads: int) -> None:
     launch_gluon_decode(inputs, GluonLaunchConfig(row_tile=heads, kernel=GluonKernel.DS_MLA))
     torch.cuda.synchronize()
     _check(call, f"ds_mla schedule h{heads}")
+
+
+def _every_byte_cache(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_ds_mla`` byte rows whose latent holds every finite e4m3 value (each row its own
+    shuffle of the 254 non-NaN bytes, zeros and subnormals included), power-of-two tile scales
+    from ``2^-40`` to ``2^7`` and random bf16 rope; and each row's latent dequantized as the format
+    defines it, ``(value · scale).to(bf16)``."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    latent = finite[torch.randint(0, finite.numel(), (rows, RANK), generator=gen)]
+    for row in latent:
+        row[: finite.numel()] = finite[torch.randperm(finite.numel(), generator=gen)]
+    exponents = torch.randint(-40, 8, (rows, RANK // 128), generator=gen)
+    scales = torch.ldexp(torch.ones(rows, RANK // 128), exponents)
+    rope = torch.randn(rows, ROPE, generator=gen).to(torch.bfloat16)
+    cache = torch.cat(
+        [latent, scales.view(torch.uint8).view(rows, -1), rope.view(torch.uint8).view(rows, -1)], dim=1
+    )
+    values = latent.view(torch.float8_e4m3fn).float().view(rows, -1, 128) * scales[..., None]
+    return cache, values.view(rows, RANK).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_ds_mla_dequantizes_every_e4m3_value_exactly(heads: int) -> None:
+    """A row whose list selects one cache row gets that row's dequantized latent as its output
+    (softmax weight 1, the latent as V): exactly ``(value · scale).to(bf16)`` for every finite e4m3
+    value and power-of-two scales from ``2^-40`` to ``2^7``, on the kernel the launch heuristic
+    picks (the 16-row ``fp8_ds_mla`` kernel at 16 heads, the 64-row kernel at 128)."""
+    gen = torch.Generator().manual_seed(heads)
+    rows = 64
+    cache, expected = _every_byte_cache(rows, gen)
+    slots = torch.full((rows, TOPK), -1, dtype=torch.int32)
+    column = torch.randint(0, TOPK, (rows,), generator=gen)
+    slots[torch.arange(rows), column] = torch.arange(rows, dtype=torch.int32)
+    call = SparseAttentionCall(
+        q=torch.randn(rows, heads, RANK + ROPE, generator=gen).to(torch.bfloat16).cuda(),
+        kv_cache=cache.cuda(), slots=slots.cuda(),
+        out=torch.full((rows, heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda"),
+        lse=None, kv_lora_rank=RANK, rope_dim=ROPE, softmax_scale=SCALE, kv_scale=None,
+    )  # fmt: skip
+    get_provider("gluon").sparse_attention(call)
+    got = call.out.cpu()
+    want = expected[:, None, :].expand(rows, heads, RANK)
+    wrong = (got.float() != want.float()).nonzero()  # (a -0 value comes out as +0: P·V starts from 0)
+    assert wrong.numel() == 0, (
+        f"{wrong.shape[0]} values differ; first at (row, head, column) {wrong[0].tolist()}: "
+        f"{float(got[tuple(wrong[0])])} instead of {float(want[tuple(wrong[0])])}"
+    )
