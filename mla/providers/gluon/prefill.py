@@ -92,6 +92,7 @@ from mla.providers.gluon.prefill_parts import (
     _mma_layout,
     _query_tile,
     _release,
+    _row_last,
     _softmax_step,
     _split_producer,
     _store_rows,
@@ -205,6 +206,23 @@ def _attend_range(
 
 
 @gluon.jit
+def _attend_appended(
+    tiles, ring, acc, m_i, l_i, rows, appended, g0, qk_scale, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+    NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr,
+    M: gl.constexpr, FLAGS: gl.constexpr,
+):  # fmt: skip
+    """The appended keys' tiles (the ring's tiles ``g0 + t``, after the request's own) into
+    ``(acc, m_i, l_i)``, masked by the causal rule over the appended range alone: ``appended =
+    (seq_kn, shift_n, n_full_n, n_tiles_n)`` as :func:`.prefill_parts._key_range` gives them for
+    it. The producer issues their loads."""
+    seq_kn, shift_n, n_full_n, n_tiles_n = appended
+    return _attend_range(
+        tiles, ring, acc, m_i, l_i, n_full_n, n_tiles_n, g0, _row_last(rows, shift_n, seq_kn), seq_kn,
+        qk_scale, False, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr, prior=None,
@@ -237,10 +255,9 @@ def _consumer(
         NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
     )  # fmt: skip
     if HAS_APPENDED:
-        seq_kn, shift_n, n_full_n, n_tiles_n = appended
-        acc, m_i, l_i = _attend_range(
-            tiles, ring, acc, m_i, l_i, n_full_n, n_tiles_n, n_tiles, gl.minimum(rows + shift_n, seq_kn - 1),
-            seq_kn, qk_scale, False, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+        acc, m_i, l_i = _attend_appended(
+            tiles, ring, acc, m_i, l_i, rows, appended, n_tiles, qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout,
+            o_layout, W, M, FLAGS,
         )  # fmt: skip
 
     _store_rows(

@@ -129,6 +129,13 @@ def _issue_ahead(
 
 
 @gluon.jit
+def _row_last(rows, shift, seq_k):
+    """Each query row's last visible key of a range of ``seq_k`` keys (bottom-right causal:
+    ``row + shift``, at most ``seq_k - 1``; ``shift`` as :func:`_tile_range` gives it)."""
+    return gl.minimum(rows + shift, seq_k - 1)
+
+
+@gluon.jit
 def _consumer_rows(
     q_bar, shift, seq_k, W: gl.constexpr, M: gl.constexpr, D_V: gl.constexpr, S_LAYOUT: gl.constexpr,
     O_LAYOUT: gl.constexpr, q_phase=0,
@@ -139,7 +146,7 @@ def _consumer_rows(
     row_last, acc, m_i, l_i)``."""
     s_rows: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     rows = W * M + gl.arange(0, M, layout=s_rows)
-    row_last = gl.minimum(rows + shift, seq_k - 1)
+    row_last = _row_last(rows, shift, seq_k)
     acc = gl.zeros([M, D_V], gl.float32, layout=O_LAYOUT)
     m_i = gl.full([M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([M], gl.float32, layout=s_rows)

@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from mla.providers.gluon.prefill import _attend_range
+from mla.providers.gluon.prefill import _attend_appended, _attend_range
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
@@ -195,10 +195,9 @@ def _persistent_consumer(
                     _kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
                         cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
                     )
-                    acc, m_i, l_i = _attend_range(
-                        tiles, None, acc, m_i, l_i, n_full_n, n_tiles_n, g + n_tiles,
-                        gl.minimum(rows + shift_n, seq_kn - 1), seq_kn, qk_scale, False, BLOCK_N, D_V,
-                        NUM_STAGES, s_layout, o_layout, W, M, True,
+                    acc, m_i, l_i = _attend_appended(
+                        tiles, None, acc, m_i, l_i, rows, (seq_kn, shift_n, n_full_n, n_tiles_n), g + n_tiles,
+                        qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True,
                     )  # fmt: skip
                     g += n_tiles_n
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
