@@ -18,8 +18,10 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   consumers issue the loads themselves, ``NUM_STAGES - 1`` tiles ahead (same ring, same
   barriers, no worker); ``2`` (split) a 4-warp producer (the launch's warps) and each consumer
   warpgroup a partition of its own, 64 query rows each, releasing ring slots apart (``empty``
-  counts two arrivals), so the two warpgroups run out of step and one's softmax overlaps the
-  other's ``wgmma``. In the 8-warp consumer both warpgroups meet at a barrier at each release.
+  counts two arrivals), and the two take turns at the tensor cores (two ``turns`` barriers):
+  a warpgroup issues a tile's ``P·V`` and the next tile's ``QKᵀ`` in its turn, then hands the
+  turn to the other, so one's softmax runs while the other's ``wgmma`` does (FlashAttention-3's
+  ping-pong schedule). In the 8-warp consumer both warpgroups meet at a barrier at each release.
   ``3`` (overlap) the split layout with each consumer warpgroup software-pipelined
   (:mod:`.prefill_overlap`).
 * **Consumer.** ``S = q·Kᵀ`` and ``O += P·V`` by ``warpgroup_mma`` (q and K from shared memory,
@@ -96,6 +98,7 @@ from mla.providers.gluon.prefill_parts import (
     _softmax_step,
     _split_producer,
     _store_rows,
+    _take_turn,
 )
 from mla.providers.triton.launch_cache import LaunchCache
 
@@ -133,7 +136,7 @@ def _attend_tile(
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g, row_last,
     qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
-    FLAGS: gl.constexpr, seq_k=0,
+    FLAGS: gl.constexpr, seq_k=0, turn=None, PINGPONG: gl.constexpr = False,
 ):  # fmt: skip
     """Online softmax of key tile ``t`` (the ring's ``g``-th tile: slot ``g % NUM_STAGES``; ``g``
     counts on across a persistent program's query tiles, else ``g = t``) into ``(acc, m_i, l_i)``
@@ -141,7 +144,10 @@ def _attend_tile(
     only when ``n <= row_last[r]``. In a masked tile the V tile's non-finite lanes are zeroed
     here, or (``FLAGS``) were zeroed by the producer, which wrote which keys had one in
     ``flags[s]``, when the tile reaches past the request's ``seq_k`` keys
-    (:func:`.prefill_parts._cleans_v`; its flags are read then only)."""
+    (:func:`.prefill_parts._cleans_v`; its flags are read then only). ``PINGPONG``: the two
+    consumer warpgroups take turns at the tensor cores (``turn = (mine, other, base)``,
+    :func:`.prefill_parts._take_turn`): this one issues its ``P·V`` and the next tile's ``QKᵀ``
+    in its turn, then hands the turn over, so its softmax runs while the other's products do."""
     s = g % NUM_STAGES
     phase = (g // NUM_STAGES) & 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -155,6 +161,8 @@ def _attend_tile(
         k_box = k_ring.index(s * NQ + c).permute((1, 0))
         q_box = q_smem.index(c) if M == BLOCK_M else q_smem.index(c).slice(W * M, M, dim=0)
         sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn[1])
     if MASKED:
         # (while QKᵀ runs) the tile's V, its non-finite lanes zeroed
         mbarrier.wait(v_ready.index(s), phase)
@@ -174,6 +182,8 @@ def _attend_tile(
     else:
         mbarrier.wait(v_ready.index(s), phase)
     p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    if PINGPONG:
+        _take_turn(turn, g)
     acc = warpgroup_mma(p16, v_ring.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     _release(v_empty.index(s))
@@ -184,7 +194,8 @@ def _attend_tile(
 def _attend_range(
     tiles, ring, acc, m_i, l_i, n_full, n_tiles, g0, row_last, seq_k, qk_scale, ISSUE_LOADS: gl.constexpr,
     BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
-    O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, FLAGS: gl.constexpr,
+    O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, FLAGS: gl.constexpr, turn=None,
+    PINGPONG: gl.constexpr = False,
 ):  # fmt: skip
     """The key tiles ``[0, n_tiles)`` of one key range of ``seq_k`` keys (the ring's tiles ``g0 +
     t``) into ``(acc, m_i, l_i)``: those every row sees whole (``[0, n_full)``) unmasked, then
@@ -200,7 +211,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g0 + t,
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS,
-                seq_k,
+                seq_k, turn, PINGPONG,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -209,7 +220,7 @@ def _attend_range(
 def _attend_appended(
     tiles, ring, acc, m_i, l_i, rows, appended, g0, qk_scale, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
     NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr,
-    M: gl.constexpr, FLAGS: gl.constexpr,
+    M: gl.constexpr, FLAGS: gl.constexpr, turn=None, PINGPONG: gl.constexpr = False,
 ):  # fmt: skip
     """The appended keys' tiles (the ring's tiles ``g0 + t``, after the request's own) into
     ``(acc, m_i, l_i)``, masked by the causal rule over the appended range alone: ``appended =
@@ -218,7 +229,7 @@ def _attend_appended(
     seq_kn, shift_n, n_full_n, n_tiles_n = appended
     return _attend_range(
         tiles, ring, acc, m_i, l_i, n_full_n, n_tiles_n, g0, _row_last(rows, shift_n, seq_kn), seq_kn,
-        qk_scale, False, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS,
+        qk_scale, False, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS, turn, PINGPONG,
     )  # fmt: skip
 
 
@@ -227,7 +238,7 @@ def _consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     ISSUE_LOADS: gl.constexpr, W: gl.constexpr, WARPS: gl.constexpr, prior=None,
     HAS_PRIOR: gl.constexpr = False, VEC_STORE: gl.constexpr = False, appended=None,
-    HAS_APPENDED: gl.constexpr = False,
+    HAS_APPENDED: gl.constexpr = False, turns=None, PINGPONG: gl.constexpr = False,
 ):  # fmt: skip
     """A consumer partition of ``WARPS`` warps (8: both warpgroups, the whole query tile; 4: one
     warpgroup, query rows ``[64·W, 64·(W+1))`` of the split kernel): every key tile of the
@@ -250,16 +261,21 @@ def _consumer(
     _consumer_prologue(ring, n_tiles, ISSUE_LOADS, BLOCK_N, NUM_STAGES)
     rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
     tiles = (q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty)
+    turn = None
+    if PINGPONG:
+        turn = (turns.index(W), turns.index(1 - W), 1)
+        _take_turn(turn, -1)
     acc, m_i, l_i = _attend_range(
         tiles, ring, acc, m_i, l_i, n_full, n_tiles, 0, row_last, seq_k, qk_scale, ISSUE_LOADS, BLOCK_N, D_V,
-        NUM_STAGES, s_layout, o_layout, W, M, FLAGS,
+        NUM_STAGES, s_layout, o_layout, W, M, FLAGS, turn, PINGPONG,
     )  # fmt: skip
     if HAS_APPENDED:
         acc, m_i, l_i = _attend_appended(
             tiles, ring, acc, m_i, l_i, rows, appended, n_tiles, qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout,
-            o_layout, W, M, FLAGS,
+            o_layout, W, M, FLAGS, turn, PINGPONG,
         )  # fmt: skip
-
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - W))  # (the other warpgroup's turn)
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
         stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR, VEC_STORE,
@@ -353,8 +369,14 @@ def mla_prefill_kernel(
     flags = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], FLAGS_LAYOUT)
     # (one release per consumer partition)
     RELEASES: gl.constexpr = 2 if MODE >= 2 else 1
+    # (split layout) the consumer warpgroups' turns at the tensor cores; warpgroup 0 starts with
+    # the turn
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(v_landed, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0))
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -420,14 +442,14 @@ def mla_prefill_kernel(
                     _consumer,
                     (
                         consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 0, 4, prior, HAS_PRIOR,
-                        VEC_STORE, appended, HAS_APPENDED,
+                        VEC_STORE, appended, HAS_APPENDED, turns, True,
                     ),
                 ),
                 (
                     _consumer,
                     (
                         consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, False, 1, 4, prior, HAS_PRIOR,
-                        VEC_STORE, appended, HAS_APPENDED,
+                        VEC_STORE, appended, HAS_APPENDED, turns, True,
                     ),
                 ),
             ],

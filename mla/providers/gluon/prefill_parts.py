@@ -155,6 +155,16 @@ def _consumer_rows(
 
 
 @gluon.jit
+def _take_turn(turn, g):
+    """Wait for this consumer warpgroup's turn at the tensor cores (``turn = (mine, other,
+    base)``: its turn barrier, the other warpgroup's, and the count of its waits before the
+    ``P·V`` of ring tile 0): the ``base + g``-th wait on ``mine``, which the other warpgroup's
+    arrivals on it complete one by one (one after each of its ``QKᵀ`` issues and one after
+    each query tile). The two warpgroups meet the same key tiles, so the turns alternate."""
+    mbarrier.wait(turn[0], (turn[2] + g) & 1)
+
+
+@gluon.jit
 def _copy_boxes(desc, row, col, bar, dst, first, N: gl.constexpr, SLICED: gl.constexpr):
     """TMA the ``[rows, N·BOX]`` tile at ``(row, col)`` as ``N`` boxes of ``BOX`` columns (a TMA
     box and a shared buffer are a power of two wide), all on ``bar``'s transaction count: into

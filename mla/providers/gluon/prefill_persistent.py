@@ -20,7 +20,9 @@ program keeps its shared memory, barriers and partitions across query tiles:
   the query tile that has to wait for them.
 * **Consumers** (two warpgroups of 64 query rows): per query tile, the phase ``n & 1`` of
   ``q_bar`` (``n``: the program's query tiles so far), every key tile (ring tile ``g + t``), an
-  arrival on ``q_empty``, then the epilogue of their rows.
+  arrival on ``q_empty``, then the epilogue of their rows. They take turns at the tensor cores
+  as in the split layout (``turns``; the count of a warpgroup's waits runs on across query
+  tiles: one per query tile and one per key tile).
 
 Every rule of :mod:`.prefill` holds (causal masking on the diagonal tiles only, the NaN rules,
 varlen clamping, LSE), and so does its chunked-context form (``HAS_K_PE``: each key tile's last
@@ -52,6 +54,7 @@ from mla.providers.gluon.prefill_parts import (
     _query_tile_at,
     _release,
     _store_rows,
+    _take_turn,
 )
 from mla.providers.triton.launch_cache import LaunchCache
 
@@ -160,6 +163,7 @@ def _persistent_consumer(
     num_tiles, num_q_rows, num_k_rows, qk_scale, prior, appended, CAUSAL: gl.constexpr,
     BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     W: gl.constexpr, HAS_PRIOR: gl.constexpr, VEC_STORE: gl.constexpr, HAS_APPENDED: gl.constexpr,
+    turns,
 ):  # fmt: skip
     """Consumer warpgroup ``W`` (query rows ``[64·W, 64·(W+1))`` of each query tile): every key
     tile of each of the program's query tiles (with ``HAS_APPENDED`` then those of the request's
@@ -185,10 +189,12 @@ def _persistent_consumer(
                 rows, row_last, acc, m_i, l_i = _consumer_rows(
                     q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout, done & 1
                 )
+                turn = (turns.index(W), turns.index(1 - W), done + 1)
+                _take_turn(turn, g - 1)
                 # (the producer issues every load: no ring operands for _attend_range)
                 acc, m_i, l_i = _attend_range(
                     tiles, None, acc, m_i, l_i, n_full, n_tiles, g, row_last, seq_k, qk_scale, False,
-                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True,
+                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True,
                 )  # fmt: skip
                 if HAS_APPENDED:
                     _kn_desc, _vn_desc, cu_seqlens_kn_ptr, _sk, _sv, num_kn_rows = appended
@@ -197,9 +203,10 @@ def _persistent_consumer(
                     )
                     acc, m_i, l_i = _attend_appended(
                         tiles, None, acc, m_i, l_i, rows, (seq_kn, shift_n, n_full_n, n_tiles_n), g + n_tiles,
-                        qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True,
+                        qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True,
                     )  # fmt: skip
                     g += n_tiles_n
+                mbarrier.arrive(turn[1])  # (the other warpgroup's turn)
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
                 _store_rows(
                     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
@@ -271,6 +278,11 @@ def mla_prefill_persistent_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     flags = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], FLAGS_LAYOUT)
+    # the consumer warpgroups' turns at the tensor cores; warpgroup 0 starts with the turn
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0))
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=2)
     mbarrier.init(v_landed, count=1)
@@ -305,7 +317,7 @@ def mla_prefill_persistent_kernel(
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
                     stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
                     appended, CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0, HAS_PRIOR, VEC_STORE,
-                    HAS_APPENDED,
+                    HAS_APPENDED, turns,
                 ),
             ),
             (
@@ -315,7 +327,7 @@ def mla_prefill_persistent_kernel(
                     out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, stride_ot, stride_oh, stride_lt,
                     stride_lh, num_heads, num_m_blocks, num_tiles, num_q_rows, num_k_rows, qk_scale, prior,
                     appended, CAUSAL, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 1, HAS_PRIOR, VEC_STORE,
-                    HAS_APPENDED,
+                    HAS_APPENDED, turns,
                 ),
             ),
         ],
