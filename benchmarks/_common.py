@@ -51,6 +51,21 @@ def bench_us(fn: Callable[[], Any], *, warmup_ms: float = 25.0, rep_ms: float = 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], *, timer: Callable[[Callable[[], Any]], float], rounds: int
+) -> dict[str, float]:
+    """Each of ``fns`` timed by ``timer`` once a round, in turn, for ``rounds`` rounds; per name
+    the median of its rounds. Rows timed in turn meet the same clocks (a GPU at its power cap
+    lowers them over a run), where rows timed one after another do not."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(timer(fn))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def bench_graph_us(fn: Callable[[], Any], *, rep_ms: float = 20.0) -> float:
     """Median time of one ``fn()`` in microseconds, timed as replays of a captured CUDA graph
     (``triton.testing.do_bench_cudagraph``: the calls of about ``rep_ms`` unrolled in one graph).

@@ -12,8 +12,9 @@ Last, the chunked-context step (H16, 4 requests x (2048 new + 16384 cached token
 same attention without context (:mod:`benchmarks.prefill_context`).
 
 Shapes: H in {16, 128}, q/k head dim 192, v head dim 128, causal, batches of 4 x 4096 and
-16 x 1024 tokens (every request has Sq = Sk). Per shape and implementation it prints the
-median time (``triton.testing.do_bench``), TFLOP/s and the ratio to
+16 x 1024 tokens (every request has Sq = Sk). Per shape and implementation it prints the time
+(``triton.testing.do_bench``'s median, the median of ``--rounds`` rounds that time every row of
+the shape in turn, so that the rows meet the same clocks), TFLOP/s and the ratio to
 ``torch.nn.attention.varlen.varlen_attn`` (and that ratio over the issue's 1.3x target).
 
 FLOPs (useful work, the same count for every implementation)::
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import attention_flops, bench_us, gpu_name, print_table, tflops
+from benchmarks._common import attention_flops, bench_us, gpu_name, interleaved_medians, print_table, tflops
 from benchmarks.prefill_context import QUICK_SHAPE as CONTEXT_QUICK_SHAPE
 from benchmarks.prefill_context import SHAPE as CONTEXT_SHAPE
 from benchmarks.prefill_context import context_rows
@@ -437,9 +438,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="check every implementation before timing")
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="time every row once a round, in turn; each row the median (default 3)",
+    )
     parser.add_argument("--out", help="write the rows as JSON to this path")
     parser.add_argument("--plot", help="write a bar chart of the TFLOP/s to this PNG")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401  (missing: say so now, not after the run)
@@ -466,30 +475,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not errors[name + " lse"] <= LSE_TOL:
                     failures.append(f"{case.name} {name}: lse err {errors[name + ' lse']:.3g} > {LSE_TOL}")
         baseline_name, baseline = torch_varlen(case)
-        base_us = bench_us(baseline)
-        timed = [
-            (baseline_name, base_us, ""),
-            ("triton-bf16", bench_us(case.run_triton),
-             config_text(choose_varlen_config(case.q.device, torch.bfloat16, QK_DIM, V_DIM, seqlen))),
-            ("triton-fp8", bench_us(case.run_fp8),
-             config_text(choose_fp8_config(case.q.device, QK_DIM, V_DIM, case.plan.tile_q))),
-        ]  # fmt: skip
-        timed += [
-            (name, bench_us(partial(case.run_gluon, kernel)), kernel.lower())
-            for name, kernel in gluon_kernels()
-        ]
+        runs: dict[str, tuple[Callable[[], Any], str]] = {
+            baseline_name: (baseline, ""),
+            "triton-bf16": (
+                case.run_triton,
+                config_text(choose_varlen_config(case.q.device, torch.bfloat16, QK_DIM, V_DIM, seqlen)),
+            ),
+            "triton-fp8": (
+                case.run_fp8, config_text(choose_fp8_config(case.q.device, QK_DIM, V_DIM, case.plan.tile_q))
+            ),
+        }  # fmt: skip
+        for name, kernel in gluon_kernels():
+            runs[name] = (partial(case.run_gluon, kernel), kernel.lower())
         if gluon_kernels():
             from mla.providers.gluon.prefill_fp8_launch import fp8_prefill_config
 
             fp8_layout = fp8_prefill_config(QK_DIM, V_DIM).kernel.name.lower()
-            timed.append(("gluon-fp8", bench_us(case.run_gluon_fp8), f"e4m3, {fp8_layout}"))
+            runs["gluon-fp8"] = (case.run_gluon_fp8, f"e4m3, {fp8_layout}")
         cudnn = cudnn_sdpa(case)
         if cudnn is not None:
-            timed.append(("cudnn-sdpa", bench_us(cudnn), "padded batch"))
+            runs["cudnn-sdpa"] = (cudnn, "padded batch")
         flex = flex_attention_peer(case)
         if flex is not None:
-            timed.append(("flex-attention", bench_us(flex), flex.note))
-        for name, us, config in timed:
+            runs["flex-attention"] = (flex, flex.note)
+        medians = interleaved_medians(
+            {name: fn for name, (fn, _) in runs.items()}, timer=bench_us, rounds=args.rounds
+        )
+        base_us = medians[baseline_name]
+        for name, (_, config) in runs.items():
+            us = medians[name]
             ratio = base_us / us
             rows.append({
                 "shape": case.name, "impl": name, "time_us": us, "TFLOP/s": tflops(case.flops, us),

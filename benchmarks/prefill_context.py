@@ -27,7 +27,6 @@ inputs and the same up-projection).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ import attrs
 import torch
 
 import mla
-from benchmarks._common import attention_flops
+from benchmarks._common import attention_flops, interleaved_medians
 from mla.prefill.flash_varlen import gather_context
 from mla.providers.calls import VarlenPrefillCall
 from mla.testing import PrefillCase, make_prefill_inputs, prefill_case_backend
@@ -150,11 +149,7 @@ def context_rows(
         "up-projection alone": lambda: [expand(latent) for latent in latents],
         "attention without context": lambda: kernel_provider.varlen_attention(peer),
     }
-    samples: dict[str, list[float]] = {name: [] for name in timed_fns}
-    for _ in range(rounds):
-        for name, fn in timed_fns.items():
-            samples[name].append(timer(fn))
-    timed = {name: statistics.median(times) for name, times in samples.items()}
+    timed = interleaved_medians(timed_fns, timer=timer, rounds=rounds)
     parts = ("latent gather alone", "up-projection alone")
     rows = [
         {

@@ -113,3 +113,33 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     prefill.plot([], str(tmp_path / "empty.png"), device="test GPU")
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_interleaved_medians_time_every_row_once_a_round_in_turn() -> None:
+    from benchmarks._common import interleaved_medians
+
+    order: list[str] = []
+    times = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    fns = {name: (lambda name=name: name) for name in times}
+
+    def timer(fn: Any) -> float:
+        name = fn()
+        order.append(name)
+        return next(times[name])
+
+    assert interleaved_medians(fns, timer=timer, rounds=3) == {"a": 3.0, "b": 4.0}
+    assert order == ["a", "b"] * 3
+
+
+def test_interleaved_medians_refuse_zero_rounds() -> None:
+    from benchmarks._common import interleaved_medians
+
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        interleaved_medians({"a": lambda: None}, timer=lambda fn: 1.0, rounds=0)
+
+
+def test_main_refuses_rounds_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        prefill.main(["--rounds", "0"])
+    assert exit_info.value.code == 2
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
