@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/h200_session.sh tests1      # GPU tests: tests/gluon and tests/triton (~4 min)
 #   bash benchmarks/h200_session.sh tests2      # GPU tests: everything else (~4 min)
-#   bash benchmarks/h200_session.sh bench       # demo, decode (plot), host overhead, prefill (~5 min)
+#   bash benchmarks/h200_session.sh bench       # demo, decode (plot), host overhead (~4 min)
+#   bash benchmarks/h200_session.sh prefill     # prefill benchmark, checked, three rounds (plot) (~5 min)
 #   bash benchmarks/h200_session.sh sparse      # sparse MLA: GPU tests, demo --sparse, benchmark (~7 min)
 #   bash benchmarks/h200_session.sh sanitizer   # compute-sanitizer memcheck/racecheck subsets (~3 min)
 #   bash benchmarks/h200_session.sh sanitizer-sparse-prefill  # memcheck: sparse and prefill subsets (~3 min)
@@ -21,8 +22,9 @@
 # The bench part runs the user-facing benchmarks (python3 -m benchmarks NAME); the breakdown,
 # pingpong, dual, profile, whatif, whatif-other, power, fold and prefill-race parts run kernel-research probes
 # (python3 -m probes.NAME, probes/README.md).
-# Logs go to $OUT (or /tmp/mla-h200); the decode plot to $OUT/decode-h200.png (copy it to
-# docs/img/). Each part has its own time limits so one slow step cannot starve the others.
+# Logs go to $OUT (or /tmp/mla-h200); the decode and prefill plots to $OUT/decode-h200.png and
+# $OUT/prefill-h200.png (copy them to docs/img/). Each part has its own time limits so one slow
+# step cannot starve the others.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 # The GPU machine installs nothing from a registry: the test extra's pure-Python wheels the image
@@ -74,8 +76,11 @@ bench)
     "${vllm[@]}" 2>&1 | tee "$OUT/decode.log" | grep -v "^{" | tail -50
   part "host overhead (mla_decode, builder.build)"
   timeout 100 python3 -m benchmarks overhead 2>&1 | tee "$OUT/overhead.log" | grep -E "^\||launch cache" | tail -9
-  part "prefill benchmark"
-  timeout 75 python3 -m benchmarks prefill --check 2>&1 | tee "$OUT/prefill.log" | tail -16
+  ;;
+prefill)
+  part "prefill benchmark (three rounds; the chunked-context section last)"
+  timeout 480 python3 -m benchmarks prefill --check --out "$OUT/prefill.json" --plot "$OUT/prefill-h200.png" \
+    2>&1 | tee "$OUT/prefill.log" | tail -48
   ;;
 sparse)
   part "sparse GPU tests"
