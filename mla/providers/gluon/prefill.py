@@ -88,6 +88,7 @@ from mla.providers.gluon.prefill_parts import (
     _consumer_prologue,
     _consumer_rows,
     _copy_boxes,
+    _hand_turn,
     _issue_ahead,
     _issue_kv,
     _key_range,
@@ -162,7 +163,7 @@ def _attend_tile(
         q_box = q_smem.index(c) if M == BLOCK_M else q_smem.index(c).slice(W * M, M, dim=0)
         sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn[1])
+        _hand_turn(turn)
     if MASKED:
         # (while QKᵀ runs) the tile's V, its non-finite lanes zeroed
         mbarrier.wait(v_ready.index(s), phase)
@@ -275,7 +276,7 @@ def _consumer(
             o_layout, W, M, FLAGS, turn, PINGPONG,
         )  # fmt: skip
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - W))  # (the other warpgroup's turn)
+        _hand_turn(turn)
     _store_rows(
         acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh, stride_lt,
         stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR, VEC_STORE,

@@ -155,6 +155,13 @@ def _consumer_rows(
 
 
 @gluon.jit
+def _hand_turn(turn):
+    """Hand the turn at the tensor cores to the other warpgroup (``turn`` as in
+    :func:`_take_turn`)."""
+    mbarrier.arrive(turn[1])
+
+
+@gluon.jit
 def _take_turn(turn, g):
     """Wait for this consumer warpgroup's turn at the tensor cores (``turn = (mine, other,
     base)``: its turn barrier, the other warpgroup's, and the count of its waits before the

@@ -48,6 +48,7 @@ from mla.providers.gluon.prefill_parts import (
     _cleans_v,
     _consumer_rows,
     _copy_boxes,
+    _hand_turn,
     _key_range,
     _load_key_tile,
     _mma_layout,
@@ -206,7 +207,7 @@ def _persistent_consumer(
                         qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True,
                     )  # fmt: skip
                     g += n_tiles_n
-                mbarrier.arrive(turn[1])  # (the other warpgroup's turn)
+                _hand_turn(turn)
                 _release(q_empty)  # (the query tile's last QKᵀ was waited for)
                 _store_rows(
                     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
