@@ -151,6 +151,53 @@ def test_the_kernel_choices_are_the_golden_table() -> None:
     assert choices() == GOLDEN.strip("\n")
 
 
+SPARSE_HEADS = (8, 16, 32, 64, 128)
+SPARSE_ROWS = (1, 16, 64, 256)
+TOPK = 2048
+
+SPARSE_GOLDEN = """
+    H8   R1    ds_mla       16 x8
+    H8   R16   ds_mla       16 x8
+    H8   R64   ds_mla       16 x2
+    H8   R256  ds_mla       16 x1
+    H16  R1    ds_mla       16 x8
+    H16  R16   ds_mla       16 x8
+    H16  R64   ds_mla       16 x2
+    H16  R256  ds_mla       16 x1
+    H32  R1    rows         32 x8
+    H32  R16   rows         32 x8
+    H32  R64   rows         32 x2
+    H32  R256  rows         32 x1
+    H64  R1    row64        64 x8
+    H64  R16   row64        64 x8
+    H64  R64   row64        64 x2
+    H64  R256  row64        64 x1
+    H128 R1    row64        64 x8
+    H128 R16   row64        64 x4
+    H128 R64   row64        64 x1
+    H128 R256  row64        64 x1
+"""
+"""The Gluon sparse decode over ``fp8_ds_mla`` rows: ``H<heads> R<query rows>  <kernel> <row tile>
+x<splits>`` (each query row a qlen-1 request over its ``TOPK`` slots, as the sparse attention
+launches it)."""
+
+
+def sparse_choices() -> str:
+    lines = []
+    for heads in SPARSE_HEADS:
+        for rows in SPARSE_ROWS:
+            g = launch_config(
+                batch=rows, rows=heads, max_seqlen_k=TOPK, num_sms=SMS, persistent=False, kv_fp8=True,
+                ds_mla=True,
+            )  # fmt: skip
+            lines.append(f"    H{heads:<3} R{rows:<3}  {_kernel(g):12} {g.row_tile:2} x{g.num_splits}")
+    return "\n".join(lines)
+
+
+def test_the_sparse_kernel_choices_are_the_golden_table() -> None:
+    assert sparse_choices() == SPARSE_GOLDEN.strip("\n")
+
+
 @pytest.mark.parametrize(("dtypes", "route"), ROUTES.items(), ids=[f"{q}-{kv}" for q, kv in ROUTES])
 def test_the_gluon_provider_routes_by_dtype(dtypes: tuple[torch.dtype, torch.dtype], route: str) -> None:
     q_dtype, kv_dtype = dtypes
