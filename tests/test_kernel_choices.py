@@ -171,11 +171,11 @@ SPARSE_GOLDEN = """
     H64  R1    row64        64 x8
     H64  R16   row64        64 x8
     H64  R64   row64        64 x2
-    H64  R256  row64        64 x1
+    H64  R256  ds_mla_heads 64 x1
     H128 R1    row64        64 x8
     H128 R16   row64        64 x4
-    H128 R64   row64        64 x1
-    H128 R256  row64        64 x1
+    H128 R64   ds_mla_heads 64 x1
+    H128 R256  ds_mla_heads 64 x1
 """
 """The Gluon sparse decode over ``fp8_ds_mla`` rows: ``H<heads> R<query rows>  <kernel> <row tile>
 x<splits>`` (each query row a qlen-1 request over its ``TOPK`` slots, as the sparse attention

@@ -96,6 +96,41 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     assert own <= shared <= min(own + COMPILER_SHARED, MAX_SHARED), (config, shared, own)
 
 
+HEADS_SCRIPT = SCRIPT.replace("config = attrs.evolve(config, kernel=GluonKernel.DS_MLA, overlap=overlap)", "")
+
+
+@pytest.fixture(scope="module")
+def compiled_heads(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
+    """The launch the planner picks for 128 heads (the 64-row ``fp8_ds_mla`` kernel)."""
+    cases = {"h128": ["128", "serial"]}
+    return compile_cases(HEADS_SCRIPT, cases, tmp_path_factory.mktemp("ds-mla-heads"))["h128"]
+
+
+@pytest.mark.heavy
+def test_ds_mla_heads_kernel_keeps_its_register_budgets(compiled_heads: Compiled, cuobjdump: str) -> None:
+    """:mod:`mla.providers.gluon.ds_mla_heads` at 128 heads: each warpgroup asks for its
+    ``setmaxnreg`` budget (when one partition needs more than its budget, ptxas drops every
+    ``setmaxnreg`` and the whole program runs at 168 registers a thread, which spilled 368 bytes),
+    next to no stack (a few bytes of the producer's), no wgmma register hazards, the shared
+    memory within a block's, and the producer's conversions after its wait for the ring slot."""
+    from mla.providers.gluon import ds_mla_heads
+
+    config = compiled_heads.stdout().strip().splitlines()[-1]
+    assert "DS_MLA_HEADS" in config, config
+    (cubin,) = glob.glob(f"{compiled_heads.cache_dir}/*/mla_decode_ds_mla_heads_kernel.cubin")
+    stack, usage = resource_usage(cubin, cuobjdump)
+    assert stack <= 16, f"{config}: {usage.strip()}"
+    sass = sass_of(cubin, cuobjdump)
+    assert wgmma_register_hazards(sass) == [], config
+    for regs in (ds_mla_heads.SCORE_REGS, ds_mla_heads.OUTPUT_REGS):
+        assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {regs:#x}\b", sass), (config, regs)
+    shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
+    assert shared <= MAX_SHARED, shared
+    # The producer's first e4m3 conversion comes after its first wait on a ring slot's barrier.
+    producer = sass[sass.rindex("USETMAXREG.DEALLOC") :]
+    assert producer.index("SYNCS.PHASECHK") < producer.index("F2FP.F16.E4M3.UNPACK_B"), config
+
+
 def test_ring_shapes_fit_and_never_deadlock() -> None:
     """The launcher's ring shapes fit a block's shared memory and pass ``ring_ok``, which refuses
     exactly the shapes whose producer would wait for a rope tile the MMA frees only after a tile

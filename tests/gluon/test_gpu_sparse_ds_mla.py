@@ -1,6 +1,7 @@
 """The ``fp8_ds_mla`` sparse attention on the Gluon kernels, on an H100/H200, against the torch
-reference: the warp-specialised kernel of :mod:`mla.providers.gluon.ds_mla_rows` in every launch
-variant, and the few-rows kernel it replaced for 16-row tiles (still selectable).
+reference: the warp-specialised kernels of :mod:`mla.providers.gluon.ds_mla_rows` (16 and 32 rows)
+and :mod:`mla.providers.gluon.ds_mla_heads` (64 rows) in every launch variant, and the kernels
+they replaced (the few-rows kernel for 16-row tiles, the 64-row kernel; still selectable).
 
 Each query row attends its own top-k list of cache rows (top-k 2048, DeepSeek-V3.2's), as a
 qlen-1 decode over it. The lists mix every case the kernels must mask: full lists, lists with
@@ -8,7 +9,7 @@ fewer valid ids than the top-k (``-1`` pads scattered between them), ids outside
 its last row: masked like a pad, never read), and lists with no valid id (``o = 0``, ``lse =
 -inf``). Cache rows no list selects are NaN (NaN tile scales and rope), the outputs NaN before
 each call; the latent tiles of a row have different scales (magnitudes ``2^-3 .. 2^3``). Batches
-of 1 and 128 requests, qlen 1 and 2 (rows = requests × qlen), 8, 16 and 32 heads; the launch
+of 1 and 128 requests, qlen 1 and 2 (rows = requests × qlen), 8 to 128 heads; the launch
 heuristic's split count (one split at 256 rows: the outputs written directly; many at one row),
 three splits, one split, overlapped MMAs, the planned schedule.
 
@@ -18,6 +19,7 @@ Run: ``pytest -m gpu tests/gluon/test_gpu_sparse_ds_mla.py`` (skipped without a 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import attrs
 import pytest
@@ -27,6 +29,9 @@ from mla.core.config import DS_MLA_DTYPE
 from mla.providers import get_provider
 from mla.providers.calls import SparseAttentionCall
 from mla.testing import assert_matches_reference, encode_latent_cache
+
+if TYPE_CHECKING:
+    from mla.providers.gluon.planner import GluonLaunchConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -106,6 +111,15 @@ def _check(call: SparseAttentionCall, context: str) -> None:
     assert float(err[worst]) <= ROW_TOLERANCE, f"{context}: row {worst} rel. error {float(err[worst]):.3g}"
 
 
+def _variant(config: GluonLaunchConfig, variant: str) -> GluonLaunchConfig:
+    """``config`` with a test variant's splits (``direct``: 1, ``…splits3``: 3) and overlap."""
+    if variant.endswith("splits3"):
+        config = attrs.evolve(config, num_splits=3)
+    elif variant == "direct":
+        config = attrs.evolve(config, num_splits=1)
+    return attrs.evolve(config, overlap=True) if "overlap" in variant else config
+
+
 CASES = [(1, 1, 16), (1, 2, 16), (128, 1, 16), (128, 2, 16), (4, 2, 8), (3, 1, 32)]
 """``(batch, qlen, heads)``: rows = batch × qlen, each a qlen-1 decode of ``heads`` rows."""
 VARIANTS = ["auto", "direct", "splits3", "overlap", "overlap-splits3"]
@@ -126,13 +140,7 @@ def test_ds_mla_kernel_matches_the_reference(batch: int, qlen: int, heads: int, 
     )  # fmt: skip
     if heads <= 16:
         assert auto.kernel is GluonKernel.DS_MLA, auto
-    config = attrs.evolve(auto, kernel=GluonKernel.DS_MLA)
-    if variant in ("splits3", "overlap-splits3"):
-        config = attrs.evolve(config, num_splits=3)
-    elif variant == "direct":
-        config = attrs.evolve(config, num_splits=1)
-    if variant.startswith("overlap"):
-        config = attrs.evolve(config, overlap=True)
+    config = _variant(attrs.evolve(auto, kernel=GluonKernel.DS_MLA), variant)
     sparse_decode(call, config=config)
     torch.cuda.synchronize()
     _check(call, f"ds_mla {variant} {config}")
@@ -162,8 +170,9 @@ def test_few_rows_kernel_still_takes_ds_mla_rows(batch: int, qlen: int) -> None:
 @pytest.mark.parametrize(("block_n", "stages"), [(32, 3), (32, 4)])
 @pytest.mark.parametrize("heads", [64, 128])
 def test_row64_kernel_overlapped_on_ds_mla_rows(heads: int, block_n: int, stages: int, splits: int) -> None:
-    """The 64-row kernel (picked for ``fp8_ds_mla`` tiles of 64 rows) with its overlapped loop:
-    the next tile widened while this tile's ``P·V`` runs (the fits at 64 rows: 32-token tiles)."""
+    """The 64-row kernel (named explicitly: the ``fp8_ds_mla`` 64-row kernel took its tiles)
+    with its overlapped loop: the next tile widened while this tile's ``P·V`` runs (the fits at
+    64 rows: 32-token tiles)."""
     from mla.providers.gluon.decode import sparse_decode
     from mla.providers.gluon.planner import GluonKernel, launch_config
     from mla.providers.triton.decode import num_sms
@@ -173,14 +182,44 @@ def test_row64_kernel_overlapped_on_ds_mla_rows(heads: int, block_n: int, stages
         batch=call.q.shape[0], rows=heads, max_seqlen_k=TOPK, num_sms=num_sms(call.q.device),
         persistent=False, kv_fp8=True, ds_mla=True,
     )  # fmt: skip
-    assert auto.kernel is GluonKernel.ROW64, auto
-    config = attrs.evolve(auto, overlap=True, block_n=block_n, num_stages=stages, num_splits=splits)
+    config = attrs.evolve(
+        auto, kernel=GluonKernel.ROW64, overlap=True, block_n=block_n, num_stages=stages, num_splits=splits
+    )
     sparse_decode(call, config=config)
     torch.cuda.synchronize()
     _check(call, f"row64 overlap {config}")
 
 
-@pytest.mark.parametrize("heads", [16, 32])
+HEADS_CASES = [(1, 1, 128), (3, 2, 64), (128, 2, 128), (5, 1, 64), (2, 1, 48)]
+"""``(batch, qlen, heads)`` of the ``fp8_ds_mla`` 64-row kernel: one and many tiles a program, 64
+and 128 heads (one and two row blocks), and 48 heads (a row block's last rows unused)."""
+
+
+@pytest.mark.parametrize("variant", ["auto", "direct", "splits3"])
+@pytest.mark.parametrize(
+    ("batch", "qlen", "heads"), HEADS_CASES, ids=[f"b{b}-q{q}-h{h}" for b, q, h in HEADS_CASES]
+)
+def test_ds_mla_heads_kernel_matches_the_reference(batch: int, qlen: int, heads: int, variant: str) -> None:
+    """The kernel of :mod:`mla.providers.gluon.ds_mla_heads` (a producer dequantizing from its
+    registers, a scores and an output warpgroup) with the launch heuristic's splits, one and three
+    (direct outputs; fp32 partials and the reduce)."""
+    from mla.providers.gluon.decode import sparse_decode
+    from mla.providers.gluon.planner import GluonKernel, launch_config
+    from mla.providers.triton.decode import num_sms
+
+    call = _call(batch, qlen, heads, seed=batch * 13 + qlen + heads + len(variant))
+    auto = launch_config(
+        batch=batch * qlen, rows=heads, max_seqlen_k=TOPK, num_sms=num_sms(call.q.device), persistent=False,
+        kv_fp8=True, ds_mla=True,
+    )  # fmt: skip
+    # (the heuristic keeps split launches on the 64-row kernel: named here)
+    config = _variant(attrs.evolve(auto, kernel=GluonKernel.DS_MLA_HEADS), variant)
+    sparse_decode(call, config=config)
+    torch.cuda.synchronize()
+    _check(call, f"ds_mla_heads {config}")
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64])
 def test_ds_mla_kernel_on_the_planned_schedule(heads: int) -> None:
     """The persistent path: work items from a :class:`~mla.providers.split_kv.SplitKVSchedule`
     (each row's list cut into chunks, partials merged by the reduce)."""
@@ -200,9 +239,10 @@ def test_ds_mla_kernel_on_the_planned_schedule(heads: int) -> None:
     )  # fmt: skip
     inputs = sparse_inputs(call)._replace(schedule=schedule)
     plan_split_kv(schedule, inputs.kv_indptr, rows)
-    launch_gluon_decode(inputs, GluonLaunchConfig(row_tile=heads, kernel=GluonKernel.DS_MLA))
+    kernel = GluonKernel.DS_MLA_HEADS if heads == 64 else GluonKernel.DS_MLA
+    launch_gluon_decode(inputs, GluonLaunchConfig(row_tile=heads, kernel=kernel))
     torch.cuda.synchronize()
-    _check(call, f"ds_mla schedule h{heads}")
+    _check(call, f"{kernel.value} schedule h{heads}")
 
 
 def _every_byte_cache(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +269,7 @@ def test_ds_mla_dequantizes_every_e4m3_value_exactly(heads: int) -> None:
     """A row whose list selects one cache row gets that row's dequantized latent as its output
     (softmax weight 1, the latent as V): exactly ``(value · scale).to(bf16)`` for every finite e4m3
     value and power-of-two scales from ``2^-40`` to ``2^7``, on the kernel the launch heuristic
-    picks (the 16-row ``fp8_ds_mla`` kernel at 16 heads, the 64-row kernel at 128)."""
+    picks (the 16-row ``fp8_ds_mla`` kernel at 16 heads, the 64-row one at 128)."""
     gen = torch.Generator().manual_seed(heads)
     rows = 64
     cache, expected = _every_byte_cache(rows, gen)

@@ -124,6 +124,23 @@ SCRIPT = textwrap.dedent(
             16, [1, 1], [300, 70], "ds_mla",
             GluonLaunchConfig(row_tile=16, kernel=GluonKernel.ROWS, num_stages=3, num_splits=2)
         ),
+        # 64-row tiles of fp8_ds_mla rows: their own kernel (split, scheduled, over a block
+        # table), and the 64-row kernel when a launch names it.
+        "dsmla64-split2": (
+            128, [1, 1], [300, 70], "ds_mla",
+            GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS, num_splits=2)
+        ),
+        "dsmla64-scheduled": (
+            64, [1, 1], [300, 70], "ds_mla", GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS),
+            True,
+        ),
+        "dsmla64-table": (
+            32, [2, 2], [300, 70], "ds_mla", GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS),
+            False, True,
+        ),
+        "row64-dsmla-direct": (
+            128, [1, 1], [300, 70], "ds_mla", GluonLaunchConfig(row_tile=64, kernel=GluonKernel.ROW64)
+        ),
     }
     def sparse(heads, rows, kv_format):
         q = torch.zeros(rows, heads, RANK + ROPE, dtype=torch.bfloat16)
@@ -170,6 +187,7 @@ def launches() -> dict[str, list[list[object]]]:
 DECODE_ROWS, DECODE_64, MERGE = "mla_decode_rows_kernel", "mla_decode_kernel", "_merge_splits_kernel"
 DUAL = "mla_decode_dual_kernel"
 DS_MLA = "mla_decode_ds_mla_kernel"
+DS_MLA_HEADS = "mla_decode_ds_mla_heads_kernel"
 
 
 @pytest.mark.parametrize(
@@ -203,14 +221,18 @@ DS_MLA = "mla_decode_ds_mla_kernel"
         ("dsmla32-split2", [DS_MLA, MERGE]),
         ("dsmla32-overlap", [DS_MLA]),
         ("rows16-dsmla-split2", [DECODE_ROWS, MERGE]),
+        ("dsmla64-split2", [DS_MLA_HEADS, MERGE]),
+        ("dsmla64-scheduled", [DS_MLA_HEADS, MERGE]),
+        ("dsmla64-table", [DS_MLA_HEADS]),
+        ("row64-dsmla-direct", [DECODE_64]),
         # Sparse attention: each query row a qlen-1 request over its 2048 slots; fp8_ds_mla rows
         # dequantized by their tile scales in the fp8_ds_mla kernel (16 rows), the few-rows
-        # kernel (32) or the 64-row kernel. 4 rows on the 8 SMs the CPU reports split their slot
-        # lists in two.
+        # kernel (32) or the fp8_ds_mla 64-row kernel. 4 rows on the 8 SMs the CPU reports split
+        # their slot lists in two.
         ("sparse-dsmla-h8", [DS_MLA, MERGE]),
         ("sparse-dsmla-h16", [DS_MLA, MERGE]),
         ("sparse-dsmla-h32", [DECODE_ROWS, MERGE]),
-        ("sparse-dsmla-h128", [DECODE_64]),
+        ("sparse-dsmla-h128", [DS_MLA_HEADS]),
         ("sparse-bf16-h16", [DECODE_ROWS, MERGE]),
         ("sparse-fp8-h64", [DECODE_64]),
     ],

@@ -81,12 +81,19 @@ def test_launch_config_examples() -> None:
     assert _cfg(batch=1, rows=16, max_seqlen_k=65536, persistent=True) == GluonLaunchConfig(row_tile=16)
     # fp8_ds_mla rows: never the dual-chain kernel; 16-row tiles on the fp8_ds_mla kernel (the
     # sparse attention's H16: one query row's 16 heads a program, its own rings), 32 on the
-    # few-rows kernel, 64 on the 64-row kernel.
+    # few-rows kernel, 64 on the fp8_ds_mla 64-row kernel.
     ds16 = _cfg(batch=64, rows=16, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
     assert ds16 == GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, num_splits=2)
     ds32 = _cfg(batch=64, rows=32, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
     assert (ds32.kernel, ds32.num_stages) == (GluonKernel.ROWS, 2)
-    assert _cfg(batch=64, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True).kernel is GluonKernel.ROW64
+    ds64 = _cfg(batch=64, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
+    assert (ds64.kernel, ds64.num_splits) == (GluonKernel.DS_MLA_HEADS, 1)
+    # ... and a 64-row launch that splits its key lists stays on the 64-row kernel
+    split64 = _cfg(batch=16, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
+    assert (split64.kernel, split64.num_splits) == (GluonKernel.ROW64, 4)
+    assert _cfg(batch=16, rows=128, max_seqlen_k=2048, persistent=True, kv_fp8=True, ds_mla=True).kernel is (
+        GluonKernel.DS_MLA_HEADS
+    )
     # The sparse benchmark's H16 B128 q2 (256 rows of 2048 slots): one split, written directly.
     assert _cfg(batch=256, rows=16, max_seqlen_k=2048, kv_fp8=True, ds_mla=True).num_splits == 1
 
@@ -145,6 +152,31 @@ def test_check_config_refuses_what_the_ds_mla_kernel_cannot_run(
         check_config(config, kv_fp8=fp8, ds_mla=ds_mla)
     assert why in str(caught.value)
     assert "kernel=ds_mla" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "fp8", "why"),
+    [
+        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS), False, "16-bit rows"),
+        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS), True, "per-tensor fp8 rows"),
+        (GluonLaunchConfig(row_tile=32, kernel=GluonKernel.DS_MLA_HEADS), True, "row_tile=32"),
+        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS, block_n=32), True, "block_n=32"),
+        (
+            GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS, num_splits=2, fold=True),
+            True,
+            "fold=True",
+        ),
+    ],
+    ids=["bf16", "per-tensor-fp8", "32-rows", "block32", "fold"],
+)
+def test_check_config_refuses_what_the_ds_mla_heads_kernel_cannot_run(
+    config: GluonLaunchConfig, fp8: bool, why: str
+) -> None:
+    ds_mla = fp8 and why != "per-tensor fp8 rows"
+    with pytest.raises(InvalidInputError, match="config") as caught:
+        check_config(config, kv_fp8=fp8, ds_mla=ds_mla)
+    assert why in str(caught.value)
+    assert "kernel=ds_mla_heads" in str(caught.value)
 
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))

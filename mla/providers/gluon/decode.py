@@ -27,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla.core.config import ds_mla_row_bytes
 from mla.core.errors import InvalidInputError
 from mla.providers.calls import PagedDecodeCall, SmallHeadDecodeCall, SparseAttentionCall
-from mla.providers.gluon import ds_mla_rows
+from mla.providers.gluon import ds_mla_heads, ds_mla_rows
 from mla.providers.gluon.dual import BOX_COLS, LAT_BOX_LAYOUT, ROPE_BOX_LAYOUT, mla_decode_dual_kernel
 from mla.providers.gluon.dual import LOADER_WARPS as DUAL_LOADER_WARPS
 from mla.providers.gluon.fold import barrier_words, fold_slice
@@ -88,6 +88,7 @@ ROW64_LAUNCH = LaunchCache(mla_decode_kernel)
 PINGPONG_LAUNCH = LaunchCache(mla_decode_pingpong_kernel)
 DUAL_LAUNCH = LaunchCache(mla_decode_dual_kernel)
 DS_MLA_LAUNCH = LaunchCache(ds_mla_rows.mla_decode_ds_mla_kernel)
+DS_MLA_HEADS_LAUNCH = LaunchCache(ds_mla_heads.mla_decode_ds_mla_heads_kernel)
 """The decode kernels' cached launches (:mod:`mla.providers.triton.launch_cache`), one per kernel."""
 
 
@@ -167,12 +168,26 @@ def _launch_ds_mla(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     return False
 
 
+def _launch_ds_mla_heads(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
+    """The ``fp8_ds_mla`` 64-row kernel (a dequantizing producer, a scores and an output
+    warpgroup): its warpgroups' registers are :mod:`.ds_mla_heads`'s module settings, read at each
+    launch."""
+    DS_MLA_HEADS_LAUNCH.launch(
+        decode.grid,
+        *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
+        **_constexprs(decode, config), SCORE_REGS=ds_mla_heads.SCORE_REGS,
+        OUTPUT_REGS=ds_mla_heads.OUTPUT_REGS, num_warps=ds_mla_heads.PRODUCER_WARPS.value,
+    )  # fmt: skip
+    return False
+
+
 LAUNCHERS: dict[GluonKernel, Callable[[DecodeLaunch, GluonLaunchConfig], bool]] = {
     GluonKernel.ROWS: _launch_rows,
     GluonKernel.ROW64: _launch_row64,
     GluonKernel.PINGPONG: _launch_pingpong,
     GluonKernel.DUAL: _launch_dual,
     GluonKernel.DS_MLA: _launch_ds_mla,
+    GluonKernel.DS_MLA_HEADS: _launch_ds_mla_heads,
 }
 """How each kernel of :data:`~mla.providers.gluon.planner.KERNEL_TABLE` is launched: its own
 operands around the shared ones of the :class:`~mla.providers.triton.decode_launch.DecodeLaunch`

@@ -6,7 +6,9 @@ dual-chain kernel of :mod:`.dual`, a loader warpgroup and two MMA warpgroups tak
 tiles; 16 rows of ``fp8_ds_mla`` rows on the kernel of :mod:`.ds_mla_rows`, a producer that
 gathers and dequantizes beside one MMA warpgroup), more in 64-row tiles: on the ping-pong
 kernel (:mod:`.pingpong`, a loader warpgroup and two MMA warpgroups taking alternate KV tiles)
-for 16-bit caches, on the 64-row kernel (:mod:`.kernels`, 8 warps) for fp8 caches. Each fills
+for 16-bit caches, on the 64-row kernel (:mod:`.kernels`, 8 warps) for fp8 caches, on the
+kernel of :mod:`.ds_mla_heads` (a producer dequantizing from its registers, a scores and an
+output warpgroup) for ``fp8_ds_mla`` rows. Each fills
 the shared memory of an SM (the 64-row kernel: query tile 72 KB, a two-stage ring of 64-token
 bf16 KV tiles 144 KB, the token-id ring; 221 KB in all; the ping-pong kernel 231 KB; the
 dual-chain kernel 171 KB; the few-rows kernel 165–222 KB; the ``fp8_ds_mla`` kernel 223–226
@@ -82,6 +84,13 @@ tiles fit two stages only). :func:`launch_config` gives 16-row tiles of those ro
 :attr:`GluonKernel.DS_MLA`; a launch that names the few-rows kernel sets this itself."""
 
 
+DS_MLA_HEADS_MAX_SPLITS = 1
+"""The most splits a non-persistent 64-row ``fp8_ds_mla`` launch takes on the kernel of
+:mod:`.ds_mla_heads`; with more (short key ranges a program) the 64-row kernel was faster (H100,
+top-k 2048, 128 heads: 16 query rows 48.0 against 51.3 µs, 32 rows 80.8 against 83.5; one split at
+64 rows 126.8 against 141.9: ``docs/performance.md``, "Kernel choices")."""
+
+
 class GluonKernel(enum.Enum):
     """The Gluon decode kernels (what each takes: :data:`KERNEL_TABLE`)."""
 
@@ -98,6 +107,9 @@ class GluonKernel(enum.Enum):
     DS_MLA = "ds_mla"
     """The ``fp8_ds_mla`` few-rows kernel of :mod:`.ds_mla_rows` (a producer partition that
     gathers and dequantizes the rows into bf16 tiles, one MMA warpgroup)."""
+    DS_MLA_HEADS = "ds_mla_heads"
+    """The ``fp8_ds_mla`` 64-row kernel of :mod:`.ds_mla_heads` (a producer that dequantizes
+    through its registers, a scores warpgroup and an output warpgroup)."""
 
 
 @attrs.frozen
@@ -147,7 +159,7 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
     KernelRule(GluonKernel.ROWS, "transposed few-rows", (16, 32, BLOCK_M), (16, 32), fold=True,
                ds_mla=True, picked_for=((16, False), (32, False), (32, True)), ds_mla_picked_for=(32,)),
     KernelRule(GluonKernel.ROW64, "64-row", (BLOCK_M,), (BLOCK_M,), block_n=None, overlap=True,
-               ds_mla=True, picked_for=((BLOCK_M, True),), ds_mla_picked_for=(BLOCK_M,)),
+               ds_mla=True, picked_for=((BLOCK_M, True),)),
     KernelRule(GluonKernel.PINGPONG, "ping-pong", (BLOCK_M,), (), num_stages=2,
                picked_for=((BLOCK_M, False),)),
     # num_stages is unused: the kernel has its own fp8 ring.
@@ -155,6 +167,9 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
     # num_stages is unused: the kernel has its own rings (ds_mla_rows.RINGS).
     KernelRule(GluonKernel.DS_MLA, "fp8_ds_mla few-rows", (), (16, 32), overlap=True, ds_mla=True,
                ds_mla_only=True, ds_mla_picked_for=(16,)),
+    # its ring is its own (ds_mla_heads.NUM_STAGES).
+    KernelRule(GluonKernel.DS_MLA_HEADS, "fp8_ds_mla 64-row", (), (BLOCK_M,), ds_mla=True, ds_mla_only=True,
+               ds_mla_picked_for=(BLOCK_M,)),
 )  # fmt: skip
 """The Gluon decode kernels: what each takes and where the launch heuristic picks it. A new
 kernel is a row here, a :class:`GluonKernel` member and a launcher in
@@ -265,7 +280,8 @@ def launch_config(
     others on the few-rows kernel). Tiles and splits are the same for 16-bit and fp8 caches.
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
     ``fp8_ds_mla`` rows (``ds_mla``, an fp8 cache) run on the kernel of :mod:`.ds_mla_rows` (16-row
-    tiles), the few-rows kernel (32) or the 64-row kernel.
+    tiles), the few-rows kernel (32) or the kernel of :mod:`.ds_mla_heads` (64); a 64-row launch
+    that splits its key lists stays on the 64-row kernel (:data:`DS_MLA_HEADS_MAX_SPLITS`).
     """
     row_tile = few_rows_tile(rows)
     tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8, ds_mla=ds_mla))
@@ -273,6 +289,8 @@ def launch_config(
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
     splits = wave_splits(batch * tile.row_blocks(max(rows, 1)), slots=max(1, num_sms), cap=cap)
+    if tile.kernel is GluonKernel.DS_MLA_HEADS and splits > DS_MLA_HEADS_MAX_SPLITS:
+        tile = attrs.evolve(tile, kernel=GluonKernel.ROW64)
     return attrs.evolve(tile, num_splits=splits)
 
 
@@ -327,6 +345,7 @@ def schedule_units(*, num_sms: int, rows: int) -> int:
 
 __all__ = [
     "BLOCK_M",
+    "DS_MLA_HEADS_MAX_SPLITS",
     "DS_MLA_STAGES",
     "FEW_ROWS_MAX",
     "FP8_KV_DTYPES",

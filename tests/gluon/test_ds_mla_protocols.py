@@ -1,0 +1,143 @@
+"""The mbarrier protocol of the ``fp8_ds_mla`` 64-row kernel
+(:mod:`mla.providers.gluon.ds_mla_heads`) as a model run under random interleavings on the CPU: no
+partition waits forever, and no wait is served by a phase other than the one it waits for (an
+mbarrier wait names only a phase's parity, so a barrier two phases ahead of a waiter would block
+it, three ahead would let it through early).
+
+Each partition (producer, scores and output warpgroups) is the sequence of its waits and
+arrivals, transcribed from the kernel. A change to the kernel's waits or arrivals belongs here
+too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+Op = tuple[str, str, int]
+"""``("wait", barrier, i)``: wait for the barrier's ``i``-th completed phase (0-based);
+``("arrive", barrier, 0)``; ``("inc", barrier, i)``: a ``cp.async`` arrival counted on the
+barrier's phase ``i`` (it adds to that phase's expected arrivals and completes later: it needs
+the barrier to be in phase ``i`` when issued)."""
+
+
+class Barrier:
+    """An mbarrier: ``count`` arrivals complete a phase."""
+
+    def __init__(self, count: int = 1) -> None:
+        self.count, self.pending, self.completed = count, 0, 0
+
+    def arrive(self) -> None:
+        self.pending += 1
+        if self.pending == self.count:
+            self.pending, self.completed = 0, self.completed + 1
+
+    def passes(self, phase: int) -> bool:
+        """Whether a wait for phase ``phase`` (its parity) returns now."""
+        return self.completed % 2 != phase % 2
+
+
+def run(partitions: dict[str, Iterator[Op]], barriers: dict[str, Barrier], seed: int) -> None:
+    """Run the partitions in a random interleaving until all finish; fail on a deadlock or a wait
+    served by the wrong phase."""
+    rng = random.Random(seed)
+    current: dict[str, Op | None] = {name: next(ops, None) for name, ops in partitions.items()}
+    while any(op is not None for op in current.values()):
+        runnable = [
+            name for name, op in current.items()
+            if op is not None and (op[0] != "wait" or barriers[op[1]].passes(op[2]))
+        ]  # fmt: skip
+        assert runnable, f"deadlock: {current} {[(n, b.completed) for n, b in barriers.items()]}"
+        name = rng.choice(runnable)
+        kind, bar, phase = current[name]  # type: ignore[misc]
+        if kind == "wait":
+            assert barriers[bar].completed == phase + 1, f"{name}: {bar} phase {phase} served by a later one"
+        elif kind == "inc":
+            assert barriers[bar].completed == phase, f"{name}: {bar} counted on a later phase"
+        else:
+            barriers[bar].arrive()
+        current[name] = next(partitions[name], None)
+
+
+# -- ds_mla_heads ------------------------------------------------------------------------------
+
+
+def heads_producer(n: int) -> Iterator[Op]:
+    for t in range(n):
+        s, i = t % 2, t // 2
+        yield ("wait", f"empty{s}.0", i)
+        yield ("arrive", f"ready{s}.0", 0)
+        yield ("arrive", f"ready{s}.1", 0)
+        yield ("wait", f"empty{s}.1", i)
+        yield ("inc", f"ready{s}.3", i)  # the rope copies
+        yield ("arrive", f"ready{s}.2", 0)
+        yield ("arrive", f"ready{s}.3", 0)
+
+
+def heads_scores(n: int) -> Iterator[Op]:
+    for t in range(n):
+        for c in range(4):
+            yield ("wait", f"ready{t % 2}.{c}", t // 2)
+        yield ("wait", "p_free", t)
+        yield ("arrive", "p_ready", 0)
+        yield ("arrive", f"empty{t % 2}.0", 0)
+    yield ("arrive", "done", 0)
+
+
+def heads_output(n: int) -> Iterator[Op]:
+    for t in range(n):
+        yield ("wait", "p_ready", t)
+        yield ("arrive", "p_free", 0)
+        yield ("arrive", f"empty{t % 2}.1", 0)
+    yield ("wait", "done", 0)
+
+
+def heads_barriers() -> dict[str, Barrier]:
+    bars = {f"ready{s}.{c}": Barrier() for s in range(2) for c in range(4)}
+    bars |= {f"empty{s}.{h}": Barrier() for s in range(2) for h in range(2)}
+    bars |= {"p_ready": Barrier(), "p_free": Barrier(), "done": Barrier()}
+    for name in [*(f"empty{s}.{h}" for s in range(2) for h in range(2)), "p_free"]:
+        bars[name].arrive()  # free at the start: the kernel's pre-arrivals complete phase 0
+    return bars
+
+
+@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 5, 8])
+def test_ds_mla_heads_protocol_completes(tiles: int) -> None:
+    for seed in range(200):
+        partitions = {
+            "producer": heads_producer(tiles),
+            "scores": heads_scores(tiles),
+            "output": heads_output(tiles),
+        }
+        run(partitions, heads_barriers(), seed)
+
+
+def test_the_model_finds_an_overrun_and_a_missing_free() -> None:
+    """The model's own check: a producer that fills a slot before its readers freed it (no wait
+    for ``empty``) is caught, and so is a scores warpgroup that never frees ``P``."""
+
+    def eager_producer(n: int) -> Iterator[Op]:
+        for op in heads_producer(n):
+            if op[0] != "wait":
+                yield op
+
+    def output_without_free(n: int) -> Iterator[Op]:
+        for op in heads_output(n):
+            if op[1] != "p_free":
+                yield op
+
+    # (the eager producer overruns the ring: in the interleavings where it runs ahead a wait finds
+    # its barrier two or three phases on: blocked for good, or served by a later phase)
+    caught = []
+    for seed in range(20):
+        try:
+            run({"producer": eager_producer(5), "scores": heads_scores(5),
+                 "output": heads_output(5)}, heads_barriers(), seed)  # fmt: skip
+        except AssertionError as error:
+            caught.append(str(error))
+    assert caught
+    with pytest.raises(AssertionError, match="deadlock"):
+        run({"producer": heads_producer(3), "scores": heads_scores(3),
+             "output": output_without_free(3)}, heads_barriers(), 0)  # fmt: skip
