@@ -129,54 +129,36 @@ def test_the_old_ds_mla_path_stays_selectable() -> None:
             check_config(config, kv_fp8=True, ds_mla=True)
 
 
+REFUSALS = [
+    (tile, wrong_tile, kernel, fp8, why)
+    for kernel, tile, wrong_tile in ((GluonKernel.DS_MLA, 16, 64), (GluonKernel.DS_MLA_HEADS, 64, 32))
+    for fp8, why in (
+        (False, "16-bit rows"), (True, "per-tensor fp8 rows"), (True, "row_tile"), (True, "block_n=32"),
+        (True, "fold=True"),
+    )
+]  # fmt: skip
+"""``(row tile, a tile it refuses, kernel, fp8 cache, what the refusal names)`` for the
+``fp8_ds_mla`` kernels."""
+
+
 @pytest.mark.parametrize(
-    ("config", "fp8", "why"),
-    [
-        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA), False, "16-bit rows"),
-        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA), True, "per-tensor fp8 rows"),
-        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA), True, "row_tile=64"),
-        (GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, block_n=32), True, "block_n=32"),
-        (
-            GluonLaunchConfig(row_tile=16, kernel=GluonKernel.DS_MLA, num_splits=2, fold=True),
-            True,
-            "fold=True",
-        ),
-    ],
-    ids=["bf16", "per-tensor-fp8", "64-rows", "block32", "fold"],
+    ("tile", "wrong_tile", "kernel", "fp8", "why"), REFUSALS, ids=[f"{r[2].value}-{r[4]}" for r in REFUSALS]
 )
-def test_check_config_refuses_what_the_ds_mla_kernel_cannot_run(
-    config: GluonLaunchConfig, fp8: bool, why: str
+def test_check_config_refuses_what_the_ds_mla_kernels_cannot_run(
+    tile: int, wrong_tile: int, kernel: GluonKernel, fp8: bool, why: str
 ) -> None:
+    config = GluonLaunchConfig(row_tile=tile, kernel=kernel)
+    if why == "row_tile":
+        config, why = attrs.evolve(config, row_tile=wrong_tile), f"row_tile={wrong_tile}"
+    elif why == "block_n=32":
+        config = attrs.evolve(config, block_n=32)
+    elif why == "fold=True":
+        config = attrs.evolve(config, num_splits=2, fold=True)
     ds_mla = fp8 and why != "per-tensor fp8 rows"
     with pytest.raises(InvalidInputError, match="config") as caught:
         check_config(config, kv_fp8=fp8, ds_mla=ds_mla)
     assert why in str(caught.value)
-    assert "kernel=ds_mla" in str(caught.value)
-
-
-@pytest.mark.parametrize(
-    ("config", "fp8", "why"),
-    [
-        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS), False, "16-bit rows"),
-        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS), True, "per-tensor fp8 rows"),
-        (GluonLaunchConfig(row_tile=32, kernel=GluonKernel.DS_MLA_HEADS), True, "row_tile=32"),
-        (GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS, block_n=32), True, "block_n=32"),
-        (
-            GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_HEADS, num_splits=2, fold=True),
-            True,
-            "fold=True",
-        ),
-    ],
-    ids=["bf16", "per-tensor-fp8", "32-rows", "block32", "fold"],
-)
-def test_check_config_refuses_what_the_ds_mla_heads_kernel_cannot_run(
-    config: GluonLaunchConfig, fp8: bool, why: str
-) -> None:
-    ds_mla = fp8 and why != "per-tensor fp8 rows"
-    with pytest.raises(InvalidInputError, match="config") as caught:
-        check_config(config, kv_fp8=fp8, ds_mla=ds_mla)
-    assert why in str(caught.value)
-    assert "kernel=ds_mla_heads" in str(caught.value)
+    assert f"kernel={kernel.value})" in str(caught.value)
 
 
 @given(st.integers(1, 512), st.integers(1, 1024), st.integers(1, 1 << 17), st.integers(1, 264))
