@@ -84,13 +84,6 @@ tiles fit two stages only). :func:`launch_config` gives 16-row tiles of those ro
 :attr:`GluonKernel.DS_MLA`; a launch that names the few-rows kernel sets this itself."""
 
 
-DS_MLA_HEADS_MAX_SPLITS = 1
-"""The most splits a non-persistent 64-row ``fp8_ds_mla`` launch takes on the kernel of
-:mod:`.ds_mla_heads`; with more (short key ranges a program) the 64-row kernel was faster (H100,
-top-k 2048, 128 heads: 16 query rows 48.0 against 51.3 µs, 32 rows 80.8 against 83.5; one split at
-64 rows 126.8 against 141.9: ``docs/performance.md``, "Kernel choices")."""
-
-
 class GluonKernel(enum.Enum):
     """The Gluon decode kernels (what each takes: :data:`KERNEL_TABLE`)."""
 
@@ -148,6 +141,11 @@ class KernelRule:
     fastest there: ``docs/performance.md``, "Kernel choices")."""
     ds_mla_picked_for: tuple[int, ...] = ()
     """The row tiles of ``fp8_ds_mla`` rows :func:`launch_config` gives it."""
+    max_splits: int | None = None
+    """The most splits of a non-persistent launch :func:`launch_config` gives it (``None``: any);
+    a launch with more goes to ``split_kernel``."""
+    split_kernel: GluonKernel | None = None
+    """The kernel that takes its launches of more than ``max_splits`` splits."""
 
     def tiles_for(self, kv_fp8: bool) -> tuple[int, ...]:
         """The row tiles it takes on an fp8 (``kv_fp8``) or a 16-bit cache."""
@@ -167,9 +165,11 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
     # num_stages is unused: the kernel has its own rings (ds_mla_rows.RINGS).
     KernelRule(GluonKernel.DS_MLA, "fp8_ds_mla few-rows", (), (16, 32), overlap=True, ds_mla=True,
                ds_mla_only=True, ds_mla_picked_for=(16,)),
-    # its ring is its own (ds_mla_heads.NUM_STAGES).
+    # its ring is its own (ds_mla_heads.NUM_STAGES). Split launches (short key ranges a program)
+    # were faster on the 64-row kernel (H100, top-k 2048, 128 heads: 16 query rows 48.0 against
+    # 51.3 µs, 32 rows 80.8 against 83.5; one split at 64 rows 126.8 against 141.9).
     KernelRule(GluonKernel.DS_MLA_HEADS, "fp8_ds_mla 64-row", (), (BLOCK_M,), ds_mla=True, ds_mla_only=True,
-               ds_mla_picked_for=(BLOCK_M,)),
+               ds_mla_picked_for=(BLOCK_M,), max_splits=1, split_kernel=GluonKernel.ROW64),
 )  # fmt: skip
 """The Gluon decode kernels: what each takes and where the launch heuristic picks it. A new
 kernel is a row here, a :class:`GluonKernel` member and a launcher in
@@ -281,7 +281,7 @@ def launch_config(
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
     ``fp8_ds_mla`` rows (``ds_mla``, an fp8 cache) run on the kernel of :mod:`.ds_mla_rows` (16-row
     tiles), the few-rows kernel (32) or the kernel of :mod:`.ds_mla_heads` (64); a 64-row launch
-    that splits its key lists stays on the 64-row kernel (:data:`DS_MLA_HEADS_MAX_SPLITS`).
+    that splits its key lists stays on the 64-row kernel (its rule's ``max_splits``).
     """
     row_tile = few_rows_tile(rows)
     tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8, ds_mla=ds_mla))
@@ -289,8 +289,9 @@ def launch_config(
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
     splits = wave_splits(batch * tile.row_blocks(max(rows, 1)), slots=max(1, num_sms), cap=cap)
-    if tile.kernel is GluonKernel.DS_MLA_HEADS and splits > DS_MLA_HEADS_MAX_SPLITS:
-        tile = attrs.evolve(tile, kernel=GluonKernel.ROW64)
+    rule = RULES[tile.kernel]
+    if rule.max_splits is not None and splits > rule.max_splits and rule.split_kernel is not None:
+        tile = attrs.evolve(tile, kernel=rule.split_kernel)
     return attrs.evolve(tile, num_splits=splits)
 
 
@@ -345,7 +346,6 @@ def schedule_units(*, num_sms: int, rows: int) -> int:
 
 __all__ = [
     "BLOCK_M",
-    "DS_MLA_HEADS_MAX_SPLITS",
     "DS_MLA_STAGES",
     "FEW_ROWS_MAX",
     "FP8_KV_DTYPES",
