@@ -1,0 +1,67 @@
+"""Shared-memory bank conflicts of the decode kernels' fp8 widening by Gluon's bank model
+(``gl.bank_conflicts``: excess accesses a wavefront of ``ld.shared`` / ``st.shared``), traced for
+sm_90 in a process without the Triton interpreter.
+
+The 64-row and few-rows kernels widen a per-tensor fp8 KV tile 16 rows at a time
+(:func:`mla.providers.gluon.kernels._mma_operands`): each thread reads 8 fp8 bytes of the
+unswizzled ring slot and writes one 16-byte unit of the 128-byte-swizzled bf16 MMA tile, in the
+layouts of :func:`mla.providers.gluon.kernels._kv_copy_layouts`; neither side may spend an excess
+access, for the latent (512 columns) or the rope lanes (64), at 4 or 8 warps.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+
+import pytest
+from sm90_compile import run_without_interpreter
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+pytestmark = pytest.mark.heavy  # (traces a kernel for sm_90 in a process of its own)
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from mla.providers.gluon.kernels import _kv_copy_layouts
+    from mla.testing.triton_driver import stand_in_driver
+
+    @gluon.jit
+    def probe(x_ptr, WARPS: gl.constexpr, COLS: gl.constexpr, PART: gl.constexpr):
+        ld: gl.constexpr = _kv_copy_layouts(False, WARPS)[PART]
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        mma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        slot = gl.allocate_shared_memory(gl.float8e4nv, [16, COLS], plain)
+        wide = gl.allocate_shared_memory(gl.bfloat16, [16, COLS], mma)
+        x = slot.load(ld)
+        y = x.to(gl.bfloat16)
+        loads: gl.constexpr = gl.bank_conflicts(x.type, slot.type)
+        gl.static_print("banks", WARPS, COLS, loads, gl.bank_conflicts(y.type, wide.type))
+        wide.store(y)
+
+    with stand_in_driver(compile_kernels=True):
+        for warps in (4, 8):
+            for part, cols in ((0, 512), (1, 64)):
+                probe[(1,)](torch.zeros(4), warps, cols, part, num_warps=warps)
+    """
+)
+
+
+def test_fp8_widening_uses_every_bank(tmp_path: pathlib.Path) -> None:
+    # (Triton reads a kernel's source from its file; the package comes from the working directory;
+    # an empty cache, so that the kernel is traced and prints)
+    (tmp_path / "widen_banks_probe.py").write_text(SCRIPT)
+    printed = run_without_interpreter(
+        ["-c", f"import sys; sys.path.append({str(tmp_path)!r}); import widen_banks_probe"],
+        timeout=300,
+        cache_dir=tmp_path / "cache",
+    )
+    found = {}
+    for line in printed.splitlines():
+        if line.startswith("banks"):
+            _, warps, cols, loads, stores = line.split()
+            found[(int(warps), int(cols))] = (int(loads), int(stores))
+    # {(warps, columns): (excess accesses a load wavefront, a store wavefront)}
+    assert found == {(4, 512): (0, 0), (4, 64): (0, 0), (8, 512): (0, 0), (8, 64): (0, 0)}, found
