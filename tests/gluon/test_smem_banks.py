@@ -49,19 +49,25 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_fp8_widening_uses_every_bank(tmp_path: pathlib.Path) -> None:
+def _banks(tmp_path: pathlib.Path, script: str) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Run ``script`` (a probe kernel that prints ``banks <key ints...> <loads> <stores>`` while
+    it is traced) in a process without the interpreter: ``{key: (load excess, store excess)}``."""
     # (Triton reads a kernel's source from its file; the package comes from the working directory;
     # an empty cache, so that the kernel is traced and prints)
-    (tmp_path / "widen_banks_probe.py").write_text(SCRIPT)
+    (tmp_path / "banks_probe.py").write_text(script)
     printed = run_without_interpreter(
-        ["-c", f"import sys; sys.path.append({str(tmp_path)!r}); import widen_banks_probe"],
+        ["-c", f"import sys; sys.path.append({str(tmp_path)!r}); import banks_probe"],
         timeout=300,
         cache_dir=tmp_path / "cache",
     )
     found = {}
     for line in printed.splitlines():
         if line.startswith("banks"):
-            _, warps, cols, loads, stores = line.split()
-            found[(int(warps), int(cols))] = (int(loads), int(stores))
+            *key, loads, stores = (int(word) for word in line.split()[1:])
+            found[tuple(key)] = (loads, stores)
+    return found
+
+
+def test_fp8_widening_uses_every_bank(tmp_path: pathlib.Path) -> None:
     # {(warps, columns): (excess accesses a load wavefront, a store wavefront)}
-    assert found == {(4, 512): (0, 0), (4, 64): (0, 0), (8, 512): (0, 0), (8, 64): (0, 0)}, found
+    assert _banks(tmp_path, SCRIPT) == {(4, 512): (0, 0), (4, 64): (0, 0), (8, 512): (0, 0), (8, 64): (0, 0)}
