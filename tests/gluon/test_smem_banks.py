@@ -4,8 +4,9 @@ sm_90 in a process without the Triton interpreter.
 
 The 64-row and few-rows kernels widen a per-tensor fp8 KV tile 16 rows at a time
 (:func:`mla.providers.gluon.kernels._mma_operands`): each thread reads 8 fp8 bytes of the
-unswizzled ring slot and writes one 16-byte unit of the 128-byte-swizzled bf16 MMA tile, in the
-layouts of :func:`mla.providers.gluon.kernels._kv_copy_layouts`; neither side may spend an excess
+unswizzled ring slot (``PLAIN_LAYOUT``) and writes one 16-byte unit of the 128-byte-swizzled bf16
+MMA tile (``MMA_TILE_LAYOUT``), in the register layouts of
+:func:`mla.providers.gluon.kernels._kv_copy_layouts`; neither side may spend an excess
 access, for the latent (512 columns) or the rope lanes (64), at 4 or 8 warps.
 """
 
@@ -25,16 +26,14 @@ SCRIPT = textwrap.dedent(
     import torch
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from mla.providers.gluon.kernels import _kv_copy_layouts
+    from mla.providers.gluon.kernels import MMA_TILE_LAYOUT, PLAIN_LAYOUT, _kv_copy_layouts
     from mla.testing.triton_driver import stand_in_driver
 
     @gluon.jit
     def probe(x_ptr, WARPS: gl.constexpr, COLS: gl.constexpr, PART: gl.constexpr):
         ld: gl.constexpr = _kv_copy_layouts(False, WARPS)[PART]
-        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        mma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        slot = gl.allocate_shared_memory(gl.float8e4nv, [16, COLS], plain)
-        wide = gl.allocate_shared_memory(gl.bfloat16, [16, COLS], mma)
+        slot = gl.allocate_shared_memory(gl.float8e4nv, [16, COLS], PLAIN_LAYOUT)
+        wide = gl.allocate_shared_memory(gl.bfloat16, [16, COLS], MMA_TILE_LAYOUT)
         x = slot.load(ld)
         y = x.to(gl.bfloat16)
         loads: gl.constexpr = gl.bank_conflicts(x.type, slot.type)

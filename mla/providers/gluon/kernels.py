@@ -50,6 +50,10 @@ MODE_SPLIT = 0
 """Non-persistent: program ``work`` is (request ``work // num_splits``, split ``work % num_splits``)."""
 MODE_SCHEDULED = 1
 """Planned: program ``work`` reads item ``work`` of the schedule's ``work_info``."""
+MMA_TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+"""Shared layout of the 64-row and few-rows kernels' 16-bit MMA tiles (128-byte swizzle)."""
+PLAIN_LAYOUT = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+"""Shared layout of their unswizzled rows: fp8 ring slots and tile scales."""
 
 
 @gluon.jit
@@ -612,9 +616,8 @@ def _kv_rings(
     place (the wide buffers are the rings). Per-tensor fp8: unswizzled fp8 slots widened into
     ``WIDE_STAGES`` MMA-layout tiles. ``fp8_ds_mla``: fp8 latent slots widened (with the tile
     scales of :func:`_scale_ring`), bf16 rope lanes in MMA-layout slots read in place."""
-    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    plain_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    ring_smem: gl.constexpr = plain_smem if KV_FP8 else mma_smem
+    mma_smem: gl.constexpr = MMA_TILE_LAYOUT
+    ring_smem: gl.constexpr = PLAIN_LAYOUT if KV_FP8 else MMA_TILE_LAYOUT
     lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
     if KV_DS_MLA:
         rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
@@ -634,8 +637,7 @@ def _kv_rings(
 @gluon.jit
 def _scale_ring(NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr):
     """The float32 ``[NUM_STAGES, BLOCK_N, L / 128]`` ring of ``fp8_ds_mla`` tile scales."""
-    layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    return gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], layout)
+    return gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N, L // 128], PLAIN_LAYOUT)
 
 
 # ``num_splits`` is never specialised: Triton 3.6 fails to lower the kernel when a launch with
@@ -714,7 +716,7 @@ def mla_decode_kernel(
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
-    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    mma_smem: gl.constexpr = MMA_TILE_LAYOUT
 
     # -- the work item ---------------------------------------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
