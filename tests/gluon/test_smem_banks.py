@@ -70,3 +70,48 @@ def _banks(tmp_path: pathlib.Path, script: str) -> dict[tuple[int, ...], tuple[i
 def test_fp8_widening_uses_every_bank(tmp_path: pathlib.Path) -> None:
     # {(warps, columns): (excess accesses a load wavefront, a store wavefront)}
     assert _banks(tmp_path, SCRIPT) == {(4, 512): (0, 0), (4, 64): (0, 0), (8, 512): (0, 0), (8, 64): (0, 0)}
+
+
+STAGED_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from mla.providers.gluon.ds_mla_words import STAGED_WORDS, _chunk_layout, _dequantize
+    from mla.providers.gluon.kernels import MMA_TILE_LAYOUT, PLAIN_LAYOUT
+    from mla.testing.triton_driver import stand_in_driver
+
+    @gluon.jit
+    def probe(x_ptr, WARPS: gl.constexpr, STAGED: gl.constexpr):
+        if STAGED:
+            ld: gl.constexpr = _chunk_layout(WARPS)
+            words = gl.allocate_shared_memory(gl.int32, [64, 32], STAGED_WORDS)
+        else:
+            ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+            words = gl.allocate_shared_memory(gl.int32, [64, 32], PLAIN_LAYOUT)
+        chunk = gl.allocate_shared_memory(gl.bfloat16, [64, 128], MMA_TILE_LAYOUT)
+        x = words.load(ld)
+        y = _dequantize(x, gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, ld)))
+        loads: gl.constexpr = gl.bank_conflicts(x.type, words.type)
+        gl.static_print("banks", WARPS, STAGED, loads, gl.bank_conflicts(y.type, chunk.type))
+        chunk.store(y)
+
+    with stand_in_driver(compile_kernels=True):
+        for warps in (4, 8):
+            for staged in (False, True):
+                probe[(1,)](torch.zeros(4), warps, int(staged), num_warps=warps)
+    """
+)
+
+
+def test_staged_fp8_ds_mla_chunks_use_every_bank(tmp_path: pathlib.Path) -> None:
+    """The staged ``fp8_ds_mla`` producers (``STAGED`` of :mod:`mla.providers.gluon.ds_mla_heads`,
+    4 warps, and :mod:`mla.providers.gluon.ds_mla_rows`, 8) copy a chunk's words into its bf16
+    tile, read them back in the same layout and store the dequantized bf16 values over them. In
+    their layout (:func:`~mla.providers.gluon.ds_mla_words.
+    _chunk_layout`, the words view :data:`~mla.providers.gluon.ds_mla_words.STAGED_WORDS`)
+    neither the read-back (as the copies) nor the stores spend an excess access; with 8 lanes
+    across one row's 128 bytes (the register producer's layout, unswizzled words) the stores
+    spend one a wavefront."""
+    # {(warps, staged): (excess accesses a load wavefront, a store wavefront)}
+    assert _banks(tmp_path, STAGED_SCRIPT) == {(4, 0): (0, 1), (4, 1): (0, 0), (8, 0): (0, 1), (8, 1): (0, 0)}

@@ -36,10 +36,17 @@ At 16 rows and 8 producer warps the program is 12 warps: the MMA warpgroup runs 
 registers a thread, the producer at 168 (the rest of the register file); neither spills
 (``tests/gluon/test_ds_mla_registers.py``).
 
-Shared memory at 16 rows (``RINGS[16]``: 32-row chunks, 3 chunk slots, 3 rope tiles, 2 bf16
-tiles): query 18 KB, bf16 tiles 128 KB, rope tiles 24 KB, fp8 chunks 48 KB + 1.5 KB scales, id
-ring, ``Pᵀ`` 2 KB: :func:`shared_bytes` (about 222 KB of the 227 KB an SM gives a block). At 32
-rows (query 36 KB, ``Pᵀ`` 4 KB) the rings are shallower (``RINGS[32]``). One program per SM.
+Shared memory at 16 rows (``RINGS[16]``: 32-row chunks, 2 chunk slots, 2 rope tiles, 2 bf16
+tiles): query 18 KB, bf16 tiles 128 KB, rope tiles 16 KB, fp8 chunks 32 KB + 1 KB scales, id
+ring, ``Pᵀ`` 2 KB: :func:`shared_bytes` (about 198 KB of the 227 KB an SM gives a block). At 32
+rows (query 36 KB, ``Pᵀ`` 4 KB) the rings are shaped for the larger query (``RINGS[32]``). One
+program per SM.
+
+With ``STAGED`` (:attr:`~.planner.GluonKernel.DS_MLA_STAGED`, taken where a launch names it)
+the producer is :func:`_staged_producer`: no fp8 chunk ring and no id ring
+(:data:`STAGED_RINGS`, about 164 KB at 16 rows); each tile's fp8 bytes land by ``cp.async``
+inside its own bf16 tile, chunk by 128-column chunk, and are dequantized there, so the next
+tile's bytes are in flight while one is dequantized.
 
 Work items (non-persistent splits, the planned schedule, unit-qlen rows), masking, NaN rules and
 the outputs (direct, or fp32 partials for the split reduce; ``o = 0``, ``lse = -inf`` for a row
@@ -62,7 +69,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.gluon.ds_mla_words import (
+    CHUNK as COLUMN_CHUNK,
+)
+from mla.providers.gluon.ds_mla_words import (
+    _chunk_layout,
+    _row_scales,
+    _stage_chunk,
+    _stage_rope,
+    _tile_words,
+    _widen_staged,
+)
 from mla.providers.gluon.kernels import (
+    _id_limit,
     _issue_ids,
     _issue_tile,
     _key_ok,
@@ -72,6 +91,7 @@ from mla.providers.gluon.kernels import (
     _query_copy,
     _row_info,
     _scales,
+    _tile_ids,
     _wait_for_previous,
     _widen_ds_mla,
     _work_item,
@@ -106,6 +126,9 @@ RINGS: dict[int, DsMlaRings] = {16: DsMlaRings(32, 2, 2, 2), 32: DsMlaRings(16, 
 """Ring shapes by row tile (the launcher's). At 16 rows, two 32-row fp8 chunks and two rope
 tiles measured fastest of five shapes on the H200 (H16, top-k 2048: 155.1 µs at B128 qlen 2
 against 161.8 with three of each; 16-row chunks 196–204)."""
+STAGED_RINGS = DsMlaRings(64, 0, 2, 2)
+"""The staged producer's buffers (``STAGED``): two bf16 tiles and two rope tiles, no fp8 chunk
+ring (a tile's fp8 bytes land inside its bf16 tile)."""
 TILE = 64
 """Tokens per MMA tile (the wgmma M dimension of one warpgroup)."""
 BLOCK_N = gl.constexpr(TILE)
@@ -217,6 +240,75 @@ def _producer(
             fence_async_shared()
             gl.thread_barrier()
         mbarrier.arrive(wide_ready.index(w))
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _stage_tile(words, rope_dst, kv_row, ok, live, L: gl.constexpr, R: gl.constexpr):
+    """A tile's copies into its bf16 tile (``words``: its :data:`.ds_mla_words.STAGED_WORDS`
+    view) and rope tile: its four latent chunks, one commit group each, the rope lanes in the
+    last chunk's group; not ``live`` (no such tile): the groups committed empty."""
+    for c in gl.static_range(L // COLUMN_CHUNK):
+        if c == L // COLUMN_CHUNK - 1:  # noqa: SIM102 (c is a constexpr: this if is resolved at compile time)
+            if live:
+                _stage_rope(rope_dst, kv_row, ok, L, R)
+        _stage_chunk(words, kv_row, ok, live, c)
+
+
+@gluon.jit
+def _staged_producer(
+    kv_ptr, index_base, lo, hi, id_limit, stride_kv, wide, rope_ring, wide_ready, wide_free, rope_free,
+    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, OVERLAP: gl.constexpr,
+):  # fmt: skip
+    """The staged producer partition (``STAGED``): tile ``t``'s fp8 bytes land by ``cp.async``
+    inside bf16 tile ``t % 2`` (chunk ``c`` in the first half of the 16 KB its bf16 values take)
+    and are dequantized there chunk by chunk as their groups land; the tile is announced on
+    ``wide_ready`` after its last chunk. Tile ``t + 1`` goes out into the tiles of ``t - 1`` once
+    the MMA freed them (``wide_free``, ``rope_free``): after tile ``t``'s first two chunks, or,
+    with ``OVERLAP`` (whose MMA frees tile ``t - 1`` only once tile ``t`` is announced), after
+    tile ``t``'s announcement. Token ids are loaded two tiles ahead, scales one tile ahead."""
+    rows: gl.constexpr = gl.SliceLayout(1, _chunk_layout(gl.num_warps()))
+    CHUNKS: gl.constexpr = L // COLUMN_CHUNK
+    ISSUE_AT: gl.constexpr = CHUNKS if OVERLAP else CHUNKS // 2
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
+    row = kv_ptr + ids.to(gl.int64) * stride_kv
+    nids, nok = _tile_ids(index_base, lo, hi, 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
+    s0, s1, s2, s3 = _row_scales(row, ok, L)
+    live = n_tiles > 0
+    if live:
+        mbarrier.wait(wide_free.index(0), 0)
+        mbarrier.wait(rope_free.index(0), 0)
+    _stage_tile(_tile_words(wide.index(0)), rope_ring.index(0), row, ok, live, L, R)
+    for t in range(n_tiles):
+        s = t % 2
+        u = (t + 1) % 2
+        next_live = t + 1 < n_tiles
+        nrow = kv_ptr + nids.to(gl.int64) * stride_kv
+        nnids, nnok = _tile_ids(index_base, lo, hi, t + 2, id_limit, BLOCK_N, rows, PAGE_SIZE)
+        k_lat = wide.index(s)
+        words = _tile_words(k_lat)
+        scales = (s0, s1, s2, s3)
+        for c in gl.static_range(CHUNKS):
+            if c == ISSUE_AT:
+                # Tile t + 1 into the tiles of t - 1, freed by the MMA.
+                if next_live:
+                    mbarrier.wait(wide_free.index(u), ((t + 1) // 2) & 1)
+                    mbarrier.wait(rope_free.index(u), ((t + 1) // 2) & 1)
+                _stage_tile(_tile_words(wide.index(u)), rope_ring.index(u), nrow, nok, next_live, L, R)
+                s0, s1, s2, s3 = _row_scales(nrow, nok, L)
+            # In flight: this tile's chunks c.., and the next tile's after ISSUE_AT.
+            async_copy.wait_group(CHUNKS - 1 - c + (CHUNKS if c >= ISSUE_AT else 0))
+            _widen_staged(words, k_lat, scales[c], c)
+        mbarrier.arrive(wide_ready.index(s))
+        if ISSUE_AT == CHUNKS:
+            if next_live:
+                mbarrier.wait(wide_free.index(u), ((t + 1) // 2) & 1)
+                mbarrier.wait(rope_free.index(u), ((t + 1) // 2) & 1)
+            _stage_tile(_tile_words(wide.index(u)), rope_ring.index(u), nrow, nok, next_live, L, R)
+            s0, s1, s2, s3 = _row_scales(nrow, nok, L)
+        nids, nok = nnids, nnok
+    # No copy of these threads outlives the program.
     async_copy.wait_group(0)
 
 
@@ -380,6 +472,7 @@ def mla_decode_ds_mla_kernel(
     ROW_MAP: gl.constexpr,
     HAS_LENGTHS: gl.constexpr,
     PDL: gl.constexpr,
+    STAGED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """``fp8_ds_mla`` decode of ``NR`` packed query rows per program (module docstring). ``kv_ptr``:
@@ -387,10 +480,13 @@ def mla_decode_ds_mla_kernel(
     (the rows carry their scales). Launched with ``num_warps`` producer warps."""
     gl.static_assert(NR == 16 or NR == 32, "16 or 32 query rows (the MMA N dimension)")  # noqa: PLR1714
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the wgmma M dimension of one warpgroup)")
-    gl.static_assert(BLOCK_N % CHUNK == 0, "whole chunks per tile")
-    gl.static_assert(FP8_SLOTS >= 2 and WIDE_SLOTS >= 2, "a chunk in flight while one is widened")
-    PER_TILE: gl.constexpr = BLOCK_N // CHUNK
-    gl.static_assert(ROPE_SLOTS >= 1 + (PER_TILE + FP8_SLOTS - 2) // PER_TILE, "rope tiles (ring_ok)")
+    if STAGED:
+        gl.static_assert(WIDE_SLOTS == 2 and ROPE_SLOTS == 2, "the staged producer's two tiles")
+    else:
+        gl.static_assert(BLOCK_N % CHUNK == 0, "whole chunks per tile")
+        gl.static_assert(FP8_SLOTS >= 2 and WIDE_SLOTS >= 2, "a chunk in flight while one is widened")
+        PER_TILE: gl.constexpr = BLOCK_N // CHUNK
+        gl.static_assert(ROPE_SLOTS >= 1 + (PER_TILE + FP8_SLOTS - 2) // PER_TILE, "rope tiles (ring_ok)")
     gl.static_assert(q_nope_ptr.dtype.element_ty == gl.bfloat16, "fp8_ds_mla rows carry bf16 rope lanes")
     dtype: gl.constexpr = gl.bfloat16
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
@@ -416,9 +512,6 @@ def mla_decode_ds_mla_kernel(
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     wide = gl.allocate_shared_memory(dtype, [WIDE_SLOTS, BLOCK_N, L], mma_smem)
     rope_ring = gl.allocate_shared_memory(dtype, [ROPE_SLOTS, BLOCK_N, R], mma_smem)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [FP8_SLOTS, CHUNK, L], plain)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [FP8_SLOTS, CHUNK, L // 128], plain)
-    idx_ring = gl.allocate_shared_memory(gl.int32, [2 * FP8_SLOTS, CHUNK], vec_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_layout)
     # wide_ready[w]: bf16 tile w is widened (one arrival, the producer's); wide_free[w]: the MMA's
     # PV read it; rope_free[r]: the MMA's QKᵀ read rope tile r.
@@ -457,21 +550,41 @@ def mla_decode_ds_mla_kernel(
         q_nope_smem, q_pe_smem, wide, rope_ring, p_smem, wide_ready, wide_free, rope_free, outs,
         lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_kv_rows,
     )  # fmt: skip
-    gl.warp_specialize(
-        [
-            (
-                _producer,
+    if STAGED:
+        gl.warp_specialize(
+            [
                 (
-                    kv_ptr, index_base, lo, hi, num_kv_rows, stride_kv, idx_ring, lat_ring, scale_ring,
-                    rope_ring, wide, wide_ready, wide_free, rope_free,
-                    L, R, CHUNK, FP8_SLOTS, ROPE_SLOTS, WIDE_SLOTS, PAGE_SIZE,
+                    _staged_producer,
+                    (
+                        kv_ptr, index_base, lo, hi, _id_limit(num_kv_rows, PAGE_SIZE), stride_kv, wide,
+                        rope_ring, wide_ready, wide_free, rope_free, L, R, PAGE_SIZE, OVERLAP,
+                    ),
                 ),
-            ),
-            (_mma_partition, (mma_args, H, L, NR, WIDE_SLOTS, ROPE_SLOTS, WRITE_LSE, PAGE_SIZE, OVERLAP)),
-        ],
-        [4],
-        [MMA_REGS],
-    )  # fmt: skip
+                (_mma_partition, (mma_args, H, L, NR, WIDE_SLOTS, ROPE_SLOTS, WRITE_LSE, PAGE_SIZE, OVERLAP)),
+            ],
+            [4],
+            [MMA_REGS],
+        )  # fmt: skip
+    else:
+        # The fp8 chunk ring (latent and tile scales) and the id ring of the gathers.
+        lat_ring = gl.allocate_shared_memory(kv_dtype, [FP8_SLOTS, CHUNK, L], plain)
+        scale_ring = gl.allocate_shared_memory(gl.float32, [FP8_SLOTS, CHUNK, L // 128], plain)
+        idx_ring = gl.allocate_shared_memory(gl.int32, [2 * FP8_SLOTS, CHUNK], vec_smem)
+        gl.warp_specialize(
+            [
+                (
+                    _producer,
+                    (
+                        kv_ptr, index_base, lo, hi, num_kv_rows, stride_kv, idx_ring, lat_ring, scale_ring,
+                        rope_ring, wide, wide_ready, wide_free, rope_free,
+                        L, R, CHUNK, FP8_SLOTS, ROPE_SLOTS, WIDE_SLOTS, PAGE_SIZE,
+                    ),
+                ),
+                (_mma_partition, (mma_args, H, L, NR, WIDE_SLOTS, ROPE_SLOTS, WRITE_LSE, PAGE_SIZE, OVERLAP)),
+            ],
+            [4],
+            [MMA_REGS],
+        )  # fmt: skip
 
 
 __all__ = [

@@ -103,6 +103,10 @@ class GluonKernel(enum.Enum):
     DS_MLA_HEADS = "ds_mla_heads"
     """The ``fp8_ds_mla`` 64-row kernel of :mod:`.ds_mla_heads` (a producer that dequantizes
     through its registers, a scores warpgroup and an output warpgroup)."""
+    DS_MLA_STAGED = "ds_mla_staged"
+    """The ``fp8_ds_mla`` kernels (:attr:`DS_MLA` for 16 and 32 rows, :attr:`DS_MLA_HEADS` for
+    64) with their staged producers: each tile's fp8 bytes land by ``cp.async`` inside the bf16
+    tile they are dequantized into. Taken only where a launch names it."""
 
 
 @attrs.frozen
@@ -170,6 +174,9 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
     # 51.3 µs, 32 rows 80.8 against 83.5; one split at 64 rows 126.8 against 141.9).
     KernelRule(GluonKernel.DS_MLA_HEADS, "fp8_ds_mla 64-row", (), (BLOCK_M,), ds_mla=True, ds_mla_only=True,
                ds_mla_picked_for=(BLOCK_M,), max_splits=1, split_kernel=GluonKernel.ROW64),
+    # (overlapped MMAs on 16- and 32-row tiles only; the 64-row kernel has none to overlap)
+    KernelRule(GluonKernel.DS_MLA_STAGED, "fp8_ds_mla staged", (), (16, 32, BLOCK_M), overlap=True,
+               ds_mla=True, ds_mla_only=True),
 )  # fmt: skip
 """The Gluon decode kernels: what each takes and where the launch heuristic picks it. A new
 kernel is a row here, a :class:`GluonKernel` member and a launcher in
