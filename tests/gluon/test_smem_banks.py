@@ -77,7 +77,8 @@ STAGED_SCRIPT = textwrap.dedent(
     import torch
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from mla.providers.gluon.ds_mla_words import STAGED_WORDS, _chunk_layout, _dequantize
+    from mla.providers.gluon.ds_mla_staged import STAGED_WORDS, _chunk_layout
+    from mla.providers.gluon.ds_mla_words import _dequantize
     from mla.providers.gluon.kernels import MMA_TILE_LAYOUT, PLAIN_LAYOUT
     from mla.testing.triton_driver import stand_in_driver
 
@@ -108,8 +109,8 @@ def test_staged_fp8_ds_mla_chunks_use_every_bank(tmp_path: pathlib.Path) -> None
     """The staged ``fp8_ds_mla`` producers (``STAGED`` of :mod:`mla.providers.gluon.ds_mla_heads`,
     4 warps, and :mod:`mla.providers.gluon.ds_mla_rows`, 8) copy a chunk's words into its bf16
     tile, read them back in the same layout and store the dequantized bf16 values over them. In
-    their layout (:func:`~mla.providers.gluon.ds_mla_words.
-    _chunk_layout`, the words view :data:`~mla.providers.gluon.ds_mla_words.STAGED_WORDS`)
+    their layout (:func:`~mla.providers.gluon.ds_mla_staged.
+    _chunk_layout`, the words view :data:`~mla.providers.gluon.ds_mla_staged.STAGED_WORDS`)
     neither the read-back (as the copies) nor the stores spend an excess access; with 8 lanes
     across one row's 128 bytes (the register producer's layout, unswizzled words) the stores
     spend one a wavefront."""

@@ -18,8 +18,9 @@ through mbarriers:
   is inside the cache, -1: not) into the slot's id word ring for the key check. There is no fp8
   staging buffer: the query tile and the two-slot bf16 ring fill the shared memory. With
   ``STAGED`` (:attr:`~.planner.GluonKernel.DS_MLA_STAGED`, taken where a launch names it) the
-  producer is :func:`_staged_producer` instead: each chunk's fp8 bytes land by ``cp.async`` in
-  the ring slot itself and are dequantized there, so a tile's bytes are in flight at once;
+  producer is :func:`.ds_mla_staged.heads_staged_producer` instead: each chunk's fp8 bytes land
+  by ``cp.async`` in the ring slot itself and are dequantized there, so a tile's bytes are in
+  flight at once;
 * the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` chunk by chunk as the
   chunks land, the online softmax, publishes ``P`` and the rescale ``alpha`` in shared memory
   (``p_ready``), and adds ``P·V`` over output columns ``[0, L/2)`` with ``P`` from registers;
@@ -49,17 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.ds_mla_words import (
-    CHUNK,
-    _chunk_layout,
-    _dequantize,
-    _fetch_chunk,
-    _row_scales,
-    _stage_chunk,
-    _stage_rope,
-    _tile_words,
-    _widen_staged,
-)
+from mla.providers.gluon.ds_mla_staged import heads_staged_producer
+from mla.providers.gluon.ds_mla_words import CHUNK, _dequantize, _fetch_chunk
 from mla.providers.gluon.kernels import (
     _id_limit,
     _key_operand,
@@ -152,93 +144,6 @@ def _producer(
         row, ok = nrow, nok
     # No copy of these threads outlives the program.
     async_copy.commit_group()
-    async_copy.wait_group(0)
-
-
-@gluon.jit
-def _stage_half(
-    words, rope_dst, id_slot, empty_bar, phase, kv_row, ok, live, HALF: gl.constexpr, L: gl.constexpr,
-    R: gl.constexpr,
-):  # fmt: skip
-    """Half ``HALF`` of a tile's copies into its ring slot (``words``: the slot's
-    :data:`.ds_mla_words.STAGED_WORDS` view), once its warpgroup freed that half (``empty_bar``
-    at ``phase``): chunks ``2·HALF`` and ``2·HALF + 1``, one commit group each; the first half
-    also writes the tile's key words into ``id_slot``, the second puts the rope copies into the
-    last chunk's group. Not ``live`` (no such tile): no wait and no copy, the groups committed
-    empty."""
-    if live:
-        mbarrier.wait(empty_bar, phase)
-        if HALF == 0:
-            id_slot.store(gl.where(ok, 0, -1))
-    _stage_chunk(words, kv_row, ok, live, 2 * HALF)
-    if HALF == 1:  # noqa: SIM102 (HALF is a constexpr: this if is resolved at compile time)
-        if live:
-            _stage_rope(rope_dst, kv_row, ok, L, R)
-    _stage_chunk(words, kv_row, ok, live, 2 * HALF + 1)
-
-
-@gluon.jit
-def _widen_and_announce(words, lat, scale, ready, s, C: gl.constexpr):
-    """Chunk ``C`` of ring slot ``s`` dequantized in place (:func:`.ds_mla_words._widen_staged`;
-    its group has landed) and announced on ``ready[s·CHUNKS + C]``."""
-    _widen_staged(words, lat, scale, C)
-    mbarrier.arrive(ready.index(s * CHUNKS + C))
-
-
-@gluon.jit
-def _staged_producer(
-    kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring, ready, empty,
-    L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-):  # fmt: skip
-    """The staged producer partition: tile ``t``'s fp8 bytes land by ``cp.async`` inside its own
-    bf16 ring slot (chunk ``c`` in the first half of the 16 KB its bf16 values take) and are
-    dequantized there chunk by chunk as their groups land. Tile ``t + 1``'s copies go out half by
-    half as the two warpgroups free the slot of tile ``t - 1``: the first half after this tile's
-    chunk 1, the second after its chunk 3, so up to a tile of bytes is in flight while the
-    producer dequantizes. Token ids are loaded two tiles ahead, scales one tile ahead (plain
-    loads, in registers)."""
-    rows: gl.constexpr = gl.SliceLayout(1, _chunk_layout(PRODUCER_WARPS))
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
-    row = kv_ptr + ids.to(gl.int64) * stride_kv
-    nids, nok = _tile_ids(index_base, lo, hi, 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
-    s0, s1, s2, s3 = _row_scales(row, ok, L)
-    live = n_tiles > 0
-    words = _tile_words(lat_ring.index(0))
-    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty.index(0), 0, row, ok, live, 0, L, R)
-    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty.index(1), 0, row, ok, live, 1, L, R)
-    # Groups in flight at the top of tile t: its chunks 0..3 (and, at t = 0, the query's, older).
-    for t in range(n_tiles):
-        s = t % NUM_STAGES
-        u = (t + 1) % NUM_STAGES
-        next_phase = ((t + 1) // NUM_STAGES) & 1
-        next_live = t + 1 < n_tiles
-        nrow = kv_ptr + nids.to(gl.int64) * stride_kv
-        nnids, nnok = _tile_ids(index_base, lo, hi, t + 2, id_limit, BLOCK_N, rows, PAGE_SIZE)
-        lat = lat_ring.index(s)
-        words = _tile_words(lat)
-        next_words = _tile_words(lat_ring.index(u))
-        async_copy.wait_group(3)
-        _widen_and_announce(words, lat, s0, ready, s, 0)
-        async_copy.wait_group(2)
-        _widen_and_announce(words, lat, s1, ready, s, 1)
-        _stage_half(
-            next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2), next_phase, nrow, nok,
-            next_live, 0, L, R,
-        )  # fmt: skip
-        n0, n1, n2, n3 = _row_scales(nrow, nok, L)
-        # In flight: chunks 2 and 3, then the next tile's 0 and 1.
-        async_copy.wait_group(3)
-        _widen_and_announce(words, lat, s2, ready, s, 2)
-        async_copy.wait_group(2)
-        _widen_and_announce(words, lat, s3, ready, s, 3)
-        _stage_half(
-            next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2 + 1), next_phase, nrow, nok,
-            next_live, 1, L, R,
-        )  # fmt: skip
-        s0, s1, s2, s3 = n0, n1, n2, n3
-        nids, nok = nnids, nnok
-    # No copy of these threads outlives the program.
     async_copy.wait_group(0)
 
 
@@ -415,7 +320,7 @@ def mla_decode_ds_mla_heads_kernel(
     """``fp8_ds_mla`` rows (``kv_ptr`` an fp8 view of the byte rows), 64 packed query rows a
     program; operands and work items as :func:`.pingpong.mla_decode_pingpong_kernel`'s
     (``kv_scale_ptr`` unused: the rows carry their scales). ``STAGED``: the staged producer
-    (:func:`_staged_producer`) in place of the register one (:func:`_producer`)."""
+    (:func:`.ds_mla_staged.heads_staged_producer`) in place of the register one (:func:`_producer`)."""
     BLOCK_M: gl.constexpr = 64
     gl.static_assert(num_warps == PRODUCER_WARPS, "the launch's warps are the producer")
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ N of the scores warpgroup)")
@@ -484,7 +389,7 @@ def mla_decode_ds_mla_heads_kernel(
     gl.warp_specialize(
         [
             (
-                _staged_producer if STAGED else _producer,
+                heads_staged_producer if STAGED else _producer,
                 (
                     kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring, ready,
                     empty, L, R, BLOCK_N, PAGE_SIZE,

@@ -43,7 +43,7 @@ rows (query 36 KB, ``Pᵀ`` 4 KB) the rings are shaped for the larger query (``R
 program per SM.
 
 With ``STAGED`` (:attr:`~.planner.GluonKernel.DS_MLA_STAGED`, taken where a launch names it)
-the producer is :func:`_staged_producer`: no fp8 chunk ring and no id ring
+the producer is :func:`.ds_mla_staged.rows_staged_producer`: no fp8 chunk ring and no id ring
 (:data:`STAGED_RINGS`, about 164 KB at 16 rows); each tile's fp8 bytes land by ``cp.async``
 inside its own bf16 tile, chunk by 128-column chunk, and are dequantized there, so the next
 tile's bytes are in flight while one is dequantized.
@@ -69,17 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.ds_mla_words import (
-    CHUNK as COLUMN_CHUNK,
-)
-from mla.providers.gluon.ds_mla_words import (
-    _chunk_layout,
-    _row_scales,
-    _stage_chunk,
-    _stage_rope,
-    _tile_words,
-    _widen_staged,
-)
+from mla.providers.gluon.ds_mla_staged import rows_staged_producer
 from mla.providers.gluon.kernels import (
     _id_limit,
     _issue_ids,
@@ -91,7 +81,6 @@ from mla.providers.gluon.kernels import (
     _query_copy,
     _row_info,
     _scales,
-    _tile_ids,
     _wait_for_previous,
     _widen_ds_mla,
     _work_item,
@@ -244,75 +233,6 @@ def _producer(
 
 
 @gluon.jit
-def _stage_tile(words, rope_dst, kv_row, ok, live, L: gl.constexpr, R: gl.constexpr):
-    """A tile's copies into its bf16 tile (``words``: its :data:`.ds_mla_words.STAGED_WORDS`
-    view) and rope tile: its four latent chunks, one commit group each, the rope lanes in the
-    last chunk's group; not ``live`` (no such tile): the groups committed empty."""
-    for c in gl.static_range(L // COLUMN_CHUNK):
-        if c == L // COLUMN_CHUNK - 1:  # noqa: SIM102 (c is a constexpr: this if is resolved at compile time)
-            if live:
-                _stage_rope(rope_dst, kv_row, ok, L, R)
-        _stage_chunk(words, kv_row, ok, live, c)
-
-
-@gluon.jit
-def _staged_producer(
-    kv_ptr, index_base, lo, hi, id_limit, stride_kv, wide, rope_ring, wide_ready, wide_free, rope_free,
-    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, OVERLAP: gl.constexpr,
-):  # fmt: skip
-    """The staged producer partition (``STAGED``): tile ``t``'s fp8 bytes land by ``cp.async``
-    inside bf16 tile ``t % 2`` (chunk ``c`` in the first half of the 16 KB its bf16 values take)
-    and are dequantized there chunk by chunk as their groups land; the tile is announced on
-    ``wide_ready`` after its last chunk. Tile ``t + 1`` goes out into the tiles of ``t - 1`` once
-    the MMA freed them (``wide_free``, ``rope_free``): after tile ``t``'s first two chunks, or,
-    with ``OVERLAP`` (whose MMA frees tile ``t - 1`` only once tile ``t`` is announced), after
-    tile ``t``'s announcement. Token ids are loaded two tiles ahead, scales one tile ahead."""
-    rows: gl.constexpr = gl.SliceLayout(1, _chunk_layout(gl.num_warps()))
-    CHUNKS: gl.constexpr = L // COLUMN_CHUNK
-    ISSUE_AT: gl.constexpr = CHUNKS if OVERLAP else CHUNKS // 2
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
-    row = kv_ptr + ids.to(gl.int64) * stride_kv
-    nids, nok = _tile_ids(index_base, lo, hi, 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
-    s0, s1, s2, s3 = _row_scales(row, ok, L)
-    live = n_tiles > 0
-    if live:
-        mbarrier.wait(wide_free.index(0), 0)
-        mbarrier.wait(rope_free.index(0), 0)
-    _stage_tile(_tile_words(wide.index(0)), rope_ring.index(0), row, ok, live, L, R)
-    for t in range(n_tiles):
-        s = t % 2
-        u = (t + 1) % 2
-        next_live = t + 1 < n_tiles
-        nrow = kv_ptr + nids.to(gl.int64) * stride_kv
-        nnids, nnok = _tile_ids(index_base, lo, hi, t + 2, id_limit, BLOCK_N, rows, PAGE_SIZE)
-        k_lat = wide.index(s)
-        words = _tile_words(k_lat)
-        scales = (s0, s1, s2, s3)
-        for c in gl.static_range(CHUNKS):
-            if c == ISSUE_AT:
-                # Tile t + 1 into the tiles of t - 1, freed by the MMA.
-                if next_live:
-                    mbarrier.wait(wide_free.index(u), ((t + 1) // 2) & 1)
-                    mbarrier.wait(rope_free.index(u), ((t + 1) // 2) & 1)
-                _stage_tile(_tile_words(wide.index(u)), rope_ring.index(u), nrow, nok, next_live, L, R)
-                s0, s1, s2, s3 = _row_scales(nrow, nok, L)
-            # In flight: this tile's chunks c.., and the next tile's after ISSUE_AT.
-            async_copy.wait_group(CHUNKS - 1 - c + (CHUNKS if c >= ISSUE_AT else 0))
-            _widen_staged(words, k_lat, scales[c], c)
-        mbarrier.arrive(wide_ready.index(s))
-        if ISSUE_AT == CHUNKS:
-            if next_live:
-                mbarrier.wait(wide_free.index(u), ((t + 1) // 2) & 1)
-                mbarrier.wait(rope_free.index(u), ((t + 1) // 2) & 1)
-            _stage_tile(_tile_words(wide.index(u)), rope_ring.index(u), nrow, nok, next_live, L, R)
-            s0, s1, s2, s3 = _row_scales(nrow, nok, L)
-        nids, nok = nnids, nnok
-    # No copy of these threads outlives the program.
-    async_copy.wait_group(0)
-
-
-@gluon.jit
 def _scores(q_nope_smem, q_pe_smem, wide, rope_ring, wide_ready, s_zero, t, WIDE_SLOTS: gl.constexpr,
             ROPE_SLOTS: gl.constexpr):  # fmt: skip
     """Wait for bf16 tile ``t`` and issue ``Sᵀ = K·Qᵀ`` over its latent and rope parts (two
@@ -420,61 +340,17 @@ def _mma_partition(
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
 @gluon.jit(do_not_specialize=["num_splits"])
 def mla_decode_ds_mla_kernel(
-    q_nope_ptr,
-    q_pe_ptr,
-    kv_ptr,
-    kv_indptr_ptr,
-    kv_indices_ptr,
-    qo_indptr_ptr,
-    work_info_ptr,
-    split_indptr_ptr,
-    out_ptr,
-    lse_ptr,
-    part_o_ptr,
-    part_lse_ptr,
-    kv_scale_ptr,
-    num_splits,
-    stride_qn_t,
-    stride_qn_h,
-    stride_qp_t,
-    stride_qp_h,
-    stride_kv,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_lse_h,
-    stride_po_w,
-    stride_po_q,
-    stride_po_h,
-    stride_pl_w,
-    stride_pl_q,
-    sm_scale_log2,
-    num_kv_rows,
-    stride_bt,
-    row_request_ptr,
-    lengths_ptr,
-    H: gl.constexpr,
-    L: gl.constexpr,
-    R: gl.constexpr,
-    NR: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    CHUNK: gl.constexpr,
-    FP8_SLOTS: gl.constexpr,
-    ROPE_SLOTS: gl.constexpr,
-    WIDE_SLOTS: gl.constexpr,
-    MMA_REGS: gl.constexpr,
-    OVERLAP: gl.constexpr,
-    ROW_BLOCKS: gl.constexpr,
-    MODE: gl.constexpr,
-    UNIT_QLEN: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
-    PAGE_SIZE: gl.constexpr,
-    ROW_MAP: gl.constexpr,
-    HAS_LENGTHS: gl.constexpr,
-    PDL: gl.constexpr,
-    STAGED: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+    q_nope_ptr, q_pe_ptr, kv_ptr, kv_indptr_ptr, kv_indices_ptr, qo_indptr_ptr, work_info_ptr,
+    split_indptr_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_scale_ptr, num_splits, stride_qn_t,
+    stride_qn_h, stride_qp_t, stride_qp_h, stride_kv, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2, num_kv_rows,
+    stride_bt, row_request_ptr, lengths_ptr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    NR: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, FP8_SLOTS: gl.constexpr,
+    ROPE_SLOTS: gl.constexpr, WIDE_SLOTS: gl.constexpr, MMA_REGS: gl.constexpr, OVERLAP: gl.constexpr,
+    ROW_BLOCKS: gl.constexpr, MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, ROW_MAP: gl.constexpr, HAS_LENGTHS: gl.constexpr, PDL: gl.constexpr,
+    STAGED: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
     """``fp8_ds_mla`` decode of ``NR`` packed query rows per program (module docstring). ``kv_ptr``:
     the cache's byte rows as e4m3 (``[rows, L + 4·L/128 + 2·R]``); q bf16; ``kv_scale_ptr`` unused
     (the rows carry their scales). Launched with ``num_warps`` producer warps."""
@@ -554,7 +430,7 @@ def mla_decode_ds_mla_kernel(
         gl.warp_specialize(
             [
                 (
-                    _staged_producer,
+                    rows_staged_producer,
                     (
                         kv_ptr, index_base, lo, hi, _id_limit(num_kv_rows, PAGE_SIZE), stride_kv, wide,
                         rope_ring, wide_ready, wide_free, rope_free, L, R, PAGE_SIZE, OVERLAP,
