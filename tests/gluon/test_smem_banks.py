@@ -116,3 +116,40 @@ def test_staged_fp8_ds_mla_chunks_use_every_bank(tmp_path: pathlib.Path) -> None
     spend one a wavefront."""
     # {(warps, staged): (excess accesses a load wavefront, a store wavefront)}
     assert _banks(tmp_path, STAGED_SCRIPT) == {(4, 0): (0, 1), (4, 1): (0, 0), (8, 0): (0, 1), (8, 1): (0, 0)}
+
+
+VT_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from mla.providers.gluon.prefill_fp8_parts import FP8_TILE_LAYOUT, _pv_key_order, _vt_layout
+    from mla.providers.gluon.prefill_fp8_split import _vt_load_layout
+    from mla.testing.triton_driver import stand_in_driver
+
+    @gluon.jit
+    def probe(x_ptr, KEYS: gl.constexpr):
+        ld: gl.constexpr = _vt_load_layout(KEYS, 64, 4)
+        v_box = gl.allocate_shared_memory(gl.float8e4nv, [KEYS, 64], FP8_TILE_LAYOUT)
+        vt_rows = gl.allocate_shared_memory(gl.float8e4nv, [64, KEYS], _vt_layout(KEYS))
+        v = v_box.load(ld)
+        vt = _pv_key_order(gl.permute(v, (1, 0)))
+        loads: gl.constexpr = gl.bank_conflicts(v.type, v_box.type)
+        gl.static_print("banks", KEYS, loads, gl.bank_conflicts(vt.type, vt_rows.type))
+        vt_rows.store(vt)
+
+    with stand_in_driver(compile_kernels=True):
+        for keys in (64, 128):
+            probe[(1,)](torch.zeros(4), keys, num_warps=4)
+    """
+)
+
+
+def test_fp8_prefill_v_transpose_banks(tmp_path: pathlib.Path) -> None:
+    """The fp8 split prefill's V transpose (:func:`mla.providers.gluon.prefill_fp8_split.
+    _transpose_v_split`): a 64-lane box of the V landing tile read in
+    :func:`~mla.providers.gluon.prefill_fp8_split._vt_load_layout` and stored, in ``P·V``'s key
+    order, into the V^T rows. At 128 keys (the launch's tiles) the stores spend one excess access
+    a wavefront; the 64-key layout, whose lanes step the value lanes 16, three."""
+    # {keys: (excess accesses a load wavefront, a store wavefront)}
+    assert _banks(tmp_path, VT_SCRIPT) == {(64,): (1, 3), (128,): (1, 1)}

@@ -73,13 +73,24 @@ def _vt_load_layout(keys, lanes, warps):
     """The producer's register layout of a ``[keys, lanes]`` V box for :func:`_transpose_v_split`:
     4 value lanes of 4 keys a thread, keys ``n, n+1, n+8, n+9`` (which
     :func:`.prefill_fp8_parts._pv_key_order` makes 4 consecutive places): 32-bit loads along
-    the lanes and 32-bit stores along the keys of the V^T tile."""
+    the lanes and 32-bit stores along the keys of the V^T tile.
+
+    At 128 keys the lanes step keys 2, 4 and 16 and value lanes 4 and 8 (the value lanes 16 and
+    32 are register bits): a quarter warp's 8 stores reach 16 banks of the 128-byte-swizzled V^T
+    rows, where lanes stepping value lanes 16 reached 8 (Gluon's bank model: one excess access a
+    store wavefront against three; the loads spend one either way, key bit 0 being a register
+    bit that picks the bank half of a 64-byte row)."""
     assert keys in (64, 128), keys
     assert lanes == 64, lanes
     assert warps == 4, warps  # (the warp bases below split the keys in four)
-    regs = [[1, 0], [8, 0], [0, 1], [0, 2], [0, 32]] + ([[64, 0]] if keys == 128 else [])
-    threads = [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
-    warp_bases = [[16, 0], [32, 0]]
+    if keys == 128:
+        regs = [[1, 0], [8, 0], [0, 1], [0, 2], [0, 16], [0, 32]]
+        threads = [[2, 0], [4, 0], [0, 4], [0, 8], [16, 0]]
+        warp_bases = [[32, 0], [64, 0]]
+    else:
+        regs = [[1, 0], [8, 0], [0, 1], [0, 2], [0, 32]]
+        threads = [[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]]
+        warp_bases = [[16, 0], [32, 0]]
     return gl.DistributedLinearLayout(regs, threads, warp_bases, [], [keys, lanes])
 
 
