@@ -168,12 +168,12 @@ SPARSE_GOLDEN = """
     H32  R16   rows         32 x8
     H32  R64   rows         32 x2
     H32  R256  rows         32 x1
-    H64  R1    row64        64 x8
-    H64  R16   row64        64 x8
-    H64  R64   row64        64 x2
+    H64  R1    ds_mla_heads 64 x8
+    H64  R16   ds_mla_heads 64 x8
+    H64  R64   ds_mla_heads 64 x2
     H64  R256  ds_mla_heads 64 x1
-    H128 R1    row64        64 x8
-    H128 R16   row64        64 x4
+    H128 R1    ds_mla_heads 64 x8
+    H128 R16   ds_mla_heads 64 x4
     H128 R64   ds_mla_heads 64 x1
     H128 R256  ds_mla_heads 64 x1
 """

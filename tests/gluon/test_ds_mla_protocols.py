@@ -18,9 +18,7 @@ import pytest
 
 Op = tuple[str, str, int]
 """``("wait", barrier, i)``: wait for the barrier's ``i``-th completed phase (0-based);
-``("arrive", barrier, 0)``; ``("inc", barrier, i)``: a ``cp.async`` arrival counted on the
-barrier's phase ``i`` (it adds to that phase's expected arrivals and completes later: it needs
-the barrier to be in phase ``i`` when issued)."""
+``("arrive", barrier, 0)``."""
 
 
 class Barrier:
@@ -54,8 +52,6 @@ def run(partitions: dict[str, Iterator[Op]], barriers: dict[str, Barrier], seed:
         kind, bar, phase = current[name]  # type: ignore[misc]
         if kind == "wait":
             assert barriers[bar].completed == phase + 1, f"{name}: {bar} phase {phase} served by a later one"
-        elif kind == "inc":
-            assert barriers[bar].completed == phase, f"{name}: {bar} counted on a later phase"
         else:
             barriers[bar].arrive()
         current[name] = next(partitions[name], None)
@@ -65,21 +61,9 @@ def run(partitions: dict[str, Iterator[Op]], barriers: dict[str, Barrier], seed:
 
 
 def heads_producer(n: int) -> Iterator[Op]:
-    for t in range(n):
-        s, i = t % 2, t // 2
-        yield ("wait", f"empty{s}.0", i)
-        yield ("arrive", f"ready{s}.0", 0)
-        yield ("arrive", f"ready{s}.1", 0)
-        yield ("wait", f"empty{s}.1", i)
-        yield ("inc", f"ready{s}.3", i)  # the rope copies
-        yield ("arrive", f"ready{s}.2", 0)
-        yield ("arrive", f"ready{s}.3", 0)
-
-
-def heads_staged_producer(n: int) -> Iterator[Op]:
-    """The staged producer (``STAGED``): tile ``t + 1``'s halves are copied into the slot of tile
-    ``t - 1`` after this tile's chunk 1 and chunk 3 (the rope lanes in chunk 3's commit group,
-    which the producer waits for itself: no ``cp.async`` arrival)."""
+    """Tile ``t + 1``'s halves are copied into the slot of tile ``t - 1`` after this tile's chunk
+    1 and chunk 3 (each half once its warpgroup freed it); the rope lanes travel in chunk 3's
+    commit group, which the producer waits for itself before its arrival."""
     if n > 0:
         yield ("wait", "empty0.0", 0)
         yield ("wait", "empty0.1", 0)
@@ -93,9 +77,6 @@ def heads_staged_producer(n: int) -> Iterator[Op]:
         yield ("arrive", f"ready{s}.3", 0)
         if t + 1 < n:
             yield ("wait", f"empty{u}.1", i)
-
-
-PRODUCERS = {"registers": heads_producer, "staged": heads_staged_producer}
 
 
 def heads_scores(n: int) -> Iterator[Op]:
@@ -125,25 +106,23 @@ def heads_barriers() -> dict[str, Barrier]:
     return bars
 
 
-@pytest.mark.parametrize("producer", PRODUCERS)
 @pytest.mark.parametrize("tiles", [0, 1, 2, 3, 5, 8])
-def test_ds_mla_heads_protocol_completes(tiles: int, producer: str) -> None:
+def test_ds_mla_heads_protocol_completes(tiles: int) -> None:
     for seed in range(200):
         partitions = {
-            "producer": PRODUCERS[producer](tiles),
+            "producer": heads_producer(tiles),
             "scores": heads_scores(tiles),
             "output": heads_output(tiles),
         }
         run(partitions, heads_barriers(), seed)
 
 
-@pytest.mark.parametrize("producer", PRODUCERS)
-def test_the_model_finds_an_overrun_and_a_missing_free(producer: str) -> None:
+def test_the_model_finds_an_overrun_and_a_missing_free() -> None:
     """The model's own check: a producer that fills a slot before its readers freed it (no wait
     for ``empty``) is caught, and so is a scores warpgroup that never frees ``P``."""
 
     def eager_producer(n: int) -> Iterator[Op]:
-        for op in PRODUCERS[producer](n):
+        for op in heads_producer(n):
             if op[0] != "wait":
                 yield op
 
@@ -163,79 +142,5 @@ def test_the_model_finds_an_overrun_and_a_missing_free(producer: str) -> None:
             caught.append(str(error))
     assert caught
     with pytest.raises(AssertionError, match="deadlock"):
-        run({"producer": PRODUCERS[producer](3), "scores": heads_scores(3),
+        run({"producer": heads_producer(3), "scores": heads_scores(3),
              "output": output_without_free(3)}, heads_barriers(), 0)  # fmt: skip
-
-
-# -- ds_mla_rows, staged producer ---------------------------------------------------------------
-
-
-def rows_staged_producer(n: int, *, issue_mid_tile: bool) -> Iterator[Op]:
-    """The staged producer of :mod:`mla.providers.gluon.ds_mla_rows` (``STAGED``): tile ``t + 1``
-    into the tiles of ``t - 1`` once the MMA freed both, after tile ``t``'s first two chunks
-    (``issue_mid_tile``, without ``OVERLAP``) or after tile ``t``'s announcement (``OVERLAP``)."""
-    if n > 0:
-        yield ("wait", "wide_free0", 0)
-        yield ("wait", "rope_free0", 0)
-
-    def issue_next(t: int) -> Iterator[Op]:
-        if t + 1 < n:
-            u, i = (t + 1) % 2, (t + 1) // 2
-            yield ("wait", f"wide_free{u}", i)
-            yield ("wait", f"rope_free{u}", i)
-
-    for t in range(n):
-        if issue_mid_tile:
-            yield from issue_next(t)
-        yield ("arrive", f"wide_ready{t % 2}", 0)
-        if not issue_mid_tile:
-            yield from issue_next(t)
-
-
-def rows_mma(n: int, *, overlap: bool) -> Iterator[Op]:
-    """The MMA warpgroup of :mod:`mla.providers.gluon.ds_mla_rows` with two bf16 and two rope
-    tiles: serial, or with ``OVERLAP`` (tile ``t``'s bf16 tile freed once tile ``t + 1``'s
-    ``QKᵀ`` is in flight)."""
-    if not overlap:
-        for t in range(n):
-            yield ("wait", f"wide_ready{t % 2}", t // 2)
-            yield ("arrive", f"rope_free{t % 2}", 0)
-            yield ("arrive", f"wide_free{t % 2}", 0)
-        return
-    if n > 0:
-        yield ("wait", "wide_ready0", 0)
-        yield ("arrive", "rope_free0", 0)
-        for t in range(n - 1):
-            yield ("wait", f"wide_ready{(t + 1) % 2}", (t + 1) // 2)
-            yield ("arrive", f"wide_free{t % 2}", 0)
-            yield ("arrive", f"rope_free{(t + 1) % 2}", 0)
-        yield ("arrive", f"wide_free{(n - 1) % 2}", 0)
-
-
-def rows_barriers() -> dict[str, Barrier]:
-    bars = {f"{name}{w}": Barrier() for name in ("wide_ready", "wide_free", "rope_free") for w in range(2)}
-    for w in range(2):
-        bars[f"wide_free{w}"].arrive()
-        bars[f"rope_free{w}"].arrive()
-    return bars
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 5, 8])
-def test_ds_mla_rows_staged_protocol_completes(tiles: int, overlap: bool) -> None:
-    """The kernel's pairing: mid-tile issue without ``OVERLAP``, issue after the announcement
-    with it."""
-    for seed in range(200):
-        partitions = {
-            "producer": rows_staged_producer(tiles, issue_mid_tile=not overlap),
-            "mma": rows_mma(tiles, overlap=overlap),
-        }
-        run(partitions, rows_barriers(), seed)
-
-
-def test_a_mid_tile_issue_deadlocks_the_overlapped_mma() -> None:
-    """Why the staged producer issues the next tile only after announcing this one under
-    ``OVERLAP``: the overlapped MMA frees tile ``t - 1`` only once tile ``t`` is announced."""
-    with pytest.raises(AssertionError, match="deadlock"):
-        run({"producer": rows_staged_producer(3, issue_mid_tile=True), "mma": rows_mma(3, overlap=True)},
-            rows_barriers(), 0)  # fmt: skip

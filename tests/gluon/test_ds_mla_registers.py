@@ -41,12 +41,11 @@ SCRIPT = textwrap.dedent(
 
     RANK, ROPE = 512, 64
     heads, overlap = int(sys.argv[1]), sys.argv[2] == "overlap"
-    kernel = GluonKernel.DS_MLA_STAGED if sys.argv[3:] == ["staged"] else GluonKernel.DS_MLA
     rows = 256  # the sparse benchmark's B128 q2: one qlen-1 request per row
     config = launch_config(
         batch=rows, rows=heads, max_seqlen_k=2048, num_sms=132, persistent=False, kv_fp8=True,
         ds_mla=True)
-    config = attrs.evolve(config, kernel=kernel, overlap=overlap)
+    config = attrs.evolve(config, kernel=GluonKernel.DS_MLA, overlap=overlap)
     call = SparseAttentionCall(
         q=torch.zeros(rows, heads, RANK + ROPE, dtype=torch.bfloat16),
         kv_cache=torch.zeros(4096, 656, dtype=torch.uint8),
@@ -60,33 +59,26 @@ SCRIPT = textwrap.dedent(
 )
 
 
-CASES = [(16, False, False), (16, True, False), (32, True, False), (16, False, True), (16, True, True),
-         (32, False, True)]  # fmt: skip
-"""``(heads, overlap, staged producer)``."""
+CASES = [(16, False), (16, True), (32, True)]
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
     """Every launch compiled, in one process (one import of torch and Triton)."""
     cases = {
-        f"{heads}-{overlap}-{staged}": [
-            str(heads),
-            "overlap" if overlap else "serial",
-            "staged" if staged else "rings",
-        ]
-        for heads, overlap, staged in CASES
+        f"{heads}-{overlap}": [str(heads), "overlap" if overlap else "serial"] for heads, overlap in CASES
     }
     return compile_cases(SCRIPT, cases, tmp_path_factory.mktemp("ds-mla"))
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize(("heads", "overlap", "staged"), CASES)
+@pytest.mark.parametrize(("heads", "overlap"), CASES)
 def test_ds_mla_kernel_has_no_spills_and_fits(
-    heads: int, overlap: bool, staged: bool, compiled: dict[str, Compiled], cuobjdump: str
+    heads: int, overlap: bool, compiled: dict[str, Compiled], cuobjdump: str
 ) -> None:
     from mla.providers.gluon import ds_mla_rows
 
-    case = compiled[f"{heads}-{overlap}-{staged}"]
+    case = compiled[f"{heads}-{overlap}"]
     config = case.stdout().strip().splitlines()[-1]
     (cubin,) = glob.glob(f"{case.cache_dir}/*/mla_decode_ds_mla_kernel.cubin")
     stack, usage = resource_usage(cubin, cuobjdump)
@@ -100,44 +92,33 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     # The MMA warpgroup asks for its budget (the producer gets the rest of the register file).
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {regs:#x}\b", sass), config
     shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
-    own = ds_mla_rows.shared_bytes(heads, ds_mla_rows.STAGED_RINGS if staged else ds_mla_rows.RINGS[heads])
+    own = ds_mla_rows.shared_bytes(heads, ds_mla_rows.RINGS[heads])
     assert own <= shared <= min(own + COMPILER_SHARED, MAX_SHARED), (config, shared, own)
 
 
-HEADS_SCRIPT = SCRIPT.replace(
-    "config = attrs.evolve(config, kernel=kernel, overlap=overlap)",
-    "config = attrs.evolve(config, kernel=GluonKernel.DS_MLA_STAGED) if sys.argv[2] == 'staged' else config",
-)
-
-
-HEADS_PRODUCERS = {"registers": "DS_MLA_HEADS", "staged": "DS_MLA_STAGED"}
-"""The 64-row kernel's producers, by the kernel a launch names for each."""
+HEADS_SCRIPT = SCRIPT.replace("config = attrs.evolve(config, kernel=GluonKernel.DS_MLA, overlap=overlap)", "")
 
 
 @pytest.fixture(scope="module")
-def compiled_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compiled]:
-    """The launch the planner picks for 128 heads (the 64-row ``fp8_ds_mla`` kernel), and the
-    same launch with the staged producer."""
-    cases = {"registers": ["128", "serial"], "staged": ["128", "staged"]}
-    return compile_cases(HEADS_SCRIPT, cases, tmp_path_factory.mktemp("ds-mla-heads"))
+def compiled_heads(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
+    """The launch the planner picks for 128 heads (the 64-row ``fp8_ds_mla`` kernel)."""
+    cases = {"h128": ["128", "serial"]}
+    return compile_cases(HEADS_SCRIPT, cases, tmp_path_factory.mktemp("ds-mla-heads"))["h128"]
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("producer", HEADS_PRODUCERS)
-def test_ds_mla_heads_kernel_keeps_its_register_budgets(
-    producer: str, compiled_heads: dict[str, Compiled], cuobjdump: str
-) -> None:
+def test_ds_mla_heads_kernel_keeps_its_register_budgets(compiled_heads: Compiled, cuobjdump: str) -> None:
     """:mod:`mla.providers.gluon.ds_mla_heads` at 128 heads: each warpgroup asks for its
     ``setmaxnreg`` budget (when one partition needs more than its budget, ptxas drops every
     ``setmaxnreg`` and the whole program runs at 168 registers a thread, which spilled 368 bytes),
     next to no stack (a few bytes of the producer's), no wgmma register hazards, the shared
-    memory within a block's, and the producer's conversions after its wait for the ring slot."""
+    memory within a block's, the producer's conversions after its wait for the ring slot, and its
+    staged chunks read back before the barrier that precedes their bf16 stores."""
     from mla.providers.gluon import ds_mla_heads
 
-    case = compiled_heads[producer]
-    config = case.stdout().strip().splitlines()[-1]
-    assert f"{HEADS_PRODUCERS[producer]}:" in config, config
-    (cubin,) = glob.glob(f"{case.cache_dir}/*/mla_decode_ds_mla_heads_kernel.cubin")
+    config = compiled_heads.stdout().strip().splitlines()[-1]
+    assert "DS_MLA_HEADS" in config, config
+    (cubin,) = glob.glob(f"{compiled_heads.cache_dir}/*/mla_decode_ds_mla_heads_kernel.cubin")
     stack, usage = resource_usage(cubin, cuobjdump)
     assert stack <= 16, f"{config}: {usage.strip()}"
     sass = sass_of(cubin, cuobjdump)
@@ -147,14 +128,13 @@ def test_ds_mla_heads_kernel_keeps_its_register_budgets(
     shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
     assert shared <= MAX_SHARED, shared
     # The producer's first e4m3 conversion comes after its first wait on a ring slot's barrier.
-    code = sass[sass.rindex("USETMAXREG.DEALLOC") :]
-    assert code.index("SYNCS.PHASECHK") < code.index("F2FP.F16.E4M3.UNPACK_B"), config
-    if producer == "staged":
-        # Its chunks land as 16-byte copies; each chunk's words are read back (16-byte loads)
-        # before the producer's warps meet, and its bf16 values written (16-byte stores) after.
-        assert "LDGSTS.E.BYPASS.128" in code, config
-        first_store = code.index("STS.128")
-        assert code.index("LDS.128") < code.rindex("BAR.SYNC", 0, first_store) < first_store, config
+    producer = sass[sass.rindex("USETMAXREG.DEALLOC") :]
+    assert producer.index("SYNCS.PHASECHK") < producer.index("F2FP.F16.E4M3.UNPACK_B"), config
+    # Its chunks land as 16-byte copies; each chunk's words are read back (16-byte loads) before
+    # the producer's warps meet, and its bf16 values written (16-byte stores) after.
+    assert "LDGSTS.E.BYPASS.128" in producer, config
+    first_store = producer.index("STS.128")
+    assert producer.index("LDS.128") < producer.rindex("BAR.SYNC", 0, first_store) < first_store, config
 
 
 def test_ring_shapes_fit_and_never_deadlock() -> None:

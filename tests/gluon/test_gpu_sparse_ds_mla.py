@@ -125,14 +125,9 @@ CASES = [(1, 1, 16), (1, 2, 16), (128, 1, 16), (128, 2, 16), (4, 2, 8), (3, 1, 3
 VARIANTS = ["auto", "direct", "splits3", "overlap", "overlap-splits3"]
 
 
-@pytest.mark.parametrize("kernel", ["ds_mla", "ds_mla_staged"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("batch", "qlen", "heads"), CASES, ids=[f"b{b}-q{q}-h{h}" for b, q, h in CASES])
-def test_ds_mla_kernel_matches_the_reference(
-    batch: int, qlen: int, heads: int, variant: str, kernel: str
-) -> None:
-    """The kernel of :mod:`mla.providers.gluon.ds_mla_rows` (16 and 32 rows), with its fp8 chunk
-    ring or its staged producer (``ds_mla_staged``), in every launch variant."""
+def test_ds_mla_kernel_matches_the_reference(batch: int, qlen: int, heads: int, variant: str) -> None:
     from mla.providers.gluon.decode import sparse_decode
     from mla.providers.gluon.planner import GluonKernel, launch_config
     from mla.providers.triton.decode import num_sms
@@ -145,10 +140,10 @@ def test_ds_mla_kernel_matches_the_reference(
     )  # fmt: skip
     if heads <= 16:
         assert auto.kernel is GluonKernel.DS_MLA, auto
-    config = _variant(attrs.evolve(auto, kernel=GluonKernel(kernel)), variant)
+    config = _variant(attrs.evolve(auto, kernel=GluonKernel.DS_MLA), variant)
     sparse_decode(call, config=config)
     torch.cuda.synchronize()
-    _check(call, f"{kernel} {variant} {config}")
+    _check(call, f"ds_mla {variant} {config}")
 
 
 @pytest.mark.parametrize(("batch", "qlen"), [(1, 1), (128, 2)], ids=["b1-q1", "b128-q2"])
@@ -200,18 +195,14 @@ HEADS_CASES = [(1, 1, 128), (3, 2, 64), (128, 2, 128), (5, 1, 64), (2, 1, 48)]
 and 128 heads (one and two row blocks), and 48 heads (a row block's last rows unused)."""
 
 
-@pytest.mark.parametrize("kernel", ["ds_mla_heads", "ds_mla_staged"])
 @pytest.mark.parametrize("variant", ["auto", "direct", "splits3"])
 @pytest.mark.parametrize(
     ("batch", "qlen", "heads"), HEADS_CASES, ids=[f"b{b}-q{q}-h{h}" for b, q, h in HEADS_CASES]
 )
-def test_ds_mla_heads_kernel_matches_the_reference(
-    batch: int, qlen: int, heads: int, variant: str, kernel: str
-) -> None:
-    """The kernel of :mod:`mla.providers.gluon.ds_mla_heads` (a producer dequantizing from its
-    registers, a scores and an output warpgroup), and the same with its staged producer
-    (``ds_mla_staged``), with the launch heuristic's splits, one and three (direct outputs; fp32
-    partials and the reduce)."""
+def test_ds_mla_heads_kernel_matches_the_reference(batch: int, qlen: int, heads: int, variant: str) -> None:
+    """The kernel of :mod:`mla.providers.gluon.ds_mla_heads` (a producer dequantizing each tile
+    where its fp8 bytes landed, a scores and an output warpgroup) with the launch heuristic's
+    splits, one and three (direct outputs; fp32 partials and the reduce)."""
     from mla.providers.gluon.decode import sparse_decode
     from mla.providers.gluon.planner import GluonKernel, launch_config
     from mla.providers.triton.decode import num_sms
@@ -221,11 +212,10 @@ def test_ds_mla_heads_kernel_matches_the_reference(
         batch=batch * qlen, rows=heads, max_seqlen_k=TOPK, num_sms=num_sms(call.q.device), persistent=False,
         kv_fp8=True, ds_mla=True,
     )  # fmt: skip
-    # (the heuristic keeps split launches on the 64-row kernel: named here)
-    config = _variant(attrs.evolve(auto, kernel=GluonKernel(kernel)), variant)
+    config = _variant(attrs.evolve(auto, kernel=GluonKernel.DS_MLA_HEADS), variant)
     sparse_decode(call, config=config)
     torch.cuda.synchronize()
-    _check(call, f"{kernel} {config}")
+    _check(call, f"ds_mla_heads {config}")
 
 
 @pytest.mark.parametrize("heads", [16, 32, 64])
@@ -273,15 +263,12 @@ def _every_byte_cache(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, to
     return cache, values.view(rows, RANK).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kernel"), [(16, None), (128, None), (16, "ds_mla_staged"), (128, "ds_mla_staged")]
-)
-def test_ds_mla_dequantizes_every_e4m3_value_exactly(heads: int, kernel: str | None) -> None:
+@pytest.mark.parametrize("heads", [16, 128])
+def test_ds_mla_dequantizes_every_e4m3_value_exactly(heads: int) -> None:
     """A row whose list selects one cache row gets that row's dequantized latent as its output
     (softmax weight 1, the latent as V): exactly ``(value · scale).to(bf16)`` for every finite e4m3
     value and power-of-two scales from ``2^-40`` to ``2^7``, on the kernel the launch heuristic
-    picks (the 16-row ``fp8_ds_mla`` kernel at 16 heads, the 64-row one at 128) or the one named
-    (``kernel``: the staged producers)."""
+    picks (the 16-row ``fp8_ds_mla`` kernel at 16 heads, the 64-row one at 128)."""
     gen = torch.Generator().manual_seed(heads)
     rows = 64
     cache, expected = _every_byte_cache(rows, gen)
@@ -294,18 +281,7 @@ def test_ds_mla_dequantizes_every_e4m3_value_exactly(heads: int, kernel: str | N
         out=torch.full((rows, heads, RANK), math.nan, dtype=torch.bfloat16, device="cuda"),
         lse=None, kv_lora_rank=RANK, rope_dim=ROPE, softmax_scale=SCALE, kv_scale=None,
     )  # fmt: skip
-    if kernel is None:
-        get_provider("gluon").sparse_attention(call)
-    else:
-        from mla.providers.gluon.decode import sparse_decode
-        from mla.providers.gluon.planner import GluonKernel, launch_config
-        from mla.providers.triton.decode import num_sms
-
-        auto = launch_config(
-            batch=rows, rows=heads, max_seqlen_k=TOPK, num_sms=num_sms(call.q.device), persistent=False,
-            kv_fp8=True, ds_mla=True,
-        )  # fmt: skip
-        sparse_decode(call, config=attrs.evolve(auto, kernel=GluonKernel(kernel), num_splits=1))
+    get_provider("gluon").sparse_attention(call)
     got = call.out.cpu()
     want = expected[:, None, :].expand(rows, heads, RANK)
     wrong = (got.float() != want.float()).nonzero()  # (a -0 value comes out as +0: P·V starts from 0)

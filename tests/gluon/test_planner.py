@@ -88,9 +88,9 @@ def test_launch_config_examples() -> None:
     assert (ds32.kernel, ds32.num_stages) == (GluonKernel.ROWS, 2)
     ds64 = _cfg(batch=64, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
     assert (ds64.kernel, ds64.num_splits) == (GluonKernel.DS_MLA_HEADS, 1)
-    # ... and a 64-row launch that splits its key lists stays on the 64-row kernel
+    # ... split launches too
     split64 = _cfg(batch=16, rows=128, max_seqlen_k=2048, kv_fp8=True, ds_mla=True)
-    assert (split64.kernel, split64.num_splits) == (GluonKernel.ROW64, 4)
+    assert (split64.kernel, split64.num_splits) == (GluonKernel.DS_MLA_HEADS, 4)
     assert _cfg(batch=16, rows=128, max_seqlen_k=2048, persistent=True, kv_fp8=True, ds_mla=True).kernel is (
         GluonKernel.DS_MLA_HEADS
     )
@@ -129,28 +129,9 @@ def test_the_old_ds_mla_path_stays_selectable() -> None:
             check_config(config, kv_fp8=True, ds_mla=True)
 
 
-def test_the_staged_ds_mla_producer_is_taken_only_where_named() -> None:
-    """The 64-row ``fp8_ds_mla`` kernel's staged producer runs a launch that names it (one split
-    or many) and no launch the heuristic plans."""
-    for splits in (1, 3):
-        check_config(
-            GluonLaunchConfig(row_tile=64, kernel=GluonKernel.DS_MLA_STAGED, num_splits=splits),
-            kv_fp8=True, ds_mla=True,
-        )  # fmt: skip
-    for batch in (1, 16, 128):
-        for heads in (64, 128):
-            config = launch_config(
-                batch=batch, rows=heads, max_seqlen_k=2048, num_sms=132, persistent=False, kv_fp8=True,
-                ds_mla=True,
-            )  # fmt: skip
-            assert config.kernel is not GluonKernel.DS_MLA_STAGED, config
-
-
 REFUSALS = [
     (tile, wrong_tile, kernel, fp8, why)
-    for kernel, tile, wrong_tile in (
-        (GluonKernel.DS_MLA, 16, 64), (GluonKernel.DS_MLA_HEADS, 64, 32), (GluonKernel.DS_MLA_STAGED, 64, 128)
-    )
+    for kernel, tile, wrong_tile in ((GluonKernel.DS_MLA, 16, 64), (GluonKernel.DS_MLA_HEADS, 64, 32))
     for fp8, why in (
         (False, "16-bit rows"), (True, "per-tensor fp8 rows"), (True, "row_tile"), (True, "block_n=32"),
         (True, "fold=True"),

@@ -1,6 +1,8 @@
-"""Shared-memory bank conflicts of the decode kernels' fp8 widening by Gluon's bank model
-(``gl.bank_conflicts``: excess accesses a wavefront of ``ld.shared`` / ``st.shared``), traced for
-sm_90 in a process without the Triton interpreter.
+"""Shared-memory bank conflicts of the Gluon kernels' fp8 widening and transposes by Gluon's bank
+model (``gl.bank_conflicts``: excess accesses a wavefront of ``ld.shared`` / ``st.shared``),
+traced for sm_90 in a process without the Triton interpreter: the decode kernels' per-tensor fp8
+widening (below), the ``fp8_ds_mla`` 64-row kernel's staged chunks and the fp8 prefill's V
+transpose (their tests).
 
 The 64-row and few-rows kernels widen a per-tensor fp8 KV tile 16 rows at a time
 (:func:`mla.providers.gluon.kernels._mma_operands`): each thread reads 8 fp8 bytes of the
@@ -77,8 +79,7 @@ STAGED_SCRIPT = textwrap.dedent(
     import torch
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from mla.providers.gluon.ds_mla_staged import STAGED_WORDS, _chunk_layout
-    from mla.providers.gluon.ds_mla_words import _dequantize
+    from mla.providers.gluon.ds_mla_words import STAGED_WORDS, _chunk_layout, _dequantize
     from mla.providers.gluon.kernels import MMA_TILE_LAYOUT, PLAIN_LAYOUT
     from mla.testing.triton_driver import stand_in_driver
 
@@ -98,24 +99,21 @@ STAGED_SCRIPT = textwrap.dedent(
         chunk.store(y)
 
     with stand_in_driver(compile_kernels=True):
-        for warps in (4, 8):
-            for staged in (False, True):
-                probe[(1,)](torch.zeros(4), warps, int(staged), num_warps=warps)
+        for staged in (False, True):
+            probe[(1,)](torch.zeros(4), 4, int(staged), num_warps=4)
     """
 )
 
 
 def test_staged_fp8_ds_mla_chunks_use_every_bank(tmp_path: pathlib.Path) -> None:
-    """The staged ``fp8_ds_mla`` producers (``STAGED`` of :mod:`mla.providers.gluon.ds_mla_heads`,
-    4 warps, and :mod:`mla.providers.gluon.ds_mla_rows`, 8) copy a chunk's words into its bf16
-    tile, read them back in the same layout and store the dequantized bf16 values over them. In
-    their layout (:func:`~mla.providers.gluon.ds_mla_staged.
-    _chunk_layout`, the words view :data:`~mla.providers.gluon.ds_mla_staged.STAGED_WORDS`)
-    neither the read-back (as the copies) nor the stores spend an excess access; with 8 lanes
-    across one row's 128 bytes (the register producer's layout, unswizzled words) the stores
-    spend one a wavefront."""
-    # {(warps, staged): (excess accesses a load wavefront, a store wavefront)}
-    assert _banks(tmp_path, STAGED_SCRIPT) == {(4, 0): (0, 1), (4, 1): (0, 0), (8, 0): (0, 1), (8, 1): (0, 0)}
+    """The producer of :mod:`mla.providers.gluon.ds_mla_heads` copies a chunk's words into its bf16
+    tile, reads them back in the same layout and stores the dequantized bf16 values over them. In
+    its layout (:func:`~mla.providers.gluon.ds_mla_words._chunk_layout`, the words view
+    :data:`~mla.providers.gluon.ds_mla_words.STAGED_WORDS`) neither the read-back (as the copies)
+    nor the stores spend an excess access; with 8 lanes across one row's 128 bytes (unswizzled
+    words, the row-major copy layout) the stores spend one a wavefront."""
+    # {(warps, staged layout): (excess accesses a load wavefront, a store wavefront)}
+    assert _banks(tmp_path, STAGED_SCRIPT) == {(4, 0): (0, 1), (4, 1): (0, 0)}
 
 
 VT_SCRIPT = textwrap.dedent(

@@ -154,18 +154,15 @@ def _launch_dual(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
 
 def _launch_ds_mla(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
     """The ``fp8_ds_mla`` few-rows kernel (16 or 32 rows): its ring shapes, producer warps and
-    MMA registers are :mod:`.ds_mla_rows`'s module settings, read at each launch (its staged
-    producer's two tiles, :data:`.ds_mla_rows.STAGED_RINGS`, for
-    :attr:`~.planner.GluonKernel.DS_MLA_STAGED`)."""
-    staged = config.kernel is GluonKernel.DS_MLA_STAGED
-    rings = ds_mla_rows.STAGED_RINGS if staged else ds_mla_rows.RINGS[config.row_tile]
+    MMA registers are :mod:`.ds_mla_rows`'s module settings, read at each launch."""
+    rings = ds_mla_rows.RINGS[config.row_tile]
     regs = ds_mla_rows.MMA_REGS if config.row_tile == 16 else ds_mla_rows.MMA_REGS_32
     DS_MLA_LAUNCH.launch(
         decode.grid,
         *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), NR=config.row_tile, CHUNK=rings.chunk, FP8_SLOTS=rings.fp8_slots,
         ROPE_SLOTS=rings.rope_slots, WIDE_SLOTS=rings.wide_slots, MMA_REGS=regs, OVERLAP=config.overlap,
-        STAGED=staged, **pdl_options(decode.inputs.out.device),
+        **pdl_options(decode.inputs.out.device),
         num_warps=ds_mla_rows.PRODUCER_WARPS,
     )  # fmt: skip
     return False
@@ -179,17 +176,9 @@ def _launch_ds_mla_heads(decode: DecodeLaunch, config: GluonLaunchConfig) -> boo
         decode.grid,
         *decode.tensors(), decode.kv_scale, *decode.scalars(), *decode.key_operands(),
         **_constexprs(decode, config), SCORE_REGS=ds_mla_heads.SCORE_REGS,
-        OUTPUT_REGS=ds_mla_heads.OUTPUT_REGS, STAGED=config.kernel is GluonKernel.DS_MLA_STAGED,
-        num_warps=ds_mla_heads.PRODUCER_WARPS.value,
+        OUTPUT_REGS=ds_mla_heads.OUTPUT_REGS, num_warps=ds_mla_heads.PRODUCER_WARPS.value,
     )  # fmt: skip
     return False
-
-
-def _launch_ds_mla_staged(decode: DecodeLaunch, config: GluonLaunchConfig) -> bool:
-    """The ``fp8_ds_mla`` kernel of the launch's row tile (64 rows: :mod:`.ds_mla_heads`; 16 and
-    32: :mod:`.ds_mla_rows`) with its staged producer."""
-    launch = _launch_ds_mla_heads if config.row_tile == BLOCK_M else _launch_ds_mla
-    return launch(decode, config)
 
 
 LAUNCHERS: dict[GluonKernel, Callable[[DecodeLaunch, GluonLaunchConfig], bool]] = {
@@ -199,7 +188,6 @@ LAUNCHERS: dict[GluonKernel, Callable[[DecodeLaunch, GluonLaunchConfig], bool]] 
     GluonKernel.DUAL: _launch_dual,
     GluonKernel.DS_MLA: _launch_ds_mla,
     GluonKernel.DS_MLA_HEADS: _launch_ds_mla_heads,
-    GluonKernel.DS_MLA_STAGED: _launch_ds_mla_staged,
 }
 """How each kernel of :data:`~mla.providers.gluon.planner.KERNEL_TABLE` is launched: its own
 operands around the shared ones of the :class:`~mla.providers.triton.decode_launch.DecodeLaunch`

@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""Gluon MLA decode of 64 packed query rows on ``fp8_ds_mla`` rows: a producer that gathers and
-dequantizes through its registers, a scores warpgroup and an output warpgroup.
+"""Gluon MLA decode of 64 packed query rows on ``fp8_ds_mla`` rows: a producer that gathers each
+tile's fp8 bytes into its bf16 ring slot and dequantizes them there, a scores warpgroup and an
+output warpgroup.
 
 At 64 rows and more (128 heads, or 64 heads × qlen 2) the 64-row kernel of :mod:`.kernels`
 gathers each tile's fp8 rows into shared memory and both of its warpgroups dequantize them into
@@ -9,18 +10,17 @@ read the whole query tile, and the dequantization, the softmax and the MMAs run 
 another. Here the work is split in three partitions (``gl.warp_specialize``), handing tiles over
 through mbarriers:
 
-* the **producer** (the default partition, :data:`PRODUCER_WARPS` warps) reads each 64-token
-  tile's fp8 latent, 128 columns (one scale tile) at a time, with plain global loads into its
-  registers, two chunks ahead of the one it stores: it multiplies a chunk by its rows' scales,
-  writes it as bf16 into the tile's ring slot (the MMA layout) and announces it on
-  ``ready[slot·CHUNKS + chunk]``. The bf16 rope lanes go straight into the slot's rope tile by
-  ``cp.async`` (their arrival counted on the last chunk's barrier), and a word a key (0: its id
-  is inside the cache, -1: not) into the slot's id word ring for the key check. There is no fp8
-  staging buffer: the query tile and the two-slot bf16 ring fill the shared memory. With
-  ``STAGED`` (:attr:`~.planner.GluonKernel.DS_MLA_STAGED`, taken where a launch names it) the
-  producer is :func:`.ds_mla_staged.heads_staged_producer` instead: each chunk's fp8 bytes land
-  by ``cp.async`` in the ring slot itself and are dequantized there, so a tile's bytes are in
-  flight at once;
+* the **producer** (the default partition, :data:`PRODUCER_WARPS` warps) copies each 64-token
+  tile's fp8 latent by ``cp.async`` into the tile's own bf16 ring slot, 128 columns (one scale
+  tile) a commit group, each chunk in the first half of the 16 KB its bf16 values take
+  (:mod:`.ds_mla_words`); as each chunk lands it reads the chunk back, multiplies it by its
+  rows' scales, writes the bf16 values over it (the MMA layout) and announces it on
+  ``ready[slot·CHUNKS + chunk]``. The next tile's copies go out half by half as the two
+  warpgroups free the slot of the tile before (after this tile's chunk 1 and chunk 3), so up to
+  a tile of bytes is in flight while the producer dequantizes, with no registers and no fp8
+  staging buffer: the query tile and the two-slot bf16 ring fill the shared memory. The bf16
+  rope lanes go straight into the slot's rope tile (in the last chunk's group), and a word a
+  key (0: its id is inside the cache, -1: not) into the slot's id word ring for the key check;
 * the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` chunk by chunk as the
   chunks land, the online softmax, publishes ``P`` and the rescale ``alpha`` in shared memory
   (``p_ready``), and adds ``P·V`` over output columns ``[0, L/2)`` with ``P`` from registers;
@@ -50,8 +50,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.ds_mla_staged import heads_staged_producer
-from mla.providers.gluon.ds_mla_words import CHUNK, _dequantize, _fetch_chunk
+from mla.providers.gluon.ds_mla_words import (
+    CHUNK,
+    _chunk_layout,
+    _row_scales,
+    _stage_chunk,
+    _stage_rope,
+    _tile_words,
+    _widen_staged,
+)
 from mla.providers.gluon.kernels import (
     _id_limit,
     _key_operand,
@@ -84,12 +91,32 @@ NUM_STAGES = gl.constexpr(2)
 
 
 @gluon.jit
-def _put_chunk(x, scale, lat, ready, s, C: gl.constexpr):
-    """Dequantize a fetched chunk into columns ``[C·CHUNK, (C+1)·CHUNK)`` of ring slot ``s``'s
-    latent tile ``lat`` and announce it on ``ready[s·CHUNKS + C]``."""
-    lat.slice(C * CHUNK, CHUNK, dim=1).store(_dequantize(x, scale))
-    fence_async_shared()
-    gl.thread_barrier()
+def _stage_half(
+    words, rope_dst, id_slot, empty_bar, phase, kv_row, ok, live, HALF: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr,
+):  # fmt: skip
+    """Half ``HALF`` of a tile's copies into its ring slot (``words``: the slot's
+    :data:`.ds_mla_words.STAGED_WORDS` view), once its warpgroup freed that half (``empty_bar``
+    at ``phase``): chunks ``2·HALF`` and ``2·HALF + 1``, one commit group each; the first half
+    also writes the tile's key words into ``id_slot``, the second puts the rope copies into the
+    last chunk's group. Not ``live`` (no such tile): no wait and no copy, the groups committed
+    empty."""
+    if live:
+        mbarrier.wait(empty_bar, phase)
+        if HALF == 0:
+            id_slot.store(gl.where(ok, 0, -1))
+    _stage_chunk(words, kv_row, ok, live, 2 * HALF)
+    if HALF == 1:  # noqa: SIM102 (HALF is a constexpr: this if is resolved at compile time)
+        if live:
+            _stage_rope(rope_dst, kv_row, ok, L, R)
+    _stage_chunk(words, kv_row, ok, live, 2 * HALF + 1)
+
+
+@gluon.jit
+def _widen_and_announce(words, lat, scale, ready, s, C: gl.constexpr):
+    """Chunk ``C`` of ring slot ``s`` dequantized in place (:func:`.ds_mla_words._widen_staged`;
+    its group has landed) and announced on ``ready[s·CHUNKS + C]``."""
+    _widen_staged(words, lat, scale, C)
     mbarrier.arrive(ready.index(s * CHUNKS + C))
 
 
@@ -98,52 +125,55 @@ def _producer(
     kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring, ready, empty,
     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
-    """The producer partition: every tile of ``[lo, hi)`` into ring slot ``t % NUM_STAGES``, half
-    by half as the two warpgroups release them, its latent chunks dequantized from registers
-    fetched two chunks ahead (the next tile's first two during this tile's last two)."""
-    # 16 fp8 bytes (4 words) a thread, 8 threads on a 128-column chunk row, 4 rows a thread; the
-    # rope lanes (8 bf16 a thread) on the same rows, so both share the rows' ids.
-    ld: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-    rows: gl.constexpr = gl.SliceLayout(1, ld)
-    TILES: gl.constexpr = L // CHUNK
-    rope_cols = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    """The producer partition: tile ``t``'s fp8 bytes land by ``cp.async`` inside its own
+    bf16 ring slot (chunk ``c`` in the first half of the 16 KB its bf16 values take) and are
+    dequantized there chunk by chunk as their groups land. Tile ``t + 1``'s copies go out half by
+    half as the two warpgroups free the slot of tile ``t - 1``: the first half after this tile's
+    chunk 1, the second after its chunk 3, so up to a tile of bytes is in flight while the
+    producer dequantizes. Token ids are loaded two tiles ahead, scales one tile ahead (plain
+    loads, in registers)."""
+    rows: gl.constexpr = gl.SliceLayout(1, _chunk_layout(PRODUCER_WARPS))
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
     row = kv_ptr + ids.to(gl.int64) * stride_kv
-    x0, s0 = _fetch_chunk(row, ok, 0, L, ld)
-    x1, s1 = _fetch_chunk(row, ok, 1, L, ld)
-    # The query tile (this partition's warps issued its copies) lands before the first chunk is
-    # announced.
-    async_copy.wait_group(0)
+    nids, nok = _tile_ids(index_base, lo, hi, 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
+    s0, s1, s2, s3 = _row_scales(row, ok, L)
+    live = n_tiles > 0
+    words = _tile_words(lat_ring.index(0))
+    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty.index(0), 0, row, ok, live, 0, L, R)
+    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty.index(1), 0, row, ok, live, 1, L, R)
+    # Groups in flight at the top of tile t: its chunks 0..3 (and, at t = 0, the query's, older).
     for t in range(n_tiles):
         s = t % NUM_STAGES
-        phase = (t // NUM_STAGES) & 1
-        nids, nok = _tile_ids(index_base, lo, hi, t + 1, id_limit, BLOCK_N, rows, PAGE_SIZE)
+        u = (t + 1) % NUM_STAGES
+        next_phase = ((t + 1) // NUM_STAGES) & 1
+        next_live = t + 1 < n_tiles
         nrow = kv_ptr + nids.to(gl.int64) * stride_kv
+        nnids, nnok = _tile_ids(index_base, lo, hi, t + 2, id_limit, BLOCK_N, rows, PAGE_SIZE)
         lat = lat_ring.index(s)
-        x2, s2 = _fetch_chunk(row, ok, 2, L, ld)
-        mbarrier.wait(empty.index(s * 2), phase)
-        id_ring.index(s).store(gl.where(ok, 0, -1))
-        _put_chunk(x0, s0, lat, ready, s, 0)
-        x3, s3 = _fetch_chunk(row, ok, 3, L, ld)
-        _put_chunk(x1, s1, lat, ready, s, 1)
-        x0, s0 = _fetch_chunk(nrow, nok, 0, L, ld)
-        mbarrier.wait(empty.index(s * 2 + 1), phase)
-        rope_row = gl.convert_layout(row, gl.SliceLayout(1, rope_ld))
-        rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, rope_ld))
-        rope_src = (rope_row + L + 4 * TILES).to(gl.pointer_type(gl.bfloat16))
-        async_copy.async_copy_global_to_shared(
-            rope_ring.index(s), rope_src[:, None] + rope_cols[None, :], mask=rope_ok[:, None]
-        )
-        # (counted on the last chunk's barrier: its phase waits for these copies too)
-        async_copy.mbarrier_arrive(ready.index(s * CHUNKS + CHUNKS - 1))
-        _put_chunk(x2, s2, lat, ready, s, 2)
-        x1, s1 = _fetch_chunk(nrow, nok, 1, L, ld)
-        _put_chunk(x3, s3, lat, ready, s, 3)
-        row, ok = nrow, nok
+        words = _tile_words(lat)
+        next_words = _tile_words(lat_ring.index(u))
+        async_copy.wait_group(3)
+        _widen_and_announce(words, lat, s0, ready, s, 0)
+        async_copy.wait_group(2)
+        _widen_and_announce(words, lat, s1, ready, s, 1)
+        _stage_half(
+            next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2), next_phase, nrow, nok,
+            next_live, 0, L, R,
+        )  # fmt: skip
+        n0, n1, n2, n3 = _row_scales(nrow, nok, L)
+        # In flight: chunks 2 and 3, then the next tile's 0 and 1.
+        async_copy.wait_group(3)
+        _widen_and_announce(words, lat, s2, ready, s, 2)
+        async_copy.wait_group(2)
+        _widen_and_announce(words, lat, s3, ready, s, 3)
+        _stage_half(
+            next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2 + 1), next_phase, nrow, nok,
+            next_live, 1, L, R,
+        )  # fmt: skip
+        s0, s1, s2, s3 = n0, n1, n2, n3
+        nids, nok = nnids, nnok
     # No copy of these threads outlives the program.
-    async_copy.commit_group()
     async_copy.wait_group(0)
 
 
@@ -315,12 +345,11 @@ def mla_decode_ds_mla_heads_kernel(
     R: gl.constexpr, BLOCK_N: gl.constexpr, ROW_BLOCKS: gl.constexpr,
     MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, WRITE_LSE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     ROW_MAP: gl.constexpr, HAS_LENGTHS: gl.constexpr, SCORE_REGS: gl.constexpr, OUTPUT_REGS: gl.constexpr,
-    STAGED: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """``fp8_ds_mla`` rows (``kv_ptr`` an fp8 view of the byte rows), 64 packed query rows a
     program; operands and work items as :func:`.pingpong.mla_decode_pingpong_kernel`'s
-    (``kv_scale_ptr`` unused: the rows carry their scales). ``STAGED``: the staged producer
-    (:func:`.ds_mla_staged.heads_staged_producer`) in place of the register one (:func:`_producer`)."""
+    (``kv_scale_ptr`` unused: the rows carry their scales)."""
     BLOCK_M: gl.constexpr = 64
     gl.static_assert(num_warps == PRODUCER_WARPS, "the launch's warps are the producer")
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ N of the scores warpgroup)")
@@ -389,7 +418,7 @@ def mla_decode_ds_mla_heads_kernel(
     gl.warp_specialize(
         [
             (
-                heads_staged_producer if STAGED else _producer,
+                _producer,
                 (
                     kv_ptr, index_base, lo, hi, id_limit, stride_kv, lat_ring, rope_ring, id_ring, ready,
                     empty, L, R, BLOCK_N, PAGE_SIZE,

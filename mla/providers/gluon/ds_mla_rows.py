@@ -40,13 +40,9 @@ Shared memory at 16 rows (``RINGS[16]``: 32-row chunks, 2 chunk slots, 2 rope ti
 tiles): query 18 KB, bf16 tiles 128 KB, rope tiles 16 KB, fp8 chunks 32 KB + 1 KB scales, id
 ring, ``Pᵀ`` 2 KB: :func:`shared_bytes` (about 198 KB of the 227 KB an SM gives a block). At 32
 rows (query 36 KB, ``Pᵀ`` 4 KB) the rings are shaped for the larger query (``RINGS[32]``). One
-program per SM.
-
-With ``STAGED`` (:attr:`~.planner.GluonKernel.DS_MLA_STAGED`, taken where a launch names it)
-the producer is :func:`.ds_mla_staged.rows_staged_producer`: no fp8 chunk ring and no id ring
-(:data:`STAGED_RINGS`, about 164 KB at 16 rows); each tile's fp8 bytes land by ``cp.async``
-inside its own bf16 tile, chunk by 128-column chunk, and are dequantized there, so the next
-tile's bytes are in flight while one is dequantized.
+program per SM. (Dequantizing in place, with each tile's fp8 bytes staged inside its own bf16
+tile as the 64-row kernel's producer does, measured slower here: two bf16 tiles are all that
+fit beside the ring, so one tile is in flight at a time.)
 
 Work items (non-persistent splits, the planned schedule, unit-qlen rows), masking, NaN rules and
 the outputs (direct, or fp32 partials for the split reduce; ``o = 0``, ``lse = -inf`` for a row
@@ -69,9 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.ds_mla_staged import rows_staged_producer
 from mla.providers.gluon.kernels import (
-    _id_limit,
     _issue_ids,
     _issue_tile,
     _key_ok,
@@ -115,9 +109,6 @@ RINGS: dict[int, DsMlaRings] = {16: DsMlaRings(32, 2, 2, 2), 32: DsMlaRings(16, 
 """Ring shapes by row tile (the launcher's). At 16 rows, two 32-row fp8 chunks and two rope
 tiles measured fastest of five shapes on the H200 (H16, top-k 2048: 155.1 µs at B128 qlen 2
 against 161.8 with three of each; 16-row chunks 196–204)."""
-STAGED_RINGS = DsMlaRings(64, 0, 2, 2)
-"""The staged producer's buffers (``STAGED``): two bf16 tiles and two rope tiles, no fp8 chunk
-ring (a tile's fp8 bytes land inside its bf16 tile)."""
 TILE = 64
 """Tokens per MMA tile (the wgmma M dimension of one warpgroup)."""
 BLOCK_N = gl.constexpr(TILE)
@@ -340,29 +331,69 @@ def _mma_partition(
 # ``num_splits`` is never specialised (as in :mod:`.kernels`).
 @gluon.jit(do_not_specialize=["num_splits"])
 def mla_decode_ds_mla_kernel(
-    q_nope_ptr, q_pe_ptr, kv_ptr, kv_indptr_ptr, kv_indices_ptr, qo_indptr_ptr, work_info_ptr,
-    split_indptr_ptr, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, kv_scale_ptr, num_splits, stride_qn_t,
-    stride_qn_h, stride_qp_t, stride_qp_h, stride_kv, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    stride_po_w, stride_po_q, stride_po_h, stride_pl_w, stride_pl_q, sm_scale_log2, num_kv_rows,
-    stride_bt, row_request_ptr, lengths_ptr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-    NR: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, FP8_SLOTS: gl.constexpr,
-    ROPE_SLOTS: gl.constexpr, WIDE_SLOTS: gl.constexpr, MMA_REGS: gl.constexpr, OVERLAP: gl.constexpr,
-    ROW_BLOCKS: gl.constexpr, MODE: gl.constexpr, UNIT_QLEN: gl.constexpr, WRITE_LSE: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, ROW_MAP: gl.constexpr, HAS_LENGTHS: gl.constexpr, PDL: gl.constexpr,
-    STAGED: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    qo_indptr_ptr,
+    work_info_ptr,
+    split_indptr_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    kv_scale_ptr,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_kv,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_po_w,
+    stride_po_q,
+    stride_po_h,
+    stride_pl_w,
+    stride_pl_q,
+    sm_scale_log2,
+    num_kv_rows,
+    stride_bt,
+    row_request_ptr,
+    lengths_ptr,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    NR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CHUNK: gl.constexpr,
+    FP8_SLOTS: gl.constexpr,
+    ROPE_SLOTS: gl.constexpr,
+    WIDE_SLOTS: gl.constexpr,
+    MMA_REGS: gl.constexpr,
+    OVERLAP: gl.constexpr,
+    ROW_BLOCKS: gl.constexpr,
+    MODE: gl.constexpr,
+    UNIT_QLEN: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    ROW_MAP: gl.constexpr,
+    HAS_LENGTHS: gl.constexpr,
+    PDL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """``fp8_ds_mla`` decode of ``NR`` packed query rows per program (module docstring). ``kv_ptr``:
     the cache's byte rows as e4m3 (``[rows, L + 4·L/128 + 2·R]``); q bf16; ``kv_scale_ptr`` unused
     (the rows carry their scales). Launched with ``num_warps`` producer warps."""
     gl.static_assert(NR == 16 or NR == 32, "16 or 32 query rows (the MMA N dimension)")  # noqa: PLR1714
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the wgmma M dimension of one warpgroup)")
-    if STAGED:
-        gl.static_assert(WIDE_SLOTS == 2 and ROPE_SLOTS == 2, "the staged producer's two tiles")
-    else:
-        gl.static_assert(BLOCK_N % CHUNK == 0, "whole chunks per tile")
-        gl.static_assert(FP8_SLOTS >= 2 and WIDE_SLOTS >= 2, "a chunk in flight while one is widened")
-        PER_TILE: gl.constexpr = BLOCK_N // CHUNK
-        gl.static_assert(ROPE_SLOTS >= 1 + (PER_TILE + FP8_SLOTS - 2) // PER_TILE, "rope tiles (ring_ok)")
+    gl.static_assert(BLOCK_N % CHUNK == 0, "whole chunks per tile")
+    gl.static_assert(FP8_SLOTS >= 2 and WIDE_SLOTS >= 2, "a chunk in flight while one is widened")
+    PER_TILE: gl.constexpr = BLOCK_N // CHUNK
+    gl.static_assert(ROPE_SLOTS >= 1 + (PER_TILE + FP8_SLOTS - 2) // PER_TILE, "rope tiles (ring_ok)")
     gl.static_assert(q_nope_ptr.dtype.element_ty == gl.bfloat16, "fp8_ds_mla rows carry bf16 rope lanes")
     dtype: gl.constexpr = gl.bfloat16
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
@@ -388,6 +419,9 @@ def mla_decode_ds_mla_kernel(
     q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
     wide = gl.allocate_shared_memory(dtype, [WIDE_SLOTS, BLOCK_N, L], mma_smem)
     rope_ring = gl.allocate_shared_memory(dtype, [ROPE_SLOTS, BLOCK_N, R], mma_smem)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [FP8_SLOTS, CHUNK, L], plain)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [FP8_SLOTS, CHUNK, L // 128], plain)
+    idx_ring = gl.allocate_shared_memory(gl.int32, [2 * FP8_SLOTS, CHUNK], vec_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_layout)
     # wide_ready[w]: bf16 tile w is widened (one arrival, the producer's); wide_free[w]: the MMA's
     # PV read it; rope_free[r]: the MMA's QKᵀ read rope tile r.
@@ -426,41 +460,21 @@ def mla_decode_ds_mla_kernel(
         q_nope_smem, q_pe_smem, wide, rope_ring, p_smem, wide_ready, wide_free, rope_free, outs,
         lo, hi, kv_len, qlen, q_start, rb, work, direct, qk_scale, v_scale, index_base, num_kv_rows,
     )  # fmt: skip
-    if STAGED:
-        gl.warp_specialize(
-            [
+    gl.warp_specialize(
+        [
+            (
+                _producer,
                 (
-                    rows_staged_producer,
-                    (
-                        kv_ptr, index_base, lo, hi, _id_limit(num_kv_rows, PAGE_SIZE), stride_kv, wide,
-                        rope_ring, wide_ready, wide_free, rope_free, L, R, PAGE_SIZE, OVERLAP,
-                    ),
+                    kv_ptr, index_base, lo, hi, num_kv_rows, stride_kv, idx_ring, lat_ring, scale_ring,
+                    rope_ring, wide, wide_ready, wide_free, rope_free,
+                    L, R, CHUNK, FP8_SLOTS, ROPE_SLOTS, WIDE_SLOTS, PAGE_SIZE,
                 ),
-                (_mma_partition, (mma_args, H, L, NR, WIDE_SLOTS, ROPE_SLOTS, WRITE_LSE, PAGE_SIZE, OVERLAP)),
-            ],
-            [4],
-            [MMA_REGS],
-        )  # fmt: skip
-    else:
-        # The fp8 chunk ring (latent and tile scales) and the id ring of the gathers.
-        lat_ring = gl.allocate_shared_memory(kv_dtype, [FP8_SLOTS, CHUNK, L], plain)
-        scale_ring = gl.allocate_shared_memory(gl.float32, [FP8_SLOTS, CHUNK, L // 128], plain)
-        idx_ring = gl.allocate_shared_memory(gl.int32, [2 * FP8_SLOTS, CHUNK], vec_smem)
-        gl.warp_specialize(
-            [
-                (
-                    _producer,
-                    (
-                        kv_ptr, index_base, lo, hi, num_kv_rows, stride_kv, idx_ring, lat_ring, scale_ring,
-                        rope_ring, wide, wide_ready, wide_free, rope_free,
-                        L, R, CHUNK, FP8_SLOTS, ROPE_SLOTS, WIDE_SLOTS, PAGE_SIZE,
-                    ),
-                ),
-                (_mma_partition, (mma_args, H, L, NR, WIDE_SLOTS, ROPE_SLOTS, WRITE_LSE, PAGE_SIZE, OVERLAP)),
-            ],
-            [4],
-            [MMA_REGS],
-        )  # fmt: skip
+            ),
+            (_mma_partition, (mma_args, H, L, NR, WIDE_SLOTS, ROPE_SLOTS, WRITE_LSE, PAGE_SIZE, OVERLAP)),
+        ],
+        [4],
+        [MMA_REGS],
+    )  # fmt: skip
 
 
 __all__ = [

@@ -1,34 +1,27 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
-"""``fp8_ds_mla`` rows read into registers and dequantized there: the helpers of the register
-producer of :mod:`.ds_mla_heads` (the staged producers are :mod:`.ds_mla_staged`'s).
+"""``fp8_ds_mla`` rows staged in the bf16 MMA tile they are dequantized into: the helpers of the
+producer of :mod:`.ds_mla_heads`.
 
 A 656-byte row holds 512 e4m3 latent values, one float32 scale per 128-wide latent tile and 64
-bf16 rope values. A producer loads a 128-column chunk of a tile's rows (one scale tile) as
-32-bit words, four fp8 values each, holds a few chunks in flight in its registers, and writes
-each as bf16 into the MMA tile once the tile's slot is free.
+bf16 rope values. A tile's latent is handled in chunks of 128 columns (one scale tile). Chunk
+``c``'s 64 rows × 128 bytes land by ``cp.async`` in the first half of the 16 KB its bf16 values
+take in the 128-byte-swizzled ``[64, 512]`` MMA tile (swizzle atom ``2c`` of the tile's words
+view, :data:`STAGED_WORDS`), one commit group a chunk (:func:`_stage_chunk`). Once the group has
+landed, each thread reads back exactly the words it copied, the producer's warps meet at a
+barrier, and the bf16 values (``fp8 · scale``, :func:`_dequantize`) are written over the chunk's
+columns (:func:`_widen_staged`): a whole tile's bytes in flight with no registers and no staging
+buffer.
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 CHUNK = gl.constexpr(128)
 """Latent columns of a chunk: one scale tile of an ``fp8_ds_mla`` row."""
-
-
-@gluon.jit
-def _fetch_chunk(kv_row, ok, C: gl.constexpr, L: gl.constexpr, LD: gl.constexpr):
-    """Load chunk ``C`` (latent columns ``[C·CHUNK, (C+1)·CHUNK)``) of the rows ``kv_row`` (fp8
-    pointers to each token's row, in the row slice of ``LD``) as 32-bit words of four fp8 values,
-    and each row's scale of that chunk; rows not ``ok`` read nothing (zeros). Words, not fp8
-    values: a chunk carried across the tile loop as fp8 took a register a value (64 a thread)
-    and spilled."""
-    cols = gl.arange(0, CHUNK // 4, layout=gl.SliceLayout(0, LD))
-    words = kv_row.to(gl.pointer_type(gl.int32))[:, None] + (C * (CHUNK // 4) + cols)[None, :]
-    x = gl.load(words, mask=ok[:, None], other=0)
-    scale = gl.load((kv_row + L).to(gl.pointer_type(gl.float32)) + C, mask=ok, other=0.0)
-    return x, scale
 
 
 @gluon.jit
@@ -62,3 +55,86 @@ def _dequantize(x, scale):
     # [r, w, a, b] holds value 2·b + a of word w: value order is (w, b, a).
     y = gl.join(gl.join(y0, y1), gl.join(y2, y3)).permute((0, 1, 3, 2))
     return y.reshape([x.shape[0], 4 * x.shape[1]])
+
+
+STAGED_WORDS = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=2, order=[1, 0])
+"""Shared layout of a bf16 ``[rows, L]`` MMA tile read as 32-bit words ``[L / 64, rows, 32]``:
+the tile's ``L / 64`` swizzle atoms (64 columns, 128 bytes a row, the 128-byte swizzle's unit)
+in address order, each ``rows`` rows of 32 words with the two 64-byte halves of every odd row
+swapped. Chunk ``c``'s fp8 bytes are staged in atom ``2c``, the first half of the 16 KB its
+bf16 values take."""
+
+
+@gluon.constexpr_function
+def _chunk_layout(warps):
+    """Register layout of a ``[64, 32]``-word chunk (16 bytes a thread on each of 4 rows): the
+    staging copies, their read-back, the scale loads (its row slice) and, through
+    :func:`_dequantize`, the bf16 stores. A quarter warp's 8 lanes hold the first 64 bytes of
+    two adjacent rows (lane bit 2 steps a row, lane bit 3 the other 64 bytes), which
+    :data:`STAGED_WORDS` puts in different bank halves and the 128-byte swizzle of the bf16 tile
+    in different 16-byte units: every access of a wavefront on its own banks."""
+    warp_rows = [[4 << w, 0] for w in range(warps.bit_length() - 1)]
+    rows_per_pass = 4 * warps
+    reg_rows = [[rows_per_pass << r, 0] for r in range((64 // rows_per_pass).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        [[0, 1], [0, 2], *reg_rows], [[0, 4], [0, 8], [1, 0], [0, 16], [2, 0]], warp_rows, [], [64, 32]
+    )
+
+
+@gluon.jit
+def _tile_words(lat):
+    """The :data:`STAGED_WORDS` view of a bf16 ``[rows, L]`` MMA tile."""
+    return lat._reinterpret(gl.int32, [lat.shape[1] // 64, lat.shape[0], 32], STAGED_WORDS)
+
+
+@gluon.jit
+def _stage_rope(rope_dst, kv_row, ok, L: gl.constexpr, R: gl.constexpr):
+    """``cp.async`` the bf16 rope lanes of the rows ``kv_row`` (rows not ``ok`` zero-filled) into
+    ``rope_dst`` (the MMA layout), 16 bytes a thread; the caller commits the group."""
+    rope_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rope_row = gl.convert_layout(kv_row, gl.SliceLayout(1, rope_ld))
+    rope_ok = gl.convert_layout(ok, gl.SliceLayout(1, rope_ld))
+    rope_src = (rope_row + L + 4 * (L // CHUNK)).to(gl.pointer_type(gl.bfloat16))
+    rope_cols = gl.arange(0, R, layout=gl.SliceLayout(0, rope_ld))
+    async_copy.async_copy_global_to_shared(
+        rope_dst, rope_src[:, None] + rope_cols[None, :], mask=rope_ok[:, None]
+    )
+
+
+@gluon.jit
+def _row_scales(kv_row, ok, L: gl.constexpr):
+    """The four float32 tile scales of the rows ``kv_row`` (fp8 pointers to each token's row), 0
+    for rows not ``ok``; plain loads, in flight until the chunks are dequantized."""
+    base = (kv_row + L).to(gl.pointer_type(gl.float32))
+    s0 = gl.load(base, mask=ok, other=0.0)
+    s1 = gl.load(base + 1, mask=ok, other=0.0)
+    s2 = gl.load(base + 2, mask=ok, other=0.0)
+    s3 = gl.load(base + 3, mask=ok, other=0.0)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _stage_chunk(words, kv_row, ok, live, C: gl.constexpr):
+    """One ``cp.async`` commit group: when ``live``, chunk ``C``'s fp8 bytes of the rows
+    ``kv_row`` (rows not ``ok`` zero-filled) into atom ``2C`` of ``words`` (:data:`STAGED_WORDS`);
+    the group is committed either way, so the caller's ``wait_group`` counts hold."""
+    ld: gl.constexpr = _chunk_layout(gl.num_warps())
+    if live:
+        cols = gl.arange(0, CHUNK // 4, layout=gl.SliceLayout(0, ld))
+        src = kv_row.to(gl.pointer_type(gl.int32))[:, None] + (C * (CHUNK // 4) + cols)[None, :]
+        async_copy.async_copy_global_to_shared(words.index(2 * C), src, mask=ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _widen_staged(words, lat, scale, C: gl.constexpr):
+    """Dequantize chunk ``C`` in place, once its group has landed: each thread reads back the
+    words it copied (:func:`_stage_chunk`'s layout), the caller's warps meet, then the bf16 values
+    overwrite the chunk's columns of ``lat`` (atoms ``2C`` and ``2C + 1``), fenced for the MMAs."""
+    ld: gl.constexpr = _chunk_layout(gl.num_warps())
+    x = words.index(2 * C).load(ld)
+    # Every thread's words are read before any bf16 value overwrites them.
+    gl.thread_barrier()
+    lat.slice(C * CHUNK, CHUNK, dim=1).store(_dequantize(x, scale))
+    fence_async_shared()
+    gl.thread_barrier()

@@ -7,8 +7,8 @@ tiles; 16 rows of ``fp8_ds_mla`` rows on the kernel of :mod:`.ds_mla_rows`, a pr
 gathers and dequantizes beside one MMA warpgroup), more in 64-row tiles: on the ping-pong
 kernel (:mod:`.pingpong`, a loader warpgroup and two MMA warpgroups taking alternate KV tiles)
 for 16-bit caches, on the 64-row kernel (:mod:`.kernels`, 8 warps) for fp8 caches, on the
-kernel of :mod:`.ds_mla_heads` (a producer dequantizing from its registers, a scores and an
-output warpgroup) for ``fp8_ds_mla`` rows. Each fills
+kernel of :mod:`.ds_mla_heads` (a producer dequantizing each tile where its fp8 bytes landed,
+a scores and an output warpgroup) for ``fp8_ds_mla`` rows. Each fills
 the shared memory of an SM (the 64-row kernel: query tile 72 KB, a two-stage ring of 64-token
 bf16 KV tiles 144 KB, the token-id ring; 221 KB in all; the ping-pong kernel 231 KB; the
 dual-chain kernel 171 KB; the few-rows kernel 165–222 KB; the ``fp8_ds_mla`` kernel 223–226
@@ -101,12 +101,8 @@ class GluonKernel(enum.Enum):
     """The ``fp8_ds_mla`` few-rows kernel of :mod:`.ds_mla_rows` (a producer partition that
     gathers and dequantizes the rows into bf16 tiles, one MMA warpgroup)."""
     DS_MLA_HEADS = "ds_mla_heads"
-    """The ``fp8_ds_mla`` 64-row kernel of :mod:`.ds_mla_heads` (a producer that dequantizes
-    through its registers, a scores warpgroup and an output warpgroup)."""
-    DS_MLA_STAGED = "ds_mla_staged"
-    """The ``fp8_ds_mla`` kernels (:attr:`DS_MLA` for 16 and 32 rows, :attr:`DS_MLA_HEADS` for
-    64) with their staged producers: each tile's fp8 bytes land by ``cp.async`` inside the bf16
-    tile they are dequantized into. Taken only where a launch names it."""
+    """The ``fp8_ds_mla`` 64-row kernel of :mod:`.ds_mla_heads` (a producer that dequantizes each
+    tile in place, where its fp8 bytes landed, a scores warpgroup and an output warpgroup)."""
 
 
 @attrs.frozen
@@ -145,11 +141,6 @@ class KernelRule:
     fastest there: ``docs/performance.md``, "Kernel choices")."""
     ds_mla_picked_for: tuple[int, ...] = ()
     """The row tiles of ``fp8_ds_mla`` rows :func:`launch_config` gives it."""
-    max_splits: int | None = None
-    """The most splits of a non-persistent launch :func:`launch_config` gives it (``None``: any);
-    a launch with more goes to ``split_kernel``."""
-    split_kernel: GluonKernel | None = None
-    """The kernel that takes its launches of more than ``max_splits`` splits."""
 
     def tiles_for(self, kv_fp8: bool) -> tuple[int, ...]:
         """The row tiles it takes on an fp8 (``kv_fp8``) or a 16-bit cache."""
@@ -169,14 +160,11 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
     # num_stages is unused: the kernel has its own rings (ds_mla_rows.RINGS).
     KernelRule(GluonKernel.DS_MLA, "fp8_ds_mla few-rows", (), (16, 32), overlap=True, ds_mla=True,
                ds_mla_only=True, ds_mla_picked_for=(16,)),
-    # its ring is its own (ds_mla_heads.NUM_STAGES). Split launches (short key ranges a program)
-    # were faster on the 64-row kernel (H100, top-k 2048, 128 heads: 16 query rows 48.0 against
-    # 51.3 µs, 32 rows 80.8 against 83.5; one split at 64 rows 126.8 against 141.9).
+    # its ring is its own (ds_mla_heads.NUM_STAGES). It takes split launches too (H100, top-k
+    # 2048, 128 heads, qlen 1: B16 4 splits 45.2 µs against 47.7 on the 64-row kernel, B8 8 splits
+    # 30.9 against 31.8; 64 heads B32 4 splits 50.8 against 50.2).
     KernelRule(GluonKernel.DS_MLA_HEADS, "fp8_ds_mla 64-row", (), (BLOCK_M,), ds_mla=True, ds_mla_only=True,
-               ds_mla_picked_for=(BLOCK_M,), max_splits=1, split_kernel=GluonKernel.ROW64),
-    # (overlapped MMAs on 16- and 32-row tiles only; the 64-row kernel has none to overlap)
-    KernelRule(GluonKernel.DS_MLA_STAGED, "fp8_ds_mla staged", (), (16, 32, BLOCK_M), overlap=True,
-               ds_mla=True, ds_mla_only=True),
+               ds_mla_picked_for=(BLOCK_M,)),
 )  # fmt: skip
 """The Gluon decode kernels: what each takes and where the launch heuristic picks it. A new
 kernel is a row here, a :class:`GluonKernel` member and a launcher in
@@ -287,8 +275,7 @@ def launch_config(
     others on the few-rows kernel). Tiles and splits are the same for 16-bit and fp8 caches.
     Persistent launches take their splits from the schedule (``num_splits`` stays 1).
     ``fp8_ds_mla`` rows (``ds_mla``, an fp8 cache) run on the kernel of :mod:`.ds_mla_rows` (16-row
-    tiles), the few-rows kernel (32) or the kernel of :mod:`.ds_mla_heads` (64); a 64-row launch
-    that splits its key lists stays on the 64-row kernel (its rule's ``max_splits``).
+    tiles), the few-rows kernel (32) or the kernel of :mod:`.ds_mla_heads` (64).
     """
     row_tile = few_rows_tile(rows)
     tile = GluonLaunchConfig(row_tile=row_tile, kernel=pick_kernel(row_tile, kv_fp8=kv_fp8, ds_mla=ds_mla))
@@ -296,9 +283,6 @@ def launch_config(
         return tile
     cap = min(MAX_SPLITS, max(1, -(-max_seqlen_k // MIN_SPLIT_TOKENS)))
     splits = wave_splits(batch * tile.row_blocks(max(rows, 1)), slots=max(1, num_sms), cap=cap)
-    rule = RULES[tile.kernel]
-    if rule.max_splits is not None and splits > rule.max_splits and rule.split_kernel is not None:
-        tile = attrs.evolve(tile, kernel=rule.split_kernel)
     return attrs.evolve(tile, num_splits=splits)
 
 
