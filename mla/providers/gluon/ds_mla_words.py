@@ -29,8 +29,8 @@ def _dequantize(x, scale):
     """The bf16 values ``fp8 · scale`` of ``x`` (``[rows, w]`` words of four e4m3 values, the
     first in the low byte) and ``scale`` (``[rows]``, float32; power-of-two scales: exact for
     every value in bf16's range), as ``[rows, 4·w]`` in row order. The ``e4m3x2 → f16x2``
-    conversions are an inline-asm block with side effects, so the compiler keeps them after the
-    producer's wait for the ring slot and the words stay packed until then."""
+    conversions are an inline-asm block with side effects, so the compiler keeps them where the
+    code puts them (after the producer's read-back and its barrier)."""
     h0, h1, h2, h3 = gl.inline_asm_elementwise(
         """{
         .reg .b16 lo, hi;
@@ -67,8 +67,8 @@ bf16 values take."""
 
 @gluon.constexpr_function
 def _chunk_layout(warps):
-    """Register layout of a ``[64, 32]``-word chunk (16 bytes a thread on each of 4 rows): the
-    staging copies, their read-back, the scale loads (its row slice) and, through
+    """Register layout of a ``[64, 32]``-word chunk (16 bytes a thread on each of its rows, 4 at
+    4 warps): the staging copies, their read-back, the scale loads (its row slice) and, through
     :func:`_dequantize`, the bf16 stores. A quarter warp's 8 lanes hold the first 64 bytes of
     two adjacent rows (lane bit 2 steps a row, lane bit 3 the other 64 bytes), which
     :data:`STAGED_WORDS` puts in different bank halves and the 128-byte swizzle of the bf16 tile
