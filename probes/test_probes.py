@@ -106,3 +106,29 @@ def test_folded_kernels_compile_without_spills() -> None:
     counts = json.loads(run_without_interpreter(["-c", SPILL_SCRIPT]).strip().splitlines()[-1])
     assert counts == {name: {"LDL": 0, "STL": 0} for name in counts}
     assert len(counts) == 5
+
+
+def test_tree_ab_applies_only_the_mla_part_of_a_patch(tmp_path: Path) -> None:
+    """``probes.tree_ab make`` copies ``mla/`` and applies a patch's ``mla/`` files to the copy
+    (its other files left out), and refuses a patch that changes nothing under ``mla/``."""
+    from probes import tree_ab
+
+    init = (ROOT / "mla" / "__init__.py").read_text().splitlines(keepends=True)
+    readme = (ROOT / "README.md").read_text().splitlines(keepends=True)
+
+    def section(path: str, lines: list[str]) -> str:
+        return (
+            f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,1 +1,2 @@\n"
+            f"{' ' + lines[0]}+# tree_ab\n"
+        )
+
+    both = tmp_path / "both.patch"
+    both.write_text(section("README.md", readme) + section("mla/__init__.py", init))
+    tree_ab.make(tmp_path / "trees", ["plain", f"changed={both}"])
+    changed = (tmp_path / "trees" / "changed" / "mla" / "__init__.py").read_text()
+    assert changed.splitlines()[1] == "# tree_ab"
+    assert (tmp_path / "trees" / "plain" / "mla" / "__init__.py").read_text() == "".join(init)
+    outside = tmp_path / "outside.patch"
+    outside.write_text(section("README.md", readme))
+    with pytest.raises(SystemExit, match="no change under mla/"):
+        tree_ab.make(tmp_path / "trees", [f"none={outside}"])

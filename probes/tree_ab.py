@@ -1,0 +1,196 @@
+"""Time whole copies of the ``mla`` package against each other on the GPU, each in its own process.
+
+    python -m probes.tree_ab make trees main vt=vt.patch deq=deq.patch   # CPU: build the trees
+    python -m probes.tree_ab run sparse-heads trees/main trees/vt        # GPU: one table
+    python -m probes.tree_ab run fp8-prefill trees/main trees/vt
+    python -m probes.tree_ab cases                                        # what each case times
+
+``make DIR NAME[=PATCH] ...`` copies this checkout's ``mla/`` to ``DIR/NAME/mla`` and applies
+``PATCH`` (a ``git diff`` from the repository root; its files outside ``mla/`` are left out)
+to the copy with ``patch``. A change that spans several modules, or one whose edits :mod:`probes.whatif`
+cannot express, is timed this way; put the trees under an untracked directory of the checkout
+so the device tool copies them along.
+
+``run CASE TREE ...`` runs ``CASE`` once per tree, in a process whose ``mla`` is the tree's
+(its own interpreter: the kernels compile from the tree's source, the launch caches start
+empty), and prints one row per shape and one column per tree. Every case checks its outputs
+against a reference before it times them: a tree whose output is wrong shows ``wrong`` and no
+time. The ``mla`` each process imported is printed first, so a tree that silently imported
+the checkout's package shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks._common import print_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES: dict[str, str] = {
+    "sparse-heads": "fp8_ds_mla sparse decode at 64 and 128 heads (the 64-row kernel's shapes)",
+    "sparse-rows": "fp8_ds_mla sparse decode at 16 and 32 heads (the few-rows kernels' shapes)",
+    "fp8-prefill": "the Gluon fp8 prefill, 192/128 causal, H16/H128 x 4x4096/16x1024",
+}
+"""What each case times (``run``'s first argument)."""
+
+CHILD = r"""
+import json, math, sys
+import torch
+import mla
+case = sys.argv[1]
+rows = []
+print(json.dumps({"mla": mla.__file__}), flush=True)
+if case.startswith("sparse"):
+    import attrs
+    from benchmarks._common import bench_graph_us, rel_error, tflops
+    from benchmarks.sparse import AttentionCase, L, R, _cache, _slots
+    from mla.providers import get_provider
+    from mla.providers.calls import SparseAttentionCall
+    from mla.providers.gluon.decode import sparse_decode
+    from mla.providers.gluon.planner import launch_config
+    from mla.providers.sparse_slots import slot_lengths
+    from mla.providers.triton.decode import num_sms
+    shapes = ([(128, 128, 2), (64, 128, 2), (128, 64, 1), (128, 16, 1)] if case == "sparse-heads"
+              else [(16, 128, 2), (16, 64, 1), (32, 64, 1)])
+    for heads, batch, qlen in shapes:
+        c = AttentionCase(f"H{heads} B{batch} q{qlen}", "fp8_ds_mla", heads, batch, qlen, 32768)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        cache, _ = _cache(c.kv, c.batch * c.context // 64, 64, gen)
+        flat = cache.view(-1, cache.shape[-1])
+        n = c.batch * c.qlen
+        q = torch.randn(n, heads, L + R, generator=gen, device="cuda", dtype=torch.bfloat16)
+        slots = _slots(c, gen)
+        flops = 2.0 * int((slots >= 0).sum()) * heads * (L + R + L)
+        def call_for(out):
+            return SparseAttentionCall(q=q, kv_cache=flat, slots=slots, out=out, lse=None, kv_lora_rank=L,
+                                       rope_dim=R, softmax_scale=192**-0.5, kv_scale=None,
+                                       lengths=slot_lengths(slots))
+        ref = torch.empty(n, heads, L, device="cuda", dtype=torch.bfloat16)
+        get_provider("torch").sparse_attention(call_for(ref))
+        config = launch_config(batch=n, rows=heads, max_seqlen_k=2048, num_sms=num_sms(q.device),
+                               persistent=False, kv_fp8=True, ds_mla=True)
+        call = call_for(torch.full_like(ref, math.nan))
+        sparse_decode(call, config=config)
+        err = rel_error(call.out.float(), ref.float())
+        us = bench_graph_us(lambda: sparse_decode(call, config=config)) if err < 2e-2 else math.nan
+        rows.append({"shape": c.name, "kernel": config.kernel.value, "us": us,
+                     "TFLOP/s": tflops(flops, us), "err": err})
+        print(json.dumps(rows[-1]), flush=True)
+elif case == "fp8-prefill":
+    from benchmarks._common import bench_us, tflops
+    from benchmarks.prefill import Case, reference_heads, rel
+    for heads, batch, seqlen in [(16, 4, 4096), (128, 4, 4096), (16, 16, 1024), (128, 16, 1024)]:
+        c = Case(heads, batch, seqlen)
+        picked = [0, heads - 1]
+        deq = [x.float() * s for x, s in ((c.q8, c.q_scale), (c.k8, c.k_scale), (c.v8, c.v_scale))]
+        ref, _ = reference_heads(deq[0], deq[1], deq[2], c, picked)
+        del deq
+        c.out.fill_(math.nan)
+        c.run_gluon_fp8()
+        torch.cuda.synchronize()
+        err = rel(c.out[:, picked], ref)
+        us = sorted(bench_us(c.run_gluon_fp8) for _ in range(3))[1] if err < 4e-2 else math.nan
+        rows.append({"shape": c.name, "kernel": "gluon-fp8", "us": us, "TFLOP/s": tflops(c.flops, us),
+                     "err": err})
+        print(json.dumps(rows[-1]), flush=True)
+else:
+    raise SystemExit(f"unknown case {case!r}")
+print("ROWS " + json.dumps(rows))
+"""
+
+
+def _mla_sections(patch: str) -> str:
+    """The file sections of a ``git diff`` that change files under ``mla/``."""
+    sections = patch.split("diff --git ")
+    return "".join("diff --git " + part for part in sections[1:] if part.startswith("a/mla/"))
+
+
+def make(directory: Path, specs: list[str]) -> None:
+    """Build one tree a spec: ``NAME`` (this checkout's ``mla/``) or ``NAME=PATCH`` (its hunks under
+    ``mla/`` applied with ``patch``; a patch that changes nothing there is refused)."""
+    for spec in specs:
+        name, _, patch = spec.partition("=")
+        tree = directory / name
+        if tree.exists():
+            shutil.rmtree(tree)
+        shutil.copytree(ROOT / "mla", tree / "mla", ignore=shutil.ignore_patterns("__pycache__"))
+        if patch:
+            text = _mla_sections(Path(patch).read_text())
+            if not text:
+                raise SystemExit(f"{patch}: no change under mla/")
+            subprocess.run(
+                ["patch", "-p1", "--batch", "--forward", "-s", "-d", str(tree)],
+                input=text,
+                text=True,
+                check=True,
+            )
+        print(f"{tree}: mla/{' + ' + patch if patch else ''}")
+
+
+def run(case: str, trees: list[Path], timeout: float) -> int:
+    """``case`` in one process per tree; one table, a column a tree."""
+    results: dict[str, dict[str, dict[str, float | str]]] = {}
+    for tree in trees:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]))
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, case],
+            check=False,
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        lines = done.stdout.splitlines()
+        print(f"{tree}: {json.loads(lines[0])['mla'] if lines else 'no output'}")
+        final = [line for line in lines if line.startswith("ROWS ")]
+        if done.returncode != 0 or not final:
+            print(done.stderr[-3000:])
+            continue
+        results[str(tree)] = {row["shape"]: row for row in json.loads(final[0][5:])}
+    if not results:
+        return 1
+    shapes = list(next(iter(results.values())))
+    table = []
+    for shape in shapes:
+        row: dict[str, object] = {"shape": shape}
+        for tree, rows in results.items():
+            r = rows.get(shape)
+            ok = r is not None and r["us"] == r["us"]  # (NaN: wrong output, not timed)
+            row[Path(tree).name] = f"{r['us']:.1f} µs {r['TFLOP/s']:.1f}" if ok and r else "wrong"
+        table.append(row)
+    print_table(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_make = sub.add_parser("make", help="copy mla/ into DIR/NAME, a patch applied to each copy")
+    p_make.add_argument("directory", type=Path)
+    p_make.add_argument("specs", nargs="+", help="NAME or NAME=PATCH")
+    p_run = sub.add_parser("run", help="time a case in each tree (GPU)")
+    p_run.add_argument("case", choices=sorted(CASES))
+    p_run.add_argument("trees", nargs="+", type=Path)
+    p_run.add_argument("--timeout", type=float, default=300.0, help="seconds a tree (default 300)")
+    sub.add_parser("cases", help="what each case times")
+    args = parser.parse_args(argv)
+    if args.command == "make":
+        make(args.directory, args.specs)
+        return 0
+    if args.command == "run":
+        return run(args.case, args.trees, args.timeout)
+    for name, what in CASES.items():
+        print(f"{name:14} {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
