@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
-from probes import whatif
+from probes import tree_ab, whatif
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,8 +111,6 @@ def test_folded_kernels_compile_without_spills() -> None:
 def test_tree_ab_applies_only_the_mla_part_of_a_patch(tmp_path: Path) -> None:
     """``probes.tree_ab make`` copies ``mla/`` and applies a patch's ``mla/`` files to the copy
     (its other files left out), and refuses a patch that changes nothing under ``mla/``."""
-    from probes import tree_ab
-
     init = (ROOT / "mla" / "__init__.py").read_text().splitlines(keepends=True)
     readme = (ROOT / "README.md").read_text().splitlines(keepends=True)
 
