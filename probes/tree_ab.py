@@ -37,6 +37,7 @@ CASES: dict[str, str] = {
     "sparse-heads": "fp8_ds_mla sparse decode at 64 and 128 heads (the 64-row kernel's shapes)",
     "sparse-rows": "fp8_ds_mla sparse decode at 16 and 32 heads (the few-rows kernels' shapes)",
     "fp8-prefill": "the Gluon fp8 prefill, 192/128 causal, H16/H128 x 4x4096/16x1024",
+    "bf16-prefill": "the Gluon bf16 prefill's split and persistent layouts, the same shapes",
 }
 """What each case times (``run``'s first argument)."""
 
@@ -100,6 +101,23 @@ elif case == "fp8-prefill":
         rows.append({"shape": c.name, "kernel": "gluon-fp8", "us": us, "TFLOP/s": tflops(c.flops, us),
                      "err": err})
         print(json.dumps(rows[-1]), flush=True)
+elif case == "bf16-prefill":
+    from benchmarks._common import bench_us, tflops
+    from benchmarks.prefill import Case, reference_heads, rel
+    for heads, batch, seqlen in [(16, 4, 4096), (128, 4, 4096), (16, 16, 1024), (128, 16, 1024)]:
+        c = Case(heads, batch, seqlen)
+        picked = [0, heads - 1]
+        ref, _ = reference_heads(c.q, c.k, c.v, c, picked)
+        for kernel in ("SPLIT", "PERSISTENT"):
+            c.out.fill_(math.nan)
+            c.run_gluon(kernel)
+            torch.cuda.synchronize()
+            err = rel(c.out[:, picked], ref)
+            run = lambda kernel=kernel: c.run_gluon(kernel)
+            us = sorted(bench_us(run) for _ in range(3))[1] if err < 1e-2 else math.nan
+            rows.append({"shape": f"{c.name} {kernel.lower()}", "kernel": kernel, "us": us,
+                         "TFLOP/s": tflops(c.flops, us), "err": err})
+            print(json.dumps(rows[-1]), flush=True)
 else:
     raise SystemExit(f"unknown case {case!r}")
 print("ROWS " + json.dumps(rows))
