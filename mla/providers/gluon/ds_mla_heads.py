@@ -60,6 +60,7 @@ from mla.providers.gluon.ds_mla_words import (
     _widen_staged,
 )
 from mla.providers.gluon.kernels import (
+    MMA_TILE_LAYOUT,
     _id_limit,
     _key_operand,
     _online_softmax,
@@ -355,7 +356,6 @@ def mla_decode_ds_mla_heads_kernel(
     gl.static_assert(BLOCK_N == 64, "64-token tiles (the QKᵀ N of the scores warpgroup)")
     gl.static_assert(L == CHUNK * CHUNKS, "the latent row is CHUNKS scale tiles of CHUNK columns")
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
-    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -367,12 +367,12 @@ def mla_decode_ds_mla_heads_kernel(
         MODE, UNIT_QLEN, BLOCK_N, HAS_LENGTHS,
     )  # fmt: skip
 
-    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
-    lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], mma_smem)
-    rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
+    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], MMA_TILE_LAYOUT)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], MMA_TILE_LAYOUT)
+    lat_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], MMA_TILE_LAYOUT)
+    rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], MMA_TILE_LAYOUT)
     id_ring = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N], vec_smem)  # 0 / -1 a key
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], mma_smem)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], MMA_TILE_LAYOUT)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     # ready[s·CHUNKS + c]: chunk c of slot s is in (the producer's one arrival; the last chunk's

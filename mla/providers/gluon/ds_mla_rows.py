@@ -66,6 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.kernels import (
+    MMA_TILE_LAYOUT,
+    PLAIN_LAYOUT,
     _issue_ids,
     _issue_tile,
     _key_ok,
@@ -397,9 +399,7 @@ def mla_decode_ds_mla_kernel(
     gl.static_assert(q_nope_ptr.dtype.element_ty == gl.bfloat16, "fp8_ds_mla rows carry bf16 rope lanes")
     dtype: gl.constexpr = gl.bfloat16
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
-    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=NR * 2, element_bitwidth=16, rank=2)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     _wait_for_previous(PDL)
@@ -415,12 +415,12 @@ def mla_decode_ds_mla_kernel(
     qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, False)
 
     # -- shared memory and barriers --------------------------------------------------------------
-    q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], mma_smem)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], mma_smem)
-    wide = gl.allocate_shared_memory(dtype, [WIDE_SLOTS, BLOCK_N, L], mma_smem)
-    rope_ring = gl.allocate_shared_memory(dtype, [ROPE_SLOTS, BLOCK_N, R], mma_smem)
-    lat_ring = gl.allocate_shared_memory(kv_dtype, [FP8_SLOTS, CHUNK, L], plain)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [FP8_SLOTS, CHUNK, L // 128], plain)
+    q_nope_smem = gl.allocate_shared_memory(dtype, [NR, L], MMA_TILE_LAYOUT)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [NR, R], MMA_TILE_LAYOUT)
+    wide = gl.allocate_shared_memory(dtype, [WIDE_SLOTS, BLOCK_N, L], MMA_TILE_LAYOUT)
+    rope_ring = gl.allocate_shared_memory(dtype, [ROPE_SLOTS, BLOCK_N, R], MMA_TILE_LAYOUT)
+    lat_ring = gl.allocate_shared_memory(kv_dtype, [FP8_SLOTS, CHUNK, L], PLAIN_LAYOUT)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [FP8_SLOTS, CHUNK, L // 128], PLAIN_LAYOUT)
     idx_ring = gl.allocate_shared_memory(gl.int32, [2 * FP8_SLOTS, CHUNK], vec_smem)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, NR], p_layout)
     # wide_ready[w]: bf16 tile w is widened (one arrival, the producer's); wide_free[w]: the MMA's

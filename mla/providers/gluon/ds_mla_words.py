@@ -83,7 +83,8 @@ def _chunk_layout(warps):
 
 @gluon.jit
 def _tile_words(lat):
-    """The :data:`STAGED_WORDS` view of a bf16 ``[rows, L]`` MMA tile."""
+    """The :data:`STAGED_WORDS` view of a bf16 ``[rows, L]`` MMA tile in
+    :data:`.kernels.MMA_TILE_LAYOUT` (the 128-byte swizzle whose atoms the view walks)."""
     return lat._reinterpret(gl.int32, [lat.shape[1] // 64, lat.shape[0], 32], STAGED_WORDS)
 
 

@@ -616,17 +616,16 @@ def _kv_rings(
     place (the wide buffers are the rings). Per-tensor fp8: unswizzled fp8 slots widened into
     ``WIDE_STAGES`` MMA-layout tiles. ``fp8_ds_mla``: fp8 latent slots widened (with the tile
     scales of :func:`_scale_ring`), bf16 rope lanes in MMA-layout slots read in place."""
-    mma_smem: gl.constexpr = MMA_TILE_LAYOUT
     ring_smem: gl.constexpr = PLAIN_LAYOUT if KV_FP8 else MMA_TILE_LAYOUT
     lat_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, L], ring_smem)
     if KV_DS_MLA:
-        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], mma_smem)
-        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
+        rope_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], MMA_TILE_LAYOUT)
+        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], MMA_TILE_LAYOUT)
         rope_wide = rope_ring
     elif KV_FP8:
         rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
-        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], mma_smem)
-        rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], mma_smem)
+        lat_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, L], MMA_TILE_LAYOUT)
+        rope_wide = gl.allocate_shared_memory(dtype, [WIDE_STAGES, BLOCK_N, R], MMA_TILE_LAYOUT)
     else:
         rope_ring = gl.allocate_shared_memory(kv_dtype, [NUM_STAGES, BLOCK_N, R], ring_smem)
         lat_wide = lat_ring
@@ -716,7 +715,6 @@ def mla_decode_kernel(
     id_ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     id_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     ID_SLOTS: gl.constexpr = 2 * NUM_STAGES
-    mma_smem: gl.constexpr = MMA_TILE_LAYOUT
 
     # -- the work item ---------------------------------------------------------------------------
     rb, work, req = _work_item(num_splits, work_info_ptr, ROW_BLOCKS, MODE)
@@ -730,8 +728,8 @@ def mla_decode_kernel(
     qk_scale, v_scale = _scales(sm_scale_log2, kv_scale_ptr, KV_FP8 and not KV_DS_MLA)
 
     # -- shared memory ---------------------------------------------------------------------------
-    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], mma_smem)
-    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], mma_smem)
+    q_nope_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, L], MMA_TILE_LAYOUT)
+    q_pe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, R], MMA_TILE_LAYOUT)
     idx_ring = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, BLOCK_N], id_smem)
     lat_ring, rope_ring, lat_wide, rope_wide = _kv_rings(
         kv_dtype, dtype, NUM_STAGES, WIDE_STAGES, BLOCK_N, L, R, KV_FP8, KV_DS_MLA
