@@ -26,7 +26,8 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   (:mod:`.prefill_overlap`).
 * **Consumer.** ``S = q·Kᵀ`` and ``O += P·V`` by ``warpgroup_mma`` (q and K from shared memory,
   ``P`` from registers), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e``
-  folded into one multiply), normalisation deferred to the epilogue.
+  folded into one multiply), normalisation deferred to the epilogue. In ``MODE`` 1 and 2 the
+  unmasked key tiles are software-pipelined within the warpgroup (:mod:`.prefill_pipelined`).
 * **Causal** (bottom-right: row ``i`` of a request sees keys ``<= i + Sk - Sq``). Key tiles that
   every row of the query tile sees run without a mask; only the tiles that straddle the
   diagonal or the end of the request's keys are masked, and tiles no row sees are never
@@ -101,6 +102,7 @@ from mla.providers.gluon.prefill_parts import (
     _store_rows,
     _take_turn,
 )
+from mla.providers.gluon.prefill_pipelined import _attend_pipelined
 from mla.providers.triton.launch_cache import LaunchCache
 
 
@@ -204,7 +206,13 @@ def _attend_range(
     query tile, the rings, flags and barriers; ``ring``: the loads' operands when the consumer
     issues them itself (``ISSUE_LOADS``, :func:`.prefill_parts._issue_ahead`)."""
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty = tiles
-    for masked in gl.static_range(2):
+    if not ISSUE_LOADS:  # noqa: SIM102 (ISSUE_LOADS is a constexpr: this if is resolved at compile time)
+        if n_full > 0:
+            acc, m_i, l_i = _attend_pipelined(
+                tiles, acc, m_i, l_i, n_full, g0, row_last, qk_scale, BLOCK_N, NUM_STAGES, S_LAYOUT, O_LAYOUT,
+                W, M, turn, PINGPONG,
+            )  # fmt: skip
+    for masked in gl.static_range(0 if ISSUE_LOADS else 1, 2):
         first = n_full if masked else 0
         last = n_tiles if masked else n_full
         for t in range(first, last):
