@@ -130,3 +130,14 @@ def test_tree_ab_applies_only_the_mla_part_of_a_patch(tmp_path: Path) -> None:
     outside.write_text(section("README.md", readme))
     with pytest.raises(SystemExit, match="no change under mla/"):
         tree_ab.make(tmp_path / "trees", [f"none={outside}"])
+
+
+def test_tree_ab_table_keeps_a_column_per_tree_and_round() -> None:
+    """Each tree and round is a column of its own, a wrong output shows ``wrong``, and two trees
+    of one name are refused before anything runs."""
+    good = {"us": 10.0, "TFLOP/s": 5.0}
+    bad = {"us": float("nan"), "TFLOP/s": float("nan")}
+    table = tree_ab._table({"a r1": {"s": good}, "b r1": {"s": bad}, "a r2": {"s": good}})
+    assert table == [{"shape": "s", "a r1": "10.0 µs 5.0", "b r1": "wrong", "a r2": "10.0 µs 5.0"}]
+    with pytest.raises(SystemExit, match="two trees named 'main'"):
+        tree_ab.run("fp8-prefill", [Path("x/main"), Path("y/main")], timeout=1.0)

@@ -152,40 +152,61 @@ def make(directory: Path, specs: list[str]) -> None:
         print(f"{tree}: mla/{' + ' + patch if patch else ''}")
 
 
-def run(case: str, trees: list[Path], timeout: float) -> int:
-    """``case`` in one process per tree; one table, a column a tree."""
+def run(case: str, trees: list[Path], timeout: float, rounds: int = 1) -> int:
+    """``case`` in one process per tree and round (the trees in turn, ``rounds`` times: the spread
+    between a tree's rounds is the noise to judge a difference by); one table, a column a tree
+    and round (``NAME`` or ``NAME rK``)."""
+    names = [tree.name for tree in trees]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SystemExit(f"two trees named {twice[0]!r}: give each its own name (or pass --rounds)")
     results: dict[str, dict[str, dict[str, float | str]]] = {}
-    for tree in trees:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]))
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD, case],
-            check=False,
-            cwd=tree,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        lines = done.stdout.splitlines()
-        print(f"{tree}: {json.loads(lines[0])['mla'] if lines else 'no output'}")
-        final = [line for line in lines if line.startswith("ROWS ")]
-        if done.returncode != 0 or not final:
-            print(done.stderr[-3000:])
-            continue
-        results[str(tree)] = {row["shape"]: row for row in json.loads(final[0][5:])}
+    for round_ in range(1, rounds + 1):
+        for tree in trees:
+            column = tree.name if rounds == 1 else f"{tree.name} r{round_}"
+            rows = _run_tree(case, tree, timeout)
+            if rows is not None:
+                results[column] = rows
     if not results:
         return 1
-    shapes = list(next(iter(results.values())))
-    table = []
-    for shape in shapes:
-        row: dict[str, object] = {"shape": shape}
-        for tree, rows in results.items():
-            r = rows.get(shape)
-            ok = r is not None and r["us"] == r["us"]  # (NaN: wrong output, not timed)
-            row[Path(tree).name] = f"{r['us']:.1f} µs {r['TFLOP/s']:.1f}" if ok and r else "wrong"
-        table.append(row)
-    print_table(table)
+    print_table(_table(results))
     return 0
+
+
+def _run_tree(case: str, tree: Path, timeout: float) -> dict[str, dict[str, float | str]] | None:
+    """The rows ``case`` printed in a process whose ``mla`` is ``tree``'s, by shape; None (and its
+    stderr's end printed) when it failed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]))
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, case],
+        check=False,
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = done.stdout.splitlines()
+    print(f"{tree}: {json.loads(lines[0])['mla'] if lines else 'no output'}", flush=True)
+    final = [line for line in lines if line.startswith("ROWS ")]
+    if done.returncode != 0 or not final:
+        print(done.stderr[-3000:])
+        return None
+    return {row["shape"]: row for row in json.loads(final[0][5:])}
+
+
+def _table(results: dict[str, dict[str, dict[str, float | str]]]) -> list[dict[str, object]]:
+    """A row a shape (the first column's shapes, in order), a column a tree and round: ``µs
+    TFLOP/s``, or ``wrong`` where the output failed its check (its time is NaN)."""
+    table = []
+    for shape in next(iter(results.values())):
+        row: dict[str, object] = {"shape": shape}
+        for column, rows in results.items():
+            r = rows.get(shape)
+            ok = r is not None and r["us"] == r["us"]
+            row[column] = f"{r['us']:.1f} µs {r['TFLOP/s']:.1f}" if ok and r else "wrong"
+        table.append(row)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("case", choices=sorted(CASES))
     p_run.add_argument("trees", nargs="+", type=Path)
     p_run.add_argument("--timeout", type=float, default=300.0, help="seconds a tree (default 300)")
+    p_run.add_argument("--rounds", type=int, default=1, help="times each tree runs, in turn (default 1)")
     sub.add_parser("cases", help="what each case times")
     args = parser.parse_args(argv)
     if args.command == "make":
         make(args.directory, args.specs)
         return 0
     if args.command == "run":
-        return run(args.case, args.trees, args.timeout)
+        return run(args.case, args.trees, args.timeout, args.rounds)
     for name, what in CASES.items():
         print(f"{name:14} {what}")
     return 0
