@@ -133,11 +133,31 @@ def test_tree_ab_applies_only_the_mla_part_of_a_patch(tmp_path: Path) -> None:
 
 
 def test_tree_ab_table_keeps_a_column_per_tree_and_round() -> None:
-    """Each tree and round is a column of its own, a wrong output shows ``wrong``, and two trees
-    of one name are refused before anything runs."""
+    """Each tree and round is a column of its own, a wrong output shows ``wrong`` (or its time
+    marked ``(wrong)`` when timed unchecked), and two trees of one name are refused before
+    anything runs."""
     good = {"us": 10.0, "TFLOP/s": 5.0}
     bad = {"us": float("nan"), "TFLOP/s": float("nan")}
-    table = tree_ab._table({"a r1": {"s": good}, "b r1": {"s": bad}, "a r2": {"s": good}})
-    assert table == [{"shape": "s", "a r1": "10.0 µs 5.0", "b r1": "wrong", "a r2": "10.0 µs 5.0"}]
+    timed_wrong = {"us": 8.0, "TFLOP/s": 6.0, "ok": False}
+    table = tree_ab._table(
+        {"a r1": {"s": good}, "b r1": {"s": bad}, "a r2": {"s": good}, "c": {"s": timed_wrong}}
+    )
+    assert table == [
+        {
+            "shape": "s",
+            "a r1": "10.0 µs 5.0",
+            "b r1": "wrong",
+            "a r2": "10.0 µs 5.0",
+            "c": "8.0 µs 6.0 (wrong)",
+        }
+    ]
     with pytest.raises(SystemExit, match="two trees named 'main'"):
         tree_ab.run("fp8-prefill", [Path("x/main"), Path("y/main")], timeout=1.0)
+
+
+@pytest.mark.parametrize("patch", sorted((ROOT / "probes" / "bounds").glob("*.patch")), ids=lambda p: p.stem)
+def test_bound_patches_still_apply(patch: Path, tmp_path: Path) -> None:
+    """Every patch of ``probes/bounds/`` applies to this checkout's ``mla/`` (``tree_ab make``
+    raises where a hunk no longer does), so a bound is never timed on a tree it did not change."""
+    tree_ab.make(tmp_path / "trees", [f"{patch.stem}={patch}"])
+    assert (tmp_path / "trees" / patch.stem / "mla").is_dir()

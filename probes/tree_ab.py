@@ -15,8 +15,9 @@ so the device tool copies them along.
 (its own interpreter: the kernels compile from the tree's source, the launch caches start
 empty), and prints one row per shape and one column per tree. Every case checks its outputs
 against a reference before it times them: a tree whose output is wrong shows ``wrong`` and no
-time. The ``mla`` each process imported is printed first, so a tree that silently imported
-the checkout's package shows.
+time (``--unchecked`` times it anyway, marked ``(wrong)``: a tree with a piece of work taken
+out bounds what that work costs). The ``mla`` each process imported is printed first, so a
+tree that silently imported the checkout's package shows.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ CASES: dict[str, str] = {
 """What each case times (``run``'s first argument)."""
 
 CHILD = r"""
-import json, math, sys
+import json, math, os, sys
 import torch
 import mla
 case = sys.argv[1]
+UNCHECKED = os.environ.get("TREE_AB_UNCHECKED") == "1"  # (time wrong outputs too: --unchecked)
 rows = []
 print(json.dumps({"mla": mla.__file__}), flush=True)
 if case.startswith("sparse"):
@@ -80,9 +82,10 @@ if case.startswith("sparse"):
         call = call_for(torch.full_like(ref, math.nan))
         sparse_decode(call, config=config)
         err = rel_error(call.out.float(), ref.float())
-        us = bench_graph_us(lambda: sparse_decode(call, config=config)) if err < 2e-2 else math.nan
+        timed = err < 2e-2 or UNCHECKED
+        us = bench_graph_us(lambda: sparse_decode(call, config=config)) if timed else math.nan
         rows.append({"shape": c.name, "kernel": config.kernel.value, "us": us,
-                     "TFLOP/s": tflops(flops, us), "err": err})
+                     "TFLOP/s": tflops(flops, us), "err": err, "ok": err < 2e-2})
         print(json.dumps(rows[-1]), flush=True)
 elif case == "fp8-prefill":
     from benchmarks._common import bench_us, tflops
@@ -97,9 +100,9 @@ elif case == "fp8-prefill":
         c.run_gluon_fp8()
         torch.cuda.synchronize()
         err = rel(c.out[:, picked], ref)
-        us = sorted(bench_us(c.run_gluon_fp8) for _ in range(3))[1] if err < 4e-2 else math.nan
+        us = sorted(bench_us(c.run_gluon_fp8) for _ in range(3))[1] if err < 4e-2 or UNCHECKED else math.nan
         rows.append({"shape": c.name, "kernel": "gluon-fp8", "us": us, "TFLOP/s": tflops(c.flops, us),
-                     "err": err})
+                     "err": err, "ok": err < 4e-2})
         print(json.dumps(rows[-1]), flush=True)
 elif case == "bf16-prefill":
     from benchmarks._common import bench_us, tflops
@@ -114,9 +117,9 @@ elif case == "bf16-prefill":
             torch.cuda.synchronize()
             err = rel(c.out[:, picked], ref)
             run = lambda kernel=kernel: c.run_gluon(kernel)
-            us = sorted(bench_us(run) for _ in range(3))[1] if err < 1e-2 else math.nan
+            us = sorted(bench_us(run) for _ in range(3))[1] if err < 1e-2 or UNCHECKED else math.nan
             rows.append({"shape": f"{c.name} {kernel.lower()}", "kernel": kernel, "us": us,
-                         "TFLOP/s": tflops(c.flops, us), "err": err})
+                         "TFLOP/s": tflops(c.flops, us), "err": err, "ok": err < 1e-2})
             print(json.dumps(rows[-1]), flush=True)
 else:
     raise SystemExit(f"unknown case {case!r}")
@@ -152,10 +155,11 @@ def make(directory: Path, specs: list[str]) -> None:
         print(f"{tree}: mla/{' + ' + patch if patch else ''}")
 
 
-def run(case: str, trees: list[Path], timeout: float, rounds: int = 1) -> int:
+def run(case: str, trees: list[Path], timeout: float, rounds: int = 1, *, unchecked: bool = False) -> int:
     """``case`` in one process per tree and round (the trees in turn, ``rounds`` times: the spread
     between a tree's rounds is the noise to judge a difference by); one table, a column a tree
-    and round (``NAME`` or ``NAME rK``)."""
+    and round (``NAME`` or ``NAME rK``). ``unchecked``: a wrong output is timed too (a tree
+    with work taken out, to bound what that work costs), its cell marked ``(wrong)``."""
     names = [tree.name for tree in trees]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -164,7 +168,7 @@ def run(case: str, trees: list[Path], timeout: float, rounds: int = 1) -> int:
     for round_ in range(1, rounds + 1):
         for tree in trees:
             column = tree.name if rounds == 1 else f"{tree.name} r{round_}"
-            rows = _run_tree(case, tree, timeout)
+            rows = _run_tree(case, tree, timeout, unchecked)
             if rows is not None:
                 results[column] = rows
     if not results:
@@ -173,10 +177,16 @@ def run(case: str, trees: list[Path], timeout: float, rounds: int = 1) -> int:
     return 0
 
 
-def _run_tree(case: str, tree: Path, timeout: float) -> dict[str, dict[str, float | str]] | None:
+def _run_tree(
+    case: str, tree: Path, timeout: float, unchecked: bool = False
+) -> dict[str, dict[str, float | str]] | None:
     """The rows ``case`` printed in a process whose ``mla`` is ``tree``'s, by shape; None (and its
     stderr's end printed) when it failed."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]),
+        TREE_AB_UNCHECKED="1" if unchecked else "0",
+    )
     done = subprocess.run(
         [sys.executable, "-c", CHILD, case],
         check=False,
@@ -197,14 +207,16 @@ def _run_tree(case: str, tree: Path, timeout: float) -> dict[str, dict[str, floa
 
 def _table(results: dict[str, dict[str, dict[str, float | str]]]) -> list[dict[str, object]]:
     """A row a shape (the first column's shapes, in order), a column a tree and round: ``µs
-    TFLOP/s``, or ``wrong`` where the output failed its check (its time is NaN)."""
+    TFLOP/s``; ``wrong`` where the output failed its check and was not timed, ``µs TFLOP/s
+    (wrong)`` where it was timed anyway (``--unchecked``)."""
     table = []
     for shape in next(iter(results.values())):
         row: dict[str, object] = {"shape": shape}
         for column, rows in results.items():
             r = rows.get(shape)
             ok = r is not None and r["us"] == r["us"]
-            row[column] = f"{r['us']:.1f} µs {r['TFLOP/s']:.1f}" if ok and r else "wrong"
+            cell = f"{r['us']:.1f} µs {r['TFLOP/s']:.1f}" if ok and r else "wrong"
+            row[column] = cell if not ok or not r or r.get("ok", True) else f"{cell} (wrong)"
         table.append(row)
     return table
 
@@ -220,13 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("trees", nargs="+", type=Path)
     p_run.add_argument("--timeout", type=float, default=300.0, help="seconds a tree (default 300)")
     p_run.add_argument("--rounds", type=int, default=1, help="times each tree runs, in turn (default 1)")
+    p_run.add_argument(
+        "--unchecked", action="store_true", help="time wrong outputs too (trees with work taken out)"
+    )
     sub.add_parser("cases", help="what each case times")
     args = parser.parse_args(argv)
     if args.command == "make":
         make(args.directory, args.specs)
         return 0
     if args.command == "run":
-        return run(args.case, args.trees, args.timeout, args.rounds)
+        return run(args.case, args.trees, args.timeout, args.rounds, unchecked=args.unchecked)
     for name, what in CASES.items():
         print(f"{name:14} {what}")
     return 0

@@ -110,7 +110,8 @@ MMA_REGS_32 = 232
 RINGS: dict[int, DsMlaRings] = {16: DsMlaRings(32, 2, 2, 2), 32: DsMlaRings(16, 4, 3, 2)}
 """Ring shapes by row tile (the launcher's). At 16 rows, two 32-row fp8 chunks and two rope
 tiles measured fastest of five shapes on the H200 (H16, top-k 2048: 155.1 µs at B128 qlen 2
-against 161.8 with three of each; 16-row chunks 196–204)."""
+against 161.8 with three of each; 16-row chunks 196–204); a third fp8 chunk alone,
+``DsMlaRings(32, 3, 2, 2)``, was slower still on an H100 (184.5 against 160.6 µs)."""
 TILE = 64
 """Tokens per MMA tile (the wgmma M dimension of one warpgroup)."""
 BLOCK_N = gl.constexpr(TILE)
