@@ -18,10 +18,12 @@
 #   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~8 min)
 #   bash benchmarks/h200_session.sh fold        # the split reduce folded into the few-rows kernel: tests, sanitizers, timing (~4 min)
 #   bash benchmarks/h200_session.sh prefill-race  # the Gluon prefill's layouts under Triton's concurrency sanitizer (~8 min)
+#   bash benchmarks/h200_session.sh bounds      # the sparse decode kernels with one piece of work taken out (~3 min)
+#   bash benchmarks/h200_session.sh profile-kernels  # Nsight Compute: the sparse 16-row and 64-row kernels, the persistent prefill (~3 min)
 #
 # The bench part runs the user-facing benchmarks (python3 -m benchmarks NAME); the breakdown,
-# pingpong, dual, profile, whatif, whatif-other, power, fold and prefill-race parts run kernel-research probes
-# (python3 -m probes.NAME, probes/README.md).
+# pingpong, dual, profile, whatif, whatif-other, power, fold, prefill-race, bounds and profile-kernels parts run
+# kernel-research probes (python3 -m probes.NAME, probes/README.md).
 # Logs go to $OUT (or /tmp/mla-h200); the decode and prefill plots to $OUT/decode-h200.png and
 # $OUT/prefill-h200.png (copy them to docs/img/). Each part has its own time limits so one slow
 # step cannot starve the others.
@@ -176,6 +178,38 @@ profile)
   timeout 200 ncu "${ncu_args[@]}" --section SourceCounters --page source --print-source sass --csv \
     python3 -m probes.gluon_dev --once fp8 > "$OUT/ncu_dual_sass.csv" 2>/dev/null
   python3 -m probes.ncu_stalls "$OUT/ncu_dual_sass.csv" | tee "$OUT/ncu_dual_stalls.txt"
+  ;;
+bounds)
+  part "sparse decode bounds (probes/bounds/, wrong outputs timed on purpose)"
+  trees=/tmp/mla-bounds
+  python3 -m probes.tree_ab make "$trees" main no-widen=probes/bounds/rows-no-widen.patch \
+    no-gather=probes/bounds/rows-no-gather.patch no-mma=probes/bounds/rows-no-mma.patch \
+    no-dequant=probes/bounds/heads-no-dequant.patch
+  timeout 240 python3 -m probes.tree_ab run sparse-rows "$trees"/{main,no-widen,no-gather,no-mma} --unchecked \
+    2>&1 | tee "$OUT/bounds_rows.log" | tail -8
+  timeout 150 python3 -m probes.tree_ab run sparse-heads "$trees"/{main,no-dequant} --unchecked \
+    2>&1 | tee "$OUT/bounds_heads.log" | tail -9
+  ;;
+profile-kernels)
+  # name regex, then the Python that launches it at least twice (the second launch is profiled)
+  profile_kernel() {
+    local name=$1 regex=$2 code=$3
+    part "ncu: $name (second launch)"
+    timeout 120 ncu --kernel-name "regex:$regex" --launch-skip 1 --launch-count 1 --kill on \
+      --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+      python3 -c "$code" > "$OUT/ncu_$name.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued" \
+      "$OUT/ncu_$name.txt" | head -6
+    timeout 120 ncu --kernel-name "regex:$regex" --launch-skip 1 --launch-count 1 --kill on \
+      --section SourceCounters --page source --print-source sass --csv python3 -c "$code" \
+      > "$OUT/ncu_${name}_sass.csv" 2>/dev/null
+    python3 -m probes.ncu_stalls "$OUT/ncu_${name}_sass.csv" | tee "$OUT/ncu_${name}_stalls.txt" | head -12
+  }
+  sparse="from probes.tree_ab import CHILD; import sys; sys.argv = ['x', 'sparse-%s']; exec(CHILD)"
+  profile_kernel sparse-rows-h16 mla_decode_ds_mla_kernel "${sparse/\%s/rows}"
+  profile_kernel sparse-heads-h128 mla_decode_ds_mla_heads "${sparse/\%s/heads}"
+  profile_kernel prefill-persistent-h16-16x1024 mla_prefill_persistent \
+    "from benchmarks.prefill import Case; c = Case(16, 16, 1024); c.run_gluon('PERSISTENT'); c.run_gluon('PERSISTENT')"
   ;;
 power)
   part "power cap: the Gluon decode (np) after idle and sustained, with SM clock and power"
