@@ -18,7 +18,7 @@
 #   bash benchmarks/h200_session.sh power       # which decode cases run into the 700 W power cap (~8 min)
 #   bash benchmarks/h200_session.sh fold        # the split reduce folded into the few-rows kernel: tests, sanitizers, timing (~4 min)
 #   bash benchmarks/h200_session.sh prefill-race  # the Gluon prefill's layouts under Triton's concurrency sanitizer (~8 min)
-#   bash benchmarks/h200_session.sh bounds      # the sparse decode kernels with one piece of work taken out (~3 min)
+#   bash benchmarks/h200_session.sh bounds      # the sparse decode kernels with one piece of work taken out, the row gather (~4 min)
 #   bash benchmarks/h200_session.sh profile-kernels  # Nsight Compute: the sparse 16-row and 64-row kernels, the persistent prefill (~3 min)
 #
 # The bench part runs the user-facing benchmarks (python3 -m benchmarks NAME); the breakdown,
@@ -189,6 +189,8 @@ bounds)
     2>&1 | tee "$OUT/bounds_rows.log" | tail -8
   timeout 150 python3 -m probes.tree_ab run sparse-heads "$trees"/{main,no-dequant} --unchecked \
     2>&1 | tee "$OUT/bounds_heads.log" | tail -9
+  part "row gather: cp.async against TMA (probes/row_gather.py)"
+  timeout 120 python3 -m probes.row_gather 2>&1 | tee "$OUT/row_gather.log" | tail -8
   ;;
 profile-kernels)
   # name regex, then the Python that launches it at least twice (the second launch is profiled)

@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
-from probes import tree_ab, whatif
+from probes import row_gather, tree_ab, whatif
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,3 +162,19 @@ def test_bound_patches_still_apply(patch: Path, tmp_path: Path) -> None:
     raises where a hunk no longer does), so a bound is never timed on a tree it did not change."""
     tree_ab.make(tmp_path / "trees", [f"{patch.stem}={patch}"])
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
+
+
+def test_row_gather_methods_compile_for_sm90() -> None:
+    """Every gather method of ``probes.row_gather`` compiles for sm_90 (TMA boxes of an int64
+    view of the byte rows; the ``cp.async`` gather of the kernels)."""
+    stdout = run_without_interpreter(["-m", "probes.row_gather", "--compile-only"])
+    for method in ("cpasync", "tma-row", "tma-parts"):
+        assert f"{method} [" in stdout, stdout
+
+
+def test_row_gather_checksum_is_the_sum_of_each_rows_first_word() -> None:
+    """The checksum the methods are checked against, on a tiny cache (CPU)."""
+    cache = torch.zeros(4, row_gather.ROW_BYTES, dtype=torch.uint8)
+    cache.view(torch.int32)[:, 0] = torch.tensor([1, 2, -1, 7], dtype=torch.int32)
+    slots = torch.tensor([[0, 1, 1], [2, 3, 0]], dtype=torch.int32)
+    assert row_gather.expected(cache, slots).tolist() == [5, 0xFFFFFFFF + 7 + 1]
