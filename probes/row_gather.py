@@ -25,7 +25,11 @@ each landed chunk into a checksum (so no copy is dead):
 * ``tma-parts``: three TMA copies a row, latent ``[1, 64]``, scales ``[1, 2]`` and rope
   ``[1, 16]`` int64, into three rings (where the kernels want them apart).
 
-The methods' checksums must agree with the one torch computes. Bytes = queries x ``TOPK`` x 656.
+A slot of ``-1`` (a pad; ``--pads`` of them, spread at random) reads nothing: ``cp.async``
+masks it, TMA takes row ``-1``, outside the tensor, and zero-fills it (its bytes still count on
+the chunk's mbarrier, which the TMA gather of ``probes/candidates/rows-tma-gather.patch`` relies
+on: a wrong count hangs the method). The methods' checksums must agree with the one torch
+computes. Bytes = queries x ``TOPK`` x 656.
 """
 
 from __future__ import annotations
@@ -62,6 +66,17 @@ def _checksum(slot, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
+def _copy_part(dst, kv_ptr, slot_ptr, FIRST: gl.constexpr, LD: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """``cp.async`` bytes ``[FIRST, FIRST + width)`` of the rows ``slot_ptr[0:rows]`` into ``dst``
+    (``[rows, width]`` uint8, copy layout ``LD``); a ``-1`` slot's row is zero-filled, not read."""
+    rows = gl.arange(0, dst.shape[0], layout=gl.SliceLayout(1, LD))
+    cols = gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, LD))
+    tok = gl.load(slot_ptr + rows).to(gl.int64)
+    ptrs = kv_ptr + tok[:, None] * ROW_BYTES + FIRST + cols[None, :]
+    async_copy.async_copy_global_to_shared(dst, ptrs, mask=(tok >= 0)[:, None])
+
+
+@gluon.jit
 def cpasync_gather_kernel(kv_ptr, slots_ptr, out_ptr, TOPK: gl.constexpr, CHUNK: gl.constexpr,
                           SLOTS: gl.constexpr, ROW_BYTES: gl.constexpr):  # fmt: skip
     """Program ``q`` gathers the rows ``slots[q, :]`` of the byte cache ``kv_ptr`` (uint8
@@ -79,24 +94,10 @@ def cpasync_gather_kernel(kv_ptr, slots_ptr, out_ptr, TOPK: gl.constexpr, CHUNK:
     for c in range(N + SLOTS - 1):
         if c < N:
             s = c % SLOTS
-            rows_l = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, lat_ld))
-            tok_l = gl.load(slots_ptr + q * TOPK + c * CHUNK + rows_l).to(gl.int64)
-            cols_l = gl.arange(0, 512, layout=gl.SliceLayout(0, lat_ld))
-            async_copy.async_copy_global_to_shared(
-                lat.index(s), kv_ptr + tok_l[:, None] * ROW_BYTES + cols_l[None, :]
-            )
-            rows_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, rope_ld))
-            tok_r = gl.load(slots_ptr + q * TOPK + c * CHUNK + rows_r).to(gl.int64)
-            cols_r = gl.arange(0, 128, layout=gl.SliceLayout(0, rope_ld))
-            async_copy.async_copy_global_to_shared(
-                rope.index(s), kv_ptr + tok_r[:, None] * ROW_BYTES + 528 + cols_r[None, :]
-            )
-            rows_s = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, scale_ld))
-            tok_s = gl.load(slots_ptr + q * TOPK + c * CHUNK + rows_s).to(gl.int64)
-            cols_s = gl.arange(0, 16, layout=gl.SliceLayout(0, scale_ld))
-            async_copy.async_copy_global_to_shared(
-                scale.index(s), kv_ptr + tok_s[:, None] * ROW_BYTES + 512 + cols_s[None, :]
-            )
+            base = slots_ptr + q * TOPK + c * CHUNK
+            _copy_part(lat.index(s), kv_ptr, base, 0, lat_ld, ROW_BYTES)
+            _copy_part(rope.index(s), kv_ptr, base, 528, rope_ld, ROW_BYTES)
+            _copy_part(scale.index(s), kv_ptr, base, 512, scale_ld, ROW_BYTES)
         async_copy.commit_group()
         if c >= SLOTS - 1:
             async_copy.wait_group(SLOTS - 1)
@@ -180,9 +181,10 @@ METHODS = ("cpasync", "tma-row", "tma-parts")
 
 def expected(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The checksum torch computes: per query, the sum of each gathered row's first int32 (as
-    an unsigned value)."""
+    an unsigned value); a ``-1`` slot adds 0."""
     first = cache.view(torch.int32)[:, 0].to(torch.int64) & 0xFFFFFFFF
-    return first[slots.long()].sum(dim=1)
+    picked = first[slots.long().clamp(min=0)]
+    return torch.where(slots >= 0, picked, 0).sum(dim=1)
 
 
 def main() -> None:
@@ -190,6 +192,7 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true", help="compile every method for sm_90 (CPU)")
     parser.add_argument("--queries", type=int, default=256, help="queries (programs; default 256: B128 q2)")
     parser.add_argument("--context", type=int, default=32768, help="tokens a request (default 32768)")
+    parser.add_argument("--pads", type=float, default=1 / 16, help="share of -1 slots (default 1/16)")
     args = parser.parse_args()
     if args.compile_only:
         from mla.testing.triton_driver import stand_in_driver
@@ -213,6 +216,8 @@ def main() -> None:
     request = torch.arange(args.queries, device=device) // 2
     picks = torch.randint(0, args.context, (args.queries, TOPK), generator=gen, device=device)
     slots = (request[:, None] * args.context + picks).int()
+    pad = torch.rand(slots.shape, generator=gen, device=device) < args.pads
+    slots = torch.where(pad, -1, slots)
     want = expected(cache, slots)
     gbytes = args.queries * TOPK * ROW_BYTES / 1e9
     rows = []

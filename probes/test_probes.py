@@ -173,8 +173,9 @@ def test_row_gather_methods_compile_for_sm90() -> None:
 
 
 def test_row_gather_checksum_is_the_sum_of_each_rows_first_word() -> None:
-    """The checksum the methods are checked against, on a tiny cache (CPU)."""
+    """The checksum the methods are checked against, on a tiny cache (CPU): a ``-1`` slot adds
+    nothing."""
     cache = torch.zeros(4, row_gather.ROW_BYTES, dtype=torch.uint8)
     cache.view(torch.int32)[:, 0] = torch.tensor([1, 2, -1, 7], dtype=torch.int32)
-    slots = torch.tensor([[0, 1, 1], [2, 3, 0]], dtype=torch.int32)
+    slots = torch.tensor([[0, 1, 1, -1], [2, 3, 0, -1]], dtype=torch.int32)
     assert row_gather.expected(cache, slots).tolist() == [5, 0xFFFFFFFF + 7 + 1]
