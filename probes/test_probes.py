@@ -156,10 +156,13 @@ def test_tree_ab_table_keeps_a_column_per_tree_and_round() -> None:
         tree_ab.run("fp8-prefill", [Path("x/main"), Path("y/main")], timeout=1.0)
 
 
-@pytest.mark.parametrize("patch", sorted((ROOT / "probes" / "bounds").glob("*.patch")), ids=lambda p: p.stem)
-def test_bound_patches_still_apply(patch: Path, tmp_path: Path) -> None:
-    """Every patch of ``probes/bounds/`` applies to this checkout's ``mla/`` (``tree_ab make``
-    raises where a hunk no longer does), so a bound is never timed on a tree it did not change."""
+@pytest.mark.parametrize(
+    "patch", sorted((ROOT / "probes").glob("[bc]*/*.patch")), ids=lambda p: f"{p.parent.name}/{p.stem}"
+)
+def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) -> None:
+    """Every patch of ``probes/bounds/`` and ``probes/candidates/`` applies to this checkout's
+    ``mla/`` (``tree_ab make`` raises where a hunk no longer does), so a bound or a candidate is
+    never timed on a tree it did not change."""
     tree_ab.make(tmp_path / "trees", [f"{patch.stem}={patch}"])
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
 
