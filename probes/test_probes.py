@@ -162,8 +162,12 @@ def test_tree_ab_table_keeps_a_column_per_tree_and_round() -> None:
 def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) -> None:
     """Every patch of ``probes/bounds/`` and ``probes/candidates/`` applies to this checkout's
     ``mla/`` (``tree_ab make`` raises where a hunk no longer does), so a bound or a candidate is
-    never timed on a tree it did not change."""
-    tree_ab.make(tmp_path / "trees", [f"{patch.stem}={patch}"])
+    never timed on a tree it did not change; a patch whose first line reads ``# on top of:
+    BASE`` applies on top of ``BASE`` (in the same directory)."""
+    first = patch.read_text().splitlines()[0]
+    base = first.removeprefix("# on top of: ").split()[0] if first.startswith("# on top of: ") else None
+    stack = [patch.parent / base, patch] if base else [patch]
+    tree_ab.make(tmp_path / "trees", [f"{patch.stem}={'+'.join(map(str, stack))}"])
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
 
 
