@@ -92,6 +92,7 @@ from mla.providers.gluon.prefill_parts import (
     _hand_turn,
     _issue_ahead,
     _issue_kv,
+    _issue_scores,
     _key_range,
     _mma_layout,
     _query_tile,
@@ -156,14 +157,7 @@ def _attend_tile(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    mbarrier.wait(k_ready.index(s), phase)
-    s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
-    NQ: gl.constexpr = q_smem.shape[0]
-    sc = s_zero
-    for c in gl.static_range(NQ):
-        k_box = k_ring.index(s * NQ + c).permute((1, 0))
-        q_box = q_smem.index(c) if M == BLOCK_M else q_smem.index(c).slice(W * M, M, dim=0)
-        sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
+    sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT)
     if PINGPONG:
         _hand_turn(turn)
     if MASKED:

@@ -60,6 +60,7 @@ from mla.providers.gluon.prefill_parts import (
     _consumer_rows,
     _copy_boxes,
     _issue_ahead,
+    _issue_scores,
     _key_range,
     _query_tile,
     _release,
@@ -103,13 +104,7 @@ def _attend_tile_fp8(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    mbarrier.wait(k_ready.index(s), phase)
-    sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
-    NQ: gl.constexpr = q_smem.shape[0]
-    for c in gl.static_range(NQ):
-        sc = warpgroup_mma(
-            q_smem.index(c), k_ring.index(s * NQ + c).permute((1, 0)), sc, use_acc=c > 0, is_async=True
-        )
+    sc = _issue_scores(q_smem, k_ring, k_ready, t, 0, BLOCK_M, NUM_STAGES, S_LAYOUT)
     # (while QKᵀ runs) V, transposed into vt_smem; its ring slot is free once copied
     mbarrier.wait(v_ready.index(s), phase)
     key_bad = _transpose_v(v_ring.index(s), vt_smem, MASKED, BLOCK_N, keys_layout)

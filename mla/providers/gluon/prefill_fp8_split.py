@@ -55,6 +55,7 @@ from mla.providers.gluon.prefill_parts import (
     SPLIT_PRODUCER_WARPS,
     _consumer_rows,
     _copy_boxes,
+    _issue_scores,
     _release,
     _store_rows,
 )
@@ -169,12 +170,7 @@ def _fp8_split_tile(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    mbarrier.wait(k_ready.index(s), phase)
-    sc = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
-    NQ: gl.constexpr = q_smem.shape[0]
-    for c in gl.static_range(NQ):
-        q_box = q_smem.index(c).slice(W * M, M, dim=0)
-        sc = warpgroup_mma(q_box, k_ring.index(s * NQ + c).permute((1, 0)), sc, use_acc=c > 0, is_async=True)
+    sc = _issue_scores(q_smem, k_ring, k_ready, t, W, M, NUM_STAGES, S_LAYOUT)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     _release(k_empty.index(s))
     if MASKED:

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mla.providers.gluon.prefill_parts import (
     _consumer_rows,
+    _issue_scores,
     _mma_layout,
     _release,
     _softmax_step,
@@ -43,20 +44,6 @@ WARPS = gl.constexpr(4)
 """Warps of a consumer partition (one warpgroup)."""
 M = gl.constexpr(64)
 """Query rows of a consumer warpgroup."""
-
-
-@gluon.jit
-def _issue_scores(q_smem, k_ring, k_ready, t, sc, W: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Once K tile ``t`` landed, issue ``S = q·Kᵀ`` for this warpgroup's rows (asynchronous).
-    ``sc``: any ``[M, BLOCK_N]`` fp32 tensor in the score layout, overwritten (the scores of
-    the tile before: no second set of registers stays live for a zero accumulator)."""
-    s = t % NUM_STAGES
-    mbarrier.wait(k_ready.index(s), (t // NUM_STAGES) & 1)
-    NQ: gl.constexpr = q_smem.shape[0]
-    for c in gl.static_range(NQ):
-        k_box = k_ring.index(s * NQ + c).permute((1, 0))
-        sc = warpgroup_mma(q_smem.index(c).slice(W * M, M, dim=0), k_box, sc, use_acc=c > 0, is_async=True)
-    return sc
 
 
 @gluon.jit
@@ -92,7 +79,7 @@ def _step(
     if MASKED:
         acc = acc + gl.convert_layout(gl.where(row_bad > 0.0, float("nan"), 0.0), o_rows)[:, None]
     if ISSUE_NEXT:
-        sc = _issue_scores(q_smem, k_ring, k_ready, t + 1, sc, W, NUM_STAGES)
+        sc = _issue_scores(q_smem, k_ring, k_ready, t + 1, W, M, NUM_STAGES, S_LAYOUT, sc)
     if not MASKED:
         mbarrier.wait(v_ready.index(s), phase)
     acc = warpgroup_mma(p_buf, v_ring.index(s), acc, is_async=True)
@@ -123,7 +110,7 @@ def overlap_consumer(
     rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
-        sc = _issue_scores(q_smem, k_ring, k_ready, 0, s_zero, W, NUM_STAGES)
+        sc = _issue_scores(q_smem, k_ring, k_ready, 0, W, M, NUM_STAGES, s_layout, s_zero)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
         _release(k_empty.index(0))
         # (the output is carried through the loops with its P·V in flight)

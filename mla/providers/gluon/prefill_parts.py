@@ -2,14 +2,14 @@
 """Pieces shared by the Gluon prefill kernels (:mod:`.prefill`, :mod:`.prefill_overlap`): the
 launch constants, the tile range of a query tile, the TMA box copies into the K/V ring, the
 split kernel's producers (TMA, and the V clean-up of masked tiles; one for a call with appended
-keys), the ring-slot release and the epilogue (with the merge into a prior state of the
-chunked-context form)."""
+keys), the consumers' ``QKᵀ`` issue, the ring-slot release and the epilogue (with the merge
+into a prior state of the chunked-context form)."""
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 BLOCK_M = gl.constexpr(128)
 """Query rows per program (two warpgroups of 64)."""
@@ -350,6 +350,27 @@ def _release(bar):
     arrival on the slot's ``empty`` barrier."""
     gl.thread_barrier()
     mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _issue_scores(q_smem, k_ring, k_ready, g, W: gl.constexpr, M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  S_LAYOUT: gl.constexpr, sc=None):  # fmt: skip
+    """Once the ring's ``g``-th K tile has landed (slot ``g % NUM_STAGES``, a box a slot of
+    ``k_ring`` per box of ``q_smem``), issue ``S = q·Kᵀ`` for the query rows ``[W·M, (W+1)·M)``
+    of the tile (asynchronous). ``sc``: a ``[M, BLOCK_N]`` fp32 tensor in ``S_LAYOUT`` the
+    products overwrite (the tile before's scores: no second set of registers for a zero
+    accumulator); ``None``, a zero one. Every prefill consumer's ``QKᵀ``, bf16 or fp8."""
+    s = g % NUM_STAGES
+    mbarrier.wait(k_ready.index(s), (g // NUM_STAGES) & 1)
+    if sc is None:
+        BLOCK_N: gl.constexpr = k_ring.shape[1]
+        sc = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+    NQ: gl.constexpr = q_smem.shape[0]
+    for c in gl.static_range(NQ):
+        k_box = k_ring.index(s * NQ + c).permute((1, 0))
+        q_box = q_smem.index(c) if q_smem.shape[1] == M else q_smem.index(c).slice(W * M, M, dim=0)
+        sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
+    return sc
 
 
 @gluon.constexpr_function

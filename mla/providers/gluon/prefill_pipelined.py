@@ -20,23 +20,31 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from mla.providers.gluon.prefill_parts import BLOCK_M, _hand_turn, _release, _softmax_step, _take_turn
+from mla.providers.gluon.prefill_parts import _hand_turn, _issue_scores, _release, _softmax_step, _take_turn
 
 
 @gluon.jit
-def _issue_qk(q_smem, k_ring, k_ready, g, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              S_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr):  # fmt: skip
-    """Issue ``S = q·Kᵀ`` of the ring's ``g``-th key tile for the query rows ``[W·M, (W+1)·M)``
-    once its K tile has landed (asynchronous)."""
-    s = g % NUM_STAGES
-    mbarrier.wait(k_ready.index(s), (g // NUM_STAGES) & 1)
-    sc = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
-    NQ: gl.constexpr = q_smem.shape[0]
-    for c in gl.static_range(NQ):
-        k_box = k_ring.index(s * NQ + c).permute((1, 0))
-        q_box = q_smem.index(c) if M == BLOCK_M else q_smem.index(c).slice(W * M, M, dim=0)
-        sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
-    return sc
+def _tile_softmax(sc, m_i, l_i, t, g, row_last, qk_scale, k_empty, OUTSTANDING: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """Unmasked tile ``t`` (the ring's ``g``-th) once its ``QKᵀ`` is done (``OUTSTANDING``: the
+    ``wgmma`` groups issued after it, left running): its K slot released and its online-softmax
+    step. Returns ``(p, alpha, m_i, l_i)``."""
+    sc = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(sc,))
+    _release(k_empty.index(g % NUM_STAGES))
+    p, alpha, m_i, _bad = _softmax_step(sc, m_i, m_i, row_last, t, qk_scale, False, BLOCK_N)
+    return p, alpha, m_i, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _rescale(
+    acc, p, alpha, g, v_ready, dtype: gl.constexpr, NUM_STAGES: gl.constexpr, O_LAYOUT: gl.constexpr
+):
+    """The output (every ``P·V`` before the ring's ``g``-th tile done) rescaled by that tile's
+    ``alpha``, and its ``P`` as the ``P·V`` operand once its V has landed: ``(acc, p16)``."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    mbarrier.wait(v_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    return acc, gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
@@ -52,37 +60,29 @@ def _attend_pipelined(
     ``P·V`` is done. ``PINGPONG``: the two issues are this warpgroup's turn
     (:func:`.prefill_parts._take_turn`), as in :func:`.prefill._attend_tile`."""
     q_smem, k_ring, v_ring, _flags, k_ready, v_ready, k_empty, v_empty = tiles
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    sc = _issue_qk(q_smem, k_ring, k_ready, g0, BLOCK_N, NUM_STAGES, S_LAYOUT, W, M)
+    sc = _issue_scores(q_smem, k_ring, k_ready, g0, W, M, NUM_STAGES, S_LAYOUT)
     if PINGPONG:
         _hand_turn(turn)
-    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-    _release(k_empty.index(g0 % NUM_STAGES))
-    p, alpha, m_i, _bad = _softmax_step(sc, m_i, m_i, row_last, 0, qk_scale, False, BLOCK_N)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    mbarrier.wait(v_ready.index(g0 % NUM_STAGES), (g0 // NUM_STAGES) & 1)
-    p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    p, alpha, m_i, l_i = _tile_softmax(
+        sc, m_i, l_i, 0, g0, row_last, qk_scale, k_empty, 0, NUM_STAGES, BLOCK_N
+    )
+    acc, p16 = _rescale(acc, p, alpha, g0, v_ready, q_smem.dtype, NUM_STAGES, O_LAYOUT)
     for t in range(1, n_full):
         g = g0 + t
         prev = (g - 1) % NUM_STAGES
         if PINGPONG:
             _take_turn(turn, g - 1)
-        sc = _issue_qk(q_smem, k_ring, k_ready, g, BLOCK_N, NUM_STAGES, S_LAYOUT, W, M)
+        sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT)
         acc = warpgroup_mma(p16, v_ring.index(prev), acc, is_async=True)
         if PINGPONG:
             _hand_turn(turn)
         # QKᵀ of tile t (the older group) done; P·V of tile t - 1 may still run.
-        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-        _release(k_empty.index(g % NUM_STAGES))
-        p, alpha, m_i, _bad = _softmax_step(sc, m_i, m_i, row_last, t, qk_scale, False, BLOCK_N)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _tile_softmax(
+            sc, m_i, l_i, t, g, row_last, qk_scale, k_empty, 1, NUM_STAGES, BLOCK_N
+        )
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _release(v_empty.index(prev))
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        mbarrier.wait(v_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)
-        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc, p16 = _rescale(acc, p, alpha, g, v_ready, q_smem.dtype, NUM_STAGES, O_LAYOUT)
     last = g0 + n_full - 1
     if PINGPONG:
         _take_turn(turn, last)
