@@ -127,9 +127,13 @@ def test_ds_mla_heads_kernel_keeps_its_register_budgets(compiled_heads: Compiled
         assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {regs:#x}\b", sass), (config, regs)
     shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
     assert shared <= MAX_SHARED, shared
-    # The producer's first e4m3 conversion comes after its first wait on a ring slot's barrier.
+    # The producer's first e4m3 conversion (its bytes sign-extended into bf16 lanes, a prmt with
+    # selector 0x9180) comes after its first wait on a ring slot's barrier, and the conversions
+    # are the bit moves and bf16x2 multiplies, no e4m3 → f16 → f32 chain.
     producer = sass[sass.rindex("USETMAXREG.DEALLOC") :]
-    assert producer.index("SYNCS.PHASECHK") < producer.index("F2FP.F16.E4M3.UNPACK_B"), config
+    assert producer.index("SYNCS.PHASECHK") < producer.index("0x9180"), config
+    assert "HMUL2.BF16" in producer, config
+    assert "F2FP.F16.E4M3" not in producer, config
     # Its chunks land as 16-byte copies; each chunk's words are read back (16-byte loads) before
     # the producer's warps meet, and its bf16 values written (16-byte stores) after.
     assert "LDGSTS.E.BYPASS.128" in producer, config
