@@ -100,14 +100,18 @@ def run(tiles_per_program, NS, seed):
                 assert mem["q"] == tile
                 in_use[("k", s)].discard(w)
                 k_empty[s].arrive()
+                if t == n_tiles - 1:  # the tile's last QKᵀ: the query buffer is free
+                    in_use["q"].discard(w)
+                    q_empty.arrive()
                 yield lambda s=s, ph=ph: v_ready[s].done(ph)
                 assert mem[("v", s)] == (tile, t), (w, "v", mem[("v", s)], tile, t)
                 in_use.setdefault(("v", s), set()).add(w)
                 yield None
                 in_use[("v", s)].discard(w)
                 v_empty[s].arrive()
-            in_use["q"].discard(w)
-            q_empty.arrive()
+            if n_tiles == 0:
+                in_use["q"].discard(w)
+                q_empty.arrive()
             yield None  # epilogue
             g += n_tiles
             done += 1  # noqa: SIM113 (the kernel's counter)

@@ -97,6 +97,7 @@ from mla.providers.gluon.prefill_parts import (
     _mma_layout,
     _query_tile,
     _release,
+    _release_query,
     _row_last,
     _softmax_step,
     _split_producer,
@@ -140,7 +141,7 @@ def _attend_tile(
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g, row_last,
     qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
-    FLAGS: gl.constexpr, seq_k=0, turn=None, PINGPONG: gl.constexpr = False,
+    FLAGS: gl.constexpr, seq_k=0, turn=None, PINGPONG: gl.constexpr = False, q_release=None,
 ):  # fmt: skip
     """Online softmax of key tile ``t`` (the ring's ``g``-th tile: slot ``g % NUM_STAGES``; ``g``
     counts on across a persistent program's query tiles, else ``g = t``) into ``(acc, m_i, l_i)``
@@ -151,7 +152,8 @@ def _attend_tile(
     (:func:`.prefill_parts._cleans_v`; its flags are read then only). ``PINGPONG``: the two
     consumer warpgroups take turns at the tensor cores (``turn = (mine, other, base)``,
     :func:`.prefill_parts._take_turn`): this one issues its ``P·V`` and the next tile's ``QKᵀ``
-    in its turn, then hands the turn over, so its softmax runs while the other's products do."""
+    in its turn, then hands the turn over, so its softmax runs while the other's products do.
+    ``q_release``: as :func:`.prefill_parts._release_query`."""
     s = g % NUM_STAGES
     phase = (g // NUM_STAGES) & 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -169,6 +171,7 @@ def _attend_tile(
             key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     _release(k_empty.index(s))
+    _release_query(q_release, g)
     if not MASKED:
         key_bad = m_i  # (unread)
     p, alpha, m_new, row_bad = _softmax_step(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
@@ -192,19 +195,20 @@ def _attend_range(
     tiles, ring, acc, m_i, l_i, n_full, n_tiles, g0, row_last, seq_k, qk_scale, ISSUE_LOADS: gl.constexpr,
     BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
     O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, FLAGS: gl.constexpr, turn=None,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, q_release=None,
 ):  # fmt: skip
     """The key tiles ``[0, n_tiles)`` of one key range of ``seq_k`` keys (the ring's tiles ``g0 +
     t``) into ``(acc, m_i, l_i)``: those every row sees whole (``[0, n_full)``) unmasked, then
     the diagonal and partial ones masked by ``row_last`` (:func:`_attend_tile`). ``tiles``: the
     query tile, the rings, flags and barriers; ``ring``: the loads' operands when the consumer
-    issues them itself (``ISSUE_LOADS``, :func:`.prefill_parts._issue_ahead`)."""
+    issues them itself (``ISSUE_LOADS``, :func:`.prefill_parts._issue_ahead`); ``q_release``: as
+    :func:`.prefill_parts._release_query`."""
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty = tiles
     if not ISSUE_LOADS:  # noqa: SIM102 (ISSUE_LOADS is a constexpr: this if is resolved at compile time)
         if n_full > 0:
             acc, m_i, l_i = _attend_pipelined(
                 tiles, acc, m_i, l_i, n_full, g0, row_last, qk_scale, BLOCK_N, NUM_STAGES, S_LAYOUT, O_LAYOUT,
-                W, M, turn, PINGPONG,
+                W, M, turn, PINGPONG, q_release,
             )  # fmt: skip
     for masked in gl.static_range(0 if ISSUE_LOADS else 1, 2):
         first = n_full if masked else 0
@@ -214,7 +218,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g0 + t,
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS,
-                seq_k, turn, PINGPONG,
+                seq_k, turn, PINGPONG, q_release,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -223,7 +227,7 @@ def _attend_range(
 def _attend_appended(
     tiles, ring, acc, m_i, l_i, rows, appended, g0, qk_scale, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
     NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr,
-    M: gl.constexpr, FLAGS: gl.constexpr, turn=None, PINGPONG: gl.constexpr = False,
+    M: gl.constexpr, FLAGS: gl.constexpr, turn=None, PINGPONG: gl.constexpr = False, q_release=None,
 ):  # fmt: skip
     """The appended keys' tiles (the ring's tiles ``g0 + t``, after the request's own) into
     ``(acc, m_i, l_i)``, masked by the causal rule over the appended range alone: ``appended =
@@ -232,7 +236,7 @@ def _attend_appended(
     seq_kn, shift_n, n_full_n, n_tiles_n = appended
     return _attend_range(
         tiles, ring, acc, m_i, l_i, n_full_n, n_tiles_n, g0, _row_last(rows, shift_n, seq_kn), seq_kn,
-        qk_scale, False, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS, turn, PINGPONG,
+        qk_scale, False, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS, turn, PINGPONG, q_release,
     )  # fmt: skip
 
 

@@ -353,6 +353,19 @@ def _release(bar):
 
 
 @gluon.jit
+def _release_query(q_release, g):
+    """Right after :func:`_release` of the ring's ``g``-th K slot (its barrier passed): with
+    ``q_release = (q_empty, g_last)``, when ``g`` is ``g_last`` (the warpgroup's last ``QKᵀ`` of
+    the query tile, its last read of the query buffer, was waited for), one arrival on
+    ``q_empty``, so a persistent program's producer loads the next query tile while this one's
+    last softmax, ``P·V`` and epilogue run. ``None``: nothing (the buffer holds one query tile
+    for the program's life)."""
+    if q_release is not None:
+        q_empty, g_last = q_release
+        mbarrier.arrive(q_empty, pred=g == g_last)
+
+
+@gluon.jit
 def _issue_scores(q_smem, k_ring, k_ready, g, W: gl.constexpr, M: gl.constexpr, NUM_STAGES: gl.constexpr,
                   S_LAYOUT: gl.constexpr, sc=None):  # fmt: skip
     """Once the ring's ``g``-th K tile has landed (slot ``g % NUM_STAGES``, a box a slot of

@@ -19,8 +19,10 @@ program keeps its shared memory, barriers and partitions across query tiles:
   out while the consumers still finish the previous one's last tiles and epilogue, ahead of
   the query tile that has to wait for them.
 * **Consumers** (two warpgroups of 64 query rows): per query tile, the phase ``n & 1`` of
-  ``q_bar`` (``n``: the program's query tiles so far), every key tile (ring tile ``g + t``), an
-  arrival on ``q_empty``, then the epilogue of their rows. They take turns at the tensor cores
+  ``q_bar`` (``n``: the program's query tiles so far), every key tile (ring tile ``g + t``),
+  then the epilogue of their rows. Each arrives on ``q_empty`` once its last ``QKᵀ`` of the tile
+  is done (:func:`.prefill_parts._release_query`), so the next query tile loads during the last
+  tile's softmax and ``P·V`` and the epilogue. They take turns at the tensor cores
   as in the split layout (``turns``; the count of a warpgroup's waits runs on across query
   tiles: one per query tile and one per key tile).
 
@@ -53,7 +55,6 @@ from mla.providers.gluon.prefill_parts import (
     _load_key_tile,
     _mma_layout,
     _query_tile_at,
-    _release,
     _store_rows,
     _take_turn,
 )
@@ -192,23 +193,29 @@ def _persistent_consumer(
                 )
                 turn = (turns.index(W), turns.index(1 - W), done + 1)
                 _take_turn(turn, g - 1)
-                # (the producer issues every load: no ring operands for _attend_range)
-                acc, m_i, l_i = _attend_range(
-                    tiles, None, acc, m_i, l_i, n_full, n_tiles, g, row_last, seq_k, qk_scale, False,
-                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True,
-                )  # fmt: skip
+                n_tiles_n = 0
                 if HAS_APPENDED:
                     _kn_desc, _vn_desc, cu_seqlens_kn_ptr, _sk, _sv, num_kn_rows = appended
                     _kn_begin, seq_kn, shift_n, n_full_n, n_tiles_n = _key_range(
                         cu_seqlens_kn_ptr, b, num_kn_rows, seq_q, m0, CAUSAL, BLOCK_N
                     )
+                # the query buffer is released after the tile's last QKᵀ (ring tile g_last)
+                q_release = (q_empty, g + n_tiles + n_tiles_n - 1)
+                # (the producer issues every load: no ring operands for _attend_range)
+                acc, m_i, l_i = _attend_range(
+                    tiles, None, acc, m_i, l_i, n_full, n_tiles, g, row_last, seq_k, qk_scale, False,
+                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True, q_release,
+                )  # fmt: skip
+                if HAS_APPENDED:
                     acc, m_i, l_i = _attend_appended(
                         tiles, None, acc, m_i, l_i, rows, (seq_kn, shift_n, n_full_n, n_tiles_n), g + n_tiles,
                         qk_scale, BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True,
+                        q_release,
                     )  # fmt: skip
                     g += n_tiles_n
                 _hand_turn(turn)
-                _release(q_empty)  # (the query tile's last QKᵀ was waited for)
+                # (a query tile without key tiles never read the buffer)
+                mbarrier.arrive(q_empty, pred=n_tiles + n_tiles_n == 0)
                 _store_rows(
                     acc, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
                     stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout, prior, HAS_PRIOR, VEC_STORE,

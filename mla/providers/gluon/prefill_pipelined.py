@@ -20,17 +20,26 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from mla.providers.gluon.prefill_parts import _hand_turn, _issue_scores, _release, _softmax_step, _take_turn
+from mla.providers.gluon.prefill_parts import (
+    _hand_turn,
+    _issue_scores,
+    _release,
+    _release_query,
+    _softmax_step,
+    _take_turn,
+)
 
 
 @gluon.jit
 def _tile_softmax(sc, m_i, l_i, t, g, row_last, qk_scale, k_empty, OUTSTANDING: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                  NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, q_release=None):  # fmt: skip
     """Unmasked tile ``t`` (the ring's ``g``-th) once its ``QKᵀ`` is done (``OUTSTANDING``: the
-    ``wgmma`` groups issued after it, left running): its K slot released and its online-softmax
-    step. Returns ``(p, alpha, m_i, l_i)``."""
+    ``wgmma`` groups issued after it, left running): its K slot released (and the query buffer,
+    :func:`.prefill_parts._release_query`) and its online-softmax step. Returns ``(p, alpha,
+    m_i, l_i)``."""
     sc = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(sc,))
     _release(k_empty.index(g % NUM_STAGES))
+    _release_query(q_release, g)
     p, alpha, m_i, _bad = _softmax_step(sc, m_i, m_i, row_last, t, qk_scale, False, BLOCK_N)
     return p, alpha, m_i, l_i * alpha + gl.sum(p, axis=1)
 
@@ -51,20 +60,21 @@ def _rescale(
 def _attend_pipelined(
     tiles, acc, m_i, l_i, n_full, g0, row_last, qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, turn=None,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, q_release=None,
 ):  # fmt: skip
     """The unmasked key tiles ``[0, n_full)`` (``n_full > 0``; the ring's tiles ``g0 + t``) into
     ``(acc, m_i, l_i)``, software-pipelined within the warpgroup (FlashAttention-3's
     intra-warpgroup overlap): tile ``t``'s ``QKᵀ`` and tile ``t - 1``'s ``P·V`` are in flight
     together, the softmax of tile ``t`` runs while ``P·V`` does, and the output is rescaled once
     ``P·V`` is done. ``PINGPONG``: the two issues are this warpgroup's turn
-    (:func:`.prefill_parts._take_turn`), as in :func:`.prefill._attend_tile`."""
+    (:func:`.prefill_parts._take_turn`), as in :func:`.prefill._attend_tile`. ``q_release``: as
+    :func:`.prefill_parts._release_query`."""
     q_smem, k_ring, v_ring, _flags, k_ready, v_ready, k_empty, v_empty = tiles
     sc = _issue_scores(q_smem, k_ring, k_ready, g0, W, M, NUM_STAGES, S_LAYOUT)
     if PINGPONG:
         _hand_turn(turn)
     p, alpha, m_i, l_i = _tile_softmax(
-        sc, m_i, l_i, 0, g0, row_last, qk_scale, k_empty, 0, NUM_STAGES, BLOCK_N
+        sc, m_i, l_i, 0, g0, row_last, qk_scale, k_empty, 0, NUM_STAGES, BLOCK_N, q_release
     )
     acc, p16 = _rescale(acc, p, alpha, g0, v_ready, q_smem.dtype, NUM_STAGES, O_LAYOUT)
     for t in range(1, n_full):
@@ -78,7 +88,7 @@ def _attend_pipelined(
             _hand_turn(turn)
         # QKᵀ of tile t (the older group) done; P·V of tile t - 1 may still run.
         p, alpha, m_i, l_i = _tile_softmax(
-            sc, m_i, l_i, t, g, row_last, qk_scale, k_empty, 1, NUM_STAGES, BLOCK_N
+            sc, m_i, l_i, t, g, row_last, qk_scale, k_empty, 1, NUM_STAGES, BLOCK_N, q_release
         )
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _release(v_empty.index(prev))
