@@ -11,6 +11,10 @@ landed, each thread reads back exactly the words it copied, the producer's warps
 barrier, and the bf16 values (``fp8 · scale``, :func:`_dequantize`) are written over the chunk's
 columns (:func:`_widen_staged`): a whole tile's bytes in flight with no registers and no staging
 buffer.
+
+The e4m3 → bf16 dequantization itself (:func:`_e4m3_words_to_bf16`, :func:`_bias_scales`: bit
+moves and one bf16x2 multiply, no conversion instruction) is also the one of the few-rows
+kernels' widening (:func:`.kernels._widen_ds_mla`).
 """
 
 from __future__ import annotations
