@@ -93,7 +93,7 @@ STAGED_SCRIPT = textwrap.dedent(
             words = gl.allocate_shared_memory(gl.int32, [64, 32], PLAIN_LAYOUT)
         chunk = gl.allocate_shared_memory(gl.bfloat16, [64, 128], MMA_TILE_LAYOUT)
         x = words.load(ld)
-        y = _dequantize(x, gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, ld)))
+        y = _dequantize(x, gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, ld))).reshape([64, 128])
         loads: gl.constexpr = gl.bank_conflicts(x.type, words.type)
         gl.static_print("banks", WARPS, STAGED, loads, gl.bank_conflicts(y.type, chunk.type))
         chunk.store(y)

@@ -12,9 +12,9 @@ barrier, and the bf16 values (``fp8 · scale``, :func:`_dequantize`) are written
 columns (:func:`_widen_staged`): a whole tile's bytes in flight with no registers and no staging
 buffer.
 
-The e4m3 → bf16 dequantization itself (:func:`_e4m3_words_to_bf16`, :func:`_bias_scales`: bit
-moves and one bf16x2 multiply, no conversion instruction) is also the one of the few-rows
-kernels' widening (:func:`.kernels._widen_ds_mla`).
+The e4m3 → bf16 dequantization itself (:func:`_dequantize`, :func:`_bias_scales`: bit moves and
+one bf16x2 multiply, no conversion instruction) is also the one of the few-rows kernels'
+widening (:func:`.kernels._widen_ds_mla`).
 """
 
 from __future__ import annotations
@@ -79,15 +79,20 @@ def _e4m3_words_to_bf16(x, scale2):
     )
 
 
+@gluon.constexpr_function
+def _last_axis(shape):
+    """The last dimension's index of ``shape``."""
+    return len(shape) - 1
+
+
 @gluon.jit
 def _dequantize(x, scale):
-    """The bf16 values ``fp8 · scale`` of ``x`` (``[rows, w]`` words of four e4m3 values, the
-    first in the low byte) and ``scale`` (``[rows]``, float32), as ``[rows, 4·w]`` in row order
-    (:func:`_e4m3_words_to_bf16`)."""
-    y0, y1, y2, y3 = _e4m3_words_to_bf16(x, _bias_scales(scale)[:, None])
-    # [r, w, a, b] holds value 2·b + a of word w: value order is (w, b, a).
-    y = gl.join(gl.join(y0, y1), gl.join(y2, y3)).permute((0, 1, 3, 2))
-    return y.reshape([x.shape[0], 4 * x.shape[1]])
+    """The bf16 values ``fp8 · scale`` of ``x`` (``[..., w]`` int32 words of four e4m3 values, the
+    first in the low byte) and ``scale`` (``[...]``, float32: a word's scale is its row's), as
+    ``[..., w, 2, 2]``: value ``2·b + a`` of word ``w`` at ``[..., w, b, a]``, so the values are
+    in order once the caller merges the last three dimensions (:func:`_e4m3_words_to_bf16`)."""
+    y0, y1, y2, y3 = _e4m3_words_to_bf16(x, gl.expand_dims(_bias_scales(scale), _last_axis(x.shape)))
+    return gl.join(gl.join(y0, y2), gl.join(y1, y3))
 
 
 STAGED_WORDS = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=2, order=[1, 0])
@@ -169,6 +174,6 @@ def _widen_staged(words, lat, scale, C: gl.constexpr):
     x = words.index(2 * C).load(ld)
     # Every thread's words are read before any bf16 value overwrites them.
     gl.thread_barrier()
-    lat.slice(C * CHUNK, CHUNK, dim=1).store(_dequantize(x, scale))
+    lat.slice(C * CHUNK, CHUNK, dim=1).store(_dequantize(x, scale).reshape([x.shape[0], CHUNK]))
     fence_async_shared()
     gl.thread_barrier()

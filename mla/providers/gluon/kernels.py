@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.providers.gluon.ds_mla_words import _bias_scales, _e4m3_words_to_bf16
+from mla.providers.gluon.ds_mla_words import _dequantize
 from mla.providers.triton.merge import request_rows
 
 MODE_SPLIT = 0
@@ -522,7 +522,7 @@ def _refill_ring(
 @gluon.jit
 def _widen_ds_mla(lat_slot, scale_slot, k_lat, BLOCK_N: gl.constexpr, L: gl.constexpr):
     """Dequantize an ``fp8_ds_mla`` latent tile: ``k_lat[n, c] = lat_slot[n, c] ·
-    scale_slot[n, c // 128]`` in bf16 (:func:`.ds_mla_words._e4m3_words_to_bf16`: exact for
+    scale_slot[n, c // 128]`` in bf16 (:func:`.ds_mla_words._dequantize`: exact for
     power-of-two scales), 16 rows at a time, two words of four values a thread
     (bank-conflict-free as in :func:`_mma_operands`)."""
     TILES: gl.constexpr = L // 128
@@ -534,9 +534,7 @@ def _widen_ds_mla(lat_slot, scale_slot, k_lat, BLOCK_N: gl.constexpr, L: gl.cons
     for c in gl.static_range(BLOCK_N // STEP):
         x = word_tiles.slice(c * STEP, STEP, dim=0).load(words3)
         sc = scale_slot.slice(c * STEP, STEP, dim=0).load(gl.SliceLayout(2, words3))
-        y0, y1, y2, y3 = _e4m3_words_to_bf16(x, gl.expand_dims(_bias_scales(sc), 2))
-        # [n, t, w, a, b] holds value 2·b + a of word w: value order is (w, b, a).
-        y = gl.join(gl.join(y0, y1), gl.join(y2, y3)).permute((0, 1, 2, 4, 3))
+        y = _dequantize(x, sc)
         k_lat.slice(c * STEP, STEP, dim=0).store(y.reshape([STEP, L]))
 
 
