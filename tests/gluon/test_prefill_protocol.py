@@ -9,7 +9,7 @@ random later steps, and a random scheduler interleaves everything. Over random q
 sequences (0-6 key tiles each, masked tails) it checks: no deadlock, every consumer read sees
 the tile it expects (query buffer and ring slots), and no copy overwrites a buffer a consumer
 still reads. Each consumer frees the query buffer right after its last ``QKᵀ`` of the tile
-(:func:`mla.providers.gluon.prefill_parts._release_query`), before that tile's ``P·V`` and the
+(:func:`mla.providers.gluon.prefill_parts._release_scores`), before that tile's ``P·V`` and the
 epilogue. A change to the kernel's waits or arrivals belongs here too.
 """
 

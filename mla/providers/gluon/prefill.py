@@ -97,7 +97,7 @@ from mla.providers.gluon.prefill_parts import (
     _mma_layout,
     _query_tile,
     _release,
-    _release_query,
+    _release_scores,
     _row_last,
     _softmax_step,
     _split_producer,
@@ -153,7 +153,7 @@ def _attend_tile(
     consumer warpgroups take turns at the tensor cores (``turn = (mine, other, base)``,
     :func:`.prefill_parts._take_turn`): this one issues its ``P·V`` and the next tile's ``QKᵀ``
     in its turn, then hands the turn over, so its softmax runs while the other's products do.
-    ``q_release``: as :func:`.prefill_parts._release_query`."""
+    ``q_release``: as :func:`.prefill_parts._release_scores`."""
     s = g % NUM_STAGES
     phase = (g // NUM_STAGES) & 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -170,8 +170,7 @@ def _attend_tile(
         else:
             key_bad = _sanitize_v(v_ring.index(s), BLOCK_N, D_V, keys_layout)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-    _release(k_empty.index(s))
-    _release_query(q_release, g)
+    _release_scores(k_empty, g, NUM_STAGES, q_release)
     if not MASKED:
         key_bad = m_i  # (unread)
     p, alpha, m_new, row_bad = _softmax_step(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
@@ -202,7 +201,7 @@ def _attend_range(
     the diagonal and partial ones masked by ``row_last`` (:func:`_attend_tile`). ``tiles``: the
     query tile, the rings, flags and barriers; ``ring``: the loads' operands when the consumer
     issues them itself (``ISSUE_LOADS``, :func:`.prefill_parts._issue_ahead`); ``q_release``: as
-    :func:`.prefill_parts._release_query`."""
+    :func:`.prefill_parts._release_scores`."""
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty = tiles
     if not ISSUE_LOADS:  # noqa: SIM102 (ISSUE_LOADS is a constexpr: this if is resolved at compile time)
         if n_full > 0:

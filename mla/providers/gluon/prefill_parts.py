@@ -353,13 +353,14 @@ def _release(bar):
 
 
 @gluon.jit
-def _release_query(q_release, g):
-    """Right after :func:`_release` of the ring's ``g``-th K slot (its barrier passed): with
-    ``q_release = (q_empty, g_last)``, when ``g`` is ``g_last`` (the warpgroup's last ``QKᵀ`` of
-    the query tile, its last read of the query buffer, was waited for), one arrival on
-    ``q_empty``, so a persistent program's producer loads the next query tile while this one's
-    last softmax, ``P·V`` and epilogue run. ``None``: nothing (the buffer holds one query tile
-    for the program's life)."""
+def _release_scores(k_empty, g, NUM_STAGES: gl.constexpr, q_release=None):
+    """The ring's ``g``-th ``QKᵀ`` was waited for: its K slot released (:func:`_release`) and,
+    with ``q_release = (q_empty, g_last)`` when ``g`` is ``g_last`` (the warpgroup's last
+    ``QKᵀ`` of the query tile, its last read of the query buffer), one arrival on ``q_empty``, so
+    a persistent program's producer loads the next query tile while this one's last softmax,
+    ``P·V`` and epilogue run. ``None``: the K slot only (the buffer holds one query tile for
+    the program's life)."""
+    _release(k_empty.index(g % NUM_STAGES))
     if q_release is not None:
         q_empty, g_last = q_release
         mbarrier.arrive(q_empty, pred=g == g_last)

@@ -24,7 +24,7 @@ from mla.providers.gluon.prefill_parts import (
     _hand_turn,
     _issue_scores,
     _release,
-    _release_query,
+    _release_scores,
     _softmax_step,
     _take_turn,
 )
@@ -35,11 +35,10 @@ def _tile_softmax(sc, m_i, l_i, t, g, row_last, qk_scale, k_empty, OUTSTANDING: 
                   NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, q_release=None):  # fmt: skip
     """Unmasked tile ``t`` (the ring's ``g``-th) once its ``QKᵀ`` is done (``OUTSTANDING``: the
     ``wgmma`` groups issued after it, left running): its K slot released (and the query buffer,
-    :func:`.prefill_parts._release_query`) and its online-softmax step. Returns ``(p, alpha,
+    :func:`.prefill_parts._release_scores`) and its online-softmax step. Returns ``(p, alpha,
     m_i, l_i)``."""
     sc = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(sc,))
-    _release(k_empty.index(g % NUM_STAGES))
-    _release_query(q_release, g)
+    _release_scores(k_empty, g, NUM_STAGES, q_release)
     p, alpha, m_i, _bad = _softmax_step(sc, m_i, m_i, row_last, t, qk_scale, False, BLOCK_N)
     return p, alpha, m_i, l_i * alpha + gl.sum(p, axis=1)
 
@@ -68,7 +67,7 @@ def _attend_pipelined(
     together, the softmax of tile ``t`` runs while ``P·V`` does, and the output is rescaled once
     ``P·V`` is done. ``PINGPONG``: the two issues are this warpgroup's turn
     (:func:`.prefill_parts._take_turn`), as in :func:`.prefill._attend_tile`. ``q_release``: as
-    :func:`.prefill_parts._release_query`."""
+    :func:`.prefill_parts._release_scores`."""
     q_smem, k_ring, v_ring, _flags, k_ready, v_ready, k_empty, v_empty = tiles
     sc = _issue_scores(q_smem, k_ring, k_ready, g0, W, M, NUM_STAGES, S_LAYOUT)
     if PINGPONG:
