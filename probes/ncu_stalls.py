@@ -6,23 +6,31 @@ per-instruction export.
         python3 -m probes.gluon_dev --once fp8 > dual_sass.csv
     python -m probes.ncu_stalls dual_sass.csv
 
-The SASS of a ``gl.warp_specialize`` kernel holds each partition's code in one stretch. The MMA
-partitions are the stretches around clusters of ``HGMMA`` instructions; what follows the last
-one is the default partition. Prints each partition's share of the stall samples and of the
-executed instructions, and the instructions with the most samples (with the dominant reason).
+The SASS of a ``gl.warp_specialize`` kernel holds each partition's code in one stretch, which
+starts where the partition sets its register budget (``USETMAXREG``): each stretch is named by
+that budget and by whether it issues ``wgmma`` (``HGMMA`` for 16-bit operands, ``QGMMA`` for
+8-bit ones). A kernel without ``setmaxnreg`` is split around its clusters of ``wgmma``
+instructions instead, what follows the last one being the default partition. Prints each
+partition's share of the stall samples and of the executed instructions, and the instructions
+with the most samples (with the dominant reason).
 """
 
 from __future__ import annotations
 
 import csv
 import itertools
+import re
 import sys
 from collections.abc import Sequence
 
 from benchmarks._common import print_table
 
 GAP = 400
-"""SASS instructions between two HGMMA clusters that start a new partition."""
+"""SASS instructions between two ``wgmma`` clusters that start a new partition."""
+WGMMA = re.compile(r"\b[HQI]GMMA\.")
+"""A ``wgmma`` instruction of any operand type."""
+MAXREG = re.compile(r"USETMAXREG\.(?:TRY_ALLOC|DEALLOC)\.CTAPOOL (?:\w+, )?(0x[0-9a-f]+)")
+"""A partition setting its register budget (the budget, hex)."""
 
 
 def _num(text: str) -> float:
@@ -42,8 +50,19 @@ def load(path: str) -> tuple[list[str], list[list[str]]]:
 
 
 def partitions(source: Sequence[str]) -> list[tuple[str, int, int]]:
-    """``(name, first, end)`` instruction ranges: one per HGMMA cluster, then the rest."""
-    mma = [i for i, s in enumerate(source) if "HGMMA" in s]
+    """``(name, first, end)`` instruction ranges: one per register budget a partition sets
+    (``USETMAXREG``), or, without any, one per ``wgmma`` cluster, then the rest."""
+    starts = [i for i, s in enumerate(source) if MAXREG.search(s)]
+    if starts:
+        bounds = [0, *starts, len(source)]
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            budget = MAXREG.search(source[a])
+            regs = f"{int(budget.group(1), 16)} registers" if budget else "entry"
+            kind = "MMA" if any(WGMMA.search(s) for s in source[a:b]) else "other"
+            out.append((f"{kind}, {regs}", a, b))
+        return out
+    mma = [i for i, s in enumerate(source) if WGMMA.search(s)]
     clusters: list[list[int]] = []
     for i in mma:
         if clusters and i - clusters[-1][-1] < GAP:
@@ -51,7 +70,7 @@ def partitions(source: Sequence[str]) -> list[tuple[str, int, int]]:
         else:
             clusters.append([i])
     bounds = [0] + [(a[-1] + b[0]) // 2 for a, b in itertools.pairwise(clusters)]
-    bounds.append(clusters[-1][-1] + GAP // 2 if clusters else 0)
+    bounds.append(min(clusters[-1][-1] + GAP // 2, len(source)) if clusters else 0)
     out = [(f"MMA partition {k}", bounds[k], bounds[k + 1]) for k in range(len(clusters))]
     return [*out, ("default partition", bounds[-1], len(source))]
 

@@ -186,3 +186,27 @@ def test_row_gather_checksum_is_the_sum_of_each_rows_first_word() -> None:
     cache.view(torch.int32)[:, 0] = torch.tensor([1, 2, -1, 7], dtype=torch.int32)
     slots = torch.tensor([[0, 1, 1, -1], [2, 3, 0, -1]], dtype=torch.int32)
     assert row_gather.expected(cache, slots).tolist() == [5, 0xFFFFFFFF + 7 + 1]
+
+
+def test_ncu_stalls_splits_partitions_at_their_register_budgets() -> None:
+    """Each ``setmaxnreg`` starts a partition's stretch, named by its budget and by whether it
+    issues ``wgmma`` (8-bit ``QGMMA`` included); without any, the ``wgmma`` clusters split it."""
+    from probes.ncu_stalls import partitions
+
+    source = [
+        "MOV R1, c[0x0][0x28]",
+        "USETMAXREG.DEALLOC.CTAPOOL 0x78",
+        "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0",
+        "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], R24",
+        "USETMAXREG.DEALLOC.CTAPOOL 0x38",
+        "LDS.U8 R4, [R4+UR21]",
+    ]
+    assert partitions(source) == [
+        ("other, entry", 0, 1),
+        ("other, 120 registers", 1, 2),
+        ("MMA, 224 registers", 2, 4),
+        ("other, 56 registers", 4, 6),
+    ]
+    plain = ["MOV R1, R2", "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0", *["FADD R3, R3, R4"] * 300]
+    assert partitions(plain) == [("MMA partition 0", 0, 201), ("default partition", 201, 302)]
+    assert partitions(plain[:3]) == [("MMA partition 0", 0, 3), ("default partition", 3, 3)]
