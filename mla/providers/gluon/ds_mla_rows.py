@@ -42,7 +42,9 @@ ring, ``Pᵀ`` 2 KB: :func:`shared_bytes` (about 198 KB of the 227 KB an SM give
 rows (query 36 KB, ``Pᵀ`` 4 KB) the rings are shaped for the larger query (``RINGS[32]``). One
 program per SM. (Dequantizing in place, with each tile's fp8 bytes staged inside its own bf16
 tile as the 64-row kernel's producer does, measured slower here: two bf16 tiles are all that
-fit beside the ring, so one tile is in flight at a time.)
+fit beside the ring, so one tile is in flight at a time. Two MMA warpgroups taking alternate
+tiles, merged at the end, measured slower too: the producer, left 80–96 registers, is the
+bottleneck; 16 producer warps were slower as well.)
 
 Work items (non-persistent splits, the planned schedule, unit-qlen rows), masking, NaN rules and
 the outputs (direct, or fp32 partials for the split reduce; ``o = 0``, ``lse = -inf`` for a row

@@ -20,9 +20,11 @@
   (fp8 ``wgmma``: P from registers, V as the V^T slot read K-major). Each releases its K slot
   once its ``QKᵀ`` is done and its V^T slot once its ``P·V`` is done; ``k_empty`` and
   ``vt_empty`` count two arrivals, so the two warpgroups run out of step (one's softmax can
-  overlap the other's ``wgmma``). No consumer writes shared memory the other reads; in a
-  masked tile a consumer reads the slot's flags after ``vt_ready`` and before it releases the
-  slot, as the bf16 split kernel does.
+  overlap the other's ``wgmma``; the bf16 layouts' software-pipelined loop,
+  :mod:`.prefill_pipelined`, measured 15–20% slower here, and the two taking turns at the
+  tensor cores no faster). No consumer writes shared memory the other reads; in a masked tile
+  a consumer reads the slot's flags after ``vt_ready`` and before it releases the slot, as the
+  bf16 split kernel does.
 
 Shared memory per ring stage: a K tile, a V^T tile (8-bit) and the stage's flags; plus the
 query tile and ``V_LANDING`` V tiles (:func:`~.prefill_fp8_launch.fp8_shared_bytes`): 218 KiB
