@@ -79,19 +79,13 @@ def _e4m3_words_to_bf16(x, scale2):
     )
 
 
-@gluon.constexpr_function
-def _last_axis(shape):
-    """The last dimension's index of ``shape``."""
-    return len(shape) - 1
-
-
 @gluon.jit
 def _dequantize(x, scale):
     """The bf16 values ``fp8 · scale`` of ``x`` (``[..., w]`` int32 words of four e4m3 values, the
     first in the low byte) and ``scale`` (``[...]``, float32: a word's scale is its row's), as
     ``[..., w, 2, 2]``: value ``2·b + a`` of word ``w`` at ``[..., w, b, a]``, so the values are
     in order once the caller merges the last three dimensions (:func:`_e4m3_words_to_bf16`)."""
-    y0, y1, y2, y3 = _e4m3_words_to_bf16(x, gl.expand_dims(_bias_scales(scale), _last_axis(x.shape)))
+    y0, y1, y2, y3 = _e4m3_words_to_bf16(x, gl.expand_dims(_bias_scales(scale), -1))
     return gl.join(gl.join(y0, y2), gl.join(y1, y3))
 
 
