@@ -21,10 +21,8 @@
   once its ``QKᵀ`` is done and its V^T slot once its ``P·V`` is done; ``k_empty`` and
   ``vt_empty`` count two arrivals, so the two warpgroups run out of step (one's softmax can
   overlap the other's ``wgmma``; the bf16 layouts' software-pipelined loop,
-  :mod:`.prefill_pipelined`, measured 5% slower at 1024 queries a request and 1–2% faster at
-  4096, once its 8-bit ``P`` was carried across the loop's back edge in float32: carried in
-  8 bits, it is kept a byte a register and repacked, 15–20% slower; the two warpgroups taking
-  turns at the tensor cores were no faster). No consumer writes shared memory the other
+  :mod:`.prefill_pipelined`, and turns at the tensor cores measured no faster here:
+  ``docs/performance.md``, "Kernel choices"). No consumer writes shared memory the other
   reads; in a masked tile a consumer reads the slot's flags after ``vt_ready`` and before it
   releases the slot, as the bf16 split kernel does.
 
