@@ -44,7 +44,10 @@ program per SM. (Dequantizing in place, with each tile's fp8 bytes staged inside
 tile as the 64-row kernel's producer does, measured slower here: two bf16 tiles are all that
 fit beside the ring, so one tile is in flight at a time. Two MMA warpgroups taking alternate
 tiles, merged at the end, measured slower too: the producer, left 80–96 registers, is the
-bottleneck; 16 producer warps were slower as well.)
+bottleneck; 16 producer warps were slower as well. So was the per-tensor fp8 kernel's layout,
+:mod:`.dual`, with the tile scales: a loader warpgroup and two MMA warpgroups dequantizing
+alternate tiles in registers, whose MMA chains alone took about as long as this kernel: the
+measurements are in ``docs/performance.md``, "Kernel choices".)
 
 Work items (non-persistent splits, the planned schedule, unit-qlen rows), masking, NaN rules and
 the outputs (direct, or fp32 partials for the split reduce; ``o = 0``, ``lse = -inf`` for a row
