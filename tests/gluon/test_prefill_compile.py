@@ -11,7 +11,7 @@ import pathlib
 import textwrap
 
 import pytest
-from sm90_compile import run_without_interpreter, sass_of, wgmma_register_hazards
+from sm90_compile import resource_usage, run_without_interpreter, sass_of, wgmma_register_hazards
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -216,3 +216,15 @@ def test_no_register_of_a_wgmma_is_touched_before_its_wait(
     assert len(cubins) >= len(launches) // 2, cubins  # (the provider cases reuse compiled variants)
     hazards = {pathlib.Path(c).parent.name: wgmma_register_hazards(sass_of(c, cuobjdump)) for c in cubins}
     assert {k: v for k, v in hazards.items() if v} == {}
+
+
+def test_the_persistent_kernel_keeps_nothing_in_local_memory(
+    launches: dict[str, list[list[object]]], cache_dir: pathlib.Path, cuobjdump: str
+) -> None:
+    """Every compiled variant of the persistent layout has no stack: no spill, and no value the
+    partitions reload from local memory at each query tile (the grid size is read where it is
+    used, :func:`mla.providers.gluon.prefill_persistent._grid`)."""
+    cubins = sorted(glob.glob(f"{cache_dir}/*/mla_prefill_persistent_kernel.cubin"))
+    assert cubins, launches
+    stacks = {pathlib.Path(c).parent.name: resource_usage(c, cuobjdump) for c in cubins}
+    assert {k: usage for k, (stack, usage) in stacks.items() if stack} == {}

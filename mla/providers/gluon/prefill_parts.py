@@ -45,12 +45,27 @@ def _query_tile_at(tile, cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
     to do). Tiles are numbered flat, the tile index fastest and reversed (the heaviest causal
     tiles first). Each range is clamped into the tensor: a bad indptr touches no row outside it
     (the call checks the values and raises)."""
+    b = tile // num_m_blocks // num_heads
+    return _query_tile_from(
+        tile,
+        gl.load(cu_seqlens_q_ptr + b),
+        gl.load(cu_seqlens_q_ptr + b + 1),
+        num_heads,
+        num_m_blocks,
+        num_q_rows,
+    )
+
+
+@gluon.jit
+def _query_tile_from(tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows):
+    """:func:`_query_tile_at` with the request's ``cu_seqlens_q`` entries ``q_lo``, ``q_hi``
+    already loaded."""
     m_block = num_m_blocks - 1 - tile % num_m_blocks
     bh = tile // num_m_blocks
     b = bh // num_heads
     h = bh % num_heads
-    q_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b), 0), num_q_rows)
-    seq_q = gl.minimum(gl.maximum(gl.load(cu_seqlens_q_ptr + b + 1), q_begin), num_q_rows) - q_begin
+    q_begin = gl.minimum(gl.maximum(q_lo, 0), num_q_rows)
+    seq_q = gl.minimum(gl.maximum(q_hi, q_begin), num_q_rows) - q_begin
     return b, h, q_begin, seq_q, m_block * BLOCK_M
 
 
@@ -58,8 +73,23 @@ def _query_tile_at(tile, cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
 def _key_range(cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Request ``b``'s keys for the query tile at ``m0``: ``(k_begin, seq_k, shift, n_full,
     n_tiles)`` (:func:`_tile_range`), the range clamped into the tensor."""
-    k_begin = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b), 0), num_k_rows)
-    seq_k = gl.minimum(gl.maximum(gl.load(cu_seqlens_k_ptr + b + 1), k_begin), num_k_rows) - k_begin
+    return _key_range_from(
+        gl.load(cu_seqlens_k_ptr + b),
+        gl.load(cu_seqlens_k_ptr + b + 1),
+        num_k_rows,
+        seq_q,
+        m0,
+        CAUSAL,
+        BLOCK_N,
+    )
+
+
+@gluon.jit
+def _key_range_from(k_lo, k_hi, num_k_rows, seq_q, m0, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """:func:`_key_range` with the request's ``cu_seqlens_k`` entries ``k_lo``, ``k_hi`` already
+    loaded."""
+    k_begin = gl.minimum(gl.maximum(k_lo, 0), num_k_rows)
+    seq_k = gl.minimum(gl.maximum(k_hi, k_begin), num_k_rows) - k_begin
     shift, n_full, n_tiles = _tile_range(seq_q, seq_k, m0, CAUSAL, BLOCK_N)
     return k_begin, seq_k, shift, n_full, n_tiles
 
