@@ -45,7 +45,7 @@ def _query_tile_at(tile, cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
     to do). Tiles are numbered flat, the tile index fastest and reversed (the heaviest causal
     tiles first). Each range is clamped into the tensor: a bad indptr touches no row outside it
     (the call checks the values and raises)."""
-    b = tile // num_m_blocks // num_heads
+    b, _h, _m_block = _tile_request(tile, num_heads, num_m_blocks)
     return _query_tile_from(
         tile,
         gl.load(cu_seqlens_q_ptr + b),
@@ -57,13 +57,18 @@ def _query_tile_at(tile, cu_seqlens_q_ptr, num_heads, num_m_blocks, num_q_rows):
 
 
 @gluon.jit
+def _tile_request(tile, num_heads, num_m_blocks):
+    """Query tile number ``tile``'s ``(b, h, m_block)``: request, head and row block (numbered
+    as :func:`_query_tile_at` says)."""
+    bh = tile // num_m_blocks
+    return bh // num_heads, bh % num_heads, num_m_blocks - 1 - tile % num_m_blocks
+
+
+@gluon.jit
 def _query_tile_from(tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows):
     """:func:`_query_tile_at` with the request's ``cu_seqlens_q`` entries ``q_lo``, ``q_hi``
     already loaded."""
-    m_block = num_m_blocks - 1 - tile % num_m_blocks
-    bh = tile // num_m_blocks
-    b = bh // num_heads
-    h = bh % num_heads
+    b, h, m_block = _tile_request(tile, num_heads, num_m_blocks)
     q_begin = gl.minimum(gl.maximum(q_lo, 0), num_q_rows)
     seq_q = gl.minimum(gl.maximum(q_hi, q_begin), num_q_rows) - q_begin
     return b, h, q_begin, seq_q, m_block * BLOCK_M

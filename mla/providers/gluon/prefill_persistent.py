@@ -62,6 +62,7 @@ from mla.providers.gluon.prefill_parts import (
     _query_tile_from,
     _store_rows,
     _take_turn,
+    _tile_request,
 )
 from mla.providers.triton.launch_cache import LaunchCache
 
@@ -94,12 +95,28 @@ def _tile_bounds(r, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, nu
     tile's start waits for no global load."""
     tile = _snake_tile(r, num_tiles)
     live = tile < num_tiles
-    b = tile // num_m_blocks // num_heads
+    b, _h, _m_block = _tile_request(tile, num_heads, num_m_blocks)
     q_lo = gl.load(cu_seqlens_q_ptr + b, mask=live, other=0)
     q_hi = gl.load(cu_seqlens_q_ptr + b + 1, mask=live, other=0)
     k_lo = gl.load(cu_seqlens_k_ptr + b, mask=live, other=0)
     k_hi = gl.load(cu_seqlens_k_ptr + b + 1, mask=live, other=0)
     return q_lo, q_hi, k_lo, k_hi
+
+
+@gluon.jit
+def _round_bounds(
+    r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, AHEAD: gl.constexpr
+):  # fmt: skip
+    """``(round r's bounds, the bounds to carry)`` (:func:`_tile_bounds`): with ``AHEAD``, the
+    carried ``bounds`` of round ``r`` and round ``r + 1``'s loaded now; without, round ``r``'s
+    loaded now and ``bounds`` unchanged (the appended-keys form's consumers: carried across the
+    loop, the bounds made them spill)."""
+    if AHEAD:
+        current = bounds
+        bounds = _tile_bounds(r + 1, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
+    else:
+        current = _tile_bounds(r, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
+    return current, bounds
 
 
 @gluon.jit
@@ -130,8 +147,10 @@ def _persistent_producer(
     bounds = _tile_bounds(0, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
     for r in range(gl.cdiv(num_tiles, _grid())):
         tile = _snake_tile(r, num_tiles)
-        q_lo, q_hi, k_lo, k_hi = bounds
-        bounds = _tile_bounds(r + 1, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
+        current, bounds = _round_bounds(
+            r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, True
+        )
+        q_lo, q_hi, k_lo, k_hi = current
         if tile < num_tiles:
             b, h, q_begin, seq_q, m0 = _query_tile_from(tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows)
             if m0 < seq_q:
@@ -208,22 +227,16 @@ def _persistent_consumer(
     s_layout: gl.constexpr = _mma_layout(4, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(4, D_V)
     tiles = (q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty)
+    AHEAD: gl.constexpr = not HAS_APPENDED
     g = 0
     done = 0
-    # (with appended keys the bounds are loaded in their round: carried across the loop, they
-    # made its consumers spill)
     bounds = _tile_bounds(0, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
     for r in range(gl.cdiv(num_tiles, _grid())):
         tile = _snake_tile(r, num_tiles)
-        if HAS_APPENDED:
-            q_lo, q_hi, k_lo, k_hi = _tile_bounds(
-                r, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks
-            )
-        else:
-            q_lo, q_hi, k_lo, k_hi = bounds
-            bounds = _tile_bounds(
-                r + 1, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks
-            )
+        current, bounds = _round_bounds(
+            r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, AHEAD
+        )
+        q_lo, q_hi, k_lo, k_hi = current
         if tile < num_tiles:
             b, h, q_begin, seq_q, m0 = _query_tile_from(tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows)
             if m0 < seq_q:
