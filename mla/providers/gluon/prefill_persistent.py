@@ -26,7 +26,9 @@ program keeps its shared memory, barriers and partitions across query tiles:
   ``q_bar`` (``n``: the program's query tiles so far), every key tile (ring tile ``g + t``),
   then the epilogue of their rows. Each arrives on ``q_empty`` once its last ``QKᵀ`` of the tile
   is done (:func:`.prefill_parts._release_scores`), so the next query tile loads during the last
-  tile's softmax and ``P·V`` and the epilogue. They take turns at the tensor cores
+  tile's softmax and ``P·V`` and the epilogue (a half of the tile a warpgroup, each loaded once
+  its warpgroup released it, measured within the runs' spread on an H100). They take turns at
+  the tensor cores
   as in the split layout (``turns``; the count of a warpgroup's waits runs on across query
   tiles: one per query tile and one per key tile).
 
