@@ -26,11 +26,10 @@ program keeps its shared memory, barriers and partitions across query tiles:
   ``q_bar`` (``n``: the program's query tiles so far), every key tile (ring tile ``g + t``),
   then the epilogue of their rows. Each arrives on ``q_empty`` once its last ``QKᵀ`` of the tile
   is done (:func:`.prefill_parts._release_scores`), so the next query tile loads during the last
-  tile's softmax and ``P·V`` and the epilogue (a half of the tile a warpgroup, each loaded once
-  its warpgroup released it, measured within the runs' spread on an H100). They take turns at
-  the tensor cores
-  as in the split layout (``turns``; the count of a warpgroup's waits runs on across query
-  tiles: one per query tile and one per key tile).
+  tile's softmax and ``P·V`` and the epilogue. (Loading the tile a warpgroup's half at a time,
+  each half once its own warpgroup released it, measured within the runs' spread on an H100.)
+  They take turns at the tensor cores as in the split layout (``turns``; the count of a
+  warpgroup's waits runs on across query tiles: one per query tile and one per key tile).
 
 Every rule of :mod:`.prefill` holds (causal masking on the diagonal tiles only, the NaN rules,
 varlen clamping, LSE), and so does its chunked-context form (``HAS_K_PE``: each key tile's last

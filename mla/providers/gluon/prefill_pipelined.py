@@ -13,10 +13,10 @@ loop's back edge, so ``P`` stays in registers (the pipelined ``OVERLAP`` consume
 in shared memory). The masked tiles after them run one at a time
 (:func:`.prefill._attend_tile`). FlashAttention-3's order, the masked tiles first and the last
 of them opening the pipelined run, measured 3–6% slower on the split layout and no faster on the
-persistent one (H100, 2026-12-06). The masked tiles within the request's keys run on in the
-pipelined run instead (masked softmax, no per-key flags; a tile reaching past the keys alone
-after it) measured 1–4% slower on the split layout and 15–37% slower on the persistent one, whose
-consumers then spilled (H100, 2026-12-06).
+persistent one (H100, 2026-12-06). Continuing the pipelined run through the masked tiles within
+the request's keys (a masked softmax without per-key flags; a tile reaching past the keys still
+alone after it) measured 1–4% slower on the split layout and 15–37% slower on the persistent
+one, whose consumers then spilled (H100, 2026-12-06).
 
 What ptxas makes of it (Triton 3.6, sm_90): it schedules the wait for ``P·V``, and the V slot's
 release behind it, right after the row maximum, so the exponentials run once ``P·V`` is done and
