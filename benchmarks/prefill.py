@@ -86,6 +86,9 @@ PEER_TOL = {"flex-attention": 1e-2}
 """Tolerances of the peers checked only where they run (absent from ``check``'s errors else)."""
 GLUON_KERNELS = (("gluon-producer", "PRODUCER"), ("gluon-split", "SPLIT"), ("gluon-persistent", "PERSISTENT"))
 """The Gluon prefill layouts timed where the Gluon kernels run (``PrefillKernel`` names)."""
+GLUON_FP8_KERNELS = ("SPLIT", "PERSISTENT")
+"""The Gluon fp8 prefill layouts timed: the default launch's row is ``gluon-fp8``, each other
+layout's ``gluon-fp8-<layout>``."""
 LSE_TOL = 1e-2
 
 
@@ -150,9 +153,17 @@ class Case:
         )  # fmt: skip
         fp8_prefill_fwd(call, config=config)
 
-    def run_gluon_fp8(self) -> None:
-        """The Gluon fp8 prefill kernel (its default launch) on the pre-quantized inputs."""
-        from mla.providers.gluon.prefill_fp8_launch import launch_gluon_fp8_prefill, plan_gluon_fp8_prefill
+    def run_gluon_fp8(self, kernel: str | None = None) -> None:
+        """The Gluon fp8 prefill kernel on the pre-quantized inputs: its default launch, or that
+        launch in layout ``kernel`` (a ``PrefillKernel`` name)."""
+        import attrs
+
+        from mla.providers.gluon.prefill_fp8_launch import (
+            fp8_prefill_config,
+            launch_gluon_fp8_prefill,
+            plan_gluon_fp8_prefill,
+        )
+        from mla.providers.gluon.prefill_launch import PrefillKernel
 
         if self.gluon_fp8_plan is None:
             plan_call = Fp8PrefillPlanCall(
@@ -165,7 +176,10 @@ class Case:
             lse=self.lse, schedule=self.gluon_fp8_plan, softmax_scale=self.scale, q_scale=self.q_scale,
             k_scale=self.k_scale, v_scale=self.v_scale, causal=True,
         )  # fmt: skip
-        launch_gluon_fp8_prefill(call)
+        config = fp8_prefill_config(QK_DIM, V_DIM)
+        if kernel is not None:
+            config = attrs.evolve(config, kernel=PrefillKernel[kernel])
+        launch_gluon_fp8_prefill(call, config)
 
 
 def torch_varlen(case: Case) -> tuple[str, Callable[[], Any]]:
@@ -203,6 +217,20 @@ def gluon_kernels() -> tuple[tuple[str, str], ...]:
     from mla.providers.gluon import GluonProvider
 
     return GLUON_KERNELS if GluonProvider().availability() else ()
+
+
+def gluon_fp8_rows() -> tuple[tuple[str, str], ...]:
+    """``(row name, PrefillKernel name)`` of each Gluon fp8 layout to time (:data:`GLUON_FP8_KERNELS`,
+    the default launch's first), none where the Gluon kernels do not run."""
+    if not gluon_kernels():
+        return ()
+    from mla.providers.gluon.prefill_fp8_launch import fp8_prefill_config
+
+    default = fp8_prefill_config(QK_DIM, V_DIM).kernel.name
+    others = tuple(
+        (f"gluon-fp8-{kernel.lower()}", kernel) for kernel in GLUON_FP8_KERNELS if kernel != default
+    )
+    return (("gluon-fp8", default), *others)
 
 
 def cudnn_sdpa(case: Case) -> Callable[[], torch.Tensor] | None:
@@ -364,8 +392,7 @@ def check(case: Case) -> dict[str, float]:
         ("triton-fp8", case.run_fp8, ref_fp8),
     ]
     runners += [(name, partial(case.run_gluon, kernel), ref_bf16) for name, kernel in gluon_kernels()]
-    if gluon_kernels():
-        runners.append(("gluon-fp8", case.run_gluon_fp8, ref_fp8))
+    runners += [(name, partial(case.run_gluon_fp8, kernel), ref_fp8) for name, kernel in gluon_fp8_rows()]
     for name, runner, (ref_out, ref_lse) in runners:
         case.out.fill_(float("nan"))
         case.lse.fill_(float("nan"))
@@ -467,7 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors = check(case) if args.check else {}
         if args.check:
             print(f"{case.name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()), flush=True)
-            bounds = {**OUT_TOL, **{name: OUT_TOL["triton-bf16"] for name, _ in gluon_kernels()}, **PEER_TOL}
+            bounds = {
+                **OUT_TOL, **{name: OUT_TOL["triton-bf16"] for name, _ in gluon_kernels()},
+                **{name: OUT_TOL["gluon-fp8"] for name, _ in gluon_fp8_rows()}, **PEER_TOL,
+            }  # fmt: skip
             for name, tol in bounds.items():
                 if name in errors and not errors[name] <= tol:
                     failures.append(f"{case.name} {name}: rel err {errors[name]:.3g} > {tol}")
@@ -487,11 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }  # fmt: skip
         for name, kernel in gluon_kernels():
             runs[name] = (partial(case.run_gluon, kernel), kernel.lower())
-        if gluon_kernels():
-            from mla.providers.gluon.prefill_fp8_launch import fp8_prefill_config
-
-            fp8_layout = fp8_prefill_config(QK_DIM, V_DIM).kernel.name.lower()
-            runs["gluon-fp8"] = (case.run_gluon_fp8, f"e4m3, {fp8_layout}")
+        for name, kernel in gluon_fp8_rows():
+            runs[name] = (partial(case.run_gluon_fp8, kernel), f"e4m3, {kernel.lower()}")
         cudnn = cudnn_sdpa(case)
         if cudnn is not None:
             runs["cudnn-sdpa"] = (cudnn, "padded batch")

@@ -10,7 +10,8 @@ At ``1cf15b5`` (192/128, 128-key tiles, 4 stages): the producer kernel's consume
 The split layout (``PrefillKernel.SPLIT``, :mod:`mla.providers.gluon.prefill_fp8_split`): its two
 consumer warpgroups at ``FP8_SPLIT_CONSUMER_REGS`` (224) registers, the 4-warp producer (TMA and
 the V transpose) at what is left (56), no stack; 218 KiB of shared memory at 192/128 with 4
-stages (Triton's count: 223,616 bytes).
+stages (Triton's count: 223,616 bytes). Its persistent form (``PrefillKernel.PERSISTENT``,
+:mod:`mla.providers.gluon.prefill_fp8_persistent`, one program per SM) keeps the same budgets.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SCRIPT = textwrap.dedent(
     from mla.providers.gluon.prefill_fp8_launch import (
         GluonFp8PrefillPlan, fp8_prefill_config, launch_gluon_fp8_prefill)
     from mla.providers.gluon.prefill_fp8 import mla_fp8_prefill_kernel
+    from mla.providers.gluon.prefill_fp8_persistent import mla_fp8_prefill_persistent_kernel
     from mla.providers.gluon.prefill_launch import PrefillKernel
     from mla.providers.gluon.provider import GluonProvider
     from mla.testing.triton_driver import stand_in_driver
@@ -62,6 +64,7 @@ SCRIPT = textwrap.dedent(
         config = attrs.evolve(config, num_stages=stages, block_n=block_n)
     # (the cases share a process: compile each into its own cache dir, launching on this driver)
     mla_fp8_prefill_kernel.device_caches.clear()
+    mla_fp8_prefill_persistent_kernel.device_caches.clear()
     with stand_in_driver(compile_kernels=True) as driver:
         if via == "provider":
             GluonProvider(fp8_prefill="gluon").fp8_prefill(call)
@@ -96,8 +99,20 @@ CASES = {
     "192-causal-split-2stages": (192, True, True, "SPLIT", "launcher", 2, 128),
     "128-causal-split-5stages": (128, True, True, "SPLIT", "launcher", 5, 128),
     "192-causal-split-n64": (192, True, True, "SPLIT", "launcher", 4, 64),
+    # the split layout, persistent
+    "192-causal-persistent-lse": (192, True, True, "PERSISTENT", "launcher"),
+    "192-full-persistent-nolse": (192, False, False, "PERSISTENT", "launcher"),
+    "128-causal-persistent-lse": (128, True, True, "PERSISTENT", "launcher"),
+    "192-causal-persistent-2stages": (192, True, True, "PERSISTENT", "launcher", 2, 128),
+    "192-causal-persistent-n64": (192, True, True, "PERSISTENT", "launcher", 4, 64),
 }
-SPLIT_CASES = sorted(name for name, case in CASES.items() if case[3] == "SPLIT")
+SPLIT_CASES = sorted(name for name, case in CASES.items() if case[3] in ("SPLIT", "PERSISTENT"))
+PERSISTENT_KERNEL = "mla_fp8_prefill_persistent_kernel"
+
+
+def _kernel(case: str) -> str:
+    """The kernel a case launches."""
+    return PERSISTENT_KERNEL if CASES[case][3] == "PERSISTENT" else KERNEL
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +129,11 @@ def test_every_fp8_prefill_variant_compiles_without_spills(
     compiled: dict[str, Compiled], cuobjdump: str, case: str
 ) -> None:
     launches = json.loads(compiled[case].stdout().strip().splitlines()[-1])
-    # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads.
-    assert launches == [[KERNEL, [3 * 4 * 4, 1, 1]]]
-    (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/{KERNEL}.cubin")
+    # One program per (128-row query tile, request, head): 3 tiles (257 rows) x 4 requests x 4 heads;
+    # the persistent layout one per SM (the stand-in driver's 8).
+    programs = 8 if _kernel(case) == PERSISTENT_KERNEL else 3 * 4 * 4
+    assert launches == [[_kernel(case), [programs, 1, 1]]]
+    (cubin,) = glob.glob(f"{compiled[case].cache_dir}/*/{_kernel(case)}.cubin")
     stack, usage = resource_usage(cubin, cuobjdump)
     local = re.search(r"LOCAL:(\d+)", usage)
     assert local is not None, usage
@@ -127,8 +144,8 @@ def test_every_fp8_prefill_variant_compiles_without_spills(
     assert all(".E4M3.E4M3" in mma for mma in mmas), f"not every wgmma is an e4m3 one: {sorted(mmas)}"
 
 
-def _sass(compiled: Compiled, cuobjdump: str) -> str:
-    (cubin,) = glob.glob(f"{compiled.cache_dir}/*/{KERNEL}.cubin")
+def _sass(compiled: Compiled, cuobjdump: str, kernel: str = KERNEL) -> str:
+    (cubin,) = glob.glob(f"{compiled.cache_dir}/*/{kernel}.cubin")
     return sass_of(cubin, cuobjdump)
 
 
@@ -142,17 +159,17 @@ def test_split_layout_register_budgets(compiled: dict[str, Compiled], cuobjdump:
     from mla.providers.gluon.prefill_launch import PrefillKernel, PrefillLaunchConfig
 
     compiled[case].stdout()  # (asserts that the case compiled)
-    sass = _sass(compiled[case], cuobjdump)
-    (meta_path,) = glob.glob(f"{compiled[case].cache_dir}/*/{KERNEL}.json")
+    sass = _sass(compiled[case], cuobjdump, _kernel(case))
+    (meta_path,) = glob.glob(f"{compiled[case].cache_dir}/*/{_kernel(case)}.json")
     with open(meta_path) as f:
         meta = json.load(f)
     assert meta["num_warps"] == 4 + 2 * 4  # (the launch's 4 and two 4-warp partitions)
     # the host's count (what the launcher checks against the limit) is Triton's, but for alignment
     assert V_LANDING.value == SPLIT_V_LANDING
-    dqk, _causal, _lse, _kernel, _via, *config = CASES[case]
+    dqk, _causal, _lse, kernel, _via, *config = CASES[case]
     stages, block_n = config or (4, 128)
     counted = fp8_shared_bytes(
-        dqk, 128, PrefillLaunchConfig(block_n=block_n, num_stages=stages, kernel=PrefillKernel.SPLIT)
+        dqk, 128, PrefillLaunchConfig(block_n=block_n, num_stages=stages, kernel=PrefillKernel[kernel])
     )
     assert 0 <= meta["shared"] - counted <= 1024, (meta["shared"], counted)
     allocs = [int(x, 16) for x in re.findall(r"SETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass)]
@@ -179,11 +196,13 @@ def test_split_layout_p_becomes_the_operand_without_shuffles(
     compiled[case].stdout()  # (asserts that the case compiled)
     loops = [
         body
-        for body in mma_loops(_sass(compiled[case], cuobjdump), ("GMMA",))
+        for body in mma_loops(_sass(compiled[case], cuobjdump, _kernel(case)), ("GMMA",))
         if any("MUFU.EX2" in t for t in body)
     ]
-    assert len(loops) == 4, [len(body) for body in loops]  # (two consumers: unmasked and masked tiles)
-    for body in loops:
+    # two consumers: unmasked and masked tiles (persistent: each pair inside its query-tile loop)
+    outer = 2 if _kernel(case) == PERSISTENT_KERNEL else 0
+    assert len(loops) == 4 + outer, [len(body) for body in loops]
+    for body in sorted(loops, key=len)[:4]:
         assert not [t for t in body if t.startswith("SHFL.IDX")]
         assert any(t.startswith("SHFL.BFLY") for t in body)
 
@@ -194,4 +213,4 @@ def test_no_register_of_a_wgmma_is_touched_before_its_wait(
 ) -> None:
     """P·V's register-A operand (P in e4m3) and the accumulators of every variant stay untouched
     while their ``wgmma`` is in flight (:func:`sm90_compile.wgmma_register_hazards`)."""
-    assert wgmma_register_hazards(_sass(compiled[case], cuobjdump)) == []
+    assert wgmma_register_hazards(_sass(compiled[case], cuobjdump, _kernel(case))) == []

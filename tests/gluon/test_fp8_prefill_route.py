@@ -165,7 +165,7 @@ def test_split_layout_counts_its_transposed_v_ring() -> None:
 def test_launcher_refuses_declined_calls_other_warp_splits_and_plan_mismatches() -> None:
     with pytest.raises(InvalidInputError, match="Triton provider"):
         launch_gluon_fp8_prefill(_call(q=torch.zeros(8, 4, 192, dtype=E5M2)))
-    with pytest.raises(InvalidInputError, match="PLAIN, PRODUCER and SPLIT") as overlap:
+    with pytest.raises(InvalidInputError, match="PLAIN, PRODUCER, SPLIT, PERSISTENT warp splits") as overlap:
         launch_gluon_fp8_prefill(_call(), PrefillLaunchConfig(kernel=PrefillKernel.OVERLAP))
     assert overlap.value.argument == "config"
     for config in (

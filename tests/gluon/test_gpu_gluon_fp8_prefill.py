@@ -2,9 +2,10 @@
 dequantized inputs.
 
 Drives :func:`~mla.providers.gluon.prefill_fp8_launch.launch_gluon_fp8_prefill` directly (the
-plain, producer and split warp layouts, 192/128 and 128/128, causal and not, 1/16/128 heads, LSE on
-and off, bf16/fp16/fp32 outputs) and the gluon provider (its default ``fp8_prefill="gluon"``: its
-plan, the route, the contract's NaN rules, CUDA graph capture). Batches hold empty and
+plain, producer and split warp layouts and the split layout's persistent form, 192/128 and
+128/128, causal and not, 1/16/128 heads, LSE on and off, bf16/fp16/fp32 outputs) and the gluon
+provider (its default ``fp8_prefill="gluon"``: its plan, the route, the contract's NaN rules,
+CUDA graph capture). Batches hold empty and
 one-token requests, requests with more queries than keys, and lengths that are not tile
 multiples. Outputs are NaN-poisoned before each run. Run:
 ``pytest -m gpu tests/gluon/test_gpu_gluon_fp8_prefill.py`` (skipped without a Hopper GPU).
@@ -51,6 +52,7 @@ CONFIGS = {
     "plain": PrefillLaunchConfig(num_stages=4, kernel=PrefillKernel.PLAIN),
     # (4 stages: the most that fit at 192/128 with the transposed V ring)
     "split": PrefillLaunchConfig(num_stages=4, kernel=PrefillKernel.SPLIT),
+    "persistent": PrefillLaunchConfig(num_stages=4, kernel=PrefillKernel.PERSISTENT),
 }
 
 
@@ -142,6 +144,10 @@ VARIANTS = {
     "split-stages-2": (192, torch.bfloat16, PrefillLaunchConfig(num_stages=2, kernel=PrefillKernel.SPLIT)),
     "split-n64": (192, torch.bfloat16, attrs.evolve(CONFIGS["split"], block_n=64)),
     "split-fp32-out": (192, torch.float32, CONFIGS["split"]),
+    "d128-persistent": (128, torch.bfloat16, CONFIGS["persistent"]),
+    "persistent-stages-2": (192, torch.bfloat16, attrs.evolve(CONFIGS["persistent"], num_stages=2)),
+    "persistent-n64": (192, torch.bfloat16, attrs.evolve(CONFIGS["persistent"], block_n=64)),
+    "persistent-fp16-out": (192, torch.float16, CONFIGS["persistent"]),
     "fp16-out": (192, torch.float16, None),
     "fp32-out": (192, torch.float32, None),
     "stages-2": (192, torch.bfloat16, PrefillLaunchConfig(num_stages=2)),

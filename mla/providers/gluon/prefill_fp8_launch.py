@@ -34,9 +34,14 @@ from mla.providers.gluon.prefill_launch import (
 FP8_PREFILL_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
 """q/k/v dtypes the kernel takes (e4m3: P is quantized to e4m3 for the fp8 ``P·V``)."""
 FP8_OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-FP8_KERNELS: tuple[PrefillKernel, ...] = (PrefillKernel.PLAIN, PrefillKernel.PRODUCER, PrefillKernel.SPLIT)
+FP8_KERNELS: tuple[PrefillKernel, ...] = (
+    PrefillKernel.PLAIN, PrefillKernel.PRODUCER, PrefillKernel.SPLIT, PrefillKernel.PERSISTENT,
+)  # fmt: skip
 """The warp splits the fp8 kernel has (``SPLIT``, :mod:`.prefill_fp8_split`, is
-:func:`fp8_prefill_config`'s default; the others through the launch config)."""
+:func:`fp8_prefill_config`'s default; ``PERSISTENT``, :mod:`.prefill_fp8_persistent`, the same
+split with one program per SM; the others through the launch config)."""
+SPLIT_FP8_KERNELS = frozenset({PrefillKernel.SPLIT, PrefillKernel.PERSISTENT})
+"""The fp8 layouts with a V-transposing producer warpgroup (:mod:`.prefill_fp8_split`)."""
 MAX_STAGES = 4
 
 
@@ -73,11 +78,11 @@ def fp8_shared_bytes(qk_dim: int, v_dim: int, config: PrefillLaunchConfig) -> in
     """Shared memory of a launch (8-bit tiles): the query tile, and per ring stage a K and a V
     tile; plus one transposed V tile (plain and producer layouts), or (split layout) per stage
     a transposed V tile and the stage's per-key flags (float32), and :data:`SPLIT_V_LANDING` V
-    tiles instead of one a stage; and the barriers."""
+    tiles instead of one a stage; and the barriers (the persistent layout's ``q_empty`` too)."""
     stages, keys = config.num_stages, config.block_n
-    if config.kernel is PrefillKernel.SPLIT:
+    if config.kernel in SPLIT_FP8_KERNELS:
         tiles = stages * keys * (qk_dim + v_dim + 4) + SPLIT_V_LANDING * keys * v_dim
-        barriers = 1 + 4 * stages + SPLIT_V_LANDING
+        barriers = 1 + 4 * stages + SPLIT_V_LANDING + (config.kernel is PrefillKernel.PERSISTENT)
     else:
         tiles = stages * keys * (qk_dim + v_dim) + v_dim * keys
         barriers = 1 + 4 * stages
@@ -172,8 +177,10 @@ def _launch(
 ) -> None:
     """:func:`launch_gluon_fp8_prefill`; ``routed``: the caller's route took the call already."""
     from mla.providers.gluon.prefill_fp8 import FP8_PREFILL_LAUNCH, FP8_TILE_LAYOUT  # noqa: PLC0415 (lazy)
+    from mla.providers.gluon.prefill_fp8_persistent import FP8_PERSISTENT_LAUNCH  # noqa: PLC0415
     from mla.providers.gluon.prefill_parts import BOX, CONSUMER_WARPS, SPLIT_PRODUCER_WARPS  # noqa: PLC0415
     from mla.providers.triton.attention_host import check_attention_args  # noqa: PLC0415
+    from mla.providers.triton.decode_launch import num_sms  # noqa: PLC0415
 
     q, k, v, out, lse = call.q, call.k, call.v, call.out, call.lse
     check_attention_args(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, out, lse, call.softmax_scale)
@@ -190,27 +197,37 @@ def _launch(
     heads, qk_dim, v_dim = int(q.shape[1]), int(q.shape[2]), int(v.shape[2])
     cfg = config or fp8_prefill_config(qk_dim, v_dim)
     if cfg.kernel not in FP8_KERNELS:
-        raise InvalidInputError(
-            "config", f"the fp8 kernel has the PLAIN, PRODUCER and SPLIT warp splits, got {cfg.kernel}"
-        )
+        names = ", ".join(kernel.name for kernel in FP8_KERNELS)
+        raise InvalidInputError("config", f"the fp8 kernel has the {names} warp splits, got {cfg.kernel}")
     if fp8_shared_bytes(qk_dim, v_dim, cfg) > SHARED_MEMORY_BYTES:
         raise InvalidInputError(
             "config", f"{cfg} needs {fp8_shared_bytes(qk_dim, v_dim, cfg)} bytes of shared memory at "
             f"{qk_dim}/{v_dim}; a Hopper block has {SHARED_MEMORY_BYTES}",
         )  # fmt: skip
     num_m_blocks = -(-plan.max_seqlen_q // QUERY_TILE)
-    grid = (num_m_blocks * batch * heads,)
+    num_tiles = num_m_blocks * batch * heads
     box = BOX.value  # (each descriptor: [rows, 64] boxes over the 2-D view the route checked)
-    FP8_PREFILL_LAUNCH.launch(
-        grid,
+    operands = (
         token_descriptor(q, QUERY_TILE, box, FP8_TILE_LAYOUT),
         token_descriptor(k, cfg.block_n, box, FP8_TILE_LAYOUT),
         token_descriptor(v, cfg.block_n, box, FP8_TILE_LAYOUT),
         out, lse, call.cu_seqlens_q, call.cu_seqlens_k, call.q_scale, call.k_scale, call.v_scale,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        heads, num_m_blocks, q.shape[0], k.shape[0], call.softmax_scale * LOG2E,
-        D_QK=qk_dim, D_V=v_dim, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=call.causal,
-        WRITE_LSE=write_lse, MODE=cfg.kernel.value,
+    )  # fmt: skip
+    constants = {
+        "D_QK": qk_dim, "D_V": v_dim, "BLOCK_N": cfg.block_n, "NUM_STAGES": cfg.num_stages,
+        "CAUSAL": call.causal, "WRITE_LSE": write_lse,
+    }  # fmt: skip
+    log2_scale = call.softmax_scale * LOG2E
+    if cfg.kernel is PrefillKernel.PERSISTENT:  # one program per SM (at most one per query tile)
+        FP8_PERSISTENT_LAUNCH.launch(
+            (min(num_sms(q.device), num_tiles),), *operands, heads, num_m_blocks, num_tiles, q.shape[0],
+            k.shape[0], log2_scale, **constants, num_warps=SPLIT_PRODUCER_WARPS.value,
+        )  # fmt: skip
+        return
+    FP8_PREFILL_LAUNCH.launch(
+        (num_tiles,), *operands, heads, num_m_blocks, q.shape[0], k.shape[0], log2_scale, **constants,
+        MODE=cfg.kernel.value,
         num_warps=(SPLIT_PRODUCER_WARPS if cfg.kernel is PrefillKernel.SPLIT else CONSUMER_WARPS).value,
     )  # fmt: skip
 
@@ -218,6 +235,7 @@ def _launch(
 __all__ = [
     "FP8_KERNELS",
     "FP8_PREFILL_DTYPES",
+    "SPLIT_FP8_KERNELS",
     "GluonFp8PrefillPlan",
     "fp8_prefill_config",
     "fp8_prefill_route",

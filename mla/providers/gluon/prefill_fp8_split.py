@@ -58,7 +58,9 @@ from mla.providers.gluon.prefill_parts import (
     _consumer_rows,
     _copy_boxes,
     _issue_scores,
+    _load_query,
     _release,
+    _release_scores,
     _store_rows,
 )
 
@@ -124,57 +126,103 @@ def _transpose_v_split(
 
 
 @gluon.jit
+def _issue_key_tile(
+    k_desc, v_desc, k_ring, v_land, k_ready, k_empty, v_landed, g, row, k_col, v_col, NUM_STAGES: gl.constexpr
+):  # fmt: skip
+    """The producer's TMA loads of the ring's ``g``-th key tile (keys from row ``row``): K into
+    ring slot ``g % NUM_STAGES`` once both consumers released it (``k_empty``), landing on
+    ``k_ready``; V into landing slot ``g % V_LANDING``, landing on ``v_landed`` (the slot was
+    last read by the producer's own transpose of ring tile ``g - V_LANDING``, done)."""
+    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
+    NV: gl.constexpr = v_land.shape[2] // BOX
+    s = g % NUM_STAGES
+    mbarrier.wait(k_empty.index(s), (g // NUM_STAGES) & 1)
+    _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
+    lv = g % V_LANDING
+    _copy_boxes(v_desc, row, v_col, v_landed.index(lv), v_land.index(lv), 0, NV, True)
+
+
+@gluon.jit
+def _transpose_key_tile(
+    v_land, vt_ring, flags, v_landed, vt_ready, vt_empty, u, masked, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer's transpose of the ring's ``u``-th V tile, once it has landed and its V^T
+    slot is free, announced on ``vt_ready`` (``masked``: a tile past the query tile's whole
+    ones, :func:`_transpose_v_split` with ``MASKED``)."""
+    D_V: gl.constexpr = v_land.shape[2]
+    s = u % NUM_STAGES
+    mbarrier.wait(v_landed.index(u % V_LANDING), (u // V_LANDING) & 1)
+    mbarrier.wait(vt_empty.index(s), (u // NUM_STAGES) & 1)
+    v_slot = v_land.index(u % V_LANDING)
+    if masked:
+        _transpose_v_split(v_slot, vt_ring.index(s), flags.index(s), True, BLOCK_N, D_V)
+    else:
+        _transpose_v_split(v_slot, vt_ring.index(s), flags.index(s), False, BLOCK_N, D_V)
+    mbarrier.arrive(vt_ready.index(s))
+
+
+@gluon.jit
+def _produce_key_tiles(
+    k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, g0,
+    k_row0, k_col, v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, query=None,
+):  # fmt: skip
+    """The producer's work for one query tile: at step ``t`` K and V of key tile ``t`` (ring tile
+    ``g0 + t``) into their slots, then V of key tile ``t - 1`` transposed into its V^T ring slot,
+    the last one included before it returns. ``query``: the arguments of
+    :func:`.prefill_parts._load_query`, the persistent layout's query tile, loaded after the
+    first key tile's loads are issued (at once when there is none)."""
+    for t in range(n_tiles + 1):
+        if t < n_tiles:
+            _issue_key_tile(
+                k_desc, v_desc, k_ring, v_land, k_ready, k_empty, v_landed, g0 + t, k_row0 + t * BLOCK_N,
+                k_col, v_col, NUM_STAGES,
+            )  # fmt: skip
+        if t > 0:
+            _transpose_key_tile(
+                v_land, vt_ring, flags, v_landed, vt_ready, vt_empty, g0 + t - 1, t - 1 >= n_full, BLOCK_N,
+                NUM_STAGES,
+            )  # fmt: skip
+        if query is not None:  # noqa: SIM102 (a compile-time test around a run-time one)
+            if t == 0:
+                q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done = query
+                _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
+
+
+@gluon.jit
 def _fp8_split_producer(
     k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, k_row0,
     k_col, v_col, n_full, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """The producer partition (see the module docstring): at step ``t`` K and V of tile ``t``
-    into their slots, then V of tile ``t - 1`` transposed into its V^T ring slot."""
-    NK: gl.constexpr = k_ring.shape[0] // NUM_STAGES
-    D_V: gl.constexpr = v_land.shape[2]
-    NV: gl.constexpr = D_V // BOX
+    """The producer partition (see the module docstring): the query tile's key tiles
+    (:func:`_produce_key_tiles`)."""
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
-    for t in range(n_tiles + 1):
-        if t < n_tiles:
-            s = t % NUM_STAGES
-            row = k_row0 + t * BLOCK_N
-            mbarrier.wait(k_empty.index(s), (t // NUM_STAGES) & 1)
-            _copy_boxes(k_desc, row, k_col, k_ready.index(s), k_ring, s * NK, NK, False)
-            # (its landing slot: last read by the transpose of tile t - V_LANDING, done)
-            lv = t % V_LANDING
-            _copy_boxes(v_desc, row, v_col, v_landed.index(lv), v_land.index(lv), 0, NV, True)
-        if t > 0:
-            u = t - 1
-            s = u % NUM_STAGES
-            mbarrier.wait(v_landed.index(u % V_LANDING), (u // V_LANDING) & 1)
-            mbarrier.wait(vt_empty.index(s), (u // NUM_STAGES) & 1)
-            v_slot = v_land.index(u % V_LANDING)
-            if u >= n_full:
-                _transpose_v_split(v_slot, vt_ring.index(s), flags.index(s), True, BLOCK_N, D_V)
-            else:
-                _transpose_v_split(v_slot, vt_ring.index(s), flags.index(s), False, BLOCK_N, D_V)
-            mbarrier.arrive(vt_ready.index(s))
+    _produce_key_tiles(
+        k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, 0,
+        k_row0, k_col, v_col, n_full, n_tiles, BLOCK_N, NUM_STAGES,
+    )  # fmt: skip
 
 
 @gluon.jit
 def _fp8_split_tile(
-    q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, t, row_last,
+    q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g, t, row_last,
     qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
-    O_LAYOUT: gl.constexpr, W: gl.constexpr,
+    O_LAYOUT: gl.constexpr, W: gl.constexpr, q_release=None,
 ):  # fmt: skip
-    """Online softmax of key tile ``t`` into ``(acc, m_i, l_i)`` for the query rows ``[64·W,
-    64·(W+1))``; ``MASKED``: key ``n`` counts for row ``r`` only when ``n <= row_last[r]``, and
-    the rows that see a key whose value row had a non-finite lane (``flags``) get NaN."""
-    s = t % NUM_STAGES
-    phase = (t // NUM_STAGES) & 1
+    """Online softmax of key tile ``t`` (the ring's ``g``-th) into ``(acc, m_i, l_i)`` for the
+    query rows ``[64·W, 64·(W+1))``; ``MASKED``: key ``n`` counts for row ``r`` only when ``n <=
+    row_last[r]``, and the rows that see a key whose value row had a non-finite lane (``flags``)
+    get NaN. ``q_release``: as in :func:`.prefill_parts._release_scores`."""
+    s = g % NUM_STAGES
+    phase = (g // NUM_STAGES) & 1
     M: gl.constexpr = CONSUMER_M
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=4)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    sc = _issue_scores(q_smem, k_ring, k_ready, t, W, M, NUM_STAGES, S_LAYOUT)
+    sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT)
     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-    _release(k_empty.index(s))
+    _release_scores(k_empty, g, NUM_STAGES, q_release)
     if MASKED:
         # the transposed V tile, and which of its keys had a non-finite value lane
         mbarrier.wait(vt_ready.index(s), phase)
@@ -196,6 +244,27 @@ def _fp8_split_tile(
 
 
 @gluon.jit
+def _fp8_attend_tiles(
+    q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g0, n_full, n_tiles,
+    row_last, qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr, W: gl.constexpr, q_release=None,
+):  # fmt: skip
+    """A consumer warpgroup's key tiles ``0 … n_tiles - 1`` of a query tile (ring tiles ``g0 +
+    t``): the ``n_full`` tiles every row sees whole, unmasked, then the diagonal and partial
+    ones, masked (:func:`_fp8_split_tile`). Returns ``(acc, m_i, l_i)``."""
+    for masked in gl.static_range(2):
+        first = n_full if masked else 0
+        last = n_tiles if masked else n_full
+        for t in range(first, last):
+            acc, m_i, l_i = _fp8_split_tile(
+                q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i,
+                g0 + t, t, row_last, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, S_LAYOUT, O_LAYOUT, W,
+                q_release,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _fp8_split_consumer(
     args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
     W: gl.constexpr,
@@ -213,15 +282,10 @@ def _fp8_split_consumer(
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
     rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
-    # The tiles every row sees whole, unmasked; then the diagonal and partial ones, masked.
-    for masked in gl.static_range(2):
-        first = n_full if masked else 0
-        last = n_tiles if masked else n_full
-        for t in range(first, last):
-            acc, m_i, l_i = _fp8_split_tile(
-                q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, t,
-                row_last, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
-            )  # fmt: skip
+    acc, m_i, l_i = _fp8_attend_tiles(
+        q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, 0, n_full,
+        n_tiles, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
+    )  # fmt: skip
     _store_rows(
         acc * v_scale, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
         stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout,
@@ -229,15 +293,13 @@ def _fp8_split_consumer(
 
 
 @gluon.jit
-def fp8_split_attention(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full, n_tiles,
-    stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
-    D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    WRITE_LSE: gl.constexpr,
+def _fp8_split_shared(
+    dtype: gl.constexpr, D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """The split layout's shared memory, barriers and partitions for one query tile (called by
-    the kernel once it has the tile's key range and scales)."""
-    dtype: gl.constexpr = q_desc.dtype
+    """The split layout's shared memory and barriers, initialised, every ring slot free (phase 0
+    of its empty barriers): ``(q_smem, k_ring, v_land, vt_ring, flags, q_bar, k_ready, k_empty,
+    vt_ready, vt_empty, v_landed)``. The caller fences them before any asynchronous use."""
     NQ: gl.constexpr = D_QK // BOX
     q_smem = gl.allocate_shared_memory(dtype, [NQ, BLOCK_M, BOX], FP8_TILE_LAYOUT)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES * NQ, BLOCK_N, BOX], FP8_TILE_LAYOUT)
@@ -259,10 +321,25 @@ def fp8_split_attention(
         # (one release per consumer warpgroup)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(vt_empty.index(i), count=2)
-    # Every ring slot starts free (phase 0 of its empty barriers).
     for i in gl.static_range(NUM_STAGES):
         mbarrier.arrive(k_empty.index(i), count=2)
         mbarrier.arrive(vt_empty.index(i), count=2)
+    return q_smem, k_ring, v_land, vt_ring, flags, q_bar, k_ready, k_empty, vt_ready, vt_empty, v_landed
+
+
+@gluon.jit
+def fp8_split_attention(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full, n_tiles,
+    stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, v_scale,
+    D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    WRITE_LSE: gl.constexpr,
+):  # fmt: skip
+    """The split layout's shared memory, barriers and partitions for one query tile (called by
+    the kernel once it has the tile's key range and scales)."""
+    NQ: gl.constexpr = D_QK // BOX
+    q_smem, k_ring, v_land, vt_ring, flags, q_bar, k_ready, k_empty, vt_ready, vt_empty, v_landed = (
+        _fp8_split_shared(q_desc.dtype, D_QK, D_V, BLOCK_N, NUM_STAGES)
+    )
     fence_async_shared()
 
     _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, NQ, False)

@@ -47,7 +47,8 @@ class PrefillKernel(enum.Enum):
     PERSISTENT = 4
     """The split layout with one program per SM looping over the query tiles
     (:mod:`.prefill_persistent`): the next tile's loads go out under the current one's last key
-    tiles and epilogue. With the chunked-context forms too."""
+    tiles and epilogue. With the chunked-context forms too. The fp8 kernel's form is
+    :mod:`~mla.providers.gluon.prefill_fp8_persistent`."""
 
 
 CONTEXT_KERNELS = frozenset({PrefillKernel.SPLIT, PrefillKernel.PERSISTENT})

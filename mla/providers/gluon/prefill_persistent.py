@@ -54,11 +54,11 @@ from mla.providers.gluon.prefill_parts import (
     TILE_LAYOUT,
     _cleans_v,
     _consumer_rows,
-    _copy_boxes,
     _hand_turn,
     _key_range,
     _key_range_from,
     _load_key_tile,
+    _load_query,
     _mma_layout,
     _query_tile_from,
     _store_rows,
@@ -118,15 +118,6 @@ def _round_bounds(
     else:
         current = _tile_bounds(r, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
     return current, bounds
-
-
-@gluon.jit
-def _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done):
-    """Once both consumer warpgroups have released the program's previous query tile (the
-    ``done``-th phase of ``q_empty``), the query tile at row ``m0`` of the request whose
-    tokens start at ``q_begin``, head ``h``, into ``q_smem`` on ``q_bar``."""
-    mbarrier.wait(q_empty, done & 1)
-    _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, q_smem.shape[0], False)
 
 
 @gluon.jit
