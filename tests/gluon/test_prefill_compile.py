@@ -223,7 +223,7 @@ def test_the_persistent_kernel_keeps_nothing_in_local_memory(
 ) -> None:
     """Every compiled variant of the persistent layout has no stack: no spill, and no value the
     partitions reload from local memory at each query tile (the grid size is read where it is
-    used, :func:`mla.providers.gluon.prefill_persistent._grid`)."""
+    used, :func:`mla.providers.gluon.prefill_rounds._grid`)."""
     cubins = sorted(glob.glob(f"{cache_dir}/*/mla_prefill_persistent_kernel.cubin"))
     assert cubins, launches
     stacks = {pathlib.Path(c).parent.name: resource_usage(c, cuobjdump) for c in cubins}

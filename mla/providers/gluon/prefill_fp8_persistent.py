@@ -5,9 +5,9 @@ with one program per SM looping over the query tiles (``PrefillKernel.PERSISTENT
 The one-tile-a-program split layout pays its program's start (the barriers' set-up, the latency
 of the query tile and of the first K/V tiles) and epilogue once a query tile, with nothing of
 the SM's to overlap them: one program fills its shared memory. Here each program keeps its
-shared memory, barriers and partitions across query tiles, numbered and dealt out as in
-:mod:`.prefill_persistent` (each (request, head)'s tiles together, the heaviest first; a snake
-over the rounds; each round's ``cu_seqlens`` entries loaded a round ahead):
+shared memory, barriers and partitions across query tiles, dealt out in rounds as the bf16
+persistent layout's (:mod:`.prefill_rounds`: each (request, head)'s tiles together, the heaviest
+first; a snake over the rounds; each round's ``cu_seqlens`` entries loaded a round ahead):
 
 * **Producer** (the launch's 4 warps): per query tile, its key tiles as the split layout's
   producer issues and transposes them (:func:`.prefill_fp8_split._produce_key_tiles`; the
@@ -52,7 +52,7 @@ from mla.providers.gluon.prefill_parts import (
     _query_tile_from,
     _store_rows,
 )
-from mla.providers.gluon.prefill_persistent import (
+from mla.providers.gluon.prefill_rounds import (
     _grid,
     _round_bounds,
     _snake_tile,

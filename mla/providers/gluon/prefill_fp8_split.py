@@ -58,11 +58,11 @@ from mla.providers.gluon.prefill_parts import (
     _consumer_rows,
     _copy_boxes,
     _issue_scores,
-    _load_query,
     _release,
     _release_scores,
     _store_rows,
 )
+from mla.providers.gluon.prefill_rounds import _load_query
 
 V_LANDING = gl.constexpr(SPLIT_V_LANDING)
 """V landing slots (the producer issues tile ``t``'s V before it transposes tile ``t - 1``'s;

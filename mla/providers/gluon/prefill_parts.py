@@ -218,15 +218,6 @@ def _copy_boxes(desc, row, col, bar, dst, first, N: gl.constexpr, SLICED: gl.con
 
 
 @gluon.jit
-def _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done):
-    """Once both consumer warpgroups have released the program's previous query tile (the
-    ``done``-th phase of ``q_empty``), the query tile at row ``m0`` of the request whose
-    tokens start at ``q_begin``, head ``h``, into ``q_smem`` on ``q_bar``."""
-    mbarrier.wait(q_empty, done & 1)
-    _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, q_smem.shape[0], False)
-
-
-@gluon.jit
 def _copy_key_boxes(k_desc, kpe_desc, row, col, bar, dst, first, N: gl.constexpr, HAS_K_PE: gl.constexpr):
     """TMA the ``N`` boxes of a key tile at ``(row, col)`` into boxes ``dst[first + c]``, all on
     ``bar``: with ``HAS_K_PE`` the first ``N - 1`` from ``k_desc`` (each head's own lanes) and the

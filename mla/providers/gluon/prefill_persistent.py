@@ -7,14 +7,12 @@ the latency of the query tile and of the first K/V tiles, the epilogue) is about
 H200 against 2.24 µs a 128 x 128 key tile: a third of a 16 x 1024 batch's time. Here each
 program keeps its shared memory, barriers and partitions across query tiles:
 
-* **Tiles.** The query tiles are numbered as in :func:`.prefill_parts._query_tile_at` (each
-  (request, head)'s tiles together, the heaviest first). Program ``p`` of ``G`` takes, in
-  round ``r``, tile ``r·G + p`` when ``r`` is even and ``r·G + G - 1 - p`` when it is odd (a
-  snake over the rounds), which evens the programs' causal work without a device-side queue.
-  Both partitions load the ``cu_seqlens`` entries of their next round's tile a round ahead
-  (:func:`_tile_bounds`; the consumers of the appended-keys form load them in their round:
-  carried, they spilled) and read the grid size where they use it (:func:`_grid`), so a query
-  tile starts without a global load and the program has no local memory.
+* **Tiles.** The program's query tiles, round by round, as :mod:`.prefill_rounds` deals them (a
+  snake over the rounds). Both partitions load the ``cu_seqlens`` entries of their next round's
+  tile a round ahead (:func:`.prefill_rounds._tile_bounds`; the consumers of the appended-keys
+  form load them in their round: carried, they spilled) and read the grid size where they use
+  it (:func:`.prefill_rounds._grid`), so a query tile starts without a global load and the
+  program has no local memory.
 * **Producer** (the launch's 4 warps): per query tile, its key tiles into the ring as in the
   split layout (the V of a masked tile cleaned in shared memory, its per-key flags written),
   and after the first of them, once both consumer warpgroups are done with the previous query
@@ -58,66 +56,13 @@ from mla.providers.gluon.prefill_parts import (
     _key_range,
     _key_range_from,
     _load_key_tile,
-    _load_query,
     _mma_layout,
     _query_tile_from,
     _store_rows,
     _take_turn,
-    _tile_request,
 )
+from mla.providers.gluon.prefill_rounds import _grid, _load_query, _round_bounds, _snake_tile, _tile_bounds
 from mla.providers.triton.launch_cache import LaunchCache
-
-
-@gluon.jit
-def _grid():
-    """The number of programs, read where it is used: ``gl.num_programs(0)`` is read once at the
-    kernel's entry and handed to the partitions through local memory, which each query tile
-    then reloaded (Nsight Compute, persistent layout at H16 16 x 1024: 6% of a consumer
-    warpgroup's stall samples)."""
-    return gl.inline_asm_elementwise(
-        "mov.u32 $0, %nctaid.x;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _snake_tile(r, num_tiles):
-    """This program's tile of round ``r`` (``num_tiles`` when it has none): ``r·G + p`` in even
-    rounds, ``r·G + G - 1 - p`` in odd ones (``G`` programs, this one ``p``)."""
-    grid = _grid()
-    pid = gl.program_id(0)
-    slot = gl.where(r % 2 == 0, pid, grid - 1 - pid)
-    return gl.minimum(r * grid + slot, num_tiles)
-
-
-@gluon.jit
-def _tile_bounds(r, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks):
-    """The ``cu_seqlens_q`` and ``cu_seqlens_k`` entries ``b``, ``b + 1`` of the request of this
-    program's tile of round ``r`` (zeros past the last tile): loaded a round ahead, so a query
-    tile's start waits for no global load."""
-    tile = _snake_tile(r, num_tiles)
-    live = tile < num_tiles
-    b, _h, _m_block = _tile_request(tile, num_heads, num_m_blocks)
-    q_lo = gl.load(cu_seqlens_q_ptr + b, mask=live, other=0)
-    q_hi = gl.load(cu_seqlens_q_ptr + b + 1, mask=live, other=0)
-    k_lo = gl.load(cu_seqlens_k_ptr + b, mask=live, other=0)
-    k_hi = gl.load(cu_seqlens_k_ptr + b + 1, mask=live, other=0)
-    return q_lo, q_hi, k_lo, k_hi
-
-
-@gluon.jit
-def _round_bounds(
-    r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, AHEAD: gl.constexpr
-):  # fmt: skip
-    """``(round r's bounds, the bounds to carry)`` (:func:`_tile_bounds`): with ``AHEAD``, the
-    carried ``bounds`` of round ``r`` and round ``r + 1``'s loaded now; without, round ``r``'s
-    loaded now and ``bounds`` unchanged (the appended-keys form's consumers: carried across the
-    loop, the bounds made them spill)."""
-    if AHEAD:
-        current = bounds
-        bounds = _tile_bounds(r + 1, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
-    else:
-        current = _tile_bounds(r, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
-    return current, bounds
 
 
 @gluon.jit
