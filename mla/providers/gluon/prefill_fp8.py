@@ -44,6 +44,7 @@ from mla.providers.gluon.prefill import _producer
 from mla.providers.gluon.prefill_fp8_parts import (
     FP8_TILE_LAYOUT,
     P_OFFSET,
+    _dequant_scales,
     _fp8_mma_layout,
     _softmax_step_fp8,
     _vt_layout,
@@ -269,8 +270,7 @@ def mla_fp8_prefill_kernel(
         cu_seqlens_k_ptr, b, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
     )
     # the dequant scales, read here (no host sync): scores in the exp2 domain, output by v_scale
-    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
-    v_scale = gl.load(v_scale_ptr)
+    qk_scale, v_scale = _dequant_scales(q_scale_ptr, k_scale_ptr, v_scale_ptr, softmax_scale_log2e)
     if MODE == 2:
         fp8_split_attention(
             q_desc, k_desc, v_desc, out_ptr, lse_ptr, q_begin, m0, seq_q, seq_k, k_begin, h, shift, n_full,

@@ -47,6 +47,14 @@ def _vt_layout(keys):
 
 
 @gluon.jit
+def _dequant_scales(q_scale_ptr, k_scale_ptr, v_scale_ptr, softmax_scale_log2e):
+    """The per-tensor scales read on the device (no host sync): ``(qk_scale, v_scale)``, the
+    scores' factor into the exp2 domain (``q_scale · k_scale · softmax_scale · log2 e``) and the
+    output's."""
+    return gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e, gl.load(v_scale_ptr)
+
+
+@gluon.jit
 def _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr):
     """:func:`.prefill_parts._softmax_step` with the running max ``m`` kept ``P_OFFSET`` below
     the scaled scores' max, so ``p <= 2**P_OFFSET``: ``(p, alpha, m_new, row_bad)``."""

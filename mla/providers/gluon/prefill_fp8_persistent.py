@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from mla.providers.gluon.prefill_fp8_parts import _fp8_mma_layout
+from mla.providers.gluon.prefill_fp8_parts import _dequant_scales, _fp8_mma_layout
 from mla.providers.gluon.prefill_fp8_split import (
     CONSUMER_M,
     FP8_SPLIT_CONSUMER_REGS,
@@ -45,19 +45,8 @@ from mla.providers.gluon.prefill_fp8_split import (
     _fp8_split_shared,
     _produce_key_tiles,
 )
-from mla.providers.gluon.prefill_parts import (
-    SPLIT_PRODUCER_WARPS,
-    _consumer_rows,
-    _key_range_from,
-    _query_tile_from,
-    _store_rows,
-)
-from mla.providers.gluon.prefill_rounds import (
-    _grid,
-    _round_bounds,
-    _snake_tile,
-    _tile_bounds,
-)
+from mla.providers.gluon.prefill_parts import SPLIT_PRODUCER_WARPS, _consumer_rows, _store_rows
+from mla.providers.gluon.prefill_rounds import _grid, _round_query_tile, _tile_bounds
 from mla.providers.triton.launch_cache import LaunchCache
 
 
@@ -75,26 +64,18 @@ def _fp8_persistent_producer(
     done = 0
     bounds = _tile_bounds(0, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
     for r in range(gl.cdiv(num_tiles, _grid())):
-        tile = _snake_tile(r, num_tiles)
-        current, bounds = _round_bounds(
-            r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, True
-        )
-        q_lo, q_hi, k_lo, k_hi = current
-        if tile < num_tiles:
-            _b, h, q_begin, seq_q, m0 = _query_tile_from(
-                tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows
-            )
-            if m0 < seq_q:
-                k_begin, _seq_k, _shift, n_full, n_tiles = _key_range_from(
-                    k_lo, k_hi, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
-                )
-                _produce_key_tiles(
-                    k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready,
-                    vt_empty, g, k_begin, h * stride_kh, h * stride_vh, n_full, n_tiles, BLOCK_N, NUM_STAGES,
-                    (q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done),
-                )  # fmt: skip
-                g += n_tiles
-                done += 1
+        live, h, q_begin, _seq_q, m0, k_begin, _seq_k, _shift, n_full, n_tiles, bounds = _round_query_tile(
+            r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, num_q_rows,
+            num_k_rows, CAUSAL, BLOCK_N,
+        )  # fmt: skip
+        if live:
+            _produce_key_tiles(
+                k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready,
+                vt_empty, g, k_begin, h * stride_kh, h * stride_vh, n_full, n_tiles, BLOCK_N, NUM_STAGES,
+                (q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done),
+            )  # fmt: skip
+            g += n_tiles
+            done += 1
 
 
 @gluon.jit
@@ -116,42 +97,33 @@ def _fp8_persistent_consumer(
     # The partition reads its arguments before anything of it writes shared memory.
     gl.thread_barrier()
     q_scale_ptr, k_scale_ptr, v_scale_ptr, softmax_scale_log2e = scales
-    qk_scale = gl.load(q_scale_ptr) * gl.load(k_scale_ptr) * softmax_scale_log2e
-    v_scale = gl.load(v_scale_ptr)
+    qk_scale, v_scale = _dequant_scales(q_scale_ptr, k_scale_ptr, v_scale_ptr, softmax_scale_log2e)
     g = 0
     done = 0
     bounds = _tile_bounds(0, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
     for r in range(gl.cdiv(num_tiles, _grid())):
-        tile = _snake_tile(r, num_tiles)
-        current, bounds = _round_bounds(
-            r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, True
-        )
-        q_lo, q_hi, k_lo, k_hi = current
-        if tile < num_tiles:
-            _b, h, q_begin, seq_q, m0 = _query_tile_from(
-                tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows
+        live, h, q_begin, seq_q, m0, _k_begin, seq_k, shift, n_full, n_tiles, bounds = _round_query_tile(
+            r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, num_q_rows,
+            num_k_rows, CAUSAL, BLOCK_N,
+        )  # fmt: skip
+        if live:
+            rows, row_last, acc, m_i, l_i = _consumer_rows(
+                q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout, done & 1
             )
-            if m0 < seq_q:
-                _k_begin, seq_k, shift, n_full, n_tiles = _key_range_from(
-                    k_lo, k_hi, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
-                )
-                rows, row_last, acc, m_i, l_i = _consumer_rows(
-                    q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout, done & 1
-                )
-                # the query buffer is released after the tile's last QKᵀ (ring tile g + n_tiles - 1)
-                acc, m_i, l_i = _fp8_attend_tiles(
-                    q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g,
-                    n_full, n_tiles, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
-                    (q_empty, g + n_tiles - 1),
-                )  # fmt: skip
-                # (a query tile without key tiles never read the buffer)
-                mbarrier.arrive(q_empty, pred=n_tiles == 0)
-                _store_rows(
-                    acc * v_scale, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot,
-                    stride_oh, stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout,
-                )  # fmt: skip
-                g += n_tiles
-                done += 1
+            # the query buffer is released after the tile's last QKᵀ (ring tile g + n_tiles - 1)
+            acc, m_i, l_i = _fp8_attend_tiles(
+                q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g,
+                n_full, n_tiles, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
+                (q_empty, g + n_tiles - 1),
+            )  # fmt: skip
+            # (a query tile without key tiles never read the buffer)
+            mbarrier.arrive(q_empty, pred=n_tiles == 0)
+            _store_rows(
+                acc * v_scale, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
+                stride_lt, stride_lh, W, M, D_V, WRITE_LSE, o_layout,
+            )  # fmt: skip
+            g += n_tiles
+            done += 1
 
 
 @gluon.jit

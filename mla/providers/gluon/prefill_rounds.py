@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from mla.providers.gluon.prefill_parts import _copy_boxes, _tile_request
+from mla.providers.gluon.prefill_parts import _copy_boxes, _key_range_from, _query_tile_from, _tile_request
 
 
 @gluon.jit
@@ -78,3 +78,25 @@ def _load_query(q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done)
     tokens start at ``q_begin``, head ``h``, into ``q_smem`` on ``q_bar``."""
     mbarrier.wait(q_empty, done & 1)
     _copy_boxes(q_desc, q_begin + m0, h * stride_qh, q_bar, q_smem, 0, q_smem.shape[0], False)
+
+
+@gluon.jit
+def _round_query_tile(
+    r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, num_q_rows, num_k_rows,
+    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """This program's query tile of round ``r`` with its bounds a round ahead
+    (:func:`_round_bounds`): ``(live, h, q_begin, seq_q, m0, k_begin, seq_k, shift, n_full,
+    n_tiles, bounds)``, ``live`` false past the last tile and for a row block past its request's
+    queries (the bounds past the last tile are zeros: no query)."""
+    tile = _snake_tile(r, num_tiles)
+    current, bounds = _round_bounds(
+        r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, True
+    )
+    q_lo, q_hi, k_lo, k_hi = current
+    _b, h, q_begin, seq_q, m0 = _query_tile_from(tile, q_lo, q_hi, num_heads, num_m_blocks, num_q_rows)
+    k_begin, seq_k, shift, n_full, n_tiles = _key_range_from(
+        k_lo, k_hi, num_k_rows, seq_q, m0, CAUSAL, BLOCK_N
+    )
+    live = (tile < num_tiles) & (m0 < seq_q)
+    return live, h, q_begin, seq_q, m0, k_begin, seq_k, shift, n_full, n_tiles, bounds
