@@ -122,10 +122,10 @@ def test_route_sends_other_calls_to_triton(change: dict[str, Any], why: str | No
 
 
 def test_default_configs_fit_in_shared_memory() -> None:
-    # the split layout, 4 stages (MAX_STAGES) at both head dims
+    # the split layout's persistent form, 4 stages (MAX_STAGES) at both head dims
     for dqk in (192, 128):
         config = fp8_prefill_config(dqk, 128)
-        assert config == PrefillLaunchConfig(block_n=128, num_stages=4, kernel=PrefillKernel.SPLIT)
+        assert config == PrefillLaunchConfig(block_n=128, num_stages=4, kernel=PrefillKernel.PERSISTENT)
         assert fp8_shared_bytes(dqk, 128, config) <= SHARED_MEMORY_BYTES
     assert fp8_shared_bytes(192, 128, PrefillLaunchConfig(num_stages=5)) > SHARED_MEMORY_BYTES
     assert (
@@ -158,8 +158,10 @@ def test_split_layout_counts_its_transposed_v_ring() -> None:
     # more than the producer layout at the same stages (a transposed V tile a stage)
     producer = attrs.evolve(split, kernel=PrefillKernel.PRODUCER)
     assert fp8_shared_bytes(192, 128, split) > fp8_shared_bytes(192, 128, producer)
-    # the default is the split layout
-    assert fp8_prefill_config(192, 128).kernel is PrefillKernel.SPLIT
+    # the default is its persistent form, one barrier (q_empty) more
+    persistent = attrs.evolve(split, kernel=PrefillKernel.PERSISTENT)
+    assert fp8_shared_bytes(192, 128, persistent) == fp8_shared_bytes(192, 128, split) + 8
+    assert fp8_prefill_config(192, 128).kernel is PrefillKernel.PERSISTENT
 
 
 def test_launcher_refuses_declined_calls_other_warp_splits_and_plan_mismatches() -> None:

@@ -1,6 +1,6 @@
 # mypy: disable-error-code="no-untyped-def, untyped-decorator"
 """Gluon (Hopper) fp8 varlen prefill, persistent: the split layout of :mod:`.prefill_fp8_split`
-with one program per SM looping over the query tiles (``PrefillKernel.PERSISTENT``).
+with one program per SM looping over the query tiles (``PrefillKernel.PERSISTENT``, the default launch).
 
 The one-tile-a-program split layout pays its program's start (the barriers' set-up, the latency
 of the query tile and of the first K/V tiles) and epilogue once a query tile, with nothing of
