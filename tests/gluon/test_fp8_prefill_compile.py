@@ -86,7 +86,7 @@ CASES = {
     "128-full-nolse": (128, False, False, "PRODUCER", "launcher"),
     "192-causal-plain": (192, True, True, "PLAIN", "launcher"),
     "128-full-plain-nolse": (128, False, False, "PLAIN", "launcher"),
-    "provider-192": (192, True, True, "PRODUCER", "provider"),
+    "provider-192": (192, True, True, "PERSISTENT", "provider"),  # (the default launch)
     # the split layout (4 stages: the most that fit at 192/128)
     "192-causal-split-lse": (192, True, True, "SPLIT", "launcher"),
     "192-causal-split-nolse": (192, True, False, "SPLIT", "launcher"),
