@@ -21,8 +21,9 @@
   once its ``QKᵀ`` is done and its V^T slot once its ``P·V`` is done; ``k_empty`` and
   ``vt_empty`` count two arrivals, so the two warpgroups run out of step (one's softmax can
   overlap the other's ``wgmma``; the bf16 layouts' software-pipelined loop,
-  :mod:`.prefill_pipelined`, and turns at the tensor cores measured no faster here:
-  ``docs/performance.md``, "Kernel choices"). No consumer writes shared memory the other
+  :mod:`.prefill_pipelined`, turns at the tensor cores, and the next tile's ``QKᵀ`` issued
+  before this tile's softmax measured no faster here: ``docs/performance.md``, "Kernel
+  choices"). No consumer writes shared memory the other
   reads; in a masked tile a consumer reads the slot's flags after ``vt_ready`` and before it
   releases the slot, as the bf16 split kernel does.
 
