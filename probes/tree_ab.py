@@ -191,22 +191,29 @@ def _run_tree(
         PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]),
         TREE_AB_UNCHECKED="1" if unchecked else "0",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, case],
-        check=False,
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, case],
+            check=False,
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        print(f"{tree}: timed out after {timeout:.0f} s", flush=True)
+        return None
     lines = done.stdout.splitlines()
     print(f"{tree}: {json.loads(lines[0])['mla'] if lines else 'no output'}", flush=True)
     final = [line for line in lines if line.startswith("ROWS ")]
     if done.returncode != 0 or not final:
         print(done.stderr[-3000:])
         return None
-    return {row["shape"]: row for row in json.loads(final[0][5:])}
+    rows = {row["shape"]: row for row in json.loads(final[0][5:])}
+    # (each tree's numbers as they come, should the run be cut off before the table)
+    print("  " + "; ".join(f"{shape} {row['us']:.1f} µs" for shape, row in rows.items()), flush=True)
+    return rows
 
 
 def _table(results: dict[str, dict[str, dict[str, float | str]]]) -> list[dict[str, object]]:
