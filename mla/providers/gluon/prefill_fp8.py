@@ -8,7 +8,8 @@ straddle the diagonal or the end of the request's keys; the same varlen, NaN and
 e4m3 q/k/v whose values are ``stored * scale`` (per-tensor float32 scales, read on the device).
 ``SPLIT`` (``MODE`` 2) is FA3's fp8 layout instead: a 4-warp producer that loads and transposes
 V, and each consumer warpgroup a partition of its own (:mod:`.prefill_fp8_split`); what follows
-holds for it but for who transposes V.
+holds for it but for who transposes V and which tiles' V it cleans (only those reaching past the
+request's keys, as the bf16 split layouts).
 
 * **QKᵀ** is an fp8 ``wgmma`` (e4m3 × e4m3 → fp32): the q and K tiles are ``[rows, D]`` with
   ``D`` contiguous, i.e. K-major for both operands, as TMA lands them (64-column boxes of 64

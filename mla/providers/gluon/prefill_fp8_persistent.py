@@ -26,9 +26,9 @@ first; a snake over the rounds; each round's ``cu_seqlens`` entries loaded a rou
   epilogue. Each reads the dequantization scales itself (a value computed before
   ``gl.warp_specialize`` reaches a partition through local memory).
 
-Every rule of :mod:`.prefill_fp8` holds: causal masking on the diagonal and partial tiles only,
-the NaN rules (non-finite V lanes of a masked tile zeroed, the rows that see them NaN), varlen
-clamping, LSE, P in e4m3 scaled by ``2**8``.
+Every rule of the split layout holds: causal masking on the diagonal and partial tiles only,
+the NaN rules (non-finite V lanes of a tile reaching past the request's keys zeroed, the rows
+that see them NaN), varlen clamping, LSE, P in e4m3 scaled by ``2**8``.
 """
 
 from __future__ import annotations
@@ -64,14 +64,15 @@ def _fp8_persistent_producer(
     done = 0
     bounds = _tile_bounds(0, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks)
     for r in range(gl.cdiv(num_tiles, _grid())):
-        live, h, q_begin, _seq_q, m0, k_begin, _seq_k, _shift, n_full, n_tiles, bounds = _round_query_tile(
+        live, h, q_begin, _seq_q, m0, k_begin, seq_k, _shift, _n_full, n_tiles, bounds = _round_query_tile(
             r, bounds, num_tiles, cu_seqlens_q_ptr, cu_seqlens_k_ptr, num_heads, num_m_blocks, num_q_rows,
             num_k_rows, CAUSAL, BLOCK_N,
         )  # fmt: skip
         if live:
             _produce_key_tiles(
                 k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready,
-                vt_empty, g, k_begin, h * stride_kh, h * stride_vh, n_full, n_tiles, BLOCK_N, NUM_STAGES,
+                vt_empty, g, k_begin, h * stride_kh, h * stride_vh, seq_k // BLOCK_N, n_tiles, BLOCK_N,
+                NUM_STAGES,
                 (q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done),
             )  # fmt: skip
             g += n_tiles
@@ -113,8 +114,8 @@ def _fp8_persistent_consumer(
             # the query buffer is released after the tile's last QKᵀ (ring tile g + n_tiles - 1)
             acc, m_i, l_i = _fp8_attend_tiles(
                 q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g,
-                n_full, n_tiles, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
-                (q_empty, g + n_tiles - 1),
+                n_full, n_tiles, seq_k // BLOCK_N, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout,
+                o_layout, W, (q_empty, g + n_tiles - 1),
             )  # fmt: skip
             # (a query tile without key tiles never read the buffer)
             mbarrier.arrive(q_empty, pred=n_tiles == 0)
