@@ -25,7 +25,10 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   ``3`` (overlap) the split layout with each consumer warpgroup software-pipelined
   (:mod:`.prefill_overlap`).
 * **Consumer.** ``S = q·Kᵀ`` and ``O += P·V`` by ``warpgroup_mma`` (q and K from shared memory,
-  ``P`` from registers), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e``
+  ``P`` from registers; in the split and persistent layouts the query's last 64-column box, the
+  rope lanes at 192/128, from registers too, loaded once a query tile: a warpgroup's key tile then
+  reads 8 of its 104 KB less shared memory; not with appended keys, where the consumers would
+  spill), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e``
   folded into one multiply), normalisation deferred to the epilogue. In ``MODE`` 1 and 2 the
   unmasked key tiles are software-pipelined within the warpgroup (:mod:`.prefill_pipelined`).
 * **Causal** (bottom-right: row ``i`` of a request sees keys ``<= i + Sk - Sq``). Key tiles that
@@ -95,6 +98,7 @@ from mla.providers.gluon.prefill_parts import (
     _issue_scores,
     _key_range,
     _mma_layout,
+    _query_rope_regs,
     _query_tile,
     _release,
     _release_scores,
@@ -141,7 +145,7 @@ def _attend_tile(
     q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g, row_last,
     qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr,
-    FLAGS: gl.constexpr, seq_k=0, turn=None, PINGPONG: gl.constexpr = False, q_release=None,
+    FLAGS: gl.constexpr, seq_k=0, turn=None, PINGPONG: gl.constexpr = False, q_release=None, q_reg=None,
 ):  # fmt: skip
     """Online softmax of key tile ``t`` (the ring's ``g``-th tile: slot ``g % NUM_STAGES``; ``g``
     counts on across a persistent program's query tiles, else ``g = t``) into ``(acc, m_i, l_i)``
@@ -159,7 +163,7 @@ def _attend_tile(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     keys_layout: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT)
+    sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT, None, q_reg)
     if PINGPONG:
         _hand_turn(turn)
     if MASKED:
@@ -194,7 +198,7 @@ def _attend_range(
     tiles, ring, acc, m_i, l_i, n_full, n_tiles, g0, row_last, seq_k, qk_scale, ISSUE_LOADS: gl.constexpr,
     BLOCK_N: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
     O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, FLAGS: gl.constexpr, turn=None,
-    PINGPONG: gl.constexpr = False, q_release=None,
+    PINGPONG: gl.constexpr = False, q_release=None, q_reg=None,
 ):  # fmt: skip
     """The key tiles ``[0, n_tiles)`` of one key range of ``seq_k`` keys (the ring's tiles ``g0 +
     t``) into ``(acc, m_i, l_i)``: those every row sees whole (``[0, n_full)``) unmasked, then
@@ -207,7 +211,7 @@ def _attend_range(
         if n_full > 0:
             acc, m_i, l_i = _attend_pipelined(
                 tiles, acc, m_i, l_i, n_full, g0, row_last, qk_scale, BLOCK_N, NUM_STAGES, S_LAYOUT, O_LAYOUT,
-                W, M, turn, PINGPONG, q_release,
+                W, M, turn, PINGPONG, q_release, q_reg,
             )  # fmt: skip
     for masked in gl.static_range(0 if ISSUE_LOADS else 1, 2):
         first = n_full if masked else 0
@@ -217,7 +221,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 q_smem, k_ring, v_ring, flags, k_ready, v_ready, k_empty, v_empty, acc, m_i, l_i, t, g0 + t,
                 row_last, qk_scale, masked == 1, BLOCK_N, D_V, NUM_STAGES, S_LAYOUT, O_LAYOUT, W, M, FLAGS,
-                seq_k, turn, PINGPONG, q_release,
+                seq_k, turn, PINGPONG, q_release, q_reg,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -271,9 +275,12 @@ def _consumer(
     if PINGPONG:
         turn = (turns.index(W), turns.index(1 - W), 1)
         _take_turn(turn, -1)
+    q_reg = None
+    if FLAGS:
+        q_reg = _query_rope_regs(q_smem, W, M, s_layout)
     acc, m_i, l_i = _attend_range(
         tiles, ring, acc, m_i, l_i, n_full, n_tiles, 0, row_last, seq_k, qk_scale, ISSUE_LOADS, BLOCK_N, D_V,
-        NUM_STAGES, s_layout, o_layout, W, M, FLAGS, turn, PINGPONG,
+        NUM_STAGES, s_layout, o_layout, W, M, FLAGS, turn, PINGPONG, None, q_reg,
     )  # fmt: skip
     if HAS_APPENDED:
         acc, m_i, l_i = _attend_appended(

@@ -23,8 +23,9 @@ TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, 
 """Shared layout of every q/K/V tile and of its TMA descriptor's boxes: 128-byte swizzle."""
 SPLIT_PRODUCER_WARPS = gl.constexpr(4)
 """Warps of the split kernel's producer (its default partition: the launch's ``num_warps``)."""
-SPLIT_CONSUMER_REGS = gl.constexpr(232)
-"""Registers per consumer thread of the split kernel (``setmaxnreg``; 64-row S and O: 128)."""
+SPLIT_CONSUMER_REGS = gl.constexpr(240)
+"""Registers per consumer thread of the split kernel (``setmaxnreg``; 64-row S and O: 128; the
+query's rope box as an A operand: 16), the producer getting what is left (24)."""
 FLAGS_LAYOUT = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 """Shared layout of the split kernel's per-key flags."""
 BOX = gl.constexpr(64)
@@ -403,23 +404,41 @@ def _release_scores(k_empty, g, NUM_STAGES: gl.constexpr, q_release=None):
 
 @gluon.jit
 def _issue_scores(q_smem, k_ring, k_ready, g, W: gl.constexpr, M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  S_LAYOUT: gl.constexpr, sc=None):  # fmt: skip
+                  S_LAYOUT: gl.constexpr, sc=None, q_reg=None):  # fmt: skip
     """Once the ring's ``g``-th K tile has landed (slot ``g % NUM_STAGES``, a box a slot of
     ``k_ring`` per box of ``q_smem``), issue ``S = q·Kᵀ`` for the query rows ``[W·M, (W+1)·M)``
     of the tile (asynchronous). ``sc``: a ``[M, BLOCK_N]`` fp32 tensor in ``S_LAYOUT`` the
     products overwrite (the tile before's scores: no second set of registers for a zero
-    accumulator); ``None``, a zero one. Every prefill consumer's ``QKᵀ``, bf16 or fp8."""
+    accumulator); ``None``, a zero one. ``q_reg``: the last query box in registers
+    (:func:`_query_rope_regs`), its step's A operand; ``None``, every box from ``q_smem``. Every
+    prefill consumer's ``QKᵀ``, bf16 or fp8."""
     s = g % NUM_STAGES
     mbarrier.wait(k_ready.index(s), (g // NUM_STAGES) & 1)
     if sc is None:
         BLOCK_N: gl.constexpr = k_ring.shape[1]
         sc = gl.zeros([M, BLOCK_N], gl.float32, layout=S_LAYOUT)
     NQ: gl.constexpr = q_smem.shape[0]
-    for c in gl.static_range(NQ):
+    FROM_SMEM: gl.constexpr = NQ if q_reg is None else NQ - 1
+    for c in gl.static_range(FROM_SMEM):
         k_box = k_ring.index(s * NQ + c).permute((1, 0))
-        q_box = q_smem.index(c) if q_smem.shape[1] == M else q_smem.index(c).slice(W * M, M, dim=0)
-        sc = warpgroup_mma(q_box, k_box, sc, use_acc=c > 0, is_async=True)
+        sc = warpgroup_mma(_query_box(q_smem, c, W, M), k_box, sc, use_acc=c > 0, is_async=True)
+    if q_reg is not None:
+        sc = warpgroup_mma(q_reg, k_ring.index(s * NQ + NQ - 1).permute((1, 0)), sc, is_async=True)
     return sc
+
+
+@gluon.jit
+def _query_box(q_smem, c, W: gl.constexpr, M: gl.constexpr):
+    """Box ``c`` of the query tile, the rows ``[W·M, (W+1)·M)`` of it when the tile has more."""
+    return q_smem.index(c) if q_smem.shape[1] == M else q_smem.index(c).slice(W * M, M, dim=0)
+
+
+@gluon.jit
+def _query_rope_regs(q_smem, W: gl.constexpr, M: gl.constexpr, S_LAYOUT: gl.constexpr):
+    """The last box of the warpgroup's query rows (the rope lanes at 192/128) in registers, as
+    the ``q_reg`` A operand of :func:`_issue_scores`."""
+    box = _query_box(q_smem, q_smem.shape[0] - 1, W, M)
+    return box.load(gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2))
 
 
 @gluon.constexpr_function

@@ -57,6 +57,7 @@ from mla.providers.gluon.prefill_parts import (
     _key_range_from,
     _load_key_tile,
     _mma_layout,
+    _query_rope_regs,
     _query_tile_from,
     _store_rows,
     _take_turn,
@@ -183,6 +184,9 @@ def _persistent_consumer(
                 rows, row_last, acc, m_i, l_i = _consumer_rows(
                     q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout, done & 1
                 )
+                q_reg = None
+                if not HAS_APPENDED:  # (with the appended keys' loop too its consumers would spill)
+                    q_reg = _query_rope_regs(q_smem, W, M, s_layout)
                 turn = (turns.index(W), turns.index(1 - W), done + 1)
                 _take_turn(turn, g - 1)
                 n_tiles_n = 0
@@ -196,7 +200,7 @@ def _persistent_consumer(
                 # (the producer issues every load: no ring operands for _attend_range)
                 acc, m_i, l_i = _attend_range(
                     tiles, None, acc, m_i, l_i, n_full, n_tiles, g, row_last, seq_k, qk_scale, False,
-                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True, q_release,
+                    BLOCK_N, D_V, NUM_STAGES, s_layout, o_layout, W, M, True, turn, True, q_release, q_reg,
                 )  # fmt: skip
                 if HAS_APPENDED:
                     acc, m_i, l_i = _attend_appended(

@@ -71,7 +71,7 @@ def _rescale(
 def _attend_pipelined(
     tiles, acc, m_i, l_i, n_full, g0, row_last, qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, M: gl.constexpr, turn=None,
-    PINGPONG: gl.constexpr = False, q_release=None,
+    PINGPONG: gl.constexpr = False, q_release=None, q_reg=None,
 ):  # fmt: skip
     """The unmasked key tiles ``[0, n_full)`` (``n_full > 0``; the ring's tiles ``g0 + t``) into
     ``(acc, m_i, l_i)``, software-pipelined within the warpgroup (FlashAttention-3's
@@ -81,7 +81,7 @@ def _attend_pipelined(
     (:func:`.prefill_parts._take_turn`), as in :func:`.prefill._attend_tile`. ``q_release``: as
     :func:`.prefill_parts._release_scores`."""
     q_smem, k_ring, v_ring, _flags, k_ready, v_ready, k_empty, v_empty = tiles
-    sc = _issue_scores(q_smem, k_ring, k_ready, g0, W, M, NUM_STAGES, S_LAYOUT)
+    sc = _issue_scores(q_smem, k_ring, k_ready, g0, W, M, NUM_STAGES, S_LAYOUT, None, q_reg)
     if PINGPONG:
         _hand_turn(turn)
     p, alpha, m_i, l_i = _tile_softmax(
@@ -93,7 +93,7 @@ def _attend_pipelined(
         prev = (g - 1) % NUM_STAGES
         if PINGPONG:
             _take_turn(turn, g - 1)
-        sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT)
+        sc = _issue_scores(q_smem, k_ring, k_ready, g, W, M, NUM_STAGES, S_LAYOUT, None, q_reg)
         acc = warpgroup_mma(p16, v_ring.index(prev), acc, is_async=True)
         if PINGPONG:
             _hand_turn(turn)
