@@ -21,16 +21,13 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   counts two arrivals), and the two take turns at the tensor cores (two ``turns`` barriers):
   a warpgroup issues a tile's ``P·V`` and the next tile's ``QKᵀ`` in its turn, then hands the
   turn to the other, so one's softmax runs while the other's ``wgmma`` does (FlashAttention-3's
-  ping-pong schedule). In the 8-warp consumer both warpgroups meet at a barrier at each release.
-  ``3`` (overlap) the split layout with each consumer warpgroup software-pipelined
-  (:mod:`.prefill_overlap`).
-* **Consumer.** ``S = q·Kᵀ`` and ``O += P·V`` by ``warpgroup_mma`` (q and K from shared memory,
-  ``P`` from registers; in the split and persistent layouts the query's last 64-column box, the
-  rope lanes at 192/128, from registers too, loaded once a query tile: a warpgroup's key tile then
-  reads 8 of its 104 KB less shared memory; not with appended keys, where the consumers would
-  spill), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e``
-  folded into one multiply), normalisation deferred to the epilogue. In ``MODE`` 1 and 2 the
-  unmasked key tiles are software-pipelined within the warpgroup (:mod:`.prefill_pipelined`).
+  ping-pong schedule). In the 8-warp consumer both warpgroups meet at a barrier at each
+  release. ``3`` (overlap, :mod:`.prefill_overlap`): the split layout, each consumer pipelined.
+* **Consumer.** ``S = q·Kᵀ``, ``O += P·V`` by ``warpgroup_mma`` (q, K from shared memory, ``P``
+  and, in the split and persistent layouts but with appended keys, q's last 64 columns from
+  registers), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e`` folded
+  into one multiply), normalisation deferred to the epilogue. In ``MODE`` 1 and 2 the unmasked
+  key tiles are software-pipelined within the warpgroup (:mod:`.prefill_pipelined`).
 * **Causal** (bottom-right: row ``i`` of a request sees keys ``<= i + Sk - Sq``). Key tiles that
   every row of the query tile sees run without a mask; only the tiles that straddle the
   diagonal or the end of the request's keys are masked, and tiles no row sees are never
@@ -77,6 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.gluon.prefill_epilogue import _store_rows
 from mla.providers.gluon.prefill_overlap import overlap_consumer
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
@@ -105,7 +103,6 @@ from mla.providers.gluon.prefill_parts import (
     _row_last,
     _softmax_step,
     _split_producer,
-    _store_rows,
     _take_turn,
 )
 from mla.providers.gluon.prefill_pipelined import _attend_pipelined
@@ -255,7 +252,7 @@ def _consumer(
     query tile (with ``HAS_APPENDED`` then those of the appended keys, ``appended = (seq_kn,
     shift_n, n_full_n, n_tiles_n)`` as :func:`.prefill_parts._key_range` gives them, the ring's
     tiles ``n_tiles + t``), then its output rows of the request (and their LSE; with
-    ``HAS_PRIOR`` merged into the ``prior`` state, :func:`.prefill_parts._store_rows`).
+    ``HAS_PRIOR`` merged into the ``prior`` state, :func:`.prefill_epilogue._store_rows`).
     ``ISSUE_LOADS``: no producer partition, the consumer keeps ``NUM_STAGES - 1`` tiles in flight
     itself. ``args``: the kernel's buffers, barriers, query tile and strides (one tuple)."""
     M: gl.constexpr = 16 * WARPS

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.providers.gluon.prefill import _producer
+from mla.providers.gluon.prefill_epilogue import _store_rows
 from mla.providers.gluon.prefill_fp8_parts import (
     FP8_TILE_LAYOUT,
     P_OFFSET,
@@ -66,7 +67,6 @@ from mla.providers.gluon.prefill_parts import (
     _key_range,
     _query_tile,
     _release,
-    _store_rows,
 )
 from mla.providers.triton.launch_cache import LaunchCache
 

@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from mla.providers.gluon.prefill_epilogue import _store_rows
 from mla.providers.gluon.prefill_fp8_parts import _dequant_scales, _fp8_mma_layout
 from mla.providers.gluon.prefill_fp8_split import (
     CONSUMER_M,
@@ -45,7 +46,7 @@ from mla.providers.gluon.prefill_fp8_split import (
     _fp8_split_shared,
     _produce_key_tiles,
 )
-from mla.providers.gluon.prefill_parts import SPLIT_PRODUCER_WARPS, _consumer_rows, _store_rows
+from mla.providers.gluon.prefill_parts import SPLIT_PRODUCER_WARPS, _consumer_rows
 from mla.providers.gluon.prefill_rounds import _grid, _round_query_tile, _tile_bounds
 from mla.providers.triton.launch_cache import LaunchCache
 

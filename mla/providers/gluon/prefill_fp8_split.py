@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.gluon.prefill_epilogue import _store_rows
 from mla.providers.gluon.prefill_fp8_parts import (
     FP8_TILE_LAYOUT,
     _fp8_mma_layout,
@@ -67,7 +68,6 @@ from mla.providers.gluon.prefill_parts import (
     _issue_scores,
     _release,
     _release_scores,
-    _store_rows,
 )
 from mla.providers.gluon.prefill_rounds import _load_query
 

@@ -31,13 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.providers.gluon.prefill_epilogue import _store_rows
 from mla.providers.gluon.prefill_parts import (
     _consumer_rows,
     _issue_scores,
     _mma_layout,
     _release,
     _softmax_step,
-    _store_rows,
 )
 
 WARPS = gl.constexpr(4)

@@ -43,6 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from mla.providers.gluon.prefill import _attend_appended, _attend_range
+from mla.providers.gluon.prefill_epilogue import _store_rows
 from mla.providers.gluon.prefill_parts import (
     BLOCK_M,
     BOX,
@@ -59,7 +60,6 @@ from mla.providers.gluon.prefill_parts import (
     _mma_layout,
     _query_rope_regs,
     _query_tile_from,
-    _store_rows,
     _take_turn,
 )
 from mla.providers.gluon.prefill_rounds import _grid, _load_query, _round_bounds, _snake_tile, _tile_bounds
