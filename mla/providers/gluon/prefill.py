@@ -23,11 +23,11 @@ warpgroup). q/k head dim ``D_QK`` (192 or 128), v head dim ``D_V`` (128).
   turn to the other, so one's softmax runs while the other's ``wgmma`` does (FlashAttention-3's
   ping-pong schedule). In the 8-warp consumer both warpgroups meet at a barrier at each
   release. ``3`` (overlap, :mod:`.prefill_overlap`): the split layout, each consumer pipelined.
-* **Consumer.** ``S = q·Kᵀ``, ``O += P·V`` by ``warpgroup_mma`` (q, K from shared memory, ``P``
-  and, in the split and persistent layouts but with appended keys, q's last 64 columns from
-  registers), the online softmax in fp32 in the exp2 domain (``softmax_scale·log2 e`` folded
-  into one multiply), normalisation deferred to the epilogue. In ``MODE`` 1 and 2 the unmasked
-  key tiles are software-pipelined within the warpgroup (:mod:`.prefill_pipelined`).
+* **Consumer.** ``S = q·Kᵀ``, ``O += P·V`` by ``warpgroup_mma`` (q, K from shared memory; ``P``,
+  and in the split and persistent layouts q's last 64 columns, from registers; not in the
+  persistent one with appended keys), the online softmax in fp32 in the exp2 domain (scale·log2 e
+  folded into one multiply), normalisation deferred to the epilogue. In ``MODE`` 1 and 2 the
+  unmasked key tiles are software-pipelined within the warpgroup (:mod:`.prefill_pipelined`).
 * **Causal** (bottom-right: row ``i`` of a request sees keys ``<= i + Sk - Sq``). Key tiles that
   every row of the query tile sees run without a mask; only the tiles that straddle the
   diagonal or the end of the request's keys are masked, and tiles no row sees are never

@@ -72,8 +72,7 @@ def _fp8_persistent_producer(
         if live:
             _produce_key_tiles(
                 k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready,
-                vt_empty, g, k_begin, h * stride_kh, h * stride_vh, seq_k // BLOCK_N, n_tiles, BLOCK_N,
-                NUM_STAGES,
+                vt_empty, g, k_begin, h * stride_kh, h * stride_vh, seq_k, n_tiles, BLOCK_N, NUM_STAGES,
                 (q_desc, q_begin, m0, h, stride_qh, q_bar, q_smem, q_empty, done),
             )  # fmt: skip
             g += n_tiles
@@ -115,7 +114,7 @@ def _fp8_persistent_consumer(
             # the query buffer is released after the tile's last QKᵀ (ring tile g + n_tiles - 1)
             acc, m_i, l_i = _fp8_attend_tiles(
                 q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g,
-                n_full, n_tiles, seq_k // BLOCK_N, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout,
+                n_full, n_tiles, seq_k, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout,
                 o_layout, W, (q_empty, g + n_tiles - 1),
             )  # fmt: skip
             # (a query tile without key tiles never read the buffer)

@@ -10,16 +10,15 @@
   in the order of :func:`.prefill_fp8_parts._pv_key_order`, in which P needs no shuffle to
   become the operand), 64 value lanes (one TMA box) at a time through registers, fences the
   generic stores against the async proxy, meets its warps at a barrier and arrives on
-  ``vt_ready``. In a tile reaching past the request's keys (``t >= seq_k // BLOCK_N``:
-  ``n_clean``, the bf16 split layouts' rule, :func:`.prefill_parts._cleans_v`) it zeroes the
-  non-finite lanes on the way and writes, per key, 1.0 into ``flags`` where its value row had
-  one (0.0 otherwise). A diagonal tile of the request's own keys goes to ``P·V`` as it is, so a
-  non-finite V lane of a later key reaches the earlier rows of that tile as ``0·NaN``, as on
-  the bf16 split layouts; memory no request owns never does. (The cleaning transpose runs about
-  940 instructions a warp against 140; cleaning every masked tile made the 16 x 1024 rows 5–14%
-  slower: ``docs/performance.md``, "Kernel choices".)
-  The landing slots are the producer's alone: it has read a slot
-  before it issues the copy that reuses it, two tiles later.
+  ``vt_ready``. In a tile reaching past the request's keys (the bf16 split layouts' rule,
+  :func:`.prefill_parts._cleans_v`) it zeroes the non-finite lanes on the way and writes, per
+  key, 1.0 into ``flags`` where its value row had one (0.0 otherwise). A diagonal tile of the
+  request's own keys goes to ``P·V`` as it is, so a non-finite V lane of a later key reaches the
+  earlier rows of that tile as ``0·NaN``, as on the bf16 split layouts; memory no request owns
+  never does. (The cleaning transpose runs about 940 instructions a warp against 140; cleaning
+  every masked tile made the 16 x 1024 rows 5–14% slower: ``docs/performance.md``, "Kernel
+  choices".) The landing slots are the producer's alone: it has read a slot before it issues
+  the copy that reuses it, two tiles later.
 * **Consumers**: two worker partitions of one warpgroup each (query rows ``[64·W, 64·(W+1))``,
   ``FP8_SPLIT_CONSUMER_REGS`` registers), running ``S = q·Kᵀ`` (fp8 ``wgmma``), the online
   softmax (P in e4m3 scaled by ``2**8``, as in the plain and producer layouts) and ``O += P·V``
@@ -63,6 +62,7 @@ from mla.providers.gluon.prefill_parts import (
     BOX,
     FLAGS_LAYOUT,
     SPLIT_PRODUCER_WARPS,
+    _cleans_v,
     _consumer_rows,
     _copy_boxes,
     _issue_scores,
@@ -172,12 +172,12 @@ def _transpose_key_tile(
 @gluon.jit
 def _produce_key_tiles(
     k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, g0,
-    k_row0, k_col, v_col, n_clean, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, query=None,
+    k_row0, k_col, v_col, seq_k, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, query=None,
 ):  # fmt: skip
     """The producer's work for one query tile: at step ``t`` K and V of key tile ``t`` (ring tile
     ``g0 + t``) into their slots, then V of key tile ``t - 1`` transposed into its V^T ring slot
-    (cleaned from key tile ``n_clean`` on, the first reaching past the request's keys), the last
-    one included before it returns. ``query``: the arguments of
+    (cleaned where it reaches past the request's ``seq_k`` keys, :func:`.prefill_parts._cleans_v`),
+    the last one included before it returns. ``query``: the arguments of
     :func:`.prefill_parts._load_query`, the persistent layout's query tile, loaded after the
     first key tile's loads are issued (at once when there is none)."""
     for t in range(n_tiles + 1):
@@ -188,8 +188,8 @@ def _produce_key_tiles(
             )  # fmt: skip
         if t > 0:
             _transpose_key_tile(
-                v_land, vt_ring, flags, v_landed, vt_ready, vt_empty, g0 + t - 1, t - 1 >= n_clean, BLOCK_N,
-                NUM_STAGES,
+                v_land, vt_ring, flags, v_landed, vt_ready, vt_empty, g0 + t - 1,
+                _cleans_v(t - 1, seq_k, BLOCK_N), BLOCK_N, NUM_STAGES,
             )  # fmt: skip
         if query is not None:  # noqa: SIM102 (a compile-time test around a run-time one)
             if t == 0:
@@ -200,7 +200,7 @@ def _produce_key_tiles(
 @gluon.jit
 def _fp8_split_producer(
     k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, k_row0,
-    k_col, v_col, n_clean, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    k_col, v_col, seq_k, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
     """The producer partition (see the module docstring): the query tile's key tiles
     (:func:`_produce_key_tiles`)."""
@@ -208,21 +208,21 @@ def _fp8_split_producer(
     gl.thread_barrier()
     _produce_key_tiles(
         k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready, vt_empty, 0,
-        k_row0, k_col, v_col, n_clean, n_tiles, BLOCK_N, NUM_STAGES,
+        k_row0, k_col, v_col, seq_k, n_tiles, BLOCK_N, NUM_STAGES,
     )  # fmt: skip
 
 
 @gluon.jit
 def _fp8_split_tile(
     q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g, t, row_last,
-    n_clean, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    seq_k, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, W: gl.constexpr, q_release=None,
 ):  # fmt: skip
     """Online softmax of key tile ``t`` (the ring's ``g``-th) into ``(acc, m_i, l_i)`` for the
     query rows ``[64·W, 64·(W+1))``; ``MASKED``: key ``n`` counts for row ``r`` only when ``n <=
     row_last[r]``, and the rows that see a key whose value row had a non-finite lane (``flags``)
-    get NaN (flags of the tiles from ``n_clean`` on, the ones the producer cleans: those reaching
-    past the request's keys). ``q_release``: as in :func:`.prefill_parts._release_scores`."""
+    get NaN (flags of the tiles the producer cleans: those reaching past the request's ``seq_k``
+    keys). ``q_release``: as in :func:`.prefill_parts._release_scores`."""
     s = g % NUM_STAGES
     phase = (g // NUM_STAGES) & 1
     M: gl.constexpr = CONSUMER_M
@@ -235,7 +235,7 @@ def _fp8_split_tile(
     if MASKED:
         # the transposed V tile, and which of its keys had a non-finite value lane
         mbarrier.wait(vt_ready.index(s), phase)
-        key_bad = gl.where(t >= n_clean, flags.index(s).load(keys_layout), 0.0)
+        key_bad = gl.where(_cleans_v(t, seq_k, BLOCK_N), flags.index(s).load(keys_layout), 0.0)
     else:
         key_bad = m_i  # (unread)
     p, alpha, m_new, row_bad = _softmax_step_fp8(sc, m_i, key_bad, row_last, t, qk_scale, MASKED, BLOCK_N)
@@ -255,7 +255,7 @@ def _fp8_split_tile(
 @gluon.jit
 def _fp8_attend_tiles(
     q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, g0, n_full, n_tiles,
-    n_clean, row_last, qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
+    seq_k, row_last, qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr,
     O_LAYOUT: gl.constexpr, W: gl.constexpr, q_release=None,
 ):  # fmt: skip
     """A consumer warpgroup's key tiles ``0 … n_tiles - 1`` of a query tile (ring tiles ``g0 +
@@ -267,7 +267,7 @@ def _fp8_attend_tiles(
         for t in range(first, last):
             acc, m_i, l_i = _fp8_split_tile(
                 q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i,
-                g0 + t, t, row_last, n_clean, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, S_LAYOUT, O_LAYOUT,
+                g0 + t, t, row_last, seq_k, qk_scale, masked == 1, BLOCK_N, NUM_STAGES, S_LAYOUT, O_LAYOUT,
                 W, q_release,
             )  # fmt: skip
     return acc, m_i, l_i
@@ -293,7 +293,7 @@ def _fp8_split_consumer(
     rows, row_last, acc, m_i, l_i = _consumer_rows(q_bar, shift, seq_k, W, M, D_V, s_layout, o_layout)
     acc, m_i, l_i = _fp8_attend_tiles(
         q_smem, k_ring, vt_ring, flags, k_ready, k_empty, vt_ready, vt_empty, acc, m_i, l_i, 0, n_full,
-        n_tiles, seq_k // BLOCK_N, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
+        n_tiles, seq_k, row_last, qk_scale, BLOCK_N, NUM_STAGES, s_layout, o_layout, W,
     )  # fmt: skip
     _store_rows(
         acc * v_scale, m_i, l_i, rows, out_ptr, lse_ptr, q_begin, m0, seq_q, h, stride_ot, stride_oh,
@@ -364,8 +364,7 @@ def fp8_split_attention(
                 _fp8_split_producer,
                 (
                     k_desc, v_desc, k_ring, v_land, vt_ring, flags, k_ready, k_empty, v_landed, vt_ready,
-                    vt_empty, k_begin, h * stride_kh, h * stride_vh, seq_k // BLOCK_N, n_tiles, BLOCK_N,
-                    NUM_STAGES,
+                    vt_empty, k_begin, h * stride_kh, h * stride_vh, seq_k, n_tiles, BLOCK_N, NUM_STAGES,
                 ),
             ),
             (_fp8_split_consumer, (consumer_args, BLOCK_N, D_V, NUM_STAGES, WRITE_LSE, 0)),
