@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -157,18 +158,72 @@ def test_tree_ab_table_keeps_a_column_per_tree_and_round() -> None:
 
 
 @pytest.mark.parametrize(
-    "patch", sorted((ROOT / "probes").glob("[bc]*/*.patch")), ids=lambda p: f"{p.parent.name}/{p.stem}"
+    "patch", sorted((ROOT / "probes").glob("[bct]*/*.patch")), ids=lambda p: f"{p.parent.name}/{p.stem}"
 )
 def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) -> None:
-    """Every patch of ``probes/bounds/`` and ``probes/candidates/`` applies to this checkout's
-    ``mla/`` (``tree_ab make`` raises where a hunk no longer does), so a bound or a candidate is
-    never timed on a tree it did not change; a patch whose first line reads ``# on top of:
+    """Every patch of ``probes/bounds/``, ``probes/candidates/`` and ``probes/timeline/`` applies to
+    this checkout's ``mla/`` (``tree_ab make`` raises where a hunk no longer does), so a bound or a
+    candidate is never timed on a tree it did not change; a patch whose first line reads ``# on top of:
     BASE`` applies on top of ``BASE`` (in the same directory)."""
     first = patch.read_text().splitlines()[0]
     base = first.removeprefix("# on top of: ").split()[0] if first.startswith("# on top of: ") else None
     stack = [patch.parent / base, patch] if base else [patch]
     tree_ab.make(tmp_path / "trees", [f"{patch.stem}={'+'.join(map(str, stack))}"])
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
+
+
+def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
+    """``probes.fp8_timeline make`` builds the stamped tree; its persistent fp8 prefill compiles for
+    sm_90 with the four clock reads of each consumer warpgroup's two tile loops (unmasked, masked)."""
+    from probes import fp8_timeline
+
+    fp8_timeline.main(["make", str(tmp_path / "trees")])
+    tree = tmp_path / "trees" / "stamps"
+    script = (
+        "import torch\n"
+        "from mla.testing.triton_driver import stand_in_driver\n"
+        "from benchmarks.prefill import Case\n"
+        "with stand_in_driver(compile_kernels=True):\n"
+        "    Case(2, 2, 256, device='cpu').run_gluon_fp8()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    cubins = list((tmp_path / "cache").rglob("mla_fp8_prefill_persistent_kernel.cubin"))
+    assert len(cubins) == 1
+    sass = subprocess.run(
+        [str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"), "-sass", str(cubins[0])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert sass.count("SR_CLOCKLO") == 16
+
+
+def test_fp8_timeline_stages_and_overlap_of_made_up_stamps() -> None:
+    """``summarize``: the medians of each stage and the share of warpgroup 0's softmax time that
+    warpgroup 1's overlaps, on stamps of two warpgroups 30 clocks apart (a program without
+    stamps counts nothing)."""
+    import numpy as np
+
+    from probes.fp8_timeline import summarize
+
+    stamps = np.zeros((2, 2, 8, 4), dtype=np.int64)
+    for w, start in ((0, 1000), (1, 1030)):
+        for g in range(5):
+            t = start + 100 * g
+            stamps[0, w, g] = [t, t + 10, t + 60, t + 80]
+    row = summarize(stamps)
+    assert row == {"qk": 10.0, "softmax": 50.0, "pv": 20.0, "gap": 20.0, "period": 100.0, "both": 0.4}
 
 
 def test_row_gather_methods_compile_for_sm90() -> None:
