@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks._common import print_table
@@ -47,7 +44,9 @@ import mla
 from benchmarks._common import bench_us, tflops
 from benchmarks.prefill import Case, reference_heads, rel
 from mla.providers.gluon import prefill_fp8_persistent as stamped
+from mla.providers.gluon.prefill_fp8_split import TRACE_MAXG
 from probes.fp8_timeline import SHAPES, summarize
+tiles = TRACE_MAXG.value
 out = Path(sys.argv[1])
 print(json.dumps({"mla": mla.__file__}), flush=True)
 for heads, batch, seqlen in SHAPES:
@@ -64,8 +63,8 @@ for heads, batch, seqlen in SHAPES:
     stamped.TRACE_BUF.zero_()
     c.run_gluon_fp8()
     torch.cuda.synchronize()
-    programs = stamped.TRACE_BUF.numel() // (2 * 8192 * 4)
-    stamps = stamped.TRACE_BUF.view(programs, 2, 8192, 4).cpu().numpy().astype(np.int64) & 0xFFFFFFFF
+    programs = stamped.TRACE_BUF.numel() // (2 * tiles * 4)
+    stamps = stamped.TRACE_BUF.view(programs, 2, tiles, 4).cpu().numpy().astype(np.int64) & 0xFFFFFFFF
     name = f"H{heads}_{batch}x{seqlen}"
     np.save(out / f"{name}.npy", stamps)
     row = {"shape": name, "err": err, "us": us, "TFLOP/s": tflops(c.flops, us), **summarize(stamps)}
@@ -110,14 +109,10 @@ def summarize(stamps: object) -> dict[str, float]:
 def run(tree: Path, out: Path, timeout: float) -> int:
     """The shapes in a process whose ``mla`` is ``tree``'s; the table, the stamps under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(out.resolve())],
-        check=False, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    lines = done.stdout.splitlines()
-    print(f"{tree}: {json.loads(lines[0])['mla'] if lines else 'no output'}")
-    rows = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
+    done = tree_ab.run_in_tree(tree, CHILD, [str(out.resolve())], timeout)
+    if done is None:
+        return 1
+    rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
     if done.returncode != 0 or not rows:
         print(done.stderr[-3000:])
         return 1

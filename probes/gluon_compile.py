@@ -100,16 +100,21 @@ def compile_variant(
 
 
 def sass_of(compiled: triton.compiler.CompiledKernel) -> str:
-    """The sm_90 SASS of a kernel compiled by :func:`triton.compile` (``cuobjdump -sass`` of
-    its cubin, with the tools Triton ships)."""
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    """The sm_90 SASS of a kernel compiled by :func:`triton.compile` (:func:`sass_of_cubin` of
+    its cubin)."""
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
-        return subprocess.run(
-            [os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
+        return sass_of_cubin(cubin)
+
+
+def sass_of_cubin(cubin: str | os.PathLike[str]) -> str:
+    """``cuobjdump -sass`` of a cubin file, with the tools Triton ships."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return subprocess.run(
+        [os.path.join(bindir, "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def instruction_counts(sass: str, names: Sequence[str]) -> dict[str, int]:

@@ -23,21 +23,24 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 from probes import row_gather, tree_ab, whatif
+from probes.gluon_compile import sass_of_cubin
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_without_interpreter(args: list[str], *, timeout: float = 900) -> str:
-    """``python args...`` from the repository root without ``TRITON_INTERPRET``; its stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def run_without_interpreter(
+    args: list[str], *, timeout: float = 900, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> str:
+    """``python args...`` from ``cwd`` (the repository root) without ``TRITON_INTERPRET``, ``env``
+    added to the environment; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     done = subprocess.run(
         [sys.executable, *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -186,26 +189,18 @@ def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
         "with stand_in_driver(compile_kernels=True):\n"
         "    Case(2, 2, 256, device='cpu').run_gluon_fp8()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]), TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
+    run_without_interpreter(
+        ["-c", script],
         timeout=600,
-        check=False,
+        cwd=tree,
+        env={
+            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
+            "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+        },
     )
-    assert done.returncode == 0, done.stderr[-4000:]
     cubins = list((tmp_path / "cache").rglob("mla_fp8_prefill_persistent_kernel.cubin"))
     assert len(cubins) == 1
-    sass = subprocess.run(
-        [str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"), "-sass", str(cubins[0])],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    sass = sass_of_cubin(cubins[0])
     assert sass.count("SR_CLOCKLO") == 16
 
 

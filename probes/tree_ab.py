@@ -181,22 +181,20 @@ def run(case: str, trees: list[Path], timeout: float, rounds: int = 1, *, unchec
     return 0
 
 
-def _run_tree(
-    case: str, tree: Path, timeout: float, unchecked: bool = False
-) -> dict[str, dict[str, float | str]] | None:
-    """The rows ``case`` printed in a process whose ``mla`` is ``tree``'s, by shape; None (and its
-    stderr's end printed) when it failed."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]),
-        TREE_AB_UNCHECKED="1" if unchecked else "0",
-    )
+def run_in_tree(
+    tree: Path, code: str, args: list[str], timeout: float, **env: str
+) -> subprocess.CompletedProcess[str] | None:
+    """``python -c code args...`` in a process whose ``mla`` is ``tree``'s (the checkout's root
+    after it on the path, for ``benchmarks`` and ``probes``), ``env`` added to its environment;
+    ``code`` prints ``{"mla": mla.__file__}`` as its first line, which is echoed so a tree that
+    imported the checkout's package shows. None (and a line saying so) past ``timeout``."""
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree.resolve()), str(ROOT)]), **env)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, case],
+            [sys.executable, "-c", code, *args],
             check=False,
             cwd=tree,
-            env=env,
+            env=full_env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -206,7 +204,18 @@ def _run_tree(
         return None
     lines = done.stdout.splitlines()
     print(f"{tree}: {json.loads(lines[0])['mla'] if lines else 'no output'}", flush=True)
-    final = [line for line in lines if line.startswith("ROWS ")]
+    return done
+
+
+def _run_tree(
+    case: str, tree: Path, timeout: float, unchecked: bool = False
+) -> dict[str, dict[str, float | str]] | None:
+    """The rows ``case`` printed in a process whose ``mla`` is ``tree``'s, by shape; None (and its
+    stderr's end printed) when it failed."""
+    done = run_in_tree(tree, CHILD, [case], timeout, TREE_AB_UNCHECKED="1" if unchecked else "0")
+    if done is None:
+        return None
+    final = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
     if done.returncode != 0 or not final:
         print(done.stderr[-3000:])
         return None
