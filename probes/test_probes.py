@@ -204,6 +204,49 @@ def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
     assert sass.count("SR_CLOCKLO") == 16
 
 
+def _unmasked_loop_barriers(sass: str, mma: str) -> list[int]:
+    """``BAR.SYNC`` in each of the two shortest key loops with exponentials (the consumer warpgroups'
+    unmasked key tiles) of a compiled prefill kernel's SASS."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sm90_compile import mma_loops
+
+    loops = sorted((b for b in mma_loops(sass, (mma,)) if any("MUFU.EX2" in t for t in b)), key=len)
+    return [sum(t.startswith("BAR.SYNC") for t in body) for body in loops[:2]]
+
+
+def test_release_each_candidate_leaves_one_barrier_a_key_tile(tmp_path: Path) -> None:
+    """``probes/candidates/prefill-release-each.patch`` compiles for sm_90, and in its persistent
+    layouts a consumer warpgroup's unmasked key tile meets at one warpgroup barrier in the fp8
+    prefill and two in the bf16 one, where ``main`` has five in each."""
+    patch = ROOT / "probes" / "candidates" / "prefill-release-each.patch"
+    tree_ab.make(tmp_path / "trees", ["main", f"each={patch}"])
+    script = (
+        "from mla.testing.triton_driver import stand_in_driver\n"
+        "from benchmarks.prefill import Case\n"
+        "with stand_in_driver(compile_kernels=True):\n"
+        "    Case(2, 2, 256, device='cpu').run_gluon_fp8()\n"
+        "    Case(2, 2, 256, device='cpu').run_gluon('PERSISTENT')\n"
+    )
+    barriers = {}
+    for name in ("main", "each"):
+        tree = tmp_path / "trees" / name
+        cache = tmp_path / f"cache-{name}"
+        env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)}
+        run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+        for kernel, mma in (
+            ("mla_fp8_prefill_persistent_kernel", "GMMA"),
+            ("mla_prefill_persistent_kernel", "HGMMA"),
+        ):
+            (cubin,) = cache.rglob(f"{kernel}.cubin")
+            barriers[name, kernel] = _unmasked_loop_barriers(sass_of_cubin(cubin), mma)
+    assert barriers == {
+        ("main", "mla_fp8_prefill_persistent_kernel"): [5, 5],
+        ("main", "mla_prefill_persistent_kernel"): [5, 5],
+        ("each", "mla_fp8_prefill_persistent_kernel"): [1, 1],
+        ("each", "mla_prefill_persistent_kernel"): [2, 2],
+    }
+
+
 def test_fp8_timeline_stages_and_overlap_of_made_up_stamps() -> None:
     """``summarize``: the medians of each stage and the share of warpgroup 0's softmax time that
     warpgroup 1's overlaps, on stamps of two warpgroups 30 clocks apart (a program without
