@@ -247,6 +247,48 @@ def test_release_each_candidate_leaves_one_barrier_a_key_tile(tmp_path: Path) ->
     }
 
 
+def test_sparse_heads_release_each_candidate_drops_two_barriers_a_tile(tmp_path: Path) -> None:
+    """``probes/candidates/sparse-heads-release-each.patch`` compiles for sm_90 (the 64-row
+    ``fp8_ds_mla`` kernel at 128 heads), and its MMA warpgroups' key-tile loops meet at two fewer
+    warpgroup barriers each: 5 in the scores warpgroup's loop and 1 in the output warpgroup's,
+    where ``main`` has 7 and 3."""
+    patch = ROOT / "probes" / "candidates" / "sparse-heads-release-each.patch"
+    tree_ab.make(tmp_path / "trees", ["main", f"each={patch}"])
+    script = (
+        "import torch\n"
+        "from mla.providers.calls import SparseAttentionCall\n"
+        "from mla.providers.gluon.decode import sparse_decode\n"
+        "from mla.providers.gluon.planner import launch_config\n"
+        "from mla.testing.triton_driver import stand_in_driver\n"
+        "config = launch_config(batch=8, rows=128, max_seqlen_k=2048, num_sms=132, persistent=False,\n"
+        "                       kv_fp8=True, ds_mla=True)\n"
+        "call = SparseAttentionCall(\n"
+        "    q=torch.zeros(8, 128, 576, dtype=torch.bfloat16),\n"
+        "    kv_cache=torch.zeros(4096, 656, dtype=torch.uint8),\n"
+        "    slots=torch.zeros(8, 2048, dtype=torch.int32),\n"
+        "    out=torch.zeros(8, 128, 512, dtype=torch.bfloat16),\n"
+        "    lse=torch.zeros(8, 128), kv_lora_rank=512, rope_dim=64, softmax_scale=0.07, kv_scale=None)\n"
+        "with stand_in_driver(compile_kernels=True):\n"
+        "    sparse_decode(call, config=config)\n"
+    )
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sm90_compile import mma_loops
+
+    barriers = {}
+    for name in ("main", "each"):
+        tree = tmp_path / "trees" / name
+        cache = tmp_path / f"cache-{name}"
+        env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)}
+        run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+        (cubin,) = cache.rglob("mla_decode_ds_mla_heads_kernel.cubin")
+        loops = mma_loops(sass_of_cubin(cubin), ("GMMA",))
+        barriers[name] = sorted(
+            (any("MUFU.EX2" in t for t in body), sum(t.startswith("BAR.SYNC") for t in body))
+            for body in loops
+        )
+    assert barriers == {"main": [(False, 3), (True, 7)], "each": [(False, 1), (True, 5)]}
+
+
 def test_fp8_timeline_stages_and_overlap_of_made_up_stamps() -> None:
     """``summarize``: the medians of each stage and the share of warpgroup 0's softmax time that
     warpgroup 1's overlaps, on stamps of two warpgroups 30 clocks apart (a program without
