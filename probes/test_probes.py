@@ -204,13 +204,31 @@ def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
     assert sass.count("SR_CLOCKLO") == 16
 
 
-def _unmasked_loop_barriers(sass: str, mma: str) -> list[int]:
-    """``BAR.SYNC`` in each of the two shortest key loops with exponentials (the consumer warpgroups'
-    unmasked key tiles) of a compiled prefill kernel's SASS."""
+def _compile_main_and_candidate(tmp_path: Path, patch: Path, script: str) -> dict[str, Path]:
+    """``tree_ab make`` trees ``main`` and ``each`` (``patch`` applied) under ``tmp_path``, each running
+    ``script`` (which compiles kernels for sm_90 through ``stand_in_driver``) in its own process:
+    ``{tree name: its Triton cache directory}``."""
+    tree_ab.make(tmp_path / "trees", ["main", f"each={patch}"])
+    caches = {}
+    for name in ("main", "each"):
+        tree, caches[name] = tmp_path / "trees" / name, tmp_path / f"cache-{name}"
+        env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(caches[name])}
+        run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+    return caches
+
+
+def _mma_loops(sass: str, mma: str) -> list[list[str]]:
+    """``tests/sm90_compile.mma_loops``: the instructions of each loop of ``sass`` issuing ``mma``."""
     sys.path.insert(0, str(ROOT / "tests"))
     from sm90_compile import mma_loops
 
-    loops = sorted((b for b in mma_loops(sass, (mma,)) if any("MUFU.EX2" in t for t in b)), key=len)
+    return mma_loops(sass, (mma,))
+
+
+def _unmasked_loop_barriers(sass: str, mma: str) -> list[int]:
+    """``BAR.SYNC`` in each of the two shortest key loops with exponentials (the consumer warpgroups'
+    unmasked key tiles) of a compiled prefill kernel's SASS."""
+    loops = sorted((b for b in _mma_loops(sass, mma) if any("MUFU.EX2" in t for t in b)), key=len)
     return [sum(t.startswith("BAR.SYNC") for t in body) for body in loops[:2]]
 
 
@@ -219,7 +237,6 @@ def test_release_each_candidate_leaves_one_barrier_a_key_tile(tmp_path: Path) ->
     layouts a consumer warpgroup's unmasked key tile meets at one warpgroup barrier in the fp8
     prefill and two in the bf16 one, where ``main`` has five in each."""
     patch = ROOT / "probes" / "candidates" / "prefill-release-each.patch"
-    tree_ab.make(tmp_path / "trees", ["main", f"each={patch}"])
     script = (
         "from mla.testing.triton_driver import stand_in_driver\n"
         "from benchmarks.prefill import Case\n"
@@ -228,11 +245,7 @@ def test_release_each_candidate_leaves_one_barrier_a_key_tile(tmp_path: Path) ->
         "    Case(2, 2, 256, device='cpu').run_gluon('PERSISTENT')\n"
     )
     barriers = {}
-    for name in ("main", "each"):
-        tree = tmp_path / "trees" / name
-        cache = tmp_path / f"cache-{name}"
-        env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)}
-        run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+    for name, cache in _compile_main_and_candidate(tmp_path, patch, script).items():
         for kernel, mma in (
             ("mla_fp8_prefill_persistent_kernel", "GMMA"),
             ("mla_prefill_persistent_kernel", "HGMMA"),
@@ -253,7 +266,6 @@ def test_sparse_heads_release_each_candidate_drops_two_barriers_a_tile(tmp_path:
     warpgroup barriers each: 5 in the scores warpgroup's loop and 1 in the output warpgroup's,
     where ``main`` has 7 and 3."""
     patch = ROOT / "probes" / "candidates" / "sparse-heads-release-each.patch"
-    tree_ab.make(tmp_path / "trees", ["main", f"each={patch}"])
     script = (
         "import torch\n"
         "from mla.providers.calls import SparseAttentionCall\n"
@@ -271,17 +283,10 @@ def test_sparse_heads_release_each_candidate_drops_two_barriers_a_tile(tmp_path:
         "with stand_in_driver(compile_kernels=True):\n"
         "    sparse_decode(call, config=config)\n"
     )
-    sys.path.insert(0, str(ROOT / "tests"))
-    from sm90_compile import mma_loops
-
     barriers = {}
-    for name in ("main", "each"):
-        tree = tmp_path / "trees" / name
-        cache = tmp_path / f"cache-{name}"
-        env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)}
-        run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+    for name, cache in _compile_main_and_candidate(tmp_path, patch, script).items():
         (cubin,) = cache.rglob("mla_decode_ds_mla_heads_kernel.cubin")
-        loops = mma_loops(sass_of_cubin(cubin), ("GMMA",))
+        loops = _mma_loops(sass_of_cubin(cubin), "GMMA")
         barriers[name] = sorted(
             (any("MUFU.EX2" in t for t in body), sum(t.startswith("BAR.SYNC") for t in body))
             for body in loops
