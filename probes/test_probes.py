@@ -175,6 +175,13 @@ def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) ->
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
 
 
+def _compile_in_tree(tree: Path, cache: Path, script: str) -> None:
+    """Run ``script`` (which compiles kernels for sm_90 through ``stand_in_driver``) in its own
+    process on ``tree``'s ``mla/``, compiling into the Triton cache ``cache``."""
+    env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)}
+    run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+
+
 def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
     """``probes.fp8_timeline make`` builds the stamped tree; its persistent fp8 prefill compiles for
     sm_90 with the four clock reads of each consumer warpgroup's two tile loops (unmasked, masked)."""
@@ -189,15 +196,7 @@ def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
         "with stand_in_driver(compile_kernels=True):\n"
         "    Case(2, 2, 256, device='cpu').run_gluon_fp8()\n"
     )
-    run_without_interpreter(
-        ["-c", script],
-        timeout=600,
-        cwd=tree,
-        env={
-            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
-            "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-        },
-    )
+    _compile_in_tree(tree, tmp_path / "cache", script)
     cubins = list((tmp_path / "cache").rglob("mla_fp8_prefill_persistent_kernel.cubin"))
     assert len(cubins) == 1
     sass = sass_of_cubin(cubins[0])
@@ -209,11 +208,9 @@ def _compile_main_and_candidate(tmp_path: Path, patch: Path, script: str) -> dic
     ``script`` (which compiles kernels for sm_90 through ``stand_in_driver``) in its own process:
     ``{tree name: its Triton cache directory}``."""
     tree_ab.make(tmp_path / "trees", ["main", f"each={patch}"])
-    caches = {}
-    for name in ("main", "each"):
-        tree, caches[name] = tmp_path / "trees" / name, tmp_path / f"cache-{name}"
-        env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(caches[name])}
-        run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
+    caches = {name: tmp_path / f"cache-{name}" for name in ("main", "each")}
+    for name, cache in caches.items():
+        _compile_in_tree(tmp_path / "trees" / name, cache, script)
     return caches
 
 
@@ -225,11 +222,16 @@ def _mma_loops(sass: str, mma: str) -> list[list[str]]:
     return mma_loops(sass, (mma,))
 
 
+def _barriers(body: list[str]) -> int:
+    """The warpgroup barriers (``BAR.SYNC``) among a loop's instructions."""
+    return sum(t.startswith("BAR.SYNC") for t in body)
+
+
 def _unmasked_loop_barriers(sass: str, mma: str) -> list[int]:
-    """``BAR.SYNC`` in each of the two shortest key loops with exponentials (the consumer warpgroups'
-    unmasked key tiles) of a compiled prefill kernel's SASS."""
+    """:func:`_barriers` of each of the two shortest key loops with exponentials (the consumer
+    warpgroups' unmasked key tiles) of a compiled prefill kernel's SASS."""
     loops = sorted((b for b in _mma_loops(sass, mma) if any("MUFU.EX2" in t for t in b)), key=len)
-    return [sum(t.startswith("BAR.SYNC") for t in body) for body in loops[:2]]
+    return [_barriers(body) for body in loops[:2]]
 
 
 def test_release_each_candidate_leaves_one_barrier_a_key_tile(tmp_path: Path) -> None:
@@ -287,10 +289,7 @@ def test_sparse_heads_release_each_candidate_drops_two_barriers_a_tile(tmp_path:
     for name, cache in _compile_main_and_candidate(tmp_path, patch, script).items():
         (cubin,) = cache.rglob("mla_decode_ds_mla_heads_kernel.cubin")
         loops = _mma_loops(sass_of_cubin(cubin), "GMMA")
-        barriers[name] = sorted(
-            (any("MUFU.EX2" in t for t in body), sum(t.startswith("BAR.SYNC") for t in body))
-            for body in loops
-        )
+        barriers[name] = sorted((any("MUFU.EX2" in t for t in body), _barriers(body)) for body in loops)
     assert barriers == {"main": [(False, 3), (True, 7)], "each": [(False, 1), (True, 5)]}
 
 
