@@ -20,7 +20,7 @@ import re
 import textwrap
 
 import pytest
-from sm90_compile import Compiled, compile_cases, resource_usage, sass_of, wgmma_register_hazards
+from sm90_compile import Compiled, compile_cases, mma_loops, resource_usage, sass_of, wgmma_register_hazards
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
@@ -139,6 +139,27 @@ def test_ds_mla_heads_kernel_keeps_its_register_budgets(compiled_heads: Compiled
     assert "LDGSTS.E.BYPASS.128" in producer, config
     first_store = producer.index("STS.128")
     assert producer.index("LDS.128") < producer.rindex("BAR.SYNC", 0, first_store) < first_store, config
+
+
+@pytest.mark.heavy
+def test_ds_mla_heads_releases_without_a_barrier(compiled_heads: Compiled, cuobjdump: str) -> None:
+    """The MMA warpgroups of :mod:`mla.providers.gluon.ds_mla_heads` release their ring-slot halves and
+    the P buffer with an arrival from each thread (``cp.async.mbarrier.arrive.noinc``,
+    ``ds_mla_heads._release``), with no warpgroup barrier before it: a key tile's loop meets at 5
+    barriers in the scores warpgroup (the one with exponentials; 7 when one thread arrived after a
+    barrier) and 1 in the output warpgroup (3 before)."""
+    (cubin,) = glob.glob(f"{compiled_heads.cache_dir}/*/mla_decode_ds_mla_heads_kernel.cubin")
+    loops = mma_loops(sass_of(cubin, cuobjdump), ("GMMA",))
+    counts = sorted(
+        (
+            any("MUFU.EX2" in t for t in body),
+            sum(t.startswith("BAR.SYNC") for t in body),
+            sum(t.startswith("ARRIVES.LDGSTSBAR") for t in body),
+        )
+        for body in loops
+    )
+    # (exponentials, barriers, per-thread arrivals): output warpgroup, then scores warpgroup
+    assert counts == [(False, 1, 2), (True, 5, 1)]
 
 
 def test_ring_shapes_fit_and_never_deadlock() -> None:

@@ -29,7 +29,11 @@ through mbarriers:
 
 A ring slot is released by halves: the scores warpgroup frees latent columns ``[0, L/2)`` (its
 ``QKᵀ`` of the tile is done before its ``P·V``), the output warpgroup the other half and the rope
-(its ``P·V`` starts after the tile's ``P``, so after its ``QKᵀ``). This is the split of
+(its ``P·V`` starts after the tile's ``P``, so after its ``QKᵀ``). Each of a warpgroup's 128
+threads arrives on the slot's ``empty`` barrier (and the output warpgroup's on ``p_free``) once
+its own wait for the ``P·V`` returned (:func:`_release`): a ``wgmma`` is one operation of its
+warpgroup, so any thread's wait for it means all of the warpgroup's shared-memory reads are done,
+and no barrier among the warpgroup's warps precedes the release. This is the split of
 FlashMLA's sparse decode on Hopper; at 128 heads its two CTAs of a cluster share the
 dequantization, which Gluon cannot express with Triton 3.6 (``docs/performance.md``), so each
 program here dequantizes every key its rows attend.
@@ -89,6 +93,19 @@ CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row."""
 NUM_STAGES = gl.constexpr(2)
 """bf16 ring slots (each a 64-token tile of latent and rope)."""
+RELEASE_ARRIVALS = gl.constexpr(128)
+"""Arrivals that release a ring slot's half or the P buffer: one from each thread of the MMA
+warpgroup that read it (:func:`_release`)."""
+
+
+@gluon.jit
+def _release(bar):
+    """This thread's arrival on ``bar`` (counting :data:`RELEASE_ARRIVALS`), once it has waited for
+    the ``wgmma`` that read the buffer ``bar`` guards: ``cp.async.mbarrier.arrive.noinc``, which
+    arrives when the thread's earlier ``cp.async`` copies are done (an MMA warpgroup has none).
+    Gluon's ``mbarrier.arrive`` arrives from one thread and needs the warpgroup's warps to meet
+    first; this needs no barrier."""
+    async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -278,7 +295,8 @@ def _scores_warpgroup(args, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.conste
         v = lat_ring.index(s).slice(0, COLS, dim=1)
         acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s * 2))
+        # (each thread: its wgmma reads waited for, its loads of the slot's ids used)
+        _release(empty.index(s * 2))
     # The final row sum for the output warpgroup.
     l_smem.store(l_i)
     gl.thread_barrier()
@@ -325,8 +343,8 @@ def _output_warpgroup(args, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.conste
         v = lat_ring.index(s).slice(COLS, COLS, dim=1)
         acc = warpgroup_mma(p_smem, v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p_free)
-        mbarrier.arrive(empty.index(s * 2 + 1))
+        _release(p_free)
+        _release(empty.index(s * 2 + 1))
     mbarrier.wait(done, 0)
     l_o = l_smem.load(o_rows)
     _store_half(
@@ -385,14 +403,14 @@ def mla_decode_ds_mla_heads_kernel(
     for i in gl.static_range(NUM_STAGES * CHUNKS):
         mbarrier.init(ready.index(i), count=1)
     for i in gl.static_range(NUM_STAGES * 2):
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=RELEASE_ARRIVALS)
     mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
+    mbarrier.init(p_free, count=RELEASE_ARRIVALS)
     mbarrier.init(done, count=1)
     # Every ring slot and the P buffer start free.
     for i in gl.static_range(NUM_STAGES * 2):
-        mbarrier.arrive(empty.index(i))
-    mbarrier.arrive(p_free)
+        mbarrier.arrive(empty.index(i), count=RELEASE_ARRIVALS)
+    mbarrier.arrive(p_free, count=RELEASE_ARRIVALS)
 
     _query_copy(
         q_nope_ptr, q_pe_ptr, q_nope_smem, q_pe_smem, rb, qlen, kv_len, q_start,
