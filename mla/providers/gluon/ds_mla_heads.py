@@ -31,9 +31,8 @@ A ring slot is released by halves: the scores warpgroup frees latent columns ``[
 ``QKᵀ`` of the tile is done before its ``P·V``), the output warpgroup the other half and the rope
 (its ``P·V`` starts after the tile's ``P``, so after its ``QKᵀ``). Each of a warpgroup's 128
 threads arrives on the slot's ``empty`` barrier (and the output warpgroup's on ``p_free``) once
-its own wait for the ``P·V`` returned (:func:`_release`): a ``wgmma`` is one operation of its
-warpgroup, so any thread's wait for it means all of the warpgroup's shared-memory reads are done,
-and no barrier among the warpgroup's warps precedes the release. This is the split of
+its own wait for the ``P·V`` returned (:func:`.kernels._release`), with no barrier among the
+warpgroup's warps before it. This is the split of
 FlashMLA's sparse decode on Hopper; at 128 heads its two CTAs of a cluster share the
 dequantization, which Gluon cannot express with Triton 3.6 (``docs/performance.md``), so each
 program here dequantizes every key its rows attend.
@@ -65,10 +64,12 @@ from mla.providers.gluon.ds_mla_words import (
 )
 from mla.providers.gluon.kernels import (
     MMA_TILE_LAYOUT,
+    RELEASE_ARRIVALS,
     _id_limit,
     _key_operand,
     _online_softmax,
     _query_copy,
+    _release,
     _ring_key_ok,
     _row_info,
     _row_lse,
@@ -93,19 +94,6 @@ CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row."""
 NUM_STAGES = gl.constexpr(2)
 """bf16 ring slots (each a 64-token tile of latent and rope)."""
-RELEASE_ARRIVALS = gl.constexpr(128)
-"""Arrivals that release a ring slot's half or the P buffer: one from each thread of the MMA
-warpgroup that read it (:func:`_release`)."""
-
-
-@gluon.jit
-def _release(bar):
-    """This thread's arrival on ``bar`` (counting :data:`RELEASE_ARRIVALS`), once it has waited for
-    the ``wgmma`` that read the buffer ``bar`` guards: ``cp.async.mbarrier.arrive.noinc``, which
-    arrives when the thread's earlier ``cp.async`` copies are done (an MMA warpgroup has none).
-    Gluon's ``mbarrier.arrive`` arrives from one thread and needs the warpgroup's warps to meet
-    first; this needs no barrier."""
-    async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit

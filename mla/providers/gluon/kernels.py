@@ -118,6 +118,23 @@ def _scales(sm_scale_log2, kv_scale_ptr, KV_FP8: gl.constexpr):
     return qk_scale, v_scale
 
 
+RELEASE_ARRIVALS = gl.constexpr(128)
+"""Arrivals that release a buffer read by a warpgroup's ``wgmma``: one from each of its threads
+(:func:`_release`)."""
+
+
+@gluon.jit
+def _release(bar):
+    """This thread's arrival on ``bar`` (initialised to count :data:`RELEASE_ARRIVALS`), once it
+    has waited for the ``wgmma`` that read the buffer ``bar`` guards:
+    ``cp.async.mbarrier.arrive.noinc``, which arrives when the thread's earlier ``cp.async``
+    copies are done (an MMA warpgroup has none). A ``wgmma`` is one operation of its warpgroup, so
+    any thread's wait for it means all of the warpgroup's shared-memory reads are done. Gluon's
+    ``mbarrier.arrive`` arrives from one thread and needs the warpgroup's warps to meet first;
+    this needs no barrier."""
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
 @gluon.jit
 def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.constexpr):
     """One tile's step of the online softmax (exp2 domain, fp32). ``sc``: raw scores with the
