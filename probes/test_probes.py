@@ -175,13 +175,6 @@ def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) ->
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
 
 
-def _compile_in_tree(tree: Path, cache: Path, script: str) -> None:
-    """Run ``script`` (which compiles kernels for sm_90 through ``stand_in_driver``) in its own
-    process on ``tree``'s ``mla/``, compiling into the Triton cache ``cache``."""
-    env = {"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)}
-    run_without_interpreter(["-c", script], timeout=600, cwd=tree, env=env)
-
-
 def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
     """``probes.fp8_timeline make`` builds the stamped tree; its persistent fp8 prefill compiles for
     sm_90 with the four clock reads of each consumer warpgroup's two tile loops (unmasked, masked)."""
@@ -196,7 +189,15 @@ def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
         "with stand_in_driver(compile_kernels=True):\n"
         "    Case(2, 2, 256, device='cpu').run_gluon_fp8()\n"
     )
-    _compile_in_tree(tree, tmp_path / "cache", script)
+    run_without_interpreter(
+        ["-c", script],
+        timeout=600,
+        cwd=tree,
+        env={
+            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
+            "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+        },
+    )
     cubins = list((tmp_path / "cache").rglob("mla_fp8_prefill_persistent_kernel.cubin"))
     assert len(cubins) == 1
     sass = sass_of_cubin(cubins[0])
