@@ -13,12 +13,13 @@ through mbarriers:
 * the **producer** (the default partition, :data:`PRODUCER_WARPS` warps) copies each 64-token
   tile's fp8 latent by ``cp.async`` into the tile's own bf16 ring slot, 128 columns (one scale
   tile) a commit group, each chunk in the first half of the 16 KB its bf16 values take
-  (:mod:`.ds_mla_words`); as each chunk lands it reads the chunk back, multiplies it by its
-  rows' scales, writes the bf16 values over it (the MMA layout) and announces it on
-  ``ready[slot·CHUNKS + chunk]``. The next tile's copies go out half by half as the two
-  warpgroups free the slot of the tile before (after this tile's chunk 1 and chunk 3), so up to
-  a tile of bytes is in flight while the producer dequantizes, with no registers and no fp8
-  staging buffer: the query tile and the two-slot bf16 ring fill the shared memory. The bf16
+  (:mod:`.ds_mla_words`); as each pair of chunks (0 and 1, 2 and 3) lands it reads both
+  back, multiplies them by their rows' scales, writes the bf16 values over them (the MMA
+  layout) and announces each on ``ready[slot·CHUNKS + chunk]``. The next tile's copies go out
+  half by half as the two warpgroups free the slot of the tile before (after this tile's chunk 1
+  and chunk 3), so up to a tile of bytes is in flight while the producer dequantizes, with no
+  registers and no fp8 staging buffer: the query tile and the two-slot bf16 ring fill the shared
+  memory. The bf16
   rope lanes go straight into the slot's rope tile (in the last chunk's group), and a word a
   key (0: its id is inside the cache, -1: not) into the slot's id word ring for the key check;
 * the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` chunk by chunk as the
@@ -60,7 +61,7 @@ from mla.providers.gluon.ds_mla_words import (
     _stage_chunk,
     _stage_rope,
     _tile_words,
-    _widen_staged,
+    _widen_staged_pair,
 )
 from mla.providers.gluon.kernels import (
     MMA_TILE_LAYOUT,
@@ -119,11 +120,13 @@ def _stage_half(
 
 
 @gluon.jit
-def _widen_and_announce(words, lat, scale, ready, s, C: gl.constexpr):
-    """Chunk ``C`` of ring slot ``s`` dequantized in place (:func:`.ds_mla_words._widen_staged`;
-    its group has landed) and announced on ``ready[s·CHUNKS + C]``."""
-    _widen_staged(words, lat, scale, C)
+def _widen_pair_and_announce(words, lat, scale_a, scale_b, ready, s, C: gl.constexpr):
+    """Chunks ``C`` and ``C + 1`` of ring slot ``s`` dequantized in place together
+    (:func:`.ds_mla_words._widen_staged_pair`; both groups have landed) and announced on
+    ``ready[s·CHUNKS + C]`` and ``ready[s·CHUNKS + C + 1]``."""
+    _widen_staged_pair(words, lat, scale_a, scale_b, C)
     mbarrier.arrive(ready.index(s * CHUNKS + C))
+    mbarrier.arrive(ready.index(s * CHUNKS + C + 1))
 
 
 @gluon.jit
@@ -159,20 +162,16 @@ def _producer(
         lat = lat_ring.index(s)
         words = _tile_words(lat)
         next_words = _tile_words(lat_ring.index(u))
-        async_copy.wait_group(3)
-        _widen_and_announce(words, lat, s0, ready, s, 0)
         async_copy.wait_group(2)
-        _widen_and_announce(words, lat, s1, ready, s, 1)
+        _widen_pair_and_announce(words, lat, s0, s1, ready, s, 0)
         _stage_half(
             next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2), next_phase, nrow, nok,
             next_live, 0, L, R,
         )  # fmt: skip
         n0, n1, n2, n3 = _row_scales(nrow, nok, L)
         # In flight: chunks 2 and 3, then the next tile's 0 and 1.
-        async_copy.wait_group(3)
-        _widen_and_announce(words, lat, s2, ready, s, 2)
         async_copy.wait_group(2)
-        _widen_and_announce(words, lat, s3, ready, s, 3)
+        _widen_pair_and_announce(words, lat, s2, s3, ready, s, 2)
         _stage_half(
             next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2 + 1), next_phase, nrow, nok,
             next_live, 1, L, R,

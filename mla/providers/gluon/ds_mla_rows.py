@@ -73,6 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla.providers.gluon.kernels import (
     MMA_TILE_LAYOUT,
     PLAIN_LAYOUT,
+    RELEASE_ARRIVALS,
     _issue_ids,
     _issue_tile,
     _key_ok,
@@ -80,6 +81,7 @@ from mla.providers.gluon.kernels import (
     _kv_copy_layouts,
     _online_softmax,
     _query_copy,
+    _release,
     _row_info,
     _scales,
     _wait_for_previous,
@@ -296,7 +298,7 @@ def _mma_partition(
                 q_nope_smem, q_pe_smem, wide, rope_ring, wide_ready, s_zero, 0, WIDE_SLOTS, ROPE_SLOTS
             )
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            mbarrier.arrive(rope_free.index(0))
+            _release(rope_free.index(0))
             for t in range(n_tiles - 1):
                 acc, m_i, l_i = _softmax_pv(
                     sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS
@@ -308,15 +310,15 @@ def _mma_partition(
                 )
                 # PV of tile t (the older group) done: its bf16 tile is free.
                 acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-                mbarrier.arrive(wide_free.index(t % WIDE_SLOTS))
+                _release(wide_free.index(t % WIDE_SLOTS))
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                mbarrier.arrive(rope_free.index((t + 1) % ROPE_SLOTS))
+                _release(rope_free.index((t + 1) % ROPE_SLOTS))
             last = n_tiles - 1
             acc, m_i, l_i = _softmax_pv(
                 sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, last, WIDE_SLOTS
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(wide_free.index(last % WIDE_SLOTS))
+            _release(wide_free.index(last % WIDE_SLOTS))
     else:
         for t in range(n_tiles):
             n = t * BLOCK_N + lo + offs_n
@@ -325,12 +327,12 @@ def _mma_partition(
                 q_nope_smem, q_pe_smem, wide, rope_ring, wide_ready, s_zero, t, WIDE_SLOTS, ROPE_SLOTS
             )
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            mbarrier.arrive(rope_free.index(t % ROPE_SLOTS))
+            _release(rope_free.index(t % ROPE_SLOTS))
             acc, m_i, l_i = _softmax_pv(
                 sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(wide_free.index(t % WIDE_SLOTS))
+            _release(wide_free.index(t % WIDE_SLOTS))
     _store_rows_output(
         acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE, st_layout
     )
@@ -436,14 +438,14 @@ def mla_decode_ds_mla_kernel(
     rope_free = gl.allocate_shared_memory(gl.int64, [ROPE_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(WIDE_SLOTS):
         mbarrier.init(wide_ready.index(i), count=1)
-        mbarrier.init(wide_free.index(i), count=1)
+        mbarrier.init(wide_free.index(i), count=RELEASE_ARRIVALS)
     for i in gl.static_range(ROPE_SLOTS):
-        mbarrier.init(rope_free.index(i), count=1)
+        mbarrier.init(rope_free.index(i), count=RELEASE_ARRIVALS)
     # Every slot starts free (phase 0 of each "free" barrier completes).
     for i in gl.static_range(WIDE_SLOTS):
-        mbarrier.arrive(wide_free.index(i))
+        mbarrier.arrive(wide_free.index(i), count=RELEASE_ARRIVALS)
     for i in gl.static_range(ROPE_SLOTS):
-        mbarrier.arrive(rope_free.index(i))
+        mbarrier.arrive(rope_free.index(i), count=RELEASE_ARRIVALS)
 
     # -- the NR query rows (by the producer warps), in flight with the producer's first token ids:
     # its first wait for the id group waits for this older group too, and the MMA warpgroup

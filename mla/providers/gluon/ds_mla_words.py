@@ -6,11 +6,11 @@ A 656-byte row holds 512 e4m3 latent values, one float32 scale per 128-wide late
 bf16 rope values. A tile's latent is handled in chunks of 128 columns (one scale tile). Chunk
 ``c``'s 64 rows × 128 bytes land by ``cp.async`` in the first half of the 16 KB its bf16 values
 take in the 128-byte-swizzled ``[64, 512]`` MMA tile (swizzle atom ``2c`` of the tile's words
-view, :data:`STAGED_WORDS`), one commit group a chunk (:func:`_stage_chunk`). Once the group has
-landed, each thread reads back exactly the words it copied, the producer's warps meet at a
-barrier, and the bf16 values (``fp8 · scale``, :func:`_dequantize`) are written over the chunk's
-columns (:func:`_widen_staged`): a whole tile's bytes in flight with no registers and no staging
-buffer.
+view, :data:`STAGED_WORDS`), one commit group a chunk (:func:`_stage_chunk`). Once the groups of
+two chunks have landed, each thread reads back exactly the words it copied, the producer's warps
+meet at a barrier, and the bf16 values (``fp8 · scale``, :func:`_dequantize`) are written over
+the chunks' columns (:func:`_widen_staged_pair`): a whole tile's bytes in flight with no
+registers and no staging buffer.
 
 The e4m3 → bf16 dequantization itself (:func:`_dequantize`, :func:`_bias_scales`: bit moves and
 one bf16x2 multiply, no conversion instruction) is also the one of the few-rows kernels'
@@ -160,14 +160,18 @@ def _stage_chunk(words, kv_row, ok, live, C: gl.constexpr):
 
 
 @gluon.jit
-def _widen_staged(words, lat, scale, C: gl.constexpr):
-    """Dequantize chunk ``C`` in place, once its group has landed: each thread reads back the
-    words it copied (:func:`_stage_chunk`'s layout), the caller's warps meet, then the bf16 values
-    overwrite the chunk's columns of ``lat`` (atoms ``2C`` and ``2C + 1``), fenced for the MMAs."""
+def _widen_staged_pair(words, lat, scale_a, scale_b, C: gl.constexpr):
+    """Dequantize chunks ``C`` and ``C + 1`` in place, once both groups have landed: each thread
+    reads back the words it copied (:func:`_stage_chunk`'s layout), the caller's warps meet once,
+    then the bf16 values (``scale_a`` for chunk ``C``, ``scale_b`` for ``C + 1``) overwrite the
+    chunks' columns of ``lat`` (atoms ``2C`` to ``2C + 3``), fenced for the MMAs. Two meetings for
+    the two chunks: the compiler adds one after every ``wait_group`` too."""
     ld: gl.constexpr = _chunk_layout(gl.num_warps())
-    x = words.index(2 * C).load(ld)
+    xa = words.index(2 * C).load(ld)
+    xb = words.index(2 * C + 2).load(ld)
     # Every thread's words are read before any bf16 value overwrites them.
     gl.thread_barrier()
-    lat.slice(C * CHUNK, CHUNK, dim=1).store(_dequantize(x, scale).reshape([x.shape[0], CHUNK]))
+    lat.slice(C * CHUNK, CHUNK, dim=1).store(_dequantize(xa, scale_a).reshape([xa.shape[0], CHUNK]))
+    lat.slice((C + 1) * CHUNK, CHUNK, dim=1).store(_dequantize(xb, scale_b).reshape([xb.shape[0], CHUNK]))
     fence_async_shared()
     gl.thread_barrier()
