@@ -112,8 +112,9 @@ def test_ds_mla_heads_kernel_keeps_its_register_budgets(compiled_heads: Compiled
     ``setmaxnreg`` budget (when one partition needs more than its budget, ptxas drops every
     ``setmaxnreg`` and the whole program runs at 168 registers a thread, which spilled 368 bytes),
     next to no stack (a few bytes of the producer's), no wgmma register hazards, the shared
-    memory within a block's, the producer's conversions after its wait for the ring slot, and its
-    staged chunks read back before the barrier that precedes their bf16 stores."""
+    memory within a block's, the producer's conversions after its wait for the ring slot, its
+    staged chunks read back before the barrier that precedes their bf16 stores, and its rows'
+    scales in 16-byte loads."""
     from mla.providers.gluon import ds_mla_heads
 
     config = compiled_heads.stdout().strip().splitlines()[-1]
@@ -137,6 +138,10 @@ def test_ds_mla_heads_kernel_keeps_its_register_budgets(compiled_heads: Compiled
     # Its chunks land as 16-byte copies; each chunk's words are read back (16-byte loads) before
     # the producer's warps meet, and its bf16 values written (16-byte stores) after.
     assert "LDGSTS.E.BYPASS.128" in producer, config
+    # A row's four tile scales come in one 16-byte load (4-byte loads remain for the token ids:
+    # 12 in the producer, where four loads a row took 44).
+    assert producer.count("LDG.E.128") == 8, config
+    assert producer.count("LDG.E ") <= 12, config
     first_store = producer.index("STS.128")
     assert producer.index("LDS.128") < producer.rindex("BAR.SYNC", 0, first_store) < first_store, config
 

@@ -15,11 +15,10 @@ through mbarriers:
   tile) a commit group, each chunk in the first half of the 16 KB its bf16 values take
   (:mod:`.ds_mla_words`); as each pair of chunks (0 and 1, 2 and 3) lands it reads both
   back, multiplies them by their rows' scales, writes the bf16 values over them (the MMA
-  layout) and announces each on ``ready[slot·CHUNKS + chunk]``. The next tile's copies go out
-  half by half as the two warpgroups free the slot of the tile before (after this tile's chunk 1
-  and chunk 3), so up to a tile of bytes is in flight while the producer dequantizes, with no
-  registers and no fp8 staging buffer: the query tile and the two-slot bf16 ring fill the shared
-  memory. The bf16
+  layout) and announces each on ``ready[slot·CHUNKS + chunk]``. Once a tile is announced, the
+  next tile's copies go out half by half as the two warpgroups free the slot of the tile before,
+  so up to a tile of bytes is in flight while the MMAs run, with no registers and no fp8 staging
+  buffer: the query tile and the two-slot bf16 ring fill the shared memory. The bf16
   rope lanes go straight into the slot's rope tile (in the last chunk's group), and a word a
   key (0: its id is inside the cache, -1: not) into the slot's id word ring for the key check;
 * the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` chunk by chunk as the
@@ -136,11 +135,11 @@ def _producer(
 ):  # fmt: skip
     """The producer partition: tile ``t``'s fp8 bytes land by ``cp.async`` inside its own
     bf16 ring slot (chunk ``c`` in the first half of the 16 KB its bf16 values take) and are
-    dequantized there chunk by chunk as their groups land. Tile ``t + 1``'s copies go out half by
-    half as the two warpgroups free the slot of tile ``t - 1``: the first half after this tile's
-    chunk 1, the second after its chunk 3, so up to a tile of bytes is in flight while the
-    producer dequantizes. Token ids are loaded two tiles ahead, scales one tile ahead (plain
-    loads, in registers)."""
+    dequantized there two chunks at a time as their groups land. Once the whole tile is
+    announced, tile ``t + 1``'s copies go out half by half as the two warpgroups free the slot of
+    tile ``t - 1`` (the scores warpgroup frees its half just before its ``QKᵀ`` of tile ``t``,
+    so waiting for it before dequantizing chunks 2 and 3 would stall that ``QKᵀ``). Token ids
+    are loaded two tiles ahead, scales one tile ahead (one 16-byte load a row, in registers)."""
     rows: gl.constexpr = gl.SliceLayout(1, _chunk_layout(PRODUCER_WARPS))
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     ids, ok = _tile_ids(index_base, lo, hi, 0, id_limit, BLOCK_N, rows, PAGE_SIZE)
@@ -164,14 +163,13 @@ def _producer(
         next_words = _tile_words(lat_ring.index(u))
         async_copy.wait_group(2)
         _widen_pair_and_announce(words, lat, s0, s1, ready, s, 0)
+        async_copy.wait_group(0)
+        _widen_pair_and_announce(words, lat, s2, s3, ready, s, 2)
         _stage_half(
             next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2), next_phase, nrow, nok,
             next_live, 0, L, R,
         )  # fmt: skip
         n0, n1, n2, n3 = _row_scales(nrow, nok, L)
-        # In flight: chunks 2 and 3, then the next tile's 0 and 1.
-        async_copy.wait_group(2)
-        _widen_pair_and_announce(words, lat, s2, s3, ready, s, 2)
         _stage_half(
             next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2 + 1), next_phase, nrow, nok,
             next_live, 1, L, R,

@@ -100,7 +100,7 @@ bf16 values take."""
 @gluon.constexpr_function
 def _chunk_layout(warps):
     """Register layout of a ``[64, 32]``-word chunk (16 bytes a thread on each of its rows, 4 at
-    4 warps): the staging copies, their read-back, the scale loads (its row slice) and, through
+    4 warps): the staging copies, their read-back, the rows' scales (its row slice) and, through
     :func:`_dequantize`, the bf16 stores. A quarter warp's 8 lanes hold the first 64 bytes of
     two adjacent rows (lane bit 2 steps a row, lane bit 3 the other 64 bytes), which
     :data:`STAGED_WORDS` puts in different bank halves and the 128-byte swizzle of the bf16 tile
@@ -134,16 +134,40 @@ def _stage_rope(rope_dst, kv_row, ok, L: gl.constexpr, R: gl.constexpr):
     )
 
 
+@gluon.constexpr_function
+def _scales_layout(warps):
+    """Register layout of the ``[64, 4]`` float32 tile scales of a tile's rows: a row's four
+    scales (16 bytes) in one thread's registers, the rows where :func:`_chunk_layout` holds them
+    (the lanes that share a row read the same 16 bytes)."""
+    warp_rows = [[4 << w, 0] for w in range(warps.bit_length() - 1)]
+    rows_per_pass = 4 * warps
+    reg_rows = [[rows_per_pass << r, 0] for r in range((64 // rows_per_pass).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        [[0, 1], [0, 2], *reg_rows], [[0, 0], [0, 0], [1, 0], [0, 0], [2, 0]], warp_rows, [], [64, 4]
+    )
+
+
 @gluon.jit
 def _row_scales(kv_row, ok, L: gl.constexpr):
     """The four float32 tile scales of the rows ``kv_row`` (fp8 pointers to each token's row), 0
-    for rows not ``ok``; plain loads, in flight until the chunks are dequantized."""
-    base = (kv_row + L).to(gl.pointer_type(gl.float32))
-    s0 = gl.load(base, mask=ok, other=0.0)
-    s1 = gl.load(base + 1, mask=ok, other=0.0)
-    s2 = gl.load(base + 2, mask=ok, other=0.0)
-    s3 = gl.load(base + 3, mask=ok, other=0.0)
-    return s0, s1, s2, s3
+    for rows not ``ok``: one 16-byte load a row (:func:`_scales_layout`), in flight until the
+    chunks are dequantized; returned in ``kv_row``'s layout."""
+    rows: gl.constexpr = kv_row.type.layout
+    sl: gl.constexpr = _scales_layout(gl.num_warps())
+    row = gl.convert_layout(kv_row, gl.SliceLayout(1, sl))
+    row_ok = gl.convert_layout(ok, gl.SliceLayout(1, sl))
+    cols = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
+    base = (row + L).to(gl.pointer_type(gl.float32))
+    scales = gl.load(base[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
+    even, odd = gl.split(scales.reshape([64, 2, 2]))
+    s0, s2 = gl.split(even)
+    s1, s3 = gl.split(odd)
+    return (
+        gl.convert_layout(s0, rows),
+        gl.convert_layout(s1, rows),
+        gl.convert_layout(s2, rows),
+        gl.convert_layout(s3, rows),
+    )
 
 
 @gluon.jit
