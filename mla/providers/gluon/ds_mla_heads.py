@@ -15,7 +15,7 @@ through mbarriers:
   tile) a commit group, each chunk in the first half of the 16 KB its bf16 values take
   (:mod:`.ds_mla_words`); as each pair of chunks (0 and 1, 2 and 3) lands it reads both
   back, multiplies them by their rows' scales, writes the bf16 values over them (the MMA
-  layout) and announces each on ``ready[slot·CHUNKS + chunk]``. Once a tile is announced, the
+  layout) and announces the pair on ``ready[slot·PAIRS + pair]``. Once a tile is announced, the
   next tile's copies go out half by half as the two warpgroups free the slot of the tile before,
   so up to a tile of bytes is in flight while the MMAs run, with no registers and no fp8 staging
   buffer: the query tile and the two-slot bf16 ring fill the shared memory. The bf16
@@ -92,6 +92,8 @@ the rest of the register file (136 a thread). When a partition needs more than i
 drops every ``setmaxnreg`` (at 152 here the whole program ran at 168 registers and spilled)."""
 CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row."""
+PAIRS = gl.constexpr(2)
+"""Pairs of chunks a tile: the producer dequantizes and announces two chunks at a time."""
 NUM_STAGES = gl.constexpr(2)
 """bf16 ring slots (each a 64-token tile of latent and rope)."""
 
@@ -122,10 +124,9 @@ def _stage_half(
 def _widen_pair_and_announce(words, lat, scale_a, scale_b, ready, s, C: gl.constexpr):
     """Chunks ``C`` and ``C + 1`` of ring slot ``s`` dequantized in place together
     (:func:`.ds_mla_words._widen_staged_pair`; both groups have landed) and announced on
-    ``ready[s·CHUNKS + C]`` and ``ready[s·CHUNKS + C + 1]``."""
+    ``ready[s·PAIRS + C / 2]``."""
     _widen_staged_pair(words, lat, scale_a, scale_b, C)
-    mbarrier.arrive(ready.index(s * CHUNKS + C))
-    mbarrier.arrive(ready.index(s * CHUNKS + C + 1))
+    mbarrier.arrive(ready.index(s * PAIRS + C // 2))
 
 
 @gluon.jit
@@ -148,8 +149,8 @@ def _producer(
     s0, s1, s2, s3 = _row_scales(row, ok, L)
     live = n_tiles > 0
     words = _tile_words(lat_ring.index(0))
-    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty.index(0), 0, row, ok, live, 0, L, R)
-    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty.index(1), 0, row, ok, live, 1, L, R)
+    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty[0].index(0), 0, row, ok, live, 0, L, R)
+    _stage_half(words, rope_ring.index(0), id_ring.index(0), empty[1].index(0), 0, row, ok, live, 1, L, R)
     # Groups in flight at the top of tile t: its chunks 0..3 (and, at t = 0, the query's, older).
     for t in range(n_tiles):
         s = t % NUM_STAGES
@@ -166,12 +167,12 @@ def _producer(
         async_copy.wait_group(0)
         _widen_pair_and_announce(words, lat, s2, s3, ready, s, 2)
         _stage_half(
-            next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2), next_phase, nrow, nok,
+            next_words, rope_ring.index(u), id_ring.index(u), empty[0].index(u), next_phase, nrow, nok,
             next_live, 0, L, R,
         )  # fmt: skip
         n0, n1, n2, n3 = _row_scales(nrow, nok, L)
         _stage_half(
-            next_words, rope_ring.index(u), id_ring.index(u), empty.index(u * 2 + 1), next_phase, nrow, nok,
+            next_words, rope_ring.index(u), id_ring.index(u), empty[1].index(u), next_phase, nrow, nok,
             next_live, 1, L, R,
         )  # fmt: skip
         s0, s1, s2, s3 = n0, n1, n2, n3
@@ -189,8 +190,9 @@ def _tile_scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, 
     lat = lat_ring.index(s)
     sc = s_zero
     for c in gl.static_range(CHUNKS):
-        mbarrier.wait(ready.index(s * CHUNKS + c), phase)
-        fence_async_shared()
+        if c % 2 == 0:
+            mbarrier.wait(ready.index(s * PAIRS + c // 2), phase)
+            fence_async_shared()
         k = lat.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0))
         sc = warpgroup_mma(q_nope_smem.slice(c * CHUNK, CHUNK, dim=1), k, sc, use_acc=c > 0, is_async=True)
     return warpgroup_mma(q_pe_smem, rope_ring.index(s).permute((1, 0)), sc, is_async=True)
@@ -281,7 +283,7 @@ def _scores_warpgroup(args, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.conste
         acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # (each thread: its wgmma reads waited for, its loads of the slot's ids used)
-        _release(empty.index(s * 2))
+        _release(empty[0].index(s))
     # The final row sum for the output warpgroup.
     l_smem.store(l_i)
     gl.thread_barrier()
@@ -329,7 +331,7 @@ def _output_warpgroup(args, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.conste
         acc = warpgroup_mma(p_smem, v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _release(p_free)
-        _release(empty.index(s * 2 + 1))
+        _release(empty[1].index(s))
     mbarrier.wait(done, 0)
     l_o = l_smem.load(o_rows)
     _store_half(
@@ -378,23 +380,30 @@ def mla_decode_ds_mla_heads_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], MMA_TILE_LAYOUT)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_smem)
-    # ready[s·CHUNKS + c]: chunk c of slot s is in (the producer's one arrival; the last chunk's
-    # also waits for the rope copies); empty[s·2 + w]: warpgroup w is done with its half of slot s.
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * CHUNKS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * 2, 1], mbarrier.MBarrierLayout())
+    # ready[s·PAIRS + p]: chunks 2p and 2p + 1 of slot s are in (the producer's one arrival; the
+    # last pair's also waits for the rope copies); empty[w][s]: warpgroup w is done with its half
+    # of slot s (two allocations: the compiler's barrier analysis tells a wait on one from a wait
+    # on the other, where it puts a warp barrier between two waits on one allocation).
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * PAIRS, 1], mbarrier.MBarrierLayout())
+    empty = (
+        gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout()),
+        gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout()),
+    )
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES * CHUNKS):
+    for i in gl.static_range(NUM_STAGES * PAIRS):
         mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(NUM_STAGES * 2):
-        mbarrier.init(empty.index(i), count=RELEASE_ARRIVALS)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(empty[0].index(i), count=RELEASE_ARRIVALS)
+        mbarrier.init(empty[1].index(i), count=RELEASE_ARRIVALS)
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=RELEASE_ARRIVALS)
     mbarrier.init(done, count=1)
     # Every ring slot and the P buffer start free.
-    for i in gl.static_range(NUM_STAGES * 2):
-        mbarrier.arrive(empty.index(i), count=RELEASE_ARRIVALS)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.arrive(empty[0].index(i), count=RELEASE_ARRIVALS)
+        mbarrier.arrive(empty[1].index(i), count=RELEASE_ARRIVALS)
     mbarrier.arrive(p_free, count=RELEASE_ARRIVALS)
 
     _query_copy(
