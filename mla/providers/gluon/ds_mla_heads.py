@@ -21,8 +21,8 @@ through mbarriers:
   buffer: the query tile and the two-slot bf16 ring fill the shared memory. The bf16
   rope lanes go straight into the slot's rope tile (in the last chunk's group), and a word a
   key (0: its id is inside the cache, -1: not) into the slot's id word ring for the key check;
-* the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` chunk by chunk as the
-  chunks land, the online softmax, publishes ``P`` and the rescale ``alpha`` in shared memory
+* the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` two chunks at a time
+  as the pairs are announced, the online softmax, publishes ``P`` and the rescale ``alpha`` in shared memory
   (``p_ready``), and adds ``P·V`` over output columns ``[0, L/2)`` with ``P`` from registers;
 * the **output** warpgroup (``OUTPUT_REGS``) adds every tile's ``P·V`` over columns ``[L/2, L)``
   with ``P`` from shared memory after rescaling by ``alpha``, then frees ``P`` (``p_free``).
@@ -183,8 +183,8 @@ def _producer(
 
 @gluon.jit
 def _tile_scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi):
-    """Issue ``S = q·Kᵀ`` for tile ``t`` (asynchronous), chunk by chunk as the producer
-    announces them."""
+    """Issue ``S = q·Kᵀ`` for tile ``t`` (asynchronous), two chunks at a time as the producer
+    announces each pair."""
     s = _slot(t, hi, NUM_STAGES)
     phase = (t // NUM_STAGES) & 1
     lat = lat_ring.index(s)
