@@ -167,10 +167,10 @@ def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) ->
     """Every patch of ``probes/bounds/``, ``probes/candidates/`` and ``probes/timeline/`` applies to
     this checkout's ``mla/`` (``tree_ab make`` raises where a hunk no longer does), so a bound or a
     candidate is never timed on a tree it did not change; a patch whose first line reads ``# on top of:
-    BASE`` applies on top of ``BASE`` (in the same directory)."""
-    first = patch.read_text().splitlines()[0]
-    base = first.removeprefix("# on top of: ").split()[0] if first.startswith("# on top of: ") else None
-    stack = [patch.parent / base, patch] if base else [patch]
+    BASE`` applies on top of ``BASE`` (in the same directory, itself on top of its own base)."""
+    stack = [patch]
+    while (first := stack[0].read_text().splitlines()[0]).startswith("# on top of: "):
+        stack.insert(0, patch.parent / first.removeprefix("# on top of: ").split()[0])
     tree_ab.make(tmp_path / "trees", [f"{patch.stem}={'+'.join(map(str, stack))}"])
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
 
