@@ -1,14 +1,18 @@
-"""Where Triton's barrier analysis puts a warp barrier between two ``cp.async`` copies.
+"""Where Triton's barrier analysis puts a warp barrier between two shared-memory operations.
 
     python -m probes.membar_copies
 
-Compiles a small Gluon kernel for sm_90 (no GPU) that issues two copies into shared memory, in
-four forms: into two subviews of one allocation or into two allocations, with the ring slot
-a constant or a runtime value. Prints the ``bar.sync`` count between the copies in the PTX. With
-Triton 3.6 two copies into one allocation get a barrier between them even when their subviews
-cannot overlap; copies into two allocations get none. The same holds for two mbarrier operations
-on one allocation, which is why the 64-row ``fp8_ds_mla`` kernel keeps its warpgroups'
-``empty`` barriers in two allocations.
+Compiles a small Gluon kernel for sm_90 (no GPU) that issues two operations of one kind, into
+two subviews of one allocation or into two allocations, with the ring slot a runtime value, and
+prints the ``bar.sync`` count between them in the PTX. With Triton 3.6:
+
+* two ``cp.async`` copies into one allocation meet at a barrier, even into disjoint subviews;
+  into two allocations they do not;
+* two mbarrier waits on one allocation meet at a barrier; on two allocations they do not;
+* two mbarrier arrivals (one elected thread each) always meet at a barrier.
+
+The 64-row ``fp8_ds_mla`` kernel keeps its warpgroups' ``empty`` barriers in two allocations for
+the second rule, and its candidate pair copies (``probes/candidates/``) rest on the first.
 """
 
 from __future__ import annotations
@@ -21,52 +25,71 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from benchmarks._common import print_table
 
+KINDS = {"copy": "cp.async", "wait": "mbarrier.try_wait", "arrive": "mbarrier.arrive"}
+"""The operations compared, by the PTX instruction each lowers to."""
+
 
 @gluon.jit
-def _two_copies(src, out, s, DYNAMIC: gl.constexpr, TWO_ALLOCATIONS: gl.constexpr):
+def _two_ops(src, out, s, KIND: gl.constexpr, TWO_ALLOCATIONS: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
     shared: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
-    ptr = src + rows[:, None] * 16 + cols[None, :]
-    slot = s if DYNAMIC else 0
-    if TWO_ALLOCATIONS:
-        a = gl.allocate_shared_memory(gl.int32, [2, 64, 16], shared)
-        b = gl.allocate_shared_memory(gl.int32, [2, 64, 16], shared)
-        async_copy.async_copy_global_to_shared(a.index(slot), ptr)
-        async_copy.async_copy_global_to_shared(b.index(slot), ptr + 1024)
+    if KIND == "copy":
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))
+        ptr = src + rows[:, None] * 16 + cols[None, :]
+        if TWO_ALLOCATIONS:
+            a = gl.allocate_shared_memory(gl.int32, [2, 64, 16], shared)
+            b = gl.allocate_shared_memory(gl.int32, [2, 64, 16], shared)
+            async_copy.async_copy_global_to_shared(a.index(s), ptr)
+            async_copy.async_copy_global_to_shared(b.index(s), ptr + 1024)
+        else:
+            buf = gl.allocate_shared_memory(gl.int32, [4, 64, 16], shared)
+            async_copy.async_copy_global_to_shared(buf.index(2 * s), ptr)
+            async_copy.async_copy_global_to_shared(buf.index(2 * s + 1), ptr + 1024)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
     else:
-        buf = gl.allocate_shared_memory(gl.int32, [4, 64, 16], shared)
-        async_copy.async_copy_global_to_shared(buf.index(2 * slot), ptr)
-        async_copy.async_copy_global_to_shared(buf.index(2 * slot + 1), ptr + 1024)
-    async_copy.commit_group()
-    async_copy.wait_group(0)
+        if TWO_ALLOCATIONS:
+            first = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()).index(s)
+            second = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()).index(s)
+        else:
+            bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            first = bars.index(2 * s)
+            second = bars.index(2 * s + 1)
+        if KIND == "wait":
+            mbarrier.wait(first, 0)
+            mbarrier.wait(second, 0)
+        else:
+            mbarrier.arrive(first)
+            mbarrier.arrive(second)
     gl.store(out, s)
 
 
-def barriers_between_copies(*, dynamic: bool, two_allocations: bool) -> int:
-    """``bar.sync`` instructions between the kernel's two copies in its sm_90 PTX."""
+def barriers_between(kind: str, *, two_allocations: bool) -> int:
+    """``bar.sync`` instructions between the kernel's two operations of ``kind`` (a key of
+    :data:`KINDS`) in its sm_90 PTX."""
     signature = {
-        "src": "*i32", "out": "*i32", "s": "i32", "DYNAMIC": "constexpr", "TWO_ALLOCATIONS": "constexpr",
+        "src": "*i32", "out": "*i32", "s": "i32", "KIND": "constexpr", "TWO_ALLOCATIONS": "constexpr",
     }  # fmt: skip
-    constexprs = {(3,): dynamic, (4,): two_allocations}
-    source = GluonASTSource(_two_copies, signature=signature, constexprs=constexprs)
+    constexprs = {(3,): kind, (4,): two_allocations}
+    source = GluonASTSource(_two_ops, signature=signature, constexprs=constexprs)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    between = ptx[ptx.index("cp.async") : ptx.rindex("cp.async")]
-    return len(re.findall(r"\bbar(?:rier)?\.sync", between))
+    at = [m.start() for m in re.finditer(re.escape(KINDS[kind]), ptx)]
+    return len(re.findall(r"\bbar(?:rier)?\.sync", ptx[at[0] : at[-1]]))
 
 
 def main() -> None:
     rows = [
         {
-            "slot": "runtime" if dynamic else "constant",
-            "destinations": "two allocations" if two else "two subviews of one allocation",
-            "bar.sync between the copies": barriers_between_copies(dynamic=dynamic, two_allocations=two),
+            "operations": f"two {kind} operations",
+            "into": "two allocations" if two else "two subviews of one allocation",
+            "bar.sync between them": barriers_between(kind, two_allocations=two),
         }
-        for dynamic in (False, True)
+        for kind in KINDS
         for two in (False, True)
     ]
     print_table(rows)

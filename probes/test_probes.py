@@ -229,13 +229,14 @@ def test_row_gather_methods_compile_for_sm90() -> None:
         assert f"{method} [" in stdout, stdout
 
 
-def test_copies_into_one_allocation_meet_at_a_barrier() -> None:
+def test_operations_on_one_allocation_meet_at_a_barrier() -> None:
     """``probes.membar_copies``: Triton's barrier analysis puts a ``bar.sync`` between two copies
-    into one allocation (constant or runtime slot) and none between copies into two (the
-    64-row ``fp8_ds_mla`` kernel's barrier allocations and its candidate pair copies rely on it)."""
+    into one allocation and none between copies into two; the same for mbarrier waits; two
+    elected arrivals always meet at one (the 64-row ``fp8_ds_mla`` kernel's barrier allocations
+    and its candidate pair copies rely on the first two)."""
     stdout = run_without_interpreter(["-m", "probes.membar_copies"])
     counts = [line.split("|")[-2].strip() for line in stdout.splitlines() if "allocation" in line]
-    assert counts == ["1", "0", "1", "0"], stdout
+    assert counts == ["1", "0", "1", "0", "1", "1"], stdout
 
 
 def test_row_gather_checksum_is_the_sum_of_each_rows_first_word() -> None:
