@@ -138,13 +138,11 @@ def _stage_rope(rope_dst, kv_row, ok, L: gl.constexpr, R: gl.constexpr):
 def _scales_layout(warps):
     """Register layout of the ``[64, 4]`` float32 tile scales of a tile's rows: a row's four
     scales (16 bytes) in one thread's registers, the rows where :func:`_chunk_layout` holds them
-    (the lanes that share a row read the same 16 bytes)."""
-    warp_rows = [[4 << w, 0] for w in range(warps.bit_length() - 1)]
-    rows_per_pass = 4 * warps
-    reg_rows = [[rows_per_pass << r, 0] for r in range((64 // rows_per_pass).bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        [[0, 1], [0, 2], *reg_rows], [[0, 0], [0, 0], [1, 0], [0, 0], [2, 0]], warp_rows, [], [64, 4]
-    )
+    (the lanes that share a row read the same 16 bytes): the chunk layout with its first two
+    register bases as the four scales and its lanes' word offsets dropped."""
+    chunk = _chunk_layout(warps)
+    lanes = [[row, 0] for row, _word in chunk.lane_bases]
+    return gl.DistributedLinearLayout(chunk.reg_bases, lanes, chunk.warp_bases, [], [64, 4])
 
 
 @gluon.jit
