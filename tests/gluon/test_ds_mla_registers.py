@@ -94,6 +94,12 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     shared = json.loads(pathlib.Path(cubin).with_suffix(".json").read_text())["shared"]
     own = ds_mla_rows.shared_bytes(heads, ds_mla_rows.RINGS[heads])
     assert own <= shared <= min(own + COMPILER_SHARED, MAX_SHARED), (config, shared, own)
+    # The producer widens each chunk in one store (two stores into one allocation meet at a
+    # barrier): at 16 rows (32-row chunks) its tile loop meets at 7 warpgroup barriers, where
+    # 16-row steps took 9; at 32 rows (four 16-row chunks a tile) at 13.
+    producer = sass[sass.rindex("USETMAXREG.DEALLOC") :]
+    (tile_loop,) = mma_loops(producer, mma=("STS.128",))
+    assert sum(t.startswith("BAR.SYNC") for t in tile_loop) == {16: 7, 32: 13}[heads], config
 
 
 HEADS_SCRIPT = SCRIPT.replace("config = attrs.evolve(config, kernel=GluonKernel.DS_MLA, overlap=overlap)", "")

@@ -226,7 +226,7 @@ def _producer(
                 mbarrier.wait(wide_free.index(w), (t // WIDE_SLOTS) & 1)
             s = (t * PER_TILE + part) % FP8_SLOTS
             dst = wide.index(w).slice(part * CHUNK, CHUNK, dim=0)
-            _widen_ds_mla(lat_ring.index(s), scale_ring.index(s), dst, CHUNK, L)
+            _widen_ds_mla(lat_ring.index(s), scale_ring.index(s), dst, CHUNK, L, CHUNK)
             fence_async_shared()
             gl.thread_barrier()
         mbarrier.arrive(wide_ready.index(w))

@@ -537,13 +537,15 @@ def _refill_ring(
 
 
 @gluon.jit
-def _widen_ds_mla(lat_slot, scale_slot, k_lat, BLOCK_N: gl.constexpr, L: gl.constexpr):
+def _widen_ds_mla(
+    lat_slot, scale_slot, k_lat, BLOCK_N: gl.constexpr, L: gl.constexpr, STEP: gl.constexpr = 16
+):
     """Dequantize an ``fp8_ds_mla`` latent tile: ``k_lat[n, c] = lat_slot[n, c] ·
     scale_slot[n, c // 128]`` in bf16 (:func:`.ds_mla_words._dequantize`: exact for
-    power-of-two scales), 16 rows at a time, two words of four values a thread
+    power-of-two scales), ``STEP`` rows at a time (each step one store: the compiler puts a
+    barrier between two stores into one allocation), two words of four values a thread
     (bank-conflict-free as in :func:`_mma_operands`)."""
     TILES: gl.constexpr = L // 128
-    STEP: gl.constexpr = 16
     words3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
     word_tiles = lat_slot._reinterpret(gl.int32, [BLOCK_N, L // 4], lat_slot.layout).reshape(
         [BLOCK_N, TILES, 32]
