@@ -100,6 +100,11 @@ def test_ds_mla_kernel_has_no_spills_and_fits(
     producer = sass[sass.rindex("USETMAXREG.DEALLOC") :]
     (tile_loop,) = mma_loops(producer, mma=("STS.128",))
     assert sum(t.startswith("BAR.SYNC") for t in tile_loop) == {16: 7, 32: 13}[heads], config
+    # The MMA warpgroup keeps the softmax's row sums as per-thread partial terms (summed once, after
+    # the last tile): its key-tile loop meets at 3 warpgroup barriers, where summing each tile's
+    # P across the keys' warps took 6.
+    (mma_loop,) = mma_loops(sass)
+    assert sum(t.startswith("BAR.SYNC") for t in mma_loop) == 3, config
 
 
 HEADS_SCRIPT = SCRIPT.replace("config = attrs.evolve(config, kernel=GluonKernel.DS_MLA, overlap=overlap)", "")

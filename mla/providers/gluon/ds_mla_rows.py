@@ -24,7 +24,9 @@ partitions (``gl.warp_specialize``), handing tiles over through mbarriers:
 * the **MMA** warpgroup (4 warps at ``MMA_REGS`` registers, ``setmaxnreg``) computes the
   products of :mod:`.transposed` with the ``NR`` query rows as the MMA N dimension: ``Sᵀ = K·Qᵀ``
   from the bf16 tile and the rope tile (which it releases on ``rope_free`` once done), the
-  online softmax (exp2 domain, fp32), then ``Oᵀ += Vᵀ·Pᵀ`` with ``Pᵀ`` through shared memory,
+  online softmax (exp2 domain, fp32; each thread keeps the row sums' terms of its own keys,
+  summed across the warpgroup once after the last tile, so a tile reduces across the keys'
+  warps only for the max), then ``Oᵀ += Vᵀ·Pᵀ`` with ``Pᵀ`` through shared memory,
   and releases the bf16 tile on ``wide_free``. With ``OVERLAP`` it issues ``QKᵀ`` of tile
   ``t + 1`` right behind ``PV`` of tile ``t`` (the wait for the next tile and its key ids run
   while ``PV`` does, both products are in flight together) and releases tile ``t`` once ``PV``
@@ -79,11 +81,11 @@ from mla.providers.gluon.kernels import (
     _key_ok,
     _key_operand,
     _kv_copy_layouts,
-    _online_softmax,
     _query_copy,
     _release,
     _row_info,
     _scales,
+    _softmax_step,
     _wait_for_previous,
     _widen_ds_mla,
     _work_item,
@@ -249,18 +251,20 @@ def _scores(q_nope_smem, q_pe_smem, wide, rope_ring, wide_ready, s_zero, t, WIDE
 
 @gluon.jit
 def _softmax_pv(
-    sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS: gl.constexpr
+    sc, acc, m_i, l_part, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS: gl.constexpr
 ):  # fmt: skip
     """Tile ``t``'s online-softmax step on the raw scores ``sc`` (``[64, NR]``, waited), the
     rescale of ``acc`` (not in flight), ``Pᵀ`` into shared memory, and ``Oᵀ += Vᵀ·Pᵀ`` issued
-    (asynchronous). Returns the in-flight output and the running max and sum."""
-    p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, 0)
+    (asynchronous). Returns the in-flight output, the running max and the row sums' running
+    terms ``l_part`` (``[64, NR]``, each thread's own keys; ``gl.sum(l_part, 0)`` is the sum)."""
+    p, alpha, m_i = _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, 0)
+    l_part = l_part * alpha[None, :] + p
     acc = acc * alpha[None, :]
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
     acc = warpgroup_mma(wide.index(t % WIDE_SLOTS).permute((1, 0)), p_smem, acc, is_async=True)
-    return acc, m_i, l_i
+    return acc, m_i, l_part
 
 
 @gluon.jit
@@ -283,7 +287,7 @@ def _mma_partition(
     )
     _qi, _hd, _ok, row_limit = _row_info(rb, qlen, kv_len, H, NR, gl.SliceLayout(0, st_layout))
     m_i = gl.full([NR], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
-    l_i = gl.zeros([NR], gl.float32, layout=gl.SliceLayout(0, st_layout))
+    l_part = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
     acc = gl.zeros([L, NR], gl.float32, layout=st_layout)
     s_zero = gl.zeros([BLOCK_N, NR], gl.float32, layout=st_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -300,8 +304,8 @@ def _mma_partition(
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             _release(rope_free.index(0))
             for t in range(n_tiles - 1):
-                acc, m_i, l_i = _softmax_pv(
-                    sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS
+                acc, m_i, l_part = _softmax_pv(
+                    sc, acc, m_i, l_part, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS
                 )
                 n = (t + 1) * BLOCK_N + lo + offs_n
                 key_ok = _key_ok(index_base, n, hi, num_rows, PAGE_SIZE)
@@ -314,8 +318,8 @@ def _mma_partition(
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                 _release(rope_free.index((t + 1) % ROPE_SLOTS))
             last = n_tiles - 1
-            acc, m_i, l_i = _softmax_pv(
-                sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, last, WIDE_SLOTS
+            acc, m_i, l_part = _softmax_pv(
+                sc, acc, m_i, l_part, n, key_ok, row_limit, qk_scale, wide, p_smem, last, WIDE_SLOTS
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release(wide_free.index(last % WIDE_SLOTS))
@@ -328,11 +332,12 @@ def _mma_partition(
             )
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             _release(rope_free.index(t % ROPE_SLOTS))
-            acc, m_i, l_i = _softmax_pv(
-                sc, acc, m_i, l_i, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS
+            acc, m_i, l_part = _softmax_pv(
+                sc, acc, m_i, l_part, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release(wide_free.index(t % WIDE_SLOTS))
+    l_i = gl.sum(l_part, 0)
     _store_rows_output(
         acc, m_i, l_i, v_scale, rb, qlen, kv_len, q_start, work, direct, outs, H, NR, L, WRITE_LSE, st_layout
     )

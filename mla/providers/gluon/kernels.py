@@ -142,6 +142,15 @@ def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.const
     ``n``: the keys' positions; keys not ``key_ok`` (:func:`_ring_key_ok`; ``None``: all) or
     past a row's ``row_limit`` are masked. Returns ``P``, ``alpha`` (the rescale of what came
     before), the new row max and row sum."""
+    p, alpha, m_new = _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, AXIS)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, AXIS)
+
+
+@gluon.jit
+def _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, AXIS: gl.constexpr):
+    """:func:`_online_softmax` without the row sum: ``P``, ``alpha`` and the new row max. A
+    caller that keeps the sum's partial terms in ``P``'s layout (``l = l·alpha + P``, summed once
+    after the last tile) saves the per-tile reduction across the keys' threads and warps."""
     keys = gl.expand_dims(n, 1 - AXIS)
     visible = keys < gl.expand_dims(row_limit, AXIS)
     if key_ok is not None:
@@ -151,7 +160,7 @@ def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.const
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(sc - gl.expand_dims(m_use, AXIS))
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, AXIS)
+    return p, alpha, m_new
 
 
 @gluon.jit
