@@ -24,15 +24,14 @@ partitions (``gl.warp_specialize``), handing tiles over through mbarriers:
 * the **MMA** warpgroup (4 warps at ``MMA_REGS`` registers, ``setmaxnreg``) computes the
   products of :mod:`.transposed` with the ``NR`` query rows as the MMA N dimension: ``Sᵀ = K·Qᵀ``
   from the bf16 tile and the rope tile (which it releases on ``rope_free`` once done), the
-  online softmax (exp2 domain, fp32; each thread keeps the row sums' terms of its own keys,
-  summed across the warpgroup once after the last tile, so a tile reduces across the keys'
-  warps only for the max), then ``Oᵀ += Vᵀ·Pᵀ`` with ``Pᵀ`` through shared memory,
-  and releases the bf16 tile on ``wide_free``. With ``OVERLAP`` it issues ``QKᵀ`` of tile
-  ``t + 1`` right behind ``PV`` of tile ``t`` (the wait for the next tile and its key ids run
-  while ``PV`` does, both products are in flight together) and releases tile ``t`` once ``PV``
-  is done; without it the loop is serial and releases each bf16 tile as soon as its ``PV`` is
-  done, before it waits for the next (the producer, likely the heavier side, then never waits
-  for a slot the MMA could have freed).
+  online softmax (exp2 domain, fp32; the row sums' terms stay in each thread until the last
+  tile), then ``Oᵀ += Vᵀ·Pᵀ`` with ``Pᵀ`` through shared memory, and releases the bf16 tile on
+  ``wide_free``. With ``OVERLAP`` it issues ``QKᵀ`` of tile ``t + 1`` right behind ``PV`` of
+  tile ``t`` (the wait for the next tile and its key ids run while ``PV`` does, both products
+  are in flight together) and releases tile ``t`` once ``PV`` is done; without it (the
+  planner's pick) the loop is serial and releases each bf16 tile as soon as its ``PV`` is done,
+  before it waits for the next (the producer then never waits for a slot the MMA could have
+  freed).
 
 At 16 rows and 8 producer warps the program is 12 warps: the MMA warpgroup runs at 160
 registers a thread, the producer at 168 (the rest of the register file); neither spills
@@ -241,8 +240,8 @@ def _scores(q_nope_smem, q_pe_smem, wide, rope_ring, wide_ready, s_zero, t, WIDE
     """Wait for bf16 tile ``t`` and issue ``Sᵀ = K·Qᵀ`` over its latent and rope parts (two
     asynchronous MMAs)."""
     mbarrier.wait(wide_ready.index(t % WIDE_SLOTS), (t // WIDE_SLOTS) & 1)
-    # (the producer fenced its stores and copies before the arrival; this side's fence orders the
-    # acquire before the MMAs' reads, as the ping-pong kernel's consumers do)
+    # (the producer fenced its stores before the arrival; this fence after the wait, as in the
+    # other kernels' consumers, costs nothing measurable: taking it out was no faster)
     fence_async_shared()
     k_lat = wide.index(t % WIDE_SLOTS)
     sc = warpgroup_mma(k_lat, q_nope_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -254,9 +253,8 @@ def _softmax_pv(
     sc, acc, m_i, l_part, n, key_ok, row_limit, qk_scale, wide, p_smem, t, WIDE_SLOTS: gl.constexpr
 ):  # fmt: skip
     """Tile ``t``'s online-softmax step on the raw scores ``sc`` (``[64, NR]``, waited), the
-    rescale of ``acc`` (not in flight), ``Pᵀ`` into shared memory, and ``Oᵀ += Vᵀ·Pᵀ`` issued
-    (asynchronous). Returns the in-flight output, the running max and the row sums' running
-    terms ``l_part`` (``[64, NR]``, each thread's own keys; ``gl.sum(l_part, 0)`` is the sum)."""
+    rescale of ``acc`` (not in flight), ``Pᵀ`` into shared memory, ``Oᵀ += Vᵀ·Pᵀ`` issued. Returns
+    the in-flight output, the running max and row sums' terms (``[64, NR]``: sum them on axis 0)."""
     p, alpha, m_i = _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, 0)
     l_part = l_part * alpha[None, :] + p
     acc = acc * alpha[None, :]
