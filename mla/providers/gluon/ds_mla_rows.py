@@ -80,11 +80,11 @@ from mla.providers.gluon.kernels import (
     _key_ok,
     _key_operand,
     _kv_copy_layouts,
+    _online_softmax_unsummed,
     _query_copy,
     _release,
     _row_info,
     _scales,
-    _softmax_step,
     _wait_for_previous,
     _widen_ds_mla,
     _work_item,
@@ -255,7 +255,7 @@ def _softmax_pv(
     """Tile ``t``'s online-softmax step on the raw scores ``sc`` (``[64, NR]``, waited), the
     rescale of ``acc`` (not in flight), ``Pᵀ`` into shared memory, ``Oᵀ += Vᵀ·Pᵀ`` issued. Returns
     the in-flight output, the running max and row sums' terms (``[64, NR]``: sum them on axis 0)."""
-    p, alpha, m_i = _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, 0)
+    p, alpha, m_i = _online_softmax_unsummed(sc, m_i, n, key_ok, row_limit, qk_scale, 0)
     l_part = l_part * alpha[None, :] + p
     acc = acc * alpha[None, :]
     p_smem.store(p.to(p_smem.dtype))

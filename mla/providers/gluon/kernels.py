@@ -142,12 +142,12 @@ def _online_softmax(sc, m_i, l_i, n, key_ok, row_limit, qk_scale, AXIS: gl.const
     ``n``: the keys' positions; keys not ``key_ok`` (:func:`_ring_key_ok`; ``None``: all) or
     past a row's ``row_limit`` are masked. Returns ``P``, ``alpha`` (the rescale of what came
     before), the new row max and row sum."""
-    p, alpha, m_new = _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, AXIS)
+    p, alpha, m_new = _online_softmax_unsummed(sc, m_i, n, key_ok, row_limit, qk_scale, AXIS)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, AXIS)
 
 
 @gluon.jit
-def _softmax_step(sc, m_i, n, key_ok, row_limit, qk_scale, AXIS: gl.constexpr):
+def _online_softmax_unsummed(sc, m_i, n, key_ok, row_limit, qk_scale, AXIS: gl.constexpr):
     """:func:`_online_softmax` without the row sum: ``P``, ``alpha`` and the new row max. A
     caller that keeps the sum's partial terms in ``P``'s layout (``l = l·alpha + P``, summed once
     after the last tile) saves the per-tile reduction across the keys' threads and warps."""
