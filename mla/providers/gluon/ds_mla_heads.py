@@ -22,8 +22,10 @@ through mbarriers:
   rope lanes go straight into the slot's rope tile (in the last chunk's group), and a word a
   key (0: its id is inside the cache, -1: not) into the slot's id word ring for the key check;
 * the **scores** warpgroup (``SCORE_REGS``) runs every tile's ``S = q·Kᵀ`` two chunks at a time
-  as the pairs are announced, the online softmax, publishes ``P`` and the rescale ``alpha`` in shared memory
-  (``p_ready``), and adds ``P·V`` over output columns ``[0, L/2)`` with ``P`` from registers;
+  as the pairs are announced (the query's rope lanes held in its registers, the A operand of the
+  rope step, so that step reads only the keys from shared memory), the online softmax, publishes
+  ``P`` and the rescale ``alpha`` in shared memory (``p_ready``), and adds ``P·V`` over output
+  columns ``[0, L/2)`` with ``P`` from registers;
 * the **output** warpgroup (``OUTPUT_REGS``) adds every tile's ``P·V`` over columns ``[L/2, L)``
   with ``P`` from shared memory after rescaling by ``alpha``, then frees ``P`` (``p_free``).
 
@@ -83,12 +85,12 @@ from mla.providers.gluon.pingpong import _slot
 
 PRODUCER_WARPS = gl.constexpr(4)
 """Warps of the producer, the default partition (the launch's ``num_warps``)."""
-SCORE_REGS = 208
+SCORE_REGS = 224
 """Registers per scores-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128,
-the 64×64 scores 32 (sm_90 compile: no spills at 208)."""
+the 64×64 scores 32, the query's ``[64, 64]`` rope box 16 (sm_90 compile: no spills at 224)."""
 OUTPUT_REGS = 160
 """Registers per output-warpgroup thread: its 64×256 fp32 output half is 128. The producer gets
-the rest of the register file (136 a thread). When a partition needs more than its budget, ptxas
+the rest of the register file (128 a thread). When a partition needs more than its budget, ptxas
 drops every ``setmaxnreg`` (at 152 here the whole program ran at 168 registers and spilled)."""
 CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row."""
@@ -182,7 +184,7 @@ def _producer(
 
 
 @gluon.jit
-def _tile_scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi):
+def _tile_scores(q_nope_smem, q_pe, lat_ring, rope_ring, ready, s_zero, t, hi):
     """Issue ``S = q·Kᵀ`` for tile ``t`` (asynchronous), two chunks at a time as the producer
     announces each pair."""
     s = _slot(t, hi, NUM_STAGES)
@@ -195,7 +197,7 @@ def _tile_scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, 
             fence_async_shared()
         k = lat.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0))
         sc = warpgroup_mma(q_nope_smem.slice(c * CHUNK, CHUNK, dim=1), k, sc, use_acc=c > 0, is_async=True)
-    return warpgroup_mma(q_pe_smem, rope_ring.index(s).permute((1, 0)), sc, is_async=True)
+    return warpgroup_mma(q_pe, rope_ring.index(s).permute((1, 0)), sc, is_async=True)
 
 
 @gluon.jit
@@ -263,8 +265,15 @@ def _scores_warpgroup(args, H: gl.constexpr, L: gl.constexpr, BLOCK_N: gl.conste
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    # The query's rope lanes in registers, the A operand of every tile's last QKᵀ step, once the
+    # query's copies landed (the producer announces tile 0's first pair after them).
+    if n_tiles > 0:
+        mbarrier.wait(ready.index(0), 0)
+    q_pe = q_pe_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    # (once here, or the compiler puts a barrier before every tile's first wait on ``ready``)
+    gl.thread_barrier()
     for t in range(n_tiles):
-        sc = _tile_scores(q_nope_smem, q_pe_smem, lat_ring, rope_ring, ready, s_zero, t, hi)
+        sc = _tile_scores(q_nope_smem, q_pe, lat_ring, rope_ring, ready, s_zero, t, hi)
         s = _slot(t, hi, NUM_STAGES)
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
         key_ok = _ring_key_ok(id_ring.index(s), id_limit, keys)
