@@ -221,6 +221,87 @@ def test_fp8_timeline_stages_and_overlap_of_made_up_stamps() -> None:
     assert row == {"qk": 10.0, "softmax": 50.0, "pv": 20.0, "gap": 20.0, "period": 100.0, "both": 0.4}
 
 
+@pytest.mark.parametrize(
+    ("patch", "heads", "kernel", "clocks"),
+    [
+        ("sparse-heads-stamps", 128, "mla_decode_ds_mla_heads_kernel", 12),
+        ("sparse-rows-stamps", 16, "mla_decode_ds_mla_kernel", 9),
+    ],
+    ids=["heads", "rows"],
+)
+def test_sparse_timeline_stamped_trees_compile_for_sm90(
+    patch: str, heads: int, kernel: str, clocks: int, tmp_path: Path
+) -> None:
+    """Each stamped ``fp8_ds_mla`` kernel (``probes/timeline/sparse-*-stamps.patch`` on a copy of
+    ``mla/``) compiles for sm_90 at the sparse benchmark's B128 q2 with its clock reads, no
+    register spills (a spilling stamped kernel would time another kernel) and each partition's
+    ``setmaxnreg`` kept."""
+    tree_ab.main(["make", str(tmp_path / "trees"), f"stamps=probes/timeline/{patch}.patch"])
+    tree = tmp_path / "trees" / "stamps"
+    script = (
+        "import torch\n"
+        "from mla.providers.calls import SparseAttentionCall\n"
+        "from mla.providers.gluon.decode import sparse_decode\n"
+        "from mla.providers.gluon.planner import launch_config\n"
+        "from mla.testing.triton_driver import stand_in_driver\n"
+        f"h = {heads}\n"
+        "config = launch_config(batch=256, rows=h, max_seqlen_k=2048, num_sms=132, persistent=False,\n"
+        "                       kv_fp8=True, ds_mla=True)\n"
+        "call = SparseAttentionCall(q=torch.zeros(256, h, 576, dtype=torch.bfloat16),\n"
+        "    kv_cache=torch.zeros(4096, 656, dtype=torch.uint8),\n"
+        "    slots=torch.zeros(256, 2048, dtype=torch.int32),\n"
+        "    out=torch.zeros(256, h, 512, dtype=torch.bfloat16), lse=torch.zeros(256, h), kv_lora_rank=512,\n"
+        "    rope_dim=64, softmax_scale=0.07, kv_scale=None)\n"
+        "with stand_in_driver(compile_kernels=True):\n"
+        "    sparse_decode(call, config=config)\n"
+    )
+    run_without_interpreter(
+        ["-c", script],
+        timeout=600,
+        cwd=tree,
+        env={
+            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
+            "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+        },
+    )
+    (cubin,) = list((tmp_path / "cache").rglob(f"{kernel}.cubin"))
+    sass = sass_of_cubin(cubin)
+    assert sass.count("SR_CLOCKLO") == clocks
+    # (the 64-row producer keeps a few bytes on its stack, as on main)
+    assert sass.count("STL ") <= 2, "the stamped kernel spills"
+    assert "USETMAXREG.TRY_ALLOC" in sass
+
+
+def test_sparse_timeline_stages_of_made_up_stamps() -> None:
+    """``probes.sparse_timeline.summarize``: each stage's median and percentiles in clocks over all
+    tiles but each program's first, signed (an end before its start is negative), across the
+    clock register's wrap; a program of fewer than 3 tiles counts nothing."""
+    import numpy as np
+
+    from probes.sparse_timeline import HEADS_STAGES, ROWS_STAGES, summarize
+
+    stamps = np.zeros((3, 64, 16), dtype=np.int64)
+    for t in range(6):
+        base = 2**32 - 1000 + 500 * t  # wraps after tile 1
+        stamps[0, t, :] = [(base + 10 * e) % 2**32 for e in range(16)]
+        stamps[1, t, :] = [(base + 20 * e) % 2**32 for e in range(16)]
+    stamps[2, :2, :] = 7  # two tiles: left out
+    rows = summarize(stamps, "rows")
+    assert list(rows) == list(ROWS_STAGES)
+    assert rows["mma: QKᵀ"] == [15.0, 10.0, 20.0]
+    assert rows["mma: period"] == [500.0, 500.0, 500.0]
+    assert rows["mma at the tile to the tile announced"] == [165.0, 110.0, 220.0]
+    heads = summarize(stamps, "heads")
+    assert list(heads) == list(HEADS_STAGES)
+    assert heads["scores at the tile to the tile announced"] == [180.0, 120.0, 240.0]
+    # stamp 14 of a tile to stamp 9 of the next: 500 - 5 * 10 (or 5 * 20) clocks
+    assert heads["producer: next tile's copies issued to its first pair landed"] == [425.0, 400.0, 450.0]
+    stamps[:2, 1, 3] = (stamps[:2, 1, 2] - 5) % 2**32  # an end before its start
+    assert summarize(stamps, "rows")["mma: softmax and Pᵀ published"][1] == -5.0
+    with pytest.raises(ValueError, match="3 tiles"):
+        summarize(stamps[2:], "rows")
+
+
 def test_row_gather_methods_compile_for_sm90() -> None:
     """Every gather method of ``probes.row_gather`` compiles for sm_90 (TMA boxes of an int64
     view of the byte rows; the ``cp.async`` gather of the kernels)."""
