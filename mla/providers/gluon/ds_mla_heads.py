@@ -90,8 +90,9 @@ SCORE_REGS = 224
 the 64×64 scores 32, the query's ``[64, 64]`` rope box 16 (sm_90 compile: no spills at 224)."""
 OUTPUT_REGS = 160
 """Registers per output-warpgroup thread: its 64×256 fp32 output half is 128. The producer gets
-the rest of the register file (128 a thread). When a partition needs more than its budget, ptxas
-drops every ``setmaxnreg`` (at 152 here the whole program ran at 168 registers and spilled)."""
+the rest of the register file (120 a thread in the sm_90 build). When a partition needs more
+than its budget, ptxas drops every ``setmaxnreg`` (at 152 here the whole program ran at 168
+registers and spilled)."""
 CHUNKS = gl.constexpr(4)
 """Chunks per 512-wide latent row."""
 PAIRS = gl.constexpr(2)
