@@ -84,7 +84,9 @@ from mla.providers.gluon.kernels import (
 from mla.providers.gluon.pingpong import _slot
 
 PRODUCER_WARPS = gl.constexpr(4)
-"""Warps of the producer, the default partition (the launch's ``num_warps``)."""
+"""Warps of the producer, the default partition (the launch's ``num_warps``). Not 8: a program of
+512 threads is compiled at 128 registers a thread (the register file over its threads), and
+ptxas then refuses the MMA warpgroups' ``wgmma``, which need 158 (sm_90 compile)."""
 SCORE_REGS = 224
 """Registers per scores-warpgroup thread (``setmaxnreg``): the 64×256 fp32 output half is 128,
 the 64×64 scores 32, the query's ``[64, 64]`` rope box 16 (sm_90 compile: no spills at 224)."""
