@@ -70,40 +70,20 @@ the bf16 tile (1), after its ``QKᵀ`` wait (2), before its ``P·V`` issue (3), 
 the producer after each 32-row chunk's ``wait_group`` (8, 10) and after widening it (9, 11)."""
 
 CHILD = r"""
-import json, math, sys
+import json, sys
 from pathlib import Path
 import numpy as np
 import torch
 import mla
 from benchmarks._common import bench_graph_us, rel_error, tflops
-from benchmarks.sparse import AttentionCase, L, R, _cache, _slots
-from mla.providers import get_provider
-from mla.providers.calls import SparseAttentionCall
 from mla.providers.gluon import ds_mla_heads, ds_mla_rows
 from mla.providers.gluon.decode import sparse_decode
-from mla.providers.gluon.planner import launch_config
-from mla.providers.sparse_slots import slot_lengths
-from mla.providers.triton.decode import num_sms
+from probes.sparse_case import ds_mla_case
 from probes.sparse_timeline import summarize
 print(json.dumps({"mla": mla.__file__}), flush=True)
 heads, batch, qlen = map(int, sys.argv[1:4])
 out = Path(sys.argv[4])
-c = AttentionCase(f"H{heads} B{batch} q{qlen}", "fp8_ds_mla", heads, batch, qlen, 32768)
-gen = torch.Generator(device="cuda").manual_seed(0)
-cache, _ = _cache(c.kv, c.batch * c.context // 64, 64, gen)
-flat = cache.view(-1, cache.shape[-1])
-n = c.batch * c.qlen
-q = torch.randn(n, heads, L + R, generator=gen, device="cuda", dtype=torch.bfloat16)
-slots = _slots(c, gen)
-flops = 2.0 * int((slots >= 0).sum()) * heads * (L + R + L)
-def call_for(o):
-    return SparseAttentionCall(q=q, kv_cache=flat, slots=slots, out=o, lse=None, kv_lora_rank=L, rope_dim=R,
-                               softmax_scale=192**-0.5, kv_scale=None, lengths=slot_lengths(slots))
-ref = torch.empty(n, heads, L, device="cuda", dtype=torch.bfloat16)
-get_provider("torch").sparse_attention(call_for(ref))
-config = launch_config(batch=n, rows=heads, max_seqlen_k=2048, num_sms=num_sms(q.device), persistent=False,
-                       kv_fp8=True, ds_mla=True)
-call = call_for(torch.full_like(ref, math.nan))
+call, ref, config, flops = ds_mla_case(heads, batch, qlen)
 sparse_decode(call, config=config)
 err = rel_error(call.out.float(), ref.float())
 us = bench_graph_us(lambda: sparse_decode(call, config=config))

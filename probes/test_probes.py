@@ -175,6 +175,19 @@ def test_bound_and_candidate_patches_still_apply(patch: Path, tmp_path: Path) ->
     assert (tmp_path / "trees" / patch.stem / "mla").is_dir()
 
 
+def _compiled_in_tree(tree: Path, script: str, cache: Path, kernel: str) -> str:
+    """The sm_90 SASS of ``kernel``, compiled (and only compiled) by ``script`` in a process whose
+    ``mla`` is ``tree``'s, into the Triton cache ``cache``; exactly one such cubin."""
+    run_without_interpreter(
+        ["-c", script],
+        timeout=600,
+        cwd=tree,
+        env={"PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]), "TRITON_CACHE_DIR": str(cache)},
+    )
+    (cubin,) = list(cache.rglob(f"{kernel}.cubin"))
+    return sass_of_cubin(cubin)
+
+
 def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
     """``probes.fp8_timeline make`` builds the stamped tree; its persistent fp8 prefill compiles for
     sm_90 with the four clock reads of each consumer warpgroup's two tile loops (unmasked, masked)."""
@@ -189,18 +202,7 @@ def test_fp8_timeline_stamped_tree_compiles_for_sm90(tmp_path: Path) -> None:
         "with stand_in_driver(compile_kernels=True):\n"
         "    Case(2, 2, 256, device='cpu').run_gluon_fp8()\n"
     )
-    run_without_interpreter(
-        ["-c", script],
-        timeout=600,
-        cwd=tree,
-        env={
-            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
-            "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-        },
-    )
-    cubins = list((tmp_path / "cache").rglob("mla_fp8_prefill_persistent_kernel.cubin"))
-    assert len(cubins) == 1
-    sass = sass_of_cubin(cubins[0])
+    sass = _compiled_in_tree(tree, script, tmp_path / "cache", "mla_fp8_prefill_persistent_kernel")
     assert sass.count("SR_CLOCKLO") == 16
 
 
@@ -255,17 +257,7 @@ def test_sparse_timeline_stamped_trees_compile_for_sm90(
         "with stand_in_driver(compile_kernels=True):\n"
         "    sparse_decode(call, config=config)\n"
     )
-    run_without_interpreter(
-        ["-c", script],
-        timeout=600,
-        cwd=tree,
-        env={
-            "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
-            "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-        },
-    )
-    (cubin,) = list((tmp_path / "cache").rglob(f"{kernel}.cubin"))
-    sass = sass_of_cubin(cubin)
+    sass = _compiled_in_tree(tree, script, tmp_path / "cache", kernel)
     assert sass.count("SR_CLOCKLO") == clocks
     # (the 64-row producer keeps a few bytes on its stack, as on main)
     assert sass.count("STL ") <= 2, "the stamped kernel spills"

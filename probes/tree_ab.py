@@ -52,40 +52,18 @@ UNCHECKED = os.environ.get("TREE_AB_UNCHECKED") == "1"  # (time wrong outputs to
 rows = []
 print(json.dumps({"mla": mla.__file__}), flush=True)
 if case.startswith("sparse"):
-    import attrs
     from benchmarks._common import bench_graph_us, rel_error, tflops
-    from benchmarks.sparse import AttentionCase, L, R, _cache, _slots
-    from mla.providers import get_provider
-    from mla.providers.calls import SparseAttentionCall
     from mla.providers.gluon.decode import sparse_decode
-    from mla.providers.gluon.planner import launch_config
-    from mla.providers.sparse_slots import slot_lengths
-    from mla.providers.triton.decode import num_sms
+    from probes.sparse_case import ds_mla_case
     shapes = ([(128, 128, 2), (64, 128, 2), (128, 64, 1), (128, 16, 1)] if case == "sparse-heads"
               else [(16, 128, 2), (16, 64, 1), (32, 64, 1)])
     for heads, batch, qlen in shapes:
-        c = AttentionCase(f"H{heads} B{batch} q{qlen}", "fp8_ds_mla", heads, batch, qlen, 32768)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        cache, _ = _cache(c.kv, c.batch * c.context // 64, 64, gen)
-        flat = cache.view(-1, cache.shape[-1])
-        n = c.batch * c.qlen
-        q = torch.randn(n, heads, L + R, generator=gen, device="cuda", dtype=torch.bfloat16)
-        slots = _slots(c, gen)
-        flops = 2.0 * int((slots >= 0).sum()) * heads * (L + R + L)
-        def call_for(out):
-            return SparseAttentionCall(q=q, kv_cache=flat, slots=slots, out=out, lse=None, kv_lora_rank=L,
-                                       rope_dim=R, softmax_scale=192**-0.5, kv_scale=None,
-                                       lengths=slot_lengths(slots))
-        ref = torch.empty(n, heads, L, device="cuda", dtype=torch.bfloat16)
-        get_provider("torch").sparse_attention(call_for(ref))
-        config = launch_config(batch=n, rows=heads, max_seqlen_k=2048, num_sms=num_sms(q.device),
-                               persistent=False, kv_fp8=True, ds_mla=True)
-        call = call_for(torch.full_like(ref, math.nan))
+        call, ref, config, flops = ds_mla_case(heads, batch, qlen)
         sparse_decode(call, config=config)
         err = rel_error(call.out.float(), ref.float())
         ok = err < 2e-2
         us = bench_graph_us(lambda: sparse_decode(call, config=config)) if ok or UNCHECKED else math.nan
-        rows.append({"shape": c.name, "kernel": config.kernel.value, "us": us,
+        rows.append({"shape": f"H{heads} B{batch} q{qlen}", "kernel": config.kernel.value, "us": us,
                      "TFLOP/s": tflops(flops, us), "err": err, "ok": ok})
         print(json.dumps(rows[-1]), flush=True)
 elif case == "fp8-prefill":
