@@ -149,6 +149,14 @@ def _sass(compiled: Compiled, cuobjdump: str, kernel: str = KERNEL) -> str:
     return sass_of(cubin, cuobjdump)
 
 
+def _softmax_loops(compiled: Compiled, cuobjdump: str, case: str) -> list[list[str]]:
+    """The loops of the case's kernel that issue ``wgmma``s and exponentials (its consumers' key
+    tiles; :func:`sm90_compile.mma_loops`), once the case compiled."""
+    compiled.stdout()  # (asserts that the case compiled)
+    loops = mma_loops(_sass(compiled, cuobjdump, _kernel(case)), ("GMMA",))
+    return [body for body in loops if any("MUFU.EX2" in t for t in body)]
+
+
 @pytest.mark.parametrize("case", SPLIT_CASES)
 def test_split_layout_register_budgets(compiled: dict[str, Compiled], cuobjdump: str, case: str) -> None:
     """The split layout launches 4 warps (its producer) and two 4-warp consumer partitions:
@@ -193,12 +201,7 @@ def test_split_layout_p_becomes_the_operand_without_shuffles(
     scores' registers already hold the 8-bit operand's 4-key groups: no key loop moves P between
     threads (``SHFL.IDX``; the row maxima and sums still use ``SHFL.BFLY``). In natural key order
     each step shuffled 16 times."""
-    compiled[case].stdout()  # (asserts that the case compiled)
-    loops = [
-        body
-        for body in mma_loops(_sass(compiled[case], cuobjdump, _kernel(case)), ("GMMA",))
-        if any("MUFU.EX2" in t for t in body)
-    ]
+    loops = _softmax_loops(compiled[case], cuobjdump, case)
     # two consumers: unmasked and masked tiles (persistent: each pair inside its query-tile loop)
     outer = 2 if _kernel(case) == PERSISTENT_KERNEL else 0
     assert len(loops) == 4 + outer, [len(body) for body in loops]
